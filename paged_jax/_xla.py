@@ -1,0 +1,262 @@
+"""The ``"xla"`` backend: paged attention in plain jnp, jit-able on any platform.
+
+Tokens are processed in blocks of ``tokens_per_block``; for each block a loop walks the
+KV in blocks of ``pages_per_block`` pages, gathering for every token only the pages of
+its own sequence, and folds them in with an online (flash) softmax in f32. Peak
+temporary memory is one gathered block, ``tokens_per_block * pages_per_block * P * 2K * D``
+elements, whatever the pool or context size; the loop stops at the last page any token
+of the block can see and starts at the first page inside its sliding window.
+
+Decode is the same computation with one token per sequence, where the per-token gather
+is exactly the per-sequence gather and no K/V byte is read twice.
+
+When one gathered block can hold the whole step (every token against its whole block
+table within the 32 MiB budget: decode and small steps), the loops are left out. That
+matters on CPU: XLA:CPU has no bf16/f16 data path and its float-normalization pass
+rewrites a loop that gathers from a 16-bit pool into one that first converts the whole
+pool to f32 (a pool-sized temporary per call, seen with jax 0.10.2). Loop-free steps and
+f32 pools never pay it (``tests/test_attention.py`` checks both); GPUs and TPUs move
+16-bit data natively.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from paged_jax import _quant
+
+_HI = jax.lax.Precision.HIGHEST
+_TEMP_BUDGET_BYTES = 32 * 1024 * 1024
+
+
+def default_block_sizes(num_tokens: int, page_size: int, num_kv_heads: int, head_dim: int):
+    """(tokens_per_block, pages_per_block) keeping one gathered f32 block near 32 MiB."""
+    pages_per_block = max(1, 128 // page_size)
+    row_bytes = pages_per_block * page_size * 2 * num_kv_heads * head_dim * 4
+    tokens = max(1, min(128, _TEMP_BUDGET_BYTES // row_bytes))
+    tokens = 1 << (tokens.bit_length() - 1)  # power of two
+    tokens = min(tokens, max(1, 1 << max(0, num_tokens - 1).bit_length()))
+    return tokens, pages_per_block
+
+
+def _scale_rows(scale, pages, num_kv_heads):
+    """Per-token scales of gathered ``pages: [t, b]`` -> f32[t, b*P, K] (scalars pass)."""
+    if scale is None or jnp.ndim(scale) == 0:
+        return scale
+    s = scale[pages]  # [t, b, P, K]
+    return s.reshape(s.shape[0], -1, num_kv_heads)
+
+
+def attend_tokens(
+    q: jax.Array,  # [T, H, D]
+    kv_pages: jax.Array,  # [N, P, 2K, D]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, M]
+    tok_seq: jax.Array,  # i32[T]  sequence row of each token
+    tok_pos: jax.Array,  # i32[T]  absolute position of each token in its sequence
+    tok_valid: jax.Array,  # bool[T] False for padding tokens (output 0, nothing read)
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    k_scale,
+    v_scale,
+    tokens_per_block: int | None = None,
+    pages_per_block: int | None = None,
+) -> jax.Array:  # [T, H, D], q.dtype
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, combined, _ = kv_pages.shape
+    num_kv_heads = combined // 2
+    group = num_heads // num_kv_heads
+    max_pages = page_indices.shape[1]
+    if num_tokens == 0:
+        return q
+    d_tq, d_pb = default_block_sizes(num_tokens, page_size, num_kv_heads, head_dim)
+    whole_step_bytes = num_tokens * max_pages * page_size * combined * head_dim * 4
+    if (
+        tokens_per_block is None
+        and pages_per_block is None
+        and (whole_step_bytes <= _TEMP_BUDGET_BYTES)
+    ):
+        d_tq, d_pb = num_tokens, max_pages
+    bq = tokens_per_block or d_tq
+    bp = min(pages_per_block or d_pb, max_pages)
+    num_kv_blocks = -(-max_pages // bp)
+    chunk = bp * page_size
+    num_blocks = -(-num_tokens // bq)
+    pad = num_blocks * bq - num_tokens
+
+    def pad_to_blocks(x, fill):
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+        return x.reshape((num_blocks, bq) + x.shape[1:])
+
+    q_blocks = pad_to_blocks(q, 0)
+    seq_blocks = pad_to_blocks(tok_seq, 0)
+    pos_blocks = pad_to_blocks(tok_pos, 0)
+    valid_blocks = pad_to_blocks(tok_valid, False)
+
+    def one_block(args):
+        q_b, seq_b, pos_b, valid_b = args  # [bq, H, D], [bq], [bq], [bq]
+        q_kgd = q_b.astype(jnp.float32).reshape(bq, num_kv_heads, group, head_dim)
+        kv_end = jnp.max(jnp.where(valid_b, pos_b + 1, 0))
+        stop = (kv_end + chunk - 1) // chunk
+        start = jnp.int32(0)
+        if sliding_window is not None:
+            first_key = jnp.min(jnp.where(valid_b, pos_b - sliding_window + 1, kv_end))
+            start = jnp.clip(first_key, 0, None) // chunk
+
+        def kv_step(j, carry):
+            m, l, acc = carry  # f32[bq, K, G], f32[bq, K, G], f32[bq, K, G, D]
+            cols = j * bp + jnp.arange(bp)
+            in_table = cols < max_pages
+            pages = page_indices[seq_b[:, None], jnp.minimum(cols, max_pages - 1)[None, :]]
+            pages = jnp.where(in_table[None, :] & valid_b[:, None], pages, 0)  # [bq, bp]
+            kv = kv_pages[pages].reshape(bq, chunk, combined, head_dim)
+            k_pos = j * chunk + jnp.arange(chunk)
+            mask = (k_pos[None, :] <= pos_b[:, None]) & valid_b[:, None]  # [bq, chunk]
+            if sliding_window is not None:
+                mask &= pos_b[:, None] - k_pos[None, :] < sliding_window
+            k = _quant.dequantize_rows(
+                kv[:, :, 0::2], _scale_rows(k_scale, pages, num_kv_heads), jnp.float32
+            )
+            v = _quant.dequantize_rows(
+                kv[:, :, 1::2], _scale_rows(v_scale, pages, num_kv_heads), jnp.float32
+            )
+            # Masked keys may be garbage or NaN (unwritten pages): zero them before use.
+            k = jnp.where(mask[:, :, None, None], k, 0.0)
+            v = jnp.where(mask[:, :, None, None], v, 0.0)
+            s = jnp.einsum("tkgd,tckd->tkgc", q_kgd, k, precision=_HI) * sm_scale
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.exp(s - m_safe[..., None])
+            alpha = jnp.exp(m - m_safe)
+            l = alpha * l + jnp.sum(p, axis=-1)
+            acc = alpha[..., None] * acc + jnp.einsum("tkgc,tckd->tkgd", p, v, precision=_HI)
+            return m_new, l, acc
+
+        init = (
+            jnp.full((bq, num_kv_heads, group), -jnp.inf, jnp.float32),
+            jnp.zeros((bq, num_kv_heads, group), jnp.float32),
+            jnp.zeros((bq, num_kv_heads, group, head_dim), jnp.float32),
+        )
+        if num_kv_blocks == 1:  # no loop: see the module docstring
+            _, l, acc = kv_step(0, init)
+        else:
+            _, l, acc = jax.lax.fori_loop(start, stop, kv_step, init)
+        out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+        return out.reshape(bq, num_heads, head_dim).astype(q.dtype)
+
+    blocks = (q_blocks, seq_blocks, pos_blocks, valid_blocks)
+    if num_blocks == 1:
+        out = one_block(jax.tree.map(lambda x: x[0], blocks))[None]
+    else:
+        out = jax.lax.map(one_block, blocks)
+    return out.reshape(num_blocks * bq, num_heads, head_dim)[:num_tokens]
+
+
+def ragged_token_layout(kv_lens, cu_q_lens, num_seqs, num_tokens: int):
+    """Per-token (sequence row, absolute position, valid) of a ragged batch, each ``[T]``."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    n = jnp.reshape(num_seqs, (-1,))[0]
+    num_rows = kv_lens.shape[0]
+    seq = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
+    valid = (t < cu_q_lens[jnp.clip(n, 0, num_rows)]) & (seq < n)
+    seq = jnp.where(valid, seq, 0)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])
+    return seq, pos, valid
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "tokens_per_block",
+        "pages_per_block",
+    ),
+)
+def ragged_paged_attention(
+    q,
+    kv_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    k_scale,
+    v_scale,
+    tokens_per_block=None,
+    pages_per_block=None,
+):
+    seq, pos, valid = ragged_token_layout(kv_lens, cu_q_lens, num_seqs, q.shape[0])
+    return attend_tokens(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        seq,
+        pos,
+        valid,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        tokens_per_block=tokens_per_block,
+        pages_per_block=pages_per_block,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "tokens_per_block",
+        "pages_per_block",
+    ),
+)
+def paged_attention(
+    q,
+    kv_pages,
+    kv_lens,
+    page_indices,
+    *,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    k_scale,
+    v_scale,
+    tokens_per_block=None,
+    pages_per_block=None,
+):
+    batch = q.shape[0]
+    seq = jnp.arange(batch, dtype=jnp.int32)
+    return attend_tokens(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        seq,
+        kv_lens - 1,
+        kv_lens > 0,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        tokens_per_block=tokens_per_block,
+        pages_per_block=pages_per_block,
+    )

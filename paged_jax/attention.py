@@ -1,0 +1,174 @@
+"""Public paged-attention entry points and backend dispatch.
+
+Backends: ``"xla"`` (plain jnp, every platform), ``"pallas_tpu"`` and ``"pallas_gpu"``
+(``pallas_kernels/``, imported lazily so the core never needs them). ``"auto"`` takes the
+first implemented backend in the platform's order of preference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from paged_jax import _xla
+from paged_jax._validation import static_check_decode, static_check_ragged
+
+BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
+
+# Preference per platform; "auto" skips backends whose kernels are not implemented yet.
+_PREFERENCE = {
+    "tpu": ("pallas_tpu", "xla"),
+    "gpu": ("pallas_gpu", "xla"),
+    "cuda": ("pallas_gpu", "xla"),
+    "rocm": ("xla",),
+    "cpu": ("xla",),
+}
+
+
+def _pallas_impl(backend: str, kind: str) -> Callable | None:
+    """The Pallas implementation of ``kind`` ("ragged" | "decode"), or None if not built yet."""
+    if backend == "pallas_tpu":
+        from pallas_kernels import tpu as mod
+    else:
+        from pallas_kernels import gpu as mod
+    return getattr(mod, f"{kind}_paged_attention", None)
+
+
+def available_backends(platform: str | None = None) -> tuple[str, ...]:
+    """Implemented backends for ``platform`` (default: JAX's default backend), best first."""
+    platform = platform or jax.default_backend()
+    names = _PREFERENCE.get(platform, ("xla",))
+    return tuple(b for b in names if b == "xla" or _pallas_impl(b, "ragged") is not None)
+
+
+def _resolve(backend: str, kind: str) -> Callable | None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = available_backends()[0]
+    if backend == "xla":
+        return None
+    impl = _pallas_impl(backend, kind)
+    if impl is None:
+        raise NotImplementedError(
+            f"backend={backend!r}: the {kind} kernel is not implemented yet; use "
+            f"backend='xla' or 'auto' (available here: {available_backends()})"
+        )
+    return impl
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, H, D]
+    kv_pages: jax.Array,  # [N, P, 2K, D]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, M]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
+    backend: str = "auto",
+    interpret: bool = False,
+) -> jax.Array:  # [T, H, D], q.dtype
+    """Attention for a ragged batch mixing prefill chunks and decode tokens.
+
+    Same argument order and meaning as
+    ``jax.experimental.pallas.ops.tpu.ragged_paged_attention.ragged_paged_attention``.
+
+    Args:
+      q: ``[T, H, D]`` every sequence's new tokens, concatenated; sequence i owns rows
+        ``cu_q_lens[i]:cu_q_lens[i+1]``. Rows past ``cu_q_lens[num_seqs]`` are padding.
+      kv_pages: ``[N, P, 2K, D]`` one layer of the pool (K at 2h, V at 2h + 1); the new
+        tokens' K/V must already be written.
+      kv_lens: ``i32[S]`` tokens in each sequence's kv, new tokens included.
+      page_indices: ``i32[S, M]`` block table; row i lists sequence i's pages in order.
+      cu_q_lens: ``i32[S + 1]`` cumulative new-token counts, starting at 0.
+      num_seqs: ``i32[1]`` sequences in use; rows ``>= num_seqs`` are neither read nor
+        written (their outputs are 0).
+      sm_scale: multiplies ``q . k`` (e.g. ``D ** -0.5``).
+      sliding_window: a token attends to at most this many most recent keys (itself included).
+      soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)``.
+      k_scale, v_scale: dequantization of int8/fp8 pages: a float, or per-token
+        ``f32[N, P, K]`` scales (``PagedKVCache.layer`` returns them).
+      backend: ``"auto" | "xla" | "pallas_tpu" | "pallas_gpu"``.
+      interpret: run Pallas kernels in interpret mode (CPU testing); ignored by ``"xla"``.
+
+    Returns ``[T, H, D]`` in q's dtype: new token t attends causally to its sequence's
+    keys ``0 .. pos(t)`` where ``pos`` counts from ``kv_len - q_len``. Values (lengths, page
+    ids) are not checked under jit: see ``paged_jax.validate_inputs``.
+    """
+    static_check_ragged(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    impl = _resolve(backend, "ragged")
+    kwargs = dict(
+        sm_scale=float(sm_scale),
+        sliding_window=sliding_window,
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    if impl is None:
+        return _xla.ragged_paged_attention(
+            q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs
+        )
+    return impl(
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, interpret=interpret, **kwargs
+    )
+
+
+def paged_attention(
+    q: jax.Array,  # [B, H, D]
+    kv_pages: jax.Array,  # [N, P, 2K, D]
+    kv_lens: jax.Array,  # i32[B]
+    page_indices: jax.Array,  # i32[B, M]
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
+    backend: str = "auto",
+    interpret: bool = False,
+) -> jax.Array:  # [B, H, D], q.dtype
+    """Decode attention: one new token per sequence, at position ``kv_lens[b] - 1``.
+
+    The ``q_len == 1`` case of ``ragged_paged_attention`` with its own fast path. Rows with
+    ``kv_lens[b] == 0`` are padding: output 0, no page read. Other arguments as there.
+    """
+    static_check_decode(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    impl = _resolve(backend, "decode")
+    kwargs = dict(
+        sm_scale=float(sm_scale),
+        sliding_window=sliding_window,
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    if impl is None:
+        return _xla.paged_attention(q, kv_pages, kv_lens, page_indices, **kwargs)
+    return impl(q, kv_pages, kv_lens, page_indices, interpret=interpret, **kwargs)

@@ -1,0 +1,21 @@
+"""Test-wide settings: strict rank promotion, deterministic hypothesis, CPU-only JAX."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# derandomize: the same examples on every run and machine, so a CI failure reproduces.
+settings.register_profile(
+    "default",
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("thorough", max_examples=300, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
