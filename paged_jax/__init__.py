@@ -18,23 +18,60 @@ Page 0 is the null page: never allocated, the sink for padding writes and the ta
 padding rows of block tables.
 """
 
-from paged_jax import reference
-from paged_jax._validation import validate_inputs
-from paged_jax.attention import (
-    BACKENDS,
-    available_backends,
-    paged_attention,
-    ragged_paged_attention,
+import importlib
+
+from paged_jax.batch import ScheduledSeq, StepBatch, bucket, build_batch
+from paged_jax.block_manager import (
+    BlockManager,
+    BlockManagerError,
+    DuplicateSequence,
+    InvalidSequenceState,
+    OutOfPages,
+    UnknownSequence,
 )
-from paged_jax.cache import NULL_PAGE, PagedKVCache
 
 __version__ = "0.1.0"
 
+# The JAX-side API is imported on first use, so host-only processes (a scheduler, the
+# block manager's tests) can import paged_jax without importing JAX.
+_LAZY = {
+    "reference": ("paged_jax.reference", None),
+    "validate_inputs": ("paged_jax._validation", "validate_inputs"),
+    "BACKENDS": ("paged_jax.attention", "BACKENDS"),
+    "available_backends": ("paged_jax.attention", "available_backends"),
+    "paged_attention": ("paged_jax.attention", "paged_attention"),
+    "ragged_paged_attention": ("paged_jax.attention", "ragged_paged_attention"),
+    "NULL_PAGE": ("paged_jax.cache", "NULL_PAGE"),
+    "PagedKVCache": ("paged_jax.cache", "PagedKVCache"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'paged_jax' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(module)
+    if attr is not None:
+        value = getattr(value, attr)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
     "BACKENDS",
+    "BlockManager",
+    "BlockManagerError",
+    "DuplicateSequence",
+    "InvalidSequenceState",
     "NULL_PAGE",
+    "OutOfPages",
     "PagedKVCache",
+    "ScheduledSeq",
+    "StepBatch",
+    "UnknownSequence",
     "available_backends",
+    "bucket",
+    "build_batch",
     "paged_attention",
     "ragged_paged_attention",
     "reference",

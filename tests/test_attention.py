@@ -109,14 +109,24 @@ def test_reference_matches_dense_oracle(params):
     assert_reference_close(out, case.expected, params[4])
 
 
-@pytest.mark.parametrize("params", _grid(32, seed=2), ids=_id)
-def test_xla_matches_oracle(params):
-    case = _case(1, *params)
+def _check_xla(params, seed):
+    case = _case(seed, *params)
     kw = dict(sm_scale=params[3] ** -0.5, **OPTIONS[params[-1]])
     ref = pj.reference.ragged_paged_attention(*case.args, **kw)
     out = pj.ragged_paged_attention(*case.args, backend="xla", **kw)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     assert_close_to_oracle(out, ref, case.expected)
+
+
+@pytest.mark.parametrize("params", _grid(32, seed=2), ids=_id)
+def test_xla_matches_oracle(params):
+    _check_xla(params, seed=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", _grid(240, seed=3), ids=_id)
+def test_xla_matches_oracle_large_grid(params):
+    _check_xla(params, seed=2)
 
 
 @pytest.mark.parametrize("tokens_per_block,pages_per_block", [(1, 1), (2, 3), (4, 2), (64, 64)])

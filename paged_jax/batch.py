@@ -1,0 +1,149 @@
+"""Turns one step's scheduled sequences into the fixed-shape int32 arrays of a jitted step.
+
+Pure numpy (no JAX). Every array is padded to a power-of-two bucket so a steady decode
+loop compiles once per bucket; padding rows point at the null page 0, padding tokens
+write to slot 0 (on the null page), padding copies copy page 0 onto itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+from paged_jax.block_manager import BlockManager
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    n = max(int(n), int(minimum), 1)
+    return 1 << (n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    """This step computes tokens ``[start, stop)`` of ``seq_id``; it attends to ``[0, stop)``.
+
+    A decode token is ``(n - 1, n)``; a prefill chunk ``(computed, computed + chunk)``.
+    """
+
+    seq_id: Hashable
+    start: int
+    stop: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """Inputs of one jitted step. Shapes: S_b sequence rows, M_b pages per row, T_b tokens,
+    C_b copies (all powers of two)."""
+
+    token_ids: np.ndarray  # i32[T_b]   input token of each row of q (0 for padding)
+    positions: np.ndarray  # i32[T_b]   absolute position of each token (0 for padding)
+    slot_mapping: np.ndarray  # i32[T_b] where each token's K/V is written (0 for padding)
+    page_indices: np.ndarray  # i32[S_b, M_b] block tables (0 for padding)
+    kv_lens: np.ndarray  # i32[S_b]     tokens each sequence attends to (0 for padding)
+    cu_q_lens: np.ndarray  # i32[S_b + 1] cumulative new-token counts
+    num_seqs: np.ndarray  # i32[1]
+    logits_indices: np.ndarray  # i32[S_b] row of each sequence's last new token (0 for pad)
+    copy_src: np.ndarray  # i32[C_b] copy-on-write sources (0 for padding)
+    copy_dst: np.ndarray  # i32[C_b] copy-on-write destinations (0 for padding)
+    seq_ids: tuple  # the scheduled seq_ids, in row order
+    num_tokens: int  # live tokens (<= T_b)
+
+    def device_args(self) -> dict[str, np.ndarray]:
+        """The arrays a jitted step takes, by name."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), np.ndarray)
+        }
+
+
+def build_batch(
+    manager: BlockManager,
+    scheduled: Sequence[ScheduledSeq],
+    *,
+    min_tokens: int = 16,
+    min_seqs: int = 8,
+    min_pages: int = 4,
+    min_copies: int = 8,
+    take_copies: bool = True,
+) -> StepBatch:
+    """Builds the step's arrays from the manager's block tables and token ids.
+
+    Bucketed shapes: ``T_b = bucket(total new tokens, min_tokens)``, ``S_b = bucket(len(
+    scheduled), min_seqs)``, ``M_b = bucket(max pages any scheduled sequence reads,
+    min_pages)``, ``C_b = bucket(pending copies, min_copies)``. With ``take_copies`` the
+    manager's pending copy-on-write copies are taken (and cleared) into the batch.
+    """
+    P = manager.page_size
+    num_seqs = len(scheduled)
+    q_lens = np.empty(num_seqs, np.int64)
+    kv_lens_live = np.empty(num_seqs, np.int64)
+    for i, s in enumerate(scheduled):
+        n = manager.num_tokens(s.seq_id)
+        if not 0 <= s.start < s.stop <= n:
+            raise ValueError(
+                f"scheduled[{i}]: expected 0 <= start < stop <= num_tokens={n} for seq_id "
+                f"{s.seq_id!r}, got start={s.start}, stop={s.stop}"
+            )
+        q_lens[i] = s.stop - s.start
+        kv_lens_live[i] = s.stop
+    num_tokens = int(q_lens.sum())
+    T_b = bucket(num_tokens, min_tokens)
+    S_b = bucket(num_seqs, min_seqs)
+    M_b = bucket(int(-(-kv_lens_live.max() // P)) if num_seqs else 1, min_pages)
+
+    page_indices = np.zeros((S_b, M_b), np.int32)
+    token_ids = np.zeros(T_b, np.int32)
+    positions = np.zeros(T_b, np.int32)
+    slot_mapping = np.zeros(T_b, np.int32)
+    cu = np.zeros(S_b + 1, np.int32)
+    cu[1 : num_seqs + 1] = np.cumsum(q_lens)
+    cu[num_seqs + 1 :] = num_tokens
+    kv_lens = np.zeros(S_b, np.int32)
+    kv_lens[:num_seqs] = kv_lens_live
+    logits_indices = np.zeros(S_b, np.int32)
+    logits_indices[:num_seqs] = cu[1 : num_seqs + 1] - 1
+
+    for i, s in enumerate(scheduled):
+        pages = manager.pages_np(s.seq_id)
+        used = -(-s.stop // P)
+        page_indices[i, :used] = pages[:used]
+        a, b = int(cu[i]), int(cu[i + 1])
+        toks = manager._seqs[s.seq_id].tokens.buf  # noqa: SLF001 (same package, hot path)
+        if b - a == 1:  # decode: no temporary arrays
+            pos = s.start
+            positions[a] = pos
+            token_ids[a] = toks[pos]
+            slot_mapping[a] = pages[pos // P] * P + pos % P
+        else:
+            pos = np.arange(s.start, s.stop, dtype=np.int32)
+            positions[a:b] = pos
+            token_ids[a:b] = toks[s.start : s.stop]
+            slot_mapping[a:b] = pages[pos // P] * P + pos % P
+
+    if take_copies:
+        src, dst = manager.take_copies()
+    else:
+        src = dst = np.zeros(0, np.int32)
+    C_b = bucket(len(src), min_copies)
+    copy_src = np.zeros(C_b, np.int32)
+    copy_dst = np.zeros(C_b, np.int32)
+    copy_src[: len(src)] = src
+    copy_dst[: len(dst)] = dst
+    return StepBatch(
+        token_ids=token_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        page_indices=page_indices,
+        kv_lens=kv_lens,
+        cu_q_lens=cu,
+        num_seqs=np.array([num_seqs], np.int32),
+        logits_indices=logits_indices,
+        copy_src=copy_src,
+        copy_dst=copy_dst,
+        seq_ids=tuple(s.seq_id for s in scheduled),
+        num_tokens=num_tokens,
+    )

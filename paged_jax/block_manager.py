@@ -1,0 +1,728 @@
+"""Host-side owner of "which physical page holds which token". Pure Python + numpy, no JAX.
+
+The ``BlockManager`` hands out pages of a ``PagedKVCache`` pool to sequences on demand,
+counts references so sequences can share pages (``fork`` for parallel sampling and beam
+search, prefix-cache hits for common prompts), copies a shared page before it is written
+(copy-on-write; the copies reach the device through ``take_copies`` and
+``PagedKVCache.copy_pages``), keeps freed full pages in a prefix cache evicted
+least-recently-used, and plans swaps of whole sequence groups to and from host memory.
+
+Every decision is deterministic: the same calls give the same page ids in any process
+(free pages are reused last-freed-first; prefix-cache keys are blake2b digests, never
+Python's ``hash()``).
+
+Order of device work within one engine step, which the manager's plans assume:
+``cache.copy_pages(*take_copies())``, then swap-out reads, then swap-in writes, then the
+model's K/V writes. Copies read pages as they were before the step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+NULL_PAGE = 0  # never handed out; the device-side sink for padding (see paged_jax.cache)
+_DIGEST_BYTES = 16
+
+
+class BlockManagerError(Exception):
+    """Base class of the block manager's errors."""
+
+
+class OutOfPages(BlockManagerError):
+    """Not enough free device (or host) pages; nothing was changed."""
+
+
+class UnknownSequence(BlockManagerError, KeyError):
+    """The seq_id was never allocated, or was already freed."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0])
+
+
+class DuplicateSequence(BlockManagerError, ValueError):
+    """A seq_id that is already live was given to allocate or fork."""
+
+
+class InvalidSequenceState(BlockManagerError, ValueError):
+    """The operation does not fit the sequence's state (e.g. appending while swapped out)."""
+
+
+def prefix_root_key(extra_key: Any = None) -> bytes:
+    """Root of a prefix-cache key chain; ``extra_key`` (adapter id, tenant salt) salts it.
+
+    ``extra_key`` must be None, str, bytes, int, or a tuple of those, so that its digest
+    is stable across processes.
+    """
+    h = hashlib.blake2b(b"paged-jax/prefix/v1", digest_size=_DIGEST_BYTES)
+    h.update(_stable_bytes(extra_key))
+    return h.digest()
+
+
+def _stable_bytes(x: Any) -> bytes:
+    if x is None:
+        return b"N"
+    if isinstance(x, bool):
+        return b"B1" if x else b"B0"
+    if isinstance(x, (int, np.integer)):
+        return b"I" + str(int(x)).encode()
+    if isinstance(x, str):
+        return b"S" + len(x.encode()).to_bytes(8, "little") + x.encode()
+    if isinstance(x, bytes):
+        return b"Y" + len(x).to_bytes(8, "little") + x
+    if isinstance(x, tuple):
+        return b"T" + len(x).to_bytes(8, "little") + b"".join(_stable_bytes(e) for e in x)
+    raise TypeError(
+        f"extra_key: expected None, str, bytes, int or a tuple of those, got {type(x).__name__}"
+    )
+
+
+def page_key(parent: bytes, page_tokens: bytes) -> bytes:
+    """Key of a full page: blake2b over (parent key, the page's int32 token ids)."""
+    return hashlib.blake2b(parent + page_tokens, digest_size=_DIGEST_BYTES).digest()
+
+
+class _Tokens:
+    """A growable int32 buffer of a sequence's token ids."""
+
+    __slots__ = ("buf", "n")
+
+    def __init__(self, tokens: np.ndarray):
+        self.n = len(tokens)
+        self.buf = np.empty(max(16, 2 * self.n), np.int32)
+        self.buf[: self.n] = tokens
+
+    def extend(self, tokens: np.ndarray) -> None:
+        m = self.n + len(tokens)
+        if m > len(self.buf):
+            new = np.empty(2 * m, np.int32)
+            new[: self.n] = self.buf[: self.n]
+            self.buf = new
+        self.buf[self.n : m] = tokens
+        self.n = m
+
+    def copy(self) -> _Tokens:
+        return _Tokens(self.buf[: self.n])
+
+
+class _Seq:
+    __slots__ = (
+        "pages",
+        "tokens",
+        "num_computed",
+        "root",
+        "last_key",
+        "num_hashed",
+        "swapped",
+        "last_append_step",
+        "_pages_np",
+    )
+
+    def __init__(self, pages: list[int], tokens: _Tokens, root: bytes):
+        self.pages = pages  # device pages, or host slots while swapped
+        self.tokens = tokens
+        self.num_computed = 0  # leading tokens whose K/V are on the device
+        self.root = root
+        self.last_key = root  # key of page num_hashed - 1 (root when none)
+        self.num_hashed = 0  # leading full pages whose keys are known
+        self.swapped = False
+        self.last_append_step = -1  # step of the latest append_slots (-1: never)
+        self._pages_np: np.ndarray | None = None
+
+    def pages_np(self) -> np.ndarray:
+        if self._pages_np is None or len(self._pages_np) != len(self.pages):
+            self._pages_np = np.asarray(self.pages, np.int32)
+        return self._pages_np
+
+    def pages_changed(self) -> None:
+        self._pages_np = None
+
+
+def _as_tokens(token_ids, name: str = "token_ids") -> np.ndarray:
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence of token ids, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name}: expected integer token ids, got dtype {arr.dtype}")
+    return arr.astype(np.int32, copy=False)
+
+
+class BlockManager:
+    """Pages of a paged KV cache, handed out to sequences on demand.
+
+    Args:
+      num_pages: pages in the device pool, page 0 included (it is never handed out).
+      page_size: tokens per page.
+      enable_prefix_caching: share full pages between prompts with the same prefix.
+      watermark: fraction of the pool kept free when admitting new sequences
+        (``can_allocate``), so running sequences can grow without being preempted at once.
+      num_host_pages: host (CPU memory) page slots for ``swap_out``; 0 disables swapping.
+
+    Page accounting: a page is *free* (refcount 0, holding nothing reusable), *in use*
+    (refcount = number of block-table references), or *cached* (refcount 0 but holding a
+    full page of a known prefix; reusable by a prefix hit until evicted, LRU, when no
+    free page is left). ``num_free_pages`` counts free + cached.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+        num_host_pages: int = 0,
+    ):
+        for name, value, minimum in (
+            ("num_pages", num_pages, 2),
+            ("page_size", page_size, 1),
+            ("num_host_pages", num_host_pages, 0),
+        ):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+            if value < minimum:
+                raise ValueError(f"{name}: expected >= {minimum}, got {value}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark: expected a fraction in [0, 1), got {watermark}")
+        self.num_pages = int(num_pages)
+        self.page_size = int(page_size)
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.watermark = float(watermark)
+        self.watermark_pages = int(watermark * num_pages)
+        self.num_host_pages = int(num_host_pages)
+
+        self._refcount = [0] * self.num_pages
+        # Stack of free pages: pop() takes the lowest id first on a fresh pool, then the
+        # most recently freed page.
+        self._free = list(range(self.num_pages - 1, 0, -1))
+        self._seqs: dict[Hashable, _Seq] = {}
+        # Prefix cache: key -> page, page -> key, page -> its token bytes (for checking).
+        self._cached: dict[bytes, int] = {}
+        self._page_key: dict[int, bytes] = {}
+        self._page_tokens: dict[int, bytes] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount-0 cached, LRU first
+        self._pending: dict[int, int] = {}  # copy-on-write: dst page -> src page
+        self._step = 0  # step boundaries seen (take_copies calls)
+        self._host_refcount = [0] * self.num_host_pages
+        self._host_free = list(range(self.num_host_pages - 1, -1, -1))
+        self._prefix_queries = 0  # full prompt pages looked up
+        self._prefix_hits = 0  # of which found in the cache
+        self._evictions = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_pages(self) -> int:
+        """Pages that can be handed out now: free plus evictable cached pages."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_host_free_pages(self) -> int:
+        return len(self._host_free)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    @property
+    def seq_ids(self) -> list:
+        return list(self._seqs)
+
+    def _seq(self, seq_id: Hashable) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise UnknownSequence(
+                f"seq_id {seq_id!r}: unknown (never allocated, or already freed)"
+            ) from None
+
+    def _device_seq(self, seq_id: Hashable, op: str) -> _Seq:
+        seq = self._seq(seq_id)
+        if seq.swapped:
+            raise InvalidSequenceState(f"{op}: seq_id {seq_id!r} is swapped out; swap_in first")
+        return seq
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Tokens of the sequence that have slots (prompt plus appended tokens)."""
+        return self._seq(seq_id).tokens.n
+
+    def num_computed_tokens(self, seq_id: Hashable) -> int:
+        """Leading tokens whose K/V are on the device (cached or marked computed)."""
+        return self._seq(seq_id).num_computed
+
+    def token_ids(self, seq_id: Hashable) -> np.ndarray:
+        """``i32[num_tokens]``: a copy of the sequence's token ids."""
+        seq = self._seq(seq_id)
+        return seq.tokens.buf[: seq.tokens.n].copy()
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """The sequence's pages in order (host slots while it is swapped out)."""
+        return list(self._seq(seq_id).pages)
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        return self._seq(seq_id).swapped
+
+    def refcount(self, page: int) -> int:
+        return self._refcount[page]
+
+    def slots(self, seq_id: Hashable, start: int, stop: int) -> np.ndarray:
+        """``i32[stop - start]``: slots (page * page_size + offset) of tokens [start, stop)."""
+        seq = self._device_seq(seq_id, "slots")
+        if not 0 <= start <= stop <= seq.tokens.n:
+            raise ValueError(
+                f"slots: expected 0 <= start <= stop <= num_tokens={seq.tokens.n}, got "
+                f"start={start}, stop={stop}"
+            )
+        pos = np.arange(start, stop, dtype=np.int32)
+        return seq.pages_np()[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def pages_np(self, seq_id: Hashable) -> np.ndarray:
+        """``i32[num_pages_of_seq]``: the block table as an array (cached; do not modify)."""
+        return self._device_seq(seq_id, "pages_np").pages_np()
+
+    # ------------------------------------------------------------------ admission checks
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """True if a new sequence of ``num_tokens`` fits while leaving the watermark free.
+
+        Conservative: prefix-cache hits, which would need fewer pages, are not counted.
+        """
+        return self.num_free_pages - self.pages_needed(num_tokens) >= self.watermark_pages
+
+    def can_append(self, seq_ids: Iterable[Hashable], num_tokens: int = 1) -> bool:
+        """True if each of ``seq_ids`` can append ``num_tokens`` tokens now.
+
+        Counts the new pages and the copy-on-write copies this would need. Running
+        sequences may use the watermark's reserve (it exists for them).
+        """
+        return self._append_need(seq_ids, num_tokens) <= self.num_free_pages
+
+    def _append_need(self, seq_ids: Iterable[Hashable], num_tokens: int) -> int:
+        need = 0
+        for seq_id in seq_ids:
+            need += self._pages_for_append(self._device_seq(seq_id, "can_append"), num_tokens)
+        return need
+
+    def _pages_for_append(self, seq: _Seq, num_new: int) -> int:
+        n, P = seq.tokens.n, self.page_size
+        fill = n % P
+        need = self.pages_needed(n + num_new) - len(seq.pages)
+        if fill and num_new and self._refcount[seq.pages[-1]] > 1:
+            need += 1  # copy-on-write of the shared partial last page
+        return max(need, 0)
+
+    # ------------------------------------------------------------------ page primitives
+    def _take_page(self) -> int:
+        if self._free:
+            page = self._free.pop()
+        else:
+            page, _ = self._evictable.popitem(last=False)  # least recently used
+            key = self._page_key.pop(page)
+            del self._cached[key]
+            del self._page_tokens[page]
+            self._evictions += 1
+        self._refcount[page] = 1
+        return page
+
+    def _ref(self, page: int) -> None:
+        if self._refcount[page] == 0:
+            del self._evictable[page]  # a cached page comes back into use
+        self._refcount[page] += 1
+
+    def _unref(self, page: int) -> None:
+        rc = self._refcount[page] - 1
+        self._refcount[page] = rc
+        if rc:
+            return
+        self._pending.pop(page, None)  # a copy into a page nobody holds is moot
+        if page in self._page_key:
+            self._evictable[page] = None
+        else:
+            self._free.append(page)
+
+    def _check_new_id(self, seq_id: Hashable, op: str) -> None:
+        if seq_id in self._seqs:
+            raise DuplicateSequence(f"{op}: seq_id {seq_id!r} is already live")
+
+    # ------------------------------------------------------------------ lifecycle
+    def allocate(
+        self, seq_id: Hashable, token_ids: Sequence[int] | np.ndarray, *, extra_key: Any = None
+    ) -> int:
+        """Pages for a new sequence's prompt; returns how many leading tokens are cached.
+
+        The returned count is a multiple of ``page_size`` and always smaller than
+        ``len(token_ids)``, so at least one token is computed (its logits are needed).
+        Cached tokens share the pages of an earlier prompt with the same tokens and the
+        same ``extra_key`` (e.g. an adapter id or a tenant's cache salt). The remaining
+        tokens get fresh pages; their slots are ``slots(seq_id, cached, len(token_ids))``.
+        Raises ``OutOfPages`` (changing nothing) when the pool cannot hold the prompt.
+        """
+        self._check_new_id(seq_id, "allocate")
+        tokens = _as_tokens(token_ids)
+        n, P = len(tokens), self.page_size
+        if n == 0:
+            raise ValueError("token_ids: expected at least one token, got an empty prompt")
+        root = prefix_root_key(extra_key) if self.enable_prefix_caching else b""
+        hits: list[int] = []
+        key = root
+        keys: list[bytes] = []
+        if self.enable_prefix_caching:
+            buf = tokens.tobytes()
+            step = 4 * P
+            # At most (n - 1) // P pages: the last token always gets computed.
+            num_lookup = (n - 1) // P
+            for i in range(num_lookup):
+                chunk = buf[i * step : (i + 1) * step]
+                key = page_key(key, chunk)
+                page = self._cached.get(key)
+                if page is None or self._page_tokens[page] != chunk:
+                    break
+                hits.append(page)
+                keys.append(key)
+        fresh = self.pages_needed(n) - len(hits)
+        # Hits on evictable pages take them out of the free count.
+        reusable = (
+            len(self._free) + len(self._evictable) - sum(1 for p in hits if self._refcount[p] == 0)
+        )
+        if fresh > reusable:
+            raise OutOfPages(
+                f"allocate: seq_id {seq_id!r} needs {fresh} new pages for {n} tokens "
+                f"({len(hits)} pages cached), {reusable} available"
+            )
+        if self.enable_prefix_caching:
+            self._prefix_queries += (n - 1) // P
+            self._prefix_hits += len(hits)
+        for page in hits:
+            self._ref(page)
+        pages = hits + [self._take_page() for _ in range(fresh)]
+        seq = _Seq(pages, _Tokens(tokens), root)
+        seq.num_computed = len(hits) * P
+        seq.num_hashed = len(hits)
+        seq.last_key = keys[-1] if keys else root
+        self._seqs[seq_id] = seq
+        return len(hits) * P
+
+    def append_slots(self, seq_id: Hashable, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Slots for new tokens of a sequence: ``i32[len(token_ids)]``.
+
+        One token for a decode step, more for a prefill chunk or speculative tokens.
+        Allocates pages on demand; if the partially filled last page is shared, first
+        moves the sequence to a private copy (copy-on-write, queued for ``take_copies``).
+        Tokens the sequence had before its first append of this step are taken as computed
+        (an earlier step wrote their K/V), so their full pages become prefix-cache entries;
+        the new tokens' K/V must be written by the step that follows (see ``take_copies``).
+        Raises ``OutOfPages`` (changing nothing) when pages run out.
+        """
+        seq = self._device_seq(seq_id, "append_slots")
+        P = self.page_size
+        toks = seq.tokens
+        n = toks.n
+        if seq.last_append_step != self._step:
+            # First append of this step: every token the sequence had before it was
+            # computed by an earlier step. Tokens appended within this step are not.
+            seq.last_append_step = self._step
+            if n > seq.num_computed:
+                self._mark_computed(seq, n)
+        pages = seq.pages
+        fill = n % P
+        # Fast path (a decode step): one token into an exclusively owned, partially
+        # filled page that has room in the token buffer.
+        if (
+            fill
+            and type(token_ids) in (list, tuple)
+            and len(token_ids) == 1
+            and type(token_ids[0]) is int
+            and n < len(toks.buf)
+            and self._refcount[pages[-1]] == 1
+        ):
+            toks.buf[n] = token_ids[0]
+            toks.n = n + 1
+            return np.array([pages[-1] * P + fill], np.int32)
+        tokens = _as_tokens(token_ids)
+        num_new = len(tokens)
+        need = self._pages_for_append(seq, num_new)
+        if need > self.num_free_pages:
+            raise OutOfPages(
+                f"append_slots: seq_id {seq_id!r} needs {need} pages for {num_new} tokens, "
+                f"{self.num_free_pages} available"
+            )
+        if fill and num_new and self._refcount[pages[-1]] > 1:
+            old = pages[-1]
+            new = self._take_page()
+            # `old` holds only K/V of earlier steps: fork refuses parents with unwritten
+            # K/V, so a page written this step is never shared, and copies never chain.
+            self._pending[new] = old
+            self._unref(old)
+            pages[-1] = new
+        for _ in range(self.pages_needed(n + num_new) - len(pages)):
+            pages.append(self._take_page())
+        seq.pages_changed()
+        seq.tokens.extend(tokens)
+        return self.slots(seq_id, n, n + num_new)
+
+    def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Declares the K/V of the sequence's first ``num_tokens`` tokens written.
+
+        Call after each prefill chunk; their full pages become prefix-cache entries that
+        later prompts can share. (``append_slots`` does this for all earlier tokens.)
+        """
+        seq = self._device_seq(seq_id, "mark_computed")
+        if not 0 <= num_tokens <= seq.tokens.n:
+            raise ValueError(
+                f"num_tokens: expected 0 <= num_tokens <= {seq.tokens.n}, got {num_tokens}"
+            )
+        self._mark_computed(seq, num_tokens)
+
+    def _sync_computed(self, seq: _Seq) -> None:
+        """Tokens appended in earlier steps are computed once a step boundary passed."""
+        if 0 <= seq.last_append_step < self._step and seq.num_computed < seq.tokens.n:
+            self._mark_computed(seq, seq.tokens.n)
+
+    def _mark_computed(self, seq: _Seq, num_tokens: int) -> None:
+        if num_tokens <= seq.num_computed:
+            return
+        seq.num_computed = num_tokens
+        if not self.enable_prefix_caching:
+            return
+        P = self.page_size
+        full = num_tokens // P
+        if seq.num_hashed >= full:
+            return
+        buf = seq.tokens.buf
+        key = seq.last_key
+        for i in range(seq.num_hashed, full):
+            chunk = buf[i * P : (i + 1) * P].tobytes()
+            key = page_key(key, chunk)
+            page = seq.pages[i]
+            if key not in self._cached and page not in self._page_key:
+                self._cached[key] = page
+                self._page_key[page] = key
+                self._page_tokens[page] = chunk
+            # else: an identical page is cached already (or this page is a hit); keep one.
+        seq.last_key = key
+        seq.num_hashed = full
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """The child shares every page of the parent (reference counts only, no copy).
+
+        The parent's K/V must all be written: fork after the step that computed its
+        tokens (a prompt: after ``mark_computed``), before appending this step's token.
+        """
+        parent = self._device_seq(parent_id, "fork")
+        self._check_new_id(child_id, "fork")
+        self._sync_computed(parent)
+        if parent.num_computed < parent.tokens.n:
+            # A later copy-on-write of a shared page would copy it as it was before the
+            # step, without the K/V this step is about to write: refuse instead.
+            raise InvalidSequenceState(
+                f"fork: seq_id {parent_id!r} has {parent.tokens.n - parent.num_computed} "
+                f"tokens whose K/V are not written yet ({parent.num_computed} of "
+                f"{parent.tokens.n} computed); fork before appending, or after the step "
+                "that computes them (mark_computed for a prompt)"
+            )
+        for page in parent.pages:
+            self._ref(page)
+        child = _Seq(list(parent.pages), parent.tokens.copy(), parent.root)
+        child.num_computed = parent.num_computed
+        child.last_key = parent.last_key
+        child.num_hashed = parent.num_hashed
+        child.last_append_step = parent.last_append_step
+        self._seqs[child_id] = child
+
+    def free(self, seq_id: Hashable) -> None:
+        """Releases the sequence's pages (device or host). Full cached pages stay cached.
+
+        Pages are released last first, so a chain's tail is evicted before its head.
+        """
+        seq = self._seq(seq_id)
+        del self._seqs[seq_id]
+        if seq.swapped:
+            for slot in seq.pages:
+                self._host_refcount[slot] -= 1
+                if self._host_refcount[slot] == 0:
+                    self._host_free.append(slot)
+            return
+        for page in reversed(seq.pages):
+            self._unref(page)
+
+    def take_copies(self) -> tuple[np.ndarray, np.ndarray]:
+        """Copy-on-write copies queued since the last call: ``(src i32[n], dst i32[n])``.
+
+        Marks a step boundary: call it exactly once per engine step, after scheduling
+        (``build_batch`` does), and apply the copies with ``PagedKVCache.copy_pages`` before
+        the step's K/V writes. The step must write the K/V of every token appended since
+        the previous boundary.
+        """
+        src = np.fromiter(self._pending.values(), np.int32, len(self._pending))
+        dst = np.fromiter(self._pending.keys(), np.int32, len(self._pending))
+        self._pending.clear()
+        self._step += 1
+        return src, dst
+
+    # ------------------------------------------------------------------ swapping
+    def _group(self, seq_ids: Iterable[Hashable], swapped: bool, op: str) -> list[_Seq]:
+        ids = list(dict.fromkeys(seq_ids))
+        seqs = [self._seq(s) for s in ids]
+        for s, seq in zip(ids, seqs, strict=True):
+            if seq.swapped != swapped:
+                where = "swapped out" if seq.swapped else "on the device"
+                raise InvalidSequenceState(f"{op}: seq_id {s!r} is {where}")
+        return seqs
+
+    def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
+        seqs = self._group(seq_ids, False, "can_swap_out")
+        return len({p for seq in seqs for p in seq.pages}) <= len(self._host_free)
+
+    def can_swap_in(self, seq_ids: Iterable[Hashable]) -> bool:
+        seqs = self._group(seq_ids, True, "can_swap_in")
+        return len({p for seq in seqs for p in seq.pages}) <= self.num_free_pages
+
+    def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """Moves a group of sequences to host slots, all or nothing.
+
+        Returns ``[(device_page, host_slot), ...]``: read each device page to its host
+        slot (``PagedKVCache.read_pages``) after this step's copies, before any write.
+        A page shared inside the group goes to one host slot and comes back as one page.
+        Raises ``OutOfPages`` when the host has too few free slots (nothing changes).
+        """
+        seqs = self._group(seq_ids, False, "swap_out")
+        for seq_id, seq in zip(dict.fromkeys(seq_ids), seqs, strict=True):
+            if seq.last_append_step == self._step:
+                raise InvalidSequenceState(
+                    f"swap_out: seq_id {seq_id!r} appended tokens this step whose K/V are "
+                    "not written yet; preempt a sequence before appending to it"
+                )
+        distinct = list(dict.fromkeys(p for seq in seqs for p in seq.pages))
+        if len(distinct) > len(self._host_free):
+            raise OutOfPages(
+                f"swap_out: {len(distinct)} host slots needed, {len(self._host_free)} free"
+            )
+        to_host = {}
+        plan = []
+        for page in distinct:
+            slot = self._host_free.pop()
+            to_host[page] = slot
+            plan.append((page, slot))
+        for seq in seqs:
+            for page in seq.pages:
+                self._host_refcount[to_host[page]] += 1
+            old = seq.pages
+            seq.pages = [to_host[p] for p in old]
+            seq.swapped = True
+            seq.pages_changed()
+            for page in reversed(old):
+                self._unref(page)
+        return plan
+
+    def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """Brings a swapped-out group back, all or nothing: ``[(host_slot, device_page)]``.
+
+        Write each host slot's data into its device page (``PagedKVCache.write_pages``)
+        before the step's model writes. Raises ``OutOfPages`` when the device lacks pages.
+        """
+        seqs = self._group(seq_ids, True, "swap_in")
+        distinct = list(dict.fromkeys(s for seq in seqs for s in seq.pages))
+        if len(distinct) > self.num_free_pages:
+            raise OutOfPages(
+                f"swap_in: {len(distinct)} device pages needed, {self.num_free_pages} available"
+            )
+        to_device = {}
+        plan = []
+        for slot in distinct:
+            page = self._take_page()
+            self._refcount[page] = 0
+            to_device[slot] = page
+            plan.append((slot, page))
+        for seq in seqs:
+            for slot in seq.pages:
+                self._refcount[to_device[slot]] += 1
+                self._host_refcount[slot] -= 1
+                if self._host_refcount[slot] == 0:
+                    self._host_free.append(slot)
+            seq.pages = [to_device[s] for s in seq.pages]
+            seq.swapped = False
+            seq.pages_changed()
+            # Re-register the restored full pages (their old device copies may be gone).
+            computed, seq.num_computed = seq.num_computed, 0
+            seq.last_key, seq.num_hashed = seq.root, 0
+            self._mark_computed(seq, computed)
+        return plan
+
+    # ------------------------------------------------------------------ statistics
+    def stats(self) -> dict[str, float]:
+        """Pages used / free / cached, KV utilization, sharing and prefix-cache counters.
+
+        ``kv_utilization`` = tokens stored / (pages in use * page_size), a shared page's
+        tokens counted once.
+        """
+        P = self.page_size
+        fill: dict[int, int] = {}
+        for seq in self._seqs.values():
+            if seq.swapped:
+                continue
+            n = seq.tokens.n
+            for i, page in enumerate(seq.pages):
+                f = min(P, n - i * P)
+                if f > fill.get(page, 0):
+                    fill[page] = f
+        used = sum(1 for rc in self._refcount if rc > 0)
+        stored = sum(fill.values())
+        return {
+            "pages_total": self.num_pages - 1,
+            "pages_used": used,
+            "pages_free": len(self._free),
+            "pages_cached": len(self._page_key),
+            "pages_cached_unused": len(self._evictable),
+            "pages_shared": sum(1 for rc in self._refcount if rc > 1),
+            "tokens_stored": stored,
+            "kv_utilization": stored / (used * P) if used else 1.0,
+            "prefix_queries": self._prefix_queries,
+            "prefix_hits": self._prefix_hits,
+            "prefix_hit_rate": self._prefix_hits / self._prefix_queries
+            if self._prefix_queries
+            else 0.0,
+            "evictions": self._evictions,
+            "host_pages_used": self.num_host_pages - len(self._host_free),
+            "num_seqs": len(self._seqs),
+        }
+
+    # ------------------------------------------------------------------ invariants
+    def check_invariants(self) -> None:
+        """Recounts everything from the block tables; raises AssertionError on any drift.
+
+        For tests and debugging (cost linear in pages and tokens).
+        """
+        counts = [0] * self.num_pages
+        host_counts = [0] * self.num_host_pages
+        for seq in self._seqs.values():
+            if seq.swapped:
+                for s in seq.pages:
+                    host_counts[s] += 1
+            else:
+                for p in seq.pages:
+                    counts[p] += 1
+            assert len(seq.pages) == self.pages_needed(seq.tokens.n), "table length drift"
+            assert seq.num_computed <= seq.tokens.n
+        assert counts == self._refcount, "refcount != block-table references"
+        assert host_counts == self._host_refcount, "host refcount drift"
+        assert counts[NULL_PAGE] == 0 and NULL_PAGE not in self._free, "null page handed out"
+        free = set(self._free)
+        assert len(free) == len(self._free), "page twice in the free list"
+        for p in range(1, self.num_pages):
+            in_free, in_evict = p in free, p in self._evictable
+            assert (counts[p] == 0) == (in_free or in_evict), f"page {p}: free/used mismatch"
+            assert not (in_free and in_evict), f"page {p}: both free and evictable"
+            assert in_evict <= (p in self._page_key), f"page {p}: evictable but not cached"
+            assert not (in_free and p in self._page_key), f"page {p}: free but still cached"
+        assert len(self._cached) == len(self._page_key) == len(self._page_tokens)
+        for key, p in self._cached.items():
+            assert self._page_key[p] == key
+        assert set(self._host_free) == {
+            s for s in range(self.num_host_pages) if host_counts[s] == 0
+        }
+        for dst in self._pending:
+            assert counts[dst] > 0, f"pending copy into unreferenced page {dst}"

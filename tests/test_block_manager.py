@@ -1,0 +1,632 @@
+"""BlockManager: unit tests of each operation and error, a stateful property test with a
+shadow device, determinism across processes, and the step batch builder."""
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
+
+from paged_jax.batch import ScheduledSeq, bucket, build_batch
+from paged_jax.block_manager import (
+    BlockManager,
+    DuplicateSequence,
+    InvalidSequenceState,
+    OutOfPages,
+    UnknownSequence,
+)
+
+P = 4
+
+
+def _bm(num_pages=32, **kw):
+    kw.setdefault("watermark", 0.0)
+    return BlockManager(num_pages, P, **kw)
+
+
+# ---------------------------------------------------------------------- basics
+
+
+def test_allocate_hands_out_pages_on_demand_never_page_zero():
+    bm = _bm(8)
+    assert bm.allocate("a", [1, 2, 3, 4, 5]) == 0  # nothing cached yet
+    assert bm.block_table("a") == [1, 2]  # ceil(5 / 4) pages, lowest ids first
+    # Slot = page * P + offset: tokens 0..3 on page 1, token 4 on page 2.
+    np.testing.assert_array_equal(bm.slots("a", 0, 5), [4, 5, 6, 7, 8])
+    np.testing.assert_array_equal(bm.append_slots("a", [6, 7, 8]), [9, 10, 11])
+    np.testing.assert_array_equal(bm.append_slots("a", [9]), [12])  # page boundary: page 3
+    assert bm.block_table("a") == [1, 2, 3] and bm.num_tokens("a") == 9
+    assert bm.num_free_pages == 4  # pages 4..7
+    bm.free("a")
+    assert bm.num_free_pages == 7
+    bm.check_invariants()
+
+
+def test_watermark_reserves_pages_for_running_sequences():
+    bm = BlockManager(101, P, watermark=0.1)  # 10 pages kept back from admissions
+    assert bm.watermark_pages == 10
+    assert bm.can_allocate(90 * P) and not bm.can_allocate(91 * P)
+    bm.allocate("a", list(range(90 * P)))
+    # Running sequences may grow into the reserve.
+    assert bm.can_append(["a"], num_tokens=10 * P) and not bm.can_append(["a"], 10 * P + 1)
+
+
+def test_out_of_pages_is_typed_and_changes_nothing():
+    bm = _bm(4)  # 3 usable pages
+    bm.allocate("a", list(range(8)))
+    before = bm.stats()
+    with pytest.raises(OutOfPages, match="allocate: seq_id 'b' needs 2 new pages for 5 tokens"):
+        bm.allocate("b", list(range(5)))
+    assert bm.stats() == before and "b" not in bm
+    bm.append_slots("a", [1] * 4)
+    with pytest.raises(OutOfPages, match="append_slots: seq_id 'a' needs 1 pages for 1 tokens"):
+        bm.append_slots("a", [1])
+    assert bm.num_tokens("a") == 12
+    bm.check_invariants()
+
+
+def test_fork_shares_pages_and_copy_on_write_copies_the_partial_page():
+    bm = _bm(16)
+    bm.allocate("p", list(range(6)))  # pages [1, 2]; page 2 holds 2 of 4 tokens
+    bm.mark_computed("p", 6)  # the prefill step wrote the prompt's K/V
+    bm.fork("p", "c")
+    assert bm.block_table("c") == [1, 2] and bm.refcount(1) == bm.refcount(2) == 2
+    assert bm.num_free_pages == 13  # fork allocates nothing
+    slot_c = bm.append_slots("c", [100])
+    # The child got a private copy of page 2 (page 3) before writing at offset 2.
+    assert bm.block_table("c") == [1, 3] and list(slot_c) == [3 * P + 2]
+    assert bm.refcount(2) == 1 and bm.refcount(3) == 1
+    src, dst = bm.take_copies()
+    assert list(src) == [2] and list(dst) == [3]
+    assert bm.take_copies()[0].size == 0  # taken once
+    # The parent now owns page 2 alone and writes in place, no copy.
+    assert list(bm.append_slots("p", [200])) == [2 * P + 2]
+    assert bm.take_copies()[0].size == 0
+    bm.check_invariants()
+
+
+def test_fork_refuses_a_parent_with_unwritten_kv():
+    # A copy-on-write copy reads its page as it was before the step, so a page holding
+    # K/V that this step will write must not become shared.
+    bm = _bm(16)
+    bm.allocate("p", list(range(6)))
+    with pytest.raises(
+        InvalidSequenceState,
+        match=r"fork: seq_id 'p' has 6 tokens whose K/V "
+        r"are not written yet \(0 of 6 computed\)",
+    ):
+        bm.fork("p", "c")
+    bm.mark_computed("p", 6)
+    bm.append_slots("p", [7])  # this step's token
+    with pytest.raises(InvalidSequenceState, match="fork: seq_id 'p' has 1 tokens"):
+        bm.fork("p", "c")
+    assert "c" not in bm
+    bm.take_copies()  # step boundary: the step wrote token 6
+    bm.fork("p", "c")
+    assert bm.num_computed_tokens("c") == 7
+    bm.check_invariants()
+
+
+def test_pending_copy_into_a_freed_page_is_dropped():
+    bm = _bm(16)
+    bm.allocate("p", list(range(6)))
+    bm.mark_computed("p", 6)
+    bm.fork("p", "c")
+    bm.append_slots("c", [7])  # copy 2 -> 3 pending
+    bm.free("c")  # page 3 returns to the free list
+    bm.allocate("x", list(range(3)))  # reuses page 3 for fresh tokens
+    src, dst = bm.take_copies()
+    assert dst.size == 0, "a stale copy would overwrite x's page"
+
+
+def test_prefix_cache_hits_share_full_pages_and_skip_the_last_token():
+    bm = _bm(32)
+    prompt = list(range(100, 110))  # 10 tokens: 2 full pages + 2 tokens
+    assert bm.allocate("a", prompt) == 0
+    bm.mark_computed("a", 10)
+    assert bm.allocate("b", prompt + [1, 2]) == 8  # both full pages shared
+    assert bm.block_table("b")[:2] == bm.block_table("a")[:2]
+    assert bm.refcount(bm.block_table("a")[0]) == 2
+    # A prompt of exactly 2 pages reuses only 1: its last token must be computed, and it
+    # lands on a private page (never written into a shared one).
+    assert bm.allocate("c", prompt[:8]) == 4
+    assert bm.block_table("c")[1] not in bm.block_table("a")
+    # Different tokens in the second page: only the first page is shared.
+    assert bm.allocate("d", prompt[:4] + [0, 0, 0, 0, 5]) == 4
+    s = bm.stats()
+    # Each prompt looks up (len - 1) // P pages: a 2, b 2, c 1, d 2; hits: 0, 2, 1, 1.
+    assert (s["prefix_queries"], s["prefix_hits"]) == (2 + 2 + 1 + 2, 0 + 2 + 1 + 1)
+    bm.check_invariants()
+
+
+def test_prefix_cache_needs_computed_pages():
+    # Pages are only shareable once their K/V are written (mark_computed or a later
+    # append): a prompt still being prefilled in chunks must not be hit.
+    bm = _bm(32)
+    bm.allocate("a", list(range(12)))
+    assert bm.allocate("b", list(range(12))) == 0
+    bm.mark_computed("a", 5)  # only page 0 complete
+    assert bm.allocate("c", list(range(12))) == 4
+
+
+def test_extra_key_isolates_tenants():
+    bm = _bm(32)
+    prompt = list(range(9))
+    bm.allocate("a", prompt, extra_key="tenant-1")
+    bm.mark_computed("a", 9)
+    assert bm.allocate("b", prompt, extra_key="tenant-2") == 0
+    assert bm.allocate("c", prompt) == 0  # no salt is a different tenant too
+    assert bm.allocate("d", prompt, extra_key="tenant-1") == 8
+    assert not set(bm.block_table("b")) & set(bm.block_table("a"))
+    assert not set(bm.block_table("c")) & set(bm.block_table("a"))
+    with pytest.raises(TypeError, match="extra_key: expected None, str, bytes, int or a tuple"):
+        bm.allocate("e", prompt, extra_key=1.5)
+
+
+def test_freed_full_pages_stay_cached_and_are_evicted_lru_tail_first():
+    bm = _bm(8)  # 7 usable pages
+    bm.allocate("a", list(range(13)))  # pages 1..4 (3 full)
+    bm.mark_computed("a", 13)
+    bm.free("a")
+    s = bm.stats()
+    assert s["pages_cached_unused"] == 3 and s["pages_free"] == 4 and bm.num_free_pages == 7
+    # A new unrelated prompt of 6 pages: 4 free pages first, then evicts 2 cached pages,
+    # the chain's tail (page 3, then 2) before its head (page 1).
+    bm.allocate("b", [7] * 23)
+    assert 1 not in bm.block_table("b") and {2, 3} <= set(bm.block_table("b"))
+    assert bm.stats()["evictions"] == 2
+    # The head is still cached: the original prompt hits one page.
+    bm.free("b")
+    assert bm.allocate("c", list(range(13))) == 4
+    bm.check_invariants()
+
+
+def test_swap_out_and_in_keeps_group_sharing():
+    bm = _bm(16, num_host_pages=8)
+    bm.allocate("p", list(range(6)))
+    bm.mark_computed("p", 6)
+    bm.fork("p", "c")
+    bm.append_slots("c", [9])  # c: [1, 3]; p: [1, 2]; page 1 shared
+    bm.take_copies()
+    plan = bm.swap_out(["p", "c"])
+    assert sorted(d for d, _ in plan) == [1, 2, 3]  # shared page 1 copied once
+    assert bm.is_swapped("p") and bm.num_free_pages == 15
+    with pytest.raises(InvalidSequenceState, match="append_slots: seq_id 'p' is swapped out"):
+        bm.append_slots("p", [1])
+    back = bm.swap_in(["c", "p"])
+    assert len(back) == 3
+    assert bm.block_table("p")[0] == bm.block_table("c")[0]  # still one shared page
+    assert bm.refcount(bm.block_table("p")[0]) == 2
+    assert bm.stats()["host_pages_used"] == 0
+    bm.check_invariants()
+
+
+def test_swap_is_all_or_nothing():
+    bm = _bm(16, num_host_pages=2)
+    bm.allocate("a", list(range(12)))  # 3 pages > 2 host slots
+    with pytest.raises(OutOfPages, match="swap_out: 3 host slots needed, 2 free"):
+        bm.swap_out(["a"])
+    assert not bm.is_swapped("a") and bm.num_host_free_pages == 2
+    bm.check_invariants()
+
+
+def test_swap_out_refuses_sequences_with_unwritten_kv():
+    bm = _bm(16, num_host_pages=8)
+    bm.allocate("p", list(range(6)))
+    bm.append_slots("p", [9])  # K/V of token 6 are written by this step, not yet
+    with pytest.raises(
+        InvalidSequenceState, match="swap_out: seq_id 'p' appended tokens this step"
+    ):
+        bm.swap_out(["p"])
+    bm.take_copies()
+    assert len(bm.swap_out(["p"])) == 2
+
+
+@pytest.mark.parametrize(
+    "call,exc,msg",
+    [
+        (
+            lambda bm: bm.free("zz"),
+            UnknownSequence,
+            "seq_id 'zz': unknown (never allocated, or already freed)",
+        ),
+        (
+            lambda bm: (bm.free("a"), bm.free("a")),
+            UnknownSequence,
+            "seq_id 'a': unknown (never allocated, or already freed)",
+        ),
+        (lambda bm: bm.append_slots("zz", [1]), UnknownSequence, "seq_id 'zz': unknown"),
+        (lambda bm: bm.fork("a", "a"), DuplicateSequence, "fork: seq_id 'a' is already live"),
+        (lambda bm: bm.fork("zz", "b"), UnknownSequence, "seq_id 'zz': unknown"),
+        (
+            lambda bm: bm.allocate("a", [1]),
+            DuplicateSequence,
+            "allocate: seq_id 'a' is already live",
+        ),
+        (lambda bm: bm.allocate("b", []), ValueError, "token_ids: expected at least one token"),
+        (lambda bm: bm.allocate("b", [[1, 2]]), ValueError, "token_ids: expected a 1-D sequence"),
+        (lambda bm: bm.allocate("b", [1.5]), TypeError, "token_ids: expected integer token ids"),
+        (
+            lambda bm: bm.slots("a", 2, 9),
+            ValueError,
+            "slots: expected 0 <= start <= stop <= num_tokens=5, got start=2, stop=9",
+        ),
+        (
+            lambda bm: bm.mark_computed("a", 6),
+            ValueError,
+            "num_tokens: expected 0 <= num_tokens <= 5, got 6",
+        ),
+        (
+            lambda bm: bm.swap_in(["a"]),
+            InvalidSequenceState,
+            "swap_in: seq_id 'a' is on the device",
+        ),
+        (lambda bm: BlockManager(1, 4), ValueError, "num_pages: expected >= 2, got 1"),
+        (
+            lambda bm: BlockManager(8, 4, watermark=1.0),
+            ValueError,
+            r"watermark: expected a fraction in \[0, 1\), got 1.0",
+        ),
+    ],
+)
+def test_errors(call, exc, msg):
+    bm = _bm(16)
+    bm.allocate("a", [1, 2, 3, 4, 5])
+    with pytest.raises(
+        exc,
+        match=msg.replace("(", r"\(").replace(")", r"\)")
+        if exc is not ValueError or "watermark" not in msg
+        else msg,
+    ):
+        call(bm)
+
+
+def test_unknown_sequence_is_a_key_error_with_a_readable_message():
+    bm = _bm()
+    with pytest.raises(KeyError) as info:
+        bm.free(3)
+    assert str(info.value) == "seq_id 3: unknown (never allocated, or already freed)"
+
+
+def test_stats_kv_utilization_counts_shared_pages_once():
+    bm = _bm(32)
+    bm.allocate("a", list(range(6)))  # 2 pages, 6 tokens
+    bm.mark_computed("a", 6)
+    bm.fork("a", "b")  # shares both pages: still 6 tokens in 2 pages
+    s = bm.stats()
+    assert (s["pages_used"], s["pages_shared"], s["tokens_stored"]) == (2, 2, 6)
+    assert s["kv_utilization"] == 6 / 8
+
+
+# ---------------------------------------------------------------------- stateful model
+
+VOCAB = 3  # a tiny vocabulary makes prefix-cache hits and collisions of pages common
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random interleavings of every operation against a shadow device.
+
+    The shadow pool stores token ids where an engine would store K/V: each step applies
+    the pending copies, then writes the step's new tokens to their slots; swaps move
+    pages through a shadow host pool. After every rule, every sequence must read back
+    exactly its own tokens through its block table.
+    """
+
+    seqs = Bundle("seqs")
+
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(24, P, watermark=0.0, num_host_pages=12)
+        self.device = np.full((24, P), -1, np.int64)
+        self.host = np.full((12, P), -1, np.int64)
+        self.tokens: dict[int, list[int]] = {}
+        self.next_id = 0
+        self.pending_writes: list[tuple[np.ndarray, list[int]]] = []
+
+    def _step(self):
+        """Copies first (reading the pool as it was), then the step's writes."""
+        src, dst = self.bm.take_copies()
+        self.device[dst] = self.device[src].copy()
+        for slots, toks in self.pending_writes:
+            for s, t in zip(slots, toks, strict=True):
+                page = s // P
+                assert page != 0, "a token slot on the null page"
+                self.device[page, s % P] = t
+        self.pending_writes.clear()
+
+    def _new_id(self):
+        self.next_id += 1
+        return self.next_id
+
+    @rule(
+        target=seqs,
+        prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=14),
+        salt=st.sampled_from([None, "t1"]),
+        computed=st.booleans(),
+    )
+    def allocate(self, prompt, salt, computed):
+        sid = self._new_id()
+        before = self.bm.stats()
+        try:
+            cached = self.bm.allocate(sid, prompt, extra_key=salt)
+        except OutOfPages:
+            assert self.bm.stats() == before
+            return multiple()
+        assert cached % P == 0 and cached < len(prompt)
+        # Prefix hits must hold exactly the prompt's tokens already.
+        for i, page in enumerate(self.bm.block_table(sid)[: cached // P]):
+            assert list(self.device[page]) == prompt[i * P : (i + 1) * P]
+        self.tokens[sid] = list(prompt)
+        self.pending_writes.append((self.bm.slots(sid, cached, len(prompt)), prompt[cached:]))
+        self._step()
+        if computed:
+            self.bm.mark_computed(sid, len(prompt))
+        return sid
+
+    @rule(data=st.data())
+    def decode_step(self, data):
+        """A batch step: appends (with forks in between, as beam search does), then writes."""
+        live = [s for s in self.tokens if not self.bm.is_swapped(s)]
+        if not live:
+            return
+        for _ in range(data.draw(st.integers(1, 4))):
+            sid = data.draw(st.sampled_from(live))
+            if data.draw(st.booleans()):
+                child = self._new_id()
+                try:
+                    self.bm.fork(sid, child)
+                except InvalidSequenceState:
+                    # Only a parent with unwritten K/V may be refused.
+                    assert self.bm.num_computed_tokens(sid) < self.bm.num_tokens(sid)
+                    assert child not in self.bm
+                    continue
+                self.tokens[child] = list(self.tokens[sid])
+                live.append(child)
+                continue
+            toks = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=5))
+            try:
+                slots = self.bm.append_slots(sid, toks)
+            except OutOfPages:
+                continue
+            # Copy-on-write happened first: the slots lie in pages this sequence owns
+            # alone. (A later fork in the same step may share them again; both then
+            # expect these very tokens there, which the content invariant checks.)
+            for page in set((slots // P).tolist()):
+                assert self.bm.refcount(page) == 1, f"append_slots returned shared page {page}"
+            self.tokens[sid] += toks
+            self.pending_writes.append((slots, toks))
+        self._step()
+
+    @rule(sid=consumes(seqs))
+    def free(self, sid):
+        if sid in self.tokens:
+            self.bm.free(sid)
+            del self.tokens[sid]
+
+    @rule(data=st.data())
+    def free_any(self, data):
+        # Forked children are not in the bundle; this frees any live sequence.
+        if self.tokens:
+            sid = data.draw(st.sampled_from(sorted(self.tokens)))
+            self.bm.free(sid)
+            del self.tokens[sid]
+
+    @rule(data=st.data())
+    def swap_out(self, data):
+        live = sorted(s for s in self.tokens if not self.bm.is_swapped(s))
+        if not live:
+            return
+        group = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=3, unique=True))
+        try:
+            plan = self.bm.swap_out(group)
+        except OutOfPages:
+            return
+        for dev, slot in plan:
+            self.host[slot] = self.device[dev]
+
+    @rule(data=st.data())
+    def swap_in(self, data):
+        swapped = sorted(s for s in self.tokens if self.bm.is_swapped(s))
+        if not swapped:
+            return
+        group = data.draw(st.lists(st.sampled_from(swapped), min_size=1, max_size=3, unique=True))
+        try:
+            plan = self.bm.swap_in(group)
+        except OutOfPages:
+            return
+        for slot, dev in plan:
+            self.device[dev] = self.host[slot]
+
+    @invariant()
+    def content_and_counts(self):
+        self.bm.check_invariants()
+        for sid, toks in self.tokens.items():
+            pool = self.host if self.bm.is_swapped(sid) else self.device
+            table = self.bm.block_table(sid)
+            got = pool[table].reshape(-1)[: len(toks)]
+            assert list(got) == toks, f"seq {sid} reads {list(got)}, wrote {toks}"
+            assert 0 not in table or self.bm.is_swapped(sid)
+
+    @invariant()
+    def stats_agree_with_recount(self):
+        s = self.bm.stats()
+        rc = [self.bm.refcount(p) for p in range(self.bm.num_pages)]
+        assert s["pages_used"] == sum(r > 0 for r in rc)
+        assert s["pages_shared"] == sum(r > 1 for r in rc)
+        assert s["pages_used"] + self.bm.num_free_pages == self.bm.num_pages - 1
+
+    @precondition(lambda self: len(self.tokens) > 0)
+    @rule()
+    def free_everything_leaks_nothing(self):
+        # Occasionally drain the whole manager: every page must come back.
+        for sid in list(self.tokens):
+            self.bm.free(sid)
+        self.tokens.clear()
+        assert self.bm.num_free_pages == self.bm.num_pages - 1
+        assert self.bm.num_host_free_pages == self.bm.num_host_pages
+        assert self.bm.stats()["pages_used"] == 0
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+# Each example is cheap (pure Python): run more, longer interleavings than the suite default.
+TestBlockManagerMachine.settings = settings(
+    settings.default,
+    max_examples=max(150, settings.default.max_examples),
+    stateful_step_count=60,
+)
+
+
+# ---------------------------------------------------------------------- determinism
+
+_REPLAY = textwrap.dedent(
+    """
+    import numpy as np
+    from paged_jax.block_manager import BlockManager, OutOfPages
+    rng = np.random.default_rng(7)
+    bm = BlockManager(64, 4, num_host_pages=16)
+    live = []
+    for i in range(300):
+        op = rng.integers(0, 5)
+        if op == 0 or not live:
+            prompt = rng.integers(0, 3, rng.integers(1, 20)).tolist()
+            try:
+                bm.allocate(i, prompt, extra_key=None if i % 3 else "s")
+            except OutOfPages:
+                continue
+            bm.mark_computed(i, len(prompt))
+            live.append(i)
+        elif op == 1:
+            s = live[rng.integers(len(live))]
+            if not bm.is_swapped(s):
+                try:
+                    bm.append_slots(s, [int(rng.integers(0, 3))])
+                except OutOfPages:
+                    pass
+        elif op == 2:
+            s = live[rng.integers(len(live))]
+            if not bm.is_swapped(s):
+                bm.fork(s, 1000 + i)
+                live.append(1000 + i)
+        elif op == 3:
+            bm.free(live.pop(rng.integers(len(live))))
+        else:
+            s = live[rng.integers(len(live))]
+            try:
+                (bm.swap_in if bm.is_swapped(s) else bm.swap_out)([s])
+            except OutOfPages:
+                pass
+        bm.take_copies()  # one op per step
+    print(sorted((s, bm.block_table(s)) for s in live), bm.stats())
+    """
+)
+
+
+def test_same_operations_give_the_same_pages_in_a_new_process():
+    outs = []
+    for seed in ("0", "12345"):  # different hash seeds: Python's hash() must not matter
+        env = {"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"}
+        proc = subprocess.run(
+            [sys.executable, "-c", _REPLAY],
+            capture_output=True,
+            text=True,
+            env=env | {"PYTHONPATH": ":".join(sys.path)},
+            check=True,
+        )
+        outs.append(proc.stdout)
+    assert outs[0] == outs[1] and "kv_utilization" in outs[0]
+
+
+def test_host_modules_do_not_import_jax():
+    code = (
+        "import sys, paged_jax, paged_jax.block_manager, paged_jax.batch; "
+        "print('jax' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": ":".join(sys.path), "PATH": "/usr/bin:/bin"},
+        check=True,
+    )
+    assert proc.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------------- batch builder
+
+
+def test_bucket():
+    assert [bucket(n) for n in (0, 1, 2, 3, 4, 5, 17)] == [1, 1, 2, 4, 4, 8, 32]
+    assert bucket(3, minimum=16) == 16
+
+
+def test_build_batch_mixed_step():
+    bm = _bm(32)
+    bm.allocate("pre", list(range(10, 20)))  # 10-token prompt, first chunk of 6 this step
+    bm.allocate("dec", [1, 2, 3])
+    bm.append_slots("dec", [4])  # decode token at position 3
+    batch = build_batch(bm, [ScheduledSeq("pre", 0, 6), ScheduledSeq("dec", 3, 4)])
+    assert batch.token_ids.shape == (16,) and batch.page_indices.shape == (8, 4)
+    assert batch.num_tokens == 7 and list(batch.num_seqs) == [2]
+    np.testing.assert_array_equal(batch.cu_q_lens, [0, 6, 7, 7, 7, 7, 7, 7, 7])
+    np.testing.assert_array_equal(batch.kv_lens, [6, 4, 0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(batch.token_ids[:7], [10, 11, 12, 13, 14, 15, 4])
+    np.testing.assert_array_equal(batch.positions[:7], [0, 1, 2, 3, 4, 5, 3])
+    np.testing.assert_array_equal(batch.slot_mapping[:6], bm.slots("pre", 0, 6))
+    assert batch.slot_mapping[6] == bm.slots("dec", 3, 4)[0]
+    assert not batch.slot_mapping[7:].any() and not batch.token_ids[7:].any()
+    np.testing.assert_array_equal(batch.page_indices[0, :2], bm.block_table("pre")[:2])
+    assert not batch.page_indices[0, 2:].any() and not batch.page_indices[2:].any()
+    np.testing.assert_array_equal(batch.logits_indices[:2], [5, 6])
+    assert batch.copy_src.shape == (8,) and not batch.copy_src.any()
+
+
+def test_build_batch_carries_copies_and_validates():
+    bm = _bm(32)
+    bm.allocate("p", [1, 2, 3, 4, 5, 6])
+    bm.mark_computed("p", 6)
+    bm.fork("p", "c")
+    bm.append_slots("c", [7])
+    batch = build_batch(bm, [ScheduledSeq("c", 6, 7)])
+    assert (batch.copy_src[0], batch.copy_dst[0]) == (2, 3)
+    with pytest.raises(
+        ValueError,
+        match=r"scheduled\[0\]: expected 0 <= start < stop <= "
+        "num_tokens=6 for seq_id 'p', got start=6, stop=7",
+    ):
+        build_batch(bm, [ScheduledSeq("p", 6, 7)])
+
+
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 6)), min_size=1, max_size=12))
+def test_build_batch_shapes_depend_only_on_buckets(specs):
+    # Any composition with the same bucketed sizes gives the same array shapes, and the
+    # arrays satisfy paged_jax.validate_inputs' rules.
+    bm = BlockManager(512, 8, watermark=0.0)
+    sched = []
+    for i, (n, q) in enumerate(specs):
+        bm.allocate(i, list(range(n)))
+        q = min(q, n)
+        sched.append(ScheduledSeq(i, n - q, n))
+    b = build_batch(bm, sched)
+    T = sum(s.stop - s.start for s in sched)
+    assert b.token_ids.shape == (bucket(T, 16),)
+    assert b.page_indices.shape == (
+        bucket(len(specs), 8),
+        bucket(-(-max(n for n, _ in specs) // 8), 4),
+    )
+    assert np.all(np.diff(b.cu_q_lens) >= 0) and b.cu_q_lens[len(specs)] == T
+    q_lens = np.diff(b.cu_q_lens)[: len(specs)]
+    assert np.all(q_lens <= b.kv_lens[: len(specs)])
+    slots = b.slot_mapping[:T]
+    assert len(set(slots.tolist())) == T and np.all(slots >= 8)
