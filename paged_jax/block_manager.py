@@ -369,25 +369,30 @@ class BlockManager:
         root = prefix_root_key(extra_key) if self.enable_prefix_caching else b""
         hits: list[int] = []
         key = root
-        keys: list[bytes] = []
+        revived = 0  # hits on cached pages nobody holds (they leave the evictable set)
         if self.enable_prefix_caching:
+            # The hot loop of a prefix hit: local names, one digest per page.
+            blake2b = hashlib.blake2b
+            cached_get = self._cached.get
+            page_tokens = self._page_tokens
+            refcount = self._refcount
             buf = tokens.tobytes()
             step = 4 * P
+            last_key = root
             # At most (n - 1) // P pages: the last token always gets computed.
-            num_lookup = (n - 1) // P
-            for i in range(num_lookup):
-                chunk = buf[i * step : (i + 1) * step]
-                key = page_key(key, chunk)
-                page = self._cached.get(key)
-                if page is None or self._page_tokens[page] != chunk:
+            for off in range(0, ((n - 1) // P) * step, step):
+                chunk = buf[off : off + step]
+                key = blake2b(last_key + chunk, digest_size=_DIGEST_BYTES).digest()
+                page = cached_get(key)
+                if page is None or page_tokens[page] != chunk:
                     break
                 hits.append(page)
-                keys.append(key)
+                last_key = key
+                if refcount[page] == 0:
+                    revived += 1
+            key = last_key
         fresh = self.pages_needed(n) - len(hits)
-        # Hits on evictable pages take them out of the free count.
-        reusable = (
-            len(self._free) + len(self._evictable) - sum(1 for p in hits if self._refcount[p] == 0)
-        )
+        reusable = len(self._free) + len(self._evictable) - revived
         if fresh > reusable:
             raise OutOfPages(
                 f"allocate: seq_id {seq_id!r} needs {fresh} new pages for {n} tokens "
@@ -396,13 +401,17 @@ class BlockManager:
         if self.enable_prefix_caching:
             self._prefix_queries += (n - 1) // P
             self._prefix_hits += len(hits)
+        refcount = self._refcount
+        evictable = self._evictable
         for page in hits:
-            self._ref(page)
+            if refcount[page] == 0:
+                del evictable[page]
+            refcount[page] += 1
         pages = hits + [self._take_page() for _ in range(fresh)]
         seq = _Seq(pages, _Tokens(tokens), root)
         seq.num_computed = len(hits) * P
         seq.num_hashed = len(hits)
-        seq.last_key = keys[-1] if keys else root
+        seq.last_key = key
         self._seqs[seq_id] = seq
         return len(hits) * P
 

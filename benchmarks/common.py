@@ -1,0 +1,71 @@
+"""What every benchmark records: the machine, the versions, the command, the time."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import pathlib
+import platform
+import sys
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment(with_jax: bool = False) -> dict:
+    """Machine and versions. JAX is only imported (for its device list) if asked."""
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "numpy": _version("numpy"),
+        "paged_jax": _version("paged-jax"),
+    }
+    if with_jax:
+        import jax
+
+        env.update(
+            jax=jax.__version__,
+            jaxlib=_version("jaxlib"),
+            devices=[str(d) for d in jax.devices()],
+            device_kind=jax.devices()[0].device_kind,
+        )
+    return env
+
+
+def write_result(name: str, payload: dict) -> pathlib.Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return path
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    """A plain-text table of ``rows`` (dicts) in ``columns`` order."""
+    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
