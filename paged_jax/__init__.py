@@ -43,6 +43,7 @@ _LAZY = {
     "ragged_paged_attention": ("paged_jax.attention", "ragged_paged_attention"),
     "NULL_PAGE": ("paged_jax.cache", "NULL_PAGE"),
     "PagedKVCache": ("paged_jax.cache", "PagedKVCache"),
+    "AttentionMetadata": ("paged_jax.metadata", "AttentionMetadata"),
 }
 
 
@@ -58,6 +59,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "AttentionMetadata",
     "BACKENDS",
     "BlockManager",
     "BlockManagerError",

@@ -1,0 +1,130 @@
+"""Loads a local Hugging Face checkpoint directory into ``LlamaForCausalLM`` without torch.
+
+Reads ``config.json``, the safetensors weights (one file, or shards listed in
+``model.safetensors.index.json``) through safetensors' flax loader (bf16 included), and
+``tokenizer.json`` when present (the ``tokenizers`` package).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import LlamaConfig
+from models.llama import LlamaForCausalLM
+
+# Tensors some checkpoints carry that the model recomputes.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def _hf_name(path: tuple) -> tuple[str, bool]:
+    """Our parameter path -> (HF tensor name, whether HF stores it transposed)."""
+    parts = [str(p) for p in path]
+    if parts == ["embed_tokens", "embedding"]:
+        return "model.embed_tokens.weight", False
+    if parts == ["lm_head", "kernel"]:
+        return "lm_head.weight", True
+    *mod, leaf = parts
+    name = ".".join(["model", *mod])
+    if leaf == "kernel":
+        return f"{name}.weight", True
+    return f"{name}.{leaf}", False  # norm weights, biases
+
+
+def _weight_files(root: pathlib.Path) -> list[pathlib.Path]:
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [root / s for s in shards]
+    elif (root / "model.safetensors").exists():
+        files = [root / "model.safetensors"]
+    else:
+        files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{root}: no model.safetensors, model.safetensors.index.json or *.safetensors "
+            "(PyTorch .bin checkpoints are not supported: convert them to safetensors)"
+        )
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise FileNotFoundError(f"{root}: weight shards listed in the index are missing: {missing}")
+    return files
+
+
+def load_tokenizer(path: str | pathlib.Path) -> Any | None:
+    """The ``tokenizers.Tokenizer`` of a checkpoint directory, or None without tokenizer.json."""
+    file = pathlib.Path(path) / "tokenizer.json"
+    if not file.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(file))
+
+
+def load_hf(
+    path: str | pathlib.Path,
+    *,
+    dtype: Any = None,
+    param_dtype: Any = None,
+) -> tuple[LlamaForCausalLM, Any | None]:
+    """Loads a local Hugging Face Llama / Qwen2 / Mistral checkpoint.
+
+    Args:
+      path: directory with ``config.json`` and safetensors weights.
+      dtype: compute dtype (default: the weights' dtype as stored, f32 if mixed).
+      param_dtype: dtype to store the weights in (default: ``dtype``); e.g. load a bf16
+        checkpoint with ``dtype=jnp.float32`` for f32 parity tests.
+
+    Returns ``(model, tokenizer)``; the tokenizer is None without ``tokenizer.json``.
+    Raises FileNotFoundError, ValueError (unsupported architecture, missing or
+    mis-shaped tensors) with the file or tensor named.
+    """
+    from safetensors.flax import load_file
+
+    root = pathlib.Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: not a checkpoint directory")
+    cfg_file = root / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{cfg_file}: missing (every Hugging Face checkpoint has one)")
+    cfg = LlamaConfig.from_hf(json.loads(cfg_file.read_text()))
+    tensors: dict[str, Any] = {}
+    for f in _weight_files(root):
+        tensors.update(load_file(str(f)))
+    stored = {jnp.dtype(t.dtype) for t in tensors.values()}
+    dtype = (
+        jnp.dtype(dtype)
+        if dtype is not None
+        else (stored.pop() if len(stored) == 1 else jnp.dtype(jnp.float32))
+    )
+    param_dtype = jnp.dtype(param_dtype) if param_dtype is not None else dtype
+
+    abstract = nnx.eval_shape(
+        lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype)
+    )
+    graphdef, abstract_state = nnx.split(abstract)
+    filled, used = [], set()
+    for p, var in nnx.to_flat_state(abstract_state):
+        name, transposed = _hf_name(p)
+        if name not in tensors:
+            raise ValueError(f"{root}: tensor {name!r} is missing from the checkpoint")
+        value = tensors[name].T if transposed else tensors[name]
+        expected = tuple(var.get_value().shape)
+        if tuple(value.shape) != expected:
+            got = tuple(tensors[name].shape)
+            want = expected[::-1] if transposed else expected
+            raise ValueError(f"{root}: tensor {name!r} has shape {got}, expected {want}")
+        filled.append((p, var.replace(jnp.asarray(value, param_dtype))))
+        used.add(name)
+    extra = sorted(n for n in tensors if n not in used and not _IGNORED.match(n))
+    if extra:
+        raise ValueError(
+            f"{root}: unexpected tensors for {cfg.architecture} (first 5): {extra[:5]}"
+        )
+    model = nnx.merge(graphdef, nnx.from_flat_state(filled))
+    return model, load_tokenizer(root)

@@ -1,0 +1,229 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral) in Flax NNX, on the paged KV cache.
+
+One forward pass serves a ragged batch: T new tokens of S sequences, each a prefill chunk
+or a decode token. Per layer the tokens' K/V are written into the ``PagedKVCache`` by
+slot mapping, then ``paged_jax.ragged_paged_attention`` reads them back with every
+earlier token of each sequence. Shape suffixes: T tokens, E hidden size, F MLP size,
+H/K query/kv heads, D head dim, V vocabulary, R logits rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import paged_jax as pj
+from models.config import LlamaConfig, RopeScaling
+from paged_jax.cache import PagedKVCache
+from paged_jax.metadata import AttentionMetadata
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
+    """``f32[D/2]`` inverse frequencies, with Llama-3 scaling applied if given."""
+    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is None:
+        return inv
+    old = scaling.original_max_position_embeddings
+    low_wavelen = old / scaling.low_freq_factor
+    high_wavelen = old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    scaled = jnp.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, blended, scaled)
+
+
+def apply_rope(x_THD: jax.Array, positions_T: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding, half-split convention (dims i and i + D/2 rotate together)."""
+    freqs_TF = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    cos = jnp.cos(freqs_TF)[:, None, :]
+    sin = jnp.sin(freqs_TF)[:, None, :]
+    x = x_THD.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_THD.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype, param_dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x_TE: jax.Array) -> jax.Array:
+        x = x_TE.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        w = self.weight[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+        return (w * x).astype(self.dtype)
+
+
+def _linear(cfg_in: int, out: int, bias: bool, *, rngs, dtype, param_dtype) -> nnx.Linear:
+    return nnx.Linear(
+        cfg_in,
+        out,
+        use_bias=bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        precision=jax.lax.Precision.HIGHEST,
+        rngs=rngs,
+    )
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = _linear(cfg.hidden_size, H * D, cfg.qkv_bias, **kw)
+        self.k_proj = _linear(cfg.hidden_size, K * D, cfg.qkv_bias, **kw)
+        self.v_proj = _linear(cfg.hidden_size, K * D, cfg.qkv_bias, **kw)
+        self.o_proj = _linear(H * D, cfg.hidden_size, cfg.o_bias, **kw)
+        self.num_heads, self.num_kv_heads, self.head_dim = H, K, D
+        self.sliding_window = cfg.sliding_window
+
+    def __call__(
+        self,
+        x_TE,
+        positions_T,
+        inv_freq,
+        layer: int,
+        cache: PagedKVCache,
+        md: AttentionMetadata,
+        backend: str,
+    ):
+        T = x_TE.shape[0]
+        q_THD = self.q_proj(x_TE).reshape(T, self.num_heads, self.head_dim)
+        k_TKD = self.k_proj(x_TE).reshape(T, self.num_kv_heads, self.head_dim)
+        v_TKD = self.v_proj(x_TE).reshape(T, self.num_kv_heads, self.head_dim)
+        q_THD = apply_rope(q_THD, positions_T, inv_freq)
+        k_TKD = apply_rope(k_TKD, positions_T, inv_freq)
+        cache = cache.write(layer, k_TKD, v_TKD, md.slot_mapping)
+        kv_pages, k_scale, v_scale = cache.layer(layer)
+        o_THD = pj.ragged_paged_attention(
+            q_THD,
+            kv_pages,
+            md.kv_lens,
+            md.page_indices,
+            md.cu_q_lens,
+            md.num_seqs,
+            sm_scale=self.head_dim**-0.5,
+            sliding_window=self.sliding_window,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            backend=backend,
+        )
+        return self.o_proj(o_THD.reshape(T, self.num_heads * self.head_dim)), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, **kw)
+        self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, **kw)
+        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False, **kw)
+
+    def __call__(self, x_TE):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x_TE)) * self.up_proj(x_TE))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.self_attn = Attention(cfg, rngs=rngs, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.mlp = MLP(cfg, rngs=rngs, **kw)
+
+    def __call__(self, x_TE, positions_T, inv_freq, layer, cache, md, backend):
+        h, cache = self.self_attn(
+            self.input_layernorm(x_TE), positions_T, inv_freq, layer, cache, md, backend
+        )
+        x_TE = x_TE + h
+        return x_TE + self.mlp(self.post_attention_layernorm(x_TE)), cache
+
+
+class LlamaForCausalLM(nnx.Module):
+    """A decoder whose forward pass runs a ragged step on a paged cache.
+
+    ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype of the weights.
+    """
+
+    def __init__(
+        self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32
+    ):
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.config = cfg
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, **kw)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, **kw) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else _linear(cfg.hidden_size, cfg.vocab_size, False, rngs=rngs, **kw)
+        )
+        self.dtype = dtype
+
+    def make_cache(self, num_pages: int, page_size: int, dtype=None) -> PagedKVCache:
+        """An empty paged cache shaped for this model (default dtype: the compute dtype)."""
+        c = self.config
+        return PagedKVCache.create(
+            c.num_layers,
+            num_pages,
+            page_size,
+            c.num_kv_heads,
+            c.head_dim,
+            dtype=dtype or self.dtype,
+        )
+
+    def __call__(
+        self,
+        tokens_T: jax.Array,  # i32[T]
+        positions_T: jax.Array,  # i32[T]
+        cache: PagedKVCache,
+        md: AttentionMetadata,
+        *,
+        backend: str = "auto",
+    ) -> tuple[jax.Array, PagedKVCache]:  # (f32[R, V], cache)
+        """Runs one step; returns the logits of rows ``md.logits_indices`` and the cache."""
+        cfg = self.config
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        x_TE = self.embed_tokens(tokens_T)
+        for i, layer in enumerate(self.layers):
+            x_TE, cache = layer(x_TE, positions_T, inv_freq, i, cache, md, backend)
+        x_RE = self.norm(x_TE[md.logits_indices])
+        if self.lm_head is None:
+            logits = self.embed_tokens.attend(x_RE)
+        else:
+            logits = self.lm_head(x_RE)
+        return logits.astype(jnp.float32), cache
+
+
+def init_model(cfg: LlamaConfig, *, seed: int = 0, dtype=jnp.float32, param_dtype=jnp.float32):
+    """A randomly initialized model (fixed seed: the same weights in every process)."""
+    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
+
+
+def make_step(model: LlamaForCausalLM, *, backend: str = "auto"):
+    """Splits ``model`` and returns ``(step, state)``, where
+
+    ``step(state, tokens i32[T], positions i32[T], cache, metadata) -> (logits f32[R, V],
+    cache)`` is jitted, applies the metadata's copy-on-write copies first, and donates
+    ``cache`` (the pool is updated in place; do not reuse the cache passed in).
+    """
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, donate_argnums=(3,))
+    def step(state, tokens, positions, cache, md):
+        m = nnx.merge(graphdef, state)
+        cache = cache.copy_pages(md.copy_src, md.copy_dst)
+        return m(tokens, positions, cache, md, backend=backend)
+
+    return step, state

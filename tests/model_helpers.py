@@ -1,0 +1,122 @@
+"""Test helpers: greedy decoding through the paged cache, and an unpaged dense oracle."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.llama import apply_rope, make_step, rope_inv_freq
+from paged_jax.batch import ScheduledSeq, build_batch
+from paged_jax.block_manager import BlockManager
+from paged_jax.metadata import AttentionMetadata
+
+
+class PagedGreedy:
+    """A minimal continuous-batching loop: one ragged prefill step, then decode steps.
+
+    ``forks``: {child: parent} sequences forked from a parent right after its prefill,
+    sharing all of its pages. ``prefix_caching``: later prompts reuse earlier full pages.
+    ``shapes`` records the bucketed shapes of every step (to count compilations).
+    """
+
+    def __init__(self, model, *, page_size, num_pages=256, prefix_caching=False):
+        self.model = model
+        self.step, self.state = make_step(model)
+        self.bm = BlockManager(
+            num_pages, page_size, enable_prefix_caching=prefix_caching, watermark=0.0
+        )
+        self.cache = model.make_cache(num_pages, page_size)
+        self.shapes = []
+        self.computed_tokens = 0
+
+    def run(self, scheduled):
+        batch = build_batch(self.bm, scheduled)
+        self.shapes.append((batch.token_ids.shape, batch.page_indices.shape, batch.copy_src.shape))
+        self.computed_tokens += batch.num_tokens
+        logits, self.cache = self.step(
+            self.state,
+            jnp.asarray(batch.token_ids),
+            jnp.asarray(batch.positions),
+            self.cache,
+            AttentionMetadata.from_batch(batch),
+        )
+        return np.asarray(logits)[: len(scheduled)]
+
+    def prefill(self, prompts: dict):
+        sched = []
+        for sid, p in prompts.items():
+            cached = self.bm.allocate(sid, p)
+            sched.append(ScheduledSeq(sid, cached, len(p)))
+        logits = self.run(sched)
+        for s in sched:
+            self.bm.mark_computed(s.seq_id, s.stop)
+        return {s.seq_id: int(np.argmax(row)) for s, row in zip(sched, logits, strict=True)}
+
+    def decode(self, first: dict, max_new: int, forks: dict | None = None):
+        """Greedy decode from each sequence's first generated token; returns token lists."""
+        out = {sid: [tok] for sid, tok in first.items()}
+        for child, parent in (forks or {}).items():
+            self.bm.fork(parent, child)
+            out[child] = list(out[parent])
+        for _ in range(max_new - 1):
+            sched = []
+            for sid, toks in out.items():
+                self.bm.append_slots(sid, [toks[-1]])
+                n = self.bm.num_tokens(sid)
+                sched.append(ScheduledSeq(sid, n - 1, n))
+            logits = self.run(sched)
+            for s, row in zip(sched, logits, strict=True):
+                out[s.seq_id].append(int(np.argmax(row)))
+        return out
+
+
+def dense_logits(model, ids) -> np.ndarray:
+    """All-position logits of ``ids`` with plain causal attention and no cache at all.
+
+    Causal attention makes positions independent of later ones, so ``ids`` are padded to
+    a multiple of 64 and one compiled function serves every length.
+    """
+    n = len(ids)
+    padded = np.zeros(-(-n // 64) * 64, np.int32)
+    padded[:n] = ids
+    return np.asarray(_dense_logits(model, jnp.asarray(padded)))[:n]
+
+
+@nnx.jit
+def _dense_logits(model, ids):
+    cfg = model.config
+    T = ids.shape[0]
+    pos = jnp.arange(T)
+    inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    x = model.embed_tokens(ids)
+    mask = pos[None, :] <= pos[:, None]
+    if cfg.sliding_window is not None:
+        mask &= pos[:, None] - pos[None, :] < cfg.sliding_window
+    for layer in model.layers:
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = apply_rope(a.q_proj(h).reshape(T, a.num_heads, a.head_dim), pos, inv)
+        k = apply_rope(a.k_proj(h).reshape(T, a.num_kv_heads, a.head_dim), pos, inv)
+        v = a.v_proj(h).reshape(T, a.num_kv_heads, a.head_dim)
+        g = a.num_heads // a.num_kv_heads
+        k, v = jnp.repeat(k, g, axis=1), jnp.repeat(v, g, axis=1)
+        s = jnp.einsum("qhd,khd->hqk", q, k, precision="highest") * a.head_dim**-0.5
+        p = jax.nn.softmax(jnp.where(mask[None], s, -jnp.inf), axis=-1)
+        o = jnp.einsum("hqk,khd->qhd", p, v, precision="highest").reshape(T, -1)
+        x = x + a.o_proj(o)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    x = model.norm(x)
+    logits = model.embed_tokens.attend(x) if model.lm_head is None else model.lm_head(x)
+    return logits.astype(jnp.float32)
+
+
+def dense_greedy(model, prompt, max_new: int) -> list[int]:
+    ids = list(prompt)
+    out = []
+    for _ in range(max_new):
+        tok = int(np.argmax(dense_logits(model, ids)[-1]))
+        out.append(tok)
+        ids.append(tok)
+    return out

@@ -1,0 +1,151 @@
+"""The Flax decoder on the paged cache: paged == unpaged, one compile per bucket, configs."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from model_helpers import PagedGreedy, dense_greedy, dense_logits
+
+from models import TINY_LLAMA, LlamaConfig, RopeScaling, init_model
+from paged_jax.metadata import AttentionMetadata
+
+PROMPTS = {"a": [256, 72, 105, 33], "b": list(range(60, 97)), "c": [256, 7]}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return init_model(TINY_LLAMA, seed=0)
+
+
+def test_prefill_logits_match_dense(tiny):
+    ids = np.array(PROMPTS["b"])
+    cache = tiny.make_cache(16, 8)
+    md = AttentionMetadata.prefill(
+        len(ids), 8 + np.arange(len(ids)), [1, 2, 3, 4, 5], logits_all=True
+    )
+    logits, _ = tiny(jnp.asarray(ids, jnp.int32), jnp.arange(len(ids), dtype=jnp.int32), cache, md)
+    ref = dense_logits(tiny, ids)
+    assert np.abs(np.asarray(logits) - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("page_size", [1, 8, 16, 32])
+def test_paged_greedy_equals_unpaged(tiny, page_size):
+    # Prompts of different lengths decoded together through the paged cache give the
+    # tokens of a cache-free dense forward pass, on every page size.
+    g = PagedGreedy(tiny, page_size=page_size, num_pages=4 + 160 // page_size * 3)
+    out = g.decode(g.prefill(PROMPTS), max_new=12)
+    for sid, prompt in PROMPTS.items():
+        assert out[sid] == dense_greedy(tiny, prompt, 12), sid
+
+
+def test_sliding_window_and_tied_embeddings_paged_equals_unpaged():
+    cfg = dataclasses.replace(
+        TINY_LLAMA, sliding_window=6, tie_word_embeddings=True, architecture="MistralForCausalLM"
+    )
+    model = init_model(cfg, seed=1)
+    assert model.lm_head is None
+    g = PagedGreedy(model, page_size=4)
+    out = g.decode(g.prefill({"x": PROMPTS["b"][:13]}), max_new=10)
+    assert out["x"] == dense_greedy(model, PROMPTS["b"][:13], 10)
+
+
+def test_fork_and_prefix_hit_keep_outputs(tiny):
+    g = PagedGreedy(tiny, page_size=8, prefix_caching=True)
+    first = g.prefill({"p": PROMPTS["b"]})
+    out = g.decode(first, max_new=8, forks={"child": "p"})
+    expected = dense_greedy(tiny, PROMPTS["b"], 8)
+    assert out["p"] == out["child"] == expected
+    # A later prompt sharing the first 32 tokens reuses 4 pages and computes only the rest.
+    before = g.computed_tokens
+    prompt2 = PROMPTS["b"][:32] + [5, 6, 7]
+    first2 = g.prefill({"q": prompt2})
+    assert g.computed_tokens - before == 3
+    assert g.decode(first2, max_new=6)["q"] == dense_greedy(tiny, prompt2, 6)
+
+
+def test_decode_loop_compiles_once_per_bucket(tiny):
+    # 60 decode steps while sequences join and leave: compilations == distinct shapes.
+    g = PagedGreedy(tiny, page_size=16, num_pages=128)
+    rng = np.random.default_rng(0)
+    live, next_id, steps = {}, 0, 0
+    compiled_before = g.step._cache_size()
+    decode_shapes = set()
+    while steps < 60:
+        if len(live) < 6 and rng.random() < 0.3:
+            sid = f"s{next_id}"
+            next_id += 1
+            live.update(g.prefill({sid: list(rng.integers(0, 256, rng.integers(3, 30)))}))
+            continue
+        if len(live) > 1 and rng.random() < 0.1:
+            gone = sorted(live)[0]
+            g.bm.free(gone)
+            del live[gone]
+        sched_ids = sorted(live)
+        from paged_jax.batch import ScheduledSeq
+
+        sched = []
+        for sid in sched_ids:
+            g.bm.append_slots(sid, [live[sid]])
+            n = g.bm.num_tokens(sid)
+            sched.append(ScheduledSeq(sid, n - 1, n))
+        logits = g.run(sched)
+        decode_shapes.add(g.shapes[-1])
+        for sid, row in zip(sched_ids, logits, strict=True):
+            live[sid] = int(np.argmax(row))
+        steps += 1
+    all_shapes = set(g.shapes)
+    assert g.step._cache_size() - compiled_before == len(all_shapes)
+    assert len(decode_shapes) <= 2, decode_shapes  # a steady loop stays in its bucket(s)
+    assert steps == 60 and next_id >= 4
+
+
+@pytest.mark.parametrize(
+    "changes,msg",
+    [
+        (dict(num_heads=5), "num_heads: expected a multiple of num_kv_heads=2, got 5"),
+        (dict(hidden_size=0), "hidden_size: expected a positive int, got 0"),
+        (dict(head_dim=31), "head_dim: expected an even number (RoPE), got 31"),
+        (dict(sliding_window=0), "sliding_window: expected None or >= 1, got 0"),
+        (
+            dict(architecture="GPT2LMHeadModel"),
+            "architecture: expected one of ('LlamaForCausalLM', 'Qwen2ForCausalLM', "
+            "'MistralForCausalLM'), got 'GPT2LMHeadModel'",
+        ),
+    ],
+)
+def test_config_errors_name_field_and_value(changes, msg):
+    with pytest.raises(ValueError) as info:
+        dataclasses.replace(TINY_LLAMA, **changes)
+    assert str(info.value) == msg
+
+
+def test_rope_scaling_errors_and_from_hf():
+    with pytest.raises(
+        ValueError,
+        match="rope_scaling: expected 0 < low_freq_factor < "
+        "high_freq_factor, got low_freq_factor=4.0",
+    ):
+        RopeScaling(8.0, 4.0, 1.0, 64)
+    cfg = LlamaConfig.from_hf(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 10,
+            "hidden_size": 8,
+            "intermediate_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            "rope_theta": 500000.0,
+        }
+    )
+    assert cfg.rope_scaling.factor == 8.0 and cfg.rope_theta == 500000.0
+    assert cfg.num_kv_heads == 2 and cfg.head_dim == 4
+    with pytest.raises(ValueError, match=r"architectures: \['BertModel'\] is not supported"):
+        LlamaConfig.from_hf({"architectures": ["BertModel"]})
