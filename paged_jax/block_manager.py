@@ -206,6 +206,10 @@ class BlockManager:
         self._page_tokens: dict[int, bytes] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount-0 cached, LRU first
         self._pending: dict[int, int] = {}  # copy-on-write: dst page -> src page
+        self._pending_src: dict[int, int] = {}  # src page -> number of pending copies from it
+        # Pages released while a pending copy still reads them: reused only after the
+        # step boundary, so nothing (a swap-in, the step's writes) overwrites them first.
+        self._deferred: list[int] = []
         self._step = 0  # step boundaries seen (take_copies calls)
         self._host_refcount = [0] * self.num_host_pages
         self._host_free = list(range(self.num_host_pages - 1, -1, -1))
@@ -338,11 +342,29 @@ class BlockManager:
         self._refcount[page] = rc
         if rc:
             return
-        self._pending.pop(page, None)  # a copy into a page nobody holds is moot
+        src = self._pending.pop(page, None)  # a copy into a page nobody holds is moot
+        if src is not None:
+            self._drop_pending_src(src)
+        if page in self._pending_src:
+            self._deferred.append(page)
+        else:
+            self._release(page)
+
+    def _release(self, page: int) -> None:
         if page in self._page_key:
             self._evictable[page] = None
         else:
             self._free.append(page)
+
+    def _drop_pending_src(self, src: int) -> None:
+        left = self._pending_src[src] - 1
+        if left:
+            self._pending_src[src] = left
+            return
+        del self._pending_src[src]
+        if self._refcount[src] == 0 and src in self._deferred:
+            self._deferred.remove(src)
+            self._release(src)
 
     def _check_new_id(self, seq_id: Hashable, op: str) -> None:
         if seq_id in self._seqs:
@@ -465,6 +487,7 @@ class BlockManager:
             # `old` holds only K/V of earlier steps: fork refuses parents with unwritten
             # K/V, so a page written this step is never shared, and copies never chain.
             self._pending[new] = old
+            self._pending_src[old] = self._pending_src.get(old, 0) + 1
             self._unref(old)
             pages[-1] = new
         for _ in range(self.pages_needed(n + num_new) - len(pages)):
@@ -569,6 +592,10 @@ class BlockManager:
         src = np.fromiter(self._pending.values(), np.int32, len(self._pending))
         dst = np.fromiter(self._pending.keys(), np.int32, len(self._pending))
         self._pending.clear()
+        self._pending_src.clear()
+        for page in self._deferred:
+            self._release(page)
+        self._deferred.clear()
         self._step += 1
         return src, dst
 
@@ -723,7 +750,11 @@ class BlockManager:
         assert len(free) == len(self._free), "page twice in the free list"
         for p in range(1, self.num_pages):
             in_free, in_evict = p in free, p in self._evictable
-            assert (counts[p] == 0) == (in_free or in_evict), f"page {p}: free/used mismatch"
+            in_deferred = p in self._deferred
+            assert (counts[p] == 0) == (in_free or in_evict or in_deferred), (
+                f"page {p}: free/used mismatch"
+            )
+            assert in_deferred <= (p in self._pending_src), f"page {p}: deferred for no copy"
             assert not (in_free and in_evict), f"page {p}: both free and evictable"
             assert in_evict <= (p in self._page_key), f"page {p}: evictable but not cached"
             assert not (in_free and p in self._page_key), f"page {p}: free but still cached"
@@ -733,5 +764,6 @@ class BlockManager:
         assert set(self._host_free) == {
             s for s in range(self.num_host_pages) if host_counts[s] == 0
         }
-        for dst in self._pending:
+        for dst, src in self._pending.items():
             assert counts[dst] > 0, f"pending copy into unreferenced page {dst}"
+            assert src not in free and src not in self._evictable, f"copy source {src} reusable"

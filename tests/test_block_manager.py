@@ -131,6 +131,26 @@ def test_pending_copy_into_a_freed_page_is_dropped():
     assert dst.size == 0, "a stale copy would overwrite x's page"
 
 
+def test_copy_source_is_not_reused_before_the_copy_runs():
+    # p and c share page 2; c copies it (2 -> 3) and p finishes in the same step: page 2
+    # has no holder, but the copy still reads it, so it must not be handed out (to x
+    # here, whose writes would land before the copy) until the step boundary.
+    bm = _bm(6)  # pages 1..5
+    bm.allocate("p", list(range(6)))  # pages 1, 2
+    bm.mark_computed("p", 6)
+    bm.fork("p", "c")
+    bm.append_slots("c", [7])  # c -> [1, 3], copy 2 -> 3 pending
+    bm.free("p")  # page 2 now unreferenced
+    assert bm.num_free_pages == 2  # pages 4, 5: page 2 is held back
+    bm.allocate("x", [9] * 8)  # tokens unlike p's: no prefix hit, two fresh pages
+    assert 2 not in bm.block_table("x")
+    bm.check_invariants()
+    src, dst = bm.take_copies()
+    assert (list(src), list(dst)) == ([2], [3])
+    assert bm.num_free_pages == 1  # page 2 is back after the boundary
+    bm.check_invariants()
+
+
 def test_prefix_cache_hits_share_full_pages_and_skip_the_last_token():
     bm = _bm(32)
     prompt = list(range(100, 110))  # 10 tokens: 2 full pages + 2 tokens
