@@ -44,6 +44,9 @@ _LAZY = {
     "NULL_PAGE": ("paged_jax.cache", "NULL_PAGE"),
     "PagedKVCache": ("paged_jax.cache", "PagedKVCache"),
     "AttentionMetadata": ("paged_jax.metadata", "AttentionMetadata"),
+    "LLM": ("paged_jax.engine", "LLM"),
+    "SamplingParams": ("paged_jax.engine", "SamplingParams"),
+    "RequestOutput": ("paged_jax.engine", "RequestOutput"),
 }
 
 
@@ -65,9 +68,12 @@ __all__ = [
     "BlockManagerError",
     "DuplicateSequence",
     "InvalidSequenceState",
+    "LLM",
     "NULL_PAGE",
     "OutOfPages",
     "PagedKVCache",
+    "RequestOutput",
+    "SamplingParams",
     "ScheduledSeq",
     "StepBatch",
     "UnknownSequence",

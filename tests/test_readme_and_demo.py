@@ -22,10 +22,17 @@ def test_readme_example_runs_as_printed():
 
 def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_second():
     text = (ROOT / "README.md").read_text()
-    setup = text[text.index("## Set-up") : text.index("## Example")]
+    setup = text[text.index("## Set-up") : text.index("## Engine")]
     commands = re.findall(r"```bash\n(.*?)\n```", setup, re.S)
     assert len(commands) == 2
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_demo_command_is_the_cli():
+    text = (ROOT / "README.md").read_text()
+    setup = text[text.index("## Set-up") : text.index("## Engine")]
+    first = re.findall(r"```bash\n(.*?)\n```", setup, re.S)[0]
+    assert first.endswith("paged-jax generate -n 2 --temperature 0.8 --seed 0")
 
 
 def test_demo_passes():

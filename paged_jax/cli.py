@@ -1,0 +1,172 @@
+"""The ``paged-jax`` console script: ``generate`` (the main demo) and ``bench``.
+
+Bad input is a one-line ``paged-jax: error: ...`` on stderr and exit code 2, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pathlib
+import sys
+
+DEFAULT_PROMPTS = ["Paged attention stores the KV cache in", "Once upon a time"]
+BENCHMARKS = ("block_manager", "kernels", "memory", "sharing", "throughput", "host_overhead")
+
+
+class UsageError(Exception):
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="paged-jax", description="PagedAttention for JAX")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text with continuous batching on a paged cache")
+    g.add_argument(
+        "--model",
+        default="tiny-llama",
+        help="'tiny-llama' (built in, random weights) or a Hugging Face checkpoint dir",
+    )
+    g.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+    g.add_argument("--prompts-file", type=pathlib.Path, help="one prompt per line")
+    g.add_argument("-n", type=int, default=1, help="samples per prompt (share prompt pages)")
+    g.add_argument("--beam-width", type=int, default=1, help="beam search width (1: off)")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--num-pages", type=int, default=None, help="default: from a memory budget")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--json", action="store_true", help="print outputs and metrics as JSON")
+    b = sub.add_parser("bench", help="run a benchmark (from a source checkout)")
+    b.add_argument("name", choices=BENCHMARKS)
+    b.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    return p
+
+
+def _prompts(args) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        if not args.prompts_file.is_file():
+            raise UsageError(f"--prompts-file: {args.prompts_file} does not exist")
+        prompts += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+    if not prompts:
+        prompts = list(DEFAULT_PROMPTS)
+    for k, p in enumerate(prompts):
+        if not p.strip():
+            raise UsageError(f"--prompt: prompt {k + 1} is empty")
+    return prompts
+
+
+def _generate(args) -> int:
+    if args.model != "tiny-llama" and not pathlib.Path(args.model).is_dir():
+        raise UsageError(
+            f"--model: {args.model!r} is neither 'tiny-llama' nor a checkpoint directory"
+        )
+    if args.n < 1:
+        raise UsageError(f"-n: expected >= 1, got {args.n}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise UsageError(f"--top-p: expected a value in (0, 1], got {args.top_p}")
+    prompts = _prompts(args)
+    from paged_jax.engine import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            n=args.n,
+            beam_width=args.beam_width,
+            ignore_eos=args.ignore_eos,
+        )
+        llm = LLM(
+            args.model,
+            num_pages=args.num_pages,
+            page_size=args.page_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=not args.no_prefix_caching,
+            preemption=args.preemption,
+        )
+        outputs = llm.generate(prompts, params, progress=not args.no_progress and not args.json)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    metrics = llm.metrics.summary()
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "outputs": [
+                        {
+                            "prompt": p,
+                            "completions": [
+                                {
+                                    "text": c.text,
+                                    "token_ids": c.token_ids,
+                                    "finish_reason": c.finish_reason,
+                                }
+                                for c in o.outputs
+                            ],
+                        }
+                        for p, o in zip(prompts, outputs, strict=True)
+                    ],
+                    "metrics": metrics,
+                },
+                indent=2,
+            )
+        )
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    for p, o in zip(prompts, outputs, strict=True):
+        console.print(f"[bold]prompt:[/bold] {p!r}")
+        for c in o.outputs:
+            label = f"  [{c.index}]" if len(o.outputs) > 1 else " "
+            console.print(f"{label} {c.text!r} ({len(c.token_ids)} tokens, {c.finish_reason})")
+    table = Table(title="engine metrics")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in metrics.items():
+        table.add_row(k, f"{v:.3g}" if isinstance(v, float) else str(v))
+    console.print(table)
+    return 0
+
+
+def _bench(args) -> int:
+    root = pathlib.Path(__file__).resolve().parents[1]
+    if (root / "benchmarks").is_dir() and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        mod = importlib.import_module(f"benchmarks.bench_{args.name}")
+    except ModuleNotFoundError as e:
+        raise UsageError(
+            f"bench: benchmark {args.name!r} is not available here ({e}); run it "
+            "from a source checkout"
+        ) from None
+    return int(mod.main(args.args) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _generate(args) if args.command == "generate" else _bench(args)
+    except UsageError as e:
+        print(f"paged-jax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""The serving engine: continuous batching, sampling, n-way sampling and beam search on
+copy-on-write pages, prefix caching, preemption by swap or recompute."""
+
+from paged_jax.engine.llm import (
+    LLM,
+    CompletionOutput,
+    EngineMetrics,
+    RequestMetrics,
+    RequestOutput,
+)
+from paged_jax.engine.sampling import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineMetrics",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -1,0 +1,645 @@
+"""``LLM``: continuous batching on the paged cache, with sampling, n-way samples and beam
+search on copy-on-write pages, prefix caching and preemption by swap or recompute."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.batch import ScheduledSeq, bucket, build_batch
+from paged_jax.block_manager import BlockManager
+from paged_jax.engine.sampling import SamplingParams, beam_candidates, sample_rows
+from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status
+from paged_jax.metadata import AttentionMetadata
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    cumulative_logprob: float
+    logprobs: list[float] | None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served by the prefix cache (summed over preemptions)
+    num_generated_tokens: int
+    num_preemptions: int
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: Hashable
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclasses.dataclass
+class EngineMetrics:
+    steps: int = 0
+    elapsed_s: float = 0.0
+    step_s: float = 0.0  # time inside the jitted step (device work)
+    host_s: float = 0.0  # scheduling, block manager, batch building, sampling bookkeeping
+    tokens_computed: int = 0  # prompt + generated tokens run through the model
+    tokens_generated: int = 0
+    requests_finished: int = 0
+    ttft_sum_s: float = 0.0
+    kv_utilization_sum: float = 0.0
+    max_pages_used: int = 0
+    max_pages_shared: int = 0
+    preemptions_swap: int = 0
+    preemptions_recompute: int = 0
+    prefix_hit_rate: float = 0.0
+    compilations: int = 0
+
+    def summary(self) -> dict[str, float]:
+        s = max(self.steps, 1)
+        return {
+            "requests": self.requests_finished,
+            "generated tokens": self.tokens_generated,
+            "tokens/s (generated)": self.tokens_generated / max(self.elapsed_s, 1e-9),
+            "tokens/s (computed)": self.tokens_computed / max(self.elapsed_s, 1e-9),
+            "requests/s": self.requests_finished / max(self.elapsed_s, 1e-9),
+            "mean TTFT (s)": self.ttft_sum_s / max(self.requests_finished, 1),
+            "steps": self.steps,
+            "host share of step time": self.host_s / max(self.host_s + self.step_s, 1e-9),
+            "mean KV utilization": self.kv_utilization_sum / s,
+            "max pages used": self.max_pages_used,
+            "max pages shared": self.max_pages_shared,
+            "prefix hit rate": self.prefix_hit_rate,
+            "preemptions (swap)": self.preemptions_swap,
+            "preemptions (recompute)": self.preemptions_recompute,
+            "compilations": self.compilations,
+        }
+
+
+def _resolve_model(model: Any):
+    """A model object, "tiny-llama", or a Hugging Face checkpoint directory -> (model, tok)."""
+    if not isinstance(model, str):
+        return model, None
+    import models  # the engine reaches the models layer lazily (core never imports it)
+
+    if model in models.PRESETS:
+        return models.init_model(models.PRESETS[model], seed=0), models.ByteTokenizer()
+    return models.load_hf(model)
+
+
+class LLM:
+    """Generates from a decoder with continuous batching on a paged KV cache.
+
+    Args:
+      model: an NNX decoder following ``models.LlamaForCausalLM``'s step protocol
+        (``__call__(tokens, positions, cache, metadata) -> (logits, cache)``,
+        ``make_cache``, ``config``), or ``"tiny-llama"``, or a checkpoint directory.
+      num_pages: pages in the pool; None sizes it from ``kv_cache_bytes``.
+      kv_cache_bytes: memory budget of the pool when ``num_pages`` is None (default: half
+        the accelerator's free memory, or 256 MiB on CPU).
+      page_size: tokens per page.
+      max_num_seqs: sequences per step at most.
+      max_num_batched_tokens: tokens per step at most (decode tokens + prefill chunks).
+      enable_prefix_caching: share full prompt pages across requests.
+      preemption: "recompute" (free pages, prefill again later) or "swap" (to host).
+      num_host_pages: host page slots for swapping (default: as many as the pool).
+      watermark: fraction of pages kept back from admissions.
+      cache_dtype: KV cache dtype (default: the model's compute dtype).
+      tokenizer: object with ``encode(str)`` / ``decode(ids)`` (default: the model's).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        num_pages: int | None = None,
+        kv_cache_bytes: int | None = None,
+        page_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        enable_prefix_caching: bool = True,
+        preemption: str = "recompute",
+        num_host_pages: int | None = None,
+        watermark: float = 0.01,
+        cache_dtype: Any = None,
+        tokenizer: Any = None,
+    ):
+        if preemption not in ("recompute", "swap"):
+            raise ValueError(f"preemption: expected 'recompute' or 'swap', got {preemption!r}")
+        for name, v in (
+            ("page_size", page_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        self.model, default_tok = _resolve_model(model)
+        self.tokenizer = tokenizer or default_tok
+        cfg = self.model.config
+        self.max_model_len = cfg.max_position_embeddings
+        self.eos_token_ids = set(getattr(cfg, "eos_token_ids", ()))
+        probe = self.model.make_cache(2, page_size, cache_dtype)
+        if num_pages is None:
+            num_pages = max(
+                2, (kv_cache_bytes or _default_budget()) // (page_size * probe.bytes_per_token)
+            )
+        self.page_size = page_size
+        self.cache = self.model.make_cache(num_pages, page_size, cache_dtype)
+        self.bm = BlockManager(
+            num_pages,
+            page_size,
+            enable_prefix_caching=enable_prefix_caching,
+            watermark=watermark,
+            num_host_pages=num_pages if num_host_pages is None else num_host_pages,
+        )
+        self.scheduler = Scheduler(
+            self.bm,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            preemption=preemption,
+        )
+        self.metrics = EngineMetrics()
+        self._groups: dict[Hashable, Group] = {}
+        self._arrivals = 0
+        self._host: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}  # swapped pages
+        from flax import nnx
+
+        self._graphdef, self._state = nnx.split(self.model)
+        self._run = _make_run(self._graphdef)
+
+    # ------------------------------------------------------------------ requests
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: a string needs a tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+            return list(getattr(ids, "ids", ids))
+        return [int(t) for t in prompt]
+
+    def decode(self, ids: Sequence[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
+
+    def add_request(
+        self,
+        request_id: Hashable,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: Any = None,
+    ) -> None:
+        """Queues a request. Raises ValueError on a bad request (nothing is queued)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+        if request_id in self._groups:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("prompt: expected at least one token, got an empty prompt")
+        vocab = self.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt: token ids must lie in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens, the model's maximum length is "
+                f"{self.max_model_len} (one more is needed to generate)"
+            )
+        width = params.beam_width if params.use_beam_search else params.n
+        worst = min(len(ids) + params.max_tokens, self.max_model_len)
+        pages = width * self.bm.pages_needed(worst)
+        usable = self.bm.num_pages - 1 - self.bm.watermark_pages
+        if pages > usable:
+            raise ValueError(
+                f"request needs up to {pages} pages ({width} x {worst} tokens), the pool "
+                f"has {usable}: lower max_tokens / n / beam_width or add pages"
+            )
+        self._arrivals += 1
+        g = Group(
+            request_id=request_id,
+            arrival=self._arrivals,
+            prompt=ids,
+            params=params,
+            seed=params.seed if params.seed is not None else self._arrivals,
+            salt=cache_salt,
+            arrival_time=time.perf_counter(),
+        )
+        g.seqs.append(Seq(f"{request_id}/0", list(ids), len(ids), 0))
+        self._groups[request_id] = g
+        self.scheduler.add(g)
+
+    def abort(self, request_id: Hashable) -> None:
+        """Stops a request; its pages are freed; its output is returned with reason 'abort'."""
+        g = self._groups.get(request_id)
+        if g is None or g.status is Status.FINISHED:
+            return
+        self.scheduler.remove(g)
+        for s in g.seqs:
+            if s.seq_id in self.bm:
+                self.bm.free(s.seq_id)
+            s.finish_reason = "abort"
+            g.done.append(s)
+        g.seqs.clear()
+        self._finish(g)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step; returns the requests that finished in it."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        finished: list[RequestOutput] = []
+        self._swap(sched.swap_out, sched.swap_in)
+        work = sched.work
+        if work:
+            batch = build_batch(
+                self.bm, [ScheduledSeq(w.seq.seq_id, w.start, w.stop) for w in work]
+            )
+            rows, num_samples, num_cand = self._sampling_rows(work)
+            S_b = batch.kv_lens.shape[0]
+            temp = np.zeros(S_b, np.float32)
+            top_k = np.zeros(S_b, np.int32)
+            top_p = np.ones(S_b, np.float32)
+            seeds = np.zeros((S_b, num_samples), np.uint32)
+            out_pos = np.zeros(S_b, np.int32)
+            for i, (p, seed_row, pos) in rows.items():
+                temp[i], top_k[i], top_p[i], out_pos[i] = p.temperature, p.top_k, p.top_p, pos
+                seeds[i, : len(seed_row)] = seed_row
+            t1 = time.perf_counter()
+            toks, lps, cand_v, cand_i, self.cache = self._run(
+                self._state,
+                jnp.asarray(batch.token_ids),
+                jnp.asarray(batch.positions),
+                self.cache,
+                AttentionMetadata.from_batch(batch),
+                jnp.asarray(temp),
+                jnp.asarray(top_k),
+                jnp.asarray(top_p),
+                jnp.asarray(seeds),
+                jnp.asarray(out_pos),
+                num_candidates=num_cand,
+            )
+            toks, lps = np.asarray(toks), np.asarray(lps)
+            cand = None if cand_v is None else (np.asarray(cand_v), np.asarray(cand_i))
+            t2 = time.perf_counter()
+            self.metrics.step_s += t2 - t1
+            self.metrics.tokens_computed += batch.num_tokens
+            for w in work:
+                self.bm.mark_computed(w.seq.seq_id, w.stop)
+            finished = self._process(work, toks, lps, cand, t2)
+        self._account(sched, time.perf_counter() - t0)
+        return finished
+
+    def _sampling_rows(self, work):
+        """Rows that sample: {row: (params, seeds, output position)}, J, beam candidates."""
+        rows, num_samples, num_cand = {}, 1, 0
+        for i, w in enumerate(work):
+            if not w.sample:
+                continue
+            g, s, p = w.group, w.seq, w.group.params
+            pos = len(s.tokens) - s.prompt_len  # output position of the token sampled
+            if p.use_beam_search:
+                num_cand = max(num_cand, bucket(2 * p.beam_width, 2))
+                rows[i] = (p, [g.seed + s.sample_index], pos)
+            elif p.n > 1 and not g.forked:
+                rows[i] = (p, [g.seed + j for j in range(p.n)], pos)
+                num_samples = max(num_samples, bucket(p.n))
+            else:
+                rows[i] = (p, [g.seed + s.sample_index], pos)
+        return rows, num_samples, num_cand
+
+    def _process(self, work, toks, lps, cand, now) -> list[RequestOutput]:
+        by_group: dict[int, list[tuple[int, Any]]] = {}
+        for i, w in enumerate(work):
+            if w.sample:
+                by_group.setdefault(id(w.group), []).append((i, w))
+        finished = []
+        for items in by_group.values():
+            g = items[0][1].group
+            if g.first_token_time is None:
+                g.first_token_time = now
+            if g.params.use_beam_search:
+                self._beam_step(g, items, cand)
+            elif g.params.n > 1 and not g.forked:
+                self._fork_samples(g, items[0], toks, lps)
+            else:
+                for i, w in items:
+                    self._append(g, w.seq, int(toks[i, 0]), float(lps[i, 0]))
+            if not g.seqs:
+                finished.append(self._finish(g))
+        return finished
+
+    def _append(self, g: Group, s: Seq, token: int, logprob: float) -> None:
+        """Adds a sampled token to ``s``; finishes ``s`` on a stop condition."""
+        p = g.params
+        s.tokens.append(token)
+        s.cum_logprob += logprob
+        if p.logprobs:
+            s.logprobs.append(logprob)
+        self.metrics.tokens_generated += 1
+        reason = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+        elif len(s.output) >= p.max_tokens or len(s.tokens) >= self.max_model_len:
+            reason = "length"
+        if reason:
+            s.finish_reason = reason
+            self.bm.free(s.seq_id)
+            g.seqs.remove(s)
+            g.done.append(s)
+
+    def _fork_samples(self, g: Group, item, toks, lps) -> None:
+        """The prompt's logits give n tokens: n - 1 forks share every prompt page."""
+        i, w = item
+        parent = w.seq
+        g.forked = True
+        children = []
+        for j in range(1, g.params.n):
+            sid = g.new_seq_id()
+            self.bm.fork(parent.seq_id, sid)
+            child = Seq(sid, list(parent.tokens), parent.prompt_len, j)
+            g.seqs.append(child)
+            children.append((child, j))
+        for s, j in [(parent, 0), *children]:
+            self._append(g, s, int(toks[i, j]), float(lps[i, j]))
+
+    def _beam_step(self, g: Group, items, cand) -> None:
+        """Keeps the best ``beam_width`` continuations; forks/frees beams on shared pages."""
+        p = g.params
+        vals, ids = cand
+        candidates = []  # (score, parent order, rank, parent seq, token, logprob)
+        for order, (i, w) in enumerate(items):
+            for rank in range(2 * p.beam_width):
+                lp = float(vals[i, rank])
+                candidates.append(
+                    (w.seq.cum_logprob + lp, order, rank, w.seq, int(ids[i, rank]), lp)
+                )
+        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+        chosen = []
+        for score, _, _, parent, token, lp in candidates:
+            if len(chosen) == p.beam_width:
+                break
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+                if len(g.done) < p.beam_width:
+                    g.done.append(
+                        Seq(
+                            g.new_seq_id(),
+                            parent.tokens + [token],
+                            parent.prompt_len,
+                            0,
+                            cum_logprob=score,
+                            finish_reason="stop",
+                        )
+                    )
+                continue
+            chosen.append((parent, token, lp))
+        uses: dict[str, int] = {}
+        new_beams = []
+        for parent, token, lp in chosen:
+            uses[parent.seq_id] = uses.get(parent.seq_id, 0) + 1
+            if uses[parent.seq_id] == 1:
+                beam = Seq(
+                    parent.seq_id,
+                    list(parent.tokens),
+                    parent.prompt_len,
+                    0,
+                    cum_logprob=parent.cum_logprob,
+                )
+            else:
+                sid = g.new_seq_id()
+                self.bm.fork(parent.seq_id, sid)
+                beam = Seq(
+                    sid, list(parent.tokens), parent.prompt_len, 0, cum_logprob=parent.cum_logprob
+                )
+            new_beams.append((beam, token, lp))
+        for old in g.seqs:
+            if old.seq_id not in uses:
+                self.bm.free(old.seq_id)
+        g.seqs = [b for b, _, _ in new_beams]
+        for beam, token, lp in new_beams:
+            self._append_beam(g, beam, token, lp)
+        if len(g.done) >= p.beam_width:  # enough finished beams: stop (early stopping)
+            for s in g.seqs:
+                self.bm.free(s.seq_id)
+            g.seqs.clear()
+
+    def _append_beam(self, g: Group, s: Seq, token: int, logprob: float) -> None:
+        s.tokens.append(token)
+        s.cum_logprob += logprob
+        self.metrics.tokens_generated += 1
+        if len(s.output) >= g.params.max_tokens or len(s.tokens) >= self.max_model_len:
+            s.finish_reason = "length"
+            self.bm.free(s.seq_id)
+            g.seqs.remove(s)
+            g.done.append(s)
+
+    def _finish(self, g: Group) -> RequestOutput:
+        g.status = Status.FINISHED
+        g.finish_time = time.perf_counter()
+        self.scheduler.remove(g)
+        self.metrics.requests_finished += 1
+        if g.first_token_time is not None:
+            self.metrics.ttft_sum_s += g.first_token_time - g.arrival_time
+        return self._output(g)
+
+    def _output(self, g: Group) -> RequestOutput:
+        p = g.params
+        seqs = list(g.done) + list(g.seqs)
+        if p.use_beam_search:
+            seqs.sort(key=lambda s: -s.cum_logprob / max(len(s.output), 1) ** p.length_penalty)
+            seqs = seqs[: p.n]
+        else:
+            seqs.sort(key=lambda s: s.sample_index)
+        outs = [
+            CompletionOutput(
+                index=k,
+                token_ids=list(s.output),
+                text=self.decode(s.output),
+                finish_reason=s.finish_reason,
+                cumulative_logprob=s.cum_logprob,
+                logprobs=list(s.logprobs) if p.logprobs else None,
+            )
+            for k, s in enumerate(seqs)
+        ]
+        m = RequestMetrics(
+            g.arrival_time,
+            g.first_token_time,
+            g.finish_time,
+            len(g.prompt),
+            g.num_cached_tokens,
+            sum(len(o.token_ids) for o in outs),
+            g.num_preemptions,
+        )
+        return RequestOutput(g.request_id, list(g.prompt), outs, g.status is Status.FINISHED, m)
+
+    # ------------------------------------------------------------------ swaps
+    def _swap(self, swap_out, swap_in) -> None:
+        """Swap-out reads, then swap-in writes, before the step (see BlockManager)."""
+        if swap_out:
+            pages = jnp.asarray([d for d, _ in swap_out], jnp.int32)
+            data = np.asarray(jax.device_get(_read_pages(self.cache, pages)))
+            scales = (
+                np.asarray(jax.device_get(_read_scales(self.cache, pages)))
+                if self.cache.quantized
+                else None
+            )
+            for k, (_, slot) in enumerate(swap_out):
+                self._host[slot] = (data[:, k], None if scales is None else scales[:, k])
+        if swap_in:
+            n = bucket(len(swap_in))
+            pages = np.zeros(n, np.int32)  # padding rewrites the null page with zeros
+            shape = self.cache.kv_pages.shape
+            data = np.zeros((shape[0], n) + shape[2:], self.cache.kv_pages.dtype)
+            scales = (
+                np.zeros((shape[0], n) + shape[2:4], np.float32) if self.cache.quantized else None
+            )
+            for k, (slot, page) in enumerate(swap_in):
+                kv, sc = self._host.pop(slot)
+                pages[k], data[:, k] = page, kv
+                if scales is not None:
+                    scales[:, k] = sc
+            self.cache = _write_pages(
+                self.cache,
+                jnp.asarray(pages),
+                jnp.asarray(data),
+                None if scales is None else jnp.asarray(scales),
+            )
+
+    def _account(self, sched, dt: float) -> None:
+        m = self.metrics
+        m.steps += 1
+        m.elapsed_s += dt
+        m.host_s = m.elapsed_s - m.step_s
+        s = self.bm.stats()
+        m.kv_utilization_sum += s["kv_utilization"]
+        m.max_pages_used = max(m.max_pages_used, s["pages_used"])
+        m.max_pages_shared = max(m.max_pages_shared, s["pages_shared"])
+        m.prefix_hit_rate = s["prefix_hit_rate"]
+        m.preemptions_swap = self.scheduler.num_preempted["swap"]
+        m.preemptions_recompute = self.scheduler.num_preempted["recompute"]
+        m.compilations = self._run._cache_size()
+
+    # ------------------------------------------------------------------ batch API
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]] | str,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = True,
+        cache_salt: Any = None,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; returns outputs in the prompts' order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = (
+            sampling_params
+            if isinstance(sampling_params, Sequence)
+            else [sampling_params] * len(prompts)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: expected 1 or {len(prompts)}, got {len(params)}")
+        ids = []
+        for k, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            rid = f"gen-{self._arrivals + 1}-{k}"
+            self.add_request(rid, prompt, p, cache_salt=cache_salt)
+            ids.append(rid)
+        done: dict[Hashable, RequestOutput] = {}
+        bar = _Progress(len(ids), enabled=progress)
+        try:
+            while self.has_unfinished():
+                for out in self.step():
+                    done[out.request_id] = out
+                    bar.advance(self.metrics)
+        finally:
+            bar.close()
+        return [done[r] for r in ids]
+
+
+def _default_budget() -> int:
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(0.5 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    return 256 * 2**20
+
+
+def _make_run(graphdef):
+    from flax import nnx
+
+    @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=("num_candidates",))
+    def run(
+        state, tokens, positions, cache, md, temp, top_k, top_p, seeds, out_pos, *, num_candidates
+    ):
+        model = nnx.merge(graphdef, state)
+        cache = cache.copy_pages(md.copy_src, md.copy_dst)
+        logits, cache = model(tokens, positions, cache, md)
+        toks, lps = sample_rows(logits, temp, top_k, top_p, seeds, out_pos)
+        if num_candidates:
+            cv, ci = beam_candidates(logits, num_candidates)
+        else:
+            cv = ci = None
+        return toks, lps, cv, ci, cache
+
+    return run
+
+
+@jax.jit
+def _read_pages(cache, pages):
+    return cache.read_pages(pages)
+
+
+@jax.jit
+def _read_scales(cache, pages):
+    return cache.read_page_scales(pages)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_pages(cache, pages, data, scales):
+    return cache.write_pages(pages, data, scales)
+
+
+class _Progress:
+    """A rich progress bar of finished requests (silent when disabled or not a terminal)."""
+
+    def __init__(self, total: int, *, enabled: bool):
+        self._p = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self._p = Progress(
+            TextColumn("generating"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]}"),
+            transient=False,
+        )
+        self._task = self._p.add_task("generate", total=total, rate="")
+        self._p.start()
+
+    def advance(self, m: EngineMetrics) -> None:
+        if self._p is not None:
+            rate = f"{m.tokens_generated / max(m.elapsed_s, 1e-9):.0f} tok/s"
+            self._p.update(self._task, advance=1, rate=rate)
+
+    def close(self) -> None:
+        if self._p is not None:
+            self._p.stop()

@@ -1,0 +1,245 @@
+"""The host-side scheduler of the engine: which sequences compute which tokens this step.
+
+Pure Python (no JAX), deterministic. Requests become sequence groups (one sequence, or
+``n`` samples / beams sharing the prompt's pages) that move between FCFS queues:
+
+    waiting --admit (pages + watermark)--> running --preempt--> swapped (swap mode)
+       ^                                      |                     |
+       +------------ preempt (recompute) -----+     <--swap in------+
+
+Each step takes running groups oldest first (decode tokens, then prefill chunks) within a
+token budget; when pages run out the most recently arrived running group is preempted,
+by swap (all or nothing per group) or by recompute (pages freed, its prompt and
+generated tokens prefilled again later, outputs unchanged). Swapped groups come back
+before new requests are admitted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import enum
+from collections.abc import Hashable
+
+from paged_jax.block_manager import BlockManager, OutOfPages
+from paged_jax.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Seq:
+    """One sequence: a sample or a beam. ``tokens`` = prompt + generated tokens."""
+
+    seq_id: str
+    tokens: list[int]
+    prompt_len: int
+    sample_index: int
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    cum_logprob: float = 0.0
+    finish_reason: str | None = None
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclasses.dataclass
+class Group:
+    """A request: its sequences, queue state and timings."""
+
+    request_id: Hashable
+    arrival: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    salt: object
+    arrival_time: float
+    seqs: list[Seq] = dataclasses.field(default_factory=list)
+    done: list[Seq] = dataclasses.field(default_factory=list)
+    status: Status = Status.WAITING
+    forked: bool = False  # n-way samples created (after the prompt's first token)
+    next_seq: int = 1
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    def new_seq_id(self) -> str:
+        sid = f"{self.request_id}/{self.next_seq}"
+        self.next_seq += 1
+        return sid
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """One sequence's tokens [start, stop) this step; ``sample``: its logits are used."""
+
+    group: Group
+    seq: Seq
+    start: int
+    stop: int
+    sample: bool
+
+
+@dataclasses.dataclass
+class Schedule:
+    work: list[Work]
+    swap_out: list[tuple[int, int]]  # (device page, host slot), read before the step
+    swap_in: list[tuple[int, int]]  # (host slot, device page), written before the step
+    preempted: list[tuple[Group, str]]  # (group, "swap" | "recompute")
+
+
+class Scheduler:
+    def __init__(
+        self, bm: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int, preemption: str
+    ):
+        self.bm = bm
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption = preemption
+        self.waiting: list[Group] = []  # sorted by arrival
+        self.running: list[Group] = []  # sorted by arrival
+        self.swapped: list[Group] = []  # sorted by arrival
+        self.num_preempted = {"swap": 0, "recompute": 0}
+
+    # ------------------------------------------------------------------ queues
+    def add(self, group: Group) -> None:
+        bisect.insort(self.waiting, group, key=lambda g: g.arrival)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def remove(self, group: Group) -> None:
+        for q in (self.waiting, self.running, self.swapped):
+            if group in q:
+                q.remove(group)
+
+    def _seq_ids(self, g: Group) -> list[str]:
+        return [s.seq_id for s in g.seqs]
+
+    # ------------------------------------------------------------------ preemption
+    def _preempt(self, g: Group, sched: Schedule) -> None:
+        ids = self._seq_ids(g)
+        g.num_preemptions += 1
+        if self.preemption == "swap" and self.bm.can_swap_out(ids):
+            sched.swap_out += self.bm.swap_out(ids)
+            g.status = Status.SWAPPED
+            self.running.remove(g)
+            bisect.insort(self.swapped, g, key=lambda x: x.arrival)
+            sched.preempted.append((g, "swap"))
+            self.num_preempted["swap"] += 1
+            return
+        for sid in ids:
+            self.bm.free(sid)
+        g.status = Status.WAITING
+        self.running.remove(g)
+        bisect.insort(self.waiting, g, key=lambda x: x.arrival)
+        sched.preempted.append((g, "recompute"))
+        self.num_preempted["recompute"] += 1
+
+    # ------------------------------------------------------------------ the step
+    def schedule(self) -> Schedule:
+        sched = Schedule([], [], [], [])
+        budget = self.max_num_batched_tokens
+        seq_budget = self.max_num_seqs
+        for g in list(self.running):
+            if g.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            if budget <= 0 or seq_budget < len(g.seqs):
+                break
+            if self._decoding(g):
+                if len(g.seqs) > budget:
+                    break
+                while not self.bm.can_append(self._seq_ids(g)):
+                    victim = self.running[-1]  # the most recently arrived
+                    self._preempt(victim, sched)
+                    if victim is g:
+                        break
+                if g.status is not Status.RUNNING:
+                    continue
+                for s in g.seqs:
+                    self.bm.append_slots(s.seq_id, [s.tokens[-1]])
+                    n = len(s.tokens)
+                    sched.work.append(Work(g, s, n - 1, n, True))
+                budget -= len(g.seqs)
+                seq_budget -= len(g.seqs)
+            else:
+                used = self._prefill(g, budget, sched)
+                budget -= used
+                seq_budget -= len(g.seqs)
+        if sched.preempted:
+            return sched
+        for g in list(self.swapped):
+            ids = self._seq_ids(g)
+            if not self.bm.can_swap_in(ids) or seq_budget < len(g.seqs):
+                break
+            sched.swap_in += self.bm.swap_in(ids)
+            self.swapped.remove(g)
+            g.status = Status.RUNNING
+            bisect.insort(self.running, g, key=lambda x: x.arrival)
+            seq_budget -= len(g.seqs)  # decodes from the next step
+        if self.swapped:
+            return sched  # swapped groups come back before new admissions
+        while self.waiting and budget > 0:
+            g = self.waiting[0]
+            if seq_budget < len(g.seqs):
+                break
+            pages = sum(self.bm.pages_needed(len(s.tokens)) for s in g.seqs)
+            if self.bm.num_free_pages - pages < self.bm.watermark_pages:
+                break
+            try:
+                for s in g.seqs:
+                    cached = self.bm.allocate(s.seq_id, s.tokens, extra_key=g.salt)
+                    g.num_cached_tokens += cached
+            except OutOfPages:  # pages were counted, but be safe: undo and wait
+                for s in g.seqs:
+                    if s.seq_id in self.bm:
+                        self.bm.free(s.seq_id)
+                break
+            self.waiting.pop(0)
+            g.status = Status.RUNNING
+            bisect.insort(self.running, g, key=lambda x: x.arrival)
+            budget -= self._prefill(g, budget, sched)
+            seq_budget -= len(g.seqs)
+        return sched
+
+    def _decoding(self, g: Group) -> bool:
+        """Every sequence has its K/V written but for the last sampled token."""
+        return all(self.bm.num_tokens(s.seq_id) == len(s.tokens) - 1 for s in g.seqs)
+
+    def _prefill(self, g: Group, budget: int, sched: Schedule) -> int:
+        """Schedules prefill chunks of ``g`` within ``budget``; returns the tokens used.
+
+        The group samples once every sequence is computed to its end this step; a
+        sequence finished in an earlier step recomputes its last token for its logits.
+        """
+        chunks, used = [], 0
+        for s in g.seqs:
+            done = self.bm.num_computed_tokens(s.seq_id)
+            take = min(len(s.tokens) - done, budget - used)
+            if take > 0:
+                chunks.append((s, done, done + take))
+                used += take
+        complete = all(
+            self.bm.num_computed_tokens(s.seq_id) == len(s.tokens)
+            or any(c[0] is s and c[2] == len(s.tokens) for c in chunks)
+            for s in g.seqs
+        )
+        if complete:
+            have = {id(c[0]) for c in chunks}
+            for s in g.seqs:
+                if id(s) not in have:
+                    if used + 1 > budget:
+                        complete = False
+                        break
+                    chunks.append((s, len(s.tokens) - 1, len(s.tokens)))
+                    used += 1
+        for s, a, b in chunks:
+            sched.work.append(Work(g, s, a, b, complete))
+        return used

@@ -1,0 +1,71 @@
+"""The `paged-jax` console script, run as a real subprocess."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+CLI = [sys.executable, "-m", "paged_jax.cli"]
+
+
+def _run(*args, timeout=300):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_end_to_end_json():
+    proc = _run(
+        "generate",
+        "--prompt",
+        "hello",
+        "--prompt",
+        "paged attention",
+        "-n",
+        "2",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0.7",
+        "--seed",
+        "3",
+        "--ignore-eos",
+        "--page-size",
+        "8",
+        "--json",
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert [o["prompt"] for o in data["outputs"]] == ["hello", "paged attention"]
+    assert all(len(c["token_ids"]) == 5 for o in data["outputs"] for c in o["completions"])
+    assert data["metrics"]["requests"] == 2 and data["metrics"]["max pages shared"] >= 1
+
+
+def test_generate_prints_outputs_and_metrics_table():
+    proc = _run("generate", "--max-tokens", "4", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert "prompt: 'Once upon a time'" in proc.stdout and "engine metrics" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--prompt", ""], "--prompt: prompt 1 is empty"),
+        (
+            ["--prompt", "x" * 5000],
+            "prompt: 5001 tokens, the model's maximum length is 4096 "
+            "(one more is needed to generate)",
+        ),
+        (["-n", "0"], "-n: expected >= 1, got 0"),
+        (["--top-p", "1.5"], "--top-p: expected a value in (0, 1], got 1.5"),
+        (
+            ["--model", "/no/such/dir"],
+            "--model: '/no/such/dir' is neither 'tiny-llama' nor a checkpoint directory",
+        ),
+        (["--prompts-file", "/no/such/file"], "--prompts-file: /no/such/file does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(args, message):
+    proc = _run("generate", "--no-progress", *args)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"paged-jax: error: {message}"
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,259 @@
+"""The engine: overload without lost requests, preemption that changes no output, n-way
+sampling and beam search on shared pages, prefix caching, tenants, sampling, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from model_helpers import dense_logits
+
+import paged_jax as pj
+from paged_jax.engine.sampling import sample_rows
+
+PAGE = 8
+
+
+@pytest.fixture(scope="module")
+def workload():
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, rng.integers(4, 48)).tolist() for _ in range(200)]
+    params = [
+        pj.SamplingParams(max_tokens=int(rng.integers(4, 16)), ignore_eos=True) for _ in range(200)
+    ]
+    # Each request alone: one sequence per step, a pool that never runs out.
+    alone = pj.LLM(
+        "tiny-llama", num_pages=256, page_size=PAGE, max_num_seqs=1, max_num_batched_tokens=64
+    )
+    ref = [o.outputs[0].token_ids for o in alone.generate(prompts, params, progress=False)]
+    return prompts, params, ref
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_overload_loses_nothing_and_changes_no_output(workload, preemption, prefix_caching):
+    prompts, params, ref = workload
+    need = sum(-(-(len(p) + q.max_tokens) // PAGE) for p, q in zip(prompts, params, strict=True))
+    llm = pj.LLM(
+        "tiny-llama",
+        num_pages=need // 8,
+        page_size=PAGE,
+        max_num_seqs=64,
+        max_num_batched_tokens=192,
+        preemption=preemption,
+        enable_prefix_caching=prefix_caching,
+    )
+    outs = llm.generate(prompts, params, progress=False)
+    assert len(outs) == 200 and all(o.finished for o in outs)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert [len(g) for g in got] == [p.max_tokens for p in params]
+    assert got == ref, [i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b]
+    m = llm.metrics
+    preempted = m.preemptions_swap if preemption == "swap" else m.preemptions_recompute
+    assert preempted > 0, "the pool was meant to run out"
+    assert llm.bm.stats()["pages_used"] == 0 and llm.bm.num_host_free_pages == llm.bm.num_host_pages
+    llm.bm.check_invariants()
+
+
+def test_parallel_sampling_shares_prompt_pages():
+    prompt = list(range(40, 77))  # 37 tokens: 4 full pages + 5 tokens
+    params = pj.SamplingParams(max_tokens=8, n=4, temperature=1.0, seed=11, ignore_eos=True)
+    llm = pj.LLM("tiny-llama", num_pages=64, page_size=PAGE, enable_prefix_caching=False)
+    out = llm.generate([prompt], params, progress=False)[0]
+    # 4 shared full pages + 4 copies of the partial page + one new page per sample.
+    assert llm.metrics.max_pages_used == 4 + 4 + 4
+    # Right after the fork all 5 prompt pages are shared, the partial one included.
+    assert llm.metrics.max_pages_shared == 5
+    solo = pj.LLM("tiny-llama", num_pages=64, page_size=PAGE, enable_prefix_caching=False)
+    singles = solo.generate(
+        [prompt] * 4,
+        [
+            pj.SamplingParams(max_tokens=8, temperature=1.0, seed=11 + i, ignore_eos=True)
+            for i in range(4)
+        ],
+        progress=False,
+    )
+    assert solo.metrics.max_pages_used == 4 * 6  # independent requests: 6 pages each
+    # Sample i is the n = 1 run with seed + i, token for token.
+    assert [c.token_ids for c in out.outputs] == [s.outputs[0].token_ids for s in singles]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 4
+
+
+def _ref_beam_search(model, prompt, width, max_tokens, eos, length_penalty=1.0):
+    """Beam search on a dense (unpaged, cache-free) forward pass, same rules as the engine."""
+    beams, done = [(list(prompt), 0.0)], []
+    for _ in range(max_tokens):
+        cands = []
+        for order, (toks, score) in enumerate(beams):
+            logits = dense_logits(model, toks)[-1].astype(np.float64)
+            logp = logits - np.logaddexp.reduce(logits)
+            for rank, t in enumerate(np.argsort(-logp, kind="stable")[: 2 * width]):
+                cands.append((score + logp[t], order, rank, toks, int(t)))
+        cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+        new = []
+        for score, _, _, toks, t in cands:
+            if len(new) == width:
+                break
+            if t in eos:
+                if len(done) < width:
+                    done.append((toks + [t], score))
+                continue
+            new.append((toks + [t], score))
+        beams = []
+        for toks, score in new:
+            (done if len(toks) - len(prompt) >= max_tokens else beams).append((toks, score))
+        if len(done) >= width or not beams:
+            break
+    ranked = sorted(done, key=lambda b: -b[1] / (len(b[0]) - len(prompt)) ** length_penalty)
+    return [(b[0][len(prompt) :], b[1]) for b in ranked]
+
+
+@pytest.mark.parametrize("width", [2, 3])
+def test_beam_search_equals_unpaged_reference(width):
+    llm = pj.LLM("tiny-llama", num_pages=64, page_size=4)
+    prompt = [256, 10, 20, 30, 40, 50]
+    out = llm.generate(
+        [prompt], pj.SamplingParams(max_tokens=7, beam_width=width, n=width), progress=False
+    )[0]
+    ref = _ref_beam_search(llm.model, prompt, width, 7, llm.eos_token_ids)
+    assert [c.token_ids for c in out.outputs] == [r[0] for r in ref][:width]
+    np.testing.assert_allclose(
+        [c.cumulative_logprob for c in out.outputs], [r[1] for r in ref][:width], rtol=1e-4
+    )
+    assert llm.metrics.max_pages_shared >= 1  # beams shared the prompt's pages
+    assert llm.bm.stats()["pages_used"] == 0
+
+
+def test_prefix_cache_skips_shared_prompt_and_salt_isolates():
+    system = list(range(100, 132))  # 32 tokens = 4 full pages
+    a, b = system + [1, 2, 3], system + [7, 8, 9, 10, 11]
+    one = pj.SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def computed(llm, prompt, **kw):
+        before = llm.metrics.tokens_computed
+        out = llm.generate([prompt], one, progress=False, **kw)[0]
+        return llm.metrics.tokens_computed - before, out
+
+    llm = pj.LLM("tiny-llama", num_pages=64, page_size=PAGE)
+    assert computed(llm, a)[0] == len(a)
+    n_b, out_b = computed(llm, b)
+    assert n_b == len(b) - 32 and out_b.metrics.num_cached_tokens == 32
+    assert computed(llm, b, cache_salt="tenant-2")[0] == len(b)  # another tenant: no sharing
+    assert computed(llm, b, cache_salt="tenant-2")[0] == len(b) - 32  # its own cache works
+    off = pj.LLM("tiny-llama", num_pages=64, page_size=PAGE, enable_prefix_caching=False)
+    p8 = pj.SamplingParams(max_tokens=8, ignore_eos=True)
+    assert (
+        llm.generate([b], p8, progress=False)[0].outputs[0].token_ids
+        == off.generate([b], p8, progress=False)[0].outputs[0].token_ids
+    )
+
+
+def test_seeded_sampling_is_independent_of_the_batch():
+    p = pj.SamplingParams(
+        max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True, logprobs=True
+    )
+    llm = pj.LLM("tiny-llama", num_pages=128, page_size=PAGE)
+    alone = llm.generate([[256, 1, 2, 3]], p, progress=False)[0].outputs[0]
+    others = [
+        pj.SamplingParams(max_tokens=5, temperature=t, seed=s)
+        for t, s in ((0.0, 1), (1.5, 2), (0.3, 3))
+    ]
+    batch = llm.generate(
+        [[9, 9, 9], [256, 1, 2, 3], [5] * 20, [1, 2]],
+        [others[0], p, others[1], others[2]],
+        progress=False,
+    )
+    assert batch[1].outputs[0].token_ids == alone.token_ids
+    assert len(alone.logprobs) == 10 and all(lp <= 0 for lp in alone.logprobs)
+    np.testing.assert_allclose(batch[1].outputs[0].logprobs, alone.logprobs, atol=1e-5)
+
+
+def test_sampler_top_k_top_p_hand_worked():
+    # probs (1/7, 2/7, 4/7): top_k=1 and top_p=0.5 keep token 2 only; top_p=0.6 keeps
+    # tokens 2 and 1 (mass before token 1 is 4/7 < 0.6), renormalized to (1/3, 2/3).
+    logits = jnp.log(jnp.array([[1.0, 2.0, 4.0]]))
+    n = 4000
+    rep = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
+    seeds = jnp.arange(n, dtype=jnp.uint32)[:, None]
+    pos = jnp.zeros(n, jnp.int32)
+
+    def draw(top_k, top_p):
+        toks, lp = jax.jit(sample_rows)(
+            rep(logits),
+            jnp.ones(n),
+            jnp.full(n, top_k),
+            jnp.full(n, top_p, jnp.float32),
+            seeds,
+            pos,
+        )
+        return np.asarray(toks[:, 0]), np.asarray(lp[:, 0])
+
+    assert (draw(1, 1.0)[0] == 2).all() and (draw(0, 0.5)[0] == 2).all()
+    toks, lp = draw(0, 0.6)
+    assert set(np.unique(toks)) == {1, 2}
+    assert abs((toks == 1).mean() - 1 / 3) < 0.03
+    np.testing.assert_allclose(lp[toks == 1], np.log(2 / 7), rtol=1e-5)
+    toks, _ = draw(0, 1.0)
+    np.testing.assert_allclose(np.bincount(toks, minlength=3) / n, [1 / 7, 2 / 7, 4 / 7], atol=0.03)
+
+
+def test_stop_tokens_abort_and_bad_requests_do_not_disturb_others():
+    llm = pj.LLM("tiny-llama", num_pages=64, page_size=PAGE)
+    greedy = (
+        llm.generate(
+            [[256, 5, 6]], pj.SamplingParams(max_tokens=6, ignore_eos=True), progress=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+    stop = greedy[2]
+    out = llm.generate(
+        [[256, 5, 6]],
+        pj.SamplingParams(max_tokens=6, stop_token_ids=[stop], ignore_eos=True),
+        progress=False,
+    )[0]
+    assert out.outputs[0].token_ids == greedy[: greedy.index(stop) + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    llm.add_request("keep", [1, 2, 3], pj.SamplingParams(max_tokens=3))
+    for bad, msg in [
+        ([], "prompt: expected at least one token, got an empty prompt"),
+        ([1] * 5000, "prompt: 5000 tokens, the model's maximum length is 4096"),
+        ([999], r"prompt: token ids must lie in \[0, 320\)"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            llm.add_request(f"bad-{len(bad)}", bad)
+    with pytest.raises(ValueError, match="request_id: 'keep' is already in use"):
+        llm.add_request("keep", [1])
+    llm.add_request("gone", [4, 5, 6], pj.SamplingParams(max_tokens=50))
+    llm.step()
+    llm.abort("gone")
+    done = []
+    while llm.has_unfinished():
+        done += llm.step()
+    assert [o.request_id for o in done] == ["keep"] and len(done[0].outputs[0].token_ids) == 3
+    assert llm.bm.stats()["pages_used"] == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        (dict(n=0), "n: expected an int >= 1, got 0"),
+        (dict(top_p=0.0), r"top_p: expected a float in \(0, 1\], got 0.0"),
+        (dict(top_p=1.5), r"top_p: expected a float in \(0, 1\], got 1.5"),
+        (dict(max_tokens=0), "max_tokens: expected an int >= 1, got 0"),
+        (dict(temperature=-1.0), "temperature: expected a float >= 0, got -1.0"),
+        (dict(beam_width=2, n=3), "n: expected <= beam_width=2 with beam search, got 3"),
+    ],
+)
+def test_sampling_params_errors(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        pj.SamplingParams(**kwargs)
+
+
+def test_request_larger_than_the_pool_is_rejected_up_front():
+    llm = pj.LLM("tiny-llama", num_pages=8, page_size=PAGE, watermark=0.0)
+    with pytest.raises(
+        ValueError,
+        match=r"request needs up to 12 pages \(4 x 21 tokens\), the "
+        r"pool has 7",
+    ):
+        llm.add_request("big", list(range(5)), pj.SamplingParams(max_tokens=16, n=4))
