@@ -69,3 +69,36 @@ def table(rows: list[dict], columns: list[str]) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in cells]
     return "\n".join(lines)
+
+
+def save_plot(name: str, fig) -> pathlib.Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
+def progress(total: int, description: str):
+    """A rich progress bar (use as a context manager; ``.advance()`` per unit)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    class _Bar:
+        def __enter__(self):
+            self.p = Progress(
+                TextColumn(description),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                transient=True,
+            )
+            self.task = self.p.add_task(description, total=total)
+            self.p.start()
+            return self
+
+        def advance(self, n: int = 1):
+            self.p.update(self.task, advance=n)
+
+        def __exit__(self, *exc):
+            self.p.stop()
+
+    return _Bar()

@@ -690,7 +690,7 @@ class BlockManager:
 
     # ------------------------------------------------------------------ statistics
     def stats(self) -> dict[str, float]:
-        """Pages used / free / cached, KV utilization, sharing and prefix-cache counters.
+        """Pages used / free / cached / referenced, KV utilization, sharing, prefix counters.
 
         ``kv_utilization`` = tokens stored / (pages in use * page_size), a shared page's
         tokens counted once.
@@ -707,6 +707,7 @@ class BlockManager:
                     fill[page] = f
         used = sum(1 for rc in self._refcount if rc > 0)
         stored = sum(fill.values())
+        referenced = sum(len(seq.pages) for seq in self._seqs.values() if not seq.swapped)
         return {
             "pages_total": self.num_pages - 1,
             "pages_used": used,
@@ -714,6 +715,8 @@ class BlockManager:
             "pages_cached": len(self._page_key),
             "pages_cached_unused": len(self._evictable),
             "pages_shared": sum(1 for rc in self._refcount if rc > 1),
+            # Sum of block-table lengths: the pages an unshared layout would need.
+            "pages_referenced": referenced,
             "tokens_stored": stored,
             "kv_utilization": stored / (used * P) if used else 1.0,
             "prefix_queries": self._prefix_queries,
