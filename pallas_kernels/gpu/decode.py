@@ -1,0 +1,209 @@
+"""Paged flash-decoding for NVIDIA GPUs (Pallas, Triton lowering).
+
+One query token per sequence. Grid ``(B, K, splits)``: a program takes every query head
+of one kv head (the G heads of a GQA group, padded to 16 rows for the tensor cores) and
+one split of the sequence's pages, so each K/V byte is read once per group. Pages are
+gathered through the block table inside the kernel, ``pages_per_block`` at a time, with
+an online softmax in f32; pages past the sequence's length, or wholly before its sliding
+window, are never loaded. The splits' partial results are merged with the log-sum-exp
+rule outside the kernel.
+
+The pool keeps the project's layout ``[N, P, 2K, D]``; two BlockSpecs select combined
+head 2h (K) and 2h + 1 (V) of the same array, so nothing is transposed or copied.
+Runs under ``interpret=True`` on CPU (the tests) and lowers through Triton on GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gpu._scales import prepare_scales
+
+NUM_SMS_GUESS = 132  # H100 SXM; only used to choose the split count
+_MIN_ROWS = 16  # tensor-core dot needs >= 16 rows
+
+
+def default_num_splits(batch: int, num_kv_heads: int, pages: int, pages_per_block: int) -> int:
+    """Splits so that batch * heads * splits fills ~2 waves of SMs, without empty splits."""
+    blocks = max(1, pages // pages_per_block)
+    want = max(1, (2 * NUM_SMS_GUESS) // max(1, batch * num_kv_heads))
+    return int(min(blocks, 1 << (want.bit_length() - 1)))
+
+
+def _kernel(
+    lens_ref,
+    table_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    ks_ref,
+    vs_ref,  # inputs
+    o_ref,
+    m_ref,
+    l_ref,  # outputs
+    *,
+    sm_scale,
+    soft_cap,
+    sliding_window,
+    pages_per_block,
+    pages_per_split,
+    page_size,
+    precision,
+):
+    b, s = pl.program_id(0), pl.program_id(2)
+    kv_len = lens_ref[b]
+    block_tokens = pages_per_block * page_size
+    rows, head_dim = q_ref.shape
+    q = q_ref[...].astype(jnp.float32) * sm_scale
+    used_pages = pl.cdiv(kv_len, page_size)
+    start = s * pages_per_split
+    stop = jnp.minimum(start + pages_per_split, used_pages)
+    first_key = 0
+    if sliding_window is not None:
+        first_key = jnp.maximum(kv_len - sliding_window, 0)
+        start = jnp.maximum(start, (first_key // page_size) // pages_per_block * pages_per_block)
+    num_blocks = jnp.maximum(pl.cdiv(stop - start, pages_per_block), 0)
+
+    def body(j, carry):
+        acc, m, l = carry
+        first_page = start + j * pages_per_block
+        cols = first_page + jnp.arange(pages_per_block)
+        pages = table_ref[b, pl.ds(first_page, pages_per_block)]
+        pages = jnp.where(cols < used_pages, pages, 0)  # never follow garbage ids
+        tok = first_page * page_size + jnp.arange(block_tokens)
+        valid = (tok < kv_len) & (tok >= first_key)
+        k = k_ref[pages].reshape(block_tokens, head_dim).astype(jnp.float32)
+        v = v_ref[pages].reshape(block_tokens, head_dim).astype(jnp.float32)
+        if ks_ref is not None:
+            k = k * ks_ref[pages].reshape(block_tokens, 1)
+            v = v * vs_ref[pages].reshape(block_tokens, 1)
+        k = jnp.where(valid[:, None], k, 0.0)
+        v = jnp.where(valid[:, None], v, 0.0)  # unwritten pages may hold NaN
+        s_ = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision)
+        if soft_cap is not None:
+            s_ = soft_cap * jnp.tanh(s_ / soft_cap)
+        s_ = jnp.where(valid[None, :], s_, -jnp.inf)
+        m_new = jnp.maximum(m, s_.max(axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s_ - m_safe[:, None])
+        alpha = jnp.exp(m - m_safe)
+        l = alpha * l + p.sum(axis=1)
+        acc = alpha[:, None] * acc + jax.lax.dot_general(
+            p, v, (((1,), (0,)), ((), ())), precision=precision
+        )
+        return acc, m_new, l
+
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    acc, m, l = jax.lax.fori_loop(0, num_blocks, body, init)
+    o_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "soft_cap",
+        "sliding_window",
+        "pages_per_block",
+        "num_splits",
+        "interpret",
+        "num_warps",
+        "num_stages",
+    ),
+)
+def decode_paged_attention(
+    q: jax.Array,  # [B, H, D]
+    kv_pages: jax.Array,  # [N, P, 2K, D]
+    kv_lens: jax.Array,  # i32[B]
+    page_indices: jax.Array,  # i32[B, M]
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: jax.Array | float | None = None,  # f32[N, P, K] or a float
+    v_scale: jax.Array | float | None = None,
+    pages_per_block: int | None = None,
+    num_splits: int | None = None,
+    interpret: bool = False,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> jax.Array:  # [B, H, D], q.dtype
+    """Decode attention over a paged cache (flash-decoding). Arguments as
+    ``paged_jax.paged_attention``; ``pages_per_block`` (default: 128 tokens' worth) and
+    ``num_splits`` (default from B, K and M: ~2 waves of SMs) are the tuning knobs."""
+    B, H, D = q.shape
+    N, P, combined, _ = kv_pages.shape
+    K = combined // 2
+    G = H // K
+    M = page_indices.shape[1]
+    bp = pages_per_block or max(1, min(M, 128 // P if P < 128 else 1))
+    splits = num_splits or default_num_splits(B, K, M, bp)
+    per_split = pl.cdiv(pl.cdiv(M, splits), bp) * bp
+    width = per_split * splits
+    table = jnp.pad(page_indices, ((0, 0), (0, width - M)))  # padding columns: page 0
+    rows = max(_MIN_ROWS, pl.next_power_of_2(G))
+    q4 = jnp.pad(q.reshape(B, K, G, D), ((0, 0), (0, 0), (0, rows - G), (0, 0)))
+
+    kv_pages, k_sc, v_sc = prepare_scales(kv_pages, k_scale, v_scale, K)
+    scales = [k_sc, v_sc]
+    head_scale = pl.BlockSpec((N, P, None), lambda b, h, s: (0, 0, h))
+    scale_specs = [None if sc is None else head_scale for sc in scales]
+    full = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))  # noqa: E731
+    kernel = functools.partial(
+        _kernel,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        pages_per_block=bp,
+        pages_per_split=per_split,
+        page_size=P,
+        precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+    )
+    acc, m, l = pl.pallas_call(
+        kernel,
+        grid=(B, K, splits),
+        in_specs=[
+            full((B,)),
+            full((B, width)),
+            pl.BlockSpec((None, None, rows, D), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((N, P, None, D), lambda b, h, s: (0, 0, 2 * h, 0)),  # K of head h
+            pl.BlockSpec((N, P, None, D), lambda b, h, s: (0, 0, 2 * h + 1, 0)),  # V of head h
+            scale_specs[0],
+            scale_specs[1],
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, D), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, K, splits, rows, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, splits, rows), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, splits, rows), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="paged_flash_decode",
+    )(kv_lens, table, q4, kv_pages, kv_pages, scales[0], scales[1])
+    return merge_splits(acc, m, l)[:, :, :G].reshape(B, H, D).astype(q.dtype)
+
+
+def merge_splits(acc, m, l):
+    """Log-sum-exp merge over axis 2: acc f32[B, K, S, R, D], m/l f32[B, K, S, R]."""
+    m_max = m.max(axis=2, keepdims=True)
+    m_max = jnp.where(m_max == -jnp.inf, 0.0, m_max)
+    w = jnp.exp(m - m_max)  # empty splits (m = -inf) weigh 0
+    num = (w[..., None] * acc).sum(axis=2)
+    den = (w * l).sum(axis=2)
+    return num / jnp.where(den > 0, den, 1.0)[..., None]

@@ -1,0 +1,244 @@
+"""Ragged paged attention for NVIDIA GPUs (Pallas, Triton lowering): prefill chunks and
+decode tokens of many sequences in one launch.
+
+The wrapper turns ``cu_q_lens`` into a work list of (sequence, first query token) blocks of
+``tokens_per_block`` tokens (a static upper bound of ``cdiv(T, bq) + S`` entries; spare
+entries do nothing). Grid ``(work, K)``: a program stacks its tokens' G query heads into
+one ``[bq * G, D]`` matrix, walks the sequence's pages through the block table up to the
+causal end of its last token (from the first page inside the sliding window), with an
+online softmax in f32, and stores only its own rows (masked stores into a zero-initialized
+output, so padding rows stay 0).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gpu._scales import prepare_scales
+
+
+def _kernel(
+    work_seq_ref,
+    work_start_ref,
+    work_valid_ref,
+    lens_ref,
+    cu_ref,
+    table_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    ks_ref,
+    vs_ref,
+    o_in_ref,
+    o_ref,
+    *,
+    sm_scale,
+    soft_cap,
+    sliding_window,
+    tokens_per_block,
+    pages_per_block,
+    page_size,
+    group,
+    precision,
+):
+    del o_in_ref  # aliased with o_ref: the zero-initialized output
+    w, h = pl.program_id(0), pl.program_id(1)
+    seq, q_start, live = work_seq_ref[w], work_start_ref[w], work_valid_ref[w]
+    bq, bp, P, G = tokens_per_block, pages_per_block, page_size, group
+    block_tokens = bp * P
+    head_dim = q_ref.shape[-1]
+    kv_len = lens_ref[seq]
+    q_first, q_end = cu_ref[seq], cu_ref[seq + 1]
+    tok_row = q_start + jnp.arange(bq)
+    row_ok = (tok_row < q_end) & (live > 0)
+    pos = kv_len - (q_end - q_first) + (tok_row - q_first)  # absolute position per token
+    # Row r of the stacked [bq * G, D] queries is token r // G (iota arithmetic, not repeat).
+    tok_of_row = q_start + jnp.arange(bq * G) // G
+    pos_rows = kv_len - (q_end - q_first) + (tok_of_row - q_first)
+    ok_rows = (tok_of_row < q_end) & (live > 0)
+    q = q_ref[pl.ds(q_start, bq), pl.ds(h * G, G), :].reshape(bq * G, head_dim)
+    q = q.astype(jnp.float32) * sm_scale
+    last_pos = jnp.max(jnp.where(row_ok, pos, -1))
+    used_pages = pl.cdiv(kv_len, P)
+    end_page = jnp.minimum(pl.cdiv(last_pos + 1, P), used_pages)
+    start_page = 0
+    if sliding_window is not None:
+        first_pos = jnp.min(jnp.where(row_ok, pos, kv_len))
+        start_page = (jnp.maximum(first_pos - sliding_window + 1, 0) // P) // bp * bp
+    num_blocks = jnp.maximum(pl.cdiv(end_page - start_page, bp), 0)
+
+    def body(j, carry):
+        acc, m, l = carry
+        first_page = start_page + j * bp
+        cols = first_page + jnp.arange(bp)
+        pages = table_ref[seq, pl.ds(first_page, bp)]
+        pages = jnp.where(cols < used_pages, pages, 0)
+        tok = first_page * P + jnp.arange(block_tokens)
+        k = k_ref[pages].reshape(block_tokens, head_dim).astype(jnp.float32)
+        v = v_ref[pages].reshape(block_tokens, head_dim).astype(jnp.float32)
+        if ks_ref is not None:
+            k = k * ks_ref[pages].reshape(block_tokens, 1)
+            v = v * vs_ref[pages].reshape(block_tokens, 1)
+        in_seq = tok < kv_len
+        k = jnp.where(in_seq[:, None], k, 0.0)
+        v = jnp.where(in_seq[:, None], v, 0.0)  # unwritten slots may hold NaN
+        mask = (tok[None, :] <= pos_rows[:, None]) & ok_rows[:, None] & in_seq[None, :]
+        if sliding_window is not None:
+            mask &= pos_rows[:, None] - tok[None, :] < sliding_window
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(mask, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - m_safe[:, None])
+        alpha = jnp.exp(m - m_safe)
+        l = alpha * l + p.sum(axis=1)
+        acc = alpha[:, None] * acc + jax.lax.dot_general(
+            p, v, (((1,), (0,)), ((), ())), precision=precision
+        )
+        return acc, m_new, l
+
+    init = (
+        jnp.zeros((bq * G, head_dim), jnp.float32),
+        jnp.full((bq * G,), -jnp.inf, jnp.float32),
+        jnp.zeros((bq * G,), jnp.float32),
+    )
+    acc, _, l = jax.lax.fori_loop(0, num_blocks, body, init)
+    out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).reshape(bq, G, head_dim)
+    plgpu.store(
+        o_ref.at[pl.ds(q_start, bq), pl.ds(h * G, G), :],
+        out.astype(o_ref.dtype),
+        mask=row_ok[:, None, None],
+    )
+
+
+def work_list(cu_q_lens, num_seqs, num_tokens: int, tokens_per_block: int):
+    """(seq i32[W], first token i32[W], valid i32[W]) with W = cdiv(T, bq) + S."""
+    S = cu_q_lens.shape[0] - 1
+    W = pl.cdiv(num_tokens, tokens_per_block) + S
+    n = jnp.reshape(num_seqs, (-1,))[0]
+    q_lens = jnp.where(jnp.arange(S) < n, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    blocks = (q_lens + tokens_per_block - 1) // tokens_per_block
+    ends = jnp.cumsum(blocks)
+    w = jnp.arange(W)
+    seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), S - 1).astype(jnp.int32)
+    blk = w - (ends[seq] - blocks[seq])
+    start = (cu_q_lens[seq] + blk * tokens_per_block).astype(jnp.int32)
+    valid = (w < ends[-1]).astype(jnp.int32)
+    return seq, jnp.where(valid > 0, start, 0), valid
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "soft_cap",
+        "sliding_window",
+        "tokens_per_block",
+        "pages_per_block",
+        "interpret",
+        "num_warps",
+        "num_stages",
+    ),
+)
+def ragged_paged_attention(
+    q: jax.Array,  # [T, H, D]
+    kv_pages: jax.Array,  # [N, P, 2K, D]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, M]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
+    tokens_per_block: int | None = None,
+    pages_per_block: int | None = None,
+    interpret: bool = False,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> jax.Array:  # [T, H, D]
+    """Ragged paged attention; arguments as ``paged_jax.ragged_paged_attention``.
+    Knobs: ``tokens_per_block`` (default: 16 query rows of the dot, at least 1 token),
+    ``pages_per_block`` (default: 64 tokens' worth of pages)."""
+    T, H, D = q.shape
+    N, P, combined, _ = kv_pages.shape
+    K = combined // 2
+    G0 = H // K
+    G = pl.next_power_of_2(G0)  # Triton block dims are powers of two: pad the group
+    if G != G0:
+        q = jnp.pad(q.reshape(T, K, G0, D), ((0, 0), (0, 0), (0, G - G0), (0, 0)))
+        q = q.reshape(T, K * G, D)
+    M = page_indices.shape[1]
+    bq = tokens_per_block or max(1, pl.next_power_of_2(max(1, 16 // G)))
+    bp = pages_per_block or max(1, min(M, 64 // P if P < 64 else 1))
+    seq, start, valid = work_list(cu_q_lens, num_seqs, T, bq)
+    W = seq.shape[0]
+    q_pad = jnp.pad(q, ((0, bq), (0, 0), (0, 0)))  # blocks may read past the last token
+    table = jnp.pad(page_indices, ((0, 0), (0, bp)))  # and past the last page column
+    kv_pages, k_sc, v_sc = prepare_scales(kv_pages, k_scale, v_scale, K)
+    scales = [k_sc, v_sc]
+    head_scale = pl.BlockSpec((N, P, None), lambda w, h: (0, 0, h))
+    scale_specs = [None if sc is None else head_scale for sc in scales]
+    full = lambda shape: pl.BlockSpec(shape, lambda w, h: (0,) * len(shape))  # noqa: E731
+    kernel = functools.partial(
+        _kernel,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        tokens_per_block=bq,
+        pages_per_block=bp,
+        page_size=P,
+        group=G,
+        precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(W, K),
+        in_specs=[
+            full((W,)),
+            full((W,)),
+            full((W,)),
+            full(kv_lens.shape),
+            full(cu_q_lens.shape),
+            full(table.shape),
+            full(q_pad.shape),
+            pl.BlockSpec((N, P, None, D), lambda w, h: (0, 0, 2 * h, 0)),
+            pl.BlockSpec((N, P, None, D), lambda w, h: (0, 0, 2 * h + 1, 0)),
+            scale_specs[0],
+            scale_specs[1],
+            full(q_pad.shape),
+        ],
+        out_specs=full(q_pad.shape),
+        out_shape=jax.ShapeDtypeStruct(q_pad.shape, q.dtype),
+        # None inputs (absent scales) are not operands: count the arrays before the output.
+        input_output_aliases={9 + sum(x is not None for x in scales): 0},
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="paged_ragged_attention",
+    )(
+        seq,
+        start,
+        valid,
+        kv_lens,
+        cu_q_lens,
+        table,
+        q_pad,
+        kv_pages,
+        kv_pages,
+        scales[0],
+        scales[1],
+        jnp.zeros_like(q_pad),
+    )
+    out = out[:T]
+    if G != G0:
+        out = out.reshape(T, K, G, D)[:, :, :G0].reshape(T, K * G0, D)
+    return out

@@ -1,0 +1,183 @@
+"""Pallas GPU kernels (Triton lowering) against the reference, in interpret mode on CPU.
+
+On a machine with an NVIDIA GPU the same tests run the compiled kernels (``interpret``
+is then False): ``pytest -m "gpu or not gpu" tests/test_pallas_gpu.py`` there.
+"""
+
+import itertools
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_paged
+from paged_cases import assert_close_to_oracle, make_case, max_err
+
+import paged_jax as pj
+from pallas_kernels.gpu import decode_paged_attention, ragged_paged_attention
+
+INTERPRET = jax.default_backend() != "gpu"
+DECODE_BATCH = [(1, 1), (1, 8), (1, 16), (1, 17), (1, 40)]
+RAGGED_BATCHES = {
+    "decode": [(1, 1), (1, 16), (1, 33)],
+    "prefill": [(8, 8), (13, 13), (1, 1)],
+    "mixed": [(5, 20), (1, 16), (0, 7), (16, 16), (3, 40)],
+}
+GQA = [(4, 4), (8, 2), (8, 1)]  # groups of 1, 4, 8
+DTYPES = ["float32", "bfloat16", "float16", "int8", "float8_e4m3fn"]
+OPTIONS = {
+    "plain": {},
+    "softcap": dict(soft_cap=2.5),
+    "window": dict(sliding_window=6),
+    "both": dict(sliding_window=11, soft_cap=4.0),
+}
+
+
+def _grid(batches, num, seed):
+    full = list(itertools.product(batches, [8, 16, 32], GQA, [64, 128], DTYPES, OPTIONS))
+    return random.Random(seed).sample(full, num)
+
+
+def _id(p):
+    return "-".join(
+        str(x) for x in (p[0], f"P{p[1]}", f"H{p[2][0]}K{p[2][1]}", f"D{p[3]}", p[4], p[5])
+    )
+
+
+def _case(seqs, page, heads, d, dtype, opt, seed, **kw):
+    return make_case(
+        seed,
+        seqs,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=d,
+        page_size=page,
+        dtype=jnp.dtype(dtype),
+        **OPTIONS[opt],
+        **kw,
+    )
+
+
+def _check_decode(params, seed):
+    _, page, heads, d, dtype, opt = params
+    case = _case(DECODE_BATCH, page, heads, d, dtype, opt, seed, pad_seqs=0, pad_tokens=0)
+    kw = dict(sm_scale=d**-0.5, k_scale=case.k_scale, v_scale=case.v_scale, **OPTIONS[opt])
+    # A padding row: kv_len 0, NaN query, block-table row on NaN pages / page 0.
+    q = jnp.concatenate([case.q, jnp.full((1,) + case.q.shape[1:], jnp.nan, case.q.dtype)])
+    lens = jnp.concatenate([case.kv_lens, jnp.zeros(1, jnp.int32)])
+    table = jnp.concatenate([case.page_indices, case.page_indices[:1] * 0])
+    args = (q, case.kv_pages, lens, table)
+    ref = pj.reference.paged_attention(*args, **kw)
+    out = decode_paged_attention(*args, interpret=INTERPRET, num_splits=2, **kw)
+    assert out.dtype == case.q.dtype
+    np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)
+    assert_close_to_oracle(out[:-1], ref[:-1], case.expected, what=_id(params))
+
+
+def _check_ragged(params, seed):
+    batch, page, heads, d, dtype, opt = params
+    case = _case(RAGGED_BATCHES[batch], page, heads, d, dtype, opt, seed)
+    kw = dict(sm_scale=d**-0.5, k_scale=case.k_scale, v_scale=case.v_scale, **OPTIONS[opt])
+    ref = pj.reference.ragged_paged_attention(*case.args, **kw)
+    out = ragged_paged_attention(*case.args, interpret=INTERPRET, **kw)
+    assert_close_to_oracle(out, ref, case.expected, what=_id(params))
+    n = int(case.cu_q_lens[len(RAGGED_BATCHES[batch])])
+    np.testing.assert_array_equal(np.asarray(out[n:], np.float32), 0.0)  # padding rows
+
+
+@pytest.mark.parametrize("params", _grid(["decode"], 10, seed=5), ids=_id)
+def test_decode_kernel(params):
+    _check_decode(params, seed=0)
+
+
+@pytest.mark.parametrize("params", _grid(list(RAGGED_BATCHES), 10, seed=6), ids=_id)
+def test_ragged_kernel(params):
+    _check_ragged(params, seed=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", _grid(["decode"], 60, seed=7), ids=_id)
+def test_decode_kernel_large_grid(params):
+    _check_decode(params, seed=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", _grid(list(RAGGED_BATCHES), 60, seed=8), ids=_id)
+def test_ragged_kernel_large_grid(params):
+    _check_ragged(params, seed=3)
+
+
+@pytest.mark.parametrize("splits,pages_per_block", [(1, 1), (4, 1), (2, 4)])
+def test_decode_split_and_block_knobs(splits, pages_per_block):
+    case = make_case(
+        9,
+        [(1, n) for n in (1, 7, 8, 9, 31, 64)],
+        page_size=8,
+        num_q_heads=6,
+        num_kv_heads=2,
+        pad_seqs=0,
+        pad_tokens=0,
+        sliding_window=13,
+    )
+    args = (case.q, case.kv_pages, case.kv_lens, case.page_indices)
+    kw = dict(sm_scale=16**-0.5, sliding_window=13)
+    ref = pj.reference.paged_attention(*args, **kw)
+    out = decode_paged_attention(
+        *args, interpret=INTERPRET, num_splits=splits, pages_per_block=pages_per_block, **kw
+    )
+    assert_close_to_oracle(out, ref, case.expected)
+
+
+def test_ragged_non_power_of_two_group_and_small_blocks():
+    case = make_case(
+        10, RAGGED_BATCHES["mixed"], page_size=4, num_q_heads=6, num_kv_heads=2, sliding_window=9
+    )
+    kw = dict(sm_scale=0.25, sliding_window=9)
+    ref = pj.reference.ragged_paged_attention(*case.args, **kw)
+    out = ragged_paged_attention(
+        *case.args, interpret=INTERPRET, tokens_per_block=2, pages_per_block=2, **kw
+    )
+    assert_close_to_oracle(out, ref, case.expected)
+
+
+def test_through_the_public_api():
+    case = make_case(12, RAGGED_BATCHES["mixed"], page_size=8)
+    ref = pj.reference.ragged_paged_attention(*case.args, sm_scale=0.25)
+    out = pj.ragged_paged_attention(
+        *case.args, sm_scale=0.25, backend="pallas_gpu", interpret=INTERPRET
+    )
+    assert_close_to_oracle(out, ref, case.expected)
+    dec = make_case(13, RAGGED_BATCHES["decode"], page_size=8, pad_seqs=0, pad_tokens=0)
+    args = (dec.q, dec.kv_pages, dec.kv_lens, dec.page_indices)
+    out = pj.paged_attention(*args, sm_scale=0.25, backend="pallas_gpu", interpret=INTERPRET)
+    assert_close_to_oracle(out, pj.reference.paged_attention(*args, sm_scale=0.25), dec.expected)
+
+
+@pytest.mark.parametrize("heads", [(16, 4), (8, 8)])
+def test_decode_matches_jax_gpu_paged_attention(heads):
+    # JAX's own Pallas GPU op (no sm_scale: scale 1), identical inputs, finite pool.
+    case = make_case(
+        14,
+        [(1, n) for n in (5, 16, 17, 64)],
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        page_size=8,
+        head_dim=32,
+        pad_seqs=0,
+        pad_tokens=0,
+        table_width=8,
+    )
+    kv = jnp.nan_to_num(case.kv_pages)
+    theirs = jax_gpu_paged.paged_attention(
+        case.q,
+        jnp.transpose(kv[:, :, 0::2], (2, 0, 1, 3)),
+        jnp.transpose(kv[:, :, 1::2], (2, 0, 1, 3)),
+        case.page_indices,
+        case.kv_lens,
+        k_splits=2,
+        pages_per_compute_block=2,
+        interpret=INTERPRET,
+    )
+    ours = decode_paged_attention(case.q, kv, case.kv_lens, case.page_indices, interpret=INTERPRET)
+    assert max_err(ours, np.asarray(theirs, np.float64)) < 1e-5
