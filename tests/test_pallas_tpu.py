@@ -1,0 +1,128 @@
+"""Pallas TPU decode kernel against the reference, in TPU interpret mode on CPU."""
+
+import itertools
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu.paged_attention import (
+    paged_attention as jax_tpu_paged_attention,
+)
+from paged_cases import assert_close_to_oracle, make_case, max_err
+
+import paged_jax as pj
+from pallas_kernels.tpu import decode_paged_attention
+
+INTERPRET = jax.default_backend() != "tpu"
+BATCH = [(1, 1), (1, 16), (1, 17), (1, 32), (1, 70)]
+GQA = [(4, 4), (8, 2), (8, 1)]
+OPTIONS = {
+    "plain": {},
+    "softcap": dict(soft_cap=2.5),
+    "window": dict(sliding_window=20),
+    "both": dict(sliding_window=33, soft_cap=4.0),
+}
+
+
+def _grid(num, seed):
+    full = list(
+        itertools.product([16, 32], GQA, [64, 128], ["float32", "bfloat16", "float16"], OPTIONS)
+    )
+    return random.Random(seed).sample(full, num)
+
+
+def _id(p):
+    return f"P{p[0]}-H{p[1][0]}K{p[1][1]}-D{p[2]}-{p[3]}-{p[4]}"
+
+
+def _check(params, seed, **knobs):
+    page, heads, d, dtype, opt = params
+    case = make_case(
+        seed,
+        BATCH,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=d,
+        page_size=page,
+        dtype=jnp.dtype(dtype),
+        pad_seqs=0,
+        pad_tokens=0,
+        **OPTIONS[opt],
+    )
+    # A padding row (kv_len 0, NaN query) must come out 0 and read nothing.
+    q = jnp.concatenate([case.q, jnp.full((1,) + case.q.shape[1:], jnp.nan, case.q.dtype)])
+    lens = jnp.concatenate([case.kv_lens, jnp.zeros(1, jnp.int32)])
+    table = jnp.concatenate([case.page_indices, case.page_indices[:1] * 0])
+    kw = dict(sm_scale=d**-0.5, **OPTIONS[opt])
+    ref = pj.reference.paged_attention(q, case.kv_pages, lens, table, **kw)
+    out = decode_paged_attention(q, case.kv_pages, lens, table, interpret=INTERPRET, **kw, **knobs)
+    assert out.dtype == case.q.dtype
+    np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)
+    assert_close_to_oracle(out[:-1], ref[:-1], case.expected, what=_id(params))
+
+
+@pytest.mark.parametrize("params", _grid(8, seed=11), ids=_id)
+def test_decode_kernel(params):
+    _check(params, seed=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", _grid(48, seed=12), ids=_id)
+def test_decode_kernel_large_grid(params):
+    _check(params, seed=1)
+
+
+@pytest.mark.parametrize("pages_per_block,table_chunk", [(1, 1), (2, 2), (1, 3), (4, 8)])
+def test_table_chunks_and_double_buffering(pages_per_block, table_chunk):
+    # Small chunks force many SMEM table reloads and buffer swaps per sequence.
+    _check(
+        (16, (8, 2), 64, "float32", "window"),
+        seed=3,
+        pages_per_block=pages_per_block,
+        table_chunk=table_chunk,
+    )
+
+
+def test_through_the_public_api_and_errors():
+    case = make_case(4, BATCH, page_size=16, pad_seqs=0, pad_tokens=0)
+    args = (case.q, case.kv_pages, case.kv_lens, case.page_indices)
+    out = pj.paged_attention(*args, sm_scale=0.25, backend="pallas_tpu", interpret=INTERPRET)
+    assert_close_to_oracle(out, pj.reference.paged_attention(*args, sm_scale=0.25), case.expected)
+    with pytest.raises(NotImplementedError, match="per-tensor float scales only"):
+        decode_paged_attention(*args, k_scale=jnp.ones((3, 16, 2)), interpret=True)
+    with pytest.raises(
+        ValueError, match="table_chunk: expected a multiple of pages_per_block=2, got 3"
+    ):
+        decode_paged_attention(*args, pages_per_block=2, table_chunk=3, interpret=True)
+
+
+def test_matches_jax_tpu_paged_attention():
+    # JAX's own TPU decode kernel, layout transposed to [K, N, P, D], identical inputs. It
+    # computes in bf16 (it casts K/V): compare in bf16 with a bf16-sized tolerance.
+    case = make_case(
+        5,
+        [(1, n) for n in (16, 32, 47, 64)],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        page_size=16,
+        dtype=jnp.bfloat16,
+        pad_seqs=0,
+        pad_tokens=0,
+        table_width=4,
+    )
+    kv = jnp.nan_to_num(case.kv_pages)
+    with pltpu.force_tpu_interpret_mode():
+        theirs = jax_tpu_paged_attention(
+            case.q,
+            jnp.transpose(kv[:, :, 0::2], (2, 0, 1, 3)),
+            jnp.transpose(kv[:, :, 1::2], (2, 0, 1, 3)),
+            case.kv_lens,
+            case.page_indices,
+            pages_per_compute_block=2,
+        )
+    ours = decode_paged_attention(case.q, kv, case.kv_lens, case.page_indices, interpret=INTERPRET)
+    assert max_err(ours, np.asarray(theirs.astype(jnp.float32), np.float64)) < 2e-2
