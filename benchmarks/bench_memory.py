@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.common import environment, progress, save_plot, table, write_result
+from benchmarks.common import environment, progress, pyplot, save_plot, table, write_result
 from benchmarks.workloads import sample_lengths
 from paged_jax.block_manager import BlockManager
 from paged_jax.engine.sampling import SamplingParams
@@ -168,13 +168,8 @@ def main(argv=None) -> int:
 
 
 def _plot(rows):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, wl in zip(axes, ("sharegpt", "alpaca"), strict=True):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.common import environment, progress, save_plot, table, write_result
+from benchmarks.common import environment, progress, pyplot, save_plot, table, write_result
 from benchmarks.workloads import sample_lengths
 from paged_jax.engine import LLM, SamplingParams
 
@@ -118,13 +118,8 @@ def main(argv=None) -> int:
 
 
 def _plot(rows):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 3.5))
     labels = [

@@ -24,7 +24,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import environment, save_plot, table, write_result
+from benchmarks.common import environment, pyplot, save_plot, table, write_result
 from benchmarks.workloads import sample_lengths
 from paged_jax.batch import bucket
 from paged_jax.engine import LLM, SamplingParams
@@ -196,12 +196,8 @@ def main(argv=None) -> int:
             "identical_outputs": same,
         },
     )
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is not None:
         fig, ax = plt.subplots(figsize=(5, 3))
         ax.bar(
             ["static\ncontiguous", "paged\ncontinuous"],
@@ -211,8 +207,6 @@ def main(argv=None) -> int:
         ax.set_ylabel("generated tokens / s (CPU)")
         ax.set_title(f"same KV budget ({args.budget} tokens): {ratio:.2f}x")
         save_plot("throughput", fig)
-    except ImportError:
-        print("matplotlib not installed: no plot")
     print(f"wrote {path}")
     return 0
 

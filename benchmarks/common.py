@@ -102,3 +102,16 @@ def progress(total: int, description: str):
             self.p.stop()
 
     return _Bar()
+
+
+def pyplot():
+    """matplotlib.pyplot with a file backend, or None (and a note) when not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[bench]'): no plot")
+        return None
+    return plt

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._softmax import fold
 from pallas_kernels.gpu._scales import prepare_scales
 
 NUM_SMS_GUESS = 132  # H100 SXM; only used to choose the split count
@@ -85,18 +86,13 @@ def _kernel(
         k = jnp.where(valid[:, None], k, 0.0)
         v = jnp.where(valid[:, None], v, 0.0)  # unwritten pages may hold NaN
         s_ = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision)
-        if soft_cap is not None:
-            s_ = soft_cap * jnp.tanh(s_ / soft_cap)
-        s_ = jnp.where(valid[None, :], s_, -jnp.inf)
-        m_new = jnp.maximum(m, s_.max(axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s_ - m_safe[:, None])
-        alpha = jnp.exp(m - m_safe)
-        l = alpha * l + p.sum(axis=1)
-        acc = alpha[:, None] * acc + jax.lax.dot_general(
-            p, v, (((1,), (0,)), ((), ())), precision=precision
+        return fold(
+            s_,
+            valid[None, :],
+            (acc, m, l),
+            lambda p: jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())), precision=precision),
+            soft_cap,
         )
-        return acc, m_new, l
 
     init = (
         jnp.zeros((rows, head_dim), jnp.float32),

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._softmax import fold
 from pallas_kernels.gpu._scales import prepare_scales
 
 
@@ -91,18 +92,13 @@ def _kernel(
         if sliding_window is not None:
             mask &= pos_rows[:, None] - tok[None, :] < sliding_window
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        s = jnp.where(mask, s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - m_safe[:, None])
-        alpha = jnp.exp(m - m_safe)
-        l = alpha * l + p.sum(axis=1)
-        acc = alpha[:, None] * acc + jax.lax.dot_general(
-            p, v, (((1,), (0,)), ((), ())), precision=precision
+        return fold(
+            s,
+            mask,
+            (acc, m, l),
+            lambda p: jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())), precision=precision),
+            soft_cap,
         )
-        return acc, m_new, l
 
     init = (
         jnp.zeros((bq * G, head_dim), jnp.float32),

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels._softmax import fold
+
 
 def default_pages_per_block(page_size: int, num_combined: int, head_dim: int, itemsize: int):
     """About 512 KiB of K/V per buffer (two buffers in VMEM), at least one page."""
@@ -119,16 +121,13 @@ def _kernel(
         k = jnp.where(valid[:, None, None], k, 0.0)
         v = jnp.where(valid[:, None, None], v, 0.0)  # skipped pages hold stale data
         s = jnp.einsum("kgd,ckd->kgc", q, k, precision=precision)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        s = jnp.where(valid[None, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - m_safe[..., None])
-        alpha = jnp.exp(m - m_safe)
-        l = alpha * l + p.sum(axis=-1)
-        acc = alpha[..., None] * acc + jnp.einsum("kgc,ckd->kgd", p, v, precision=precision)
-        return acc, m_new, l
+        return fold(
+            s,
+            valid[None, None, :],
+            (acc, m, l),
+            lambda p: jnp.einsum("kgc,ckd->kgd", p, v, precision=precision),
+            soft_cap,
+        )
 
     @pl.when(num_blocks > 0)
     def _():
