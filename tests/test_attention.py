@@ -300,11 +300,10 @@ def test_backend_selection():
 
     assert pj.available_backends("cpu") == ("xla",)
     assert pj.available_backends("gpu") == ("pallas_gpu", "xla")
-    # Not run on a GPU yet: "auto" stays on XLA there until a hardware run flips the flag.
-    assert attention._auto("gpu") == "xla"
+    assert pj.available_backends("tpu") == ("pallas_tpu", "xla")
+    # Not run on hardware yet: "auto" stays on XLA until a hardware run flips the flags.
+    assert attention._auto("gpu") == "xla" and attention._auto("tpu") == "xla"
     case = make_case(11, BATCHES["decode"][:2])
-    with pytest.raises(NotImplementedError, match="backend='pallas_tpu'.*not implemented"):
-        pj.ragged_paged_attention(*case.args, backend="pallas_tpu")
     with pytest.raises(ValueError, match=r"backend: expected one of .* got 'cuda'"):
         pj.ragged_paged_attention(*case.args, backend="cuda")
 

@@ -1,4 +1,4 @@
-"""Pallas TPU decode kernel against the reference, in TPU interpret mode on CPU."""
+"""Pallas TPU decode and ragged kernels against the reference, in TPU interpret mode."""
 
 import itertools
 import random
@@ -11,10 +11,11 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.paged_attention import (
     paged_attention as jax_tpu_paged_attention,
 )
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as jax_ragged
 from paged_cases import assert_close_to_oracle, make_case, max_err
 
 import paged_jax as pj
-from pallas_kernels.tpu import decode_paged_attention
+from pallas_kernels.tpu import decode_paged_attention, ragged_paged_attention
 
 INTERPRET = jax.default_backend() != "tpu"
 BATCH = [(1, 1), (1, 16), (1, 17), (1, 32), (1, 70)]
@@ -126,3 +127,93 @@ def test_matches_jax_tpu_paged_attention():
         )
     ours = decode_paged_attention(case.q, kv, case.kv_lens, case.page_indices, interpret=INTERPRET)
     assert max_err(ours, np.asarray(theirs.astype(jnp.float32), np.float64)) < 2e-2
+
+
+RAGGED = {
+    "decode": [(1, 1), (1, 16), (1, 33)],
+    "prefill": [(8, 8), (13, 13), (1, 1)],
+    "mixed": [(5, 20), (1, 16), (0, 7), (16, 16), (3, 40)],
+}
+
+
+def _ragged_grid(num, seed):
+    full = list(
+        itertools.product(
+            RAGGED, [16, 32], GQA, [64, 128], ["float32", "bfloat16", "float16"], OPTIONS
+        )
+    )
+    return random.Random(seed).sample(full, num)
+
+
+def _rid(p):
+    return f"{p[0]}-" + _id(p[1:])
+
+
+def _check_ragged(params, seed, **knobs):
+    batch, page, heads, d, dtype, opt = params
+    case = make_case(
+        seed,
+        RAGGED[batch],
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=d,
+        page_size=page,
+        dtype=jnp.dtype(dtype),
+        **OPTIONS[opt],
+    )
+    kw = dict(sm_scale=d**-0.5, **OPTIONS[opt])
+    ref = pj.reference.ragged_paged_attention(*case.args, **kw)
+    out = ragged_paged_attention(*case.args, interpret=INTERPRET, **kw, **knobs)
+    assert_close_to_oracle(out, ref, case.expected, what=_rid(params))
+    n = int(case.cu_q_lens[len(RAGGED[batch])])
+    np.testing.assert_array_equal(np.asarray(out[n:], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("params", _ragged_grid(6, seed=13), ids=_rid)
+def test_ragged_kernel(params):
+    _check_ragged(params, seed=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", _ragged_grid(40, seed=14), ids=_rid)
+def test_ragged_kernel_large_grid(params):
+    _check_ragged(params, seed=1)
+
+
+def test_ragged_small_blocks_and_public_api():
+    _check_ragged(
+        ("mixed", 16, (8, 2), 64, "float32", "both"),
+        seed=2,
+        tokens_per_block=3,
+        pages_per_block=1,
+        table_chunk=2,
+    )
+    case = make_case(6, RAGGED["mixed"], page_size=16)
+    out = pj.ragged_paged_attention(
+        *case.args, sm_scale=0.25, backend="pallas_tpu", interpret=INTERPRET
+    )
+    assert_close_to_oracle(
+        out, pj.reference.ragged_paged_attention(*case.args, sm_scale=0.25), case.expected
+    )
+
+
+def test_ragged_matches_jax_ref_ragged_paged_attention():
+    case = make_case(
+        7,
+        RAGGED["mixed"],
+        num_q_heads=8,
+        num_kv_heads=2,
+        page_size=16,
+        head_dim=64,
+        sliding_window=9,
+        soft_cap=3.0,
+    )
+    kv, q = jnp.nan_to_num(case.kv_pages), jnp.nan_to_num(case.q)
+    args = (q, kv, case.kv_lens, case.page_indices, case.cu_q_lens, case.num_seqs)
+    theirs = jax_ragged.ref_ragged_paged_attention(
+        *args, sm_scale=0.125, sliding_window=9, soft_cap=3.0
+    )
+    ours = ragged_paged_attention(
+        *args, sm_scale=0.125, sliding_window=9, soft_cap=3.0, interpret=INTERPRET
+    )
+    assert max_err(ours[: theirs.shape[0]], np.asarray(theirs, np.float64)) < 2e-6

@@ -1,0 +1,288 @@
+"""Ragged paged attention for TPU (Pallas, Mosaic): prefill chunks and decode tokens of many
+sequences in one launch, pages fetched by double-buffered DMA through the block table.
+
+The wrapper cuts every sequence's new tokens into blocks of ``tokens_per_block`` and
+gathers each block's query rows into an aligned ``[W, bq, H, D]`` layout (W = cdiv(T, bq)
++ S, spare blocks do nothing); the kernel's grid is one program per block ("parallel").
+A program reads its sequence's length and first token by scalar prefetch, copies block
+table chunks into SMEM, fetches the pages up to the causal end of its last token (from
+the first page inside its sliding window) into two VMEM buffers, one ``[P, 2K, D]`` DMA
+per page, the next block in flight while the current one is computed, and folds them
+into an online softmax in f32 with a causal mask per row. The wrapper scatters the rows
+back; padding tokens come out 0. The gather/scatter moves T * H * D elements, small next
+to the K/V bytes.
+
+Status: verified in TPU interpret mode on CPU only (no TPU was available to this work).
+Per-token int8/fp8 scales are not supported here yet (per-tensor float scales are).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._softmax import fold
+from pallas_kernels._worklist import work_list
+from pallas_kernels.tpu.decode import default_pages_per_block
+
+
+def _kernel(
+    seq_ref,
+    start_ref,
+    live_ref,
+    lens_ref,
+    cu_ref,  # scalar prefetch (SMEM)
+    q_ref,
+    table_hbm,
+    kv_hbm,  # q block [1, bq, H, D] (VMEM); HBM refs
+    o_ref,  # [1, bq, H, D]
+    table_smem,
+    kv_buf,
+    sems,
+    *,
+    sm_scale,
+    soft_cap,
+    sliding_window,
+    pages_per_block,
+    table_chunk,
+    page_size,
+    num_kv_heads,
+    precision,
+    k_scale,
+    v_scale,
+):
+    w = pl.program_id(0)
+    bp, P, CH, K = pages_per_block, page_size, table_chunk, num_kv_heads
+    _, bq, H, D = q_ref.shape
+    G = H // K
+    seq, q_start, live = seq_ref[w], start_ref[w], live_ref[w]
+    kv_len = lens_ref[seq]
+    q_first, q_end = cu_ref[seq], cu_ref[seq + 1]
+    tok_row = q_start + jnp.arange(bq)
+    row_ok = (tok_row < q_end) & (live > 0)
+    pos = kv_len - (q_end - q_first) + (tok_row - q_first)
+    last_pos = jnp.max(jnp.where(row_ok, pos, -1))
+    used = jnp.minimum(pl.cdiv(last_pos + 1, P), pl.cdiv(kv_len, P))
+    first_page = 0
+    if sliding_window is not None:
+        first_pos = jnp.min(jnp.where(row_ok, pos, kv_len))
+        first_page = (jnp.maximum(first_pos - sliding_window + 1, 0) // P) // bp * bp
+    num_blocks = pl.cdiv(jnp.maximum(used - first_page, 0), bp)
+
+    def load_table_chunk(col):
+        pltpu.sync_copy(table_hbm.at[seq, pl.ds((col // CH) * CH, CH)], table_smem)
+
+    def page_copies(j, slot):
+        out = []
+        for i in range(bp):
+            col = first_page + j * bp + i
+            ok = col < used
+            page = jnp.where(ok, table_smem[col % CH], 0)
+            out.append(
+                (ok, pltpu.make_async_copy(kv_hbm.at[page], kv_buf.at[slot, i], sems.at[slot]))
+            )
+        return out
+
+    def start(j, slot):
+        @pl.when((first_page + j * bp) % CH == 0)
+        def _():
+            load_table_chunk(first_page + j * bp)
+
+        for ok, copy in page_copies(j, slot):
+            pl.when(ok)(copy.start)
+
+    def wait(j, slot):
+        for ok, copy in page_copies(j, slot):
+            pl.when(ok)(copy.wait)
+
+    q = q_ref[0].astype(jnp.float32).reshape(bq, K, G, D) * sm_scale
+
+    def body(j, carry):
+        slot = j % 2
+
+        @pl.when(j + 1 < num_blocks)
+        def _():
+            start(j + 1, 1 - slot)
+
+        wait(j, slot)
+        kv = kv_buf[slot].reshape(bp * P, 2 * K, D).astype(jnp.float32)
+        k, v = kv[:, 0::2, :], kv[:, 1::2, :]  # [C, K, D]
+        if k_scale is not None:
+            k = k * k_scale
+        if v_scale is not None:
+            v = v * v_scale
+        tok = (first_page + j * bp) * P + jnp.arange(bp * P)
+        in_seq = tok < kv_len
+        k = jnp.where(in_seq[:, None, None], k, 0.0)
+        v = jnp.where(in_seq[:, None, None], v, 0.0)  # skipped or stale slots
+        mask = (tok[None, :] <= pos[:, None]) & row_ok[:, None] & in_seq[None, :]
+        if sliding_window is not None:
+            mask &= pos[:, None] - tok[None, :] < sliding_window
+        s = jnp.einsum("tkgd,ckd->tkgc", q, k, precision=precision)
+        return fold(
+            s,
+            mask[:, None, None, :],
+            carry,
+            lambda p: jnp.einsum("tkgc,ckd->tkgd", p, v, precision=precision),
+            soft_cap,
+        )
+
+    @pl.when(num_blocks > 0)
+    def _():
+        load_table_chunk(first_page)
+        start(0, 0)
+
+    init = (
+        jnp.zeros((bq, K, G, D), jnp.float32),
+        jnp.full((bq, K, G), -jnp.inf, jnp.float32),
+        jnp.zeros((bq, K, G), jnp.float32),
+    )
+    acc, _, l = jax.lax.fori_loop(0, num_blocks, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    o_ref[0] = out.reshape(bq, H, D).astype(o_ref.dtype)
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, H, D]
+    kv_pages: jax.Array,  # [N, P, 2K, D]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, M]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    tokens_per_block: int | None = None,
+    pages_per_block: int | None = None,
+    table_chunk: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:  # [T, H, D]
+    """Ragged paged attention (see the module docstring); arguments as
+    ``paged_jax.ragged_paged_attention``. ``k_scale`` / ``v_scale``: per-tensor floats.
+    Knobs: ``tokens_per_block`` (query rows per program; default 16), ``pages_per_block``
+    (pages per DMA buffer; default ~512 KiB of K/V), ``table_chunk`` (block-table entries
+    per SMEM copy)."""
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc is not None and not isinstance(sc, (int, float)):
+            raise NotImplementedError(
+                f"{name}: the TPU ragged kernel takes per-tensor float scales only; "
+                "per-token scale arrays are not supported yet (use backend='xla')"
+            )
+    if table_chunk is not None and pages_per_block is not None and table_chunk % pages_per_block:
+        raise ValueError(
+            f"table_chunk: expected a multiple of pages_per_block="
+            f"{pages_per_block}, got {table_chunk}"
+        )
+    return _ragged(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=float(sm_scale),
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=None if k_scale is None else float(k_scale),
+        v_scale=None if v_scale is None else float(v_scale),
+        tokens_per_block=tokens_per_block,
+        pages_per_block=pages_per_block,
+        table_chunk=table_chunk,
+        interpret=interpret,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "soft_cap",
+        "sliding_window",
+        "k_scale",
+        "v_scale",
+        "tokens_per_block",
+        "pages_per_block",
+        "table_chunk",
+        "interpret",
+    ),
+)
+def _ragged(
+    q,
+    kv_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    k_scale,
+    v_scale,
+    tokens_per_block,
+    pages_per_block,
+    table_chunk,
+    interpret,
+):
+    T, H, D = q.shape
+    N, P, combined, _ = kv_pages.shape
+    M = page_indices.shape[1]
+    bq = tokens_per_block or 16
+    bp = pages_per_block or default_pages_per_block(P, combined, D, kv_pages.dtype.itemsize)
+    ch = table_chunk or bp * 16
+    if ch % bp:
+        raise ValueError(f"table_chunk: expected a multiple of pages_per_block={bp}, got {ch}")
+    seq, start, valid = work_list(cu_q_lens, num_seqs, T, bq)
+    W = seq.shape[0]
+    rows = start[:, None] + jnp.arange(bq)[None, :]  # [W, bq] token of each row
+    q_blocks = jnp.take(q, jnp.minimum(rows, T - 1).reshape(-1), axis=0).reshape(W, bq, H, D)
+    width = pl.cdiv(M + bp, ch) * ch
+    table = jnp.pad(page_indices, ((0, 0), (0, width - M)))
+    kernel = functools.partial(
+        _kernel,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        pages_per_block=bp,
+        table_chunk=ch,
+        page_size=P,
+        num_kv_heads=combined // 2,
+        precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    out_blocks = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(W,),
+            in_specs=[
+                pl.BlockSpec((1, bq, H, D), lambda w, *_: (w, 0, 0, 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=pl.BlockSpec((1, bq, H, D), lambda w, *_: (w, 0, 0, 0)),
+            scratch_shapes=[
+                pltpu.SMEM((ch,), jnp.int32),
+                pltpu.VMEM((2, bp, P, combined, D), kv_pages.dtype),
+                pltpu.SemaphoreType.DMA((2,)),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct((W, bq, H, D), q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="paged_ragged_tpu",
+    )(seq, start, valid, kv_lens, cu_q_lens, q_blocks, table, kv_pages)
+    # Scatter the live rows back; rows of other sequences or past the end are dropped.
+    row_end = cu_q_lens[seq + 1][:, None]
+    keep = (rows < row_end) & (valid[:, None] > 0)
+    target = jnp.where(keep, rows, T).reshape(-1)
+    out = jnp.zeros((T, H, D), q.dtype)
+    return out.at[target].set(out_blocks.reshape(-1, H, D), mode="drop")
