@@ -91,12 +91,9 @@ def kernels_for_platform(platform: str) -> dict:
 
         out["jax pallas gpu paged_attention"] = jax_op
     if platform == "tpu":
-        from pallas_kernels import tpu
-
-        if getattr(tpu, "decode_paged_attention", None) is not None:
-            out["pallas_tpu (this project)"] = functools.partial(
-                pj.paged_attention, backend="pallas_tpu"
-            )
+        out["pallas_tpu (this project)"] = functools.partial(
+            pj.paged_attention, backend="pallas_tpu"
+        )
     return out
 
 
@@ -115,6 +112,7 @@ def main(argv=None) -> int:
     env = environment(with_jax=True)
     bw = copy_bandwidth(args.repeats)
     kernels = kernels_for_platform(platform)
+    peaks = PEAKS.get(env["device_kind"])
     rows = []
     cases = [(b, c) for b in args.batches for c in args.contexts]
     with progress(len(cases), "kernels") as bar:
@@ -137,6 +135,10 @@ def main(argv=None) -> int:
                     gbps=kv_bytes / t / 1e9,
                     frac_copy_bw=kv_bytes / t / bw,
                 )
+                if peaks:  # fractions of the chip's published HBM and matmul peaks
+                    flops = 4 * b * c * HQ * D  # q.k and p.v, 2 FLOP per multiply-add
+                    row["frac_peak_hbm"] = kv_bytes / t / peaks[0]
+                    row["mxu_util"] = flops / t / peaks[1]
                 if "this project" in name or name.startswith("xla"):
                     tc = _time(f, *contiguous, repeats=args.repeats)
                     row["paging_overhead"] = t / tc - 1
@@ -151,7 +153,18 @@ def main(argv=None) -> int:
         )
     print(
         table(
-            shown, ["batch", "context", "kernel", "ms", "gbps", "frac_copy_bw", "paging_overhead"]
+            shown,
+            [
+                "batch",
+                "context",
+                "kernel",
+                "ms",
+                "gbps",
+                "frac_copy_bw",
+                "paging_overhead",
+                "frac_peak_hbm",
+                "mxu_util",
+            ],
         )
     )
     path = write_result(
@@ -160,7 +173,7 @@ def main(argv=None) -> int:
             "benchmark": "kernels",
             "environment": env,
             "copy_bandwidth_gbps": bw / 1e9,
-            "peaks": PEAKS.get(env["device_kind"]),
+            "peaks": peaks,
             "parameters": dict(
                 hq=HQ,
                 hkv=HKV,

@@ -166,8 +166,15 @@ class PagedKVCache:
         k: jax.Array,  # [T, K, D]
         v: jax.Array,  # [T, K, D]
         slot_mapping: jax.Array,  # i32[T]
+        *,
+        backend: str = "xla",
+        interpret: bool = False,
     ) -> PagedKVCache:
         """Writes token t's K/V of ``layer`` to slot ``slot_mapping[t]``; returns the new cache.
+
+        ``backend``: ``"xla"`` (an in-place scatter under donation, every platform) or
+        ``"pallas_tpu"`` (a DMA per token row, ``pallas_kernels.tpu.write_rows``;
+        ``interpret=True`` runs it on CPU).
 
         Padding tokens should use a slot of the null page (``0 <= slot < page_size``).
         Slots must be distinct outside the null page; slots outside ``[0, N*P)`` are
@@ -193,6 +200,19 @@ class PagedKVCache:
                 f"got {tuple(slot_mapping.shape)}"
             )
         kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], 2 * self.num_kv_heads, self.head_dim)
+        if backend == "pallas_tpu":
+            from pallas_kernels.tpu import write_rows
+
+            scales = None
+            if self.quantized:
+                kv, scales = _quant.quantize_rows(kv, self.dtype)
+                scales = write_rows(
+                    self.kv_scales, scales, slot_mapping, layer, interpret=interpret
+                )
+            new_kv = write_rows(self.kv_pages, kv, slot_mapping, layer, interpret=interpret)
+            return dataclasses.replace(self, kv_pages=new_kv, kv_scales=scales)
+        if backend != "xla":
+            raise ValueError(f"backend: expected 'xla' or 'pallas_tpu', got {backend!r}")
         pages = slot_mapping // self.page_size
         offsets = slot_mapping % self.page_size
         # mode="drop": an out-of-range slot must never wrap around onto a live page.

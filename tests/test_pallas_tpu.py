@@ -28,10 +28,11 @@ OPTIONS = {
 }
 
 
-def _grid(num, seed):
-    full = list(
-        itertools.product([16, 32], GQA, [64, 128], ["float32", "bfloat16", "float16"], OPTIONS)
-    )
+DTYPES = ["float32", "bfloat16", "float16", "int8", "float8_e4m3fn"]
+
+
+def _grid(num, seed, pages=(16, 32), dims=(64, 128)):
+    full = list(itertools.product(pages, GQA, dims, DTYPES, OPTIONS))
     return random.Random(seed).sample(full, num)
 
 
@@ -57,7 +58,7 @@ def _check(params, seed, **knobs):
     q = jnp.concatenate([case.q, jnp.full((1,) + case.q.shape[1:], jnp.nan, case.q.dtype)])
     lens = jnp.concatenate([case.kv_lens, jnp.zeros(1, jnp.int32)])
     table = jnp.concatenate([case.page_indices, case.page_indices[:1] * 0])
-    kw = dict(sm_scale=d**-0.5, **OPTIONS[opt])
+    kw = dict(sm_scale=d**-0.5, k_scale=case.k_scale, v_scale=case.v_scale, **OPTIONS[opt])
     ref = pj.reference.paged_attention(q, case.kv_pages, lens, table, **kw)
     out = decode_paged_attention(q, case.kv_pages, lens, table, interpret=INTERPRET, **kw, **knobs)
     assert out.dtype == case.q.dtype
@@ -71,7 +72,9 @@ def test_decode_kernel(params):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("params", _grid(48, seed=12), ids=_id)
+@pytest.mark.parametrize(
+    "params", _grid(48, seed=12, pages=(8, 16, 32, 64, 128), dims=(64, 128, 256)), ids=_id
+)
 def test_decode_kernel_large_grid(params):
     _check(params, seed=1)
 
@@ -92,7 +95,7 @@ def test_through_the_public_api_and_errors():
     args = (case.q, case.kv_pages, case.kv_lens, case.page_indices)
     out = pj.paged_attention(*args, sm_scale=0.25, backend="pallas_tpu", interpret=INTERPRET)
     assert_close_to_oracle(out, pj.reference.paged_attention(*args, sm_scale=0.25), case.expected)
-    with pytest.raises(NotImplementedError, match="per-tensor float scales only"):
+    with pytest.raises(ValueError, match="k_scale, v_scale: pass both as arrays or neither"):
         decode_paged_attention(*args, k_scale=jnp.ones((3, 16, 2)), interpret=True)
     with pytest.raises(
         ValueError, match="table_chunk: expected a multiple of pages_per_block=2, got 3"
@@ -136,12 +139,8 @@ RAGGED = {
 }
 
 
-def _ragged_grid(num, seed):
-    full = list(
-        itertools.product(
-            RAGGED, [16, 32], GQA, [64, 128], ["float32", "bfloat16", "float16"], OPTIONS
-        )
-    )
+def _ragged_grid(num, seed, pages=(16, 32), dims=(64, 128)):
+    full = list(itertools.product(RAGGED, pages, GQA, dims, DTYPES, OPTIONS))
     return random.Random(seed).sample(full, num)
 
 
@@ -161,7 +160,7 @@ def _check_ragged(params, seed, **knobs):
         dtype=jnp.dtype(dtype),
         **OPTIONS[opt],
     )
-    kw = dict(sm_scale=d**-0.5, **OPTIONS[opt])
+    kw = dict(sm_scale=d**-0.5, k_scale=case.k_scale, v_scale=case.v_scale, **OPTIONS[opt])
     ref = pj.reference.ragged_paged_attention(*case.args, **kw)
     out = ragged_paged_attention(*case.args, interpret=INTERPRET, **kw, **knobs)
     assert_close_to_oracle(out, ref, case.expected, what=_rid(params))
@@ -175,7 +174,9 @@ def test_ragged_kernel(params):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("params", _ragged_grid(40, seed=14), ids=_rid)
+@pytest.mark.parametrize(
+    "params", _ragged_grid(40, seed=14, pages=(8, 16, 32, 64, 128), dims=(64, 128, 256)), ids=_rid
+)
 def test_ragged_kernel_large_grid(params):
     _check_ragged(params, seed=1)
 
@@ -217,3 +218,45 @@ def test_ragged_matches_jax_ref_ragged_paged_attention():
         *args, sm_scale=0.125, sliding_window=9, soft_cap=3.0, interpret=INTERPRET
     )
     assert max_err(ours[: theirs.shape[0]], np.asarray(theirs, np.float64)) < 2e-6
+
+
+def test_wide_block_table_is_read_in_chunks():
+    # A 4096-column block table (16 KiB of int32 per row; a 512-row batch of these would
+    # not fit SMEM) is only ever read one small chunk at a time; past the live pages the
+    # rows hold garbage ids, never followed.
+    case = make_case(8, [(1, 20), (1, 5)], page_size=16, pad_seqs=0, pad_tokens=0)
+    table = jnp.full((2, 4096), 10**6, jnp.int32).at[:, :2].set(case.page_indices[:, :2])
+    args = (case.q, case.kv_pages, case.kv_lens, table)
+    out = decode_paged_attention(*args, sm_scale=0.25, interpret=INTERPRET, table_chunk=8)
+    ref = pj.reference.paged_attention(
+        case.q, case.kv_pages, case.kv_lens, case.page_indices, sm_scale=0.25
+    )
+    assert_close_to_oracle(out, ref, case.expected)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kv_write_kernel_matches_the_xla_scatter(dtype, seed):
+    rng = np.random.default_rng(seed)
+    cache = pj.PagedKVCache.create(2, 9, 4, 2, 8, dtype=jnp.dtype(dtype))
+    T = 13
+    live = rng.choice(np.arange(4, 36), size=T - 4, replace=False)  # distinct, off page 0
+    slots = np.concatenate([live, [0, 2, -1, 36]])  # padding on page 0, two out of range
+    rng.shuffle(slots)
+    k = jnp.asarray(rng.standard_normal((T, 2, 8)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((T, 2, 8)), jnp.float32)
+    slots = jnp.asarray(slots, jnp.int32)
+    a = cache.write(1, k, v, slots)
+    b = cache.write(1, k, v, slots, backend="pallas_tpu", interpret=INTERPRET)
+    # Page 0 (the null page) may hold any padding row; everything else must be identical,
+    # out-of-range slots dropped and layer 0 untouched.
+    np.testing.assert_array_equal(
+        np.asarray(a.kv_pages[:, 1:], np.float32), np.asarray(b.kv_pages[:, 1:], np.float32)
+    )
+    assert not np.asarray(b.kv_pages[0], np.float32).any()
+    if cache.quantized:
+        np.testing.assert_array_equal(
+            np.asarray(a.kv_scales[:, 1:]), np.asarray(b.kv_scales[:, 1:])
+        )
+    with pytest.raises(ValueError, match="backend: expected 'xla' or 'pallas_tpu', got 'gpu'"):
+        cache.write(1, k, v, slots, backend="gpu")

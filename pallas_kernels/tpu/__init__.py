@@ -4,11 +4,12 @@
   (``ragged.py``): scalar-prefetched lengths, block tables copied to SMEM in chunks,
   pages fetched by double-buffered DMA.
 
-Not built yet: a KV-write kernel (K/V are written by ``PagedKVCache.write``'s in-place
-XLA scatter), per-token int8/fp8 scales.
+* ``write_rows`` (``kv_write.py``): a step's new K/V (or scale) rows into the pool by slot
+  mapping, in place; ``PagedKVCache.write(..., backend="pallas_tpu")`` uses it.
 """
 
 from pallas_kernels.tpu.decode import decode_paged_attention
+from pallas_kernels.tpu.kv_write import write_rows
 from pallas_kernels.tpu.ragged import ragged_paged_attention
 
-__all__ = ["decode_paged_attention", "ragged_paged_attention"]
+__all__ = ["decode_paged_attention", "ragged_paged_attention", "write_rows"]

@@ -12,8 +12,10 @@ into an online softmax in f32 with a causal mask per row. The wrapper scatters t
 back; padding tokens come out 0. The gather/scatter moves T * H * D elements, small next
 to the K/V bytes.
 
+KV dtypes as the decode kernel: f32, bf16, f16, int8 / fp8 with per-token or per-tensor
+scales.
+
 Status: verified in TPU interpret mode on CPU only (no TPU was available to this work).
-Per-token int8/fp8 scales are not supported here yet (per-tensor float scales are).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._softmax import fold
 from pallas_kernels._worklist import work_list
-from pallas_kernels.tpu.decode import default_pages_per_block
+from pallas_kernels.tpu._pages import PagePipeline, default_pages_per_block, scratch_shapes
+from pallas_kernels.tpu.decode import check_table_chunk, split_scales
 
 
 def _kernel(
@@ -35,15 +38,8 @@ def _kernel(
     start_ref,
     live_ref,
     lens_ref,
-    cu_ref,  # scalar prefetch (SMEM)
-    q_ref,
-    table_hbm,
-    kv_hbm,  # q block [1, bq, H, D] (VMEM); HBM refs
-    o_ref,  # [1, bq, H, D]
-    table_smem,
-    kv_buf,
-    sems,
-    *,
+    cu_ref,
+    *refs,
     sm_scale,
     soft_cap,
     sliding_window,
@@ -54,9 +50,27 @@ def _kernel(
     precision,
     k_scale,
     v_scale,
+    quantized,
 ):
+    if quantized:
+        (
+            q_ref,
+            table_hbm,
+            kv_hbm,
+            ks_hbm,
+            vs_hbm,
+            o_ref,
+            table_smem,
+            kv_buf,
+            ks_buf,
+            vs_buf,
+            sems,
+        ) = refs
+    else:
+        q_ref, table_hbm, kv_hbm, o_ref, table_smem, kv_buf, sems = refs
+        ks_hbm = vs_hbm = ks_buf = vs_buf = None
     w = pl.program_id(0)
-    bp, P, CH, K = pages_per_block, page_size, table_chunk, num_kv_heads
+    bp, P, K = pages_per_block, page_size, num_kv_heads
     _, bq, H, D = q_ref.shape
     G = H // K
     seq, q_start, live = seq_ref[w], start_ref[w], live_ref[w]
@@ -72,33 +86,22 @@ def _kernel(
         first_pos = jnp.min(jnp.where(row_ok, pos, kv_len))
         first_page = (jnp.maximum(first_pos - sliding_window + 1, 0) // P) // bp * bp
     num_blocks = pl.cdiv(jnp.maximum(used - first_page, 0), bp)
-
-    def load_table_chunk(col):
-        pltpu.sync_copy(table_hbm.at[seq, pl.ds((col // CH) * CH, CH)], table_smem)
-
-    def page_copies(j, slot):
-        out = []
-        for i in range(bp):
-            col = first_page + j * bp + i
-            ok = col < used
-            page = jnp.where(ok, table_smem[col % CH], 0)
-            out.append(
-                (ok, pltpu.make_async_copy(kv_hbm.at[page], kv_buf.at[slot, i], sems.at[slot]))
-            )
-        return out
-
-    def start(j, slot):
-        @pl.when((first_page + j * bp) % CH == 0)
-        def _():
-            load_table_chunk(first_page + j * bp)
-
-        for ok, copy in page_copies(j, slot):
-            pl.when(ok)(copy.start)
-
-    def wait(j, slot):
-        for ok, copy in page_copies(j, slot):
-            pl.when(ok)(copy.wait)
-
+    pipe = PagePipeline(
+        seq,
+        first_page,
+        used,
+        table_hbm,
+        kv_hbm,
+        ks_hbm,
+        vs_hbm,
+        table_smem,
+        kv_buf,
+        ks_buf,
+        vs_buf,
+        sems,
+        bp,
+        table_chunk,
+    )
     q = q_ref[0].astype(jnp.float32).reshape(bq, K, G, D) * sm_scale
 
     def body(j, carry):
@@ -106,15 +109,10 @@ def _kernel(
 
         @pl.when(j + 1 < num_blocks)
         def _():
-            start(j + 1, 1 - slot)
+            pipe.start(j + 1, 1 - slot)
 
-        wait(j, slot)
-        kv = kv_buf[slot].reshape(bp * P, 2 * K, D).astype(jnp.float32)
-        k, v = kv[:, 0::2, :], kv[:, 1::2, :]  # [C, K, D]
-        if k_scale is not None:
-            k = k * k_scale
-        if v_scale is not None:
-            v = v * v_scale
+        pipe.wait(j, slot)
+        k, v = pipe.kv(slot, k_scale, v_scale)  # [C, K, D]
         tok = (first_page + j * bp) * P + jnp.arange(bp * P)
         in_seq = tok < kv_len
         k = jnp.where(in_seq[:, None, None], k, 0.0)
@@ -133,8 +131,7 @@ def _kernel(
 
     @pl.when(num_blocks > 0)
     def _():
-        load_table_chunk(first_page)
-        start(0, 0)
+        pipe.start(0, 0)
 
     init = (
         jnp.zeros((bq, K, G, D), jnp.float32),
@@ -157,29 +154,19 @@ def ragged_paged_attention(
     sm_scale: float = 1.0,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
+    k_scale: jax.Array | float | None = None,  # f32[N, P, K] or a float
+    v_scale: jax.Array | float | None = None,
     tokens_per_block: int | None = None,
     pages_per_block: int | None = None,
     table_chunk: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # [T, H, D]
     """Ragged paged attention (see the module docstring); arguments as
-    ``paged_jax.ragged_paged_attention``. ``k_scale`` / ``v_scale``: per-tensor floats.
-    Knobs: ``tokens_per_block`` (query rows per program; default 16), ``pages_per_block``
-    (pages per DMA buffer; default ~512 KiB of K/V), ``table_chunk`` (block-table entries
-    per SMEM copy)."""
-    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if sc is not None and not isinstance(sc, (int, float)):
-            raise NotImplementedError(
-                f"{name}: the TPU ragged kernel takes per-tensor float scales only; "
-                "per-token scale arrays are not supported yet (use backend='xla')"
-            )
-    if table_chunk is not None and pages_per_block is not None and table_chunk % pages_per_block:
-        raise ValueError(
-            f"table_chunk: expected a multiple of pages_per_block="
-            f"{pages_per_block}, got {table_chunk}"
-        )
+    ``paged_jax.ragged_paged_attention``. Knobs: ``tokens_per_block`` (query rows per
+    program; default 16), ``pages_per_block`` (pages per DMA buffer; default ~512 KiB of
+    K/V), ``table_chunk`` (block-table entries per SMEM copy)."""
+    check_table_chunk(pages_per_block, table_chunk)
+    floats, arrays = split_scales(k_scale, v_scale)
     return _ragged(
         q,
         kv_pages,
@@ -187,11 +174,12 @@ def ragged_paged_attention(
         page_indices,
         cu_q_lens,
         num_seqs,
+        arrays,
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
         soft_cap=soft_cap,
-        k_scale=None if k_scale is None else float(k_scale),
-        v_scale=None if v_scale is None else float(v_scale),
+        k_scale=floats[0],
+        v_scale=floats[1],
         tokens_per_block=tokens_per_block,
         pages_per_block=pages_per_block,
         table_chunk=table_chunk,
@@ -220,6 +208,7 @@ def _ragged(
     page_indices,
     cu_q_lens,
     num_seqs,
+    scale_arrays,
     *,
     sm_scale,
     sliding_window,
@@ -237,14 +226,13 @@ def _ragged(
     bq = tokens_per_block or 16
     bp = pages_per_block or default_pages_per_block(P, combined, D, kv_pages.dtype.itemsize)
     ch = table_chunk or bp * 16
-    if ch % bp:
-        raise ValueError(f"table_chunk: expected a multiple of pages_per_block={bp}, got {ch}")
     seq, start, valid = work_list(cu_q_lens, num_seqs, T, bq)
     W = seq.shape[0]
     rows = start[:, None] + jnp.arange(bq)[None, :]  # [W, bq] token of each row
     q_blocks = jnp.take(q, jnp.minimum(rows, T - 1).reshape(-1), axis=0).reshape(W, bq, H, D)
     width = pl.cdiv(M + bp, ch) * ch
     table = jnp.pad(page_indices, ((0, 0), (0, width - M)))
+    quantized = scale_arrays is not None
     kernel = functools.partial(
         _kernel,
         sm_scale=sm_scale,
@@ -257,29 +245,24 @@ def _ragged(
         precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
         k_scale=k_scale,
         v_scale=v_scale,
+        quantized=quantized,
     )
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
     out_blocks = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(W,),
-            in_specs=[
-                pl.BlockSpec((1, bq, H, D), lambda w, *_: (w, 0, 0, 0)),
-                pl.BlockSpec(memory_space=pl.ANY),
-                pl.BlockSpec(memory_space=pl.ANY),
-            ],
+            in_specs=[pl.BlockSpec((1, bq, H, D), lambda w, *_: (w, 0, 0, 0)), hbm, hbm]
+            + ([hbm, hbm] if quantized else []),
             out_specs=pl.BlockSpec((1, bq, H, D), lambda w, *_: (w, 0, 0, 0)),
-            scratch_shapes=[
-                pltpu.SMEM((ch,), jnp.int32),
-                pltpu.VMEM((2, bp, P, combined, D), kv_pages.dtype),
-                pltpu.SemaphoreType.DMA((2,)),
-            ],
+            scratch_shapes=scratch_shapes(bp, P, combined, D, kv_pages.dtype, ch, quantized),
         ),
         out_shape=jax.ShapeDtypeStruct((W, bq, H, D), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paged_ragged_tpu",
-    )(seq, start, valid, kv_lens, cu_q_lens, q_blocks, table, kv_pages)
+    )(seq, start, valid, kv_lens, cu_q_lens, q_blocks, table, kv_pages, *(scale_arrays or ()))
     # Scatter the live rows back; rows of other sequences or past the end are dropped.
     row_end = cu_q_lens[seq + 1][:, None]
     keep = (rows < row_end) & (valid[:, None] > 0)
