@@ -301,11 +301,22 @@ def test_backend_selection():
     assert pj.available_backends("cpu") == ("xla",)
     assert pj.available_backends("gpu") == ("pallas_gpu", "xla")
     assert pj.available_backends("tpu") == ("pallas_tpu", "xla")
-    # Not run on hardware yet: "auto" stays on XLA until a hardware run flips the flags.
-    assert attention._auto("gpu") == "xla" and attention._auto("tpu") == "xla"
+    # TPU: the Pallas kernels. GPU: XLA until the GPU kernels have run on a GPU.
+    assert attention._auto("tpu") == "pallas_tpu" and attention._auto("gpu") == "xla"
+    assert attention._auto("cpu") == "xla"
     case = make_case(11, BATCHES["decode"][:2])
     with pytest.raises(ValueError, match=r"backend: expected one of .* got 'cuda'"):
         pj.ragged_paged_attention(*case.args, backend="cuda")
+
+
+def test_backend_environment_override(monkeypatch):
+    from paged_jax import attention
+
+    monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")
+    assert attention._auto("tpu") == "xla"
+    monkeypatch.setenv("PAGED_JAX_BACKEND", "fast")
+    with pytest.raises(ValueError, match="PAGED_JAX_BACKEND: expected one of .*, got 'fast'"):
+        attention._auto("tpu")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
