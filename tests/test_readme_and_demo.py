@@ -20,6 +20,16 @@ def test_readme_example_runs_as_printed():
     assert out.getvalue().strip() == "(20, 8, 64)"
 
 
+def test_every_python_block_of_the_readme_runs():
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) >= 4
+    for k, code in enumerate(blocks):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, f"README.md block {k}", "exec"), {})
+
+
 def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_second():
     text = (ROOT / "README.md").read_text()
     setup = text[text.index("## Set-up") : text.index("## Engine")]
