@@ -98,6 +98,7 @@ class Attention(nnx.Module):
         cache: PagedKVCache,
         md: AttentionMetadata,
         backend: str,
+        interpret: bool = False,
     ):
         T = x_TE.shape[0]
         q_THD = self.q_proj(x_TE).reshape(T, self.num_heads, self.head_dim)
@@ -119,6 +120,7 @@ class Attention(nnx.Module):
             k_scale=k_scale,
             v_scale=v_scale,
             backend=backend,
+            interpret=interpret,
         )
         return self.o_proj(o_THD.reshape(T, self.num_heads * self.head_dim)), cache
 
@@ -142,9 +144,16 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, rngs=rngs, **kw)
 
-    def __call__(self, x_TE, positions_T, inv_freq, layer, cache, md, backend):
+    def __call__(self, x_TE, positions_T, inv_freq, layer, cache, md, backend, interpret):
         h, cache = self.self_attn(
-            self.input_layernorm(x_TE), positions_T, inv_freq, layer, cache, md, backend
+            self.input_layernorm(x_TE),
+            positions_T,
+            inv_freq,
+            layer,
+            cache,
+            md,
+            backend,
+            interpret,
         )
         x_TE = x_TE + h
         return x_TE + self.mlp(self.post_attention_layernorm(x_TE)), cache
@@ -191,13 +200,17 @@ class LlamaForCausalLM(nnx.Module):
         md: AttentionMetadata,
         *,
         backend: str = "auto",
+        interpret: bool = False,
     ) -> tuple[jax.Array, PagedKVCache]:  # (f32[R, V], cache)
-        """Runs one step; returns the logits of rows ``md.logits_indices`` and the cache."""
+        """Runs one step; returns the logits of rows ``md.logits_indices`` and the cache.
+
+        ``backend`` / ``interpret`` go to ``paged_jax.ragged_paged_attention``.
+        """
         cfg = self.config
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         x_TE = self.embed_tokens(tokens_T)
         for i, layer in enumerate(self.layers):
-            x_TE, cache = layer(x_TE, positions_T, inv_freq, i, cache, md, backend)
+            x_TE, cache = layer(x_TE, positions_T, inv_freq, i, cache, md, backend, interpret)
         x_RE = self.norm(x_TE[md.logits_indices])
         if self.lm_head is None:
             logits = self.embed_tokens.attend(x_RE)
@@ -211,7 +224,7 @@ def init_model(cfg: LlamaConfig, *, seed: int = 0, dtype=jnp.float32, param_dtyp
     return LlamaForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
 
 
-def make_step(model: LlamaForCausalLM, *, backend: str = "auto"):
+def make_step(model: LlamaForCausalLM, *, backend: str = "auto", interpret: bool = False):
     """Splits ``model`` and returns ``(step, state)``, where
 
     ``step(state, tokens i32[T], positions i32[T], cache, metadata) -> (logits f32[R, V],
@@ -224,6 +237,6 @@ def make_step(model: LlamaForCausalLM, *, backend: str = "auto"):
     def step(state, tokens, positions, cache, md):
         m = nnx.merge(graphdef, state)
         cache = cache.copy_pages(md.copy_src, md.copy_dst)
-        return m(tokens, positions, cache, md, backend=backend)
+        return m(tokens, positions, cache, md, backend=backend, interpret=interpret)
 
     return step, state

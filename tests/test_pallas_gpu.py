@@ -23,6 +23,8 @@ RAGGED_BATCHES = {
     "decode": [(1, 1), (1, 16), (1, 33)],
     "prefill": [(8, 8), (13, 13), (1, 1)],
     "mixed": [(5, 20), (1, 16), (0, 7), (16, 16), (3, 40)],
+    # Prefill chunks longer than one query block, attending to cached pages before them.
+    "long": [(40, 40), (33, 57), (1, 9)],
 }
 GQA = [(4, 4), (8, 2), (8, 1)]  # groups of 1, 4, 8
 DTYPES = ["float32", "bfloat16", "float16", "int8", "float8_e4m3fn"]
@@ -181,3 +183,8 @@ def test_decode_matches_jax_gpu_paged_attention(heads):
     )
     ours = decode_paged_attention(case.q, kv, case.kv_lens, case.page_indices, interpret=INTERPRET)
     assert max_err(ours, np.asarray(theirs, np.float64)) < 1e-5
+
+
+def test_ragged_long_prefill_spans_several_query_blocks():
+    _check_ragged(("long", 8, (8, 2), 64, "float32", "plain"), seed=5)
+    _check_ragged(("long", 16, (4, 4), 64, "bfloat16", "both"), seed=6)

@@ -136,6 +136,8 @@ RAGGED = {
     "decode": [(1, 1), (1, 16), (1, 33)],
     "prefill": [(8, 8), (13, 13), (1, 1)],
     "mixed": [(5, 20), (1, 16), (0, 7), (16, 16), (3, 40)],
+    # Prefill chunks longer than one query block, attending to cached pages before them.
+    "long": [(40, 40), (33, 57), (1, 9)],
 }
 
 
@@ -260,3 +262,10 @@ def test_kv_write_kernel_matches_the_xla_scatter(dtype, seed):
         )
     with pytest.raises(ValueError, match="backend: expected 'xla' or 'pallas_tpu', got 'gpu'"):
         cache.write(1, k, v, slots, backend="gpu")
+
+
+def test_ragged_long_prefill_spans_several_query_blocks():
+    # Early query blocks of a long prefill fetch fewer pages than the sequence holds; the
+    # unfetched buffer slots (NaN in interpret mode) must not leak into the output.
+    _check_ragged(("long", 8, (8, 2), 64, "float32", "plain"), seed=5)
+    _check_ragged(("long", 16, (4, 4), 64, "bfloat16", "both"), seed=6, tokens_per_block=8)

@@ -114,9 +114,12 @@ def _kernel(
         pipe.wait(j, slot)
         k, v = pipe.kv(slot, k_scale, v_scale)  # [C, K, D]
         tok = (first_page + j * bp) * P + jnp.arange(bp * P)
-        in_seq = tok < kv_len
+        # Only pages below `used` were fetched: a block of early query tokens of a long
+        # prefill stops at its own causal end, so later slots in the buffer are stale
+        # (NaN in interpret mode) and must not reach p @ v even with p = 0.
+        in_seq = tok < jnp.minimum(kv_len, used * P)
         k = jnp.where(in_seq[:, None, None], k, 0.0)
-        v = jnp.where(in_seq[:, None, None], v, 0.0)  # skipped or stale slots
+        v = jnp.where(in_seq[:, None, None], v, 0.0)
         mask = (tok[None, :] <= pos[:, None]) & row_ok[:, None] & in_seq[None, :]
         if sliding_window is not None:
             mask &= pos[:, None] - tok[None, :] < sliding_window
