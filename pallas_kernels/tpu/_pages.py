@@ -36,6 +36,37 @@ def scratch_shapes(
     return shapes
 
 
+def split_refs(refs, quantized: bool):
+    """The kernels' shared ref layout -> ``(q_ref, o_ref, parts)``; ``parts`` completes a
+    ``PagePipeline(row, first_page, used, *parts, pages_per_block, table_chunk)``.
+
+    Layout: q, table (HBM), pool (HBM), [k scales, v scales (HBM)], output, table chunk
+    (SMEM), page buffers, [scale buffers], DMA semaphores.
+    """
+    if quantized:
+        (
+            q_ref,
+            table_hbm,
+            kv_hbm,
+            ks_hbm,
+            vs_hbm,
+            o_ref,
+            table_smem,
+            kv_buf,
+            ks_buf,
+            vs_buf,
+            sems,
+        ) = refs
+    else:
+        q_ref, table_hbm, kv_hbm, o_ref, table_smem, kv_buf, sems = refs
+        ks_hbm = vs_hbm = ks_buf = vs_buf = None
+    return (
+        q_ref,
+        o_ref,
+        (table_hbm, kv_hbm, ks_hbm, vs_hbm, table_smem, kv_buf, ks_buf, vs_buf, sems),
+    )
+
+
 @dataclasses.dataclass
 class PagePipeline:
     """Fetches block j (``pages_per_block`` pages from ``first_page + j * bp``) of row

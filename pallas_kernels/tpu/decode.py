@@ -30,7 +30,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._softmax import fold
-from pallas_kernels.tpu._pages import PagePipeline, default_pages_per_block, scratch_shapes
+from pallas_kernels.tpu._pages import (
+    PagePipeline,
+    default_pages_per_block,
+    scratch_shapes,
+    split_refs,
+)
 
 __all__ = ["decode_paged_attention", "default_pages_per_block"]
 
@@ -50,23 +55,7 @@ def _kernel(
     v_scale,
     quantized,
 ):
-    if quantized:
-        (
-            q_ref,
-            table_hbm,
-            kv_hbm,
-            ks_hbm,
-            vs_hbm,
-            o_ref,
-            table_smem,
-            kv_buf,
-            ks_buf,
-            vs_buf,
-            sems,
-        ) = refs
-    else:
-        q_ref, table_hbm, kv_hbm, o_ref, table_smem, kv_buf, sems = refs
-        ks_hbm = vs_hbm = ks_buf = vs_buf = None
+    q_ref, o_ref, parts = split_refs(refs, quantized)
     b = pl.program_id(0)
     bp, P, K = pages_per_block, page_size, num_kv_heads
     _, H, D = q_ref.shape
@@ -79,22 +68,7 @@ def _kernel(
         first_key = jnp.maximum(kv_len - sliding_window, 0)
         first_page = (first_key // P) // bp * bp
     num_blocks = pl.cdiv(jnp.maximum(used - first_page, 0), bp)
-    pipe = PagePipeline(
-        b,
-        first_page,
-        used,
-        table_hbm,
-        kv_hbm,
-        ks_hbm,
-        vs_hbm,
-        table_smem,
-        kv_buf,
-        ks_buf,
-        vs_buf,
-        sems,
-        bp,
-        table_chunk,
-    )
+    pipe = PagePipeline(b, first_page, used, *parts, bp, table_chunk)
     q = q_ref[0].astype(jnp.float32).reshape(K, G, D) * sm_scale
 
     def body(j, carry):

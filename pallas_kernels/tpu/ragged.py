@@ -29,7 +29,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._softmax import fold
 from pallas_kernels._worklist import work_list
-from pallas_kernels.tpu._pages import PagePipeline, default_pages_per_block, scratch_shapes
+from pallas_kernels.tpu._pages import (
+    PagePipeline,
+    default_pages_per_block,
+    scratch_shapes,
+    split_refs,
+)
 from pallas_kernels.tpu.decode import check_table_chunk, split_scales
 
 
@@ -52,23 +57,7 @@ def _kernel(
     v_scale,
     quantized,
 ):
-    if quantized:
-        (
-            q_ref,
-            table_hbm,
-            kv_hbm,
-            ks_hbm,
-            vs_hbm,
-            o_ref,
-            table_smem,
-            kv_buf,
-            ks_buf,
-            vs_buf,
-            sems,
-        ) = refs
-    else:
-        q_ref, table_hbm, kv_hbm, o_ref, table_smem, kv_buf, sems = refs
-        ks_hbm = vs_hbm = ks_buf = vs_buf = None
+    q_ref, o_ref, parts = split_refs(refs, quantized)
     w = pl.program_id(0)
     bp, P, K = pages_per_block, page_size, num_kv_heads
     _, bq, H, D = q_ref.shape
@@ -86,22 +75,7 @@ def _kernel(
         first_pos = jnp.min(jnp.where(row_ok, pos, kv_len))
         first_page = (jnp.maximum(first_pos - sliding_window + 1, 0) // P) // bp * bp
     num_blocks = pl.cdiv(jnp.maximum(used - first_page, 0), bp)
-    pipe = PagePipeline(
-        seq,
-        first_page,
-        used,
-        table_hbm,
-        kv_hbm,
-        ks_hbm,
-        vs_hbm,
-        table_smem,
-        kv_buf,
-        ks_buf,
-        vs_buf,
-        sems,
-        bp,
-        table_chunk,
-    )
+    pipe = PagePipeline(seq, first_page, used, *parts, bp, table_chunk)
     q = q_ref[0].astype(jnp.float32).reshape(bq, K, G, D) * sm_scale
 
     def body(j, carry):
