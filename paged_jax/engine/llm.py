@@ -58,7 +58,8 @@ class RequestOutput:
 class EngineMetrics:
     steps: int = 0
     elapsed_s: float = 0.0
-    step_s: float = 0.0  # time inside the jitted step (device work)
+    step_s: float = 0.0  # time inside the jitted step (device work), compiling calls excluded
+    compile_s: float = 0.0  # calls of the jitted step that compiled a new shape bucket
     host_s: float = 0.0  # scheduling, block manager, batch building, sampling bookkeeping
     tokens_computed: int = 0  # prompt + generated tokens run through the model
     tokens_generated: int = 0
@@ -90,6 +91,7 @@ class EngineMetrics:
             "preemptions (swap)": self.preemptions_swap,
             "preemptions (recompute)": self.preemptions_recompute,
             "compilations": self.compilations,
+            "compile time (s)": self.compile_s,
         }
 
 
@@ -283,6 +285,7 @@ class LLM:
             for i, (p, seed_row, pos) in rows.items():
                 temp[i], top_k[i], top_p[i], out_pos[i] = p.temperature, p.top_k, p.top_p, pos
                 seeds[i, : len(seed_row)] = seed_row
+            compiled_before = self._run._cache_size()
             t1 = time.perf_counter()
             toks, lps, cand_v, cand_i, self.cache = self._run(
                 self._state,
@@ -300,7 +303,10 @@ class LLM:
             toks, lps = np.asarray(toks), np.asarray(lps)
             cand = None if cand_v is None else (np.asarray(cand_v), np.asarray(cand_i))
             t2 = time.perf_counter()
-            self.metrics.step_s += t2 - t1
+            if self._run._cache_size() > compiled_before:  # this call compiled a new shape
+                self.metrics.compile_s += t2 - t1
+            else:
+                self.metrics.step_s += t2 - t1
             self.metrics.tokens_computed += batch.num_tokens
             for w in work:
                 self.bm.mark_computed(w.seq.seq_id, w.stop)
@@ -527,7 +533,7 @@ class LLM:
         m = self.metrics
         m.steps += 1
         m.elapsed_s += dt
-        m.host_s = m.elapsed_s - m.step_s
+        m.host_s = m.elapsed_s - m.step_s - m.compile_s
         used = self.bm.num_pages - 1 - self.bm.num_free_pages
         m.max_pages_used = max(m.max_pages_used, used)
         # The full recount walks every page of every sequence: sample it (every step while
