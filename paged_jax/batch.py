@@ -51,14 +51,6 @@ class StepBatch:
     seq_ids: tuple  # the scheduled seq_ids, in row order
     num_tokens: int  # live tokens (<= T_b)
 
-    def device_args(self) -> dict[str, np.ndarray]:
-        """The arrays a jitted step takes, by name."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), np.ndarray)
-        }
-
 
 def build_batch(
     manager: BlockManager,
