@@ -135,10 +135,14 @@ class PagePipeline:
 
     def kv(self, slot, k_scale: float | None, v_scale: float | None):
         """f32 K and V of the fetched block, ``[bp * P, K, D]`` each, dequantized."""
-        buf = self.kv_buf[slot]
-        bp, P, combined, D = buf.shape
-        kv = buf.reshape(bp * P, combined, D).astype(jnp.float32)
-        k, v = kv[:, 0::2, :], kv[:, 1::2, :]
+        _, bp, P, combined, D = self.kv_buf.shape
+        K = combined // 2
+        # K and V interleave on the head axis: strided loads from the buffer (Mosaic has no
+        # strided slices of vector values).
+        k = self.kv_buf[slot, :, :, pl.ds(0, K, stride=2), :]
+        v = self.kv_buf[slot, :, :, pl.ds(1, K, stride=2), :]
+        k = k.reshape(bp * P, K, D).astype(jnp.float32)
+        v = v.reshape(bp * P, K, D).astype(jnp.float32)
         if self.ks_buf is not None:
             k = k * self.ks_buf[slot].reshape(bp * P, combined // 2)[..., None]
             v = v * self.vs_buf[slot].reshape(bp * P, combined // 2)[..., None]

@@ -1,0 +1,134 @@
+"""Ahead-of-time lowering of the TPU kernels to Mosaic, on any machine.
+
+Interpret mode runs a kernel's jaxpr with XLA on the CPU; it never meets Mosaic, the
+compiler that builds the kernel for a TPU, and so never sees what Mosaic refuses. JAX can
+lower a ``pallas_call`` for the ``"tpu"`` platform on a CPU host when told which TPU to
+target (an abstract device): that runs Pallas' Mosaic lowering and MLIR's verifier, the
+first half of a TPU compile. Its first use here found a strided slice of a vector value
+(the K/V split of the page buffer) that Mosaic rejects; the kernels now load K and V with
+strided ref loads instead.
+
+What remains unchecked without a TPU is the second half (Mosaic's layout passes in libtpu
+and the VMEM budget at run time).
+
+* :func:`lower_to_mosaic`: the Mosaic custom calls of ``jax.jit(fn)(*args)`` for a TPU kind.
+* ``python -m pallas_kernels.tpu.aot``: lowers this project's kernels over a grid of
+  shapes and dtypes for TPU v5e and v6e and prints one line per case.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+TPU_KINDS = ("TPU v5 lite", "TPU v6 lite")  # device_kind of v5e and v6e
+
+
+def lower_to_mosaic(fn: Callable, *args, device_kind: str = "TPU v5 lite") -> int:
+    """Lowers ``jax.jit(fn)(*args)`` for ``device_kind`` on this host; returns the number of
+    Mosaic kernels in it. Raises what the Mosaic lowering raises (for example
+    ``VerificationError`` for an op Mosaic does not support)."""
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
+    return len(re.findall(r"custom_call @tpu_custom_call", lowered.as_text()))
+
+
+def _shapes(kind, tokens, seqs, heads, kv_heads, head_dim, page, pages, dtype):
+    S = jax.ShapeDtypeStruct
+    quantized = jnp.dtype(dtype).itemsize == 1
+    q_dtype = "bfloat16" if quantized else dtype
+    n = seqs * pages + 1
+    args = [
+        S((tokens if kind == "ragged" else seqs, heads, head_dim), q_dtype),
+        S((n, page, 2 * kv_heads, head_dim), dtype),
+        S((seqs,), "int32"),
+        S((seqs, pages), "int32"),
+    ]
+    if kind == "ragged":
+        args += [S((seqs + 1,), "int32"), S((1,), "int32")]
+    scales = [S((n, page, kv_heads), "float32")] * 2 if quantized else []
+    return args, scales
+
+
+def attention_case(kind, dtype="bfloat16", *, heads=32, kv_heads=8, head_dim=128, page=16, **kw):
+    """``(fn, args)`` for one attention kernel (``kind``: "decode" or "ragged") at a
+    Llama-like shape: 8 sequences of up to 64 pages, 256 ragged tokens."""
+    from pallas_kernels.tpu import decode_paged_attention, ragged_paged_attention
+
+    args, scales = _shapes(kind, 256, 8, heads, kv_heads, head_dim, page, 64, dtype)
+    kernel = decode_paged_attention if kind == "decode" else ragged_paged_attention
+    n = len(args)
+
+    def fn(*a):
+        ks, vs = (a[n], a[n + 1]) if len(a) > n else (None, None)
+        return kernel(*a[:n], sm_scale=0.1, k_scale=ks, v_scale=vs, **kw)
+
+    return fn, args + scales
+
+
+def write_case(dtype="bfloat16", *, kv_heads=8, head_dim=128, page=16, tokens=64):
+    """``(fn, args)`` for ``PagedKVCache.write(backend="pallas_tpu")`` of one layer."""
+    from paged_jax.cache import PagedKVCache
+
+    cache = jax.eval_shape(lambda: PagedKVCache.create(2, 64, page, kv_heads, head_dim, dtype))
+    S = jax.ShapeDtypeStruct
+    new = S((tokens, kv_heads, head_dim), "bfloat16")
+
+    def fn(c, k, v, slots):
+        return c.write(1, k, v, slots, backend="pallas_tpu")
+
+    return fn, [cache, new, new, S((tokens,), "int32")]
+
+
+def standard_cases() -> dict[str, tuple[Callable, list]]:
+    """Every pool dtype at D 128 / page 16 / group 4; head dims 64 and 256; pages 8 and 32;
+    groups 1 and 8; window + soft cap; the KV write for a 16-bit and a quantized cache."""
+    cases = {}
+    for kind in ("decode", "ragged"):
+        for dtype in ("bfloat16", "float32", "float16", "int8", "float8_e4m3fn"):
+            cases[f"{kind} {dtype} D128 P16 G4"] = attention_case(kind, dtype)
+        for head_dim in (64, 256):
+            cases[f"{kind} bfloat16 D{head_dim} P16 G4"] = attention_case(kind, head_dim=head_dim)
+        for page in (8, 32):
+            cases[f"{kind} bfloat16 D128 P{page} G4"] = attention_case(kind, page=page)
+        cases[f"{kind} bfloat16 D128 P16 G1"] = attention_case(kind, heads=8, kv_heads=8)
+        cases[f"{kind} bfloat16 D128 P16 G8"] = attention_case(kind, heads=64, kv_heads=8)
+        cases[f"{kind} bfloat16 D128 P16 G4 window+softcap"] = attention_case(
+            kind, sliding_window=1024, soft_cap=30.0
+        )
+    for dtype in ("bfloat16", "int8"):
+        cases[f"kv_write {dtype} D128 P16"] = write_case(dtype)
+    return cases
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m pallas_kernels.tpu.aot",
+        description="Lower the TPU kernels to Mosaic for TPU v5e and v6e on this host.",
+    )
+    parser.add_argument("-k", default="", help="only cases whose name contains this")
+    args = parser.parse_args(argv)
+    failed = 0
+    for label, (fn, fn_args) in standard_cases().items():
+        if args.k not in label:
+            continue
+        for kind in TPU_KINDS:
+            try:
+                n = lower_to_mosaic(fn, *fn_args, device_kind=kind)
+                print(f"ok    {kind:12s} {label} ({n} Mosaic kernel{'s' * (n != 1)})")
+            except Exception as err:  # report every case, then fail
+                failed += 1
+                first = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
+                print(f"FAIL  {kind:12s} {label}: {type(err).__name__}: {first}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
