@@ -188,3 +188,33 @@ def test_decode_matches_jax_gpu_paged_attention(heads):
 def test_ragged_long_prefill_spans_several_query_blocks():
     _check_ragged(("long", 8, (8, 2), 64, "float32", "plain"), seed=5)
     _check_ragged(("long", 16, (4, 4), 64, "bfloat16", "both"), seed=6)
+
+
+@pytest.mark.parametrize("q_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kernel", ["decode", "ragged"])
+def test_per_tensor_scales_equal_per_token_arrays_of_that_value(kernel, q_dtype):
+    # JAX's convention (one float per tensor) is folded into q and the output instead of a
+    # pass over the pool; it must agree with per-token scale arrays holding that value,
+    # alone (k float, v array) and together, and with the reference.
+    seqs = [(1, 21), (1, 9)] if kernel == "decode" else [(6, 30), (1, 9)]
+    case = make_case(8, seqs, dtype=jnp.int8, q_dtype=q_dtype, pad_seqs=0, pad_tokens=0)
+    n, p, k = case.k_scale.shape
+    ks, vs = 0.031, 0.047
+    ks_arr, vs_arr = jnp.full((n, p, k), ks), jnp.full((n, p, k), vs)
+    if kernel == "decode":
+        args = (case.q, case.kv_pages, case.kv_lens, case.page_indices)
+        run, ref_fn = decode_paged_attention, pj.reference.paged_attention
+    else:
+        args = case.args
+        run, ref_fn = ragged_paged_attention, pj.reference.ragged_paged_attention
+    kw = dict(sm_scale=0.3, interpret=INTERPRET)
+    floats = run(*args, k_scale=ks, v_scale=vs, **kw)
+    arrays = run(*args, k_scale=ks_arr, v_scale=vs_arr, **kw)
+    mixed = run(*args, k_scale=ks, v_scale=vs_arr, **kw)
+    ref = ref_fn(*args, sm_scale=0.3, k_scale=ks, v_scale=vs)
+    assert floats.dtype == case.q.dtype
+    tol = 1e-5 if q_dtype == "float32" else 2e-2
+    for out, want in ((floats, arrays), (mixed, arrays), (floats, ref)):
+        np.testing.assert_allclose(
+            np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol
+        )

@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
-def prepare_scales(kv_pages, k_scale, v_scale, num_kv_heads: int):
-    """Returns ``(kv_pages, k_scale, v_scale)`` for a kernel taking per-token scale arrays.
+def prepare_scales(q: jax.Array, k_scale, v_scale):
+    """Splits the scales into what the kernels read and what the wrapper applies.
 
-    Per-token scales (``f32[N, P, K]`` arrays) pass through as f32. Per-tensor float scales
-    (JAX's convention) are folded into one f32 read of the pool instead, so the kernels
-    have a single scale path.
+    Per-token scales (``f32[N, P, K]`` arrays) are read by the kernels beside the pages.
+    A per-tensor float scale (JAX's convention) never touches the pool: K's is folded into
+    the queries (``q . (s k) = (s q) . k``; ``q`` then travels as f32 so it is rounded only
+    once), V's multiplies the output (``sum p (s v) = s sum p v``).
+
+    Returns ``(q, k_scale_array | None, v_scale_array | None, v_multiplier | None)``.
     """
     scalar = lambda s: s is not None and jnp.ndim(s) == 0  # noqa: E731
-    if scalar(k_scale) or scalar(v_scale):
-        ks = k_scale if scalar(k_scale) else 1.0
-        vs = v_scale if scalar(v_scale) else 1.0
-        sel = jnp.tile(jnp.asarray([ks, vs], jnp.float32), num_kv_heads)[None, None, :, None]
-        kv_pages = kv_pages.astype(jnp.float32) * sel
-        k_scale = None if scalar(k_scale) else k_scale
-        v_scale = None if scalar(v_scale) else v_scale
-    cast = lambda s: None if s is None else jnp.asarray(s, jnp.float32)  # noqa: E731
-    return kv_pages, cast(k_scale), cast(v_scale)
+    if scalar(k_scale):
+        q = q.astype(jnp.float32) * jnp.asarray(k_scale, jnp.float32)
+    v_mul = jnp.asarray(v_scale, jnp.float32) if scalar(v_scale) else None
+    array = lambda s: None if s is None or scalar(s) else jnp.asarray(s, jnp.float32)  # noqa: E731
+    return q, array(k_scale), array(v_scale), v_mul

@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._softmax import fold
+from pallas_kernels.gpu import tuning
 from pallas_kernels.gpu._scales import prepare_scales
 
 NUM_SMS_GUESS = 132  # H100 SXM; only used to choose the split count
@@ -55,12 +56,13 @@ def _kernel(
     pages_per_split,
     page_size,
     precision,
+    compute_dtype,
 ):
     b, s = pl.program_id(0), pl.program_id(2)
     kv_len = lens_ref[b]
     block_tokens = pages_per_block * page_size
     rows, head_dim = q_ref.shape
-    q = q_ref[...].astype(jnp.float32) * sm_scale
+    q = (q_ref[...].astype(jnp.float32) * sm_scale).astype(compute_dtype)
     used_pages = pl.cdiv(kv_len, page_size)
     start = s * pages_per_split
     stop = jnp.minimum(start + pages_per_split, used_pages)
@@ -78,19 +80,22 @@ def _kernel(
         pages = jnp.where(cols < used_pages, pages, 0)  # never follow garbage ids
         tok = first_page * page_size + jnp.arange(block_tokens)
         valid = (tok < kv_len) & (tok >= first_key)
-        k = k_ref[pages].reshape(block_tokens, head_dim).astype(jnp.float32)
-        v = v_ref[pages].reshape(block_tokens, head_dim).astype(jnp.float32)
+        k = k_ref[pages].reshape(block_tokens, head_dim)
+        v = v_ref[pages].reshape(block_tokens, head_dim)
         if ks_ref is not None:
-            k = k * ks_ref[pages].reshape(block_tokens, 1)
-            v = v * vs_ref[pages].reshape(block_tokens, 1)
-        k = jnp.where(valid[:, None], k, 0.0)
-        v = jnp.where(valid[:, None], v, 0.0)  # unwritten pages may hold NaN
-        s_ = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision)
+            k = k.astype(jnp.float32) * ks_ref[pages].reshape(block_tokens, 1)
+        if vs_ref is not None:
+            v = v.astype(jnp.float32) * vs_ref[pages].reshape(block_tokens, 1)
+        k = jnp.where(valid[:, None], k.astype(compute_dtype), 0)
+        v = jnp.where(valid[:, None], v.astype(compute_dtype), 0)  # unwritten pages: NaN
+        dot = functools.partial(
+            jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32
+        )
         return fold(
-            s_,
+            dot(q, k, (((1,), (1,)), ((), ()))),
             valid[None, :],
             (acc, m, l),
-            lambda p: jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())), precision=precision),
+            lambda p: dot(p.astype(compute_dtype), v, (((1,), (0,)), ((), ()))),
             soft_cap,
         )
 
@@ -136,22 +141,25 @@ def decode_paged_attention(
     num_stages: int = 2,
 ) -> jax.Array:  # [B, H, D], q.dtype
     """Decode attention over a paged cache (flash-decoding). Arguments as
-    ``paged_jax.paged_attention``; ``pages_per_block`` (default: 128 tokens' worth) and
-    ``num_splits`` (default from B, K and M: ~2 waves of SMs) are the tuning knobs."""
+    ``paged_jax.paged_attention``. Tuning knobs (defaults in ``tuning.py``):
+    ``pages_per_block`` (16 KiB of K per block), ``num_splits`` (from B, K and M: ~2 waves
+    of SMs), ``num_warps``, ``num_stages``. The dots take 16-bit operands for 16-bit
+    queries and f32 otherwise (three TF32 passes on a GPU, exact f32 when interpreted);
+    they accumulate in f32, as does the softmax."""
     B, H, D = q.shape
     N, P, combined, _ = kv_pages.shape
     K = combined // 2
     G = H // K
     M = page_indices.shape[1]
-    bp = pages_per_block or max(1, min(M, 128 // P if P < 128 else 1))
+    bp = pages_per_block or tuning.pages_per_block(D, kv_pages.dtype, P, M, q.dtype)
     splits = num_splits or default_num_splits(B, K, M, bp)
     per_split = pl.cdiv(pl.cdiv(M, splits), bp) * bp
     width = per_split * splits
     table = jnp.pad(page_indices, ((0, 0), (0, width - M)))  # padding columns: page 0
     rows = max(_MIN_ROWS, pl.next_power_of_2(G))
-    q4 = jnp.pad(q.reshape(B, K, G, D), ((0, 0), (0, 0), (0, rows - G), (0, 0)))
-
-    kv_pages, k_sc, v_sc = prepare_scales(kv_pages, k_scale, v_scale, K)
+    compute = tuning.compute_dtype(q.dtype)
+    q_in, k_sc, v_sc, v_mul = prepare_scales(q, k_scale, v_scale)
+    q4 = jnp.pad(q_in.reshape(B, K, G, D), ((0, 0), (0, 0), (0, rows - G), (0, 0)))
     scales = [k_sc, v_sc]
     head_scale = pl.BlockSpec((N, P, None), lambda b, h, s: (0, 0, h))
     scale_specs = [None if sc is None else head_scale for sc in scales]
@@ -164,7 +172,8 @@ def decode_paged_attention(
         pages_per_block=bp,
         pages_per_split=per_split,
         page_size=P,
-        precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+        precision=tuning.dot_precision(compute, interpret),
+        compute_dtype=compute,
     )
     acc, m, l = pl.pallas_call(
         kernel,
@@ -192,7 +201,10 @@ def decode_paged_attention(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="paged_flash_decode",
     )(kv_lens, table, q4, kv_pages, kv_pages, scales[0], scales[1])
-    return merge_splits(acc, m, l)[:, :, :G].reshape(B, H, D).astype(q.dtype)
+    out = merge_splits(acc, m, l)[:, :, :G].reshape(B, H, D)
+    if v_mul is not None:
+        out = out * v_mul
+    return out.astype(q.dtype)
 
 
 def merge_splits(acc, m, l):

@@ -21,6 +21,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._softmax import fold
 from pallas_kernels._worklist import work_list
+from pallas_kernels.gpu import tuning
 from pallas_kernels.gpu._scales import prepare_scales
 
 
@@ -36,6 +37,7 @@ def _kernel(
     v_ref,
     ks_ref,
     vs_ref,
+    v_mul_ref,
     o_in_ref,
     o_ref,
     *,
@@ -47,6 +49,7 @@ def _kernel(
     page_size,
     group,
     precision,
+    compute_dtype,
 ):
     del o_in_ref  # aliased with o_ref: the zero-initialized output
     w, h = pl.program_id(0), pl.program_id(1)
@@ -64,7 +67,7 @@ def _kernel(
     pos_rows = kv_len - (q_end - q_first) + (tok_of_row - q_first)
     ok_rows = (tok_of_row < q_end) & (live > 0)
     q = q_ref[pl.ds(q_start, bq), pl.ds(h * G, G), :].reshape(bq * G, head_dim)
-    q = q.astype(jnp.float32) * sm_scale
+    q = (q.astype(jnp.float32) * sm_scale).astype(compute_dtype)
     last_pos = jnp.max(jnp.where(row_ok, pos, -1))
     used_pages = pl.cdiv(kv_len, P)
     end_page = jnp.minimum(pl.cdiv(last_pos + 1, P), used_pages)
@@ -81,23 +84,26 @@ def _kernel(
         pages = table_ref[seq, pl.ds(first_page, bp)]
         pages = jnp.where(cols < used_pages, pages, 0)
         tok = first_page * P + jnp.arange(block_tokens)
-        k = k_ref[pages].reshape(block_tokens, head_dim).astype(jnp.float32)
-        v = v_ref[pages].reshape(block_tokens, head_dim).astype(jnp.float32)
+        k = k_ref[pages].reshape(block_tokens, head_dim)
+        v = v_ref[pages].reshape(block_tokens, head_dim)
         if ks_ref is not None:
-            k = k * ks_ref[pages].reshape(block_tokens, 1)
-            v = v * vs_ref[pages].reshape(block_tokens, 1)
+            k = k.astype(jnp.float32) * ks_ref[pages].reshape(block_tokens, 1)
+        if vs_ref is not None:
+            v = v.astype(jnp.float32) * vs_ref[pages].reshape(block_tokens, 1)
         in_seq = tok < kv_len
-        k = jnp.where(in_seq[:, None], k, 0.0)
-        v = jnp.where(in_seq[:, None], v, 0.0)  # unwritten slots may hold NaN
+        k = jnp.where(in_seq[:, None], k.astype(compute_dtype), 0)
+        v = jnp.where(in_seq[:, None], v.astype(compute_dtype), 0)  # unwritten slots: NaN
         mask = (tok[None, :] <= pos_rows[:, None]) & ok_rows[:, None] & in_seq[None, :]
         if sliding_window is not None:
             mask &= pos_rows[:, None] - tok[None, :] < sliding_window
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision)
+        dot = functools.partial(
+            jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32
+        )
         return fold(
-            s,
+            dot(q, k, (((1,), (1,)), ((), ()))),
             mask,
             (acc, m, l),
-            lambda p: jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())), precision=precision),
+            lambda p: dot(p.astype(compute_dtype), v, (((1,), (0,)), ((), ()))),
             soft_cap,
         )
 
@@ -107,7 +113,10 @@ def _kernel(
         jnp.zeros((bq * G,), jnp.float32),
     )
     acc, _, l = jax.lax.fori_loop(0, num_blocks, body, init)
-    out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).reshape(bq, G, head_dim)
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    if v_mul_ref is not None:
+        out = out * v_mul_ref[0]
+    out = out.reshape(bq, G, head_dim)
     plgpu.store(
         o_ref.at[pl.ds(q_start, bq), pl.ds(h * G, G), :],
         out.astype(o_ref.dtype),
@@ -148,25 +157,30 @@ def ragged_paged_attention(
     num_stages: int = 2,
 ) -> jax.Array:  # [T, H, D]
     """Ragged paged attention; arguments as ``paged_jax.ragged_paged_attention``.
-    Knobs: ``tokens_per_block`` (default: 16 query rows of the dot, at least 1 token),
-    ``pages_per_block`` (default: 64 tokens' worth of pages)."""
+    Tuning knobs (defaults in ``tuning.py``): ``tokens_per_block`` (8 KiB of stacked
+    queries, 32 rows of bf16 at D = 128; at least 1 token), ``pages_per_block`` (16 KiB of
+    K per block), ``num_warps``, ``num_stages``. Dot operands and accumulation as in
+    ``decode_paged_attention``."""
     T, H, D = q.shape
     N, P, combined, _ = kv_pages.shape
     K = combined // 2
     G0 = H // K
+    compute = tuning.compute_dtype(q.dtype)
+    out_dtype = q.dtype
+    q, k_sc, v_sc, v_mul = prepare_scales(q, k_scale, v_scale)
     G = pl.next_power_of_2(G0)  # Triton block dims are powers of two: pad the group
     if G != G0:
         q = jnp.pad(q.reshape(T, K, G0, D), ((0, 0), (0, 0), (0, G - G0), (0, 0)))
         q = q.reshape(T, K * G, D)
     M = page_indices.shape[1]
-    bq = tokens_per_block or max(1, pl.next_power_of_2(max(1, 16 // G)))
-    bp = pages_per_block or max(1, min(M, 64 // P if P < 64 else 1))
+    bq = tokens_per_block or tuning.ragged_tokens_per_block(G, D, compute)
+    bp = pages_per_block or tuning.pages_per_block(D, kv_pages.dtype, P, M, compute)
     seq, start, valid = work_list(cu_q_lens, num_seqs, T, bq)
     W = seq.shape[0]
     q_pad = jnp.pad(q, ((0, bq), (0, 0), (0, 0)))  # blocks may read past the last token
     table = jnp.pad(page_indices, ((0, 0), (0, bp)))  # and past the last page column
-    kv_pages, k_sc, v_sc = prepare_scales(kv_pages, k_scale, v_scale, K)
     scales = [k_sc, v_sc]
+    v_mul = None if v_mul is None else v_mul.reshape(1)
     head_scale = pl.BlockSpec((N, P, None), lambda w, h: (0, 0, h))
     scale_specs = [None if sc is None else head_scale for sc in scales]
     full = lambda shape: pl.BlockSpec(shape, lambda w, h: (0,) * len(shape))  # noqa: E731
@@ -179,7 +193,8 @@ def ragged_paged_attention(
         pages_per_block=bp,
         page_size=P,
         group=G,
-        precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+        precision=tuning.dot_precision(compute, interpret),
+        compute_dtype=compute,
     )
     out = pl.pallas_call(
         kernel,
@@ -196,12 +211,13 @@ def ragged_paged_attention(
             pl.BlockSpec((N, P, None, D), lambda w, h: (0, 0, 2 * h + 1, 0)),
             scale_specs[0],
             scale_specs[1],
+            None if v_mul is None else full((1,)),
             full(q_pad.shape),
         ],
         out_specs=full(q_pad.shape),
-        out_shape=jax.ShapeDtypeStruct(q_pad.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q_pad.shape, out_dtype),
         # None inputs (absent scales) are not operands: count the arrays before the output.
-        input_output_aliases={9 + sum(x is not None for x in scales): 0},
+        input_output_aliases={9 + sum(x is not None for x in (*scales, v_mul)): 0},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="paged_ragged_attention",
@@ -217,7 +233,8 @@ def ragged_paged_attention(
         kv_pages,
         scales[0],
         scales[1],
-        jnp.zeros_like(q_pad),
+        v_mul,
+        jnp.zeros(q_pad.shape, out_dtype),
     )
     out = out[:T]
     if G != G0:
