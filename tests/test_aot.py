@@ -1,0 +1,100 @@
+"""The kernels built ahead of time for real hardware, on a CPU host.
+
+* TPU: every kernel lowers through Mosaic (Pallas' TPU lowering + MLIR verification) for
+  TPU v5e and v6e.
+* GPU: every kernel lowers to Triton IR for CUDA, and (with the ``triton`` package, in the
+  test extra) compiles to an sm_90 cubin that fits a Hopper SM's shared memory, without
+  register spills for 16- and 8-bit pools, on bf16/f16 tensor cores.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.gpu import aot as gpu_aot
+from pallas_kernels.tpu import aot as tpu_aot
+
+TPU_CASES = tpu_aot.standard_cases()
+GPU_CASES = gpu_aot.standard_cases()
+
+
+@pytest.mark.parametrize("kind", tpu_aot.TPU_KINDS)
+@pytest.mark.parametrize("label", list(TPU_CASES))
+def test_tpu_kernels_lower_through_mosaic(label, kind):
+    fn, args = TPU_CASES[label]
+    expected = 2 if label.startswith("kv_write int8") else 1  # rows + scale rows
+    assert tpu_aot.lower_to_mosaic(fn, *args, device_kind=kind) == expected
+
+
+def test_tpu_lowering_check_rejects_what_mosaic_rejects():
+    # The construct this check first caught (a strided slice of a VMEM value) must still
+    # fail here, or the check has stopped checking.
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...][0::2, :]
+
+    def fn(x):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+            compiler_params=pltpu.CompilerParams(),
+        )(x)
+
+    with pytest.raises(Exception, match="strided"):
+        tpu_aot.lower_to_mosaic(fn, jax.ShapeDtypeStruct((16, 128), jnp.float32))
+
+
+@pytest.mark.parametrize("label", list(GPU_CASES))
+def test_gpu_kernels_lower_to_triton(label):
+    fn, args = GPU_CASES[label]
+    (module,) = gpu_aot.lower_to_triton(fn, *args)
+    want = "paged_flash_decode" if label.startswith("decode") else "paged_ragged_attention"
+    assert module.name == want
+    assert "tt.dot" in module.ttir and module.num_warps == 4
+
+
+@pytest.fixture(scope="module")
+def sm90_reports():
+    if not gpu_aot.triton_available():
+        pytest.skip("needs the triton package (pip install -e '.[test]' installs it)")
+    return {
+        label: gpu_aot.compile_sm90(gpu_aot.lower_to_triton(fn, *args)[0])
+        for label, (fn, args) in GPU_CASES.items()
+    }
+
+
+def test_gpu_kernels_compile_for_sm90_within_the_sm(sm90_reports):
+    for label, r in sm90_reports.items():
+        assert r.fits, f"{label}: {r.shared_bytes} B of shared memory"
+        assert r.blocks_per_sm >= 2 or "float32 D256" in label, (label, r)
+        dtype = label.split()[1]
+        f32 = dtype == "float32"
+        assert r.spill_bytes <= (256 if f32 else 0), (label, r.spill_bytes)
+        # Tensor cores: 16-bit operands for 16-bit queries (quantized pools are widened to
+        # the bf16 queries), three TF32 passes for f32.
+        operand = {"float32": "tf32", "float16": "f16"}.get(dtype, "bf16")
+        assert any(f".{operand}.{operand}.f32" in m for m in r.mma), (label, r.mma)
+
+
+def test_decode_benchmark_shape_fits_three_blocks_per_sm(sm90_reports):
+    # Hq 32, Hkv 8, D 128, bf16, page 16: 64 tokens per block, ~68 KiB of shared memory.
+    r = sm90_reports["decode bfloat16 D128 P16 G4"]
+    assert r.blocks_per_sm >= 3 and r.registers <= 168, r
+
+
+def test_sm90_check_rejects_an_oversized_block(sm90_reports):
+    # 256 tokens of bf16 K/V per block: what the check exists to catch before a launch.
+    fn, args = gpu_aot._decode_case(8, 32, 8, 128, 16, 64, "bfloat16", pages_per_block=16)
+    r = gpu_aot.compile_sm90(gpu_aot.lower_to_triton(fn, *args)[0])
+    assert not r.fits and r.blocks_per_sm == 0 and r.shared_bytes > gpu_aot.SM90_SHARED_LIMIT
+
+
+def test_benchmark_tuning_grid_compiles_for_sm90(sm90_reports):
+    # python -m benchmarks kernels --tune sweeps these on a GPU; none may fail to launch.
+    from benchmarks.bench_kernels import TUNE_GRID
+
+    for knobs in TUNE_GRID:
+        fn, args = gpu_aot._decode_case(64, 32, 8, 128, 16, 256, "bfloat16", **knobs)
+        r = gpu_aot.compile_sm90(gpu_aot.lower_to_triton(fn, *args)[0])
+        assert r.fits and r.num_warps == knobs["num_warps"], (knobs, r)
