@@ -16,6 +16,10 @@ On a machine without an accelerator only the XLA backend runs, at reduced sizes,
 results say so: interpret-mode kernels are never timed (their times say nothing about speed).
 Goals (GPU issue): >= 85% of copy bandwidth at batch 64 x 4k and above, >= 2x JAX's op,
 paging overhead <= 10%.
+
+``--tune`` (GPU): also times the Pallas GPU decode kernel over ``TUNE_GRID`` (pages per
+block x warps x stages) for every case and reports the fastest next to the default, so one
+run on a lent GPU says what ``pallas_kernels/gpu/tuning.py`` should choose.
 """
 
 from __future__ import annotations
@@ -73,6 +77,30 @@ def make_inputs(batch: int, context: int, *, contiguous: bool, seed: int = 0):
     return q, kv, lens, jnp.asarray(table)
 
 
+# Knobs swept by --tune: pages of 16 tokens per block (2-8: 32-128 tokens), warps, stages.
+# Every point compiles for sm_90 within the SM's limits (tests/test_benchmarks.py).
+TUNE_GRID = [
+    dict(pages_per_block=bp, num_warps=w, num_stages=st)
+    for bp in (2, 4, 8)
+    for w in (4, 8)
+    for st in (2, 3)
+]
+
+
+def tune_decode(inputs, repeats: int) -> list[dict]:
+    """Times the Pallas GPU decode kernel at every ``TUNE_GRID`` point (GPU only)."""
+    from pallas_kernels.gpu import decode_paged_attention
+
+    out = []
+    for knobs in TUNE_GRID:
+        f = jax.jit(functools.partial(decode_paged_attention, **knobs))
+        try:
+            out.append(dict(knobs, ms=1e3 * _time(f, *inputs, repeats=repeats)))
+        except Exception as e:  # a point that cannot launch says why
+            out.append(dict(knobs, error=str(e)[:200]))
+    return out
+
+
 def kernels_for_platform(platform: str) -> dict:
     import paged_jax as pj
 
@@ -108,7 +136,11 @@ def main(argv=None) -> int:
         "--contexts", type=int, nargs="+", default=[512, 4096] if on_cpu else [512, 4096, 32768]
     )
     ap.add_argument("--repeats", type=int, default=5 if on_cpu else 20)
+    ap.add_argument("--tune", action="store_true", help="GPU: sweep the decode kernel's knobs")
     args = ap.parse_args(argv)
+    if args.tune and platform != "gpu":
+        ap.error("--tune times the Pallas GPU kernel: it needs a GPU")
+    tuned = []
     env = environment(with_jax=True)
     bw = copy_bandwidth(args.repeats)
     kernels = kernels_for_platform(platform)
@@ -143,6 +175,23 @@ def main(argv=None) -> int:
                     tc = _time(f, *contiguous, repeats=args.repeats)
                     row["paging_overhead"] = t / tc - 1
                 rows.append(row)
+            if args.tune:
+                points = tune_decode(paged, args.repeats)
+                timed = [p for p in points if "ms" in p]
+                best = min(timed, key=lambda p: p["ms"]) if timed else None
+                tuned.append(dict(batch=b, context=c, best=best, points=points))
+                if best:
+                    rows.append(
+                        dict(
+                            batch=b,
+                            context=c,
+                            kernel="pallas_gpu tuned: "
+                            + ",".join(f"{k}={best[k]}" for k in TUNE_GRID[0]),
+                            ms=best["ms"],
+                            gbps=kv_bytes / (best["ms"] / 1e3) / 1e9,
+                            frac_copy_bw=kv_bytes / (best["ms"] / 1e3) / bw,
+                        )
+                    )
             bar.advance()
     shown = [{k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows]
     print(f"device: {env['device_kind']} ({platform}); copy bandwidth {bw / 1e9:.1f} GB/s")
@@ -185,6 +234,7 @@ def main(argv=None) -> int:
                 repeats=args.repeats,
             ),
             "results": rows,
+            "tuning": tuned,
         },
     )
     print(f"wrote {path}")

@@ -31,3 +31,16 @@ def test_workload_means_follow_the_documented_figures():
         mp = sum(p for p, _ in lengths) / len(lengths)
         mo = sum(o for _, o in lengths) / len(lengths)
         assert abs(mp / w.prompt_mean - 1) < 0.05 and abs(mo / w.output_mean - 1) < 0.05
+
+
+def test_kernel_tuning_sweep_refuses_to_run_without_a_gpu():
+    import jax
+    import pytest
+
+    from benchmarks import bench_kernels
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("on a GPU --tune runs (and takes minutes)")
+    with pytest.raises(SystemExit) as err:
+        bench_kernels.main(["--tune"])
+    assert err.value.code == 2
