@@ -29,10 +29,12 @@ _PREFERENCE = {
 }
 # Which Pallas backends "auto" may pick.
 # * pallas_tpu: yes. Verified in TPU interpret mode, which is the acceptance bar its issue
-#   set (this project's machines never include a TPU). If its lowering fails on real
-#   hardware, PAGED_JAX_BACKEND=xla restores the XLA path without a code change.
-# * pallas_gpu: not yet. Verified in interpret mode only, while this workplace can lend
-#   NVIDIA GPUs: flip it once tests/test_pallas_gpu.py has passed on one.
+#   set (this project's machines never include a TPU), and lowered through Mosaic for
+#   v5e/v6e (tests/test_aot.py). If the rest of its compile fails on real hardware,
+#   PAGED_JAX_BACKEND=xla restores the XLA path without a code change.
+# * pallas_gpu: not yet. Verified in interpret mode and compiled for sm_90 ahead of time
+#   (tests/test_aot.py), never run on a GPU: flip it once tests/test_pallas_gpu.py and
+#   python -m benchmarks kernels have run on one (numerics of the compiled dots, speed).
 _AUTO_ENABLED = {"pallas_tpu": True, "pallas_gpu": False}
 _ENV_OVERRIDE = "PAGED_JAX_BACKEND"
 
