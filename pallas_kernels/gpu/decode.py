@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._softmax import fold
 from pallas_kernels.gpu import tuning
+from pallas_kernels.gpu._block import attend_pages
 from pallas_kernels.gpu._scales import prepare_scales
 
 NUM_SMS_GUESS = 132  # H100 SXM; only used to choose the split count
@@ -73,30 +73,22 @@ def _kernel(
     num_blocks = jnp.maximum(pl.cdiv(stop - start, pages_per_block), 0)
 
     def body(j, carry):
-        acc, m, l = carry
         first_page = start + j * pages_per_block
         cols = first_page + jnp.arange(pages_per_block)
         pages = table_ref[b, pl.ds(first_page, pages_per_block)]
         pages = jnp.where(cols < used_pages, pages, 0)  # never follow garbage ids
         tok = first_page * page_size + jnp.arange(block_tokens)
         valid = (tok < kv_len) & (tok >= first_key)
-        k = k_ref[pages].reshape(block_tokens, head_dim)
-        v = v_ref[pages].reshape(block_tokens, head_dim)
-        if ks_ref is not None:
-            k = k.astype(jnp.float32) * ks_ref[pages].reshape(block_tokens, 1)
-        if vs_ref is not None:
-            v = v.astype(jnp.float32) * vs_ref[pages].reshape(block_tokens, 1)
-        k = jnp.where(valid[:, None], k.astype(compute_dtype), 0)
-        v = jnp.where(valid[:, None], v.astype(compute_dtype), 0)  # unwritten pages: NaN
-        dot = functools.partial(
-            jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32
-        )
-        return fold(
-            dot(q, k, (((1,), (1,)), ((), ()))),
+        return attend_pages(
+            q,
+            (k_ref, v_ref, ks_ref, vs_ref),
+            pages,
+            valid,
             valid[None, :],
-            (acc, m, l),
-            lambda p: dot(p.astype(compute_dtype), v, (((1,), (0,)), ((), ()))),
-            soft_cap,
+            carry,
+            compute_dtype=compute_dtype,
+            precision=precision,
+            soft_cap=soft_cap,
         )
 
     init = (

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._softmax import fold
 from pallas_kernels._worklist import work_list
 from pallas_kernels.gpu import tuning
+from pallas_kernels.gpu._block import attend_pages
 from pallas_kernels.gpu._scales import prepare_scales
 
 
@@ -78,33 +78,25 @@ def _kernel(
     num_blocks = jnp.maximum(pl.cdiv(end_page - start_page, bp), 0)
 
     def body(j, carry):
-        acc, m, l = carry
         first_page = start_page + j * bp
         cols = first_page + jnp.arange(bp)
         pages = table_ref[seq, pl.ds(first_page, bp)]
         pages = jnp.where(cols < used_pages, pages, 0)
         tok = first_page * P + jnp.arange(block_tokens)
-        k = k_ref[pages].reshape(block_tokens, head_dim)
-        v = v_ref[pages].reshape(block_tokens, head_dim)
-        if ks_ref is not None:
-            k = k.astype(jnp.float32) * ks_ref[pages].reshape(block_tokens, 1)
-        if vs_ref is not None:
-            v = v.astype(jnp.float32) * vs_ref[pages].reshape(block_tokens, 1)
         in_seq = tok < kv_len
-        k = jnp.where(in_seq[:, None], k.astype(compute_dtype), 0)
-        v = jnp.where(in_seq[:, None], v.astype(compute_dtype), 0)  # unwritten slots: NaN
         mask = (tok[None, :] <= pos_rows[:, None]) & ok_rows[:, None] & in_seq[None, :]
         if sliding_window is not None:
             mask &= pos_rows[:, None] - tok[None, :] < sliding_window
-        dot = functools.partial(
-            jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32
-        )
-        return fold(
-            dot(q, k, (((1,), (1,)), ((), ()))),
+        return attend_pages(
+            q,
+            (k_ref, v_ref, ks_ref, vs_ref),
+            pages,
+            in_seq,
             mask,
-            (acc, m, l),
-            lambda p: dot(p.astype(compute_dtype), v, (((1,), (0,)), ((), ()))),
-            soft_cap,
+            carry,
+            compute_dtype=compute_dtype,
+            precision=precision,
+            soft_cap=soft_cap,
         )
 
     init = (
