@@ -85,7 +85,7 @@ def test_decode_benchmark_shape_fits_three_blocks_per_sm(sm90_reports):
 
 def test_sm90_check_rejects_an_oversized_block(sm90_reports):
     # 256 tokens of bf16 K/V per block: what the check exists to catch before a launch.
-    fn, args = gpu_aot._decode_case(8, 32, 8, 128, 16, 64, "bfloat16", pages_per_block=16)
+    fn, args = gpu_aot._decode_case(pages_per_block=16)
     r = gpu_aot.compile_sm90(gpu_aot.lower_to_triton(fn, *args)[0])
     assert not r.fits and r.blocks_per_sm == 0 and r.shared_bytes > gpu_aot.SM90_SHARED_LIMIT
 
@@ -95,6 +95,6 @@ def test_benchmark_tuning_grid_compiles_for_sm90(sm90_reports):
     from benchmarks.bench_kernels import TUNE_GRID
 
     for knobs in TUNE_GRID:
-        fn, args = gpu_aot._decode_case(64, 32, 8, 128, 16, 256, "bfloat16", **knobs)
+        fn, args = gpu_aot._decode_case(seqs=64, pages=256, **knobs)
         r = gpu_aot.compile_sm90(gpu_aot.lower_to_triton(fn, *args)[0])
         assert r.fits and r.num_warps == knobs["num_warps"], (knobs, r)

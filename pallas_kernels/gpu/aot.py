@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator
 
 import jax
 
+from pallas_kernels._aot_cases import attention_case, standard_grid
+
 # Shared memory one thread block may use on sm_90 (H100/H200): 227 KiB of the SM's 228.
 SM90_SHARED_LIMIT = 227 * 1024
 SM90_SHARED_PER_SM = 228 * 1024
@@ -213,93 +215,24 @@ def compile_sm90(module: TritonModule) -> SM90Report:
     )
 
 
-def _decode_case(batch, heads, kv_heads, head_dim, page, pages, dtype, q_dtype=None, **kw):
+def _decode_case(dtype="bfloat16", **kw):
     from pallas_kernels.gpu.decode import decode_paged_attention
 
-    q_dtype = q_dtype or (dtype if jax.numpy.dtype(dtype).itemsize > 1 else "bfloat16")
-    S = jax.ShapeDtypeStruct
-    n = batch * pages + 1
-    args = [
-        S((batch, heads, head_dim), q_dtype),
-        S((n, page, 2 * kv_heads, head_dim), dtype),
-        S((batch,), "int32"),
-        S((batch, pages), "int32"),
-    ]
-    if jax.numpy.dtype(dtype).itemsize == 1:  # quantized pool: per-token scales
-        args += [S((n, page, kv_heads), "float32")] * 2
-
-    def fn(q, kv, lens, table, ks=None, vs=None):
-        return decode_paged_attention(
-            q, kv, lens, table, sm_scale=0.1, k_scale=ks, v_scale=vs, **kw
-        )
-
-    return fn, args
-
-
-def _ragged_case(tokens, seqs, heads, kv_heads, head_dim, page, pages, dtype, **kw):
-    from pallas_kernels.gpu.ragged import ragged_paged_attention
-
-    q_dtype = dtype if jax.numpy.dtype(dtype).itemsize > 1 else "bfloat16"
-    S = jax.ShapeDtypeStruct
-    n = seqs * pages + 1
-    args = [
-        S((tokens, heads, head_dim), q_dtype),
-        S((n, page, 2 * kv_heads, head_dim), dtype),
-        S((seqs,), "int32"),
-        S((seqs, pages), "int32"),
-        S((seqs + 1,), "int32"),
-        S((1,), "int32"),
-    ]
-    if jax.numpy.dtype(dtype).itemsize == 1:
-        args += [S((n, page, kv_heads), "float32")] * 2
-
-    def fn(q, kv, lens, table, cu, num, ks=None, vs=None):
-        return ragged_paged_attention(
-            q, kv, lens, table, cu, num, sm_scale=0.1, k_scale=ks, v_scale=vs, **kw
-        )
-
-    return fn, args
+    return attention_case(decode_paged_attention, "decode", dtype, **kw)
 
 
 def standard_cases() -> dict[str, tuple[Callable, list]]:
-    """The report's kernels: the decode benchmark's shapes (Hq 32, Hkv 8, D 128, page 16,
-    batch 64 x 4k context), every pool dtype, head dims 64/128/256, pages 8-32, GQA
-    groups 1/4/8, sliding window and soft cap; the ragged kernel likewise (256 tokens
-    over 8 sequences)."""
+    """The report's kernels over ``standard_grid`` (both kinds); the dtype sweep of decode
+    runs at the benchmark's batch 64 x 4k context (Hq 32, Hkv 8, D 128, page 16)."""
+    from pallas_kernels.gpu.ragged import ragged_paged_attention
+
     cases = {}
-    for dtype in ("bfloat16", "float16", "float32", "int8", "float8_e4m3fn"):
-        cases[f"decode {dtype} D128 P16 G4"] = _decode_case(64, 32, 8, 128, 16, 256, dtype)
-        cases[f"ragged {dtype} D128 P16 G4"] = _ragged_case(256, 8, 32, 8, 128, 16, 64, dtype)
-    for head_dim in (64, 256):
-        for dtype in ("bfloat16", "float32"):
-            cases[f"decode {dtype} D{head_dim} P16 G4"] = _decode_case(
-                8, 32, 8, head_dim, 16, 64, dtype
-            )
-            cases[f"ragged {dtype} D{head_dim} P16 G4"] = _ragged_case(
-                256, 8, 32, 8, head_dim, 16, 64, dtype
-            )
-    for page in (8, 32):
-        cases[f"decode bfloat16 D128 P{page} G4"] = _decode_case(
-            8, 32, 8, 128, page, 64, "bfloat16"
-        )
-        cases[f"ragged bfloat16 D128 P{page} G4"] = _ragged_case(
-            256, 8, 32, 8, 128, page, 64, "bfloat16"
-        )
-    for heads, kv_heads in ((8, 8), (64, 8)):
-        g = heads // kv_heads
-        cases[f"decode bfloat16 D128 P16 G{g}"] = _decode_case(
-            8, heads, kv_heads, 128, 16, 64, "bfloat16"
-        )
-        cases[f"ragged bfloat16 D128 P16 G{g}"] = _ragged_case(
-            256, 8, heads, kv_heads, 128, 16, 64, "bfloat16"
-        )
-    opts = dict(sliding_window=1024, soft_cap=30.0)
-    cases["decode bfloat16 D128 P16 G4 window+softcap"] = _decode_case(
-        8, 32, 8, 128, 16, 64, "bfloat16", **opts
-    )
-    cases["ragged bfloat16 D128 P16 G4 window+softcap"] = _ragged_case(
-        256, 8, 32, 8, 128, 16, 64, "bfloat16", **opts
-    )
+    for label, kw in standard_grid("decode").items():
+        if label.endswith("D128 P16 G4"):
+            kw = dict(kw, seqs=64, pages=256)
+        cases[label] = _decode_case(**kw)
+    for label, kw in standard_grid("ragged").items():
+        cases[label] = attention_case(ragged_paged_attention, "ragged", **kw)
     return cases
 
 

@@ -5,7 +5,7 @@ block, from ahead-of-time compiles for sm_90 (``python -m pallas_kernels.gpu.aot
 ``benchmarks/results/gpu_aot_sm90.json``). Measured there (Triton 3.9, decode, D = 128,
 4 warps): shared memory is about 4 bytes per K/V element of a block in flight for 16-bit
 pools (K and V, two buffers), so 128 tokens of bf16 take 132 KiB and 255 registers and leave
-one block per SM, while 64 tokens take 68 KiB and 128 registers (three blocks per SM); an
+one block per SM, while 64 tokens take 68 KiB and 122 registers (three blocks per SM); an
 f32 pool at 128 tokens needs 264 KiB, more than the 227 KiB a block may have, and would
 not launch. They are defaults only: every kernel takes the knobs as keyword arguments, and
 speed is for a GPU to decide (``python -m benchmarks kernels``).
@@ -21,7 +21,7 @@ import numpy as np
 # near 70 KiB of shared memory for every supported head dim and dtype.
 KV_BLOCK_BYTES = 16 * 1024
 # The ragged kernel's stacked query block ([tokens * group, D]) in bytes of the compute
-# dtype: 8 KiB is 32 rows of bf16 at D = 128 (about 72 KiB of shared memory and 230
+# dtype: 8 KiB is 32 rows of bf16 at D = 128 (about 72 KiB of shared memory and 220
 # registers), 16 rows at D = 256 or for f32; more rows spilled registers with f32.
 Q_BLOCK_BYTES = 8 * 1024
 MAX_ROWS = {2: 32, 4: 16}

@@ -22,7 +22,8 @@ import re
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
+
+from pallas_kernels._aot_cases import attention_case, standard_grid
 
 TPU_KINDS = ("TPU v5 lite", "TPU v6 lite")  # device_kind of v5e and v6e
 
@@ -36,39 +37,6 @@ def lower_to_mosaic(fn: Callable, *args, device_kind: str = "TPU v5 lite") -> in
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
     return len(re.findall(r"custom_call @tpu_custom_call", lowered.as_text()))
-
-
-def _shapes(kind, tokens, seqs, heads, kv_heads, head_dim, page, pages, dtype):
-    S = jax.ShapeDtypeStruct
-    quantized = jnp.dtype(dtype).itemsize == 1
-    q_dtype = "bfloat16" if quantized else dtype
-    n = seqs * pages + 1
-    args = [
-        S((tokens if kind == "ragged" else seqs, heads, head_dim), q_dtype),
-        S((n, page, 2 * kv_heads, head_dim), dtype),
-        S((seqs,), "int32"),
-        S((seqs, pages), "int32"),
-    ]
-    if kind == "ragged":
-        args += [S((seqs + 1,), "int32"), S((1,), "int32")]
-    scales = [S((n, page, kv_heads), "float32")] * 2 if quantized else []
-    return args, scales
-
-
-def attention_case(kind, dtype="bfloat16", *, heads=32, kv_heads=8, head_dim=128, page=16, **kw):
-    """``(fn, args)`` for one attention kernel (``kind``: "decode" or "ragged") at a
-    Llama-like shape: 8 sequences of up to 64 pages, 256 ragged tokens."""
-    from pallas_kernels.tpu import decode_paged_attention, ragged_paged_attention
-
-    args, scales = _shapes(kind, 256, 8, heads, kv_heads, head_dim, page, 64, dtype)
-    kernel = decode_paged_attention if kind == "decode" else ragged_paged_attention
-    n = len(args)
-
-    def fn(*a):
-        ks, vs = (a[n], a[n + 1]) if len(a) > n else (None, None)
-        return kernel(*a[:n], sm_scale=0.1, k_scale=ks, v_scale=vs, **kw)
-
-    return fn, args + scales
 
 
 def write_case(dtype="bfloat16", *, kv_heads=8, head_dim=128, page=16, tokens=64):
@@ -86,21 +54,14 @@ def write_case(dtype="bfloat16", *, kv_heads=8, head_dim=128, page=16, tokens=64
 
 
 def standard_cases() -> dict[str, tuple[Callable, list]]:
-    """Every pool dtype at D 128 / page 16 / group 4; head dims 64 and 256; pages 8 and 32;
-    groups 1 and 8; window + soft cap; the KV write for a 16-bit and a quantized cache."""
+    """Both attention kernels over ``standard_grid``; the KV write for a 16-bit and a
+    quantized cache."""
+    from pallas_kernels.tpu import decode_paged_attention, ragged_paged_attention
+
     cases = {}
-    for kind in ("decode", "ragged"):
-        for dtype in ("bfloat16", "float32", "float16", "int8", "float8_e4m3fn"):
-            cases[f"{kind} {dtype} D128 P16 G4"] = attention_case(kind, dtype)
-        for head_dim in (64, 256):
-            cases[f"{kind} bfloat16 D{head_dim} P16 G4"] = attention_case(kind, head_dim=head_dim)
-        for page in (8, 32):
-            cases[f"{kind} bfloat16 D128 P{page} G4"] = attention_case(kind, page=page)
-        cases[f"{kind} bfloat16 D128 P16 G1"] = attention_case(kind, heads=8, kv_heads=8)
-        cases[f"{kind} bfloat16 D128 P16 G8"] = attention_case(kind, heads=64, kv_heads=8)
-        cases[f"{kind} bfloat16 D128 P16 G4 window+softcap"] = attention_case(
-            kind, sliding_window=1024, soft_cap=30.0
-        )
+    for kind, kernel in (("decode", decode_paged_attention), ("ragged", ragged_paged_attention)):
+        for label, kw in standard_grid(kind).items():
+            cases[label] = attention_case(kernel, kind, **kw)
     for dtype in ("bfloat16", "int8"):
         cases[f"kv_write {dtype} D128 P16"] = write_case(dtype)
     return cases
