@@ -1,25 +1,36 @@
-"""Decode-attention kernels: time, achieved bandwidth, and the cost of paging.
+"""Attention kernels: time, achieved bandwidth, the cost of paging, ragged prefill FLOP/s.
 
-``python -m benchmarks kernels [--batches ...] [--contexts ...] [--repeats N]``
+``python -m benchmarks kernels [--out DIR] [--batches ...] [--contexts ...] [--repeats N]
+[--tune] [--no-prefill]``
 
 Decode attention with Hq=32, Hkv=8, D=128, bf16, page 16, a random page permutation, for
 each batch x context. Measured in one run on one device:
 
-* copy bandwidth: a large device-to-device copy (read + write bytes / time);
-* this project's kernel for the platform (Pallas GPU on NVIDIA, Pallas TPU on TPU once
-  built) on the paged cache, and on a contiguous layout of the same cache (each sequence's
-  pages consecutive: the cost of paging);
-* JAX's Pallas GPU ``paged_attention`` (GPU only), and the ``"xla"`` gather + dot backend.
+* copy bandwidth: a large device-to-device copy (read + write bytes / time), and on a GPU
+  a large bf16 matrix product (the two ceilings);
+* this project's decode kernel for the platform (Pallas GPU on NVIDIA, Pallas TPU on TPU)
+  on the paged cache, and on the same pool read through a contiguous table (each
+  sequence's pages consecutive: the cost of paging); its ragged kernel on the same decode
+  batch (one query token per sequence: what the engine's step runs);
+* JAX's Pallas GPU ``paged_attention`` with its default knobs (GPU only; given K and V in
+  its own ``[Hkv, N, P, D]`` layout, built outside the timed call), and the ``"xla"``
+  backend;
+* ragged prefill (GPU): causal prefill chunks on the same head shapes, TFLOP/s against
+  the measured matrix-product rate and the chip's bf16 peak.
 
 Achieved bandwidth = K and V bytes that must be read (B * context * 2 * Hkv * D * 2) / time.
+Each figure is min / median / max over ``--repeats`` samples; a sample enqueues enough
+back-to-back calls to last ~2 ms and divides (dispatch is asynchronous), so small cases
+show per-call cost including launch, and cases under ~50 MB of K/V may sit in L2.
 On a machine without an accelerator only the XLA backend runs, at reduced sizes, and the
 results say so: interpret-mode kernels are never timed (their times say nothing about speed).
 Goals (GPU issue): >= 85% of copy bandwidth at batch 64 x 4k and above, >= 2x JAX's op,
 paging overhead <= 10%.
 
 ``--tune`` (GPU): also times the Pallas GPU decode kernel over ``TUNE_GRID`` (pages per
-block x warps x stages) for every case and reports the fastest next to the default, so one
-run on a lent GPU says what ``pallas_kernels/gpu/tuning.py`` should choose.
+block x warps x stages) at contexts >= 4k, and the ragged kernel over ``RAGGED_TUNE_GRID``
+on the prefill cases, and reports the fastest next to the default, so one run on a lent
+GPU says what ``pallas_kernels/gpu/tuning.py`` should choose.
 """
 
 from __future__ import annotations
@@ -37,44 +48,82 @@ from benchmarks.common import environment, progress, table, write_result
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = jnp.bfloat16
-# Peak HBM bandwidth / bf16 matmul throughput by device kind (vendor figures), for the
-# fraction-of-peak columns; measured copy bandwidth is the primary reference.
+# Peak HBM bandwidth / dense bf16 matmul throughput by device kind (vendor figures), for the
+# fraction-of-peak columns; measured copy bandwidth and matmul rate are the primary references.
 PEAKS = {
     "TPU v5 lite": (819e9, 197e12),
     "TPU v6 lite": (1640e9, 918e12),
     "NVIDIA H100 80GB HBM3": (3.35e12, 989e12),
     "NVIDIA H200": (4.8e12, 989e12),
 }
+# Ragged prefill cases: (sequences, new tokens each, kv length each); the chunk is the last
+# q_len tokens of the sequence (cached pages before it), causal within it.
+PREFILL_CASES = [(1, 4096, 4096), (8, 2048, 2048), (32, 512, 512), (16, 512, 8192)]
 
 
-def _time(fn, *args, repeats: int) -> float:
+def time_samples(fn, *args, repeats: int, sample_s: float = 2e-3) -> list[float]:
+    """Seconds per call of ``fn(*args)``: ``repeats`` samples after a warm-up, each the
+    mean of enough back-to-back calls to last about ``sample_s``."""
     jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = time.perf_counter() - t
+    inner = int(max(1, min(200, sample_s / max(one, 1e-7))))
+    out = []
     for _ in range(repeats):
         t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for _ in range(inner):
+            r = fn(*args)
+        jax.block_until_ready(r)
+        out.append((time.perf_counter() - t) / inner)
+    return out
+
+
+def _stats(samples: list[float]) -> dict:
+    return dict(
+        ms=1e3 * statistics.median(samples),
+        ms_min=1e3 * min(samples),
+        ms_max=1e3 * max(samples),
+    )
 
 
 def copy_bandwidth(repeats: int) -> float:
-    nbytes = (1 << 30) if jax.default_backend() != "cpu" else (1 << 28)
-    x = jnp.ones(nbytes // 4, jnp.float32)
-    f = jax.jit(lambda a: a + 0.0)  # reads and writes every byte once
-    return 2 * nbytes / _time(f, x, repeats=repeats)
+    """Bytes read + written per second by a large elementwise copy (median)."""
+    nbytes = (1 << 31) if jax.default_backend() != "cpu" else (1 << 28)
+    x = jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001)  # reads and writes every byte once
+    return 2 * nbytes / statistics.median(time_samples(f, x, repeats=repeats))
 
 
-def make_inputs(batch: int, context: int, *, contiguous: bool, seed: int = 0):
+def matmul_rate(repeats: int) -> float:
+    """FLOP/s of an 8192^3 bf16 matrix product on random data (median)."""
+    n = 8192
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    return 2 * n**3 / statistics.median(time_samples(f, a, b, repeats=repeats))
+
+
+def random_pool(num_pages: int, seed: int = 0, dtype=DTYPE):
+    """``[num_pages, PAGE, 2 * HKV, D]`` random values: at most 4096 random pages repeated to
+    size by one gather, so pools of tens of GiB never need a temporary of their size."""
+    base_pages = min(num_pages, 4096)
+    base = jax.random.normal(jax.random.key(seed), (base_pages, PAGE, 2 * HKV, D), dtype)
+    return jnp.take(base, jnp.arange(num_pages) % base_pages, axis=0)
+
+
+def make_inputs(batch: int, context: int, seed: int = 0):
+    """``(q, pool, lens, paged_table, contiguous_table)``: one pool, two tables over it."""
     rng = np.random.default_rng(seed)
     pages_per_seq = context // PAGE
     num_pages = batch * pages_per_seq + 1
-    order = np.arange(1, num_pages) if contiguous else rng.permutation(np.arange(1, num_pages))
-    table = order.reshape(batch, pages_per_seq).astype(np.int32)
-    key = jax.random.key(seed)
-    kv = jax.random.normal(key, (num_pages, PAGE, 2 * HKV, D), DTYPE)
-    q = jax.random.normal(jax.random.fold_in(key, 1), (batch, HQ, D), DTYPE)
+    ids = np.arange(1, num_pages, dtype=np.int32)
+    paged = rng.permutation(ids).reshape(batch, pages_per_seq)
+    contiguous = ids.reshape(batch, pages_per_seq)
+    kv = random_pool(num_pages, seed)
+    q = jax.random.normal(jax.random.key(seed + 1), (batch, HQ, D), DTYPE)
     lens = jnp.full((batch,), context, jnp.int32)
-    return q, kv, lens, jnp.asarray(table)
+    return q, kv, lens, jnp.asarray(paged), jnp.asarray(contiguous)
 
 
 # Knobs swept by --tune: pages of 16 tokens per block (2-8: 32-128 tokens), warps, stages.
@@ -85,44 +134,236 @@ TUNE_GRID = [
     for w in (4, 8)
     for st in (2, 3)
 ]
+RAGGED_TUNE_GRID = [
+    dict(tokens_per_block=bq, pages_per_block=bp, num_warps=w)
+    for bq in (8, 16, 32)
+    for bp in (2, 4)
+    for w in (4, 8)
+]
+
+
+def _sweep(kernel, grid, args, repeats: int) -> list[dict]:
+    out = []
+    for knobs in grid:
+        f = jax.jit(functools.partial(kernel, **knobs))
+        try:
+            out.append(dict(knobs, **_stats(time_samples(f, *args, repeats=repeats))))
+        except Exception as e:  # a point that cannot launch says why
+            out.append(dict(knobs, error=str(e)[:200]))
+    return out
 
 
 def tune_decode(inputs, repeats: int) -> list[dict]:
     """Times the Pallas GPU decode kernel at every ``TUNE_GRID`` point (GPU only)."""
     from pallas_kernels.gpu import decode_paged_attention
 
-    out = []
-    for knobs in TUNE_GRID:
-        f = jax.jit(functools.partial(decode_paged_attention, **knobs))
-        try:
-            out.append(dict(knobs, ms=1e3 * _time(f, *inputs, repeats=repeats)))
-        except Exception as e:  # a point that cannot launch says why
-            out.append(dict(knobs, error=str(e)[:200]))
-    return out
+    return _sweep(
+        functools.partial(decode_paged_attention, sm_scale=D**-0.5), TUNE_GRID, inputs, repeats
+    )
 
 
-def kernels_for_platform(platform: str) -> dict:
+def decode_kernels(platform: str) -> dict:
+    """Name -> ``fn(q, kv, lens, table)`` for the decode table."""
     import paged_jax as pj
 
-    out = {"xla (gather + dot)": functools.partial(pj.paged_attention, backend="xla")}
-    if platform == "gpu":
-        from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu
+    scale = D**-0.5
+    out = {"xla": functools.partial(pj.paged_attention, backend="xla", sm_scale=scale)}
+    mine = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform)
+    if mine:
+        out[f"{mine} decode"] = functools.partial(pj.paged_attention, backend=mine, sm_scale=scale)
 
-        out["pallas_gpu (this project)"] = functools.partial(
-            pj.paged_attention, backend="pallas_gpu"
-        )
+        def ragged(q, kv, lens, table):
+            b = q.shape[0]
+            cu = jnp.arange(b + 1, dtype=jnp.int32)
+            n = jnp.full((1,), b, jnp.int32)
+            return pj.ragged_paged_attention(
+                q, kv, lens, table, cu, n, backend=mine, sm_scale=scale
+            )
 
-        def jax_op(q, kv, lens, table):
-            k = jnp.transpose(kv[:, :, 0::2], (2, 0, 1, 3))
-            v = jnp.transpose(kv[:, :, 1::2], (2, 0, 1, 3))
-            return jax_gpu.paged_attention(q, k, v, table, lens)
-
-        out["jax pallas gpu paged_attention"] = jax_op
-    if platform == "tpu":
-        out["pallas_tpu (this project)"] = functools.partial(
-            pj.paged_attention, backend="pallas_tpu"
-        )
+        out[f"{mine} ragged"] = ragged
     return out
+
+
+def jax_gpu_op(k_pages, v_pages, q, lens, table):
+    """JAX's Pallas GPU paged attention, default knobs, K/V already in its layout."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu
+
+    return jax_gpu.paged_attention(q * D**-0.5, k_pages, v_pages, table, lens)
+
+
+def _row(b, c, name, samples, kv_bytes, bw, peaks) -> dict:
+    row = dict(batch=b, context=c, kernel=name, **_stats(samples))
+    t = row["ms"] / 1e3
+    row.update(gbps=kv_bytes / t / 1e9, frac_copy_bw=kv_bytes / t / bw)
+    if peaks:
+        row["frac_peak_hbm"] = kv_bytes / t / peaks[0]
+    return row
+
+
+def run_decode(args, platform, bw, peaks, tuned) -> list[dict]:
+    kernels = decode_kernels(platform)
+    rows = []
+    cases = [(b, c) for b in args.batches for c in args.contexts]
+    with progress(len(cases), "decode") as bar:
+        for b, c in cases:
+            kv_bytes = b * c * 2 * HKV * D * jnp.dtype(DTYPE).itemsize
+            q, kv, lens, paged, contiguous = make_inputs(b, c)
+            for name, fn in kernels.items():
+                f = jax.jit(fn)
+                try:
+                    row = _row(
+                        b,
+                        c,
+                        name,
+                        time_samples(f, q, kv, lens, paged, repeats=args.repeats),
+                        kv_bytes,
+                        bw,
+                        peaks,
+                    )
+                    if name != "xla" or platform == "cpu":
+                        tc = time_samples(f, q, kv, lens, contiguous, repeats=args.repeats)
+                        row["contiguous_ms"] = 1e3 * statistics.median(tc)
+                        row["paging_overhead"] = row["ms"] / row["contiguous_ms"] - 1
+                except Exception as e:  # a kernel that cannot run a shape says why
+                    row = dict(batch=b, context=c, kernel=name, error=str(e)[:300])
+                rows.append(row)
+            if args.tune and c >= 4096:
+                points = tune_decode((q, kv, lens, paged), args.repeats)
+                timed = [p for p in points if "ms" in p]
+                best = min(timed, key=lambda p: p["ms"]) if timed else None
+                tuned.append(dict(kernel="decode", batch=b, context=c, best=best, points=points))
+                if best:
+                    label = ",".join(f"{k}={best[k]}" for k in TUNE_GRID[0])
+                    rows.append(
+                        dict(
+                            _row(
+                                b,
+                                c,
+                                f"tuned decode ({label})",
+                                [best["ms"] / 1e3],
+                                kv_bytes,
+                                bw,
+                                peaks,
+                            ),
+                            ms_min=best["ms_min"],
+                            ms_max=best["ms_max"],
+                        )
+                    )
+            if platform == "gpu":
+                del kv
+                # JAX's op wants [Hkv, N, P, D] K and V: built outside the timed call, from
+                # fresh random values (only their size matters here), the pool freed first.
+                n = b * (c // PAGE) + 1
+                idx = jnp.arange(n) % min(n, 4096)
+                k_pages, v_pages = (
+                    jnp.take(
+                        jax.random.normal(jax.random.key(s), (HKV, min(n, 4096), PAGE, D), DTYPE),
+                        idx,
+                        axis=1,
+                    )
+                    for s in (3, 4)
+                )
+                try:
+                    s = time_samples(
+                        jax.jit(jax_gpu_op), k_pages, v_pages, q, lens, paged, repeats=args.repeats
+                    )
+                    rows.append(
+                        _row(b, c, "jax pallas gpu paged_attention", s, kv_bytes, bw, peaks)
+                    )
+                except Exception as e:
+                    rows.append(
+                        dict(
+                            batch=b,
+                            context=c,
+                            kernel="jax pallas gpu paged_attention",
+                            error=str(e)[:300],
+                        )
+                    )
+                del k_pages, v_pages
+            bar.advance()
+    return rows
+
+
+def prefill_inputs(seqs: int, q_len: int, kv_len: int, seed: int = 0):
+    pages_per_seq = kv_len // PAGE
+    num_pages = seqs * pages_per_seq + 1
+    rng = np.random.default_rng(seed)
+    table = rng.permutation(np.arange(1, num_pages, dtype=np.int32)).reshape(seqs, -1)
+    kv = random_pool(num_pages, seed)
+    q = jax.random.normal(jax.random.key(seed + 1), (seqs * q_len, HQ, D), DTYPE)
+    lens = jnp.full((seqs,), kv_len, jnp.int32)
+    cu = jnp.arange(seqs + 1, dtype=jnp.int32) * q_len
+    return q, kv, lens, jnp.asarray(table), cu, jnp.full((1,), seqs, jnp.int32)
+
+
+def prefill_flops(seqs: int, q_len: int, kv_len: int) -> int:
+    """q.k and p.v FLOPs of causal chunks: token i of a chunk sees kv_len - q_len + i + 1
+    keys."""
+    pairs = q_len * (kv_len - q_len) + q_len * (q_len + 1) // 2
+    return 4 * seqs * pairs * HQ * D
+
+
+def run_prefill(args, platform, mm_rate, peaks, tuned) -> list[dict]:
+    import paged_jax as pj
+    from pallas_kernels.gpu import ragged_paged_attention as gpu_ragged
+
+    rows = []
+    backends = {
+        "pallas_gpu ragged": functools.partial(gpu_ragged, sm_scale=D**-0.5),
+        "xla": functools.partial(pj.ragged_paged_attention, backend="xla", sm_scale=D**-0.5),
+    }
+    with progress(len(PREFILL_CASES), "prefill") as bar:
+        for s, ql, kl in PREFILL_CASES:
+            inputs = prefill_inputs(s, ql, kl)
+            flops = prefill_flops(s, ql, kl)
+            for name, fn in backends.items():
+                try:
+                    row = dict(
+                        seqs=s,
+                        q_len=ql,
+                        kv_len=kl,
+                        kernel=name,
+                        **_stats(time_samples(jax.jit(fn), *inputs, repeats=args.repeats)),
+                    )
+                except Exception as e:
+                    rows.append(dict(seqs=s, q_len=ql, kv_len=kl, kernel=name, error=str(e)[:300]))
+                    continue
+                row["tflops"] = flops / (row["ms"] / 1e3) / 1e12
+                row["frac_measured_matmul"] = row["tflops"] * 1e12 / mm_rate
+                if peaks:
+                    row["frac_peak_bf16"] = row["tflops"] * 1e12 / peaks[1]
+                rows.append(row)
+            if args.tune and (s, ql, kl) in PREFILL_CASES[1:3]:
+                points = _sweep(gpu_ragged, RAGGED_TUNE_GRID, inputs, args.repeats)
+                for p in points:
+                    if "ms" in p:
+                        p["tflops"] = flops / (p["ms"] / 1e3) / 1e12
+                timed = [p for p in points if "ms" in p]
+                best = min(timed, key=lambda p: p["ms"]) if timed else None
+                tuned.append(
+                    dict(kernel="ragged", seqs=s, q_len=ql, kv_len=kl, best=best, points=points)
+                )
+                if best:
+                    label = ",".join(f"{k}={best[k]}" for k in RAGGED_TUNE_GRID[0])
+                    rows.append(
+                        dict(
+                            seqs=s,
+                            q_len=ql,
+                            kv_len=kl,
+                            kernel=f"tuned ragged ({label})",
+                            ms=best["ms"],
+                            ms_min=best["ms_min"],
+                            ms_max=best["ms_max"],
+                            tflops=best["tflops"],
+                        )
+                    )
+            del inputs
+            bar.advance()
+    return rows
+
+
+def _fmt(rows: list[dict]) -> list[dict]:
+    return [{k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows]
 
 
 def main(argv=None) -> int:
@@ -135,108 +376,92 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--contexts", type=int, nargs="+", default=[512, 4096] if on_cpu else [512, 4096, 32768]
     )
-    ap.add_argument("--repeats", type=int, default=5 if on_cpu else 20)
-    ap.add_argument("--tune", action="store_true", help="GPU: sweep the decode kernel's knobs")
+    ap.add_argument("--repeats", type=int, default=5 if on_cpu else 7)
+    ap.add_argument("--tune", action="store_true", help="GPU: sweep the kernels' knobs")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the ragged prefill table")
     args = ap.parse_args(argv)
     if args.tune and platform != "gpu":
-        ap.error("--tune times the Pallas GPU kernel: it needs a GPU")
-    tuned = []
+        ap.error("--tune times the Pallas GPU kernels: it needs a GPU")
+    for c in args.contexts:
+        if c % PAGE:
+            ap.error(f"--contexts: expected multiples of the page size {PAGE}, got {c}")
+    tuned: list[dict] = []
     env = environment(with_jax=True)
     bw = copy_bandwidth(args.repeats)
-    kernels = kernels_for_platform(platform)
+    mm = matmul_rate(args.repeats) if platform == "gpu" else None
     peaks = PEAKS.get(env["device_kind"])
-    rows = []
-    cases = [(b, c) for b in args.batches for c in args.contexts]
-    with progress(len(cases), "kernels") as bar:
-        for b, c in cases:
-            kv_bytes = b * c * 2 * HKV * D * jnp.dtype(DTYPE).itemsize
-            paged = make_inputs(b, c, contiguous=False)
-            contiguous = make_inputs(b, c, contiguous=True)
-            for name, fn in kernels.items():
-                f = jax.jit(fn)
-                try:
-                    t = _time(f, *paged, repeats=args.repeats)
-                except Exception as e:  # a kernel that cannot run a shape says why
-                    rows.append(dict(batch=b, context=c, kernel=name, error=str(e)[:200]))
-                    continue
-                row = dict(
-                    batch=b,
-                    context=c,
-                    kernel=name,
-                    ms=1e3 * t,
-                    gbps=kv_bytes / t / 1e9,
-                    frac_copy_bw=kv_bytes / t / bw,
-                )
-                if peaks:  # fractions of the chip's published HBM and matmul peaks
-                    flops = 4 * b * c * HQ * D  # q.k and p.v, 2 FLOP per multiply-add
-                    row["frac_peak_hbm"] = kv_bytes / t / peaks[0]
-                    row["mxu_util"] = flops / t / peaks[1]
-                if "this project" in name or name.startswith("xla"):
-                    tc = _time(f, *contiguous, repeats=args.repeats)
-                    row["paging_overhead"] = t / tc - 1
-                rows.append(row)
-            if args.tune:
-                points = tune_decode(paged, args.repeats)
-                timed = [p for p in points if "ms" in p]
-                best = min(timed, key=lambda p: p["ms"]) if timed else None
-                tuned.append(dict(batch=b, context=c, best=best, points=points))
-                if best:
-                    rows.append(
-                        dict(
-                            batch=b,
-                            context=c,
-                            kernel="pallas_gpu tuned: "
-                            + ",".join(f"{k}={best[k]}" for k in TUNE_GRID[0]),
-                            ms=best["ms"],
-                            gbps=kv_bytes / (best["ms"] / 1e3) / 1e9,
-                            frac_copy_bw=kv_bytes / (best["ms"] / 1e3) / bw,
-                        )
-                    )
-            bar.advance()
-    shown = [{k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows]
-    print(f"device: {env['device_kind']} ({platform}); copy bandwidth {bw / 1e9:.1f} GB/s")
+
+    def save(rows, prefill):
+        return write_result(
+            f"kernels_{platform}",
+            {
+                "benchmark": "kernels",
+                "environment": env,
+                "copy_bandwidth_gbps": bw / 1e9,
+                "matmul_bf16_tflops": None if mm is None else mm / 1e12,
+                "peaks": peaks,
+                "parameters": dict(
+                    hq=HQ,
+                    hkv=HKV,
+                    head_dim=D,
+                    page_size=PAGE,
+                    dtype="bfloat16",
+                    batches=args.batches,
+                    contexts=args.contexts,
+                    repeats=args.repeats,
+                    prefill_cases=None if not prefill else PREFILL_CASES,
+                ),
+                "results": rows,
+                "prefill": prefill,
+                "tuning": tuned,
+            },
+        )
+
+    rows = run_decode(args, platform, bw, peaks, tuned)
+    save(rows, [])  # the decode table survives a prefill run cut short
+    prefill = [] if (on_cpu or args.no_prefill) else run_prefill(args, platform, mm, peaks, tuned)
+    print(
+        f"device: {env['device_kind']} ({platform}); copy bandwidth {bw / 1e9:.1f} GB/s"
+        + (f"; bf16 matmul {mm / 1e12:.0f} TFLOP/s" if mm else "")
+    )
     if on_cpu:
         print(
             "no accelerator: only the XLA backend is timed; Pallas kernels run in interpret "
             "mode in the tests, and interpret-mode times are not speed"
         )
-    print(
-        table(
-            shown,
-            [
-                "batch",
-                "context",
-                "kernel",
-                "ms",
-                "gbps",
-                "frac_copy_bw",
-                "paging_overhead",
-                "frac_peak_hbm",
-                "mxu_util",
-            ],
+    cols = [
+        "batch",
+        "context",
+        "kernel",
+        "ms_min",
+        "ms",
+        "ms_max",
+        "gbps",
+        "frac_copy_bw",
+        "paging_overhead",
+        "error",
+    ]
+    print(table(_fmt(rows), cols))
+    if prefill:
+        print(
+            table(
+                _fmt(prefill),
+                [
+                    "seqs",
+                    "q_len",
+                    "kv_len",
+                    "kernel",
+                    "ms_min",
+                    "ms",
+                    "ms_max",
+                    "tflops",
+                    "frac_measured_matmul",
+                    "frac_peak_bf16",
+                    "error",
+                ],
+            )
         )
-    )
-    path = write_result(
-        f"kernels_{platform}",
-        {
-            "benchmark": "kernels",
-            "environment": env,
-            "copy_bandwidth_gbps": bw / 1e9,
-            "peaks": peaks,
-            "parameters": dict(
-                hq=HQ,
-                hkv=HKV,
-                head_dim=D,
-                page_size=PAGE,
-                dtype="bfloat16",
-                batches=args.batches,
-                contexts=args.contexts,
-                repeats=args.repeats,
-            ),
-            "results": rows,
-            "tuning": tuned,
-        },
-    )
+    path = save(rows, prefill)
     print(f"wrote {path}")
     return 0
 

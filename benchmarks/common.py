@@ -11,6 +11,14 @@ import platform
 import sys
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+# ``python -m benchmarks NAME --out DIR`` sets this: results go where the user says, and the
+# committed files in benchmarks/results change only when that is the directory named.
+OUT_ENV = "PAGED_JAX_RESULTS_DIR"
+
+
+def results_dir() -> pathlib.Path:
+    """Where results are written: ``$PAGED_JAX_RESULTS_DIR``, else ``benchmarks/results``."""
+    return pathlib.Path(os.environ.get(OUT_ENV) or RESULTS)
 
 
 def _version(dist: str) -> str | None:
@@ -28,6 +36,25 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def _gpu_driver() -> str | None:
+    """The NVIDIA driver version, where ``nvidia-smi`` answers."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
 
 
 def environment(with_jax: bool = False) -> dict:
@@ -51,12 +78,15 @@ def environment(with_jax: bool = False) -> dict:
             devices=[str(d) for d in jax.devices()],
             device_kind=jax.devices()[0].device_kind,
         )
+        if jax.default_backend() == "gpu":
+            env.update(gpu_driver=_gpu_driver(), triton=_version("triton"))
     return env
 
 
 def write_result(name: str, payload: dict) -> pathlib.Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     return path
 
@@ -72,8 +102,9 @@ def table(rows: list[dict], columns: list[str]) -> str:
 
 
 def save_plot(name: str, fig) -> pathlib.Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.png"
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.png"
     fig.savefig(path, dpi=110, bbox_inches="tight")
     return path
 

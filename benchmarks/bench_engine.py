@@ -1,0 +1,502 @@
+"""The engine on an accelerator: tokens/s of random-weight models built on the device, a
+decode step split into its parts, and transformers ``generate`` on the same device.
+
+``python -m benchmarks engine [--out DIR] [--models smollm2-135m llama3-8b]
+[--concurrency 64 256] [--prompt-len 128] [--output-len 128] [--backends pallas_gpu xla]
+[--repeats 3] [--transformers]``
+
+Models: SmolLM2-135M-shaped and Llama-3-8B-shaped decoders (``SHAPES``), random weights,
+bf16 weights, activations and KV cache, built on the device (real checkpoints are not needed
+to time them). Workload per concurrency C: C requests of ``--prompt-len`` random tokens
+(no shared prefixes; prefix caching off), each generating exactly ``--output-len`` greedy
+tokens, all submitted at once. tokens/s = C * output_len / wall time of ``LLM.generate``,
+after one untimed run of the same workload that compiles its shape buckets; min / median /
+max of ``--repeats`` runs.
+
+Decode step split, for C sequences at context ``prompt_len + output_len // 2``, each part
+jitted and timed alone on the device (median): the engine's whole jitted step (copies,
+model, sampler); the model step alone; attention (``ragged_paged_attention`` of every
+layer in one jitted call); the rest of the model is the model step
+minus attention (projections, MLP, norms, rotary, KV writes, LM head); the sampler
+(``sample_rows``, greedy rows and top-p rows); host time per step is the engine run's
+wall time outside its jitted calls, per step.
+
+``--transformers`` first runs transformers' ``generate`` (greedy, the same shapes, bf16,
+its default attention) in a subprocess that imports no JAX, so the two never share the
+device's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from benchmarks.common import environment, table, write_result
+
+# Shapes of the public checkpoints (config.json of each); weights are random here.
+SHAPE_FIELDS = {
+    "smollm2-135m": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
+    "llama3-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+    ),
+}
+PAGE = 16
+BACKEND_ENV = "PAGED_JAX_BACKEND"
+
+
+def _stats(samples: list[float]) -> dict:
+    return dict(min=min(samples), median=statistics.median(samples), max=max(samples))
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab, (n, length)).tolist()
+
+
+# --------------------------------------------------------------------------- transformers
+def transformers_peer(
+    name: str, concurrency: list[int], prompt_len: int, output_len: int, repeats: int
+) -> dict:
+    """transformers ``generate`` on the GPU (runs in the subprocess; imports no JAX)."""
+    import torch
+    import transformers
+
+    f = SHAPE_FIELDS[name]
+    cfg = transformers.LlamaConfig(
+        vocab_size=f["vocab_size"],
+        hidden_size=f["hidden_size"],
+        intermediate_size=f["intermediate_size"],
+        num_hidden_layers=f["num_layers"],
+        num_attention_heads=f["num_heads"],
+        num_key_value_heads=f["num_kv_heads"],
+        head_dim=f["head_dim"],
+        rope_theta=f["rope_theta"],
+        max_position_embeddings=f["max_position_embeddings"],
+        tie_word_embeddings=f.get("tie_word_embeddings", False),
+    )
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    rows = []
+    for c in concurrency:
+        ids = torch.tensor(_prompts(c, prompt_len, f["vocab_size"]), device="cuda")
+        kw = dict(
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        with torch.inference_mode():
+            model.generate(ids, **kw)  # warm-up
+            times = []
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                out = model.generate(ids, **kw)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+        assert out.shape == (c, prompt_len + output_len), out.shape
+        tps = [c * output_len / t for t in times]
+        rows.append(
+            dict(
+                model=name,
+                system="transformers generate",
+                concurrency=c,
+                tokens_per_s=_stats(tps),
+                wall_s=_stats(times),
+            )
+        )
+        del ids, out
+    return dict(
+        rows=rows,
+        versions=dict(
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            attn_implementation=model.config._attn_implementation,
+        ),
+    )
+
+
+def run_transformers(args) -> list[dict]:
+    out = []
+    for name in args.models:
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_engine",
+            "--peer",
+            name,
+            "--concurrency",
+            *map(str, args.concurrency),
+            "--prompt-len",
+            str(args.prompt_len),
+            "--output-len",
+            str(args.output_len),
+            "--repeats",
+            str(args.repeats),
+        ]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        if p.returncode or not lines:
+            out.append(
+                dict(
+                    model=name, system="transformers generate", error=(p.stderr or p.stdout)[-600:]
+                )
+            )
+            continue
+        res = json.loads(lines[-1])
+        for r in res["rows"]:
+            r["versions"] = res["versions"]
+        out.extend(res["rows"])
+    return out
+
+
+# --------------------------------------------------------------------------- this engine
+def build_model(name: str):
+    import jax.numpy as jnp
+
+    import models
+
+    cfg = models.LlamaConfig(**SHAPE_FIELDS[name])
+    return models.init_model(cfg, seed=0, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+
+
+def engine_runs(model, name, backend, args) -> list[dict]:
+    from paged_jax.engine import LLM, SamplingParams
+
+    cfg = model.config
+    c_max = max(args.concurrency)
+    pages = c_max * -(-(args.prompt_len + args.output_len) // PAGE) + 1
+    llm = LLM(
+        model,
+        num_pages=int(pages * 1.1) + 8,
+        page_size=PAGE,
+        max_num_seqs=c_max,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+        watermark=0.0,
+    )
+    rows = []
+    for c in args.concurrency:
+        prompts = _prompts(c, args.prompt_len, cfg.vocab_size, seed=c)
+        params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate(prompts, params, progress=False)
+        first = time.perf_counter() - t
+        times, m = [], None
+        for _ in range(args.repeats):
+            before = dataclasses.replace(llm.metrics)
+            t = time.perf_counter()
+            res = llm.generate(prompts, params, progress=False)
+            times.append(time.perf_counter() - t)
+            m = _delta(llm.metrics, before)
+        assert all(len(r.outputs[0].token_ids) == args.output_len for r in res)
+        tps = [c * args.output_len / t for t in times]
+        rows.append(
+            dict(
+                model=name,
+                system=f"paged-jax ({backend})",
+                concurrency=c,
+                tokens_per_s=_stats(tps),
+                wall_s=_stats(times),
+                first_run_s=first,
+                steps=m.steps,
+                host_ms_per_step=1e3 * m.host_s / max(m.steps, 1),
+                device_ms_per_step=1e3 * m.step_s / max(m.steps, 1),
+                compile_s_in_timed_runs=m.compile_s,
+            )
+        )
+    del llm
+    return rows
+
+
+def _delta(after, before):
+    return dataclasses.replace(
+        after,
+        steps=after.steps - before.steps,
+        step_s=after.step_s - before.step_s,
+        host_s=after.host_s - before.host_s,
+        compile_s=after.compile_s - before.compile_s,
+    )
+
+
+def _device_time(fn, repeats: int = 20) -> float:
+    """Median seconds of ``fn()`` (it blocks on its own result)."""
+    fn()
+    fn()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def decode_split(model, name, backend, c, context) -> dict:
+    """Times the parts of one decode step of ``c`` sequences at ``context`` tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    import models
+    import paged_jax as pj
+    from paged_jax import AttentionMetadata
+    from paged_jax.batch import ScheduledSeq, build_batch
+    from paged_jax.block_manager import BlockManager
+    from paged_jax.engine.llm import _make_run
+    from paged_jax.engine.sampling import sample_rows
+
+    cfg = model.config
+    num_pages = c * -(-context // PAGE) + 8
+    bm = BlockManager(num_pages, PAGE, enable_prefix_caching=False, watermark=0.0)
+    rng = np.random.default_rng(0)
+    for i in range(c):
+        bm.allocate(i, rng.integers(0, cfg.vocab_size, context - 1).tolist())
+        bm.mark_computed(i, context - 1)
+        bm.append_slots(i, [1])
+    batch = build_batch(bm, [ScheduledSeq(i, context - 1, context) for i in range(c)])
+    md = AttentionMetadata.from_batch(batch)
+    tokens, positions = jnp.asarray(batch.token_ids), jnp.asarray(batch.positions)
+    S = batch.kv_lens.shape[0]
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    run = _make_run(graphdef)
+    step, _ = models.make_step(model, backend="auto")
+    holder = {"cache": model.make_cache(num_pages, PAGE)}
+    greedy = (
+        jnp.zeros(S, jnp.float32),
+        jnp.zeros(S, jnp.int32),
+        jnp.ones(S, jnp.float32),
+        jnp.zeros((S, 1), jnp.uint32),
+        jnp.zeros(S, jnp.int32),
+    )
+
+    def whole():
+        out = run(state, tokens, positions, holder["cache"], md, *greedy, num_candidates=0)
+        holder["cache"] = out[-1]
+        jax.block_until_ready(out[0])
+
+    def model_only():
+        logits, holder["cache"] = step(state, tokens, positions, holder["cache"], md)
+        jax.block_until_ready(logits)
+
+    H, D = cfg.num_heads, cfg.head_dim
+    T = tokens.shape[0]
+    q = jax.random.normal(jax.random.key(0), (T, H, D), jnp.bfloat16)
+
+    @jax.jit
+    def attn(q, cache, md):  # every layer in one call, as in the step (no per-layer dispatch)
+        out = jnp.zeros(q.shape, jnp.float32)
+        for i in range(cfg.num_layers):
+            out += pj.ragged_paged_attention(
+                q,
+                cache.layer(i)[0],
+                md.kv_lens,
+                md.page_indices,
+                md.cu_q_lens,
+                md.num_seqs,
+                sm_scale=D**-0.5,
+            )
+        return out
+
+    def attention():
+        jax.block_until_ready(attn(q, holder["cache"], md))
+
+    R = md.logits_indices.shape[0]
+    logits = jax.random.normal(jax.random.key(1), (R, cfg.vocab_size), jnp.float32)
+    samp = jax.jit(sample_rows)
+    top_p = (
+        jnp.ones(R, jnp.float32),
+        jnp.zeros(R, jnp.int32),
+        jnp.full(R, 0.9, jnp.float32),
+        jnp.arange(R, dtype=jnp.uint32)[:, None],
+        jnp.zeros(R, jnp.int32),
+    )
+    greedy_r = (jnp.zeros(R, jnp.float32), *top_p[1:2], jnp.ones(R, jnp.float32), *top_p[3:])
+
+    t_whole = _device_time(whole)
+    t_model = _device_time(model_only)
+    t_attn = _device_time(attention)
+    t_greedy = _device_time(lambda: jax.block_until_ready(samp(logits, *greedy_r)))
+    t_topp = _device_time(lambda: jax.block_until_ready(samp(logits, *top_p)))
+    return dict(
+        model=name,
+        backend=backend,
+        concurrency=c,
+        context=context,
+        tokens_bucket=int(T),
+        step_ms=1e3 * t_whole,
+        model_ms=1e3 * t_model,
+        attention_ms=1e3 * t_attn,
+        rest_of_model_ms=1e3 * (t_model - t_attn),
+        sampler_greedy_ms=1e3 * t_greedy,
+        sampler_top_p_ms=1e3 * t_topp,
+    )
+
+
+def peer_main(argv) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--peer", required=True, choices=sorted(SHAPE_FIELDS))
+    ap.add_argument("--concurrency", type=int, nargs="+", required=True)
+    ap.add_argument("--prompt-len", type=int, required=True)
+    ap.add_argument("--output-len", type=int, required=True)
+    ap.add_argument("--repeats", type=int, required=True)
+    a = ap.parse_args(argv)
+    res = transformers_peer(a.peer, a.concurrency, a.prompt_len, a.output_len, a.repeats)
+    print(json.dumps(res))
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--peer" in argv:
+        return peer_main(argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=list(SHAPE_FIELDS), choices=sorted(SHAPE_FIELDS))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument(
+        "--backends",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "xla", "pallas_gpu", "pallas_tpu"],
+    )
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--transformers",
+        action="store_true",
+        help="also time transformers generate (needs torch with CUDA)",
+    )
+    args = ap.parse_args(argv)
+    for flag, vals in (
+        ("--concurrency", args.concurrency),
+        ("--prompt-len", [args.prompt_len]),
+        ("--output-len", [args.output_len]),
+    ):
+        if min(vals) < 1:
+            ap.error(f"{flag}: expected integers >= 1, got {vals}")
+    peers = run_transformers(args) if args.transformers else []  # before JAX takes the GPU
+    import jax
+
+    env = environment(with_jax=True)
+    rows, splits = list(peers), []
+    for name in args.models:
+        model = build_model(name)
+        for backend in args.backends:
+            if backend == "auto":
+                os.environ.pop(BACKEND_ENV, None)
+            else:
+                os.environ[BACKEND_ENV] = backend
+            label = backend if backend != "auto" else f"auto: {pj_auto()}"
+            print(f"{name} / {label} ...", flush=True)
+            rows.extend(engine_runs(model, name, label, args))
+            ctx = args.prompt_len + args.output_len // 2
+            for c in args.concurrency:
+                splits.append(decode_split(model, name, label, c, ctx))
+        del model
+        jax.clear_caches()
+    os.environ.pop(BACKEND_ENV, None)
+    flat = []
+    for r in rows:
+        if "error" in r:
+            flat.append(dict(model=r["model"], system=r["system"], error=r["error"][-200:]))
+            continue
+        flat.append(
+            dict(
+                model=r["model"],
+                system=r["system"],
+                C=r["concurrency"],
+                tok_s_min=f"{r['tokens_per_s']['min']:.0f}",
+                tok_s=f"{r['tokens_per_s']['median']:.0f}",
+                tok_s_max=f"{r['tokens_per_s']['max']:.0f}",
+                host_ms_step=f"{r.get('host_ms_per_step', float('nan')):.2f}",
+            )
+        )
+    print(
+        table(
+            flat,
+            ["model", "system", "C", "tok_s_min", "tok_s", "tok_s_max", "host_ms_step", "error"],
+        )
+    )
+    print(
+        table(
+            [
+                {k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in s.items()}
+                for s in splits
+            ],
+            [
+                "model",
+                "backend",
+                "concurrency",
+                "step_ms",
+                "model_ms",
+                "attention_ms",
+                "rest_of_model_ms",
+                "sampler_greedy_ms",
+                "sampler_top_p_ms",
+            ],
+        )
+    )
+    path = write_result(
+        f"engine_{jax.default_backend()}",
+        {
+            "benchmark": "engine",
+            "environment": env,
+            "parameters": dict(
+                models={m: SHAPE_FIELDS[m] for m in args.models},
+                concurrency=args.concurrency,
+                prompt_len=args.prompt_len,
+                output_len=args.output_len,
+                page_size=PAGE,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                dtype="bfloat16",
+                repeats=args.repeats,
+                backends=args.backends,
+            ),
+            "results": rows,
+            "decode_step_split": splits,
+        },
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+def pj_auto() -> str:
+    from paged_jax.attention import _auto
+
+    return _auto()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# What a session with an NVIDIA GPU runs, from the repository root, in as few long commands
+# as the lease allows:   OUT=DIR bash benchmarks/gpu_session.sh STAGE...
+#
+#   env      versions (driver, CUDA, JAX, jaxlib, triton, flax, torch) and the device
+#   kernels  tests/test_pallas_gpu.py (default and slow grids) and tests/test_kernels_in_model.py,
+#            the kernels compiled for the GPU (interpret=False there)
+#   models   model and engine tests with PAGED_JAX_BACKEND=pallas_gpu
+#   bench    python -m benchmarks kernels --tune  (decode + ragged prefill, tuning sweeps)
+#   engine   python -m benchmarks engine --transformers  (SmolLM2-135M / Llama-3-8B shapes)
+#
+# Logs and result files go to $OUT (default gpu-out/). Every stage has a time limit
+# (seconds, STAGE_LIMIT_<stage> overrides) so a hang cannot eat a lease.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+PY=${PYTHON:-python3}
+
+limit() { local v="STAGE_LIMIT_$1"; echo "${!v:-$2}"; }
+run() {  # run NAME LIMIT CMD...: tee to $OUT/NAME.log, report rc and seconds
+  local name=$1 lim=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${lim}s): $*"
+  timeout "$lim" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 60
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc in $((SECONDS - t0))s"
+}
+
+for stage in "$@"; do
+  case $stage in
+    env)
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+      $PY - <<'EOF'
+import importlib.metadata as m, platform
+print("python", platform.python_version())
+for d in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "triton", "flax", "torch",
+          "transformers", "pytest", "pytest-xdist", "hypothesis", "chex"):
+    try:
+        print(d, m.version(d))
+    except m.PackageNotFoundError:
+        print(d, "-")
+import jax
+print(jax.devices(), jax.default_backend())
+EOF
+      ;;
+    kernels)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false run kernels "$(limit kernels 200)" \
+        $PY -m pytest -q -p no:cacheprovider -n 8 -m "slow or not slow" --durations=5 \
+        tests/test_pallas_gpu.py tests/test_kernels_in_model.py
+      ;;
+    models)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false PAGED_JAX_BACKEND=pallas_gpu \
+        run models "$(limit models 200)" \
+        $PY -m pytest -q -p no:cacheprovider -n 8 --durations=5 \
+        tests/test_models.py tests/test_engine.py tests/test_kernels_in_model.py
+      ;;
+    bench)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 run bench "$(limit bench 280)" \
+        $PY -m benchmarks kernels --tune --out "$OUT"
+      ;;
+    engine)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run engine "$(limit engine 420)" \
+        $PY -m benchmarks engine --transformers --out "$OUT" ${ENGINE_ARGS:-}
+      ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done
