@@ -5,7 +5,7 @@ decode step split into its parts, and transformers ``generate`` on the same devi
 [--concurrency 64 256] [--prompt-len 128] [--output-len 128] [--backends pallas_gpu xla]
 [--repeats 3] [--transformers]``
 
-Models: SmolLM2-135M-shaped and Llama-3-8B-shaped decoders (``SHAPES``), random weights,
+Models: SmolLM2-135M-shaped and Llama-3-8B-shaped decoders (``SHAPE_FIELDS``), random weights,
 bf16 weights, activations and KV cache, built on the device (real checkpoints are not needed
 to time them). Workload per concurrency C: C requests of ``--prompt-len`` random tokens
 (no shared prefixes; prefix caching off), each generating exactly ``--output-len`` greedy
@@ -14,12 +14,14 @@ after one untimed run of the same workload that compiles its shape buckets; min 
 max of ``--repeats`` runs.
 
 Decode step split, for C sequences at context ``prompt_len + output_len // 2``, each part
-jitted and timed alone on the device (median): the engine's whole jitted step (copies,
-model, sampler); the model step alone; attention (``ragged_paged_attention`` of every
-layer in one jitted call); the rest of the model is the model step
-minus attention (projections, MLP, norms, rotary, KV writes, LM head); the sampler
-(``sample_rows``, greedy rows and top-p rows); host time per step is the engine run's
-wall time outside its jitted calls, per step.
+jitted and timed alone on the device (median of 20): the engine's whole jitted step
+(copies, model, sampler; the engine's own compiled function); attention
+(``ragged_paged_attention`` of every layer in one jitted call); the sampler
+(``sample_rows``, greedy rows and top-p rows); the rest of the model is the step minus
+attention minus the greedy sampler (projections, MLP, norms, rotary, KV writes, LM head).
+Host time per step is the engine run's wall time outside its jitted calls, per step.
+By default every prompt of the largest concurrency is prefilled in one step
+(``--max-num-batched-tokens``), which keeps the number of compiled shape buckets small.
 
 ``--transformers`` first runs transformers' ``generate`` (greedy, the same shapes, bf16,
 its default attention) in a subprocess that imports no JAX, so the two never share the
@@ -235,8 +237,7 @@ def engine_runs(model, name, backend, args) -> list[dict]:
                 compile_s_in_timed_runs=m.compile_s,
             )
         )
-    del llm
-    return rows
+    return rows, llm
 
 
 def _delta(after, before):
@@ -261,22 +262,20 @@ def _device_time(fn, repeats: int = 20) -> float:
     return statistics.median(out)
 
 
-def decode_split(model, name, backend, c, context) -> dict:
-    """Times the parts of one decode step of ``c`` sequences at ``context`` tokens."""
+def decode_split(llm, name, backend, c, context) -> dict:
+    """Times the parts of one decode step of ``c`` sequences at ``context`` tokens, reusing
+    ``llm``'s jitted step (its shape bucket is already compiled by the engine runs)."""
     import jax
     import jax.numpy as jnp
 
-    import models
     import paged_jax as pj
     from paged_jax import AttentionMetadata
     from paged_jax.batch import ScheduledSeq, build_batch
     from paged_jax.block_manager import BlockManager
-    from paged_jax.engine.llm import _make_run
     from paged_jax.engine.sampling import sample_rows
 
-    cfg = model.config
-    num_pages = c * -(-context // PAGE) + 8
-    bm = BlockManager(num_pages, PAGE, enable_prefix_caching=False, watermark=0.0)
+    cfg = llm.model.config
+    bm = BlockManager(llm.bm.num_pages, PAGE, enable_prefix_caching=False, watermark=0.0)
     rng = np.random.default_rng(0)
     for i in range(c):
         bm.allocate(i, rng.integers(0, cfg.vocab_size, context - 1).tolist())
@@ -286,12 +285,6 @@ def decode_split(model, name, backend, c, context) -> dict:
     md = AttentionMetadata.from_batch(batch)
     tokens, positions = jnp.asarray(batch.token_ids), jnp.asarray(batch.positions)
     S = batch.kv_lens.shape[0]
-    from flax import nnx
-
-    graphdef, state = nnx.split(model)
-    run = _make_run(graphdef)
-    step, _ = models.make_step(model, backend="auto")
-    holder = {"cache": model.make_cache(num_pages, PAGE)}
     greedy = (
         jnp.zeros(S, jnp.float32),
         jnp.zeros(S, jnp.int32),
@@ -300,18 +293,14 @@ def decode_split(model, name, backend, c, context) -> dict:
         jnp.zeros(S, jnp.int32),
     )
 
-    def whole():
-        out = run(state, tokens, positions, holder["cache"], md, *greedy, num_candidates=0)
-        holder["cache"] = out[-1]
+    def whole():  # the engine's jitted step: copies, model, sampler (cache donated)
+        out = llm._run(llm._state, tokens, positions, llm.cache, md, *greedy, num_candidates=0)
+        llm.cache = out[-1]
         jax.block_until_ready(out[0])
-
-    def model_only():
-        logits, holder["cache"] = step(state, tokens, positions, holder["cache"], md)
-        jax.block_until_ready(logits)
 
     H, D = cfg.num_heads, cfg.head_dim
     T = tokens.shape[0]
-    q = jax.random.normal(jax.random.key(0), (T, H, D), jnp.bfloat16)
+    q = jax.random.normal(jax.random.key(0), (T, H, D), llm.cache.dtype)
 
     @jax.jit
     def attn(q, cache, md):  # every layer in one call, as in the step (no per-layer dispatch)
@@ -328,9 +317,6 @@ def decode_split(model, name, backend, c, context) -> dict:
             )
         return out
 
-    def attention():
-        jax.block_until_ready(attn(q, holder["cache"], md))
-
     R = md.logits_indices.shape[0]
     logits = jax.random.normal(jax.random.key(1), (R, cfg.vocab_size), jnp.float32)
     samp = jax.jit(sample_rows)
@@ -344,8 +330,7 @@ def decode_split(model, name, backend, c, context) -> dict:
     greedy_r = (jnp.zeros(R, jnp.float32), *top_p[1:2], jnp.ones(R, jnp.float32), *top_p[3:])
 
     t_whole = _device_time(whole)
-    t_model = _device_time(model_only)
-    t_attn = _device_time(attention)
+    t_attn = _device_time(lambda: jax.block_until_ready(attn(q, llm.cache, md)))
     t_greedy = _device_time(lambda: jax.block_until_ready(samp(logits, *greedy_r)))
     t_topp = _device_time(lambda: jax.block_until_ready(samp(logits, *top_p)))
     return dict(
@@ -355,9 +340,8 @@ def decode_split(model, name, backend, c, context) -> dict:
         context=context,
         tokens_bucket=int(T),
         step_ms=1e3 * t_whole,
-        model_ms=1e3 * t_model,
         attention_ms=1e3 * t_attn,
-        rest_of_model_ms=1e3 * (t_model - t_attn),
+        rest_of_model_ms=1e3 * (t_whole - t_attn - t_greedy),
         sampler_greedy_ms=1e3 * t_greedy,
         sampler_top_p_ms=1e3 * t_topp,
     )
@@ -385,7 +369,12 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="default: every prompt of the largest concurrency in one step",
+    )
     ap.add_argument(
         "--backends",
         nargs="+",
@@ -399,6 +388,8 @@ def main(argv=None) -> int:
         help="also time transformers generate (needs torch with CUDA)",
     )
     args = ap.parse_args(argv)
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = max(args.concurrency) * args.prompt_len
     for flag, vals in (
         ("--concurrency", args.concurrency),
         ("--prompt-len", [args.prompt_len]),
@@ -420,10 +411,12 @@ def main(argv=None) -> int:
                 os.environ[BACKEND_ENV] = backend
             label = backend if backend != "auto" else f"auto: {pj_auto()}"
             print(f"{name} / {label} ...", flush=True)
-            rows.extend(engine_runs(model, name, label, args))
+            runs, llm = engine_runs(model, name, label, args)
+            rows.extend(runs)
             ctx = args.prompt_len + args.output_len // 2
             for c in args.concurrency:
-                splits.append(decode_split(model, name, label, c, ctx))
+                splits.append(decode_split(llm, name, label, c, ctx))
+            del llm
         del model
         jax.clear_caches()
     os.environ.pop(BACKEND_ENV, None)
@@ -460,7 +453,6 @@ def main(argv=None) -> int:
                 "backend",
                 "concurrency",
                 "step_ms",
-                "model_ms",
                 "attention_ms",
                 "rest_of_model_ms",
                 "sampler_greedy_ms",

@@ -10,7 +10,8 @@
 #   engine   python -m benchmarks engine --transformers  (SmolLM2-135M / Llama-3-8B shapes)
 #
 # Logs and result files go to $OUT (default gpu-out/). Every stage has a time limit
-# (seconds, STAGE_LIMIT_<stage> overrides) so a hang cannot eat a lease.
+# (seconds, STAGE_LIMIT_<stage> overrides) so a hang cannot eat a lease. KERNEL_TESTS_MARK
+# (default "slow or not slow"), BENCH_ARGS (default --tune) and ENGINE_ARGS pass through.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -47,18 +48,19 @@ EOF
       ;;
     kernels)
       XLA_PYTHON_CLIENT_PREALLOCATE=false run kernels "$(limit kernels 200)" \
-        $PY -m pytest -q -p no:cacheprovider -n 8 -m "slow or not slow" --durations=5 \
+        $PY -m pytest -q -p no:cacheprovider -n 8 -m "${KERNEL_TESTS_MARK:-slow or not slow}" \
+        --durations=5 -rf \
         tests/test_pallas_gpu.py tests/test_kernels_in_model.py
       ;;
     models)
       XLA_PYTHON_CLIENT_PREALLOCATE=false PAGED_JAX_BACKEND=pallas_gpu \
         run models "$(limit models 200)" \
-        $PY -m pytest -q -p no:cacheprovider -n 8 --durations=5 \
+        $PY -m pytest -q -p no:cacheprovider -n 8 --durations=5 -rf \
         tests/test_models.py tests/test_engine.py tests/test_kernels_in_model.py
       ;;
     bench)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 run bench "$(limit bench 280)" \
-        $PY -m benchmarks kernels --tune --out "$OUT"
+        $PY -m benchmarks kernels --out "$OUT" ${BENCH_ARGS---tune}
       ;;
     engine)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run engine "$(limit engine 420)" \

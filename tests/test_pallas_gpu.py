@@ -15,7 +15,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_paged
 from paged_cases import assert_close_to_oracle, make_case, max_err
 
 import paged_jax as pj
-from pallas_kernels.gpu import decode_paged_attention, ragged_paged_attention
+from pallas_kernels.gpu import decode_paged_attention, ragged_paged_attention, tuning
 
 INTERPRET = jax.default_backend() != "gpu"
 DECODE_BATCH = [(1, 1), (1, 8), (1, 16), (1, 17), (1, 40)]
@@ -218,3 +218,36 @@ def test_per_tensor_scales_equal_per_token_arrays_of_that_value(kernel, q_dtype)
         np.testing.assert_allclose(
             np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol
         )
+
+
+@pytest.mark.parametrize("max_pages", [1, 2, 3, 5, 7, 8, 9, 33, 100])
+@pytest.mark.parametrize("block_bytes", [tuning.KV_BLOCK_BYTES, tuning.FULL_GRID_KV_BLOCK_BYTES])
+def test_default_pages_per_block_is_a_power_of_two_within_the_table(max_pages, block_bytes):
+    # Triton's lowering takes only power-of-two array sizes: a 5-page-wide table once gave
+    # 5-page blocks (interpret mode ran them; the GPU compile refused).
+    for d, kv, q in (
+        (64, "int8", "bfloat16"),
+        (128, "bfloat16", "bfloat16"),
+        (64, "float32", "float32"),
+    ):
+        bp = tuning.pages_per_block(d, kv, 8, max_pages, q, block_bytes)
+        assert bp >= 1 and bp & (bp - 1) == 0 and bp <= max_pages, (d, kv, bp)
+
+
+@pytest.mark.parametrize(
+    "kernel,knob,value",
+    [
+        ("decode", "pages_per_block", 3),
+        ("decode", "pages_per_block", 0),
+        ("ragged", "tokens_per_block", 6),
+        ("ragged", "pages_per_block", 5),
+    ],
+)
+def test_block_knobs_must_be_powers_of_two(kernel, knob, value):
+    case = make_case(15, [(1, 9), (1, 20)], pad_seqs=0, pad_tokens=0)
+    if kernel == "decode":
+        args, run = (case.q, case.kv_pages, case.kv_lens, case.page_indices), decode_paged_attention
+    else:
+        args, run = case.args, ragged_paged_attention
+    with pytest.raises(ValueError, match=rf"^{knob}: expected a power of two >= 1, got {value}$"):
+        run(*args, interpret=INTERPRET, **{knob: value})

@@ -134,16 +134,20 @@ def decode_paged_attention(
 ) -> jax.Array:  # [B, H, D], q.dtype
     """Decode attention over a paged cache (flash-decoding). Arguments as
     ``paged_jax.paged_attention``. Tuning knobs (defaults in ``tuning.py``):
-    ``pages_per_block`` (16 KiB of K per block), ``num_splits`` (from B, K and M: ~2 waves
+    ``pages_per_block`` (a power of two; 8 KiB of K per block when B * K fills the SMs,
+    16 KiB otherwise), ``num_splits`` (from B, K and M: ~2 waves
     of SMs), ``num_warps``, ``num_stages``. The dots take 16-bit operands for 16-bit
     queries and f32 otherwise (three TF32 passes on a GPU, exact f32 when interpreted);
     they accumulate in f32, as does the softmax."""
+    tuning.check_pow2("pages_per_block", pages_per_block)
     B, H, D = q.shape
     N, P, combined, _ = kv_pages.shape
     K = combined // 2
     G = H // K
     M = page_indices.shape[1]
-    bp = pages_per_block or tuning.pages_per_block(D, kv_pages.dtype, P, M, q.dtype)
+    full_grid = B * K >= NUM_SMS_GUESS
+    block_bytes = tuning.FULL_GRID_KV_BLOCK_BYTES if full_grid else tuning.KV_BLOCK_BYTES
+    bp = pages_per_block or tuning.pages_per_block(D, kv_pages.dtype, P, M, q.dtype, block_bytes)
     splits = num_splits or default_num_splits(B, K, M, bp)
     per_split = pl.cdiv(pl.cdiv(M, splits), bp) * bp
     width = per_split * splits

@@ -149,10 +149,12 @@ def ragged_paged_attention(
     num_stages: int = 2,
 ) -> jax.Array:  # [T, H, D]
     """Ragged paged attention; arguments as ``paged_jax.ragged_paged_attention``.
-    Tuning knobs (defaults in ``tuning.py``): ``tokens_per_block`` (8 KiB of stacked
-    queries, 32 rows of bf16 at D = 128; at least 1 token), ``pages_per_block`` (16 KiB of
-    K per block), ``num_warps``, ``num_stages``. Dot operands and accumulation as in
-    ``decode_paged_attention``."""
+    Tuning knobs (defaults in ``tuning.py``; block sizes are powers of two):
+    ``tokens_per_block`` (16 KiB of stacked queries, 64 rows of bf16 at D = 128; at least 1
+    token), ``pages_per_block`` (16 KiB of K per block), ``num_warps``, ``num_stages``. Dot
+    operands and accumulation as in ``decode_paged_attention``."""
+    tuning.check_pow2("tokens_per_block", tokens_per_block)
+    tuning.check_pow2("pages_per_block", pages_per_block)
     T, H, D = q.shape
     N, P, combined, _ = kv_pages.shape
     K = combined // 2

@@ -20,11 +20,19 @@ import numpy as np
 # One K (or V) block of one kv head: tokens * head_dim * bytes. 16 KiB keeps a decode block
 # near 70 KiB of shared memory for every supported head dim and dtype.
 KV_BLOCK_BYTES = 16 * 1024
+# Decode blocks when batch * kv heads alone fill the SMs (the sequence is not split): half
+# the bytes, so more blocks stay resident per SM. Measured on an H100 (bf16, D = 128, page
+# 16, benchmarks/results/kernels_gpu.json): 32-token blocks took 0.43 ms at batch 64 x 4k
+# against 0.54 ms for 64-token blocks (96% against 77% of copy bandwidth) and were within 2%
+# of the best point at batch 256; with batch 8 (sequences split) 64-token blocks were best.
+FULL_GRID_KV_BLOCK_BYTES = 8 * 1024
 # The ragged kernel's stacked query block ([tokens * group, D]) in bytes of the compute
-# dtype: 8 KiB is 32 rows of bf16 at D = 128 (about 72 KiB of shared memory and 220
-# registers), 16 rows at D = 256 or for f32; more rows spilled registers with f32.
-Q_BLOCK_BYTES = 8 * 1024
-MAX_ROWS = {2: 32, 4: 16}
+# dtype: 16 KiB is 64 rows of bf16 at D = 128, 16 rows for f32 (more spilled registers).
+# Measured on an H100 (Hq 32, Hkv 8, bf16 prefill): 64 rows ran 1.65x faster than 32 rows
+# (2.05 against 3.40 ms for 8 x 2048 causal tokens); 128 rows were 4-13% faster still, but
+# every decode row of a mixed batch pays for the whole block.
+Q_BLOCK_BYTES = 16 * 1024
+MAX_ROWS = {2: 64, 4: 16}
 
 
 def _pow2_floor(x: int) -> int:
@@ -49,14 +57,23 @@ def dot_precision(compute: jnp.dtype, interpret: bool):
     return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
-def pages_per_block(head_dim: int, kv_dtype, page_size: int, max_pages: int, q_dtype) -> int:
+def pages_per_block(
+    head_dim: int,
+    kv_dtype,
+    page_size: int,
+    max_pages: int,
+    q_dtype,
+    block_bytes: int = KV_BLOCK_BYTES,
+) -> int:
     """Pages per K/V block: the largest power of two keeping one K block within
-    ``KV_BLOCK_BYTES`` (counted at the wider of the pool's and the compute dtype's width,
+    ``block_bytes`` (counted at the wider of the pool's and the compute dtype's width,
     since quantized pages are widened before the dot), at least one page, at most the table's
-    width."""
+    width rounded down to a power of two."""
     itemsize = max(np.dtype(kv_dtype).itemsize, jnp.dtype(compute_dtype(q_dtype)).itemsize)
-    tokens = max(1, KV_BLOCK_BYTES // (head_dim * itemsize))
-    return int(max(1, min(max_pages, _pow2_floor(max(1, tokens // page_size)))))
+    tokens = max(1, block_bytes // (head_dim * itemsize))
+    # Both bounds are powers of two: Triton's lowering takes only power-of-two array sizes
+    # (a table 5 pages wide once gave blocks of 5 pages, which interpret mode accepted).
+    return int(min(_pow2_floor(max_pages), _pow2_floor(max(1, tokens // page_size))))
 
 
 def ragged_tokens_per_block(group: int, head_dim: int, q_dtype) -> int:
@@ -66,3 +83,12 @@ def ragged_tokens_per_block(group: int, head_dim: int, q_dtype) -> int:
     itemsize = jnp.dtype(compute_dtype(q_dtype)).itemsize
     rows = min(MAX_ROWS[itemsize], _pow2_floor(Q_BLOCK_BYTES // (head_dim * itemsize)))
     return max(1, rows // group)
+
+
+def check_pow2(name: str, value: int | None) -> None:
+    """Raises ``ValueError`` unless ``value`` is None or a power of two >= 1 (block sizes
+    become array dimensions, and Triton's lowering accepts only powers of two)."""
+    if value is None:
+        return
+    if not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise ValueError(f"{name}: expected a power of two >= 1, got {value!r}")
