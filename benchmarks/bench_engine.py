@@ -402,6 +402,29 @@ def main(argv=None) -> int:
 
     env = environment(with_jax=True)
     rows, splits = list(peers), []
+
+    def save(rows, splits):
+        return write_result(
+            f"engine_{jax.default_backend()}",
+            {
+                "benchmark": "engine",
+                "environment": env,
+                "parameters": dict(
+                    models={m: SHAPE_FIELDS[m] for m in args.models},
+                    concurrency=args.concurrency,
+                    prompt_len=args.prompt_len,
+                    output_len=args.output_len,
+                    page_size=PAGE,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    dtype="bfloat16",
+                    repeats=args.repeats,
+                    backends=args.backends,
+                ),
+                "results": rows,
+                "decode_step_split": splits,
+            },
+        )
+
     for name in args.models:
         model = build_model(name)
         for backend in args.backends:
@@ -411,12 +434,16 @@ def main(argv=None) -> int:
                 os.environ[BACKEND_ENV] = backend
             label = backend if backend != "auto" else f"auto: {pj_auto()}"
             print(f"{name} / {label} ...", flush=True)
-            runs, llm = engine_runs(model, name, label, args)
-            rows.extend(runs)
-            ctx = args.prompt_len + args.output_len // 2
-            for c in args.concurrency:
-                splits.append(decode_split(llm, name, label, c, ctx))
-            del llm
+            try:
+                runs, llm = engine_runs(model, name, label, args)
+                rows.extend(runs)
+                ctx = args.prompt_len + args.output_len // 2
+                for c in args.concurrency:
+                    splits.append(decode_split(llm, name, label, c, ctx))
+                del llm
+            except Exception as e:  # out of memory, a compile failure: say so, go on
+                rows.append(dict(model=name, system=f"paged-jax ({label})", error=repr(e)[-600:]))
+            save(rows, splits)  # a run cut short keeps what it measured
         del model
         jax.clear_caches()
     os.environ.pop(BACKEND_ENV, None)
@@ -460,26 +487,7 @@ def main(argv=None) -> int:
             ],
         )
     )
-    path = write_result(
-        f"engine_{jax.default_backend()}",
-        {
-            "benchmark": "engine",
-            "environment": env,
-            "parameters": dict(
-                models={m: SHAPE_FIELDS[m] for m in args.models},
-                concurrency=args.concurrency,
-                prompt_len=args.prompt_len,
-                output_len=args.output_len,
-                page_size=PAGE,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                dtype="bfloat16",
-                repeats=args.repeats,
-                backends=args.backends,
-            ),
-            "results": rows,
-            "decode_step_split": splits,
-        },
-    )
+    path = save(rows, splits)
     print(f"wrote {path}")
     return 0
 

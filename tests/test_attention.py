@@ -301,8 +301,8 @@ def test_backend_selection():
     assert pj.available_backends("cpu") == ("xla",)
     assert pj.available_backends("gpu") == ("pallas_gpu", "xla")
     assert pj.available_backends("tpu") == ("pallas_tpu", "xla")
-    # TPU: the Pallas kernels. GPU: XLA until the GPU kernels have run on a GPU.
-    assert attention._auto("tpu") == "pallas_tpu" and attention._auto("gpu") == "xla"
+    # TPU and NVIDIA GPU: the Pallas kernels (the GPU ones since they ran on an H100).
+    assert attention._auto("tpu") == "pallas_tpu" and attention._auto("gpu") == "pallas_gpu"
     assert attention._auto("cpu") == "xla"
     case = make_case(11, BATCHES["decode"][:2])
     with pytest.raises(ValueError, match=r"backend: expected one of .* got 'cuda'"):

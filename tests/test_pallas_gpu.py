@@ -182,7 +182,14 @@ def test_decode_matches_jax_gpu_paged_attention(heads):
         interpret=INTERPRET,
     )
     ours = decode_paged_attention(case.q, kv, case.kv_lens, case.page_indices, interpret=INTERPRET)
-    assert max_err(ours, np.asarray(theirs, np.float64)) < 1e-5
+    # Interpreted, both compute in exact f32. Compiled on a GPU, JAX's op takes the default
+    # dot precision, one TF32 pass (10-bit mantissa; it differed from ours by 4e-3 on an
+    # H100), while ours runs three (about f32): there ours must also match the oracle.
+    tol = 1e-5 if INTERPRET else 1e-2
+    assert max_err(ours, np.asarray(theirs, np.float64)) < tol
+    if not INTERPRET:
+        ref = pj.reference.paged_attention(case.q, kv, case.kv_lens, case.page_indices)
+        assert_close_to_oracle(ours, ref, case.expected)
 
 
 def test_ragged_long_prefill_spans_several_query_blocks():
@@ -249,5 +256,6 @@ def test_block_knobs_must_be_powers_of_two(kernel, knob, value):
         args, run = (case.q, case.kv_pages, case.kv_lens, case.page_indices), decode_paged_attention
     else:
         args, run = case.args, ragged_paged_attention
-    with pytest.raises(ValueError, match=rf"^{knob}: expected a power of two >= 1, got {value}$"):
+    # No "$": JAX 0.11 appends a note on filtered frames to errors raised while tracing.
+    with pytest.raises(ValueError, match=rf"^{knob}: expected a power of two >= 1, got {value}\b"):
         run(*args, interpret=INTERPRET, **{knob: value})
