@@ -72,9 +72,12 @@ def test_gpu_kernels_compile_for_sm90_within_the_sm(sm90_reports):
         f32 = dtype == "float32"
         assert r.spill_bytes <= (256 if f32 else 0), (label, r.spill_bytes)
         # Tensor cores: 16-bit operands for 16-bit queries (quantized pools are widened to
-        # the bf16 queries), three TF32 passes for f32.
+        # the bf16 queries), three TF32 passes for f32. mma.sync spells the types
+        # ".bf16.bf16.f32"; Hopper's wgmma (64-row blocks: the ragged kernel's bf16
+        # default) spells them ".f32.bf16.bf16".
         operand = {"float32": "tf32", "float16": "f16"}.get(dtype, "bf16")
-        assert any(f".{operand}.{operand}.f32" in m for m in r.mma), (label, r.mma)
+        spellings = (f".{operand}.{operand}.f32", f".f32.{operand}.{operand}")
+        assert any(w in m for m in r.mma for w in spellings), (label, r.mma)
 
 
 def test_decode_benchmark_shape_fits_three_blocks_per_sm(sm90_reports):

@@ -26,12 +26,13 @@ KV_BLOCK_BYTES = 16 * 1024
 # against 0.54 ms for 64-token blocks (96% against 77% of copy bandwidth) and were within 2%
 # of the best point at batch 256; with batch 8 (sequences split) 64-token blocks were best.
 FULL_GRID_KV_BLOCK_BYTES = 8 * 1024
-# The ragged kernel's stacked query block ([tokens * group, D]) in bytes of the compute
-# dtype: 16 KiB is 64 rows of bf16 at D = 128, 16 rows for f32 (more spilled registers).
-# Measured on an H100 (Hq 32, Hkv 8, bf16 prefill): 64 rows ran 1.65x faster than 32 rows
-# (2.05 against 3.40 ms for 8 x 2048 causal tokens); 128 rows were 4-13% faster still, but
-# every decode row of a mixed batch pays for the whole block.
-Q_BLOCK_BYTES = 16 * 1024
+# The ragged kernel's stacked query block ([tokens * group, D]) in bytes, by the compute
+# dtype's item size: 16 KiB is 64 rows of bf16 at D = 128, where Triton uses Hopper's wgmma
+# (m64) instead of mma.sync. Measured on an H100 (Hq 32, Hkv 8, bf16 prefill): 64 rows ran
+# 1.65x faster than 32 rows (2.05 against 3.40 ms for 8 x 2048 causal tokens); 128 rows were
+# 4-13% faster still, but every decode row of a mixed batch pays for the whole block. f32
+# keeps 8 KiB (16 rows at D = 128, 8 at D = 256): more rows spilled registers.
+Q_BLOCK_BYTES = {2: 16 * 1024, 4: 8 * 1024}
 MAX_ROWS = {2: 64, 4: 16}
 
 
@@ -78,10 +79,10 @@ def pages_per_block(
 
 def ragged_tokens_per_block(group: int, head_dim: int, q_dtype) -> int:
     """Query tokens per ragged program: the stacked ``[tokens * group, D]`` query block
-    within ``Q_BLOCK_BYTES`` of the compute dtype, at most ``MAX_ROWS`` rows (``group`` a
+    within ``Q_BLOCK_BYTES`` for the compute dtype, at most ``MAX_ROWS`` rows (``group`` a
     power of two), at least one token."""
     itemsize = jnp.dtype(compute_dtype(q_dtype)).itemsize
-    rows = min(MAX_ROWS[itemsize], _pow2_floor(Q_BLOCK_BYTES // (head_dim * itemsize)))
+    rows = min(MAX_ROWS[itemsize], _pow2_floor(Q_BLOCK_BYTES[itemsize] // (head_dim * itemsize)))
     return max(1, rows // group)
 
 
