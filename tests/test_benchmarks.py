@@ -44,3 +44,68 @@ def test_kernel_tuning_sweep_refuses_to_run_without_a_gpu():
     with pytest.raises(SystemExit) as err:
         bench_kernels.main(["--tune"])
     assert err.value.code == 2
+
+
+def test_engine_benchmark_runs_a_tiny_shape_and_writes_where_told(tmp_path, monkeypatch):
+    # The GPU engine benchmark end to end on CPU with a tiny shape (timings meaningless):
+    # every request generates exactly output_len tokens, the step split is filled in, and
+    # --out's directory (not benchmarks/results) receives the file.
+    import json
+
+    from benchmarks import bench_engine
+    from benchmarks.common import OUT_ENV
+
+    monkeypatch.setitem(
+        bench_engine.SHAPE_FIELDS,
+        "tiny-test",
+        dict(
+            vocab_size=300,
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            rope_theta=10000.0,
+            max_position_embeddings=256,
+        ),
+    )
+    monkeypatch.setenv(OUT_ENV, str(tmp_path))
+    argv = [
+        "--models",
+        "tiny-test",
+        "--concurrency",
+        "3",
+        "--prompt-len",
+        "5",
+        "--output-len",
+        "4",
+        "--repeats",
+        "1",
+        "--backends",
+        "xla",
+    ]
+    assert bench_engine.main(argv) == 0
+    out = json.loads((tmp_path / "engine_cpu.json").read_text())
+    (row,) = out["results"]
+    assert row["system"] == "paged-jax (xla)" and row["concurrency"] == 3
+    assert row["steps"] == 4  # one prefill step (all prompts at once), then 3 decode steps
+    (split,) = out["decode_step_split"]
+    assert split["step_ms"] > 0 and split["attention_ms"] > 0
+    assert out["parameters"]["max_num_batched_tokens"] == 15
+
+
+def test_benchmarks_main_takes_out_before_the_benchmark_args(tmp_path):
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "block_manager", "--out", str(tmp_path), "--help"],
+        capture_output=True,
+        text=True,
+    )
+    assert p.returncode == 0, p.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "kernels", "--out"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "--out: expected a directory" in bad.stderr
