@@ -257,3 +257,43 @@ def test_request_larger_than_the_pool_is_rejected_up_front():
         r"pool has 7",
     ):
         llm.add_request("big", list(range(5)), pj.SamplingParams(max_tokens=16, n=4))
+
+
+@pytest.mark.parametrize(
+    "params,limits,message",
+    [
+        (
+            dict(n=4, temperature=1.0),
+            dict(max_num_seqs=2),
+            r"^params\.n: 4 sequences, more than max_num_seqs=2 ",
+        ),
+        (
+            dict(beam_width=3),
+            dict(max_num_seqs=2),
+            r"^params\.beam_width: 3 sequences, more than max_num_seqs=2 ",
+        ),
+        (
+            dict(n=3, temperature=1.0),
+            dict(max_num_seqs=8, max_num_batched_tokens=2),
+            r"^params\.n: 3 sequences, more than max_num_batched_tokens=2 ",
+        ),
+    ],
+)
+def test_a_group_wider_than_a_step_is_refused_and_does_not_stall_others(params, limits, message):
+    # Accepted, such a group never ran and every later request stalled behind it (the
+    # engine-reliability issue: `generate -n 4 --max-num-seqs 2` hung).
+    llm = pj.LLM("tiny-llama", num_pages=64, page_size=PAGE, **limits)
+    with pytest.raises(ValueError, match=message):
+        llm.add_request("wide", list(range(5)), pj.SamplingParams(max_tokens=4, **params))
+    # Nothing was queued, and a group exactly as wide as the limit still finishes.
+    width = min(limits.values())
+    llm.add_request(
+        "ok", list(range(5)), pj.SamplingParams(max_tokens=4, n=width, seed=1, temperature=1.0)
+    )
+    done = []
+    for _ in range(50):  # bounded: a stall fails instead of hanging
+        done += llm.step()
+        if not llm.has_unfinished():
+            break
+    assert [r.request_id for r in done] == ["ok"]
+    assert [len(o.token_ids) for o in done[0].outputs] == [4] * width

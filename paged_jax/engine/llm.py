@@ -224,6 +224,18 @@ class LLM:
                 f"{self.max_model_len} (one more is needed to generate)"
             )
         width = params.beam_width if params.use_beam_search else params.n
+        # A group's sequences are scheduled together: one wider than a step can hold would
+        # never run, and the scheduler, which keeps arrival order, would stall behind it.
+        name = "beam_width" if params.use_beam_search else "n"
+        for limit, value in (
+            ("max_num_seqs", self.scheduler.max_num_seqs),
+            ("max_num_batched_tokens", self.scheduler.max_num_batched_tokens),
+        ):
+            if width > value:
+                raise ValueError(
+                    f"params.{name}: {width} sequences, more than {limit}={value} "
+                    f"(a group's sequences run in the same step)"
+                )
         worst = min(len(ids) + params.max_tokens, self.max_model_len)
         pages = width * self.bm.pages_needed(worst)
         usable = self.bm.num_pages - 1 - self.bm.watermark_pages
