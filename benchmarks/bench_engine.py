@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import environment, table, write_result
+from benchmarks.common import environment, table, time_samples, write_result
 
 # Shapes of the public checkpoints (config.json of each); weights are random here.
 SHAPE_FIELDS = {
@@ -70,7 +70,6 @@ SHAPE_FIELDS = {
     ),
 }
 PAGE = 16
-BACKEND_ENV = "PAGED_JAX_BACKEND"
 
 
 def _stats(samples: list[float]) -> dict:
@@ -250,16 +249,9 @@ def _delta(after, before):
     )
 
 
-def _device_time(fn, repeats: int = 20) -> float:
-    """Median seconds of ``fn()`` (it blocks on its own result)."""
-    fn()
-    fn()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+def _device_time(fn) -> float:
+    """Median seconds of ``fn()``, which blocks on its own result."""
+    return statistics.median(time_samples(fn, repeats=20))
 
 
 def decode_split(llm, name, backend, c, context) -> dict:
@@ -400,6 +392,9 @@ def main(argv=None) -> int:
     peers = run_transformers(args) if args.transformers else []  # before JAX takes the GPU
     import jax
 
+    from paged_jax.attention import _ENV_OVERRIDE as BACKEND_ENV
+    from paged_jax.attention import _auto
+
     env = environment(with_jax=True)
     rows, splits = list(peers), []
 
@@ -432,7 +427,7 @@ def main(argv=None) -> int:
                 os.environ.pop(BACKEND_ENV, None)
             else:
                 os.environ[BACKEND_ENV] = backend
-            label = backend if backend != "auto" else f"auto: {pj_auto()}"
+            label = backend if backend != "auto" else f"auto: {_auto()}"
             print(f"{name} / {label} ...", flush=True)
             try:
                 runs, llm = engine_runs(model, name, label, args)
@@ -490,12 +485,6 @@ def main(argv=None) -> int:
     path = save(rows, splits)
     print(f"wrote {path}")
     return 0
-
-
-def pj_auto() -> str:
-    from paged_jax.attention import _auto
-
-    return _auto()
 
 
 if __name__ == "__main__":

@@ -38,13 +38,12 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import environment, progress, table, write_result
+from benchmarks.common import environment, progress, table, time_samples, write_result
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = jnp.bfloat16
@@ -59,24 +58,6 @@ PEAKS = {
 # Ragged prefill cases: (sequences, new tokens each, kv length each); the chunk is the last
 # q_len tokens of the sequence (cached pages before it), causal within it.
 PREFILL_CASES = [(1, 4096, 4096), (8, 2048, 2048), (32, 512, 512), (16, 512, 8192)]
-
-
-def time_samples(fn, *args, repeats: int, sample_s: float = 2e-3) -> list[float]:
-    """Seconds per call of ``fn(*args)``: ``repeats`` samples after a warm-up, each the
-    mean of enough back-to-back calls to last about ``sample_s``."""
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    one = time.perf_counter() - t
-    inner = int(max(1, min(200, sample_s / max(one, 1e-7))))
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(inner):
-            r = fn(*args)
-        jax.block_until_ready(r)
-        out.append((time.perf_counter() - t) / inner)
-    return out
 
 
 def _stats(samples: list[float]) -> dict:
@@ -112,18 +93,22 @@ def random_pool(num_pages: int, seed: int = 0, dtype=DTYPE):
     return jnp.take(base, jnp.arange(num_pages) % base_pages, axis=0)
 
 
-def make_inputs(batch: int, context: int, seed: int = 0):
-    """``(q, pool, lens, paged_table, contiguous_table)``: one pool, two tables over it."""
+def make_inputs(seqs: int, kv_len: int, q_len: int = 1, seed: int = 0):
+    """``(q, pool, lens, paged_table, contiguous_table, cu_q_lens, num_seqs)``: ``seqs``
+    sequences of ``kv_len`` tokens whose last ``q_len`` are new (``q_len = 1``: a decode
+    batch); one pool, a random-order table and a contiguous table over it."""
     rng = np.random.default_rng(seed)
-    pages_per_seq = context // PAGE
-    num_pages = batch * pages_per_seq + 1
+    pages_per_seq = kv_len // PAGE
+    num_pages = seqs * pages_per_seq + 1
     ids = np.arange(1, num_pages, dtype=np.int32)
-    paged = rng.permutation(ids).reshape(batch, pages_per_seq)
-    contiguous = ids.reshape(batch, pages_per_seq)
+    paged = rng.permutation(ids).reshape(seqs, pages_per_seq)
+    contiguous = ids.reshape(seqs, pages_per_seq)
     kv = random_pool(num_pages, seed)
-    q = jax.random.normal(jax.random.key(seed + 1), (batch, HQ, D), DTYPE)
-    lens = jnp.full((batch,), context, jnp.int32)
-    return q, kv, lens, jnp.asarray(paged), jnp.asarray(contiguous)
+    q = jax.random.normal(jax.random.key(seed + 1), (seqs * q_len, HQ, D), DTYPE)
+    lens = jnp.full((seqs,), kv_len, jnp.int32)
+    cu = jnp.arange(seqs + 1, dtype=jnp.int32) * q_len
+    num = jnp.full((1,), seqs, jnp.int32)
+    return q, kv, lens, jnp.asarray(paged), jnp.asarray(contiguous), cu, num
 
 
 # Knobs swept by --tune: pages of 16 tokens per block (2-8: 32-128 tokens), warps, stages.
@@ -207,7 +192,7 @@ def run_decode(args, platform, bw, peaks, tuned) -> list[dict]:
     with progress(len(cases), "decode") as bar:
         for b, c in cases:
             kv_bytes = b * c * 2 * HKV * D * jnp.dtype(DTYPE).itemsize
-            q, kv, lens, paged, contiguous = make_inputs(b, c)
+            q, kv, lens, paged, contiguous, _, _ = make_inputs(b, c)
             for name, fn in kernels.items():
                 f = jax.jit(fn)
                 try:
@@ -284,18 +269,6 @@ def run_decode(args, platform, bw, peaks, tuned) -> list[dict]:
     return rows
 
 
-def prefill_inputs(seqs: int, q_len: int, kv_len: int, seed: int = 0):
-    pages_per_seq = kv_len // PAGE
-    num_pages = seqs * pages_per_seq + 1
-    rng = np.random.default_rng(seed)
-    table = rng.permutation(np.arange(1, num_pages, dtype=np.int32)).reshape(seqs, -1)
-    kv = random_pool(num_pages, seed)
-    q = jax.random.normal(jax.random.key(seed + 1), (seqs * q_len, HQ, D), DTYPE)
-    lens = jnp.full((seqs,), kv_len, jnp.int32)
-    cu = jnp.arange(seqs + 1, dtype=jnp.int32) * q_len
-    return q, kv, lens, jnp.asarray(table), cu, jnp.full((1,), seqs, jnp.int32)
-
-
 def prefill_flops(seqs: int, q_len: int, kv_len: int) -> int:
     """q.k and p.v FLOPs of causal chunks: token i of a chunk sees kv_len - q_len + i + 1
     keys."""
@@ -314,7 +287,8 @@ def run_prefill(args, platform, mm_rate, peaks, tuned) -> list[dict]:
     }
     with progress(len(PREFILL_CASES), "prefill") as bar:
         for s, ql, kl in PREFILL_CASES:
-            inputs = prefill_inputs(s, ql, kl)
+            q, kv, lens, paged, _, cu, num = make_inputs(s, kl, ql)
+            inputs = (q, kv, lens, paged, cu, num)
             flops = prefill_flops(s, ql, kl)
             for name, fn in backends.items():
                 try:

@@ -9,6 +9,7 @@ import os
 import pathlib
 import platform
 import sys
+import time
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 # ``python -m benchmarks NAME --out DIR`` sets this: results go where the user says, and the
@@ -81,6 +82,27 @@ def environment(with_jax: bool = False) -> dict:
         if jax.default_backend() == "gpu":
             env.update(gpu_driver=_gpu_driver(), triton=_version("triton"))
     return env
+
+
+def time_samples(fn, *args, repeats: int, sample_s: float = 2e-3) -> list[float]:
+    """Seconds per call of ``fn(*args)``: ``repeats`` samples after a warm-up, each the
+    mean of enough back-to-back calls to last about ``sample_s`` (device work is queued
+    asynchronously; the sample ends when its last result is ready)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = time.perf_counter() - t
+    inner = int(max(1, min(200, sample_s / max(one, 1e-7))))
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(inner):
+            r = fn(*args)
+        jax.block_until_ready(r)
+        out.append((time.perf_counter() - t) / inner)
+    return out
 
 
 def write_result(name: str, payload: dict) -> pathlib.Path:
