@@ -1,5 +1,5 @@
 """``python -m benchmarks <name> [--out DIR] [args]``: memory, sharing, throughput,
-host_overhead, kernels, engine, block_manager. ``--out DIR`` writes the results there
+host_overhead, kernels, engine, block_manager, layer_view. ``--out DIR`` writes the results there
 instead of ``benchmarks/results`` (the committed ones)."""
 
 import importlib
@@ -16,6 +16,7 @@ NAMES = (
     "kernels",
     "engine",
     "block_manager",
+    "layer_view",
 )
 
 if __name__ == "__main__":

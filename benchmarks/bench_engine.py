@@ -3,7 +3,7 @@ decode step split into its parts, and transformers ``generate`` on the same devi
 
 ``python -m benchmarks engine [--out DIR] [--models smollm2-135m llama3-8b]
 [--concurrency 64 256] [--prompt-len 128] [--output-len 128] [--backends pallas_gpu xla]
-[--repeats 3] [--transformers]``
+[--repeats 3] [--transformers] [--decode-kernel on|off|both]``
 
 Models: SmolLM2-135M-shaped and Llama-3-8B-shaped decoders (``SHAPE_FIELDS``), random weights,
 bf16 weights, activations and KV cache, built on the device (real checkpoints are not needed
@@ -16,12 +16,17 @@ max of ``--repeats`` runs.
 Decode step split, for C sequences at context ``prompt_len + output_len // 2``, each part
 jitted and timed alone on the device (median of 20): the engine's whole jitted step
 (copies, model, sampler; the engine's own compiled function); attention
-(``ragged_paged_attention`` of every layer in one jitted call); the sampler
+of every layer in one jitted call, as the step runs it (``paged_attention``, the decode
+kernel, since decode-only steps use it) and with ``ragged_paged_attention``); the sampler
 (``sample_rows``, greedy rows and top-p rows); the rest of the model is the step minus
 attention minus the greedy sampler (projections, MLP, norms, rotary, KV writes, LM head).
 Host time per step is the engine run's wall time outside its jitted calls, per step.
 By default every prompt of the largest concurrency is prefilled in one step
 (``--max-num-batched-tokens``), which keeps the number of compiled shape buckets small.
+
+``--decode-kernel off`` runs the engine with every step on the ragged kernel (decode-only
+steps otherwise use the decode kernel: ``AttentionMetadata.decode_only``), ``both`` runs
+it each way, for the side-by-side ratio.
 
 ``--transformers`` first runs transformers' ``generate`` (greedy, the same shapes, bf16,
 its default attention) in a subprocess that imports no JAX, so the two never share the
@@ -31,7 +36,9 @@ device's memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -239,6 +246,23 @@ def engine_runs(model, name, backend, args) -> list[dict]:
     return rows, llm
 
 
+@contextlib.contextmanager
+def _decode_kernel(on: bool):
+    """While active with ``on=False``, every engine step is built with ``decode_only=False``
+    (the ragged kernel for decode steps too): the engine as it was before the decode path."""
+    from paged_jax.metadata import AttentionMetadata
+
+    orig = AttentionMetadata.__dict__["from_batch"]
+    if not on:
+        AttentionMetadata.from_batch = classmethod(
+            lambda cls, b: dataclasses.replace(orig.__func__(cls, b), decode_only=False)
+        )
+    try:
+        yield
+    finally:
+        AttentionMetadata.from_batch = orig
+
+
 def _delta(after, before):
     return dataclasses.replace(
         after,
@@ -294,19 +318,24 @@ def decode_split(llm, name, backend, c, context) -> dict:
     T = tokens.shape[0]
     q = jax.random.normal(jax.random.key(0), (T, H, D), llm.cache.dtype)
 
-    @jax.jit
-    def attn(q, cache, md):  # every layer in one call, as in the step (no per-layer dispatch)
+    @functools.partial(jax.jit, static_argnames="decode")
+    def attn(q, cache, md, decode):  # every layer in one call, as in the step
         out = jnp.zeros(q.shape, jnp.float32)
         for i in range(cfg.num_layers):
-            out += pj.ragged_paged_attention(
-                q,
-                cache.layer(i)[0],
-                md.kv_lens,
-                md.page_indices,
-                md.cu_q_lens,
-                md.num_seqs,
-                sm_scale=D**-0.5,
-            )
+            kv, table, _, _ = cache.attention_inputs(i, md.page_indices)  # as the model does
+            if decode:  # what a decode-only step runs: the decode kernel on S rows
+                o = pj.paged_attention(q[:S], kv, md.kv_lens, table, sm_scale=D**-0.5)
+                out = out.at[:S].add(o)
+            else:
+                out += pj.ragged_paged_attention(
+                    q,
+                    kv,
+                    md.kv_lens,
+                    table,
+                    md.cu_q_lens,
+                    md.num_seqs,
+                    sm_scale=D**-0.5,
+                )
         return out
 
     R = md.logits_indices.shape[0]
@@ -322,7 +351,8 @@ def decode_split(llm, name, backend, c, context) -> dict:
     greedy_r = (jnp.zeros(R, jnp.float32), *top_p[1:2], jnp.ones(R, jnp.float32), *top_p[3:])
 
     t_whole = _device_time(whole)
-    t_attn = _device_time(lambda: jax.block_until_ready(attn(q, llm.cache, md)))
+    t_attn = _device_time(lambda: jax.block_until_ready(attn(q, llm.cache, md, md.decode_only)))
+    t_ragged = _device_time(lambda: jax.block_until_ready(attn(q, llm.cache, md, False)))
     t_greedy = _device_time(lambda: jax.block_until_ready(samp(logits, *greedy_r)))
     t_topp = _device_time(lambda: jax.block_until_ready(samp(logits, *top_p)))
     return dict(
@@ -332,7 +362,9 @@ def decode_split(llm, name, backend, c, context) -> dict:
         context=context,
         tokens_bucket=int(T),
         step_ms=1e3 * t_whole,
+        decode_only=md.decode_only,
         attention_ms=1e3 * t_attn,
+        attention_ragged_kernel_ms=1e3 * t_ragged,
         rest_of_model_ms=1e3 * (t_whole - t_attn - t_greedy),
         sampler_greedy_ms=1e3 * t_greedy,
         sampler_top_p_ms=1e3 * t_topp,
@@ -375,6 +407,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
+        "--decode-kernel",
+        choices=["on", "off", "both"],
+        default="on",
+        help="decode-only steps on the decode kernel (on), the ragged one (off), or each way",
+    )
+    ap.add_argument(
         "--transformers",
         action="store_true",
         help="also time transformers generate (needs torch with CUDA)",
@@ -414,6 +452,7 @@ def main(argv=None) -> int:
                     dtype="bfloat16",
                     repeats=args.repeats,
                     backends=args.backends,
+                    decode_kernel=args.decode_kernel,
                 ),
                 "results": rows,
                 "decode_step_split": splits,
@@ -427,18 +466,24 @@ def main(argv=None) -> int:
                 os.environ.pop(BACKEND_ENV, None)
             else:
                 os.environ[BACKEND_ENV] = backend
-            label = backend if backend != "auto" else f"auto: {_auto()}"
-            print(f"{name} / {label} ...", flush=True)
-            try:
-                runs, llm = engine_runs(model, name, label, args)
-                rows.extend(runs)
-                ctx = args.prompt_len + args.output_len // 2
-                for c in args.concurrency:
-                    splits.append(decode_split(llm, name, label, c, ctx))
-                del llm
-            except Exception as e:  # out of memory, a compile failure: say so, go on
-                rows.append(dict(model=name, system=f"paged-jax ({label})", error=repr(e)[-600:]))
-            save(rows, splits)  # a run cut short keeps what it measured
+            base = backend if backend != "auto" else f"auto: {_auto()}"
+            ways = {"on": [True], "off": [False], "both": [True, False]}[args.decode_kernel]
+            for on in ways:
+                label = base if on else f"{base}, ragged kernel for decode steps"
+                print(f"{name} / {label} ...", flush=True)
+                try:
+                    with _decode_kernel(on):
+                        runs, llm = engine_runs(model, name, label, args)
+                        rows.extend(runs)
+                        ctx = args.prompt_len + args.output_len // 2
+                        for c in args.concurrency:
+                            splits.append(decode_split(llm, name, label, c, ctx))
+                    del llm
+                except Exception as e:  # out of memory, a compile failure: say so, go on
+                    rows.append(
+                        dict(model=name, system=f"paged-jax ({label})", error=repr(e)[-600:])
+                    )
+                save(rows, splits)  # a run cut short keeps what it measured
         del model
         jax.clear_caches()
     os.environ.pop(BACKEND_ENV, None)
@@ -476,6 +521,7 @@ def main(argv=None) -> int:
                 "concurrency",
                 "step_ms",
                 "attention_ms",
+                "attention_ragged_kernel_ms",
                 "rest_of_model_ms",
                 "sampler_greedy_ms",
                 "sampler_top_p_ms",

@@ -3,7 +3,8 @@
 One forward pass serves a ragged batch: T new tokens of S sequences, each a prefill chunk
 or a decode token. Per layer the tokens' K/V are written into the ``PagedKVCache`` by
 slot mapping, then ``paged_jax.ragged_paged_attention`` reads them back with every
-earlier token of each sequence. Shape suffixes: T tokens, E hidden size, F MLP size,
+earlier token of each sequence (``paged_jax.paged_attention``, the decode kernel, when the
+metadata says ``decode_only``). Shape suffixes: T tokens, E hidden size, F MLP size,
 H/K query/kv heads, D head dim, V vocabulary, R logits rows.
 """
 
@@ -78,6 +79,13 @@ def _linear(cfg_in: int, out: int, bias: bool, *, rngs, dtype, param_dtype) -> n
     )
 
 
+def _fit_rows(x: jax.Array, rows: int) -> jax.Array:
+    """``x`` cut or zero-padded along its first axis to ``rows`` rows."""
+    if x.shape[0] >= rows:
+        return x[:rows]
+    return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
@@ -107,14 +115,8 @@ class Attention(nnx.Module):
         q_THD = apply_rope(q_THD, positions_T, inv_freq)
         k_TKD = apply_rope(k_TKD, positions_T, inv_freq)
         cache = cache.write(layer, k_TKD, v_TKD, md.slot_mapping)
-        kv_pages, k_scale, v_scale = cache.layer(layer)
-        o_THD = pj.ragged_paged_attention(
-            q_THD,
-            kv_pages,
-            md.kv_lens,
-            md.page_indices,
-            md.cu_q_lens,
-            md.num_seqs,
+        kv_pages, page_indices, k_scale, v_scale = cache.attention_inputs(layer, md.page_indices)
+        kw = dict(
             sm_scale=self.head_dim**-0.5,
             sliding_window=self.sliding_window,
             k_scale=k_scale,
@@ -122,6 +124,16 @@ class Attention(nnx.Module):
             backend=backend,
             interpret=interpret,
         )
+        if md.decode_only:  # token row i is sequence row i's only token
+            S = md.kv_lens.shape[0]
+            o_SHD = pj.paged_attention(
+                _fit_rows(q_THD, S), kv_pages, md.kv_lens, page_indices, **kw
+            )
+            o_THD = _fit_rows(o_SHD, T)
+        else:
+            o_THD = pj.ragged_paged_attention(
+                q_THD, kv_pages, md.kv_lens, page_indices, md.cu_q_lens, md.num_seqs, **kw
+            )
         return self.o_proj(o_THD.reshape(T, self.num_heads * self.head_dim)), cache
 
 
@@ -204,7 +216,8 @@ class LlamaForCausalLM(nnx.Module):
     ) -> tuple[jax.Array, PagedKVCache]:  # (f32[R, V], cache)
         """Runs one step; returns the logits of rows ``md.logits_indices`` and the cache.
 
-        ``backend`` / ``interpret`` go to ``paged_jax.ragged_paged_attention``.
+        ``backend`` / ``interpret`` go to ``paged_jax.ragged_paged_attention`` (or
+        ``paged_jax.paged_attention`` for ``md.decode_only`` steps).
         """
         cfg = self.config
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)

@@ -41,7 +41,7 @@ def _dense(q, k, v, q_pos, sm_scale):
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="layer")
 def _step(cache, k, v, slots, q, kv_lens, page_indices, cu_q_lens, num_seqs, *, layer):
     cache = cache.write(layer, k, v, slots)
-    kv, k_scale, v_scale = cache.layer(layer)
+    kv, page_indices, k_scale, v_scale = cache.attention_inputs(layer, page_indices)
     out = pj.ragged_paged_attention(
         q,
         kv,

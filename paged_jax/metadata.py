@@ -23,6 +23,11 @@ class AttentionMetadata:
       logits_indices: ``i32[R]`` rows of the token axis whose logits the step returns
         (each sequence's last token; any rows for tests).
       copy_src, copy_dst: ``i32[C]`` copy-on-write page copies applied first.
+      decode_only: static (part of the jit cache key, not an array). True promises that
+        every live sequence has exactly one new token and that token row ``i`` belongs to
+        sequence row ``i``, with ``kv_lens == 0`` on padding rows; models then call the
+        decode kernel (``paged_jax.paged_attention``) instead of the ragged one, which on
+        a GPU is 3-18x faster for such rows (``benchmarks/results/kernels_gpu.json``).
     """
 
     slot_mapping: jax.Array
@@ -33,11 +38,19 @@ class AttentionMetadata:
     logits_indices: jax.Array
     copy_src: jax.Array
     copy_dst: jax.Array
+    decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @classmethod
     def from_batch(cls, batch) -> AttentionMetadata:
-        """From a ``paged_jax.StepBatch`` (host numpy arrays, moved to the device)."""
-        return cls(**{f.name: jnp.asarray(getattr(batch, f.name)) for f in dataclasses.fields(cls)})
+        """From a ``paged_jax.StepBatch`` (host numpy arrays, moved to the device);
+        ``decode_only`` when every scheduled sequence computes one token."""
+        arrays = {
+            f.name: jnp.asarray(getattr(batch, f.name))
+            for f in dataclasses.fields(cls)
+            if f.name != "decode_only"
+        }
+        decode_only = len(batch.seq_ids) > 0 and batch.num_tokens == len(batch.seq_ids)
+        return cls(**arrays, decode_only=decode_only)
 
     @classmethod
     def prefill(cls, num_tokens: int, slots, page_table_row, *, logits_all: bool = False):

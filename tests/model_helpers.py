@@ -18,7 +18,8 @@ class PagedGreedy:
 
     ``forks``: {child: parent} sequences forked from a parent right after its prefill,
     sharing all of its pages. ``prefix_caching``: later prompts reuse earlier full pages.
-    ``shapes`` records the bucketed shapes of every step (to count compilations).
+    ``shapes`` records the bucketed shapes of every step and whether it was decode-only
+    (what the jit cache keys on: to count compilations).
     """
 
     def __init__(self, model, *, page_size, num_pages=256, prefix_caching=False):
@@ -33,14 +34,22 @@ class PagedGreedy:
 
     def run(self, scheduled):
         batch = build_batch(self.bm, scheduled)
-        self.shapes.append((batch.token_ids.shape, batch.page_indices.shape, batch.copy_src.shape))
+        md = AttentionMetadata.from_batch(batch)
+        self.shapes.append(
+            (
+                batch.token_ids.shape,
+                batch.page_indices.shape,
+                batch.copy_src.shape,
+                md.decode_only,
+            )
+        )
         self.computed_tokens += batch.num_tokens
         logits, self.cache = self.step(
             self.state,
             jnp.asarray(batch.token_ids),
             jnp.asarray(batch.positions),
             self.cache,
-            AttentionMetadata.from_batch(batch),
+            md,
         )
         return np.asarray(logits)[: len(scheduled)]
 

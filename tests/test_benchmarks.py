@@ -3,6 +3,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_memory import simulate_paged, simulate_reserved  # noqa: E402
@@ -84,15 +86,28 @@ def test_engine_benchmark_runs_a_tiny_shape_and_writes_where_told(tmp_path, monk
         "1",
         "--backends",
         "xla",
+        "--decode-kernel",
+        "both",
     ]
     assert bench_engine.main(argv) == 0
     out = json.loads((tmp_path / "engine_cpu.json").read_text())
-    (row,) = out["results"]
-    assert row["system"] == "paged-jax (xla)" and row["concurrency"] == 3
-    assert row["steps"] == 4  # one prefill step (all prompts at once), then 3 decode steps
-    (split,) = out["decode_step_split"]
-    assert split["step_ms"] > 0 and split["attention_ms"] > 0
+    on, off = out["results"]
+    assert on["system"] == "paged-jax (xla)" and on["concurrency"] == 3
+    assert off["system"] == "paged-jax (xla, ragged kernel for decode steps)"
+    assert on["steps"] == off["steps"] == 4  # one prefill step (all prompts), 3 decode steps
+    split_on, split_off = out["decode_step_split"]
+    assert split_on["decode_only"] is True and split_off["decode_only"] is False
+    assert split_on["step_ms"] > 0 and split_on["attention_ms"] > 0
+    assert split_on["attention_ragged_kernel_ms"] > 0
     assert out["parameters"]["max_num_batched_tokens"] == 15
+    # The switch is undone afterwards.
+    from paged_jax.batch import ScheduledSeq, build_batch
+    from paged_jax.block_manager import BlockManager
+    from paged_jax.metadata import AttentionMetadata
+
+    bm = BlockManager(8, 4, watermark=0.0)
+    bm.allocate("a", [1, 2, 3])
+    assert AttentionMetadata.from_batch(build_batch(bm, [ScheduledSeq("a", 2, 3)])).decode_only
 
 
 def test_benchmarks_main_takes_out_before_the_benchmark_args(tmp_path):
@@ -109,3 +124,21 @@ def test_benchmarks_main_takes_out_before_the_benchmark_args(tmp_path):
         [sys.executable, "-m", "benchmarks", "kernels", "--out"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "--out: expected a directory" in bad.stderr
+
+
+def test_layer_view_benchmark_agrees_across_ways_and_writes_where_told(tmp_path, monkeypatch):
+    # Tiny shape on CPU (timings meaningless): the three ways of passing a layer give the
+    # same attention, and the result file lands in --out's directory.
+    import json
+
+    from benchmarks import bench_layer_view
+    from benchmarks.common import OUT_ENV
+
+    monkeypatch.setenv(OUT_ENV, str(tmp_path))
+    argv = "--layers 3 --pages 64 --batch 4 --context 40 --repeats 2 --heads 4 2 16".split()
+    assert bench_layer_view.main(argv) == 0
+    out = json.loads((tmp_path / "layer_view_cpu.json").read_text())
+    assert [r["way"] for r in out["results"]] == ["slice", "view", "separate arrays"]
+    assert all(r["max_abs_diff_vs_arrays"] == 0.0 and r["ms"] > 0 for r in out["results"])
+    with pytest.raises(SystemExit):
+        bench_layer_view.main("--pages 8 --batch 4 --context 40".split())

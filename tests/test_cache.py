@@ -206,6 +206,36 @@ def test_quantized_write_dequantizes_within_format_precision(dtype, rel):
         assert (np.abs(np.asarray(back) - np.asarray(orig)) <= rel * amax + 1e-7).all()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_attention_inputs_view_reads_the_same_pages_as_the_layer_slice(dtype):
+    # Every layer through the flat view (pool reshaped to [L * N, ...], tables shifted by
+    # layer * N) attends exactly as through the layer's own slice; a traced layer works.
+    rng = np.random.default_rng(3)
+    c = _cache(jnp.dtype(dtype))
+    table = jnp.asarray(rng.permutation(np.arange(1, N))[:4].reshape(1, 4).astype(np.int32))
+    n = 3 * P + 2
+    pos = np.arange(n)
+    slots = jnp.asarray((np.asarray(table)[0, pos // P] * P + pos % P).astype(np.int32))
+    for layer in range(L):
+        k, v = _kv(layer + 10, n)
+        c = c.write(layer, k, v, slots)
+    q = jnp.asarray(rng.standard_normal((2, 4, D)), jnp.float32)
+    args = (jnp.array([n], jnp.int32),)
+    for layer in range(L):
+        kv_l, ks_l, vs_l = c.layer(layer)
+        ref = pj.paged_attention(q[:1], kv_l, *args, table, k_scale=ks_l, v_scale=vs_l)
+        kv, t, ks, vs = c.attention_inputs(layer, table)
+        if c.quantized:  # scales are interleaved per layer: the slice is returned
+            assert kv.shape == kv_l.shape and t is table
+        else:
+            assert kv.shape == (L * N, P, 2 * K, D)
+            np.testing.assert_array_equal(np.asarray(t), np.asarray(table) + layer * N)
+        out = pj.paged_attention(q[:1], kv, *args, t, k_scale=ks, v_scale=vs)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+        traced = jax.jit(lambda c, i: c.attention_inputs(i, table)[:2])(c, jnp.int32(layer))
+        np.testing.assert_array_equal(np.asarray(traced[1]), np.asarray(t))
+
+
 # ---------------------------------------------------------------------- errors
 
 
