@@ -47,6 +47,7 @@ _LAZY = {
     "LLM": ("paged_jax.engine", "LLM"),
     "SamplingParams": ("paged_jax.engine", "SamplingParams"),
     "RequestOutput": ("paged_jax.engine", "RequestOutput"),
+    "EngineFailedError": ("paged_jax.engine", "EngineFailedError"),
 }
 
 
@@ -67,6 +68,7 @@ __all__ = [
     "BlockManager",
     "BlockManagerError",
     "DuplicateSequence",
+    "EngineFailedError",
     "InvalidSequenceState",
     "LLM",
     "NULL_PAGE",

@@ -271,6 +271,10 @@ class BlockManager:
     def refcount(self, page: int) -> int:
         return self._refcount[page]
 
+    def host_refcount(self, slot: int) -> int:
+        """Sequences holding host slot ``slot`` (0: free, its swapped data can be dropped)."""
+        return self._host_refcount[slot]
+
     def slots(self, seq_id: Hashable, start: int, stop: int) -> np.ndarray:
         """``i32[stop - start]``: slots (page * page_size + offset) of tokens [start, stop)."""
         seq = self._device_seq(seq_id, "slots")

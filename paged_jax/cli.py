@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"paged-jax: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the engine let its step finish; nothing half-done remains
+        print("paged-jax: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

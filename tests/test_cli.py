@@ -52,7 +52,7 @@ def test_generate_prints_outputs_and_metrics_table():
         (["--prompt", ""], "--prompt: prompt 1 is empty"),
         (
             ["--prompt", "x" * 5000],
-            "prompt: 5001 tokens, the model's maximum length is 4096 "
+            "prompts[0]: prompt: 5001 tokens, the model's maximum length is 4096 "
             "(one more is needed to generate)",
         ),
         (["-n", "0"], "-n: expected >= 1, got 0"),
@@ -69,3 +69,14 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message):
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"paged-jax: error: {message}"
     assert "Traceback" not in proc.stderr
+
+
+def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys):
+    from paged_jax import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_generate", interrupted)
+    assert cli.main(["generate", "--no-progress"]) == 130
+    assert capsys.readouterr().err == "paged-jax: interrupted\n"

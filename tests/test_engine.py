@@ -240,7 +240,7 @@ def test_stop_tokens_abort_and_bad_requests_do_not_disturb_others():
         (dict(top_p=0.0), r"top_p: expected a float in \(0, 1\], got 0.0"),
         (dict(top_p=1.5), r"top_p: expected a float in \(0, 1\], got 1.5"),
         (dict(max_tokens=0), "max_tokens: expected an int >= 1, got 0"),
-        (dict(temperature=-1.0), "temperature: expected a float >= 0, got -1.0"),
+        (dict(temperature=-1.0), "temperature: expected a finite float >= 0, got -1.0"),
         (dict(beam_width=2, n=3), "n: expected <= beam_width=2 with beam search, got 3"),
     ],
 )

@@ -4,6 +4,7 @@ copy-on-write pages, prefix caching, preemption by swap or recompute."""
 from paged_jax.engine.llm import (
     LLM,
     CompletionOutput,
+    EngineFailedError,
     EngineMetrics,
     RequestMetrics,
     RequestOutput,
@@ -13,6 +14,7 @@ from paged_jax.engine.sampling import SamplingParams
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EngineFailedError",
     "EngineMetrics",
     "RequestMetrics",
     "RequestOutput",

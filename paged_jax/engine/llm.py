@@ -15,6 +15,7 @@ import numpy as np
 
 from paged_jax.batch import ScheduledSeq, bucket, build_batch
 from paged_jax.block_manager import BlockManager
+from paged_jax.engine._signals import DeferSignals
 from paged_jax.engine.sampling import SamplingParams, beam_candidates, sample_rows
 from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status
 from paged_jax.metadata import AttentionMetadata
@@ -73,6 +74,7 @@ class EngineMetrics:
     preemptions_recompute: int = 0
     prefix_hit_rate: float = 0.0
     compilations: int = 0
+    failed_steps: int = 0  # steps that raised; their requests were requeued (recomputed)
 
     def summary(self) -> dict[str, float]:
         return {
@@ -92,7 +94,17 @@ class EngineMetrics:
             "preemptions (recompute)": self.preemptions_recompute,
             "compilations": self.compilations,
             "compile time (s)": self.compile_s,
+            "failed steps (recovered)": self.failed_steps,
         }
+
+
+class EngineFailedError(RuntimeError):
+    """The engine stopped in a step it could not recover from; see ``LLM.reset``."""
+
+
+# A step that raises this many times in a row (each time after requeueing its requests)
+# stops the engine instead of failing forever.
+MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
 def _resolve_model(model: Any):
@@ -125,6 +137,17 @@ class LLM:
       watermark: fraction of pages kept back from admissions.
       cache_dtype: KV cache dtype (default: the model's compute dtype).
       tokenizer: object with ``encode(str)`` / ``decode(ids)`` (default: the model's).
+
+    A step is all or nothing. Python signal handlers (Ctrl-C, timers) are held while a
+    step runs and called when it ends, so they never interrupt it halfway (a second
+    Ctrl-C does: the step then fails). When a step raises anyway (a fault in the device
+    call, out of memory, a second Ctrl-C), the exception propagates after the engine has
+    put every unfinished request back in the queue to be recomputed from its tokens so
+    far: nothing is lost and later tokens are those of an uninterrupted run (greedy and
+    seeded sampling are keyed by seed and position). Only a fault while the step's
+    results are being applied, or ``MAX_CONSECUTIVE_FAILED_STEPS`` failed steps in a
+    row, stops the engine: every later call then raises ``EngineFailedError`` until
+    ``reset()``.
     """
 
     def __init__(
@@ -163,14 +186,16 @@ class LLM:
                 2, (kv_cache_bytes or _default_budget()) // (page_size * probe.bytes_per_token)
             )
         self.page_size = page_size
+        self._cache_dtype = cache_dtype
         self.cache = self.model.make_cache(num_pages, page_size, cache_dtype)
-        self.bm = BlockManager(
-            num_pages,
-            page_size,
+        self._bm_args = dict(
+            num_pages=num_pages,
+            page_size=page_size,
             enable_prefix_caching=enable_prefix_caching,
             watermark=watermark,
             num_host_pages=num_pages if num_host_pages is None else num_host_pages,
         )
+        self.bm = BlockManager(**self._bm_args)
         self.scheduler = Scheduler(
             self.bm,
             max_num_seqs=max_num_seqs,
@@ -181,6 +206,10 @@ class LLM:
         self._groups: dict[Hashable, Group] = {}
         self._arrivals = 0
         self._host: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}  # swapped pages
+        self._failed: BaseException | None = None  # set when a step could not be undone
+        self._phase: str | None = None  # where the running step is ("apply": results)
+        self._consecutive_faults = 0
+        self._undelivered: list[RequestOutput] = []  # finished, not yet returned
         from flax import nnx
 
         self._graphdef, self._state = nnx.split(self.model)
@@ -206,7 +235,12 @@ class LLM:
         *,
         cache_salt: Any = None,
     ) -> None:
-        """Queues a request. Raises ValueError on a bad request (nothing is queued)."""
+        """Queues a request. Raises ValueError on a bad request (nothing is queued).
+
+        ``request_id`` must not belong to an unfinished request; a finished or aborted
+        request's id may be used again.
+        """
+        self._check_usable()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
@@ -254,31 +288,64 @@ class LLM:
             salt=cache_salt,
             arrival_time=time.perf_counter(),
         )
-        g.seqs.append(Seq(f"{request_id}/0", list(ids), len(ids), 0))
+        g.seqs.append(Seq(f"{g.arrival}/0", list(ids), len(ids), 0))
         self._groups[request_id] = g
         self.scheduler.add(g)
 
-    def abort(self, request_id: Hashable) -> None:
-        """Stops a request; its pages are freed; its output is returned with reason 'abort'."""
+    def abort(self, request_id: Hashable) -> RequestOutput | None:
+        """Stops an unfinished request and frees its pages and host buffers.
+
+        Returns its ``RequestOutput`` (``finished=True``, every sequence's tokens so far,
+        ``finish_reason`` "abort" on those that had not finished). An id that is unknown
+        or whose request already finished returns None (its output was returned by the
+        step that finished it).
+        """
+        self._check_usable()
         g = self._groups.get(request_id)
-        if g is None or g.status is Status.FINISHED:
-            return
+        if g is None:
+            return None
         self.scheduler.remove(g)
         for s in g.seqs:
             if s.seq_id in self.bm:
+                slots = self.bm.block_table(s.seq_id) if self.bm.is_swapped(s.seq_id) else []
                 self.bm.free(s.seq_id)
+                for slot in slots:  # swapped-out K/V nobody else holds
+                    if self.bm.host_refcount(slot) == 0:
+                        self._host.pop(slot, None)
             s.finish_reason = "abort"
             g.done.append(s)
         g.seqs.clear()
-        self._finish(g)
+        return self._finish(g)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """True while a request runs or a finished one's output waits for ``step``."""
+        return self.scheduler.has_work() or bool(self._undelivered)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        """Runs one engine step; returns the requests that finished in it."""
+        """Runs one engine step; returns the requests that finished in it.
+
+        If it raises, every unfinished request has been requeued (see the class
+        docstring); call ``step`` again to go on. A signal handler held during the step
+        runs on return; if it raises, the step's finished outputs come with the next call.
+        """
+        self._check_usable()
+        held = DeferSignals()
+        with held:
+            try:
+                finished = self._step()
+            except BaseException as e:
+                held.restore()
+                self._on_fault(e)
+                raise
+        self._undelivered += finished
+        held.release()  # may raise (KeyboardInterrupt): the outputs wait in _undelivered
+        out, self._undelivered = self._undelivered, []
+        return out
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self._phase = "schedule"
         sched = self.scheduler.schedule()
         finished: list[RequestOutput] = []
         self._swap(sched.swap_out, sched.swap_in)
@@ -317,14 +384,63 @@ class LLM:
             t2 = time.perf_counter()
             if self._run._cache_size() > compiled_before:  # this call compiled a new shape
                 self.metrics.compile_s += t2 - t1
+                self.metrics.compilations += 1
             else:
                 self.metrics.step_s += t2 - t1
             self.metrics.tokens_computed += batch.num_tokens
             for w in work:
                 self.bm.mark_computed(w.seq.seq_id, w.stop)
+            self._phase = "apply"
             finished = self._process(work, toks, lps, cand, t2)
+        self._phase = None
+        self._consecutive_faults = 0
         self._account(sched, time.perf_counter() - t0)
         return finished
+
+    # ------------------------------------------------------------------ faults
+    def _on_fault(self, error: BaseException) -> None:
+        """A step raised: requeue every unfinished request, or stop the engine."""
+        phase, self._phase = self._phase, None
+        self._consecutive_faults += 1
+        self.metrics.failed_steps += 1
+        if phase == "apply" or self._consecutive_faults >= MAX_CONSECUTIVE_FAILED_STEPS:
+            self._failed = error  # results were half applied, or the fault repeats
+            return
+        try:
+            self._rebuild([g for g in self._groups.values() if g.status is not Status.FINISHED])
+        except BaseException as e:  # noqa: BLE001 (any failure here stops the engine)
+            self._failed = e
+
+    def _rebuild(self, requeue: list[Group]) -> None:
+        """Fresh block manager, queues and host buffers; ``requeue`` waits to be
+        recomputed from its committed tokens. The pool is reallocated only if the failed
+        step consumed it (donated buffers); its contents are never read again."""
+        self.bm = BlockManager(**self._bm_args)
+        self.scheduler.bm = self.bm
+        self.scheduler.running, self.scheduler.swapped = [], []
+        self.scheduler.waiting = sorted(requeue, key=lambda g: g.arrival)
+        for g in requeue:
+            g.status = Status.WAITING
+        self._host.clear()
+        if any(x.is_deleted() for x in jax.tree.leaves(self.cache)):
+            self.cache = self.model.make_cache(self.bm.num_pages, self.page_size, self._cache_dtype)
+
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            e = self._failed
+            raise EngineFailedError(
+                f"the engine stopped after a failed step ({type(e).__name__}: {e}); call "
+                "LLM.reset() to drop every request and go on with the same compiled model, "
+                "or create a new LLM"
+            ) from e
+
+    def reset(self) -> None:
+        """Drops every request (no outputs are returned for them), frees every page and
+        host buffer, and clears a failed state. Compiled steps are kept."""
+        self._groups.clear()
+        self._undelivered.clear()
+        self._failed, self._phase, self._consecutive_faults = None, None, 0
+        self._rebuild([])
 
     def _sampling_rows(self, work):
         """Rows that sample: {row: (params, seeds, output position)}, J, beam candidates."""
@@ -473,6 +589,7 @@ class LLM:
         g.status = Status.FINISHED
         g.finish_time = time.perf_counter()
         self.scheduler.remove(g)
+        self._groups.pop(g.request_id, None)  # the id may be used again
         self.metrics.requests_finished += 1
         if g.first_token_time is not None:
             self.metrics.ttft_sum_s += g.first_token_time - g.arrival_time
@@ -558,7 +675,6 @@ class LLM:
             m.prefix_hit_rate = s["prefix_hit_rate"]
         m.preemptions_swap = self.scheduler.num_preempted["swap"]
         m.preemptions_recompute = self.scheduler.num_preempted["recompute"]
-        m.compilations = self._run._cache_size()
 
     # ------------------------------------------------------------------ batch API
     def generate(
@@ -569,7 +685,13 @@ class LLM:
         progress: bool = True,
         cache_salt: Any = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; returns outputs in the prompts' order."""
+        """Runs every prompt to completion; returns outputs in the prompts' order.
+
+        Every prompt is checked before any runs (an error names ``prompts[k]``). If the
+        call is interrupted or a step fails, its unfinished requests are aborted before
+        the exception propagates; requests added earlier through ``add_request`` keep
+        running in later steps.
+        """
         if isinstance(prompts, str):
             prompts = [prompts]
         params = (
@@ -580,19 +702,40 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: expected 1 or {len(prompts)}, got {len(params)}")
         ids = []
+        base = self._arrivals + 1
         for k, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            rid = f"gen-{self._arrivals + 1}-{k}"
-            self.add_request(rid, prompt, p, cache_salt=cache_salt)
+            rid = f"gen-{base}-{k}"
+            try:
+                self.add_request(rid, prompt, p, cache_salt=cache_salt)
+            except (ValueError, TypeError) as e:
+                for r in ids:  # all or nothing: nothing of this call stays queued
+                    self.abort(r)
+                raise type(e)(f"prompts[{k}]: {e}") from e
             ids.append(rid)
         done: dict[Hashable, RequestOutput] = {}
+        mine = set(ids)
+        others: list[RequestOutput] = []  # requests added by add_request: kept for step()
         bar = _Progress(len(ids), enabled=progress)
         try:
-            while self.has_unfinished():
+            while any(r not in done for r in ids):
                 for out in self.step():
-                    done[out.request_id] = out
-                    bar.advance(self.metrics)
+                    if out.request_id in mine:
+                        done[out.request_id] = out
+                        bar.advance(self.metrics)
+                    else:
+                        others.append(out)
+        except BaseException:
+            # Interrupted or failed: this call's requests end with it (none is left to
+            # run, unseen, in a later call).
+            self._undelivered = [o for o in self._undelivered if o.request_id not in mine]
+            if self._failed is None:
+                for r in ids:
+                    if r not in done:
+                        self.abort(r)
+            raise
         finally:
             bar.close()
+            self._undelivered = others + self._undelivered
         return [done[r] for r in ids]
 
 
@@ -604,7 +747,10 @@ def _default_budget() -> int:
     return 256 * 2**20
 
 
+@functools.lru_cache(maxsize=8)
 def _make_run(graphdef):
+    """The engine's jitted step for one model structure. Cached per graphdef, so engines
+    of the same model (and config) in one process share compiled shape buckets."""
     from flax import nnx
 
     @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=("num_candidates",))

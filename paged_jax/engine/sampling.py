@@ -10,6 +10,7 @@ the batch, and sample i of an ``n``-way request equals an ``n = 1`` run with see
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -50,20 +51,33 @@ class SamplingParams:
         def bad(name, expected):
             raise ValueError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_real(x):
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "an int >= 1")
-        if not self.temperature >= 0:
-            bad("temperature", "a float >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", "an int >= 0 (0 disables it)")
-        if not 0.0 < self.top_p <= 1.0:
+        if not is_real(self.temperature) or self.temperature < 0:
+            bad("temperature", "a finite float >= 0")
+        if not is_int(self.top_k) or not 0 <= self.top_k < 2**31:
+            bad("top_k", "an int in [0, 2**31) (0 disables it)")
+        if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", "a float in (0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            bad("seed", "None or an int >= 0")
-        if not isinstance(self.n, int) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             bad("n", "an int >= 1")
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+        if not is_int(self.beam_width) or self.beam_width < 1:
             bad("beam_width", "an int >= 1")
+        if self.seed is not None:
+            # Sample j uses seed + j, a uint32 on the device.
+            last = max(self.n, self.beam_width) - 1
+            if not is_int(self.seed) or not 0 <= self.seed <= 2**32 - 1 - last:
+                bad("seed", f"None or an int in [0, 2**32 - {last + 1}] (n={self.n})")
+        if not is_real(self.length_penalty):
+            bad("length_penalty", "a finite float")
+        if not isinstance(self.ignore_eos, bool) or not isinstance(self.logprobs, bool):
+            bad("ignore_eos" if not isinstance(self.ignore_eos, bool) else "logprobs", "a bool")
         if self.beam_width > 1 and self.n > self.beam_width:
             raise ValueError(
                 f"n: expected <= beam_width={self.beam_width} with beam search, got {self.n}"

@@ -71,7 +71,9 @@ class Group:
     num_preemptions: int = 0
 
     def new_seq_id(self) -> str:
-        sid = f"{self.request_id}/{self.next_seq}"
+        # Keyed by the engine's arrival counter, not the request id: request 1 and "1"
+        # must not share sequence "1/0".
+        sid = f"{self.arrival}/{self.next_seq}"
         self.next_seq += 1
         return sid
 

@@ -1,0 +1,414 @@
+"""The engine under faults and interrupts: a step is all or nothing, nothing is lost, no
+token is wrong, nothing leaks (the engine-reliability issue)."""
+
+import os
+import signal
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import paged_jax as pj
+from paged_jax.engine import llm as llm_mod
+
+PAGE = 8
+STAGES = ("schedule", "swap", "build", "device_before", "device_after")
+
+
+def _requests(seed: int, count: int = 8):
+    """Greedy, seeded top-p and n = 2 seeded requests (f32: outputs are exact)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        prompt = rng.integers(0, 256, int(rng.integers(3, 30))).tolist()
+        kind = i % 3
+        if kind == 0:
+            p = pj.SamplingParams(max_tokens=int(rng.integers(3, 12)), ignore_eos=True)
+        elif kind == 1:
+            p = pj.SamplingParams(
+                max_tokens=int(rng.integers(3, 12)),
+                temperature=0.8,
+                top_p=0.9,
+                seed=int(rng.integers(0, 1000)),
+                ignore_eos=True,
+            )
+        else:
+            p = pj.SamplingParams(
+                max_tokens=int(rng.integers(3, 12)),
+                temperature=1.0,
+                n=2,
+                seed=int(rng.integers(0, 1000)),
+                ignore_eos=True,
+            )
+        out.append((f"r{i}", prompt, p))
+    return out
+
+
+def _engine(**kw):
+    # A small pool with swapping: preemption, swap-in/out and copy-on-write all happen.
+    args = dict(
+        num_pages=12,
+        page_size=PAGE,
+        max_num_seqs=6,
+        max_num_batched_tokens=48,
+        preemption="swap",
+        num_host_pages=64,
+        watermark=0.0,
+    )
+    args.update(kw)
+    return pj.LLM("tiny-llama", **args)
+
+
+def _tokens(out):
+    return [o.token_ids for o in out.outputs]
+
+
+def _drive(llm, reqs, on_error=(), max_steps=2000):
+    """Adds ``reqs``, steps to the end; exceptions in ``on_error`` are counted and the
+    loop goes on. Returns ({request_id: output}, errors)."""
+    for rid, prompt, p in reqs:
+        llm.add_request(rid, prompt, p)
+    done, errors = {}, 0
+    for _ in range(max_steps):
+        if not llm.has_unfinished():
+            break
+        outs = None
+        try:
+            outs = llm.step()
+        except on_error:
+            errors += 1
+        for o in outs or ():
+            assert o.request_id not in done, "an output was delivered twice"
+            done[o.request_id] = o
+    assert not llm.has_unfinished(), "the engine did not finish (stall)"
+    return done, errors
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Outputs of each seed's requests, fault-free, one engine per seed."""
+    return {seed: _drive(_engine(), _requests(seed))[0] for seed in (0, 1)}
+
+
+def _assert_clean(llm):
+    assert llm.bm.stats()["pages_used"] == 0
+    assert llm.bm.num_host_free_pages == llm.bm.num_host_pages
+    assert not llm._host and not llm._groups and not llm._undelivered  # noqa: SLF001
+
+
+class Fault(Exception):
+    pass
+
+
+def _inject(monkeypatch, llm, stage: str, at_steps: set[int]):
+    """Makes the step numbered in ``at_steps`` (counting calls of the patched stage) raise
+    ``Fault`` at ``stage``, after that stage's own host work where it has any."""
+    calls = {"n": 0}
+
+    def due():
+        calls["n"] += 1
+        return calls["n"] in at_steps
+
+    if stage == "schedule":
+        real = llm.scheduler.schedule
+
+        def schedule():
+            sched = real()
+            if due():
+                raise Fault("after schedule")
+            return sched
+
+        monkeypatch.setattr(llm.scheduler, "schedule", schedule)
+    elif stage == "swap":
+        real = llm._swap  # noqa: SLF001
+
+        def swap(out, into):
+            real(out, into)
+            if (out or into) and due():
+                raise Fault("after swap")
+
+        monkeypatch.setattr(llm, "_swap", swap)
+    elif stage == "build":  # the copies are taken (the original bug), then the step fails
+        real = llm_mod.build_batch
+
+        def build(*a, **k):
+            batch = real(*a, **k)
+            if due():
+                raise Fault("after build_batch")
+            return batch
+
+        monkeypatch.setattr(llm_mod, "build_batch", build)
+    else:
+        real = llm._run  # noqa: SLF001
+
+        class Run:
+            def __call__(self, *a, **k):
+                if stage == "device_before" and due():
+                    raise Fault("before the device call")
+                out = real(*a, **k)
+                if stage == "device_after" and due():
+                    raise Fault("after the device call (the cache was donated)")
+                return out
+
+            def _cache_size(self):
+                return real._cache_size()
+
+        monkeypatch.setattr(llm, "_run", Run())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_fault_at_any_stage_loses_nothing_and_changes_no_token(
+    reference, monkeypatch, stage, seed
+):
+    llm = _engine()
+    rng = np.random.default_rng(100 + seed)
+    at = {int(x) for x in rng.integers(3, 12, 2)} | {1}
+    _inject(monkeypatch, llm, stage, at)
+    done, errors = _drive(llm, _requests(seed), on_error=Fault)
+    assert errors >= 1 and llm.metrics.failed_steps == errors
+    ref = reference[seed]
+    assert sorted(done) == sorted(ref)
+    for rid in ref:
+        assert _tokens(done[rid]) == _tokens(ref[rid]), rid
+    _assert_clean(llm)
+
+
+def test_the_issue_repro_forked_sample_after_a_failed_step(monkeypatch):
+    # n = 2 on a 5-token prompt: after the first step the second sample shares the
+    # prompt's last page and its next token needs a copy-on-write copy. The next step
+    # fails after taking that copy: sample 0 used to come out wrong.
+    p = pj.SamplingParams(max_tokens=6, temperature=1.0, n=2, seed=3, ignore_eos=True)
+    clean = _engine().generate([[7, 8, 9, 10, 11]], p, progress=False)[0]
+    llm = _engine()
+    llm.add_request("x", [7, 8, 9, 10, 11], p)
+    llm.step()
+    _inject(monkeypatch, llm, "build", {1})
+    with pytest.raises(Fault):
+        llm.step()
+    monkeypatch.undo()
+    done = []
+    while llm.has_unfinished():
+        done += llm.step()
+    assert _tokens(done[0]) == _tokens(clean)
+    _assert_clean(llm)
+
+
+def test_a_fault_while_applying_results_stops_the_engine_until_reset(monkeypatch):
+    llm = _engine()
+    llm.add_request("a", [1, 2, 3], pj.SamplingParams(max_tokens=4))
+
+    def broken(*a, **k):
+        raise Fault("while applying")
+
+    monkeypatch.setattr(llm, "_process", broken)
+    with pytest.raises(Fault):
+        llm.step()
+    monkeypatch.undo()
+    for call in (llm.step, lambda: llm.add_request("b", [1]), lambda: llm.abort("a")):
+        with pytest.raises(pj.EngineFailedError, match=r"LLM\.reset\(\)"):
+            call()
+    llm.reset()
+    _assert_clean(llm)
+    out = llm.generate([[1, 2, 3]], pj.SamplingParams(max_tokens=4), progress=False)[0]
+    fresh = _engine().generate([[1, 2, 3]], pj.SamplingParams(max_tokens=4), progress=False)
+    assert _tokens(out) == _tokens(fresh[0])
+
+
+def test_a_fault_that_repeats_stops_the_engine_instead_of_looping(monkeypatch):
+    llm = _engine()
+    llm.add_request("a", [1, 2, 3], pj.SamplingParams(max_tokens=4))
+    _inject(monkeypatch, llm, "device_before", set(range(1, 100)))
+    for _ in range(llm_mod.MAX_CONSECUTIVE_FAILED_STEPS):
+        with pytest.raises(Fault):
+            llm.step()
+    with pytest.raises(pj.EngineFailedError):
+        llm.step()
+
+
+def test_one_sigint_waits_for_the_step_and_two_interrupt_it(monkeypatch):
+    llm = _engine()
+    p = pj.SamplingParams(max_tokens=5, ignore_eos=True)
+    ref = _engine().generate([[4, 5, 6]], p, progress=False)[0]
+    llm.add_request("a", [4, 5, 6], p)
+    real = llm._run  # noqa: SLF001
+    kills = {"n": 1}
+
+    class Run:
+        def __call__(self, *a, **k):
+            for _ in range(kills["n"]):
+                os.kill(os.getpid(), signal.SIGINT)
+            return real(*a, **k)
+
+        def _cache_size(self):
+            return real._cache_size()
+
+    monkeypatch.setattr(llm, "_run", Run())
+    # One Ctrl-C: the step completes, then KeyboardInterrupt is raised at its end.
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    assert llm.metrics.steps == 1 and llm.metrics.failed_steps == 0
+    # Two: the second interrupts the step, which is undone.
+    kills["n"] = 2
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    assert llm.metrics.failed_steps == 1
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    monkeypatch.undo()
+    done = []
+    while llm.has_unfinished():
+        done += llm.step()
+    assert [o.request_id for o in done] == ["a"] and _tokens(done[0]) == _tokens(ref)
+    _assert_clean(llm)
+
+
+class Alarm(Exception):
+    pass
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_timer_interrupts_never_change_a_token(reference, seed):
+    # Real SIGALRM interrupts at random times (up to 2 per run) whose handler raises;
+    # the driver catches them and keeps stepping.
+    rng = np.random.default_rng(seed)
+    llm = _engine()
+    armed, fired = [False], [0]
+
+    def handler(signum, frame):
+        if armed[0] and fired[0] < 2:
+            fired[0] += 1
+            raise Alarm
+
+    old = signal.signal(signal.SIGALRM, handler)
+    ref = reference[seed % 2]
+    try:
+        for rid, prompt, p in _requests(seed % 2):
+            llm.add_request(rid, prompt, p)
+        done, errors = {}, 0
+        signal.setitimer(signal.ITIMER_REAL, float(rng.uniform(0.005, 0.05)), 0.03)
+        for _ in range(2000):
+            if not llm.has_unfinished():
+                break
+            outs = None
+            try:
+                armed[0] = True
+                outs = llm.step()
+                armed[0] = False
+            except Alarm:
+                armed[0] = False
+                errors += 1
+            for o in outs or ():
+                done[o.request_id] = o
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert fired[0] == errors and fired[0] >= 1
+    assert llm.metrics.failed_steps == 0  # every interrupt waited for the end of its step
+    assert sorted(done) == sorted(ref)
+    for rid in ref:
+        assert _tokens(done[rid]) == _tokens(ref[rid]), rid
+    _assert_clean(llm)
+
+
+def test_request_ids_of_different_types_do_not_collide():
+    llm = _engine(num_pages=64)
+    p = pj.SamplingParams(max_tokens=6, ignore_eos=True)
+    llm.add_request(1, [5, 6, 7], p)
+    llm.add_request("1", [8, 9, 10], p)
+    llm.step()
+    aborted = llm.abort(1)
+    assert aborted.outputs[0].finish_reason == "abort"
+    done = []
+    while llm.has_unfinished():
+        done += llm.step()
+    ref = _engine().generate([[8, 9, 10]], p, progress=False)[0]
+    assert [o.request_id for o in done] == ["1"] and _tokens(done[0]) == _tokens(ref)
+    _assert_clean(llm)
+
+
+def test_abort_returns_the_tokens_so_far_and_frees_swapped_buffers():
+    llm = _engine(num_pages=64)
+    p = pj.SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = _engine(num_pages=64).generate([[3, 1, 4]], p, progress=False)[0]
+    llm.add_request("a", [3, 1, 4], p)
+    for _ in range(4):
+        llm.step()
+    out = llm.abort("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    toks = out.outputs[0].token_ids
+    assert 1 <= len(toks) < 20 and toks == ref.outputs[0].token_ids[: len(toks)]
+    assert llm.abort("a") is None and llm.abort("never") is None
+    # Aborted while swapped out: its host buffers go too.
+    llm = _engine(num_pages=10, max_num_seqs=4)
+    for i in range(4):
+        llm.add_request(i, list(range(10 + i, 22 + i)), pj.SamplingParams(max_tokens=30))
+    for _ in range(60):
+        llm.step()
+        if llm.scheduler.swapped:
+            break
+    assert llm.scheduler.swapped and llm._host  # noqa: SLF001
+    for g in list(llm.scheduler.swapped):
+        llm.abort(g.request_id)
+    for i in range(4):
+        llm.abort(i)
+    _assert_clean(llm)
+    llm.add_request(0, [1, 2], pj.SamplingParams(max_tokens=2))  # finished ids are reusable
+
+
+def test_serving_many_requests_keeps_the_heap_flat():
+    llm = _engine(num_pages=64, max_num_seqs=16, max_num_batched_tokens=128)
+    p = pj.SamplingParams(max_tokens=2, ignore_eos=True)
+    rng = np.random.default_rng(0)
+
+    def serve(n, start):
+        for i in range(n):
+            llm.add_request(i % 7, rng.integers(0, 256, 6).tolist(), p)  # ids reused
+            while len(llm.scheduler.waiting) + len(llm.scheduler.running) >= 7:
+                llm.step()
+        while llm.has_unfinished():
+            llm.step()
+
+    serve(200, 0)  # warm: compile every bucket, fill caches
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    serve(600, 200)
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
+    assert grown < 200_000, f"heap grew {grown} bytes over 600 requests"
+    _assert_clean(llm)
+
+
+def test_generate_checks_every_prompt_first_and_cleans_up_after_an_interrupt(monkeypatch):
+    llm = _engine(num_pages=64)
+    p = pj.SamplingParams(max_tokens=3, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"^prompts\[2\]: prompt: token ids must lie in"):
+        llm.generate([[1, 2], [3, 4], [999]], p, progress=False)
+    assert not llm.has_unfinished()
+    # Interrupted generate: its requests do not resurface in the next call.
+    _inject(monkeypatch, llm, "device_before", {2})
+    with pytest.raises(Fault):
+        llm.generate([[1, 2], [3, 4]], p, progress=False)
+    monkeypatch.undo()
+    assert not llm.has_unfinished()
+    _assert_clean(llm)
+    outs = llm.generate([[5, 6]], p, progress=False)
+    assert len(outs) == 1 and len(outs[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        (dict(seed=2**32), r"seed: expected None or an int in \[0, 2\*\*32 - 1\]"),
+        (dict(seed=2**32 - 1, n=2, temperature=1.0), r"seed: .*2\*\*32 - 2\] \(n=2\)"),
+        (dict(seed=True), "seed: expected"),
+        (dict(top_k=2**31), r"top_k: expected an int in \[0, 2\*\*31\)"),
+        (dict(max_tokens=True), "max_tokens: expected an int >= 1, got True"),
+        (dict(length_penalty=float("nan")), "length_penalty: expected a finite float"),
+        (dict(length_penalty="x"), "length_penalty: expected a finite float, got 'x'"),
+        (dict(temperature=float("inf")), "temperature: expected a finite float >= 0"),
+    ],
+)
+def test_sampling_params_refuse_values_that_would_fail_a_step(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        pj.SamplingParams(**kwargs)
