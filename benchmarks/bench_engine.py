@@ -18,8 +18,10 @@ jitted and timed alone on the device (median of 20): the engine's whole jitted s
 (copies, model, sampler; the engine's own compiled function); attention
 of every layer in one jitted call, as the step runs it (``paged_attention``, the decode
 kernel, since decode-only steps use it) and with ``ragged_paged_attention``); the sampler
-(``sample_rows``, greedy rows and top-p rows); the rest of the model is the step minus
-attention minus the greedy sampler (projections, MLP, norms, rotary, KV writes, LM head).
+(``sample_rows``: greedy rows as the engine runs them, ``greedy_only``; top-p 0.9 rows on
+flat N(0, 1) logits, which take the full-sort fallback, and on peaked ones, x8); the
+rest of the model is the step minus attention minus the greedy sampler (projections,
+MLP, norms, rotary, KV writes, LM head).
 Host time per step is the engine run's wall time outside its jitted calls, per step.
 By default every prompt of the largest concurrency is prefilled in one step
 (``--max-num-batched-tokens``), which keeps the number of compiled shape buckets small.
@@ -305,12 +307,22 @@ def decode_split(llm, name, backend, c, context) -> dict:
         jnp.zeros(S, jnp.float32),
         jnp.zeros(S, jnp.int32),
         jnp.ones(S, jnp.float32),
+        jnp.zeros(S, jnp.float32),
         jnp.zeros((S, 1), jnp.uint32),
         jnp.zeros(S, jnp.int32),
     )
 
     def whole():  # the engine's jitted step: copies, model, sampler (cache donated)
-        out = llm._run(llm._state, tokens, positions, llm.cache, md, *greedy, num_candidates=0)
+        out = llm._run(
+            llm._state,
+            tokens,
+            positions,
+            llm.cache,
+            md,
+            *greedy,
+            num_candidates=0,
+            greedy_only=True,
+        )
         llm.cache = out[-1]
         jax.block_until_ready(out[0])
 
@@ -340,7 +352,7 @@ def decode_split(llm, name, backend, c, context) -> dict:
 
     R = md.logits_indices.shape[0]
     logits = jax.random.normal(jax.random.key(1), (R, cfg.vocab_size), jnp.float32)
-    samp = jax.jit(sample_rows)
+    samp = jax.jit(sample_rows, static_argnames="greedy_only")
     top_p = (
         jnp.ones(R, jnp.float32),
         jnp.zeros(R, jnp.int32),
@@ -349,12 +361,18 @@ def decode_split(llm, name, backend, c, context) -> dict:
         jnp.zeros(R, jnp.int32),
     )
     greedy_r = (jnp.zeros(R, jnp.float32), *top_p[1:2], jnp.ones(R, jnp.float32), *top_p[3:])
+    # Logits N(0, 1): so flat that top-p 0.9 keeps most of the vocabulary (the sampler's
+    # full-sort fallback); x8: a peaked distribution, as trained models give.
+    peaked = logits * 8.0
 
     t_whole = _device_time(whole)
     t_attn = _device_time(lambda: jax.block_until_ready(attn(q, llm.cache, md, md.decode_only)))
     t_ragged = _device_time(lambda: jax.block_until_ready(attn(q, llm.cache, md, False)))
-    t_greedy = _device_time(lambda: jax.block_until_ready(samp(logits, *greedy_r)))
+    t_greedy = _device_time(
+        lambda: jax.block_until_ready(samp(logits, *greedy_r, greedy_only=True))
+    )
     t_topp = _device_time(lambda: jax.block_until_ready(samp(logits, *top_p)))
+    t_topp_peaked = _device_time(lambda: jax.block_until_ready(samp(peaked, *top_p)))
     return dict(
         model=name,
         backend=backend,
@@ -368,6 +386,7 @@ def decode_split(llm, name, backend, c, context) -> dict:
         rest_of_model_ms=1e3 * (t_whole - t_attn - t_greedy),
         sampler_greedy_ms=1e3 * t_greedy,
         sampler_top_p_ms=1e3 * t_topp,
+        sampler_top_p_peaked_ms=1e3 * t_topp_peaked,
     )
 
 
@@ -525,6 +544,7 @@ def main(argv=None) -> int:
                 "rest_of_model_ms",
                 "sampler_greedy_ms",
                 "sampler_top_p_ms",
+                "sampler_top_p_peaked_ms",
             ],
         )
     )

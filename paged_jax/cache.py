@@ -264,6 +264,7 @@ class PagedKVCache:
         _check_index_array("dst", dst, ndim=1)
         if src.shape != dst.shape:
             raise ValueError(f"dst: expected shape {tuple(src.shape)} (as src), got {dst.shape}")
+        src, dst = self._read_ids(src), self._write_ids(dst)
         new_kv = self.kv_pages.at[:, dst].set(self.kv_pages[:, src], mode="drop")
         new_scales = self.kv_scales
         if self.quantized:
@@ -277,14 +278,14 @@ class PagedKVCache:
         For a quantized cache also fetch ``read_page_scales(pages)``.
         """
         _check_index_array("pages", pages, ndim=1)
-        return self.kv_pages[:, pages]
+        return self.kv_pages[:, self._read_ids(pages)]
 
     def read_page_scales(self, pages: jax.Array) -> jax.Array:  # pages: i32[n]
         """Scales of ``pages`` in every layer: ``f32[L, n, P, 2K]`` (quantized caches only)."""
         if not self.quantized:
             raise ValueError(f"read_page_scales: the cache is {self.dtype}, it has no scales")
         _check_index_array("pages", pages, ndim=1)
-        return self.kv_scales[:, pages]
+        return self.kv_scales[:, self._read_ids(pages)]
 
     def write_pages(
         self,
@@ -302,6 +303,7 @@ class PagedKVCache:
         if self.quantized != (scales is not None):
             need = "required" if self.quantized else "not allowed"
             raise ValueError(f"scales: {need} for a {self.dtype} cache")
+        pages = self._write_ids(pages)
         new_kv = self.kv_pages.at[:, pages].set(data, mode="drop")
         new_scales = self.kv_scales
         if self.quantized:
@@ -309,6 +311,16 @@ class PagedKVCache:
                 raise ValueError(f"scales: expected shape {expected[:4]}, got {scales.shape}")
             new_scales = self.kv_scales.at[:, pages].set(scales, mode="drop")
         return dataclasses.replace(self, kv_pages=new_kv, kv_scales=new_scales)
+
+    # ------------------------------------------------------------------ page-id policy
+    # One rule for every page op: ids outside [0, N) are never wrapped (JAX indexing would
+    # turn -1 into the last page, a live one). Writes to them are dropped; reads of them
+    # read the null page.
+    def _write_ids(self, pages: jax.Array) -> jax.Array:
+        return jnp.where((pages >= 0) & (pages < self.num_pages), pages, self.num_pages)
+
+    def _read_ids(self, pages: jax.Array) -> jax.Array:
+        return jnp.where((pages >= 0) & (pages < self.num_pages), pages, NULL_PAGE)
 
     # ------------------------------------------------------------------ host checks
     def validate_slot_mapping(self, slot_mapping) -> None:

@@ -308,3 +308,40 @@ def test_validate_slot_mapping_errors():
     with pytest.raises(ValueError, match="slot_mapping: slot 9 is written twice"):
         c.validate_slot_mapping(np.array([9, 0, 9]))
     c.validate_slot_mapping(np.array([0, 0, 1, 9]))  # repeated null-page slots are fine
+
+
+@given(
+    ids=st.lists(
+        st.one_of(st.integers(-(2**31), -1), st.integers(N, 2**31 - 1), st.integers(1, N - 1)),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_page_ops_never_wrap_out_of_range_ids(ids):
+    # Writes to ids outside [0, N) are dropped; reads of them read the null page; valid
+    # ids still work (the issue: -1 overwrote the last page, a live one).
+    rng = np.random.default_rng(len(ids))
+    c = pj.PagedKVCache(
+        jnp.asarray(rng.standard_normal((L, N, P, 2 * K, D)), jnp.float32), None, L, P, K, D
+    )
+    before = np.asarray(c.kv_pages)
+    pages = jnp.asarray(ids, jnp.int32)
+    valid = np.array([0 <= i < N for i in ids])
+    read = np.asarray(c.read_pages(pages))
+    for j, i in enumerate(ids):
+        np.testing.assert_array_equal(read[:, j], before[:, i if valid[j] else 0])
+    data = jnp.full((L, len(ids), P, 2 * K, D), 7.0, jnp.float32)
+    after = np.asarray(c.write_pages(pages, data).kv_pages)
+    touched = sorted({i for i in ids if 0 <= i < N})
+    untouched = [p for p in range(N) if p not in touched]
+    np.testing.assert_array_equal(after[:, untouched], before[:, untouched])
+    assert (after[:, touched] == 7.0).all()
+    # copy_pages: an invalid source reads the null page, an invalid destination is dropped.
+    dst = jnp.asarray([N - 1] * len(ids), jnp.int32).at[0].set(pages[0])
+    copied = np.asarray(c.copy_pages(pages[:1], dst[:1]).kv_pages)
+    if valid[0]:
+        np.testing.assert_array_equal(copied[:, ids[0]], before[:, ids[0]])
+    else:
+        np.testing.assert_array_equal(copied, before)  # dropped: the pool is unchanged
+    last = np.asarray(c.copy_pages(pages[:1], jnp.asarray([N - 1], jnp.int32)).kv_pages)
+    np.testing.assert_array_equal(last[:, N - 1], before[:, ids[0] if valid[0] else 0])

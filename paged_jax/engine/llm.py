@@ -359,10 +359,12 @@ class LLM:
             temp = np.zeros(S_b, np.float32)
             top_k = np.zeros(S_b, np.int32)
             top_p = np.ones(S_b, np.float32)
+            min_p = np.zeros(S_b, np.float32)
             seeds = np.zeros((S_b, num_samples), np.uint32)
             out_pos = np.zeros(S_b, np.int32)
             for i, (p, seed_row, pos) in rows.items():
                 temp[i], top_k[i], top_p[i], out_pos[i] = p.temperature, p.top_k, p.top_p, pos
+                min_p[i] = p.min_p
                 seeds[i, : len(seed_row)] = seed_row
             compiled_before = self._run._cache_size()
             t1 = time.perf_counter()
@@ -375,9 +377,11 @@ class LLM:
                 jnp.asarray(temp),
                 jnp.asarray(top_k),
                 jnp.asarray(top_p),
+                jnp.asarray(min_p),
                 jnp.asarray(seeds),
                 jnp.asarray(out_pos),
                 num_candidates=num_cand,
+                greedy_only=not (temp > 0).any(),  # no row samples: an argmax is all
             )
             toks, lps = np.asarray(toks), np.asarray(lps)
             cand = None if cand_v is None else (np.asarray(cand_v), np.asarray(cand_i))
@@ -753,14 +757,31 @@ def _make_run(graphdef):
     of the same model (and config) in one process share compiled shape buckets."""
     from flax import nnx
 
-    @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=("num_candidates",))
+    @functools.partial(
+        jax.jit, donate_argnums=(3,), static_argnames=("num_candidates", "greedy_only")
+    )
     def run(
-        state, tokens, positions, cache, md, temp, top_k, top_p, seeds, out_pos, *, num_candidates
+        state,
+        tokens,
+        positions,
+        cache,
+        md,
+        temp,
+        top_k,
+        top_p,
+        min_p,
+        seeds,
+        out_pos,
+        *,
+        num_candidates,
+        greedy_only,
     ):
         model = nnx.merge(graphdef, state)
         cache = cache.copy_pages(md.copy_src, md.copy_dst)
         logits, cache = model(tokens, positions, cache, md)
-        toks, lps = sample_rows(logits, temp, top_k, top_p, seeds, out_pos)
+        toks, lps = sample_rows(
+            logits, temp, top_k, top_p, seeds, out_pos, min_p, greedy_only=greedy_only
+        )
         if num_candidates:
             cv, ci = beam_candidates(logits, num_candidates)
         else:

@@ -25,6 +25,8 @@ class SamplingParams:
       temperature: 0 means greedy (argmax).
       top_k: keep the k most likely tokens (0: all).
       top_p: keep the smallest set of tokens whose probability reaches top_p, in (0, 1].
+      min_p: keep tokens at least min_p times as likely as the most likely one, in [0, 1]
+        (after temperature; 0 disables it).
       seed: random seed of the request (None: derived from the request's arrival order).
       n: independent samples sharing the prompt's pages (copy-on-write).
       beam_width: > 1 runs beam search instead of sampling (``n`` beams are returned,
@@ -39,6 +41,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     n: int = 1
     beam_width: int = 1
@@ -65,6 +68,8 @@ class SamplingParams:
             bad("top_k", "an int in [0, 2**31) (0 disables it)")
         if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", "a float in (0, 1]")
+        if not is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "a float in [0, 1]")
         if not is_int(self.n) or self.n < 1:
             bad("n", "an int >= 1")
         if not is_int(self.beam_width) or self.beam_width < 1:
@@ -94,6 +99,58 @@ def _keys(seeds, positions):
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
 
 
+# Candidates a restricted row (top-k, top-p or min-p) draws from: the row's largest logits,
+# found with lax.top_k instead of sorting the vocabulary. A row whose kept set could reach
+# past them is drawn from a full sort instead (exact either way).
+NUM_CANDIDATES = 256
+
+
+_CDF_BLOCK = 256
+
+
+def _search(cdf: jax.Array, target: jax.Array) -> jax.Array:
+    """Per row, how many entries of ``cdf`` f32[R, C] are <= each ``target`` f32[R, J]."""
+    return jax.vmap(lambda c, t: jnp.searchsorted(c, t, side="right"))(cdf, target)
+
+
+def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
+    """Index of the draw ``u`` (f32[R, J] in [0, 1)) from unnormalized ``weights`` f32[R, C]:
+    the first i whose running sum exceeds ``u * total`` (never a zero-weight entry).
+
+    Wider than one block, it goes in two levels (a cumulative sum of block sums, then one
+    within the chosen block): a scan over the whole vocabulary was most of the cost on
+    CPU."""
+    R, C = weights.shape
+    if C <= _CDF_BLOCK:
+        cdf = jnp.cumsum(weights, axis=-1)
+        return jnp.minimum(_search(cdf, u * cdf[:, -1:]), C - 1)
+    nb = -(-C // _CDF_BLOCK)
+    w = jnp.pad(weights, ((0, 0), (0, nb * _CDF_BLOCK - C))).reshape(R, nb, _CDF_BLOCK)
+    block_sum = w.sum(-1)  # [R, nb]
+    block_cdf = jnp.cumsum(block_sum, axis=-1)
+    target = u * block_cdf[:, -1:]  # [R, J]
+    blk = jnp.minimum(_search(block_cdf, target), nb - 1)  # [R, J]
+    start = jnp.take_along_axis(block_cdf - block_sum, blk, axis=-1)  # mass before the block
+    inner = jnp.cumsum(jnp.take_along_axis(w, blk[:, :, None], axis=1), axis=-1)  # [R, J, B]
+    within = jax.vmap(jax.vmap(lambda c, t: jnp.searchsorted(c, t, side="right")))(
+        inner, (target - start)[:, :, None]
+    )[..., 0]
+    idx = blk * _CDF_BLOCK + jnp.minimum(within, _CDF_BLOCK - 1)
+    return jnp.minimum(idx, C - 1)
+
+
+def _kept(sorted_scaled, lse, top_k, top_p, min_p):
+    """Keep mask of tokens in descending order: rank < top_k, probability mass before the
+    token < top_p (the first token is always kept), probability >= min_p x the largest.
+    Each rule keeps a prefix of the order, so their conjunction is a prefix too."""
+    probs = jnp.exp(sorted_scaled - lse[:, None])
+    rank = jnp.arange(sorted_scaled.shape[-1])[None, :]
+    k = jnp.where(top_k > 0, top_k, jnp.iinfo(jnp.int32).max)[:, None]
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (rank < k) & (mass_before < top_p[:, None]) & (probs >= min_p[:, None] * probs[:, :1])
+    return probs, keep | (rank == 0)
+
+
 def sample_rows(
     logits: jax.Array,  # f32[R, V]
     temperature: jax.Array,  # f32[R]  0 = greedy
@@ -101,35 +158,78 @@ def sample_rows(
     top_p: jax.Array,  # f32[R]  1 = off
     seeds: jax.Array,  # u32[R, J] one seed per sample column
     positions: jax.Array,  # i32[R]  output position of the token being sampled
+    min_p: jax.Array | None = None,  # f32[R]  0 = off
+    *,
+    greedy_only: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (i32[R, J] tokens, f32[R, J] log-probs under the model)
     """``J`` samples per row (column j drawn with ``seeds[:, j]``), and their log-probs.
 
-    Greedy rows (temperature 0) return the argmax in every column. Log-probabilities are
-    those of the model's raw distribution. Traceable: the engine calls it inside its step.
+    Greedy rows (temperature 0) return the argmax in every column; ``greedy_only=True``
+    (static: the engine sets it when no row samples) computes nothing else. Sampled rows
+    divide the logits by the temperature, keep the tokens that top-k, top-p and min-p
+    allow (``_kept``), and draw one uniform per column, keyed by (seed, position),
+    mapped through the kept tokens' CDF: in descending order for restricted rows, in
+    vocabulary order for unrestricted ones. Nothing sorts the vocabulary unless a
+    restricted row's kept set could reach past the ``NUM_CANDIDATES`` largest logits; that
+    row alone then takes a full sort, giving the token the candidates would have given
+    (the same kept prefix and draw). A row's token depends only on its own inputs.
+    Log-probabilities are those of the model's raw distribution. Traceable.
     """
     logits = logits.astype(jnp.float32)
     R, vocab = logits.shape
     J = seeds.shape[1]
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    # Temperature, then top-k and top-p on the sorted distribution.
+    lse_raw = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    greedy = jnp.broadcast_to(jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None], (R, J))
+    if greedy_only:
+        return greedy, jnp.take_along_axis(logits, greedy, axis=-1) - lse_raw
+    if min_p is None:
+        min_p = jnp.zeros(R, jnp.float32)
     t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
     scaled = logits / t
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    rank = jnp.arange(vocab)[None, :]
-    k = jnp.where(top_k > 0, top_k, vocab)[:, None]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # Keep a token if the mass before it is below top_p (so the first is always kept).
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (rank < k) & (mass_before < top_p[:, None])
-    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+    lse = jax.nn.logsumexp(scaled, axis=-1)
     keys = _keys(seeds.reshape(-1), jnp.repeat(positions, J))
-    choice = jax.vmap(jax.random.categorical)(keys, jnp.repeat(sorted_logits, J, axis=0))
-    choice = choice.reshape(R, J)
-    sampled = jnp.take_along_axis(order, choice, axis=-1).astype(jnp.int32)
-    tokens = jnp.where(temperature[:, None] > 0, sampled, greedy[:, None])
-    return tokens, jnp.take_along_axis(logp, tokens, axis=-1)
+    u = jax.vmap(jax.random.uniform)(keys).reshape(R, J)
+
+    sampled_row = temperature > 0
+    restricted = (top_k > 0) | (top_p < 1.0) | (min_p > 0)
+    none = jnp.zeros((R, J), jnp.int32)
+
+    # Unrestricted rows: the whole distribution, in vocabulary order (no sort, no top-k).
+    full = jax.lax.cond(
+        jnp.any(sampled_row & ~restricted),
+        lambda: _inverse_cdf(jnp.exp(scaled - lse[:, None]), u).astype(jnp.int32),
+        lambda: none,
+    )
+
+    # Restricted rows: the kept prefix of the candidates, in descending order.
+    C = min(vocab, NUM_CANDIDATES)
+
+    def candidates():
+        vals, idx = jax.lax.top_k(scaled, C)
+        probs, keep = _kept(vals, lse, top_k, top_p, min_p)
+        tok = jnp.take_along_axis(idx, _inverse_cdf(jnp.where(keep, probs, 0.0), u), axis=-1)
+        return tok.astype(jnp.int32), keep[:, -1] & (C < vocab)
+
+    cand, past_c = jax.lax.cond(
+        jnp.any(sampled_row & restricted),
+        candidates,
+        lambda: (none, jnp.zeros(R, bool)),
+    )
+    overflow = sampled_row & restricted & past_c  # the kept set may go on past C
+
+    def sorted_draw():
+        order = jnp.argsort(-scaled, axis=-1)
+        srt = jnp.take_along_axis(scaled, order, axis=-1)
+        p, k = _kept(srt, lse, top_k, top_p, min_p)
+        tok = jnp.take_along_axis(order, _inverse_cdf(jnp.where(k, p, 0.0), u), axis=-1)
+        return tok.astype(jnp.int32)
+
+    exact = jax.lax.cond(jnp.any(overflow), sorted_draw, lambda: cand)
+    sampled = jnp.where(
+        restricted[:, None], jnp.where(overflow[:, None], exact, cand), full
+    ).astype(jnp.int32)
+    tokens = jnp.where(temperature[:, None] > 0, sampled, greedy)
+    return tokens, jnp.take_along_axis(logits, tokens, axis=-1) - lse_raw
 
 
 def beam_candidates(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

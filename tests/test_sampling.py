@@ -1,0 +1,160 @@
+"""The sampler: exact against a full-sort reference, no sort on the common paths, greedy
+rows at the cost of an argmax, rows independent of their batch."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import paged_jax as pj
+from paged_jax.engine import sampling
+from paged_jax.engine.sampling import sample_rows
+
+EPS = 1e-5  # decisions this close to a threshold may go either way in f32
+
+
+def _uniforms(seeds, positions):
+    keys = sampling._keys(jnp.asarray(seeds, jnp.uint32), jnp.asarray(positions, jnp.int32))
+    return np.asarray(jax.vmap(jax.random.uniform)(keys), np.float64)
+
+
+def _reference(logits, temp, top_k, top_p, min_p, u):
+    """Token of one row by the definition, with a full stable sort in f64. Returns
+    (token, ambiguous) where ambiguous marks a keep decision or draw within EPS."""
+    if temp == 0:
+        return int(np.argmax(logits)), False
+    s = logits.astype(np.float64) / temp
+    p = np.exp(s - s.max())
+    p /= p.sum()
+    restricted = top_k > 0 or top_p < 1 or min_p > 0
+    if not restricted:
+        cdf = np.cumsum(p)
+        t = u * cdf[-1]
+        return int(np.searchsorted(cdf, t, side="right")), bool(np.min(np.abs(cdf - t)) < EPS)
+    order = np.argsort(-s, kind="stable")
+    ps = p[order]
+    before = np.cumsum(ps) - ps
+    rank = np.arange(len(ps))
+    keep = (rank < (top_k or len(ps))) & (before < top_p) & (ps >= min_p * ps[0])
+    keep[0] = True
+    amb = bool(top_p < 1 and np.any(np.abs(before - top_p) < EPS))
+    amb |= bool(min_p > 0 and np.any(np.abs(ps - min_p * ps[0]) < EPS))
+    w = np.where(keep, ps, 0.0)
+    cdf = np.cumsum(w)
+    t = u * cdf[-1]
+    amb |= bool(np.min(np.abs(cdf - t)) < EPS)
+    return int(order[np.searchsorted(cdf, t, side="right")]), amb
+
+
+@pytest.mark.parametrize("num_candidates", [4, 16, 256])
+def test_tokens_equal_the_full_sort_definition(monkeypatch, num_candidates):
+    # Small vocabularies, random parameters, fixed keys: every row's token is the one the
+    # definition gives, whether it came from the candidates or the full-sort fallback
+    # (few candidates force the fallback often).
+    monkeypatch.setattr(sampling, "NUM_CANDIDATES", num_candidates)
+    rng = np.random.default_rng(num_candidates)
+    checked = fallback = 0
+    for vocab in (7, 50, 300):
+        R = 64
+        logits = rng.standard_normal((R, vocab)).astype(np.float32) * rng.uniform(0.5, 6, (R, 1))
+        logits[:4, :3] = logits[:4, :1]  # ties at the top
+        temp = np.where(rng.random(R) < 0.15, 0.0, rng.uniform(0.3, 2.0, R)).astype(np.float32)
+        top_k = np.where(rng.random(R) < 0.5, rng.integers(1, vocab + 3, R), 0).astype(np.int32)
+        top_p = np.where(rng.random(R) < 0.5, rng.uniform(0.05, 1.0, R), 1.0).astype(np.float32)
+        min_p = np.where(rng.random(R) < 0.3, rng.uniform(0.0, 0.5, R), 0.0).astype(np.float32)
+        seeds = rng.integers(0, 2**31, (R, 1)).astype(np.uint32)
+        pos = rng.integers(0, 100, R).astype(np.int32)
+        toks, lps = jax.jit(sample_rows)(logits, temp, top_k, top_p, seeds, pos, min_p)
+        toks, lps = np.asarray(toks[:, 0]), np.asarray(lps[:, 0])
+        u = _uniforms(seeds[:, 0], pos)
+        for r in range(R):
+            ref, amb = _reference(logits[r], temp[r], top_k[r], top_p[r], min_p[r], u[r])
+            if amb:
+                continue
+            assert toks[r] == ref, (vocab, r)
+            checked += 1
+            restricted = top_k[r] > 0 or top_p[r] < 1 or min_p[r] > 0
+            fallback += bool(temp[r] > 0 and restricted and vocab > num_candidates)
+        lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+        ref_lp = logits[np.arange(R), toks] - lse
+        np.testing.assert_allclose(lps, ref_lp, atol=1e-5)
+    assert checked >= 170
+    if num_candidates < 50:
+        assert fallback > 0
+
+
+def test_greedy_only_is_the_argmax_with_the_same_log_probs():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.standard_normal((5, 1000)), jnp.float32)
+    zeros = jnp.zeros(5, jnp.float32)
+    args = (zeros, jnp.zeros(5, jnp.int32), jnp.ones(5), jnp.zeros((5, 2), jnp.uint32))
+    pos = jnp.zeros(5, jnp.int32)
+    fast = jax.jit(sample_rows, static_argnames="greedy_only")(logits, *args, pos, greedy_only=True)
+    full = jax.jit(sample_rows)(logits, *args, pos)
+    np.testing.assert_array_equal(np.asarray(fast[0]), np.asarray(full[0]))
+    assert (np.asarray(fast[0]) == np.argmax(np.asarray(logits), -1)[:, None]).all()
+    np.testing.assert_allclose(np.asarray(fast[1]), np.asarray(full[1]), rtol=1e-6)
+    # The greedy-only program has no sort, top-k or PRNG in it.
+    hlo = jax.jit(sample_rows, static_argnames="greedy_only").lower(
+        logits, *args, pos, greedy_only=True
+    )
+    text = hlo.as_text()
+    for op in ("stablehlo.sort", "top_k", "topk", "threefry", "stablehlo.case"):
+        assert op not in text.lower(), op
+
+
+def test_no_sort_unless_a_row_needs_the_fallback():
+    # The full sort sits in the false branch of a conditional taken only when a
+    # restricted row's kept set may pass the candidates.
+    text = (
+        jax.jit(sample_rows)
+        .lower(
+            jnp.zeros((4, 5000)),
+            jnp.ones(4),
+            jnp.zeros(4, jnp.int32),
+            jnp.full(4, 0.9),
+            jnp.zeros((4, 1), jnp.uint32),
+            jnp.zeros(4, jnp.int32),
+        )
+        .as_text()
+    )
+    assert "stablehlo.case" in text or "conditional" in text.lower()
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    # Row 0 (peaked, top-p) alone, then next to a flat row that forces the fallback.
+    rng = np.random.default_rng(1)
+    peaked = (rng.standard_normal(4000) * 8).astype(np.float32)
+    flat = rng.standard_normal(4000).astype(np.float32)
+
+    def run(rows):
+        R = len(rows)
+        return np.asarray(
+            jax.jit(sample_rows)(
+                jnp.asarray(np.stack(rows)),
+                jnp.ones(R),
+                jnp.zeros(R, jnp.int32),
+                jnp.full(R, 0.9),
+                jnp.arange(R * 3, dtype=jnp.uint32).reshape(R, 3) * 0 + 11,
+                jnp.full(R, 5, jnp.int32),
+            )[0]
+        )
+
+    alone = run([peaked])
+    batched = run([peaked, flat, flat])
+    np.testing.assert_array_equal(batched[0], alone[0])
+
+
+def test_min_p_one_keeps_only_the_top_token_through_the_engine():
+    llm = pj.LLM("tiny-llama", num_pages=64, page_size=8)
+    greedy = llm.generate(
+        [[3, 4, 5]], pj.SamplingParams(max_tokens=6, ignore_eos=True), progress=False
+    )[0]
+    sampled = llm.generate(
+        [[3, 4, 5]],
+        pj.SamplingParams(max_tokens=6, temperature=1.5, min_p=1.0, seed=9, ignore_eos=True),
+        progress=False,
+    )[0]
+    assert sampled.outputs[0].token_ids == greedy.outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"min_p: expected a float in \[0, 1\], got 1.5"):
+        pj.SamplingParams(min_p=1.5)
