@@ -205,3 +205,22 @@ def assert_reference_close(actual, expected, dtype) -> None:
     tol = TOLERANCE[jnp.dtype(dtype)]
     err = max_err(actual, expected)
     assert err <= tol, f"max error vs f64 oracle {err:.3g} > tolerance {tol:g} for {dtype}"
+
+
+def covering_sample(full: list[tuple], num: int, seed: int) -> list[tuple]:
+    """A seeded sample of ``num`` cases from ``full`` (tuples of axis values) that covers
+    as many axis values as it can: each pick is the case adding the most values not yet
+    seen (ties in a seeded random order), so with ``num`` >= the longest axis every
+    dtype, option and size appears. Keeps default grids small without dropping one."""
+    import random
+
+    pool = list(full)
+    random.Random(seed).shuffle(pool)
+    seen: set[tuple[int, str]] = set()
+    picked: list[tuple] = []
+    for _ in range(min(num, len(pool))):
+        best = max(pool, key=lambda c: len({(i, repr(v)) for i, v in enumerate(c)} - seen))
+        pool.remove(best)
+        picked.append(best)
+        seen |= {(i, repr(v)) for i, v in enumerate(best)}
+    return picked

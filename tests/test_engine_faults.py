@@ -86,8 +86,14 @@ def _drive(llm, reqs, on_error=(), max_steps=2000):
 
 @pytest.fixture(scope="module")
 def reference():
-    """Outputs of each seed's requests, fault-free, one engine per seed."""
-    return {seed: _drive(_engine(), _requests(seed))[0] for seed in (0, 1)}
+    """Outputs of each seed's requests, fault-free, one engine per seed (built on use)."""
+
+    class Lazy(dict):
+        def __missing__(self, seed):
+            self[seed] = _drive(_engine(), _requests(seed))[0]
+            return self[seed]
+
+    return Lazy()
 
 
 def _assert_clean(llm):
@@ -156,7 +162,7 @@ def _inject(monkeypatch, llm, stage: str, at_steps: set[int]):
         monkeypatch.setattr(llm, "_run", Run())
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_fault_at_any_stage_loses_nothing_and_changes_no_token(
     reference, monkeypatch, stage, seed
@@ -270,7 +276,9 @@ class Alarm(Exception):
     pass
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    "seed", [0, 1, *(pytest.param(s, marks=pytest.mark.slow) for s in range(2, 10))]
+)
 def test_timer_interrupts_never_change_a_token(reference, seed):
     # Real SIGALRM interrupts at random times (up to 2 per run) whose handler raises;
     # the driver catches them and keeps stepping.
@@ -416,3 +424,28 @@ def test_generate_checks_every_prompt_first_and_cleans_up_after_an_interrupt(mon
 def test_sampling_params_refuse_values_that_would_fail_a_step(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         pj.SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "prompt,exc,msg",
+    [
+        ([1, 2.7, 3], TypeError, r"^prompt\[1\]: expected an int token id, got 2\.7$"),
+        ([1, True], TypeError, r"^prompt\[1\]: expected an int token id, got True$"),
+        ([1, "7"], TypeError, r"^prompt\[1\]: expected an int token id, got '7'$"),
+        ({1: 0, 2: 0}, TypeError, "^prompt: expected a string or a sequence of token ids"),
+        ([4, 5, 999], ValueError, r"prompt\[2\] is 999$"),
+    ],
+)
+def test_prompt_token_ids_are_checked_not_coerced(prompt, exc, msg):
+    llm = _engine(num_pages=64)
+    with pytest.raises(exc, match=msg):
+        llm.add_request("x", prompt)
+    assert not llm.has_unfinished()
+    llm.add_request("np", np.array([1, 2, 3]), pj.SamplingParams(max_tokens=1))  # NumPy ints
+
+
+def test_an_unsupported_cache_salt_is_refused_at_add_request():
+    llm = _engine(num_pages=64, enable_prefix_caching=False)
+    with pytest.raises(TypeError, match="^cache_salt: expected None, str, bytes, int"):
+        llm.add_request("x", [1, 2], cache_salt=object())
+    assert not llm.has_unfinished()

@@ -55,7 +55,7 @@ def test_tokens_equal_the_full_sort_definition(monkeypatch, num_candidates):
     rng = np.random.default_rng(num_candidates)
     checked = fallback = 0
     for vocab in (7, 50, 300):
-        R = 64
+        R = 40
         logits = rng.standard_normal((R, vocab)).astype(np.float32) * rng.uniform(0.5, 6, (R, 1))
         logits[:4, :3] = logits[:4, :1]  # ties at the top
         temp = np.where(rng.random(R) < 0.15, 0.0, rng.uniform(0.3, 2.0, R)).astype(np.float32)
@@ -78,7 +78,7 @@ def test_tokens_equal_the_full_sort_definition(monkeypatch, num_candidates):
         lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
         ref_lp = logits[np.arange(R), toks] - lse
         np.testing.assert_allclose(lps, ref_lp, atol=1e-5)
-    assert checked >= 170
+    assert checked >= 105
     if num_candidates < 50:
         assert fallback > 0
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.batch import ScheduledSeq, bucket, build_batch
-from paged_jax.block_manager import BlockManager
+from paged_jax.block_manager import BlockManager, prefix_root_key
 from paged_jax.engine._signals import DeferSignals
 from paged_jax.engine.sampling import SamplingParams, beam_candidates, sample_rows
 from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status
@@ -217,12 +217,24 @@ class LLM:
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of ``prompt``: a string (through the tokenizer) or a sequence of ints
+        (Python or NumPy integers; floats, bools, strings and mappings are refused, not
+        coerced)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: a string needs a tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt)
             return list(getattr(ids, "ids", ids))
-        return [int(t) for t in prompt]
+        if isinstance(prompt, (dict, set, bytes)) or not isinstance(prompt, Sequence | np.ndarray):
+            raise TypeError(
+                f"prompt: expected a string or a sequence of token ids, got {type(prompt).__name__}"
+            )
+        ids = []
+        for k, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, int | np.integer):
+                raise TypeError(f"prompt[{k}]: expected an int token id, got {t!r}")
+            ids.append(int(t))
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
@@ -251,7 +263,12 @@ class LLM:
             raise ValueError("prompt: expected at least one token, got an empty prompt")
         vocab = self.model.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt: token ids must lie in [0, {vocab})")
+            k = next(i for i, t in enumerate(ids) if not 0 <= t < vocab)
+            raise ValueError(f"prompt: token ids must lie in [0, {vocab}), prompt[{k}] is {ids[k]}")
+        try:  # checked here: with prefix caching off it would only fail much later
+            prefix_root_key(cache_salt)
+        except TypeError as e:
+            raise TypeError(f"cache_salt: {str(e).split(': ', 1)[1]}") from None
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(ids)} tokens, the model's maximum length is "
