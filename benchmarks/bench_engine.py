@@ -320,6 +320,7 @@ def decode_split(llm, name, backend, c, context) -> dict:
             llm.cache,
             md,
             *greedy,
+            None,
             num_candidates=0,
             greedy_only=True,
         )

@@ -158,3 +158,73 @@ def test_min_p_one_keeps_only_the_top_token_through_the_engine():
     assert sampled.outputs[0].token_ids == greedy.outputs[0].token_ids
     with pytest.raises(ValueError, match=r"min_p: expected a float in \[0, 1\], got 1.5"):
         pj.SamplingParams(min_p=1.5)
+
+
+def _np_penalties(logits, prompt, output, rep, pres, freq):
+    """vLLM's penalties by their definition, on one row (f64)."""
+    x = logits.astype(np.float64).copy()
+    counts = np.bincount(np.asarray(output, np.int64), minlength=len(x))[: len(x)]
+    seen = counts > 0
+    seen[np.asarray(prompt, np.int64)] = True
+    x[seen] = np.where(x[seen] > 0, x[seen] / rep, x[seen] * rep)
+    return x - freq * counts - pres * (counts > 0)
+
+
+def test_penalties_hand_worked_and_padding_ignored():
+    logits = jnp.array([[2.0, -1.0, 0.5, 3.0, 1.0]])
+    pen = sampling.Penalties(
+        repetition=jnp.array([2.0]),
+        presence=jnp.array([0.5]),
+        frequency=jnp.array([0.25]),
+        output_tokens=jnp.array([[3, 3, 1, -1]], jnp.int32),
+        prompt_tokens=jnp.array([[0, -1]], jnp.int32),
+    )
+    out = np.asarray(sampling.apply_penalties(logits, pen))[0]
+    # token 0: prompt, positive -> 2/2; 1: output once, negative -> -1*2 - 0.25 - 0.5;
+    # 2: untouched; 3: output twice -> 3/2 - 0.5 - 0.5; 4: untouched.
+    np.testing.assert_allclose(out, [1.0, -2.75, 0.5, 0.5, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(
+        out, _np_penalties(np.asarray(logits[0]), [0], [3, 3, 1], 2.0, 0.5, 0.25), rtol=1e-6
+    )
+
+
+def test_penalized_greedy_through_the_engine_equals_the_definition():
+    # Greedy with all three penalties: each token is the argmax of the penalized dense
+    # logits of everything before it (prompt and output so far).
+    from model_helpers import dense_logits
+
+    import models
+
+    llm = pj.LLM("tiny-llama", num_pages=64, page_size=8)
+    prompt = [7, 7, 9, 200, 3]
+    p = pj.SamplingParams(
+        max_tokens=8,
+        repetition_penalty=1.4,
+        presence_penalty=0.8,
+        frequency_penalty=0.6,
+        ignore_eos=True,
+    )
+    got = llm.generate([prompt], p, progress=False)[0].outputs[0].token_ids
+    model = models.init_model(models.TINY_LLAMA, seed=0)
+    ids, want = list(prompt), []
+    for _ in range(8):
+        row = _np_penalties(dense_logits(model, ids)[-1], prompt, want, 1.4, 0.8, 0.6)
+        want.append(int(np.argmax(row)))
+        ids.append(want[-1])
+    assert got == want
+    plain = llm.generate([prompt], pj.SamplingParams(max_tokens=8, ignore_eos=True), progress=False)
+    assert plain[0].outputs[0].token_ids != want  # the penalties changed something here
+
+
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        (dict(repetition_penalty=0.0), "repetition_penalty: expected a finite float > 0"),
+        (dict(presence_penalty=2.5), r"presence_penalty: expected a float in \[-2, 2\]"),
+        (dict(frequency_penalty=float("nan")), r"frequency_penalty: expected a float in"),
+        (dict(beam_width=2, presence_penalty=1.0), "not supported with beam search"),
+    ],
+)
+def test_penalty_params_are_checked(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        pj.SamplingParams(**kwargs)

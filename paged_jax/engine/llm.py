@@ -16,7 +16,7 @@ import numpy as np
 from paged_jax.batch import ScheduledSeq, bucket, build_batch
 from paged_jax.block_manager import BlockManager, prefix_root_key
 from paged_jax.engine._signals import DeferSignals
-from paged_jax.engine.sampling import SamplingParams, beam_candidates, sample_rows
+from paged_jax.engine.sampling import Penalties, SamplingParams, beam_candidates, sample_rows
 from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status
 from paged_jax.metadata import AttentionMetadata
 
@@ -397,6 +397,7 @@ class LLM:
                 jnp.asarray(min_p),
                 jnp.asarray(seeds),
                 jnp.asarray(out_pos),
+                self._penalties(work, rows, S_b),
                 num_candidates=num_cand,
                 greedy_only=not (temp > 0).any(),  # no row samples: an argmax is all
             )
@@ -480,6 +481,29 @@ class LLM:
             else:
                 rows[i] = (p, [g.seed + s.sample_index], pos)
         return rows, num_samples, num_cand
+
+    def _penalties(self, work, rows, S_b) -> Penalties | None:
+        """Penalty inputs of the step's sampling rows, or None when no row uses them (the
+        step then compiles without them). Token arrays are padded with -1 to power-of-two
+        widths."""
+        if not any(p.penalized for p, _, _ in rows.values()):
+            return None
+        seqs = {i: work[i].seq for i in rows}
+        O_b = bucket(max(len(s.output) for s in seqs.values()), 8)
+        P_b = bucket(max(s.prompt_len for s in seqs.values()), 8)
+        out = np.full((S_b, O_b), -1, np.int32)
+        prompt = np.full((S_b, P_b), -1, np.int32)
+        rep = np.ones(S_b, np.float32)
+        pres = np.zeros(S_b, np.float32)
+        freq = np.zeros(S_b, np.float32)
+        for i, (p, _, _) in rows.items():
+            if not p.penalized:
+                continue
+            s = seqs[i]
+            out[i, : len(s.output)] = s.output
+            prompt[i, : s.prompt_len] = s.tokens[: s.prompt_len]
+            rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+        return Penalties(*(jnp.asarray(a) for a in (rep, pres, freq, out, prompt)))
 
     def _process(self, work, toks, lps, cand, now) -> list[RequestOutput]:
         by_group: dict[int, list[tuple[int, Any]]] = {}
@@ -789,6 +813,7 @@ def _make_run(graphdef):
         min_p,
         seeds,
         out_pos,
+        penalties,
         *,
         num_candidates,
         greedy_only,
@@ -797,7 +822,15 @@ def _make_run(graphdef):
         cache = cache.copy_pages(md.copy_src, md.copy_dst)
         logits, cache = model(tokens, positions, cache, md)
         toks, lps = sample_rows(
-            logits, temp, top_k, top_p, seeds, out_pos, min_p, greedy_only=greedy_only
+            logits,
+            temp,
+            top_k,
+            top_p,
+            seeds,
+            out_pos,
+            min_p,
+            penalties,
+            greedy_only=greedy_only,
         )
         if num_candidates:
             cv, ci = beam_candidates(logits, num_candidates)

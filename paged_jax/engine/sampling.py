@@ -27,6 +27,13 @@ class SamplingParams:
       top_p: keep the smallest set of tokens whose probability reaches top_p, in (0, 1].
       min_p: keep tokens at least min_p times as likely as the most likely one, in [0, 1]
         (after temperature; 0 disables it).
+      repetition_penalty: > 0; a token already in the prompt or the output has its logit
+        divided by it when positive, multiplied by it otherwise (1: off).
+      presence_penalty: subtracted from the logit of every token already in the output,
+        in [-2, 2] (0: off).
+      frequency_penalty: subtracted once per earlier occurrence in the output, in [-2, 2]
+        (0: off). The penalties apply before temperature and to greedy rows too, as in
+        vLLM; returned log-probabilities stay those of the model's raw distribution.
       seed: random seed of the request (None: derived from the request's arrival order).
       n: independent samples sharing the prompt's pages (copy-on-write).
       beam_width: > 1 runs beam search instead of sampling (``n`` beams are returned,
@@ -42,6 +49,9 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     n: int = 1
     beam_width: int = 1
@@ -70,6 +80,11 @@ class SamplingParams:
             bad("top_p", "a float in (0, 1]")
         if not is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "a float in [0, 1]")
+        if not is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "a finite float > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not is_real(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                bad(name, "a float in [-2, 2]")
         if not is_int(self.n) or self.n < 1:
             bad("n", "an int >= 1")
         if not is_int(self.beam_width) or self.beam_width < 1:
@@ -83,6 +98,11 @@ class SamplingParams:
             bad("length_penalty", "a finite float")
         if not isinstance(self.ignore_eos, bool) or not isinstance(self.logprobs, bool):
             bad("ignore_eos" if not isinstance(self.ignore_eos, bool) else "logprobs", "a bool")
+        if self.beam_width > 1 and self.penalized:
+            raise ValueError(
+                "repetition_penalty, presence_penalty, frequency_penalty: not supported "
+                f"with beam search (beam_width={self.beam_width})"
+            )
         if self.beam_width > 1 and self.n > self.beam_width:
             raise ValueError(
                 f"n: expected <= beam_width={self.beam_width} with beam search, got {self.n}"
@@ -92,6 +112,50 @@ class SamplingParams:
     @property
     def use_beam_search(self) -> bool:
         return self.beam_width > 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any of the three penalties is on."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Penalties:
+    """Per-row penalty inputs of ``sample_rows`` (rows without penalties: 1, 0, 0).
+
+    ``output_tokens`` / ``prompt_tokens``: ``i32[R, O]`` / ``i32[R, P]`` each row's
+    generated and prompt token ids, padded with -1."""
+
+    repetition: jax.Array  # f32[R]
+    presence: jax.Array  # f32[R]
+    frequency: jax.Array  # f32[R]
+    output_tokens: jax.Array  # i32[R, O]
+    prompt_tokens: jax.Array  # i32[R, P]
+
+
+def apply_penalties(logits: jax.Array, pen: Penalties) -> jax.Array:  # f32[R, V]
+    """vLLM's repetition, presence and frequency penalties on ``logits`` f32[R, V]."""
+    R, V = logits.shape
+    rows = jnp.arange(R)[:, None]
+
+    def counts(tokens):
+        ids = jnp.where((tokens >= 0) & (tokens < V), tokens, V)  # padding -> a spare column
+        return jnp.zeros((R, V + 1), jnp.float32).at[rows, ids].add(1.0)[:, :V]
+
+    out_count = counts(pen.output_tokens)
+    seen = (out_count > 0) | (counts(pen.prompt_tokens) > 0)
+    rep = pen.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return (
+        logits
+        - pen.frequency[:, None] * out_count
+        - pen.presence[:, None] * (out_count > 0).astype(jnp.float32)
+    )
 
 
 def _keys(seeds, positions):
@@ -159,6 +223,7 @@ def sample_rows(
     seeds: jax.Array,  # u32[R, J] one seed per sample column
     positions: jax.Array,  # i32[R]  output position of the token being sampled
     min_p: jax.Array | None = None,  # f32[R]  0 = off
+    penalties: Penalties | None = None,
     *,
     greedy_only: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (i32[R, J] tokens, f32[R, J] log-probs under the model)
@@ -173,15 +238,17 @@ def sample_rows(
     restricted row's kept set could reach past the ``NUM_CANDIDATES`` largest logits; that
     row alone then takes a full sort, giving the token the candidates would have given
     (the same kept prefix and draw). A row's token depends only on its own inputs.
+    ``penalties`` (``apply_penalties``) change the logits first, greedy rows included.
     Log-probabilities are those of the model's raw distribution. Traceable.
     """
-    logits = logits.astype(jnp.float32)
-    R, vocab = logits.shape
+    raw = logits.astype(jnp.float32)
+    R, vocab = raw.shape
     J = seeds.shape[1]
-    lse_raw = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    lse_raw = jax.nn.logsumexp(raw, axis=-1, keepdims=True)
+    logits = raw if penalties is None else apply_penalties(raw, penalties)
     greedy = jnp.broadcast_to(jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None], (R, J))
     if greedy_only:
-        return greedy, jnp.take_along_axis(logits, greedy, axis=-1) - lse_raw
+        return greedy, jnp.take_along_axis(raw, greedy, axis=-1) - lse_raw
     if min_p is None:
         min_p = jnp.zeros(R, jnp.float32)
     t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
@@ -229,7 +296,7 @@ def sample_rows(
         restricted[:, None], jnp.where(overflow[:, None], exact, cand), full
     ).astype(jnp.int32)
     tokens = jnp.where(temperature[:, None] > 0, sampled, greedy)
-    return tokens, jnp.take_along_axis(logits, tokens, axis=-1) - lse_raw
+    return tokens, jnp.take_along_axis(raw, tokens, axis=-1) - lse_raw
 
 
 def beam_candidates(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
