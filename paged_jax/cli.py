@@ -37,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--page-size", type=int, default=16)
@@ -67,6 +71,26 @@ def _prompts(args) -> list[str]:
     return prompts
 
 
+_FLAGS = {
+    "max_tokens": "--max-tokens",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "min_p": "--min-p",
+    "repetition_penalty": "--repetition-penalty",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "seed": "--seed",
+    "n": "-n",
+    "beam_width": "--beam-width",
+}
+
+
+def _flag_names(message: str) -> str:
+    """An error about a ``SamplingParams`` field, in the CLI's flag names."""
+    field, sep, rest = message.partition(": ")
+    return f"{_FLAGS[field]}: {rest}" if sep and field in _FLAGS else message
+
+
 def _generate(args) -> int:
     if args.model != "tiny-llama" and not pathlib.Path(args.model).is_dir():
         raise UsageError(
@@ -85,6 +109,10 @@ def _generate(args) -> int:
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
             seed=args.seed,
             n=args.n,
             beam_width=args.beam_width,
@@ -100,8 +128,8 @@ def _generate(args) -> int:
             preemption=args.preemption,
         )
         outputs = llm.generate(prompts, params, progress=not args.no_progress and not args.json)
-    except (ValueError, FileNotFoundError) as e:
-        raise UsageError(str(e)) from None
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        raise UsageError(_flag_names(str(e))) from None
     metrics = llm.metrics.summary()
     if args.json:
         print(

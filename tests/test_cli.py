@@ -56,6 +56,7 @@ def test_generate_prints_outputs_and_metrics_table():
             "(one more is needed to generate)",
         ),
         (["-n", "0"], "-n: expected >= 1, got 0"),
+        (["--presence-penalty", "3"], "--presence-penalty: expected a float in [-2, 2], got 3.0"),
         (["--top-p", "1.5"], "--top-p: expected a value in (0, 1], got 1.5"),
         (
             ["--model", "/no/such/dir"],
@@ -80,3 +81,13 @@ def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_generate", interrupted)
     assert cli.main(["generate", "--no-progress"]) == 130
     assert capsys.readouterr().err == "paged-jax: interrupted\n"
+
+
+def test_sampling_errors_name_the_flag():
+    from paged_jax import cli
+
+    assert cli._flag_names("min_p: expected a float in [0, 1], got 1.5") == (
+        "--min-p: expected a float in [0, 1], got 1.5"
+    )
+    assert cli._flag_names("prompt: 5 tokens") == "prompt: 5 tokens"
+    assert cli._flag_names("seed: expected None or an int") == "--seed: expected None or an int"
