@@ -173,7 +173,7 @@ class PagedKVCache:
         which XLA materializes as a copy of the layer (``N * P * 2K * D`` elements) when
         the slice feeds a Pallas kernel: measured on an H100 (32 layers, bf16, a 295 MB
         layer, 64 sequences at 192 tokens) 7.9 ms of decode attention per step against 1.9
-        ms through this view (``benchmarks/probe_layer_slice.py``). The layer index may be
+        ms through this view (``python -m benchmarks layer_view``). The layer index may be
         traced. Quantized caches return ``layer(layer)`` and the tables unchanged: their
         scales are stored interleaved (``[..., 2K]``), so splitting them copies anyway.
         """

@@ -21,25 +21,12 @@ def _requests(seed: int, count: int = 8):
     out = []
     for i in range(count):
         prompt = rng.integers(0, 256, int(rng.integers(3, 30))).tolist()
-        kind = i % 3
-        if kind == 0:
-            p = pj.SamplingParams(max_tokens=int(rng.integers(3, 12)), ignore_eos=True)
-        elif kind == 1:
-            p = pj.SamplingParams(
-                max_tokens=int(rng.integers(3, 12)),
-                temperature=0.8,
-                top_p=0.9,
-                seed=int(rng.integers(0, 1000)),
-                ignore_eos=True,
-            )
-        else:
-            p = pj.SamplingParams(
-                max_tokens=int(rng.integers(3, 12)),
-                temperature=1.0,
-                n=2,
-                seed=int(rng.integers(0, 1000)),
-                ignore_eos=True,
-            )
+        kind = (
+            {},  # greedy
+            dict(temperature=0.8, top_p=0.9, seed=int(rng.integers(0, 1000))),
+            dict(temperature=1.0, n=2, seed=int(rng.integers(0, 1000))),
+        )[i % 3]
+        p = pj.SamplingParams(max_tokens=int(rng.integers(3, 12)), ignore_eos=True, **kind)
         out.append((f"r{i}", prompt, p))
     return out
 

@@ -225,7 +225,7 @@ class LLM:
                 raise ValueError("prompt: a string needs a tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt)
             return list(getattr(ids, "ids", ids))
-        if isinstance(prompt, (dict, set, bytes)) or not isinstance(prompt, Sequence | np.ndarray):
+        if isinstance(prompt, bytes) or not isinstance(prompt, Sequence | np.ndarray):
             raise TypeError(
                 f"prompt: expected a string or a sequence of token ids, got {type(prompt).__name__}"
             )
@@ -268,7 +268,7 @@ class LLM:
         try:  # checked here: with prefix caching off it would only fail much later
             prefix_root_key(cache_salt)
         except TypeError as e:
-            raise TypeError(f"cache_salt: {str(e).split(': ', 1)[1]}") from None
+            raise TypeError(f"cache_salt: {str(e).removeprefix('extra_key: ')}") from None
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(ids)} tokens, the model's maximum length is "
@@ -762,7 +762,7 @@ class LLM:
         others: list[RequestOutput] = []  # requests added by add_request: kept for step()
         bar = _Progress(len(ids), enabled=progress)
         try:
-            while any(r not in done for r in ids):
+            while len(done) < len(ids):
                 for out in self.step():
                     if out.request_id in mine:
                         done[out.request_id] = out

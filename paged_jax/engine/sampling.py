@@ -196,10 +196,9 @@ def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
     blk = jnp.minimum(_search(block_cdf, target), nb - 1)  # [R, J]
     start = jnp.take_along_axis(block_cdf - block_sum, blk, axis=-1)  # mass before the block
     inner = jnp.cumsum(jnp.take_along_axis(w, blk[:, :, None], axis=1), axis=-1)  # [R, J, B]
-    within = jax.vmap(jax.vmap(lambda c, t: jnp.searchsorted(c, t, side="right")))(
-        inner, (target - start)[:, :, None]
-    )[..., 0]
-    idx = blk * _CDF_BLOCK + jnp.minimum(within, _CDF_BLOCK - 1)
+    J = u.shape[1]
+    within = _search(inner.reshape(R * J, _CDF_BLOCK), (target - start).reshape(R * J, 1))
+    idx = blk * _CDF_BLOCK + jnp.minimum(within.reshape(R, J), _CDF_BLOCK - 1)
     return jnp.minimum(idx, C - 1)
 
 
