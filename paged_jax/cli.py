@@ -138,6 +138,7 @@ def _generate(args) -> int:
                     "outputs": [
                         {
                             "prompt": p,
+                            "error": o.error,
                             "completions": [
                                 {
                                     "text": c.text,
@@ -154,7 +155,7 @@ def _generate(args) -> int:
                 indent=2,
             )
         )
-        return 0
+        return _failed(outputs)
     from rich.console import Console
     from rich.table import Table
 
@@ -164,13 +165,23 @@ def _generate(args) -> int:
         for c in o.outputs:
             label = f"  [{c.index}]" if len(o.outputs) > 1 else " "
             console.print(f"{label} {c.text!r} ({len(c.token_ids)} tokens, {c.finish_reason})")
+        if o.error:
+            console.print(f"  [red]failed:[/red] {o.error}")
     table = Table(title="engine metrics")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for k, v in metrics.items():
         table.add_row(k, f"{v:.3g}" if isinstance(v, float) else str(v))
     console.print(table)
-    return 0
+    return _failed(outputs)
+
+
+def _failed(outputs) -> int:
+    """Exit status: 1 when the engine failed a request (each says why), else 0."""
+    bad = [k + 1 for k, o in enumerate(outputs) if o.error]
+    if bad:
+        print(f"paged-jax: error: prompt(s) {bad} failed (see above)", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def _bench(args) -> int:

@@ -91,3 +91,26 @@ def test_sampling_errors_name_the_flag():
     )
     assert cli._flag_names("prompt: 5 tokens") == "prompt: 5 tokens"
     assert cli._flag_names("seed: expected None or an int") == "--seed: expected None or an int"
+
+
+def test_a_request_the_engine_fails_is_reported_and_exits_1(monkeypatch, capsys):
+    from paged_jax import cli
+    from paged_jax.engine import llm as llm_mod
+
+    real = llm_mod.LLM._penalties
+
+    def breaks(self, work, rows, S_b):  # any step that runs the prompt "bad" raises
+        if any(w.group.prompt == [256, *b"bad"] for w in work):
+            raise RuntimeError("boom")
+        return real(self, work, rows, S_b)
+
+    monkeypatch.setattr(llm_mod.LLM, "_penalties", breaks)
+    argv = ["generate", "--prompt", "good", "--prompt", "bad", "--max-tokens", "3", "--json"]
+    assert cli.main([*argv, "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    good, bad = data["outputs"]
+    assert good["error"] is None and len(good["completions"][0]["token_ids"]) == 3
+    assert bad["error"] == "RuntimeError: boom"
+    assert bad["completions"][0]["finish_reason"] == "error"
+    assert captured.err.strip().endswith("paged-jax: error: prompt(s) [2] failed (see above)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     text: str | None
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     cumulative_logprob: float
     logprobs: list[float] | None
 
@@ -53,6 +54,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None  # set when the engine failed the request (finish_reason "error")
 
 
 @dataclasses.dataclass
@@ -75,6 +77,7 @@ class EngineMetrics:
     prefix_hit_rate: float = 0.0
     compilations: int = 0
     failed_steps: int = 0  # steps that raised; their requests were requeued (recomputed)
+    requests_failed: int = 0  # requests the engine ended with finish_reason "error"
 
     def summary(self) -> dict[str, float]:
         return {
@@ -95,6 +98,7 @@ class EngineMetrics:
             "compilations": self.compilations,
             "compile time (s)": self.compile_s,
             "failed steps (recovered)": self.failed_steps,
+            "failed requests": self.requests_failed,
         }
 
 
@@ -103,8 +107,13 @@ class EngineFailedError(RuntimeError):
 
 
 # A step that raises this many times in a row (each time after requeueing its requests)
-# stops the engine instead of failing forever.
+# with no request to blame stops the engine instead of failing forever.
 MAX_CONSECUTIVE_FAILED_STEPS = 3
+# A request is failed (finish_reason "error") once this many steps in a row raised while
+# it ran as the only suspect (see LLM: isolating a fault).
+STRIKES_TO_FAIL_A_REQUEST = 2
+
+log = logging.getLogger("paged_jax")
 
 
 def _resolve_model(model: Any):
@@ -144,10 +153,17 @@ class LLM:
     call, out of memory, a second Ctrl-C), the exception propagates after the engine has
     put every unfinished request back in the queue to be recomputed from its tokens so
     far: nothing is lost and later tokens are those of an uninterrupted run (greedy and
-    seeded sampling are keyed by seed and position). Only a fault while the step's
-    results are being applied, or ``MAX_CONSECUTIVE_FAILED_STEPS`` failed steps in a
-    row, stops the engine: every later call then raises ``EngineFailedError`` until
-    ``reset()``.
+    seeded sampling are keyed by seed and position).
+
+    A fault one request causes (an ``Exception``, not an interrupt) does not stall the
+    others: the requests of the failed step become suspects, and each in turn runs with
+    only the requests already cleared, until it has sampled a token. A suspect is failed
+    when ``STRIKES_TO_FAIL_A_REQUEST`` such steps in a row raise (one if it was alone in
+    the first failed step): its output (``finish_reason`` "error", ``RequestOutput.error``
+    the exception) comes with the next step, and the rest go on. A one-off fault fails
+    nobody. Only a fault while a step's results are being applied, or
+    ``MAX_CONSECUTIVE_FAILED_STEPS`` failed steps in a row that no request explains, stop
+    the engine: every later call then raises ``EngineFailedError`` until ``reset()``.
     """
 
     def __init__(
@@ -210,6 +226,9 @@ class LLM:
         self._phase: str | None = None  # where the running step is ("apply": results)
         self._consecutive_faults = 0
         self._undelivered: list[RequestOutput] = []  # finished, not yet returned
+        self._step_groups: list[Group] = []  # the running step's groups
+        self._suspects: list[Group] = []  # groups of a failed step, not yet cleared
+        self._cleared: set[int] = set()  # arrivals of suspects that since sampled a token
         from flax import nnx
 
         self._graphdef, self._state = nnx.split(self.model)
@@ -363,10 +382,12 @@ class LLM:
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self._phase = "schedule"
+        self.scheduler.only = self._isolation()
         sched = self.scheduler.schedule()
+        work = sched.work
+        self._step_groups = list({id(w.group): w.group for w in work}.values())
         finished: list[RequestOutput] = []
         self._swap(sched.swap_out, sched.swap_in)
-        work = sched.work
         if work:
             batch = build_batch(
                 self.bm, [ScheduledSeq(w.seq.seq_id, w.start, w.stop) for w in work]
@@ -416,22 +437,67 @@ class LLM:
             finished = self._process(work, toks, lps, cand, t2)
         self._phase = None
         self._consecutive_faults = 0
+        if self._suspects and any(w.sample and w.group is self._suspects[0] for w in work):
+            cleared = self._suspects.pop(0)
+            cleared.strikes = 0
+            self._cleared.add(cleared.arrival)
         self._account(sched, time.perf_counter() - t0)
         return finished
 
     # ------------------------------------------------------------------ faults
     def _on_fault(self, error: BaseException) -> None:
-        """A step raised: requeue every unfinished request, or stop the engine."""
+        """A step raised: blame a request or suspect some, requeue every unfinished
+        request, or stop the engine."""
         phase, self._phase = self._phase, None
+        groups, self._step_groups = self._step_groups, []
         self._consecutive_faults += 1
         self.metrics.failed_steps += 1
-        if phase == "apply" or self._consecutive_faults >= MAX_CONSECUTIVE_FAILED_STEPS:
-            self._failed = error  # results were half applied, or the fault repeats
+        if phase == "apply":
+            self._failed = error  # results were half applied
+            return
+        if isinstance(error, Exception):  # an interrupt says nothing about the requests
+            self._suspect(error, groups)
+        if self._consecutive_faults >= MAX_CONSECUTIVE_FAILED_STEPS:
+            self._failed = error  # the fault repeats and no request explains it
             return
         try:
             self._rebuild([g for g in self._groups.values() if g.status is not Status.FINISHED])
         except BaseException as e:  # noqa: BLE001 (any failure here stops the engine)
             self._failed = e
+
+    def _isolation(self) -> set[int] | None:
+        """The arrivals the scheduler may run while suspects are isolated, else None."""
+        self._suspects = [g for g in self._suspects if g.status is not Status.FINISHED]
+        if not self._suspects:
+            self._cleared = set()
+            return None
+        return self._cleared | {self._suspects[0].arrival}
+
+    def _suspect(self, error: Exception, groups: list[Group]) -> None:
+        """Updates the suspects after ``error`` in a step that ran ``groups``; fails the
+        isolated suspect on its last strike."""
+        live = [g for g in self._suspects if g.status is not Status.FINISHED]
+        if not live:  # a new episode: every request of the step is a suspect
+            self._suspects = sorted(groups, key=lambda g: g.arrival)
+            if len(groups) == 1:
+                groups[0].strikes = 1  # it failed alone already
+            return
+        g = live[0]
+        if g not in groups:
+            return  # the suspect did not run: nothing learned
+        g.strikes += 1
+        if g.strikes < STRIKES_TO_FAIL_A_REQUEST:
+            return
+        self._suspects.remove(g)
+        g.error = f"{type(error).__name__}: {error}"
+        for s in g.seqs:
+            s.finish_reason = "error"
+            g.done.append(s)
+        g.seqs.clear()
+        self._undelivered.append(self._finish(g))
+        self._consecutive_faults = 0  # explained
+        self.metrics.requests_failed += 1
+        log.warning("request %r failed: %s", g.request_id, g.error)
 
     def _rebuild(self, requeue: list[Group]) -> None:
         """Fresh block manager, queues and host buffers; ``requeue`` waits to be
@@ -462,6 +528,7 @@ class LLM:
         self._groups.clear()
         self._undelivered.clear()
         self._failed, self._phase, self._consecutive_faults = None, None, 0
+        self._suspects, self._cleared = [], set()
         self._rebuild([])
 
     def _sampling_rows(self, work):
@@ -668,7 +735,9 @@ class LLM:
             sum(len(o.token_ids) for o in outs),
             g.num_preemptions,
         )
-        return RequestOutput(g.request_id, list(g.prompt), outs, g.status is Status.FINISHED, m)
+        return RequestOutput(
+            g.request_id, list(g.prompt), outs, g.status is Status.FINISHED, m, g.error
+        )
 
     # ------------------------------------------------------------------ swaps
     def _swap(self, swap_out, swap_in) -> None:
@@ -732,10 +801,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; returns outputs in the prompts' order.
 
-        Every prompt is checked before any runs (an error names ``prompts[k]``). If the
-        call is interrupted or a step fails, its unfinished requests are aborted before
-        the exception propagates; requests added earlier through ``add_request`` keep
-        running in later steps.
+        Every prompt is checked before any runs (an error names ``prompts[k]``). A step
+        that fails is undone and the loop goes on (a request that keeps failing comes back
+        with ``finish_reason`` "error"). If the call is interrupted or the engine stops
+        (``EngineFailedError``), its unfinished requests are aborted before the exception
+        propagates; requests added earlier through ``add_request`` keep running in later
+        steps.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -763,7 +834,16 @@ class LLM:
         bar = _Progress(len(ids), enabled=progress)
         try:
             while len(done) < len(ids):
-                for out in self.step():
+                try:
+                    outs = self.step()
+                except Exception as e:
+                    if self._failed is not None:
+                        raise
+                    # Recovered: the step's requests were requeued; one that keeps failing
+                    # ends with finish_reason "error" (see the class docstring).
+                    log.warning("a step failed and was undone (%s: %s)", type(e).__name__, e)
+                    continue
+                for out in outs:
                     if out.request_id in mine:
                         done[out.request_id] = out
                         bar.advance(self.metrics)

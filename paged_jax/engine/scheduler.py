@@ -11,7 +11,8 @@ Each step takes running groups oldest first (decode tokens, then prefill chunks)
 token budget; when pages run out the most recently arrived running group is preempted,
 by swap (all or nothing per group) or by recompute (pages freed, its prompt and
 generated tokens prefilled again later, outputs unchanged). Swapped groups come back
-before new requests are admitted.
+before new requests are admitted. While ``only`` is set (the engine isolating a request
+it suspects of making steps fail) the other groups wait, whatever their queue.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class Group:
     finish_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    strikes: int = 0  # failed steps in a row while isolated as a suspect (engine faults)
+    error: str | None = None  # why the engine failed this request
 
     def new_seq_id(self) -> str:
         # Keyed by the engine's arrival counter, not the request id: request 1 and "1"
@@ -109,6 +112,9 @@ class Scheduler:
         self.running: list[Group] = []  # sorted by arrival
         self.swapped: list[Group] = []  # sorted by arrival
         self.num_preempted = {"swap": 0, "recompute": 0}
+        # Arrival numbers of the only groups that may run, or None (all). The engine sets
+        # it while it isolates a request suspected of making steps fail.
+        self.only: set[int] | None = None
 
     # ------------------------------------------------------------------ queues
     def add(self, group: Group) -> None:
@@ -121,6 +127,9 @@ class Scheduler:
         for q in (self.waiting, self.running, self.swapped):
             if group in q:
                 q.remove(group)
+
+    def _allowed(self, queue: list[Group]) -> list[Group]:
+        return list(queue) if self.only is None else [g for g in queue if g.arrival in self.only]
 
     def _seq_ids(self, g: Group) -> list[str]:
         return [s.seq_id for s in g.seqs]
@@ -150,7 +159,7 @@ class Scheduler:
         sched = Schedule([], [], [], [])
         budget = self.max_num_batched_tokens
         seq_budget = self.max_num_seqs
-        for g in list(self.running):
+        for g in self._allowed(self.running):
             if g.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             if budget <= 0 or seq_budget < len(g.seqs):
@@ -159,7 +168,7 @@ class Scheduler:
                 if len(g.seqs) > budget:
                     break
                 while not self.bm.can_append(self._seq_ids(g)):
-                    victim = self.running[-1]  # the most recently arrived
+                    victim = self._allowed(self.running)[-1]  # the most recently arrived
                     self._preempt(victim, sched)
                     if victim is g:
                         break
@@ -177,7 +186,7 @@ class Scheduler:
                 seq_budget -= len(g.seqs)
         if sched.preempted:
             return sched
-        for g in list(self.swapped):
+        for g in self._allowed(self.swapped):
             ids = self._seq_ids(g)
             if not self.bm.can_swap_in(ids) or seq_budget < len(g.seqs):
                 break
@@ -186,10 +195,11 @@ class Scheduler:
             g.status = Status.RUNNING
             bisect.insort(self.running, g, key=lambda x: x.arrival)
             seq_budget -= len(g.seqs)  # decodes from the next step
-        if self.swapped:
+        if self._allowed(self.swapped):
             return sched  # swapped groups come back before new admissions
-        while self.waiting and budget > 0:
-            g = self.waiting[0]
+        for g in self._allowed(self.waiting):
+            if budget <= 0:
+                break
             if seq_budget < len(g.seqs):
                 break
             pages = sum(self.bm.pages_needed(len(s.tokens)) for s in g.seqs)
@@ -204,7 +214,7 @@ class Scheduler:
                     if s.seq_id in self.bm:
                         self.bm.free(s.seq_id)
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(g)
             g.status = Status.RUNNING
             bisect.insort(self.running, g, key=lambda x: x.arrival)
             budget -= self._prefill(g, budget, sched)
