@@ -37,6 +37,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "reference": ("paged_jax.reference", None),
     "validate_inputs": ("paged_jax._validation", "validate_inputs"),
+    "validate_decode_inputs": ("paged_jax._validation", "validate_decode_inputs"),
+    "validate_batch": ("paged_jax._validation", "validate_batch"),
     "BACKENDS": ("paged_jax.attention", "BACKENDS"),
     "available_backends": ("paged_jax.attention", "available_backends"),
     "paged_attention": ("paged_jax.attention", "paged_attention"),
@@ -85,5 +87,7 @@ __all__ = [
     "paged_attention",
     "ragged_paged_attention",
     "reference",
+    "validate_batch",
+    "validate_decode_inputs",
     "validate_inputs",
 ]

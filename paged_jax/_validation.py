@@ -1,11 +1,14 @@
 """Input checks for the attention API, split in two as JAX's own paged ops do.
 
 ``static_check_*`` run at trace time on shapes and dtypes only, so they cost nothing in a
-jitted step. ``validate_inputs`` looks at the values (lengths, page ids, cu_q_lens) and
-therefore runs eagerly on the host; the engine and the tests call it, jitted code cannot.
+jitted step. ``validate_inputs`` / ``validate_decode_inputs`` look at the values (lengths, page ids,
+cu_q_lens) and therefore run eagerly on the host, as does ``validate_batch`` (a whole
+engine step); the engine calls it in checked mode, jitted code cannot.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -74,6 +77,8 @@ def _check_scales(kv_pages, k_scale, v_scale) -> None:
 def _check_options(sm_scale, sliding_window, soft_cap) -> None:
     if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool):
         raise TypeError(f"sm_scale: expected a Python float, got {type(sm_scale).__name__}")
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale: expected a finite float, got {sm_scale!r}")
     if sliding_window is not None and (
         not isinstance(sliding_window, int)
         or isinstance(sliding_window, bool)
@@ -81,9 +86,11 @@ def _check_options(sm_scale, sliding_window, soft_cap) -> None:
     ):
         raise ValueError(f"sliding_window: expected None or an int >= 1, got {sliding_window!r}")
     if soft_cap is not None and (
-        not isinstance(soft_cap, (int, float)) or isinstance(soft_cap, bool) or soft_cap <= 0
+        not isinstance(soft_cap, (int, float))
+        or isinstance(soft_cap, bool)
+        or not 0 < soft_cap < math.inf
     ):
-        raise ValueError(f"soft_cap: expected None or a float > 0, got {soft_cap!r}")
+        raise ValueError(f"soft_cap: expected None or a finite float > 0, got {soft_cap!r}")
 
 
 def static_check_ragged(
@@ -197,27 +204,129 @@ def validate_inputs(
         )
     if cu[n] > T:
         raise ValueError(f"cu_q_lens: cu_q_lens[num_seqs={n}]={cu[n]} exceeds q's {T} tokens")
-    for i in range(n):
-        kv_len, q_len = int(kv_lens[i]), int(q_lens[i])
-        if kv_len < 0:
-            raise ValueError(f"kv_lens: kv_lens[{i}]={kv_len} is negative")
-        if q_len > kv_len:
-            raise ValueError(
-                f"kv_lens: sequence {i} has q_len={q_len} > kv_len={kv_len}; kv_lens must "
-                "include the new tokens"
-            )
-        if kv_len > M * page_size:
-            raise ValueError(
-                f"kv_lens: kv_lens[{i}]={kv_len} exceeds the block table's capacity "
-                f"M * P = {M} * {page_size} = {M * page_size}"
-            )
-        used = page_indices[i, : -(-kv_len // page_size)]
-        bad = used[(used < 0) | (used >= num_pages)]
-        if bad.size:
-            raise ValueError(
-                f"page_indices: sequence {i} reads page {bad[0]}, outside [0, {num_pages})"
-            )
-        if not allow_null_page and (used == 0).any():
-            raise ValueError(
-                f"page_indices: sequence {i} reads the null page 0 within its kv_len={kv_len}"
-            )
+    _check_sequences(kv_lens[:n], q_lens, page_indices, num_pages, page_size, allow_null_page)
+
+
+def _check_sequences(kv_lens, q_lens, page_indices, num_pages, page_size, allow_null_page):
+    """Per live sequence i: ``0 <= q_len <= kv_len <= M * P`` and every page it reads in
+    ``[0, N)`` (and not the null page unless allowed). Vectorized: one pass, then the
+    first offender is named."""
+    n = len(kv_lens)
+    M = page_indices.shape[1]
+    kv_lens = kv_lens.astype(np.int64)
+    if n and (kv_lens < 0).any():
+        i = int(np.argmax(kv_lens < 0))
+        raise ValueError(f"kv_lens: kv_lens[{i}]={kv_lens[i]} is negative")
+    if n and (q_lens > kv_lens).any():
+        i = int(np.argmax(q_lens > kv_lens))
+        raise ValueError(
+            f"kv_lens: sequence {i} has q_len={q_lens[i]} > kv_len={kv_lens[i]}; kv_lens must "
+            "include the new tokens"
+        )
+    if n and (kv_lens > M * page_size).any():
+        i = int(np.argmax(kv_lens > M * page_size))
+        raise ValueError(
+            f"kv_lens: kv_lens[{i}]={kv_lens[i]} exceeds the block table's capacity "
+            f"M * P = {M} * {page_size} = {M * page_size}"
+        )
+    used = np.arange(M)[None, :] < -(-kv_lens[:, None] // page_size)  # [n, M] pages read
+    table = page_indices[:n]
+    outside = used & ((table < 0) | (table >= num_pages))
+    if outside.any():
+        i, j = np.argwhere(outside)[0]
+        raise ValueError(
+            f"page_indices: sequence {i} reads page {table[i, j]}, outside [0, {num_pages})"
+        )
+    if not allow_null_page and (used & (table == 0)).any():
+        i = int(np.argwhere(used & (table == 0))[0][0])
+        raise ValueError(
+            f"page_indices: sequence {i} reads the null page 0 within its kv_len={kv_lens[i]}"
+        )
+
+
+def validate_decode_inputs(
+    q,  # [B, H, D]
+    kv_pages,  # [N, P, 2K, D]
+    kv_lens,  # i32[B]
+    page_indices,  # i32[B, M]
+    *,
+    allow_null_page: bool = False,
+) -> None:
+    """``validate_inputs`` for ``paged_attention`` (decode): eager, raises ``ValueError``.
+
+    Checks every row with ``kv_lens[b] > 0`` (rows of 0 are padding): ``kv_len <= M * P``
+    and every page it reads in ``[0, N)`` and, unless ``allow_null_page``, not page 0;
+    ``kv_lens`` must not be negative.
+    """
+    static_check_decode(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        sm_scale=1.0,
+        sliding_window=None,
+        soft_cap=None,
+        k_scale=1.0,
+        v_scale=1.0,
+    )
+    num_pages, page_size = kv_pages.shape[:2]
+    kv_lens = np.asarray(kv_lens)
+    _check_sequences(
+        kv_lens,
+        np.minimum(kv_lens, 1),
+        np.asarray(page_indices),
+        num_pages,
+        page_size,
+        allow_null_page,
+    )
+
+
+def validate_batch(batch, *, num_pages: int, page_size: int, vocab_size: int) -> None:
+    """Eager checks of one engine step's ``StepBatch`` against a pool of ``num_pages``
+    pages of ``page_size`` tokens; raises ``ValueError`` naming the array and the row.
+
+    Beyond ``validate_inputs`` (lengths, ``cu_q_lens``, page ids): live tokens' ids lie in
+    ``[0, vocab_size)``; their positions are ``kv_len - q_len ..  kv_len - 1`` of their
+    sequence; each token's K/V slot is on the page its block table lists for its position
+    (never the null page) and no slot is written twice; copy-on-write pages lie in
+    ``[1, N)``. The engine runs it before every step in checked mode.
+    """
+    n = int(batch.num_seqs[0])
+    cu = batch.cu_q_lens
+    T = batch.token_ids.shape[0]
+    fake_q = np.zeros((T, 1, 1), np.float32)
+    fake_pool = np.zeros((num_pages, page_size, 2, 1), np.float32)
+    validate_inputs(fake_q, fake_pool, batch.kv_lens, batch.page_indices, cu, batch.num_seqs)
+    live = int(cu[n])
+    toks = batch.token_ids[:live]
+    if live and (toks.min() < 0 or toks.max() >= vocab_size):
+        t = int(np.argmax((toks < 0) | (toks >= vocab_size)))
+        raise ValueError(f"token_ids: token_ids[{t}]={toks[t]} is outside [0, {vocab_size})")
+    seq = np.repeat(np.arange(n), np.diff(cu[: n + 1]))  # [live] sequence of each token
+    offset = np.arange(live) - cu[seq]
+    q_len = (cu[1 : n + 1] - cu[:n])[seq]
+    want = batch.kv_lens[seq] - q_len + offset
+    pos = batch.positions[:live]
+    if (pos != want).any():
+        t = int(np.argmax(pos != want))
+        raise ValueError(
+            f"positions: token {t} (sequence {seq[t]}) is at position {pos[t]}, its kv_len "
+            f"and q_len put it at {want[t]}"
+        )
+    slots = batch.slot_mapping[:live].astype(np.int64)
+    page = batch.page_indices[seq, pos // page_size].astype(np.int64)
+    want_slot = page * page_size + pos % page_size
+    if (slots != want_slot).any():
+        t = int(np.argmax(slots != want_slot))
+        raise ValueError(
+            f"slot_mapping: token {t} (sequence {seq[t]}, position {pos[t]}) writes slot "
+            f"{slots[t]}, its block table says {want_slot[t]}"
+        )
+    uniq, counts = np.unique(slots, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"slot_mapping: slot {uniq[counts > 1][0]} is written twice")
+    for name, ids in (("copy_src", batch.copy_src), ("copy_dst", batch.copy_dst)):
+        real = ids[(batch.copy_src != 0) | (batch.copy_dst != 0)]  # (0, 0) pairs pad
+        if real.size and (real.min() < 1 or real.max() >= num_pages):
+            bad = real[(real < 1) | (real >= num_pages)][0]
+            raise ValueError(f"{name}: page {bad} is outside [1, {num_pages})")

@@ -68,7 +68,7 @@ def attend_tokens(
     pages_per_block: int | None = None,
 ) -> jax.Array:  # [T, H, D], q.dtype
     num_tokens, num_heads, head_dim = q.shape
-    _, page_size, combined, _ = kv_pages.shape
+    num_pages, page_size, combined, _ = kv_pages.shape
     num_kv_heads = combined // 2
     group = num_heads // num_kv_heads
     max_pages = page_indices.shape[1]
@@ -102,7 +102,7 @@ def attend_tokens(
         q_b, seq_b, pos_b, valid_b = args  # [bq, H, D], [bq], [bq], [bq]
         q_kgd = q_b.astype(jnp.float32).reshape(bq, num_kv_heads, group, head_dim)
         kv_end = jnp.max(jnp.where(valid_b, pos_b + 1, 0))
-        stop = (kv_end + chunk - 1) // chunk
+        stop = jnp.minimum((kv_end + chunk - 1) // chunk, num_kv_blocks)  # a bad kv_len
         start = jnp.int32(0)
         if sliding_window is not None:
             first_key = jnp.min(jnp.where(valid_b, pos_b - sliding_window + 1, kv_end))
@@ -113,7 +113,10 @@ def attend_tokens(
             cols = j * bp + jnp.arange(bp)
             in_table = cols < max_pages
             pages = page_indices[seq_b[:, None], jnp.minimum(cols, max_pages - 1)[None, :]]
-            pages = jnp.where(in_table[None, :] & valid_b[:, None], pages, 0)  # [bq, bp]
+            # Padding columns, padding tokens and ids outside the pool read the null page
+            # (a negative id would otherwise wrap onto another sequence's page).
+            ok = in_table[None, :] & valid_b[:, None] & (pages >= 0) & (pages < num_pages)
+            pages = jnp.where(ok, pages, 0)  # [bq, bp]
             kv = kv_pages[pages].reshape(bq, chunk, combined, head_dim)
             k_pos = j * chunk + jnp.arange(chunk)
             mask = (k_pos[None, :] <= pos_b[:, None]) & valid_b[:, None]  # [bq, chunk]

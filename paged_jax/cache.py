@@ -182,7 +182,10 @@ class PagedKVCache:
             return kv, page_indices, k_scale, v_scale
         L, N = self.num_layers, self.num_pages
         flat = self.kv_pages.reshape((L * N,) + tuple(self.kv_pages.shape[2:]))
-        return flat, page_indices + jnp.asarray(layer, jnp.int32) * N, None, None
+        # An id outside [0, N) must not reach another layer's pages: it reads the null page.
+        inside = (page_indices >= 0) & (page_indices < N)
+        tables = jnp.where(inside, page_indices, 0) + jnp.asarray(layer, jnp.int32) * N
+        return flat, tables, None, None
 
     # ------------------------------------------------------------------ writes
     def write(

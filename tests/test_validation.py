@@ -113,7 +113,10 @@ STATIC_CASES = [
     ),
     (dict(sm_scale="0.1"), TypeError, "sm_scale: expected a Python float, got str"),
     (dict(sliding_window=0), ValueError, "sliding_window: expected None or an int >= 1, got 0"),
-    (dict(soft_cap=-1.0), ValueError, "soft_cap: expected None or a float > 0, got -1.0"),
+    (dict(soft_cap=-1.0), ValueError, "soft_cap: expected None or a finite float > 0, got -1.0"),
+    (dict(soft_cap=float("nan")), ValueError, "soft_cap: expected None or a finite float > 0"),
+    (dict(soft_cap=float("inf")), ValueError, "soft_cap: expected None or a finite float > 0"),
+    (dict(sm_scale=float("nan")), ValueError, "sm_scale: expected a finite float, got nan"),
 ]
 
 

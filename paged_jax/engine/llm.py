@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax._validation import validate_batch
 from paged_jax.batch import ScheduledSeq, bucket, build_batch
 from paged_jax.block_manager import BlockManager, prefix_root_key
 from paged_jax.engine._signals import DeferSignals
@@ -114,6 +116,7 @@ MAX_CONSECUTIVE_FAILED_STEPS = 3
 STRIKES_TO_FAIL_A_REQUEST = 2
 
 log = logging.getLogger("paged_jax")
+CHECKED_ENV = "PAGED_JAX_CHECKED"
 
 
 def _resolve_model(model: Any):
@@ -146,6 +149,11 @@ class LLM:
       watermark: fraction of pages kept back from admissions.
       cache_dtype: KV cache dtype (default: the model's compute dtype).
       tokenizer: object with ``encode(str)`` / ``decode(ids)`` (default: the model's).
+      checked: validate every step's arrays on the host before the device call
+        (``paged_jax.validate_batch``: page ids, lengths, positions, slots, token ids);
+        a failure raises ``ValueError`` as a failed step. Default: the environment
+        variable ``PAGED_JAX_CHECKED`` ("1" turns it on). For debugging; it costs host
+        time every step.
 
     A step is all or nothing. Python signal handlers (Ctrl-C, timers) are held while a
     step runs and called when it ends, so they never interrupt it halfway (a second
@@ -181,7 +189,13 @@ class LLM:
         watermark: float = 0.01,
         cache_dtype: Any = None,
         tokenizer: Any = None,
+        checked: bool | None = None,
     ):
+        if checked is None:
+            checked = os.environ.get(CHECKED_ENV, "") not in ("", "0")
+        if not isinstance(checked, bool):
+            raise TypeError(f"checked: expected a bool or None, got {checked!r}")
+        self.checked = checked
         if preemption not in ("recompute", "swap"):
             raise ValueError(f"preemption: expected 'recompute' or 'swap', got {preemption!r}")
         for name, v in (
@@ -392,6 +406,13 @@ class LLM:
             batch = build_batch(
                 self.bm, [ScheduledSeq(w.seq.seq_id, w.start, w.stop) for w in work]
             )
+            if self.checked:
+                validate_batch(
+                    batch,
+                    num_pages=self.bm.num_pages,
+                    page_size=self.page_size,
+                    vocab_size=self.model.config.vocab_size,
+                )
             rows, num_samples, num_cand = self._sampling_rows(work)
             S_b = batch.kv_lens.shape[0]
             temp = np.zeros(S_b, np.float32)

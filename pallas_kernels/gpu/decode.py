@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._table import safe_lens, safe_table
 from pallas_kernels.gpu import tuning
 from pallas_kernels.gpu._block import attend_pages
 from pallas_kernels.gpu._scales import prepare_scales
@@ -151,7 +152,8 @@ def decode_paged_attention(
     splits = num_splits or default_num_splits(B, K, M, bp)
     per_split = pl.cdiv(pl.cdiv(M, splits), bp) * bp
     width = per_split * splits
-    table = jnp.pad(page_indices, ((0, 0), (0, width - M)))  # padding columns: page 0
+    table = safe_table(page_indices, N, width)  # padding columns and bad ids: page 0
+    kv_lens = safe_lens(kv_lens, M * P)
     rows = max(_MIN_ROWS, pl.next_power_of_2(G))
     compute = tuning.compute_dtype(q.dtype)
     q_in, k_sc, v_sc, v_mul = prepare_scales(q, k_scale, v_scale)

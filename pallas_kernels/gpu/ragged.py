@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._table import safe_lens, safe_table
 from pallas_kernels._worklist import work_list
 from pallas_kernels.gpu import tuning
 from pallas_kernels.gpu._block import attend_pages
@@ -172,7 +173,8 @@ def ragged_paged_attention(
     seq, start, valid = work_list(cu_q_lens, num_seqs, T, bq)
     W = seq.shape[0]
     q_pad = jnp.pad(q, ((0, bq), (0, 0), (0, 0)))  # blocks may read past the last token
-    table = jnp.pad(page_indices, ((0, 0), (0, bp)))  # and past the last page column
+    table = safe_table(page_indices, N, M + bp)  # and past the last page column
+    kv_lens = safe_lens(kv_lens, M * P)
     scales = [k_sc, v_sc]
     v_mul = None if v_mul is None else v_mul.reshape(1)
     head_scale = pl.BlockSpec((N, P, None), lambda w, h: (0, 0, h))

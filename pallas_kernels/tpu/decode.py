@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._softmax import fold
+from pallas_kernels._table import safe_lens, safe_table
 from pallas_kernels.tpu._pages import (
     PagePipeline,
     default_pages_per_block,
@@ -199,7 +200,8 @@ def _decode(
     bp = pages_per_block or default_pages_per_block(P, combined, D, kv_pages.dtype.itemsize)
     ch = table_chunk or bp * 16
     width = pl.cdiv(M + bp, ch) * ch  # room for a block that starts near the end
-    table = jnp.pad(page_indices, ((0, 0), (0, width - M)))
+    table = safe_table(page_indices, N, width)  # padding and bad ids: the null page
+    kv_lens = safe_lens(kv_lens, M * P)
     quantized = scale_arrays is not None
     kernel = functools.partial(
         _kernel,

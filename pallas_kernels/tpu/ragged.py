@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._softmax import fold
+from pallas_kernels._table import safe_lens, safe_table
 from pallas_kernels._worklist import work_list
 from pallas_kernels.tpu._pages import (
     PagePipeline,
@@ -208,7 +209,8 @@ def _ragged(
     rows = start[:, None] + jnp.arange(bq)[None, :]  # [W, bq] token of each row
     q_blocks = jnp.take(q, jnp.minimum(rows, T - 1).reshape(-1), axis=0).reshape(W, bq, H, D)
     width = pl.cdiv(M + bp, ch) * ch
-    table = jnp.pad(page_indices, ((0, 0), (0, width - M)))
+    table = safe_table(page_indices, N, width)  # padding and bad ids: the null page
+    kv_lens = safe_lens(kv_lens, M * P)
     quantized = scale_arrays is not None
     kernel = functools.partial(
         _kernel,
