@@ -1,12 +1,12 @@
 """``python -m benchmarks <name> [--out DIR] [args]``: memory, sharing, throughput,
-host_overhead, kernels, engine, block_manager, layer_view. ``--out DIR`` writes the results there
-instead of ``benchmarks/results`` (the committed ones)."""
+host_overhead, kernels, engine, block_manager, layer_view. ``--out DIR`` writes the results there;
+without it they go to a new ``bench-results/<time>`` directory under the current one.
+The committed results in ``benchmarks/results`` change only with ``--out benchmarks/results``."""
 
 import importlib
-import os
 import sys
 
-from benchmarks.common import OUT_ENV
+from benchmarks.common import take_out_arg
 
 NAMES = (
     "memory",
@@ -26,13 +26,10 @@ if __name__ == "__main__":
             file=sys.stderr,
         )
         raise SystemExit(2)
-    args = sys.argv[2:]
-    if "--out" in args:
-        i = args.index("--out")
-        if i + 1 >= len(args):
-            print("--out: expected a directory", file=sys.stderr)
-            raise SystemExit(2)
-        os.environ[OUT_ENV] = args[i + 1]
-        del args[i : i + 2]
+    try:
+        args = take_out_arg(sys.argv[2:])
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        raise SystemExit(2) from None
     mod = importlib.import_module(f"benchmarks.bench_{sys.argv[1]}")
     raise SystemExit(mod.main(args))

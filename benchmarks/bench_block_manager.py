@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import environment, table, write_result
+from benchmarks.common import environment, positive_int, table, write_result
 from paged_jax.batch import ScheduledSeq, build_batch
 from paged_jax.block_manager import BlockManager
 
@@ -195,7 +195,7 @@ def bench(repeats: int) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Block manager host overhead vs a naive allocator")
-    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--repeats", type=positive_int, default=50)
     args = parser.parse_args(argv)
     rows = bench(args.repeats)
     shown = [

@@ -50,7 +50,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import environment, table, time_samples, write_result
+from benchmarks.common import environment, positive_int, table, time_samples, write_result
 
 # Shapes of the public checkpoints (config.json of each); weights are random here.
 SHAPE_FIELDS = {
@@ -394,10 +394,10 @@ def decode_split(llm, name, backend, c, context) -> dict:
 def peer_main(argv) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--peer", required=True, choices=sorted(SHAPE_FIELDS))
-    ap.add_argument("--concurrency", type=int, nargs="+", required=True)
-    ap.add_argument("--prompt-len", type=int, required=True)
-    ap.add_argument("--output-len", type=int, required=True)
-    ap.add_argument("--repeats", type=int, required=True)
+    ap.add_argument("--concurrency", type=positive_int, nargs="+", required=True)
+    ap.add_argument("--prompt-len", type=positive_int, required=True)
+    ap.add_argument("--output-len", type=positive_int, required=True)
+    ap.add_argument("--repeats", type=positive_int, required=True)
     a = ap.parse_args(argv)
     res = transformers_peer(a.peer, a.concurrency, a.prompt_len, a.output_len, a.repeats)
     print(json.dumps(res))
@@ -410,12 +410,12 @@ def main(argv=None) -> int:
         return peer_main(argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=list(SHAPE_FIELDS), choices=sorted(SHAPE_FIELDS))
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--concurrency", type=positive_int, nargs="+", default=[64, 256])
+    ap.add_argument("--prompt-len", type=positive_int, default=128)
+    ap.add_argument("--output-len", type=positive_int, default=128)
     ap.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         help="default: every prompt of the largest concurrency in one step",
     )
@@ -425,7 +425,7 @@ def main(argv=None) -> int:
         default=["auto"],
         choices=["auto", "xla", "pallas_gpu", "pallas_tpu"],
     )
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument(
         "--decode-kernel",
         choices=["on", "off", "both"],

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.common import environment, progress, table, write_result
+from benchmarks.common import environment, positive_int, progress, table, write_result
 from paged_jax.engine import LLM, SamplingParams
 
 
@@ -50,8 +50,8 @@ def measure(num_seqs: int, steps: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seqs", type=int, nargs="+", default=[64, 256, 1024])
-    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--seqs", type=positive_int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--steps", type=positive_int, default=48)
     args = ap.parse_args(argv)
     rows = []
     with progress(len(args.seqs), "host overhead") as bar:

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import environment, progress, table, time_samples, write_result
+from benchmarks.common import environment, positive_int, progress, table, time_samples, write_result
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = jnp.bfloat16
@@ -345,12 +345,15 @@ def main(argv=None) -> int:
     on_cpu = platform == "cpu"
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--batches", type=int, nargs="+", default=[1, 8, 64] if on_cpu else [1, 8, 64, 256]
+        "--batches", type=positive_int, nargs="+", default=[1, 8, 64] if on_cpu else [1, 8, 64, 256]
     )
     ap.add_argument(
-        "--contexts", type=int, nargs="+", default=[512, 4096] if on_cpu else [512, 4096, 32768]
+        "--contexts",
+        type=positive_int,
+        nargs="+",
+        default=[512, 4096] if on_cpu else [512, 4096, 32768],
     )
-    ap.add_argument("--repeats", type=int, default=5 if on_cpu else 7)
+    ap.add_argument("--repeats", type=positive_int, default=5 if on_cpu else 7)
     ap.add_argument("--tune", action="store_true", help="GPU: sweep the kernels' knobs")
     ap.add_argument("--no-prefill", action="store_true", help="skip the ragged prefill table")
     args = ap.parse_args(argv)

@@ -22,19 +22,21 @@ import argparse
 import statistics
 import sys
 
-from benchmarks.common import environment, table, time_samples, write_result
+from benchmarks.common import environment, positive_int, table, time_samples, write_result
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--pages", type=int, default=4608, help="pages per layer (N)")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--context", type=int, default=192)
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--heads", type=int, nargs=3, default=[HQ, HKV, D], metavar=("HQ", "HKV", "D"))
+    ap.add_argument("--layers", type=positive_int, default=32)
+    ap.add_argument("--pages", type=positive_int, default=4608, help="pages per layer (N)")
+    ap.add_argument("--batch", type=positive_int, default=64)
+    ap.add_argument("--context", type=positive_int, default=192)
+    ap.add_argument("--repeats", type=positive_int, default=20)
+    ap.add_argument(
+        "--heads", type=positive_int, nargs=3, default=[HQ, HKV, D], metavar=("HQ", "HKV", "D")
+    )
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     M = -(-args.context // PAGE)
     if args.batch * M >= args.pages:

@@ -20,7 +20,15 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.common import environment, progress, pyplot, save_plot, table, write_result
+from benchmarks.common import (
+    environment,
+    positive_int,
+    progress,
+    pyplot,
+    save_plot,
+    table,
+    write_result,
+)
 from benchmarks.workloads import sample_lengths
 from paged_jax.block_manager import BlockManager
 from paged_jax.engine.sampling import SamplingParams
@@ -90,6 +98,8 @@ def simulate_reserved(lengths, budget: int, reserve) -> dict:
         while queue:
             _, (p, o) = queue[0]
             r = reserve(p, o)
+            if r > budget:
+                raise ValueError(f"a request reserving {r} slots can never fit {budget}")
             if r > free:
                 break
             free -= r
@@ -112,9 +122,11 @@ def _pow2(n: int) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--budget", type=int, default=65536, help="KV token slots")
+    ap.add_argument("--requests", type=positive_int, default=1000)
+    ap.add_argument("--budget", type=positive_int, default=65536, help="KV token slots")
     args = ap.parse_args(argv)
+    if args.budget < MAX_LEN:
+        ap.error(f"--budget: expected >= {MAX_LEN} (a request of the maximum length must fit)")
     rows = []
     schemes = {
         "contiguous / Orca (Max)": lambda p, o: MAX_LEN,

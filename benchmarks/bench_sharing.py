@@ -14,7 +14,15 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.common import environment, progress, pyplot, save_plot, table, write_result
+from benchmarks.common import (
+    environment,
+    positive_int,
+    progress,
+    pyplot,
+    save_plot,
+    table,
+    write_result,
+)
 from benchmarks.workloads import sample_lengths
 from paged_jax.engine import LLM, SamplingParams
 
@@ -43,7 +51,7 @@ def _run(prompts, params, *, prefix_caching=False, num_pages=4096):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--requests", type=positive_int, default=32)
     args = ap.parse_args(argv)
     lengths = sample_lengths("alpaca", args.requests, seed=1, max_len=512)
     prompts = [

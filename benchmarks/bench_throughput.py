@@ -24,7 +24,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import environment, pyplot, save_plot, table, write_result
+from benchmarks.common import environment, positive_int, pyplot, save_plot, table, write_result
 from benchmarks.workloads import sample_lengths
 from paged_jax.batch import bucket
 from paged_jax.engine import LLM, SamplingParams
@@ -143,9 +143,11 @@ def run_static(prompts, outs, budget):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--budget", type=int, default=8192, help="KV token slots")
+    ap.add_argument("--requests", type=positive_int, default=64)
+    ap.add_argument("--budget", type=positive_int, default=8192, help="KV token slots")
     args = ap.parse_args(argv)
+    if args.budget < MAX_LEN:
+        ap.error(f"--budget: expected >= {MAX_LEN} (a request of the maximum length must fit)")
     lengths = sample_lengths("sharegpt", args.requests, seed=2, max_len=MAX_LEN, scale=0.25)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, p).tolist() for p, _ in lengths]

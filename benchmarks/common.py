@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.metadata
 import json
+import math
 import os
 import pathlib
 import platform
@@ -17,9 +19,62 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 OUT_ENV = "PAGED_JAX_RESULTS_DIR"
 
 
+_DEFAULT_DIR: pathlib.Path | None = None
+
+
 def results_dir() -> pathlib.Path:
-    """Where results are written: ``$PAGED_JAX_RESULTS_DIR``, else ``benchmarks/results``."""
-    return pathlib.Path(os.environ.get(OUT_ENV) or RESULTS)
+    """Where results are written: ``$PAGED_JAX_RESULTS_DIR`` (``--out DIR``), else a new
+    directory ``bench-results/<UTC time>`` under the current directory, one per process.
+    The committed files in ``benchmarks/results`` change only when named explicitly."""
+    global _DEFAULT_DIR
+    if os.environ.get(OUT_ENV):
+        return pathlib.Path(os.environ[OUT_ENV])
+    if _DEFAULT_DIR is None:
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        _DEFAULT_DIR = pathlib.Path.cwd() / "bench-results" / stamp
+    return _DEFAULT_DIR
+
+
+def take_out_arg(args: list[str]) -> list[str]:
+    """Removes ``--out DIR`` (or ``--out=DIR``) from ``args`` and points results there.
+    Raises ValueError when DIR is missing or names a file."""
+    args = list(args)
+    for i, a in enumerate(args):
+        if a == "--out" or a.startswith("--out="):
+            if a == "--out":
+                if i + 1 >= len(args) or args[i + 1].startswith("-"):
+                    raise ValueError("--out: expected a directory")
+                value, end = args[i + 1], i + 2
+            else:
+                value, end = a.split("=", 1)[1], i + 1
+            if not value or pathlib.Path(value).is_file():
+                raise ValueError(f"--out: expected a directory, got {value!r}")
+            os.environ[OUT_ENV] = value
+            del args[i:end]
+            break
+    return args
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (the flag is named by argparse in the error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def _finite(x):
+    """``x`` with every NaN or infinite float replaced by None (strict JSON)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _version(dist: str) -> str | None:
@@ -109,7 +164,9 @@ def write_result(name: str, payload: dict) -> pathlib.Path:
     out = results_dir()
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    # Strict JSON: NaN and infinities (a rate over zero requests) become null.
+    text = json.dumps(_finite(json.loads(json.dumps(payload, default=str))), allow_nan=False)
+    path.write_text(json.dumps(json.loads(text), indent=2) + "\n")
     return path
 
 

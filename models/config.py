@@ -6,6 +6,13 @@ import dataclasses
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+_REQUIRED_HF_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +80,13 @@ class LlamaConfig:
                 f"num_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, got "
                 f"{self.num_heads}"
             )
+        hd = self.head_dim
+        if hd is not None and (not isinstance(hd, int) or isinstance(hd, bool) or hd < 1):
+            raise ValueError(f"head_dim: expected None or a positive int, got {self.head_dim!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"{name}: expected a number, got {value!r}")
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise ValueError(
@@ -104,7 +118,19 @@ class LlamaConfig:
     # ------------------------------------------------------------------ Hugging Face
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
-        """From a Hugging Face ``config.json`` dict (transformers 4.x or 5.x key names)."""
+        """From a Hugging Face ``config.json`` dict (transformers 4.x or 5.x key names).
+
+        Raises ValueError naming the key for a missing, mistyped or unsupported value.
+        """
+        if not isinstance(hf, dict):
+            raise ValueError(f"expected a JSON object, got {type(hf).__name__}")
+        try:
+            return cls._from_hf(hf)
+        except (TypeError, KeyError) as e:  # a value of the wrong type deep in a conversion
+            raise ValueError(f"unexpected value ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
         archs = hf.get("architectures") or []
         arch = (
             archs[0]
@@ -127,11 +153,20 @@ class LlamaConfig:
         scaling = None
         if rope_type == "llama3":
             src = {**legacy, **rope}
+            need = ("factor", "low_freq_factor", "high_freq_factor")
+            missing = [k for k in (*need, "original_max_position_embeddings") if k not in src]
+            if missing:
+                raise ValueError(
+                    f"rope_scaling: llama3 rope scaling needs {', '.join(missing)}, which "
+                    "config.json does not give"
+                )
             scaling = RopeScaling(
-                factor=float(src["factor"]),
-                low_freq_factor=float(src["low_freq_factor"]),
-                high_freq_factor=float(src["high_freq_factor"]),
-                original_max_position_embeddings=int(src["original_max_position_embeddings"]),
+                factor=_number(src, "factor", "rope_scaling."),
+                low_freq_factor=_number(src, "low_freq_factor", "rope_scaling."),
+                high_freq_factor=_number(src, "high_freq_factor", "rope_scaling."),
+                original_max_position_embeddings=int(
+                    _number(src, "original_max_position_embeddings", "rope_scaling.")
+                ),
             )
         elif rope_type not in (None, "default"):
             raise ValueError(f"rope_type: {rope_type!r} is not supported (default, llama3)")
@@ -153,6 +188,9 @@ class LlamaConfig:
         if hf.get("mlp_bias"):
             raise ValueError("mlp_bias: MLP biases are not supported")
         eos = hf.get("eos_token_id")
+        missing = [k for k in _REQUIRED_HF_KEYS if k not in hf]
+        if missing:
+            raise ValueError(f"missing key(s) {', '.join(map(repr, missing))}")
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -161,8 +199,8 @@ class LlamaConfig:
             num_heads=hf["num_attention_heads"],
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
             head_dim=hf.get("head_dim"),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
+            rms_norm_eps=_number({"rms_norm_eps": 1e-6, **hf}, "rms_norm_eps"),
+            rope_theta=_number({"rope_theta": theta}, "rope_theta"),
             rope_scaling=scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -173,6 +211,13 @@ class LlamaConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
         )
+
+
+def _number(src: dict, key: str, prefix: str = "") -> float:
+    value = src[key]
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{prefix}{key}: expected a number, got {value!r}")
+    return float(value)
 
 
 # A built-in model for demos and tests: random weights from a fixed seed, byte vocabulary

@@ -39,7 +39,10 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
 def _weight_files(root: pathlib.Path) -> list[pathlib.Path]:
     index = root / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: no valid weight_map ({_first_line(e)})") from None
         files = [root / s for s in shards]
     elif (root / "model.safetensors").exists():
         files = [root / "model.safetensors"]
@@ -63,7 +66,14 @@ def load_tokenizer(path: str | pathlib.Path) -> Any | None:
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(file))
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises plain Exceptions for any parse failure
+        raise ValueError(f"{file}: not a valid tokenizer.json ({_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def load_hf(
@@ -92,10 +102,16 @@ def load_hf(
     cfg_file = root / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{cfg_file}: missing (every Hugging Face checkpoint has one)")
-    cfg = LlamaConfig.from_hf(json.loads(cfg_file.read_text()))
+    try:
+        cfg = LlamaConfig.from_hf(json.loads(cfg_file.read_text(encoding="utf-8")))
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{cfg_file}: {_first_line(e)}") from None
     tensors: dict[str, Any] = {}
     for f in _weight_files(root):
-        tensors.update(load_file(str(f)))
+        try:
+            tensors.update(load_file(str(f)))
+        except Exception as e:  # safetensors' own error type, or OSError / ValueError
+            raise ValueError(f"{f}: not a readable safetensors file ({_first_line(e)})") from None
     stored = {jnp.dtype(t.dtype) for t in tensors.values()}
     dtype = (
         jnp.dtype(dtype)

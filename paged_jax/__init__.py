@@ -20,21 +20,22 @@ padding rows of block tables.
 
 import importlib
 
-from paged_jax.batch import ScheduledSeq, StepBatch, bucket, build_batch
-from paged_jax.block_manager import (
-    BlockManager,
-    BlockManagerError,
-    DuplicateSequence,
-    InvalidSequenceState,
-    OutOfPages,
-    UnknownSequence,
-)
-
 __version__ = "0.1.0"
 
-# The JAX-side API is imported on first use, so host-only processes (a scheduler, the
-# block manager's tests) can import paged_jax without importing JAX.
+# Everything is imported on first use: host-only processes (a scheduler, the block
+# manager's tests) never import JAX, and the console script starts (and takes Ctrl-C
+# properly) before NumPy is even loaded.
 _LAZY = {
+    "ScheduledSeq": ("paged_jax.batch", "ScheduledSeq"),
+    "StepBatch": ("paged_jax.batch", "StepBatch"),
+    "bucket": ("paged_jax.batch", "bucket"),
+    "build_batch": ("paged_jax.batch", "build_batch"),
+    "BlockManager": ("paged_jax.block_manager", "BlockManager"),
+    "BlockManagerError": ("paged_jax.block_manager", "BlockManagerError"),
+    "DuplicateSequence": ("paged_jax.block_manager", "DuplicateSequence"),
+    "InvalidSequenceState": ("paged_jax.block_manager", "InvalidSequenceState"),
+    "OutOfPages": ("paged_jax.block_manager", "OutOfPages"),
+    "UnknownSequence": ("paged_jax.block_manager", "UnknownSequence"),
     "reference": ("paged_jax.reference", None),
     "validate_inputs": ("paged_jax._validation", "validate_inputs"),
     "validate_decode_inputs": ("paged_jax._validation", "validate_decode_inputs"),

@@ -6,11 +6,18 @@ traceback.
 
 from __future__ import annotations
 
+import _thread
 import argparse
+import contextlib
+import errno
+import gc
 import importlib
 import json
+import os
 import pathlib
+import signal
 import sys
+import threading
 
 DEFAULT_PROMPTS = ["Paged attention stores the KV cache in", "Once upon a time"]
 BENCHMARKS = ("block_manager", "kernels", "memory", "sharing", "throughput", "host_overhead")
@@ -30,7 +37,14 @@ def _parser() -> argparse.ArgumentParser:
         help="'tiny-llama' (built in, random weights) or a Hugging Face checkpoint dir",
     )
     g.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
-    g.add_argument("--prompts-file", type=pathlib.Path, help="one prompt per line")
+    g.add_argument("--prompts-file", type=pathlib.Path, help="one prompt per line (UTF-8)")
+    g.add_argument(
+        "--prompt-ids",
+        action="append",
+        default=None,
+        metavar="IDS",
+        help="a prompt as token ids, e.g. '1,15,42' (repeatable; no tokenizer needed)",
+    )
     g.add_argument("-n", type=int, default=1, help="samples per prompt (share prompt pages)")
     g.add_argument("--beam-width", type=int, default=1, help="beam search width (1: off)")
     g.add_argument("--max-tokens", type=int, default=32)
@@ -51,24 +65,51 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-progress", action="store_true")
     g.add_argument("--json", action="store_true", help="print outputs and metrics as JSON")
-    b = sub.add_parser("bench", help="run a benchmark (from a source checkout)")
+    b = sub.add_parser(
+        "bench",
+        help="run a benchmark (from a source checkout); --out DIR among its arguments "
+        "names where results go (default: a new bench-results/<time> here)",
+    )
     b.add_argument("name", choices=BENCHMARKS)
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return p
 
 
-def _prompts(args) -> list[str]:
-    prompts = list(args.prompt or [])
-    if args.prompts_file:
-        if not args.prompts_file.is_file():
-            raise UsageError(f"--prompts-file: {args.prompts_file} does not exist")
-        prompts += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
-    if not prompts:
-        prompts = list(DEFAULT_PROMPTS)
+def _prompts(args) -> list[str | list[int]]:
+    """The prompts of the command line, in order: ``--prompt``, ``--prompts-file`` lines,
+    then ``--prompt-ids``; the demo prompts when none is given."""
+    prompts: list[str | list[int]] = list(args.prompt or [])
     for k, p in enumerate(prompts):
         if not p.strip():
             raise UsageError(f"--prompt: prompt {k + 1} is empty")
-    return prompts
+    if args.prompts_file:
+        f = args.prompts_file
+        if f.is_dir():
+            raise UsageError(f"--prompts-file: {f} is a directory, expected a text file")
+        if not f.is_file():
+            raise UsageError(f"--prompts-file: {f} does not exist")
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(
+                f"--prompts-file: {f} is not UTF-8 text (byte {e.start}: {e.reason})"
+            ) from None
+        except OSError as e:
+            raise UsageError(f"--prompts-file: cannot read {f} ({e.strerror})") from None
+        lines = [line for line in text.splitlines() if line.strip()]
+        if not lines:
+            raise UsageError(f"--prompts-file: {f} has no prompts (every line is blank)")
+        prompts += lines
+    for k, ids in enumerate(args.prompt_ids or []):
+        try:
+            prompts.append([int(t) for t in ids.replace(",", " ").split()])
+        except ValueError:
+            raise UsageError(
+                f"--prompt-ids: prompt {k + 1} ({ids!r}) is not a list of integers"
+            ) from None
+        if not prompts[-1]:
+            raise UsageError(f"--prompt-ids: prompt {k + 1} is empty")
+    return prompts or list(DEFAULT_PROMPTS)
 
 
 _FLAGS = {
@@ -82,6 +123,10 @@ _FLAGS = {
     "seed": "--seed",
     "n": "-n",
     "beam_width": "--beam-width",
+    "page_size": "--page-size",
+    "num_pages": "--num-pages",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
 }
 
 
@@ -101,8 +146,20 @@ def _generate(args) -> int:
     if not 0.0 < args.top_p <= 1.0:
         raise UsageError(f"--top-p: expected a value in (0, 1], got {args.top_p}")
     prompts = _prompts(args)
-    from paged_jax.engine import LLM, SamplingParams
+    with _INTERRUPTS.held():  # imports and backend start-up: see _Interrupts
+        import jax
 
+        import models  # noqa: F401
+        from paged_jax.engine import LLM, SamplingParams
+
+        jax.devices()
+
+    model, tokenizer = _load_model(args.model)
+    if tokenizer is None and any(isinstance(p, str) for p in prompts):
+        raise UsageError(
+            f"--model: {args.model} has no tokenizer.json; give prompts as token ids "
+            "with --prompt-ids"
+        )
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -119,7 +176,8 @@ def _generate(args) -> int:
             ignore_eos=args.ignore_eos,
         )
         llm = LLM(
-            args.model,
+            model,
+            tokenizer=tokenizer,
             num_pages=args.num_pages,
             page_size=args.page_size,
             max_num_seqs=args.max_num_seqs,
@@ -164,7 +222,8 @@ def _generate(args) -> int:
         console.print(f"[bold]prompt:[/bold] {p!r}")
         for c in o.outputs:
             label = f"  [{c.index}]" if len(o.outputs) > 1 else " "
-            console.print(f"{label} {c.text!r} ({len(c.token_ids)} tokens, {c.finish_reason})")
+            shown = repr(c.text) if c.text is not None else f"token ids {c.token_ids}"
+            console.print(f"{label} {shown} ({len(c.token_ids)} tokens, {c.finish_reason})")
         if o.error:
             console.print(f"  [red]failed:[/red] {o.error}")
     table = Table(title="engine metrics")
@@ -184,6 +243,19 @@ def _failed(outputs) -> int:
     return 1 if bad else 0
 
 
+def _load_model(name: str):
+    """(model, tokenizer) of ``--model``; a broken checkpoint is a UsageError naming the
+    file (config.json, a safetensors file, tokenizer.json)."""
+    import models
+
+    if name in models.PRESETS:
+        return models.init_model(models.PRESETS[name], seed=0), models.ByteTokenizer()
+    try:
+        return models.load_hf(name)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(f"--model: {e}") from None
+
+
 def _bench(args) -> int:
     root = pathlib.Path(__file__).resolve().parents[1]
     if (root / "benchmarks").is_dir() and str(root) not in sys.path:
@@ -195,19 +267,108 @@ def _bench(args) -> int:
             f"bench: benchmark {args.name!r} is not available here ({e}); run it "
             "from a source checkout"
         ) from None
-    return int(mod.main(args.args) or 0)
+    from benchmarks.common import take_out_arg
+
+    try:
+        argv = take_out_arg(args.args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return int(mod.main(argv) or 0)
+
+
+class _Interrupts:
+    """The console script's Ctrl-C: ``KeyboardInterrupt`` as usual, but never where Python
+    or a C extension would turn it into something worse. Main thread only.
+
+    * Inside a garbage-collector callback (JAX registers one) or a ``__del__``, Python
+      prints the exception as "Exception ignored" and drops it: the run went on. There
+      the interrupt is re-sent a moment later, once the callback has returned.
+    * While JAX and its C extensions import and initialize (``held()``), an exception
+      raised from Python code that the extension's initializer called aborts the process
+      (SIGABRT; seen with jaxlib's MLIR bindings). There it is held and raised when the
+      block ends.
+    """
+
+    def __init__(self):
+        self.depth = 0
+        self.pending = False
+
+    def __enter__(self):
+        self.active = threading.current_thread() is threading.main_thread()
+        if self.active:
+            self.previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self.active:
+            signal.signal(signal.SIGINT, self.previous)
+
+    def _handler(self, signum, frame):
+        if self.depth:
+            self.pending = True
+        elif _inside_ignored_context(frame):
+            threading.Timer(0.005, _thread.interrupt_main, args=(signum,)).start()
+        else:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def held(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+        if self.pending and not self.depth:
+            self.pending = False
+            raise KeyboardInterrupt
+
+
+def _inside_ignored_context(frame) -> bool:
+    codes = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in codes or frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+_INTERRUPTS = _Interrupts()
 
 
 def main(argv: list[str] | None = None) -> int:
+    with _INTERRUPTS:
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _generate(args) if args.command == "generate" else _bench(args)
+        code = _generate(args) if args.command == "generate" else _bench(args)
+        sys.stdout.flush()  # a write error shows here, not as a traceback at exit
+        return code
     except UsageError as e:
         print(f"paged-jax: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # the engine let its step finish; nothing half-done remains
         print("paged-jax: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.errno not in (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EBADF):
+            raise
+        # stdout is closed, full or gone: say so once, and stop Python's exit-time flush
+        # of the same buffer from printing a traceback of its own.
+        _silence_stdout()
+        if e.errno != errno.EPIPE:  # a closed pipe (e.g. `| head`) is the reader's choice
+            print(f"paged-jax: error: cannot write the output ({e.strerror})", file=sys.stderr)
+        return 2
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -142,3 +142,43 @@ def test_layer_view_benchmark_agrees_across_ways_and_writes_where_told(tmp_path,
     assert all(r["max_abs_diff_vs_arrays"] == 0.0 and r["ms"] > 0 for r in out["results"])
     with pytest.raises(SystemExit):
         bench_layer_view.main("--pages 8 --batch 4 --context 40".split())
+
+
+def test_results_go_to_a_new_directory_here_unless_told(tmp_path, monkeypatch):
+    from benchmarks import common
+
+    monkeypatch.delenv(common.OUT_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(common, "_DEFAULT_DIR", None)
+    path = common.write_result("x", {"rate": float("nan"), "rows": [1.5, float("inf")]})
+    assert path.parent.parent == tmp_path / "bench-results"
+    assert common.RESULTS not in path.parents  # never the committed files by default
+    import json
+
+    assert json.loads(path.read_text(), parse_constant=pytest.fail) == {
+        "rate": None,
+        "rows": [1.5, None],
+    }
+    assert common.take_out_arg(["--repeats", "3", "--out=somewhere"]) == ["--repeats", "3"]
+    assert common.results_dir() == Path("somewhere")
+    for bad in (["--out"], ["--out", "--repeats"], ["--out", str(path)]):
+        with pytest.raises(ValueError, match="--out: expected a directory"):
+            common.take_out_arg(bad)
+
+
+@pytest.mark.parametrize(
+    "name,argv,message",
+    [
+        ("throughput", ["--requests", "0"], "--requests: expected an int >= 1, got 0"),
+        ("memory", ["--budget", "100"], "--budget: expected >= 2048"),
+        ("sharing", ["--requests", "x"], "--requests: expected an int >= 1, got 'x'"),
+        ("block_manager", ["--repeats", "-1"], "--repeats: expected an int >= 1, got -1"),
+    ],
+)
+def test_bad_benchmark_arguments_exit_2_before_running(name, argv, message, capsys):
+    import importlib
+
+    mod = importlib.import_module(f"benchmarks.bench_{name}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

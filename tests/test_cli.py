@@ -1,9 +1,12 @@
 """The `paged-jax` console script, run as a real subprocess."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 CLI = [sys.executable, "-m", "paged_jax.cli"]
@@ -114,3 +117,144 @@ def test_a_request_the_engine_fails_is_reported_and_exits_1(monkeypatch, capsys)
     assert bad["error"] == "RuntimeError: boom"
     assert bad["completions"][0]["finish_reason"] == "error"
     assert captured.err.strip().endswith("paged-jax: error: prompt(s) [2] failed (see above)")
+
+
+# ---------------------------------------------------------------- broken inputs
+TINY_HF = dict(
+    architectures=["LlamaForCausalLM"],
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=128,
+)
+
+
+def _checkpoint(path, config=None, tokenizer: str | None = None):
+    """A real checkpoint directory (random weights, saved under HF tensor names), with
+    ``config`` as config.json and optionally a tokenizer.json."""
+    from flax import nnx
+    from safetensors.numpy import save_file
+
+    import models
+    from models.hf import _hf_name
+
+    cfg = models.LlamaConfig.from_hf(TINY_HF)
+    state = nnx.state(models.init_model(cfg, seed=1))
+    tensors = {}
+    for p, var in nnx.to_flat_state(state):
+        name, transposed = _hf_name(p)
+        value = np.asarray(var.get_value())
+        tensors[name] = np.ascontiguousarray(value.T if transposed else value)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config or TINY_HF))
+    if tokenizer is not None:
+        (path / "tokenizer.json").write_text(tokenizer)
+    return path
+
+
+def _main(capsys, *argv):
+    from paged_jax import cli
+
+    code = cli.main(["generate", "--no-progress", *map(str, argv)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_a_checkpoint_without_tokenizer_runs_on_token_ids(tmp_path, capsys):
+    ckpt = _checkpoint(tmp_path / "ck")
+    code, out, err = _main(capsys, "--model", ckpt, "--prompt-ids", "1,2,3", "--max-tokens", 4)
+    assert code == 0, err
+    assert "token ids [" in out and "(4 tokens, length)" in out
+    code, _, err = _main(capsys, "--model", ckpt, "--prompt", "hi")
+    assert code == 2 and f"--model: {ckpt} has no tokenizer.json; give prompts as token" in err
+
+
+def _bad_config(**over):
+    """TINY_HF with ``over`` applied; a key set to None is left out."""
+    return {k: v for k, v in {**TINY_HF, **over}.items() if v is not None}
+
+
+BAD_CHECKPOINTS = [
+    ("config-missing-key", dict(config=_bad_config(hidden_size=None)), "missing key(s) 'hidden"),
+    ("config-wrong-type", dict(config=_bad_config(hidden_size="32")), "hidden_size: expected a"),
+    ("config-head-dim", dict(config=_bad_config(head_dim=0)), "head_dim: expected None or a pos"),
+    (
+        "config-llama3",
+        dict(config=_bad_config(rope_scaling={"rope_type": "llama3", "factor": 8.0})),
+        "rope_scaling: llama3 rope scaling needs low_freq_factor",
+    ),
+    ("config-not-json", dict(raw_config="{oops"), "config.json: Expecting property name"),
+    ("weights-empty", dict(weights=b""), "model.safetensors: not a readable safetensors file"),
+    ("weights-random", dict(weights=bytes(range(256)) * 4), "not a readable safetensors file"),
+    ("weights-truncated", dict(truncate=100), "model.safetensors: not a readable safetensors"),
+    ("tokenizer-corrupt", dict(tokenizer="{not json"), "tokenizer.json: not a valid tokenizer"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_CHECKPOINTS, ids=[c[0] for c in BAD_CHECKPOINTS])
+def test_a_broken_checkpoint_is_one_line_naming_the_file(tmp_path, capsys, case):
+    _, spec, message = case
+    ckpt = _checkpoint(tmp_path / "ck", spec.get("config"), spec.get("tokenizer"))
+    if "raw_config" in spec:
+        (ckpt / "config.json").write_text(spec["raw_config"])
+    if "weights" in spec:
+        (ckpt / "model.safetensors").write_bytes(spec["weights"])
+    if "truncate" in spec:
+        data = (ckpt / "model.safetensors").read_bytes()
+        (ckpt / "model.safetensors").write_bytes(data[: spec["truncate"]])
+    code, _, err = _main(capsys, "--model", ckpt, "--prompt-ids", "1,2")
+    assert code == 2
+    assert err.startswith(f"paged-jax: error: --model: {ckpt}") and message in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_bad_prompt_files_and_ids(tmp_path, capsys):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café\n".encode("latin-1"))
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n")
+    cases = [
+        (["--prompts-file", latin1], f"--prompts-file: {latin1} is not UTF-8 text (byte 3"),
+        (["--prompts-file", blank], f"--prompts-file: {blank} has no prompts"),
+        (["--prompts-file", tmp_path], f"--prompts-file: {tmp_path} is a directory"),
+        (["--prompt-ids", "1,x"], "--prompt-ids: prompt 1 ('1,x') is not a list of integers"),
+        (["--prompt-ids", " , "], "--prompt-ids: prompt 1 is empty"),
+        (["--prompt-ids", "1,999"], "prompts[0]: prompt: token ids must lie in [0, 320)"),
+        (["--page-size", 0], "--page-size: expected an int >= 1, got 0"),
+        (["--num-pages", 1], "--num-pages: expected an int >= 2 (page 0 is null), got 1"),
+        (["--seed", 2**32], "--seed: expected None or an int in [0, 2**32 - 1]"),
+        (["--top-k", 2**31], "--top-k: expected an int in [0, 2**31)"),
+    ]
+    for args, message in cases:
+        code, _, err = _main(capsys, *args)
+        assert code == 2 and err.startswith(f"paged-jax: error: {message}"), (args, err)
+        assert len(err.strip().splitlines()) == 1
+
+
+def test_a_pool_larger_than_memory_says_how_much_it_needs(capsys):
+    code, _, err = _main(capsys, "--num-pages", 10**9)
+    assert code == 2
+    assert re.fullmatch(
+        r"paged-jax: error: --num-pages: 1000000000 pages of 16 tokens need [\d.]+ GiB of KV "
+        r"cache, .+ has [\d.]+ GiB free; lower num_pages or kv_cache_bytes\n",
+        err,
+    ), err
+
+
+def test_stdout_that_cannot_be_written_is_one_line():
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full (Linux)")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [*CLI, "generate", "--max-tokens", "2", "--no-progress", "--json"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+    assert proc.returncode == 2
+    assert proc.stderr == "paged-jax: error: cannot write the output (No space left on device)\n"

@@ -215,9 +215,26 @@ class LLM:
             num_pages = max(
                 2, (kv_cache_bytes or _default_budget()) // (page_size * probe.bytes_per_token)
             )
+        elif isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
+            raise ValueError(f"num_pages: expected an int >= 2 (page 0 is null), got {num_pages!r}")
         self.page_size = page_size
         self._cache_dtype = cache_dtype
-        self.cache = self.model.make_cache(num_pages, page_size, cache_dtype)
+        need = num_pages * page_size * probe.bytes_per_token
+        free, where = _free_memory()
+        if free is not None and need > free:
+            raise ValueError(
+                f"num_pages: {num_pages} pages of {page_size} tokens need {_gib(need)} of KV "
+                f"cache, {where} has {_gib(free)} free; lower num_pages or kv_cache_bytes"
+            )
+        try:
+            self.cache = self.model.make_cache(num_pages, page_size, cache_dtype)
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            raise ValueError(
+                f"num_pages: {num_pages} pages of {page_size} tokens need {_gib(need)} of KV "
+                f"cache, more than {where} could allocate; lower num_pages or kv_cache_bytes"
+            ) from None
         self._bm_args = dict(
             num_pages=num_pages,
             page_size=page_size,
@@ -883,6 +900,26 @@ class LLM:
             bar.close()
             self._undelivered = others + self._undelivered
         return [done[r] for r in ids]
+
+
+def _free_memory() -> tuple[int | None, str]:
+    """Bytes the default device can still allocate (None if unknown), and its name."""
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), dev.device_kind
+    try:  # CPU: the host's available memory (Linux)
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "this machine"
+    except OSError:
+        pass
+    return None, "this machine"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def _default_budget() -> int:
