@@ -20,6 +20,7 @@ from flax import nnx
 import paged_jax as pj
 from models.config import LlamaConfig, RopeScaling
 from paged_jax.cache import PagedKVCache
+from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata
 
 
@@ -108,12 +109,34 @@ class Attention(nnx.Module):
         backend: str,
         interpret: bool = False,
     ):
+        q_THD, k_TKD, v_TKD = rowwise(
+            lambda x, pos: self.project(x, pos, inv_freq),
+            x_TE,
+            positions_T,
+            invariant=md.batch_invariant,
+        )
+        o_THD, cache = self.attend(q_THD, k_TKD, v_TKD, layer, cache, md, backend, interpret)
+        return rowwise(self.output, o_THD, invariant=md.batch_invariant), cache
+
+    def project(self, x_TE, positions_T, inv_freq):
+        """Row-wise: ``(q[T, H, D], k[T, K, D], v[T, K, D])``, RoPE applied."""
         T = x_TE.shape[0]
         q_THD = self.q_proj(x_TE).reshape(T, self.num_heads, self.head_dim)
         k_TKD = self.k_proj(x_TE).reshape(T, self.num_kv_heads, self.head_dim)
         v_TKD = self.v_proj(x_TE).reshape(T, self.num_kv_heads, self.head_dim)
-        q_THD = apply_rope(q_THD, positions_T, inv_freq)
-        k_TKD = apply_rope(k_TKD, positions_T, inv_freq)
+        return (
+            apply_rope(q_THD, positions_T, inv_freq),
+            apply_rope(k_TKD, positions_T, inv_freq),
+            v_TKD,
+        )
+
+    def output(self, o_THD):
+        """Row-wise: ``o_proj`` of the heads' outputs -> ``[T, E]``."""
+        return self.o_proj(o_THD.reshape(o_THD.shape[0], self.num_heads * self.head_dim))
+
+    def attend(self, q_THD, k_TKD, v_TKD, layer, cache, md, backend, interpret):
+        """Writes the step's K/V, then attends: ``(o[T, H, D], cache)``."""
+        T = q_THD.shape[0]
         cache = cache.write(layer, k_TKD, v_TKD, md.slot_mapping)
         kv_pages, page_indices, k_scale, v_scale = cache.attention_inputs(layer, md.page_indices)
         kw = dict(
@@ -123,6 +146,7 @@ class Attention(nnx.Module):
             v_scale=v_scale,
             backend=backend,
             interpret=interpret,
+            batch_invariant=md.batch_invariant,
         )
         if md.decode_only:  # token row i is sequence row i's only token
             S = md.kv_lens.shape[0]
@@ -134,7 +158,7 @@ class Attention(nnx.Module):
             o_THD = pj.ragged_paged_attention(
                 q_THD, kv_pages, md.kv_lens, page_indices, md.cu_q_lens, md.num_seqs, **kw
             )
-        return self.o_proj(o_THD.reshape(T, self.num_heads * self.head_dim)), cache
+        return o_THD, cache
 
 
 class MLP(nnx.Module):
@@ -157,18 +181,20 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs, **kw)
 
     def __call__(self, x_TE, positions_T, inv_freq, layer, cache, md, backend, interpret):
-        h, cache = self.self_attn(
-            self.input_layernorm(x_TE),
+        attn, inv = self.self_attn, md.batch_invariant
+        q, k, v = rowwise(
+            lambda x, pos: attn.project(self.input_layernorm(x), pos, inv_freq),
+            x_TE,
             positions_T,
-            inv_freq,
-            layer,
-            cache,
-            md,
-            backend,
-            interpret,
+            invariant=inv,
         )
-        x_TE = x_TE + h
-        return x_TE + self.mlp(self.post_attention_layernorm(x_TE)), cache
+        o_THD, cache = attn.attend(q, k, v, layer, cache, md, backend, interpret)
+        return rowwise(self._after_attention, x_TE, o_THD, invariant=inv), cache
+
+    def _after_attention(self, x_TE, o_THD):
+        """Row-wise: the residual, the MLP and its residual."""
+        x_TE = x_TE + self.self_attn.output(o_THD)
+        return x_TE + self.mlp(self.post_attention_layernorm(x_TE))
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -224,12 +250,14 @@ class LlamaForCausalLM(nnx.Module):
         x_TE = self.embed_tokens(tokens_T)
         for i, layer in enumerate(self.layers):
             x_TE, cache = layer(x_TE, positions_T, inv_freq, i, cache, md, backend, interpret)
-        x_RE = self.norm(x_TE[md.logits_indices])
+        logits = rowwise(self._logits, x_TE[md.logits_indices], invariant=md.batch_invariant)
+        return logits, cache
+
+    def _logits(self, x_RE):
+        x_RE = self.norm(x_RE)
         if self.lm_head is None:
-            logits = self.embed_tokens.attend(x_RE)
-        else:
-            logits = self.lm_head(x_RE)
-        return logits.astype(jnp.float32), cache
+            return self.embed_tokens.attend(x_RE).astype(jnp.float32)
+        return self.lm_head(x_RE).astype(jnp.float32)
 
 
 def init_model(cfg: LlamaConfig, *, seed: int = 0, dtype=jnp.float32, param_dtype=jnp.float32):

@@ -50,6 +50,11 @@ def _scale_rows(scale, pages, num_kv_heads):
     return s.reshape(s.shape[0], -1, num_kv_heads)
 
 
+# Batch-invariant mode: fixed blocks, whatever the step (see ``attend_tokens``).
+INVARIANT_TOKENS_PER_BLOCK = 8
+INVARIANT_KV_TOKENS = 128  # tokens per KV block (pages: this // page size, at least 1)
+
+
 def attend_tokens(
     q: jax.Array,  # [T, H, D]
     kv_pages: jax.Array,  # [N, P, 2K, D]
@@ -66,7 +71,15 @@ def attend_tokens(
     v_scale,
     tokens_per_block: int | None = None,
     pages_per_block: int | None = None,
+    batch_invariant: bool = False,
 ) -> jax.Array:  # [T, H, D], q.dtype
+    """``batch_invariant``: every token's result is bitwise independent of the rest of the
+    step. Its keys are folded in KV blocks of a fixed size (``INVARIANT_KV_TOKENS``) in a
+    fixed order, through the same compiled loop body, and tokens are grouped in blocks of
+    a fixed count: no size is chosen from the step's token count or table width (which
+    changes the summation order, measured as 1-ulp differences between a token alone and
+    in a batch of 16 or more). Blocks past a token's own keys are fully masked, and
+    folding a fully masked block leaves the running sums bitwise unchanged."""
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, combined, _ = kv_pages.shape
     num_kv_heads = combined // 2
@@ -74,6 +87,12 @@ def attend_tokens(
     max_pages = page_indices.shape[1]
     if num_tokens == 0:
         return q
+    if batch_invariant:
+        tokens_per_block = INVARIANT_TOKENS_PER_BLOCK
+        pages_per_block = max(1, INVARIANT_KV_TOKENS // page_size)
+        width = -(-max_pages // pages_per_block) * pages_per_block  # whole blocks only
+        page_indices = jnp.pad(page_indices, ((0, 0), (0, width - max_pages)))
+        max_pages = width
     d_tq, d_pb = default_block_sizes(num_tokens, page_size, num_kv_heads, head_dim)
     whole_step_bytes = num_tokens * max_pages * page_size * combined * head_dim * 4
     if (
@@ -148,7 +167,7 @@ def attend_tokens(
             jnp.zeros((bq, num_kv_heads, group), jnp.float32),
             jnp.zeros((bq, num_kv_heads, group, head_dim), jnp.float32),
         )
-        if num_kv_blocks == 1:  # no loop: see the module docstring
+        if num_kv_blocks == 1 and not batch_invariant:  # no loop: see the module docstring
             _, l, acc = kv_step(0, init)
         else:
             _, l, acc = jax.lax.fori_loop(start, stop, kv_step, init)
@@ -156,7 +175,7 @@ def attend_tokens(
         return out.reshape(bq, num_heads, head_dim).astype(q.dtype)
 
     blocks = (q_blocks, seq_blocks, pos_blocks, valid_blocks)
-    if num_blocks == 1:
+    if num_blocks == 1 and not batch_invariant:
         out = one_block(jax.tree.map(lambda x: x[0], blocks))[None]
     else:
         out = jax.lax.map(one_block, blocks)
@@ -184,6 +203,7 @@ def ragged_token_layout(kv_lens, cu_q_lens, num_seqs, num_tokens: int):
         "soft_cap",
         "tokens_per_block",
         "pages_per_block",
+        "batch_invariant",
     ),
 )
 def ragged_paged_attention(
@@ -201,6 +221,7 @@ def ragged_paged_attention(
     v_scale,
     tokens_per_block=None,
     pages_per_block=None,
+    batch_invariant=False,
 ):
     seq, pos, valid = ragged_token_layout(kv_lens, cu_q_lens, num_seqs, q.shape[0])
     return attend_tokens(
@@ -218,6 +239,7 @@ def ragged_paged_attention(
         v_scale=v_scale,
         tokens_per_block=tokens_per_block,
         pages_per_block=pages_per_block,
+        batch_invariant=batch_invariant,
     )
 
 
@@ -229,6 +251,7 @@ def ragged_paged_attention(
         "soft_cap",
         "tokens_per_block",
         "pages_per_block",
+        "batch_invariant",
     ),
 )
 def paged_attention(
@@ -244,6 +267,7 @@ def paged_attention(
     v_scale,
     tokens_per_block=None,
     pages_per_block=None,
+    batch_invariant=False,
 ):
     batch = q.shape[0]
     seq = jnp.arange(batch, dtype=jnp.int32)
@@ -262,4 +286,5 @@ def paged_attention(
         v_scale=v_scale,
         tokens_per_block=tokens_per_block,
         pages_per_block=pages_per_block,
+        batch_invariant=batch_invariant,
     )

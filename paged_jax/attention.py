@@ -50,6 +50,11 @@ def _pallas_impl(backend: str, kind: str) -> Callable | None:
     return getattr(mod, f"{kind}_paged_attention", None)
 
 
+def backend_of(impl: Callable) -> str:
+    """ "pallas_gpu" or "pallas_tpu": the backend a kernel function belongs to."""
+    return "pallas_gpu" if impl.__module__.startswith("pallas_kernels.gpu") else "pallas_tpu"
+
+
 def available_backends(platform: str | None = None) -> tuple[str, ...]:
     """Implemented backends for ``platform`` (default: JAX's default backend), best first."""
     platform = platform or jax.default_backend()
@@ -102,6 +107,7 @@ def ragged_paged_attention(
     v_scale: float | jax.Array | None = None,
     backend: str = "auto",
     interpret: bool = False,
+    batch_invariant: bool = False,
 ) -> jax.Array:  # [T, H, D], q.dtype
     """Attention for a ragged batch mixing prefill chunks and decode tokens.
 
@@ -125,6 +131,10 @@ def ragged_paged_attention(
         ``f32[N, P, K]`` scales (``PagedKVCache.layer`` returns them).
       backend: ``"auto" | "xla" | "pallas_tpu" | "pallas_gpu"``.
       interpret: run Pallas kernels in interpret mode (CPU testing); ignored by ``"xla"``.
+      batch_invariant: each token's output is bitwise independent of the other tokens and
+        sequences of the call: KV block sizes and order are fixed, never chosen from T, S
+        or M (see ``_xla.attend_tokens``). The TPU kernels are so by construction; XLA
+        and the GPU kernels fix their blocks. Costs some speed (the XLA path always loops).
 
     Returns ``[T, H, D]`` in q's dtype: new token t attends causally to its sequence's
     keys ``0 .. pos(t)`` where ``pos`` counts from ``kv_len - q_len``. Values (lengths, page
@@ -153,8 +163,17 @@ def ragged_paged_attention(
     )
     if impl is None:
         return _xla.ragged_paged_attention(
-            q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs
+            q,
+            kv_pages,
+            kv_lens,
+            page_indices,
+            cu_q_lens,
+            num_seqs,
+            batch_invariant=bool(batch_invariant),
+            **kwargs,
         )
+    if batch_invariant and backend_of(impl) == "pallas_gpu":
+        kwargs["batch_invariant"] = True
     return impl(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, interpret=interpret, **kwargs
     )
@@ -173,6 +192,7 @@ def paged_attention(
     v_scale: float | jax.Array | None = None,
     backend: str = "auto",
     interpret: bool = False,
+    batch_invariant: bool = False,
 ) -> jax.Array:  # [B, H, D], q.dtype
     """Decode attention: one new token per sequence, at position ``kv_lens[b] - 1``.
 
@@ -199,5 +219,9 @@ def paged_attention(
         v_scale=v_scale,
     )
     if impl is None:
-        return _xla.paged_attention(q, kv_pages, kv_lens, page_indices, **kwargs)
+        return _xla.paged_attention(
+            q, kv_pages, kv_lens, page_indices, batch_invariant=bool(batch_invariant), **kwargs
+        )
+    if batch_invariant and backend_of(impl) == "pallas_gpu":
+        kwargs["batch_invariant"] = True
     return impl(q, kv_pages, kv_lens, page_indices, interpret=interpret, **kwargs)

@@ -28,6 +28,10 @@ class AttentionMetadata:
         sequence row ``i``, with ``kv_lens == 0`` on padding rows; models then call the
         decode kernel (``paged_jax.paged_attention``) instead of the ragged one, which on
         a GPU is 3-18x faster for such rows (``benchmarks/results/kernels_gpu.json``).
+      batch_invariant: static. Every token's logits must be bitwise independent of the
+        rest of the step: models run row-wise work on fixed tiles of rows and attention
+        with fixed blocks (``ragged_paged_attention(batch_invariant=True)``); never
+        combined with ``decode_only``.
     """
 
     slot_mapping: jax.Array
@@ -39,18 +43,26 @@ class AttentionMetadata:
     copy_src: jax.Array
     copy_dst: jax.Array
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    batch_invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @classmethod
-    def from_batch(cls, batch) -> AttentionMetadata:
+    def from_batch(cls, batch, *, batch_invariant: bool = False) -> AttentionMetadata:
         """From a ``paged_jax.StepBatch`` (host numpy arrays, moved to the device);
-        ``decode_only`` when every scheduled sequence computes one token."""
+        ``decode_only`` when every scheduled sequence computes one token (unless
+        ``batch_invariant``: the decode kernel's reduction order differs from the ragged
+        one's, so a row's result would depend on its step's other rows)."""
+        static = ("decode_only", "batch_invariant")
         arrays = {
             f.name: jnp.asarray(getattr(batch, f.name))
             for f in dataclasses.fields(cls)
-            if f.name != "decode_only"
+            if f.name not in static
         }
         decode_only = len(batch.seq_ids) > 0 and batch.num_tokens == len(batch.seq_ids)
-        return cls(**arrays, decode_only=decode_only)
+        return cls(
+            **arrays,
+            decode_only=decode_only and not batch_invariant,
+            batch_invariant=batch_invariant,
+        )
 
     @classmethod
     def prefill(cls, num_tokens: int, slots, page_table_row, *, logits_all: bool = False):

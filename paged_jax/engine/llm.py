@@ -21,6 +21,7 @@ from paged_jax.block_manager import BlockManager, prefix_root_key
 from paged_jax.engine._signals import DeferSignals
 from paged_jax.engine.sampling import Penalties, SamplingParams, beam_candidates, sample_rows
 from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status
+from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata
 
 
@@ -154,6 +155,10 @@ class LLM:
         a failure raises ``ValueError`` as a failed step. Default: the environment
         variable ``PAGED_JAX_CHECKED`` ("1" turns it on). For debugging; it costs host
         time every step.
+      deterministic: batch-invariant steps. A request's tokens and log-probs (greedy or
+        seeded) are then bitwise the same whatever it is batched with, for every cache
+        dtype: row-wise model work runs on fixed tiles of rows and attention with fixed
+        KV blocks (``AttentionMetadata.batch_invariant``). Slower; see the README.
 
     A step is all or nothing. Python signal handlers (Ctrl-C, timers) are held while a
     step runs and called when it ends, so they never interrupt it halfway (a second
@@ -190,12 +195,16 @@ class LLM:
         cache_dtype: Any = None,
         tokenizer: Any = None,
         checked: bool | None = None,
+        deterministic: bool = False,
     ):
         if checked is None:
             checked = os.environ.get(CHECKED_ENV, "") not in ("", "0")
         if not isinstance(checked, bool):
             raise TypeError(f"checked: expected a bool or None, got {checked!r}")
         self.checked = checked
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
+        self.deterministic = deterministic
         if preemption not in ("recompute", "swap"):
             raise ValueError(f"preemption: expected 'recompute' or 'swap', got {preemption!r}")
         for name, v in (
@@ -449,7 +458,7 @@ class LLM:
                 jnp.asarray(batch.token_ids),
                 jnp.asarray(batch.positions),
                 self.cache,
-                AttentionMetadata.from_batch(batch),
+                AttentionMetadata.from_batch(batch, batch_invariant=self.deterministic),
                 jnp.asarray(temp),
                 jnp.asarray(top_k),
                 jnp.asarray(top_p),
@@ -458,7 +467,9 @@ class LLM:
                 jnp.asarray(out_pos),
                 self._penalties(work, rows, S_b),
                 num_candidates=num_cand,
-                greedy_only=not (temp > 0).any(),  # no row samples: an argmax is all
+                # No row samples: an argmax is all (deterministic mode: one path for
+                # every row, so a greedy row's log-prob is the same in any batch).
+                greedy_only=not (temp > 0).any() and not self.deterministic,
             )
             toks, lps = np.asarray(toks), np.asarray(lps)
             cand = None if cand_v is None else (np.asarray(cand_v), np.asarray(cand_i))
@@ -959,7 +970,8 @@ def _make_run(graphdef):
         model = nnx.merge(graphdef, state)
         cache = cache.copy_pages(md.copy_src, md.copy_dst)
         logits, cache = model(tokens, positions, cache, md)
-        toks, lps = sample_rows(
+        toks, lps = rowwise(
+            lambda *rows: sample_rows(*rows, greedy_only=greedy_only),
             logits,
             temp,
             top_k,
@@ -968,7 +980,7 @@ def _make_run(graphdef):
             out_pos,
             min_p,
             penalties,
-            greedy_only=greedy_only,
+            invariant=md.batch_invariant,
         )
         if num_candidates:
             cv, ci = beam_candidates(logits, num_candidates)

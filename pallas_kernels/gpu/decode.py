@@ -111,6 +111,7 @@ def _kernel(
         "sliding_window",
         "pages_per_block",
         "num_splits",
+        "batch_invariant",
         "interpret",
         "num_warps",
         "num_stages",
@@ -129,6 +130,7 @@ def decode_paged_attention(
     v_scale: jax.Array | float | None = None,
     pages_per_block: int | None = None,
     num_splits: int | None = None,
+    batch_invariant: bool = False,
     interpret: bool = False,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -137,7 +139,9 @@ def decode_paged_attention(
     ``paged_jax.paged_attention``. Tuning knobs (defaults in ``tuning.py``):
     ``pages_per_block`` (a power of two; 8 KiB of K per block when B * K fills the SMs,
     16 KiB otherwise), ``num_splits`` (from B, K and M: ~2 waves
-    of SMs), ``num_warps``, ``num_stages``. The dots take 16-bit operands for 16-bit
+    of SMs), ``num_warps``, ``num_stages``. ``batch_invariant``: one split and a block
+    size not taken from B or M, so a row's reduction order never depends on the batch.
+    The dots take 16-bit operands for 16-bit
     queries and f32 otherwise (three TF32 passes on a GPU, exact f32 when interpreted);
     they accumulate in f32, as does the softmax."""
     tuning.check_pow2("pages_per_block", pages_per_block)
@@ -146,10 +150,16 @@ def decode_paged_attention(
     K = combined // 2
     G = H // K
     M = page_indices.shape[1]
-    full_grid = B * K >= NUM_SMS_GUESS
-    block_bytes = tuning.FULL_GRID_KV_BLOCK_BYTES if full_grid else tuning.KV_BLOCK_BYTES
-    bp = pages_per_block or tuning.pages_per_block(D, kv_pages.dtype, P, M, q.dtype, block_bytes)
-    splits = num_splits or default_num_splits(B, K, M, bp)
+    if batch_invariant:  # nothing chosen from B or M: one split, a fixed block
+        bp = pages_per_block or tuning.pages_per_block(D, kv_pages.dtype, P, 1 << 20, q.dtype)
+        splits = 1
+    else:
+        full_grid = B * K >= NUM_SMS_GUESS
+        block_bytes = tuning.FULL_GRID_KV_BLOCK_BYTES if full_grid else tuning.KV_BLOCK_BYTES
+        bp = pages_per_block or tuning.pages_per_block(
+            D, kv_pages.dtype, P, M, q.dtype, block_bytes
+        )
+        splits = num_splits or default_num_splits(B, K, M, bp)
     per_split = pl.cdiv(pl.cdiv(M, splits), bp) * bp
     width = per_split * splits
     table = safe_table(page_indices, N, width)  # padding columns and bad ids: page 0

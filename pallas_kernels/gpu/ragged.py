@@ -125,6 +125,7 @@ def _kernel(
         "sliding_window",
         "tokens_per_block",
         "pages_per_block",
+        "batch_invariant",
         "interpret",
         "num_warps",
         "num_stages",
@@ -145,6 +146,7 @@ def ragged_paged_attention(
     v_scale: jax.Array | float | None = None,
     tokens_per_block: int | None = None,
     pages_per_block: int | None = None,
+    batch_invariant: bool = False,
     interpret: bool = False,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -152,8 +154,10 @@ def ragged_paged_attention(
     """Ragged paged attention; arguments as ``paged_jax.ragged_paged_attention``.
     Tuning knobs (defaults in ``tuning.py``; block sizes are powers of two):
     ``tokens_per_block`` (16 KiB of stacked queries, 64 rows of bf16 at D = 128; at least 1
-    token), ``pages_per_block`` (16 KiB of K per block), ``num_warps``, ``num_stages``. Dot
-    operands and accumulation as in ``decode_paged_attention``."""
+    token), ``pages_per_block`` (16 KiB of K per block), ``num_warps``, ``num_stages``.
+    ``batch_invariant``: ``pages_per_block`` is not capped by the table width (the only
+    size taken from the batch; work items are per sequence). Dot operands and
+    accumulation as in ``decode_paged_attention``."""
     tuning.check_pow2("tokens_per_block", tokens_per_block)
     tuning.check_pow2("pages_per_block", pages_per_block)
     T, H, D = q.shape
@@ -169,7 +173,10 @@ def ragged_paged_attention(
         q = q.reshape(T, K * G, D)
     M = page_indices.shape[1]
     bq = tokens_per_block or tuning.ragged_tokens_per_block(G, D, compute)
-    bp = pages_per_block or tuning.pages_per_block(D, kv_pages.dtype, P, M, compute)
+    # batch_invariant: a block size not taken from the table width M (set by the batch).
+    bp = pages_per_block or tuning.pages_per_block(
+        D, kv_pages.dtype, P, 1 << 20 if batch_invariant else M, compute
+    )
     seq, start, valid = work_list(cu_q_lens, num_seqs, T, bq)
     W = seq.shape[0]
     q_pad = jnp.pad(q, ((0, bq), (0, 0), (0, 0)))  # blocks may read past the last token
