@@ -50,7 +50,8 @@ EOF
       XLA_PYTHON_CLIENT_PREALLOCATE=false run kernels "$(limit kernels 200)" \
         $PY -m pytest -q -p no:cacheprovider -n 8 -m "${KERNEL_TESTS_MARK:-slow or not slow}" \
         --durations=5 -rf \
-        tests/test_pallas_gpu.py tests/test_kernels_in_model.py
+        tests/test_pallas_gpu.py tests/test_kernels_in_model.py tests/test_bad_tables.py \
+        tests/test_batch_invariance.py
       ;;
     models)
       XLA_PYTHON_CLIENT_PREALLOCATE=false PAGED_JAX_BACKEND=pallas_gpu \

@@ -5,6 +5,7 @@ the table's end for a length past it; the host validators name the offender."""
 import dataclasses
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +14,14 @@ from hypothesis import strategies as st
 
 import paged_jax as pj
 from paged_jax.block_manager import BlockManager
+
+PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
+
+
+def _interpret(backend: str) -> bool:
+    """Kernels run compiled where their hardware is, interpreted elsewhere."""
+    return backend != "xla" and jax.default_backend() != PLATFORM[backend]
+
 
 N, P, K, H, D, M = 7, 4, 2, 4, 16, 4
 RAGGED = [(3, 10), (1, 5)]  # (q_len, kv_len) per sequence
@@ -96,16 +105,17 @@ def test_the_bad_ids_change_the_output_where_they_are_read():
 def test_kernels_read_the_null_page_for_ids_outside_the_pool(backend):
     bad, null = _spoil(TABLE, [(0, 1), (1, 0), (0, 2)], [-1, N, 2**31 - 1])
     for fn in (_ragged, _decode):
-        out = fn(bad, backend=backend, interpret=True)
-        np.testing.assert_array_equal(out, fn(null, backend=backend, interpret=True))
-        np.testing.assert_allclose(out, fn(null), atol=2e-5)  # as the XLA path
+        out = fn(bad, backend=backend, interpret=_interpret(backend))
+        np.testing.assert_array_equal(out, fn(null, backend=backend, interpret=_interpret(backend)))
+        # As the XLA path (compiled GPU dots on f32 take TF32 passes: a looser bound).
+        np.testing.assert_allclose(out, fn(null), atol=2e-5 if _interpret(backend) else 5e-3)
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_gpu", "pallas_tpu"])
 def test_a_length_past_the_table_stops_at_the_table(backend):
     # 2**30 tokens with a 4-page table: reads the 4 pages (then stops), finite, no hang.
     huge = jnp.array([2**30, 5], jnp.int32)
-    interpret = backend != "xla"
+    interpret = _interpret(backend)
     for fn in (_ragged, _decode):
         out = fn(TABLE, backend=backend, interpret=interpret, kv_lens=huge)
         assert np.isfinite(np.asarray(out)).all()
