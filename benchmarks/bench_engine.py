@@ -257,7 +257,7 @@ def _decode_kernel(on: bool):
     orig = AttentionMetadata.__dict__["from_batch"]
     if not on:
         AttentionMetadata.from_batch = classmethod(
-            lambda cls, b: dataclasses.replace(orig.__func__(cls, b), decode_only=False)
+            lambda cls, b, **kw: dataclasses.replace(orig.__func__(cls, b, **kw), decode_only=False)
         )
     try:
         yield
