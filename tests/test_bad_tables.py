@@ -101,7 +101,9 @@ def test_the_bad_ids_change_the_output_where_they_are_read():
     np.testing.assert_array_equal(_ragged(bad), _ragged(null))
 
 
-@pytest.mark.parametrize("backend", ["pallas_gpu", "pallas_tpu"])
+@pytest.mark.parametrize(
+    "backend", ["pallas_gpu", pytest.param("pallas_tpu", marks=pytest.mark.slow)]
+)
 def test_kernels_read_the_null_page_for_ids_outside_the_pool(backend):
     bad, null = _spoil(TABLE, [(0, 1), (1, 0), (0, 2)], [-1, N, 2**31 - 1])
     for fn in (_ragged, _decode):

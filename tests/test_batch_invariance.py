@@ -41,7 +41,8 @@ def _case(seqs, width):
 
 
 @pytest.mark.parametrize(
-    "backend", ["xla", pytest.param("pallas_gpu", marks=pytest.mark.slow), "pallas_tpu"]
+    "backend",
+    ["xla", *(pytest.param(b, marks=pytest.mark.slow) for b in ("pallas_gpu", "pallas_tpu"))],
 )
 def test_a_sequence_attends_the_same_alone_and_in_any_batch(backend):
     pool = _pool(120)
@@ -96,13 +97,17 @@ def _outputs(cache_dtype, deterministic, batched):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+@pytest.mark.parametrize(
+    "cache_dtype",
+    [jnp.float32, *(pytest.param(d, marks=pytest.mark.slow) for d in (jnp.bfloat16, jnp.int8))],
+)
 def test_deterministic_mode_gives_the_same_tokens_and_logprobs_alone_or_batched(cache_dtype):
     alone = _outputs(cache_dtype, True, batched=False)
     batched = _outputs(cache_dtype, True, batched=True)
     assert alone == batched  # tokens and log-probs, bitwise
 
 
+@pytest.mark.slow
 def test_default_mode_is_not_batch_invariant_in_the_last_bits():
     # What deterministic mode fixes: here every request's log-probs differ somewhere.
     alone = _outputs(jnp.float32, False, batched=False)
