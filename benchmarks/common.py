@@ -165,8 +165,8 @@ def write_result(name: str, payload: dict) -> pathlib.Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
     # Strict JSON: NaN and infinities (a rate over zero requests) become null.
-    text = json.dumps(_finite(json.loads(json.dumps(payload, default=str))), allow_nan=False)
-    path.write_text(json.dumps(json.loads(text), indent=2) + "\n")
+    data = _finite(json.loads(json.dumps(payload, default=str)))
+    path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
     return path
 
 

@@ -20,7 +20,7 @@ from flax import nnx
 import paged_jax as pj
 from models.config import LlamaConfig, RopeScaling
 from paged_jax.cache import PagedKVCache
-from paged_jax.invariant import rowwise
+from paged_jax.invariant import fit_rows, rowwise
 from paged_jax.metadata import AttentionMetadata
 
 
@@ -80,13 +80,6 @@ def _linear(cfg_in: int, out: int, bias: bool, *, rngs, dtype, param_dtype) -> n
     )
 
 
-def _fit_rows(x: jax.Array, rows: int) -> jax.Array:
-    """``x`` cut or zero-padded along its first axis to ``rows`` rows."""
-    if x.shape[0] >= rows:
-        return x[:rows]
-    return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
@@ -97,26 +90,6 @@ class Attention(nnx.Module):
         self.o_proj = _linear(H * D, cfg.hidden_size, cfg.o_bias, **kw)
         self.num_heads, self.num_kv_heads, self.head_dim = H, K, D
         self.sliding_window = cfg.sliding_window
-
-    def __call__(
-        self,
-        x_TE,
-        positions_T,
-        inv_freq,
-        layer: int,
-        cache: PagedKVCache,
-        md: AttentionMetadata,
-        backend: str,
-        interpret: bool = False,
-    ):
-        q_THD, k_TKD, v_TKD = rowwise(
-            lambda x, pos: self.project(x, pos, inv_freq),
-            x_TE,
-            positions_T,
-            invariant=md.batch_invariant,
-        )
-        o_THD, cache = self.attend(q_THD, k_TKD, v_TKD, layer, cache, md, backend, interpret)
-        return rowwise(self.output, o_THD, invariant=md.batch_invariant), cache
 
     def project(self, x_TE, positions_T, inv_freq):
         """Row-wise: ``(q[T, H, D], k[T, K, D], v[T, K, D])``, RoPE applied."""
@@ -150,10 +123,8 @@ class Attention(nnx.Module):
         )
         if md.decode_only:  # token row i is sequence row i's only token
             S = md.kv_lens.shape[0]
-            o_SHD = pj.paged_attention(
-                _fit_rows(q_THD, S), kv_pages, md.kv_lens, page_indices, **kw
-            )
-            o_THD = _fit_rows(o_SHD, T)
+            o_SHD = pj.paged_attention(fit_rows(q_THD, S), kv_pages, md.kv_lens, page_indices, **kw)
+            o_THD = fit_rows(o_SHD, T)
         else:
             o_THD = pj.ragged_paged_attention(
                 q_THD, kv_pages, md.kv_lens, page_indices, md.cu_q_lens, md.num_seqs, **kw

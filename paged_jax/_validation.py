@@ -184,8 +184,24 @@ def validate_inputs(
         k_scale=1.0,
         v_scale=1.0,
     )
-    T = q.shape[0]
     num_pages, page_size = kv_pages.shape[:2]
+    _check_ragged_values(
+        q.shape[0],
+        num_pages,
+        page_size,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        allow_null_page,
+    )
+
+
+def _check_ragged_values(
+    T, num_pages, page_size, kv_lens, page_indices, cu_q_lens, num_seqs, allow_null_page
+):
+    """The value checks of ``validate_inputs`` for ``T`` tokens and a pool of
+    ``num_pages`` pages of ``page_size`` tokens."""
     kv_lens = np.asarray(kv_lens)
     page_indices = np.asarray(page_indices)
     cu = np.asarray(cu_q_lens)
@@ -293,10 +309,16 @@ def validate_batch(batch, *, num_pages: int, page_size: int, vocab_size: int) ->
     """
     n = int(batch.num_seqs[0])
     cu = batch.cu_q_lens
-    T = batch.token_ids.shape[0]
-    fake_q = np.zeros((T, 1, 1), np.float32)
-    fake_pool = np.zeros((num_pages, page_size, 2, 1), np.float32)
-    validate_inputs(fake_q, fake_pool, batch.kv_lens, batch.page_indices, cu, batch.num_seqs)
+    _check_ragged_values(
+        batch.token_ids.shape[0],
+        num_pages,
+        page_size,
+        batch.kv_lens,
+        batch.page_indices,
+        cu,
+        batch.num_seqs,
+        allow_null_page=False,
+    )
     live = int(cu[n])
     toks = batch.token_ids[:live]
     if live and (toks.min() < 0 or toks.max() >= vocab_size):

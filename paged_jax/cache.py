@@ -183,8 +183,7 @@ class PagedKVCache:
         L, N = self.num_layers, self.num_pages
         flat = self.kv_pages.reshape((L * N,) + tuple(self.kv_pages.shape[2:]))
         # An id outside [0, N) must not reach another layer's pages: it reads the null page.
-        inside = (page_indices >= 0) & (page_indices < N)
-        tables = jnp.where(inside, page_indices, 0) + jnp.asarray(layer, jnp.int32) * N
+        tables = self._read_ids(page_indices) + jnp.asarray(layer, jnp.int32) * N
         return flat, tables, None, None
 
     # ------------------------------------------------------------------ writes

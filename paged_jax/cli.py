@@ -246,12 +246,10 @@ def _failed(outputs) -> int:
 def _load_model(name: str):
     """(model, tokenizer) of ``--model``; a broken checkpoint is a UsageError naming the
     file (config.json, a safetensors file, tokenizer.json)."""
-    import models
+    from paged_jax.engine.llm import resolve_model
 
-    if name in models.PRESETS:
-        return models.init_model(models.PRESETS[name], seed=0), models.ByteTokenizer()
     try:
-        return models.load_hf(name)
+        return resolve_model(name)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"--model: {e}") from None
 

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 ROW_TILE = 8
 
 
-def _fit_rows(x: jax.Array, rows: int) -> jax.Array:
+def fit_rows(x: jax.Array, rows: int) -> jax.Array:
+    """``x`` cut or zero-padded along its first axis to ``rows`` rows."""
     if x.shape[0] >= rows:
         return x[:rows]
     return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
@@ -32,7 +33,7 @@ def rowwise(fn, *xs, invariant: bool):
     tiles = -(-n // ROW_TILE)
 
     def split(x):
-        x = _fit_rows(x, tiles * ROW_TILE)
+        x = fit_rows(x, tiles * ROW_TILE)
         return x.reshape((tiles, ROW_TILE) + x.shape[1:])
 
     out = jax.lax.map(lambda t: fn(*t), jax.tree.map(split, xs))

@@ -120,7 +120,7 @@ log = logging.getLogger("paged_jax")
 CHECKED_ENV = "PAGED_JAX_CHECKED"
 
 
-def _resolve_model(model: Any):
+def resolve_model(model: Any):
     """A model object, "tiny-llama", or a Hugging Face checkpoint directory -> (model, tok)."""
     if not isinstance(model, str):
         return model, None
@@ -214,7 +214,7 @@ class LLM:
         ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
-        self.model, default_tok = _resolve_model(model)
+        self.model, default_tok = resolve_model(model)
         self.tokenizer = tokenizer or default_tok
         cfg = self.model.config
         self.max_model_len = cfg.max_position_embeddings
@@ -525,13 +525,13 @@ class LLM:
     def _suspect(self, error: Exception, groups: list[Group]) -> None:
         """Updates the suspects after ``error`` in a step that ran ``groups``; fails the
         isolated suspect on its last strike."""
-        live = [g for g in self._suspects if g.status is not Status.FINISHED]
-        if not live:  # a new episode: every request of the step is a suspect
+        self._suspects = [g for g in self._suspects if g.status is not Status.FINISHED]
+        if not self._suspects:  # a new episode: every request of the step is a suspect
             self._suspects = sorted(groups, key=lambda g: g.arrival)
             if len(groups) == 1:
                 groups[0].strikes = 1  # it failed alone already
             return
-        g = live[0]
+        g = self._suspects[0]
         if g not in groups:
             return  # the suspect did not run: nothing learned
         g.strikes += 1
@@ -934,10 +934,10 @@ def _gib(n: int) -> str:
 
 
 def _default_budget() -> int:
-    dev = jax.devices()[0]
-    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
-    if stats and "bytes_limit" in stats:
-        return int(0.5 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    """Half the accelerator's free memory; 256 MiB on CPU."""
+    free, _ = _free_memory()
+    if jax.default_backend() != "cpu" and free is not None:
+        return int(0.5 * free)
     return 256 * 2**20
 
 

@@ -131,6 +131,12 @@ class Scheduler:
     def _allowed(self, queue: list[Group]) -> list[Group]:
         return list(queue) if self.only is None else [g for g in queue if g.arrival in self.only]
 
+    def _next_waiting(self) -> Group | None:
+        """The oldest waiting group the step may admit (O(1) unless isolating)."""
+        if self.only is None:
+            return self.waiting[0] if self.waiting else None
+        return next((g for g in self.waiting if g.arrival in self.only), None)
+
     def _seq_ids(self, g: Group) -> list[str]:
         return [s.seq_id for s in g.seqs]
 
@@ -195,11 +201,9 @@ class Scheduler:
             g.status = Status.RUNNING
             bisect.insort(self.running, g, key=lambda x: x.arrival)
             seq_budget -= len(g.seqs)  # decodes from the next step
-        if self._allowed(self.swapped):
+        if any(self.only is None or g.arrival in self.only for g in self.swapped):
             return sched  # swapped groups come back before new admissions
-        for g in self._allowed(self.waiting):
-            if budget <= 0:
-                break
+        while budget > 0 and (g := self._next_waiting()) is not None:
             if seq_budget < len(g.seqs):
                 break
             pages = sum(self.bm.pages_needed(len(s.tokens)) for s in g.seqs)
