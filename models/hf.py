@@ -126,17 +126,25 @@ def load_hf(
     graphdef, abstract_state = nnx.split(abstract)
     filled, used = [], set()
     for p, var in nnx.to_flat_state(abstract_state):
-        name, transposed = _hf_name(p)
-        if name not in tensors:
-            raise ValueError(f"{root}: tensor {name!r} is missing from the checkpoint")
-        value = tensors[name].T if transposed else tensors[name]
         expected = tuple(var.get_value().shape)
-        if tuple(value.shape) != expected:
-            got = tuple(tensors[name].shape)
-            want = expected[::-1] if transposed else expected
-            raise ValueError(f"{root}: tensor {name!r} has shape {got}, expected {want}")
-        filled.append((p, var.replace(jnp.asarray(value, param_dtype))))
-        used.add(name)
+        stacked = str(p[0]) == "layers"  # [L, ...]: one tensor per layer in the checkpoint
+        if stacked:
+            names = [_hf_name(("layers", i, *p[1:])) for i in range(cfg.num_layers)]
+        else:
+            names = [_hf_name(p)]
+        values = []
+        for name, transposed in names:
+            if name not in tensors:
+                raise ValueError(f"{root}: tensor {name!r} is missing from the checkpoint")
+            value = tensors[name].T if transposed else tensors[name]
+            want = expected[1:] if stacked else expected
+            if tuple(value.shape) != want:
+                got = tuple(tensors[name].shape)
+                want = want[::-1] if transposed else want
+                raise ValueError(f"{root}: tensor {name!r} has shape {got}, expected {want}")
+            values.append(jnp.asarray(value, param_dtype))
+            used.add(name)
+        filled.append((p, var.replace(jnp.stack(values) if stacked else values[0])))
     extra = sorted(n for n in tensors if n not in used and not _IGNORED.match(n))
     if extra:
         raise ValueError(

@@ -168,10 +168,24 @@ class DecoderLayer(nnx.Module):
         return x_TE + self.mlp(self.post_attention_layernorm(x_TE))
 
 
+def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One module holding every layer: each weight gains a leading ``[L]`` axis."""
+    graphdef, first = nnx.split(layers[0])
+    states = [first] + [nnx.split(layer)[1] for layer in layers[1:]]
+    return nnx.merge(graphdef, jax.tree.map(lambda *ws: jnp.stack(ws), *states))
+
+
 class LlamaForCausalLM(nnx.Module):
     """A decoder whose forward pass runs a ragged step on a paged cache.
 
     ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype of the weights.
+    ``layers`` is one ``DecoderLayer`` whose weights are stacked over the layers (a
+    leading ``[L]`` axis; ``layer(i)`` gives layer i alone). The forward pass is a
+    ``lax.scan`` over them: one compiled layer body whatever the depth, so compile time
+    does not grow with the number of layers, and every layer reuses the same temporary
+    buffers (30 separately scheduled layers of gathered KV cost SmolLM2 a fresh,
+    page-faulted buffer each on CPU: 207 ms of KV gathers per step against 41 ms in a
+    scan, measured on this project's 2-core machine).
     """
 
     def __init__(
@@ -180,7 +194,9 @@ class LlamaForCausalLM(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.config = cfg
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, **kw)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, **kw) for _ in range(cfg.num_layers)])
+        self.layers = stack_layers(
+            [DecoderLayer(cfg, rngs=rngs, **kw) for _ in range(cfg.num_layers)]
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.lm_head = (
             None
@@ -188,6 +204,13 @@ class LlamaForCausalLM(nnx.Module):
             else _linear(cfg.hidden_size, cfg.vocab_size, False, rngs=rngs, **kw)
         )
         self.dtype = dtype
+
+    def layer(self, i: int) -> DecoderLayer:
+        """Layer ``i`` as its own module (a copy of its slice of the stacked weights)."""
+        if not isinstance(i, int) or not 0 <= i < self.config.num_layers:
+            raise ValueError(f"i: expected an int in [0, {self.config.num_layers}), got {i!r}")
+        graphdef, stacked = nnx.split(self.layers)
+        return nnx.merge(graphdef, jax.tree.map(lambda w: w[i], stacked))
 
     def make_cache(self, num_pages: int, page_size: int, dtype=None) -> PagedKVCache:
         """An empty paged cache shaped for this model (default dtype: the compute dtype)."""
@@ -219,8 +242,16 @@ class LlamaForCausalLM(nnx.Module):
         cfg = self.config
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         x_TE = self.embed_tokens(tokens_T)
-        for i, layer in enumerate(self.layers):
-            x_TE, cache = layer(x_TE, positions_T, inv_freq, i, cache, md, backend, interpret)
+        graphdef, stacked = nnx.split(self.layers)
+
+        def one_layer(carry, xs):  # the same compiled body for every layer
+            x_TE, cache = carry
+            weights, i = xs
+            layer = nnx.merge(graphdef, weights)
+            return layer(x_TE, positions_T, inv_freq, i, cache, md, backend, interpret), None
+
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x_TE, cache), _ = jax.lax.scan(one_layer, (x_TE, cache), (stacked, layer_ids))
         logits = rowwise(self._logits, x_TE[md.logits_indices], invariant=md.batch_invariant)
         return logits, cache
 

@@ -117,6 +117,8 @@ def attend_tokens(
     pos_blocks = pad_to_blocks(tok_pos, 0)
     valid_blocks = pad_to_blocks(tok_valid, False)
 
+    pool5 = kv_pages.reshape(num_pages, page_size, num_kv_heads, 2, head_dim)
+
     def one_block(args):
         q_b, seq_b, pos_b, valid_b = args  # [bq, H, D], [bq], [bq], [bq]
         q_kgd = q_b.astype(jnp.float32).reshape(bq, num_kv_heads, group, head_dim)
@@ -136,19 +138,19 @@ def attend_tokens(
             # (a negative id would otherwise wrap onto another sequence's page).
             ok = in_table[None, :] & valid_b[:, None] & (pages >= 0) & (pages < num_pages)
             pages = jnp.where(ok, pages, 0)  # [bq, bp]
-            kv = kv_pages[pages].reshape(bq, chunk, combined, head_dim)
+            # One gather each for K and V, straight from the pool (no gathered KV block
+            # split in two afterwards: that copy cost as much as the gather on CPU).
+            k = pool5[pages, :, :, 0, :].reshape(bq, chunk, num_kv_heads, head_dim)
+            v = pool5[pages, :, :, 1, :].reshape(bq, chunk, num_kv_heads, head_dim)
             k_pos = j * chunk + jnp.arange(chunk)
             mask = (k_pos[None, :] <= pos_b[:, None]) & valid_b[:, None]  # [bq, chunk]
             if sliding_window is not None:
                 mask &= pos_b[:, None] - k_pos[None, :] < sliding_window
-            k = _quant.dequantize_rows(
-                kv[:, :, 0::2], _scale_rows(k_scale, pages, num_kv_heads), jnp.float32
-            )
-            v = _quant.dequantize_rows(
-                kv[:, :, 1::2], _scale_rows(v_scale, pages, num_kv_heads), jnp.float32
-            )
-            # Masked keys may be garbage or NaN (unwritten pages): zero them before use.
-            k = jnp.where(mask[:, :, None, None], k, 0.0)
+            k = _quant.dequantize_rows(k, _scale_rows(k_scale, pages, num_kv_heads), jnp.float32)
+            v = _quant.dequantize_rows(v, _scale_rows(v_scale, pages, num_kv_heads), jnp.float32)
+            # Masked keys and values may be garbage or NaN (stale or unwritten pages). A
+            # masked key's score is replaced by -inf below, whatever it was; a masked value
+            # is zeroed here, since its zero weight times NaN would still be NaN.
             v = jnp.where(mask[:, :, None, None], v, 0.0)
             s = jnp.einsum("tkgd,tckd->tkgc", q_kgd, k, precision=_HI) * sm_scale
             if soft_cap is not None:

@@ -103,7 +103,7 @@ def _dense_logits(model, ids):
     mask = pos[None, :] <= pos[:, None]
     if cfg.sliding_window is not None:
         mask &= pos[:, None] - pos[None, :] < cfg.sliding_window
-    for layer in model.layers:
+    for layer in (model.layer(i) for i in range(cfg.num_layers)):
         a = layer.self_attn
         h = layer.input_layernorm(x)
         q = apply_rope(a.q_proj(h).reshape(T, a.num_heads, a.head_dim), pos, inv)

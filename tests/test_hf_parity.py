@@ -126,7 +126,7 @@ def test_sharded_and_bf16_checkpoints(tmp_path):
     as_stored, _ = load_hf(tmp_path / "bf16")
     assert as_stored.embed_tokens.embedding[...].dtype == jnp.bfloat16
     upcast, _ = load_hf(tmp_path / "bf16", dtype=jnp.float32)
-    w = upcast.layers[0].self_attn.q_proj.kernel[...]
+    w = upcast.layer(0).self_attn.q_proj.kernel[...]
     assert w.dtype == jnp.float32
     ref = hf.model.layers[0].self_attn.q_proj.weight.detach().float().numpy().T
     np.testing.assert_array_equal(np.asarray(w), ref)
