@@ -1,6 +1,6 @@
 """``python -m benchmarks <name> [--out DIR] [args]``: memory, sharing, throughput,
-host_overhead, kernels, engine, block_manager, layer_view. ``--out DIR`` writes the results there;
-without it they go to a new ``bench-results/<time>`` directory under the current one.
+host_overhead, kernels, engine, block_manager, layer_view, peers. ``--out DIR`` writes the
+results there; without it they go to a new ``bench-results/<time>`` directory under the current one.
 The committed results in ``benchmarks/results`` change only with ``--out benchmarks/results``."""
 
 import importlib
@@ -17,6 +17,7 @@ NAMES = (
     "engine",
     "block_manager",
     "layer_view",
+    "peers",
 )
 
 if __name__ == "__main__":

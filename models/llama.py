@@ -168,11 +168,19 @@ class DecoderLayer(nnx.Module):
         return x_TE + self.mlp(self.post_attention_layernorm(x_TE))
 
 
-def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
-    """One module holding every layer: each weight gains a leading ``[L]`` axis."""
-    graphdef, first = nnx.split(layers[0])
-    states = [first] + [nnx.split(layer)[1] for layer in layers[1:]]
-    return nnx.merge(graphdef, jax.tree.map(lambda *ws: jnp.stack(ws), *states))
+def _make_layers(cfg: LlamaConfig, rngs: nnx.Rngs, kw: dict) -> DecoderLayer:
+    """Every layer in one module, each weight with a leading ``[L]`` axis.
+
+    Built by ``nnx.vmap`` over split keys: the constructor is traced once, not once per
+    layer (30 traced constructors took 4.6 s of loading SmolLM2).
+    """
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return DecoderLayer(cfg, rngs=rngs, **kw)
+
+    return make(rngs)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -194,9 +202,7 @@ class LlamaForCausalLM(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.config = cfg
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, **kw)
-        self.layers = stack_layers(
-            [DecoderLayer(cfg, rngs=rngs, **kw) for _ in range(cfg.num_layers)]
-        )
+        self.layers = _make_layers(cfg, rngs, kw)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.lm_head = (
             None

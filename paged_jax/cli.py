@@ -64,6 +64,20 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-progress", action="store_true")
+    g.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="compute dtype of a checkpoint (default: as stored; 16-bit runs in float32 on a "
+        "CPU without native bf16)",
+    )
+    g.add_argument(
+        "--compilation-cache",
+        default=None,
+        metavar="DIR|off",
+        help="keep compiled steps here for the next run (default: $PAGED_JAX_COMPILATION_CACHE,"
+        " else ~/.cache/paged-jax/xla); off: compile every run",
+    )
     g.add_argument("--json", action="store_true", help="print outputs and metrics as JSON")
     b = sub.add_parser(
         "bench",
@@ -154,7 +168,7 @@ def _generate(args) -> int:
 
         jax.devices()
 
-    model, tokenizer = _load_model(args.model)
+    model, tokenizer = _load_model(args.model, args.dtype)
     if tokenizer is None and any(isinstance(p, str) for p in prompts):
         raise UsageError(
             f"--model: {args.model} has no tokenizer.json; give prompts as token ids "
@@ -184,6 +198,9 @@ def _generate(args) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
             preemption=args.preemption,
+            compilation_cache=(
+                False if args.compilation_cache == "off" else args.compilation_cache
+            ),
         )
         outputs = llm.generate(prompts, params, progress=not args.no_progress and not args.json)
     except (ValueError, TypeError, FileNotFoundError) as e:
@@ -243,13 +260,13 @@ def _failed(outputs) -> int:
     return 1 if bad else 0
 
 
-def _load_model(name: str):
+def _load_model(name: str, dtype: str | None = None):
     """(model, tokenizer) of ``--model``; a broken checkpoint is a UsageError naming the
     file (config.json, a safetensors file, tokenizer.json)."""
     from paged_jax.engine.llm import resolve_model
 
     try:
-        return resolve_model(name)
+        return resolve_model(name, dtype)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"--model: {e}") from None
 

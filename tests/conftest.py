@@ -3,6 +3,10 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Engines keep compiled steps on disk by default; the tests' own go under .pytest_cache
+# (a rerun then starts warm), not into the user's cache directory.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("PAGED_JAX_COMPILATION_CACHE", os.path.join(_REPO, ".pytest_cache", "xla"))
 
 import jax  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

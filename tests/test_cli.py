@@ -6,7 +6,6 @@ import re
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 CLI = [sys.executable, "-m", "paged_jax.cli"]
@@ -135,19 +134,13 @@ TINY_HF = dict(
 def _checkpoint(path, config=None, tokenizer: str | None = None):
     """A real checkpoint directory (random weights, saved under HF tensor names), with
     ``config`` as config.json and optionally a tokenizer.json."""
-    from flax import nnx
     from safetensors.numpy import save_file
 
     import models
-    from models.hf import _hf_name
+    from models.hf import to_hf_tensors
 
     cfg = models.LlamaConfig.from_hf(TINY_HF)
-    state = nnx.state(models.init_model(cfg, seed=1))
-    tensors = {}
-    for p, var in nnx.to_flat_state(state):
-        name, transposed = _hf_name(p)
-        value = np.asarray(var.get_value())
-        tensors[name] = np.ascontiguousarray(value.T if transposed else value)
+    tensors = to_hf_tensors(models.init_model(cfg, seed=1))
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config or TINY_HF))

@@ -18,6 +18,7 @@ import numpy as np
 from paged_jax._validation import validate_batch
 from paged_jax.batch import ScheduledSeq, bucket, build_batch
 from paged_jax.block_manager import BlockManager, prefix_root_key
+from paged_jax.engine import compile_cache
 from paged_jax.engine._signals import DeferSignals
 from paged_jax.engine.sampling import Penalties, SamplingParams, beam_candidates, sample_rows
 from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status
@@ -120,15 +121,58 @@ log = logging.getLogger("paged_jax")
 CHECKED_ENV = "PAGED_JAX_CHECKED"
 
 
-def resolve_model(model: Any):
-    """A model object, "tiny-llama", or a Hugging Face checkpoint directory -> (model, tok)."""
+def resolve_model(model: Any, dtype: Any = None):
+    """A model object, "tiny-llama", or a Hugging Face checkpoint directory -> (model, tok).
+
+    ``dtype``: compute (and weight) dtype of a checkpoint directory; default: as stored,
+    except 16-bit checkpoints on a CPU without native bf16, computed in float32 (see
+    ``cpu_compute_dtype``).
+    """
     if not isinstance(model, str):
         return model, None
     import models  # the engine reaches the models layer lazily (core never imports it)
 
     if model in models.PRESETS:
         return models.init_model(models.PRESETS[model], seed=0), models.ByteTokenizer()
-    return models.load_hf(model)
+    return models.load_hf(model, dtype=dtype if dtype is not None else cpu_compute_dtype(model))
+
+
+def cpu_compute_dtype(checkpoint: str) -> Any:
+    """float32 for a bf16/f16 checkpoint on a CPU without native bf16 math, else None.
+
+    XLA:CPU runs 16-bit math by converting to f32 around every op, which measured 5x
+    slower than f32 on this project's AVX2 machine; CPUs with AVX512-BF16 or AMX keep
+    the stored dtype. Says so in one line (the "paged_jax" logger, WARNING).
+    """
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
+            import json
+
+            cfg = json.load(f)
+        stored = str(cfg.get("torch_dtype") or cfg.get("dtype") or "")
+    except (OSError, ValueError, AttributeError):
+        return None  # the loader reports a broken config itself
+    if stored not in ("bfloat16", "float16") or _cpu_has_native_bf16():
+        return None
+    log.warning(
+        "%s: %s weights computed in float32 (this CPU has no native bf16, which runs "
+        "several times slower); pass dtype=%r to keep them as stored",
+        checkpoint,
+        stored,
+        stored,
+    )
+    return jnp.float32
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 class LLM:
@@ -139,8 +183,9 @@ class LLM:
         (``__call__(tokens, positions, cache, metadata) -> (logits, cache)``,
         ``make_cache``, ``config``), or ``"tiny-llama"``, or a checkpoint directory.
       num_pages: pages in the pool; None sizes it from ``kv_cache_bytes``.
-      kv_cache_bytes: memory budget of the pool when ``num_pages`` is None (default: half
-        the accelerator's free memory, or 256 MiB on CPU).
+      kv_cache_bytes: memory budget of the pool when ``num_pages`` is None (default: what a
+        full batch at the longest context could use, at most half the accelerator's free
+        memory, or on CPU a quarter of the available memory and 4 GiB).
       page_size: tokens per page.
       max_num_seqs: sequences per step at most.
       max_num_batched_tokens: tokens per step at most (decode tokens + prefill chunks).
@@ -159,6 +204,15 @@ class LLM:
         seeded) are then bitwise the same whatever it is batched with, for every cache
         dtype: row-wise model work runs on fixed tiles of rows and attention with fixed
         KV blocks (``AttentionMetadata.batch_invariant``). Slower; see the README.
+      compilation_cache: where compiled steps are kept across processes (JAX's
+        persistent compilation cache): a directory, True for the default one
+        (``<user cache dir>/paged-jax/xla``), False for none. Default: the environment
+        variable ``PAGED_JAX_COMPILATION_CACHE`` (a directory, or ``0`` for none), else
+        the default directory. The directory in use is ``compilation_cache_dir``
+        (None when off). See ``paged_jax.engine.compile_cache``.
+      dtype: compute dtype when ``model`` is a checkpoint directory (default: as stored,
+        but bf16/f16 checkpoints run in float32 on CPUs without native bf16, with a
+        one-line note: ``cpu_compute_dtype``). Ignored for a model object.
 
     A step is all or nothing. Python signal handlers (Ctrl-C, timers) are held while a
     step runs and called when it ends, so they never interrupt it halfway (a second
@@ -196,7 +250,10 @@ class LLM:
         tokenizer: Any = None,
         checked: bool | None = None,
         deterministic: bool = False,
+        compilation_cache: bool | str | os.PathLike | None = None,
+        dtype: Any = None,
     ):
+        self.compilation_cache_dir = compile_cache.enable(compilation_cache)
         if checked is None:
             checked = os.environ.get(CHECKED_ENV, "") not in ("", "0")
         if not isinstance(checked, bool):
@@ -214,16 +271,16 @@ class LLM:
         ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
-        self.model, default_tok = resolve_model(model)
+        self.model, default_tok = resolve_model(model, dtype)
         self.tokenizer = tokenizer or default_tok
         cfg = self.model.config
         self.max_model_len = cfg.max_position_embeddings
         self.eos_token_ids = set(getattr(cfg, "eos_token_ids", ()))
         probe = self.model.make_cache(2, page_size, cache_dtype)
         if num_pages is None:
-            num_pages = max(
-                2, (kv_cache_bytes or _default_budget()) // (page_size * probe.bytes_per_token)
-            )
+            per_page = page_size * probe.bytes_per_token
+            most_useful = (max_num_seqs * -(-self.max_model_len // page_size) + 1) * per_page
+            num_pages = max(2, (kv_cache_bytes or _default_budget(most_useful)) // per_page)
         elif isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
             raise ValueError(f"num_pages: expected an int >= 2 (page 0 is null), got {num_pages!r}")
         self.page_size = page_size
@@ -259,6 +316,8 @@ class LLM:
             preemption=preemption,
         )
         self.metrics = EngineMetrics()
+        self.compiled_buckets: list[dict] = []  # shape buckets this engine compiled
+        self._warm_ups = 0
         self._groups: dict[Hashable, Group] = {}
         self._arrivals = 0
         self._host: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}  # swapped pages
@@ -430,7 +489,9 @@ class LLM:
         self._swap(sched.swap_out, sched.swap_in)
         if work:
             batch = build_batch(
-                self.bm, [ScheduledSeq(w.seq.seq_id, w.start, w.stop) for w in work]
+                self.bm,
+                [ScheduledSeq(w.seq.seq_id, w.start, w.stop) for w in work],
+                min_seqs=self._min_seqs(sum(w.stop - w.start for w in work)),
             )
             if self.checked:
                 validate_batch(
@@ -477,6 +538,7 @@ class LLM:
             if self._run._cache_size() > compiled_before:  # this call compiled a new shape
                 self.metrics.compile_s += t2 - t1
                 self.metrics.compilations += 1
+                self._compiled(batch, num_cand, t2 - t1)
             else:
                 self.metrics.step_s += t2 - t1
             self.metrics.tokens_computed += batch.num_tokens
@@ -492,6 +554,94 @@ class LLM:
             self._cleared.add(cleared.arrival)
         self._account(sched, time.perf_counter() - t0)
         return finished
+
+    def _min_seqs(self, num_tokens: int) -> int:
+        """Fewest sequence rows a step of ``num_tokens`` tokens pads to.
+
+        A prefill-heavy step has at least one row per 16 tokens (at most the bucket of
+        ``max_num_seqs``): while prompts are being admitted a few per step, the batch
+        grows through 8, 16, 32... sequences, and each size would compile its own
+        512-token step (measured on SmolLM2: 3 such buckets, 4 s each). The padding rows
+        cost a few logits rows in a step of hundreds of tokens. Decode steps (one token
+        per sequence) are unaffected.
+        """
+        cap = bucket(self.scheduler.max_num_seqs, 8)
+        return max(8, min(cap, bucket(num_tokens, 16) // 16))
+
+    def _compiled(self, batch, num_candidates: int, seconds: float) -> None:
+        """Records (and logs at INFO) the shape bucket a step just compiled."""
+        b = dict(
+            tokens=int(batch.token_ids.shape[0]),
+            seqs=int(batch.kv_lens.shape[0]),
+            pages_per_seq=int(batch.page_indices.shape[1]),
+            copies=int(batch.copy_src.shape[0]),
+            beam_candidates=num_candidates,
+            seconds=round(seconds, 2),
+        )
+        self.compiled_buckets.append(b)
+        log.info("compiled a step bucket in %.1f s: %s", seconds, _describe(b))
+
+    def warm_up(
+        self,
+        num_seqs: int,
+        prompt_len: int,
+        max_tokens: int,
+        *,
+        sampling_params: SamplingParams | None = None,
+        progress: bool = True,
+    ) -> list[dict]:
+        """Compiles, before real work, the steps a workload of ``num_seqs`` prompts of
+        ``prompt_len`` tokens generating ``max_tokens`` each will need.
+
+        It runs that workload once on random token ids (``ignore_eos``: every sequence
+        runs to ``max_tokens``), so it compiles exactly the shape buckets the scheduler
+        picks for it: every prefill chunk size, batch size and block-table width on the
+        way. ``sampling_params`` (default greedy) matters: sampled rows, penalties and
+        beams compile steps of their own. Prints one line per bucket compiled when
+        ``progress`` (and logs it at INFO to the "paged_jax" logger either way); with the
+        persistent compilation cache on, a later process loads these instead.
+
+        Returns the buckets compiled (dicts: ``tokens``, ``seqs``, ``pages_per_seq``,
+        ``copies``, ``beam_candidates``, ``seconds``); buckets compiled before are not
+        compiled again. The engine's metrics are reset afterwards, and the warm-up
+        prompts do not stay in the prefix cache's way (their pages are ordinary LRU
+        pages, evicted first when memory runs short).
+        """
+        for name, v in (
+            ("num_seqs", num_seqs),
+            ("prompt_len", prompt_len),
+            ("max_tokens", max_tokens),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt_len + max_tokens: expected <= max_model_len {self.max_model_len}, "
+                f"got {prompt_len} + {max_tokens}"
+            )
+        p = sampling_params or SamplingParams(temperature=0.0)
+        p = dataclasses.replace(p, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=())
+        rng = np.random.default_rng(0)
+        vocab = self.model.config.vocab_size
+        prompts = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(num_seqs)]
+        before = len(self.compiled_buckets)
+        echo = logging.StreamHandler() if progress else None
+        if echo is not None:
+            echo.setFormatter(logging.Formatter("warm-up: %(message)s"))
+            log.addHandler(echo)
+            old_level = log.level
+            log.setLevel(min(old_level or logging.WARNING, logging.INFO))
+        try:
+            # A salt of its own: no page shared with real requests or an earlier warm-up
+            # (a prefix hit would shorten the prefill and compile other buckets).
+            self._warm_ups += 1
+            self.generate(prompts, p, progress=False, cache_salt=("warm-up", self._warm_ups))
+        finally:
+            if echo is not None:
+                log.removeHandler(echo)
+                log.setLevel(old_level)
+        self.metrics = EngineMetrics()
+        return self.compiled_buckets[before:]
 
     # ------------------------------------------------------------------ faults
     def _on_fault(self, error: BaseException) -> None:
@@ -933,12 +1083,31 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def _default_budget() -> int:
-    """Half the accelerator's free memory; 256 MiB on CPU."""
+CPU_KV_CACHE_MAX_BYTES = 4 * 2**30
+
+
+def _default_budget(most_useful: int) -> int:
+    """Bytes of KV cache when none is asked for: at most ``most_useful`` (every sequence
+    of a full batch at the model's longest context), and on an accelerator half its free
+    memory; on CPU a quarter of the machine's available memory, at most 4 GiB
+    (``CPU_KV_CACHE_MAX_BYTES``; vLLM's CPU engine also defaults to 4 GiB), 256 MiB if
+    the available memory is unknown."""
     free, _ = _free_memory()
-    if jax.default_backend() != "cpu" and free is not None:
-        return int(0.5 * free)
-    return 256 * 2**20
+    if jax.default_backend() != "cpu":
+        cap = int(0.5 * free) if free is not None else 256 * 2**20
+    elif free is not None:
+        cap = min(CPU_KV_CACHE_MAX_BYTES, free // 4)
+    else:
+        cap = 256 * 2**20
+    return min(cap, most_useful)
+
+
+def _describe(bucket: dict) -> str:
+    return (
+        f"{bucket['tokens']} tokens, {bucket['seqs']} sequences, "
+        f"{bucket['pages_per_seq']} pages per sequence, {bucket['copies']} page copies"
+        + (f", {bucket['beam_candidates']} beam candidates" if bucket["beam_candidates"] else "")
+    )
 
 
 @functools.lru_cache(maxsize=8)
