@@ -1,4 +1,4 @@
-"""The memory benchmark's measures, on small cases where the answer is known."""
+"""The benchmarks' measures on small cases where the answer is known (memory, peers)."""
 
 import sys
 from pathlib import Path
@@ -182,3 +182,28 @@ def test_bad_benchmark_arguments_exit_2_before_running(name, argv, message, caps
     with pytest.raises(SystemExit) as e:
         mod.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_peers_workload_and_summary(monkeypatch):
+    from benchmarks import bench_peers
+
+    a, b = bench_peers.workload(5), bench_peers.workload(5)
+    assert a == b and all(90 <= len(p) <= 110 for p in a)  # seeded, as documented
+    assert all(100 <= t < 40000 for p in a for t in p)
+    monkeypatch.delenv("VLLM_PYTHON", raising=False)
+    python, why = bench_peers._python_for("vllm", None)
+    assert python is None and "--vllm-python" in why  # skipped, and says how to run it
+    res = dict(
+        engine="x",
+        run_s=[2.0, 4.0, 1.0],
+        ttft_s=[0.1, 0.3, 0.2],
+        startup_s=1.0,
+        first_run_s=5.0,
+        peak_rss_bytes=2**30,
+        versions={},
+        tokens=[[1, 2], [3, 4], [5, 6]],
+    )
+    row = bench_peers.summarize(res, 8, [[1, 2], [3, 5], [5, 6]])
+    assert row["tokens_per_s"] == dict(min=2.0, median=4.0, max=8.0)
+    assert row["ttft_s"]["median"] == 0.2 and row["peak_rss_gib"] == 1.0
+    assert row["greedy_tokens_equal"] == "2/3 prompts"

@@ -86,14 +86,14 @@ def test_second_process_loads_compiled_steps(tmp_path):
     assert second["tokens"] == first["tokens"]
 
 
-def _own_model(hidden: int):
+def _own_model(hidden: int, num_layers: int = 2):
     """A model whose graph no other test compiled (engines share compiled steps per model
     structure, so a fresh structure makes the warm-up compile)."""
     cfg = models.LlamaConfig(
         vocab_size=320,
         hidden_size=hidden,
         intermediate_size=64,
-        num_layers=2,
+        num_layers=num_layers,
         num_heads=2,
         num_kv_heads=1,
         head_dim=16,
@@ -137,17 +137,7 @@ def test_compiled_layer_body_is_traced_once_whatever_the_depth():
     size (an unrolled loop grows with depth, and so did compile time: 74 s for SmolLM2)."""
     sizes = []
     for depth in (2, 6):
-        cfg = models.LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_layers=depth,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=16,
-            max_position_embeddings=64,
-        )
-        model = models.init_model(cfg)
+        model = _own_model(32, num_layers=depth)
         step, state = models.make_step(model)
         cache = model.make_cache(8, 8)
         bm = pj.BlockManager(8, 8, enable_prefix_caching=False)
