@@ -332,24 +332,19 @@ def decode_split(llm, name, backend, c, context) -> dict:
     q = jax.random.normal(jax.random.key(0), (T, H, D), llm.cache.dtype)
 
     @functools.partial(jax.jit, static_argnames="decode")
-    def attn(q, cache, md, decode):  # every layer in one call, as in the step
-        out = jnp.zeros(q.shape, jnp.float32)
-        for i in range(cfg.num_layers):
+    def attn(q, cache, md, decode):  # every layer in one call, scanned as the step runs it
+        def one_layer(out, i):
             kv, table, _, _ = cache.attention_inputs(i, md.page_indices)  # as the model does
             if decode:  # what a decode-only step runs: the decode kernel on S rows
                 o = pj.paged_attention(q[:S], kv, md.kv_lens, table, sm_scale=D**-0.5)
-                out = out.at[:S].add(o)
-            else:
-                out += pj.ragged_paged_attention(
-                    q,
-                    kv,
-                    md.kv_lens,
-                    table,
-                    md.cu_q_lens,
-                    md.num_seqs,
-                    sm_scale=D**-0.5,
-                )
-        return out
+                return out.at[:S].add(o), None
+            o = pj.ragged_paged_attention(
+                q, kv, md.kv_lens, table, md.cu_q_lens, md.num_seqs, sm_scale=D**-0.5
+            )
+            return out + o, None
+
+        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        return jax.lax.scan(one_layer, jnp.zeros(q.shape, jnp.float32), layers)[0]
 
     R = md.logits_indices.shape[0]
     logits = jax.random.normal(jax.random.key(1), (R, cfg.vocab_size), jnp.float32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import time
@@ -148,8 +149,6 @@ def cpu_compute_dtype(checkpoint: str) -> Any:
         return None
     try:
         with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
-            import json
-
             cfg = json.load(f)
         stored = str(cfg.get("torch_dtype") or cfg.get("dtype") or "")
     except (OSError, ValueError, AttributeError):
