@@ -194,7 +194,7 @@ def run_transformers(args) -> list[dict]:
 def build_model(name: str):
     import jax.numpy as jnp
 
-    import models
+    from paged_jax import models
 
     cfg = models.LlamaConfig(**SHAPE_FIELDS[name])
     return models.init_model(cfg, seed=0, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)

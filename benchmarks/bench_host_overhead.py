@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.common import environment, positive_int, progress, table, write_result
+from paged_jax import models
 from paged_jax.engine import LLM, SamplingParams
 
 
 def measure(num_seqs: int, steps: int) -> dict:
     llm = LLM(
-        "tiny-llama",
+        *models.load("tiny-llama"),
         num_pages=num_seqs * (-(-(16 + steps + 2) // 16)) + 8,
         page_size=16,
         max_num_seqs=num_seqs,

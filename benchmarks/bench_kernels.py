@@ -140,7 +140,7 @@ def _sweep(kernel, grid, args, repeats: int) -> list[dict]:
 
 def tune_decode(inputs, repeats: int) -> list[dict]:
     """Times the Pallas GPU decode kernel at every ``TUNE_GRID`` point (GPU only)."""
-    from pallas_kernels.gpu import decode_paged_attention
+    from paged_jax.kernels.gpu import decode_paged_attention
 
     return _sweep(
         functools.partial(decode_paged_attention, sm_scale=D**-0.5), TUNE_GRID, inputs, repeats
@@ -278,7 +278,7 @@ def prefill_flops(seqs: int, q_len: int, kv_len: int) -> int:
 
 def run_prefill(args, platform, mm_rate, peaks, tuned) -> list[dict]:
     import paged_jax as pj
-    from pallas_kernels.gpu import ragged_paged_attention as gpu_ragged
+    from paged_jax.kernels.gpu import ragged_paged_attention as gpu_ragged
 
     rows = []
     backends = {

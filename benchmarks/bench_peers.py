@@ -143,7 +143,8 @@ _PAGED_JAX = (
     _COMMON
     + """
 import jax, paged_jax as pj
-llm = pj.LLM(MODEL, kv_cache_bytes=2**30, compilation_cache=False)
+from paged_jax.models import load
+llm = pj.LLM(*load(MODEL), kv_cache_bytes=2**30, compilation_cache=False)
 startup = time.perf_counter() - T0
 sp = pj.SamplingParams(max_tokens=OUT, temperature=0.0, ignore_eos=True)
 gen = lambda ps, p: llm.generate(ps, p, progress=False)

@@ -24,6 +24,7 @@ from benchmarks.common import (
     write_result,
 )
 from benchmarks.workloads import sample_lengths
+from paged_jax import models
 from paged_jax.engine import LLM, SamplingParams
 
 PAGE = 16
@@ -31,7 +32,7 @@ PAGE = 16
 
 def _run(prompts, params, *, prefix_caching=False, num_pages=4096):
     llm = LLM(
-        "tiny-llama",
+        *models.load("tiny-llama"),
         num_pages=num_pages,
         page_size=PAGE,
         max_num_seqs=512,

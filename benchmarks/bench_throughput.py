@@ -26,6 +26,7 @@ import numpy as np
 
 from benchmarks.common import environment, positive_int, pyplot, save_plot, table, write_result
 from benchmarks.workloads import sample_lengths
+from paged_jax import models
 from paged_jax.batch import bucket
 from paged_jax.engine import LLM, SamplingParams
 from paged_jax.metadata import AttentionMetadata
@@ -36,7 +37,7 @@ MAX_LEN = 512
 
 def run_paged(prompts, outs, budget):
     llm = LLM(
-        "tiny-llama",
+        *models.load("tiny-llama"),
         num_pages=budget // PAGE + 1,
         page_size=PAGE,
         max_num_seqs=256,
@@ -56,8 +57,6 @@ class StaticBatcher:
     """Padded static batches on a contiguous per-slot cache layout."""
 
     def __init__(self, budget):
-        import models
-
         self.model = models.init_model(models.TINY_LLAMA, seed=0)
         self.step, self.state = models.make_step(self.model)
         self.slots = budget // MAX_LEN

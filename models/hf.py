@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import LlamaConfig
-from models.llama import LlamaForCausalLM
+from .config import LlamaConfig
+from .llama import LlamaForCausalLM
 
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")

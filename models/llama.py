@@ -18,10 +18,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 import paged_jax as pj
-from models.config import LlamaConfig, RopeScaling
 from paged_jax.cache import PagedKVCache
-from paged_jax.invariant import fit_rows, rowwise
+from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata
+
+from .config import LlamaConfig, RopeScaling
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
@@ -109,27 +110,18 @@ class Attention(nnx.Module):
 
     def attend(self, q_THD, k_TKD, v_TKD, layer, cache, md, backend, interpret):
         """Writes the step's K/V, then attends: ``(o[T, H, D], cache)``."""
-        T = q_THD.shape[0]
-        cache = cache.write(layer, k_TKD, v_TKD, md.slot_mapping)
-        kv_pages, page_indices, k_scale, v_scale = cache.attention_inputs(layer, md.page_indices)
-        kw = dict(
+        return pj.paged_self_attention(
+            q_THD,
+            k_TKD,
+            v_TKD,
+            cache,
+            layer,
+            md,
             sm_scale=self.head_dim**-0.5,
             sliding_window=self.sliding_window,
-            k_scale=k_scale,
-            v_scale=v_scale,
             backend=backend,
             interpret=interpret,
-            batch_invariant=md.batch_invariant,
         )
-        if md.decode_only:  # token row i is sequence row i's only token
-            S = md.kv_lens.shape[0]
-            o_SHD = pj.paged_attention(fit_rows(q_THD, S), kv_pages, md.kv_lens, page_indices, **kw)
-            o_THD = fit_rows(o_SHD, T)
-        else:
-            o_THD = pj.ragged_paged_attention(
-                q_THD, kv_pages, md.kv_lens, page_indices, md.cu_q_lens, md.num_seqs, **kw
-            )
-        return o_THD, cache
 
 
 class MLP(nnx.Module):

@@ -44,6 +44,7 @@ _LAZY = {
     "available_backends": ("paged_jax.attention", "available_backends"),
     "paged_attention": ("paged_jax.attention", "paged_attention"),
     "ragged_paged_attention": ("paged_jax.attention", "ragged_paged_attention"),
+    "paged_self_attention": ("paged_jax.decoder", "paged_self_attention"),
     "NULL_PAGE": ("paged_jax.cache", "NULL_PAGE"),
     "PagedKVCache": ("paged_jax.cache", "PagedKVCache"),
     "AttentionMetadata": ("paged_jax.metadata", "AttentionMetadata"),
@@ -51,6 +52,7 @@ _LAZY = {
     "SamplingParams": ("paged_jax.engine", "SamplingParams"),
     "RequestOutput": ("paged_jax.engine", "RequestOutput"),
     "EngineFailedError": ("paged_jax.engine", "EngineFailedError"),
+    "PagedDecoder": ("paged_jax.engine", "PagedDecoder"),
 }
 
 

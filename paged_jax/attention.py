@@ -44,15 +44,15 @@ _ENV_OVERRIDE = "PAGED_JAX_BACKEND"
 def _pallas_impl(backend: str, kind: str) -> Callable | None:
     """The Pallas implementation of ``kind`` ("ragged" | "decode"), or None if not built yet."""
     if backend == "pallas_tpu":
-        from pallas_kernels import tpu as mod
+        from paged_jax.kernels import tpu as mod
     else:
-        from pallas_kernels import gpu as mod
+        from paged_jax.kernels import gpu as mod
     return getattr(mod, f"{kind}_paged_attention", None)
 
 
 def backend_of(impl: Callable) -> str:
     """ "pallas_gpu" or "pallas_tpu": the backend a kernel function belongs to."""
-    return "pallas_gpu" if impl.__module__.startswith("pallas_kernels.gpu") else "pallas_tpu"
+    return "pallas_gpu" if impl.__module__.startswith("paged_jax.kernels.gpu") else "pallas_tpu"
 
 
 def available_backends(platform: str | None = None) -> tuple[str, ...]:

@@ -200,7 +200,7 @@ class PagedKVCache:
         """Writes token t's K/V of ``layer`` to slot ``slot_mapping[t]``; returns the new cache.
 
         ``backend``: ``"xla"`` (an in-place scatter under donation, every platform) or
-        ``"pallas_tpu"`` (a DMA per token row, ``pallas_kernels.tpu.write_rows``;
+        ``"pallas_tpu"`` (a DMA per token row, ``paged_jax.kernels.tpu.write_rows``;
         ``interpret=True`` runs it on CPU).
 
         Padding tokens should use a slot of the null page (``0 <= slot < page_size``).
@@ -228,7 +228,7 @@ class PagedKVCache:
             )
         kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], 2 * self.num_kv_heads, self.head_dim)
         if backend == "pallas_tpu":
-            from pallas_kernels.tpu import write_rows
+            from paged_jax.kernels.tpu import write_rows
 
             scales = None
             if self.quantized:

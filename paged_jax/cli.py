@@ -27,8 +27,25 @@ class UsageError(Exception):
     pass
 
 
+def _version() -> str:
+    """``paged-jax 0.1.0 (jax 0.10.2, jaxlib 0.10.2, Python 3.11.7)``, without importing JAX."""
+    from importlib import metadata
+
+    from paged_jax import __version__
+
+    def installed(dist):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    py = sys.version.split()[0]
+    return f"paged-jax {__version__} (jax {installed('jax')}, jaxlib {installed('jaxlib')}, Python {py})"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paged-jax", description="PagedAttention for JAX")
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text with continuous batching on a paged cache")
     g.add_argument(
@@ -163,7 +180,7 @@ def _generate(args) -> int:
     with _INTERRUPTS.held():  # imports and backend start-up: see _Interrupts
         import jax
 
-        import models  # noqa: F401
+        from paged_jax import models  # noqa: F401
         from paged_jax.engine import LLM, SamplingParams
 
         jax.devices()
@@ -263,10 +280,10 @@ def _failed(outputs) -> int:
 def _load_model(name: str, dtype: str | None = None):
     """(model, tokenizer) of ``--model``; a broken checkpoint is a UsageError naming the
     file (config.json, a safetensors file, tokenizer.json)."""
-    from paged_jax.engine.llm import resolve_model
+    from paged_jax import models
 
     try:
-        return resolve_model(name, dtype)
+        return models.load(name, dtype=dtype)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"--model: {e}") from None
 

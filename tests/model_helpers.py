@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.llama import apply_rope, make_step, rope_inv_freq
 from paged_jax.batch import ScheduledSeq, build_batch
 from paged_jax.block_manager import BlockManager
 from paged_jax.metadata import AttentionMetadata
+from paged_jax.models.llama import apply_rope, make_step, rope_inv_freq
 
 
 class PagedGreedy:

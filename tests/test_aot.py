@@ -13,8 +13,8 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.gpu import aot as gpu_aot
-from pallas_kernels.tpu import aot as tpu_aot
+from paged_jax.kernels.gpu import aot as gpu_aot
+from paged_jax.kernels.tpu import aot as tpu_aot
 
 TPU_CASES = tpu_aot.standard_cases()
 GPU_CASES = gpu_aot.standard_cases()

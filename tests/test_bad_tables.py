@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import paged_jax as pj
+from paged_jax import models
 from paged_jax.block_manager import BlockManager
 
 PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
@@ -205,16 +206,16 @@ def test_checked_engine_validates_every_step(monkeypatch):
     real = llm_mod.validate_batch
     monkeypatch.setattr(llm_mod, "validate_batch", lambda b, **k: calls.append(real(b, **k)))
     p = pj.SamplingParams(max_tokens=4, ignore_eos=True)
-    plain = pj.LLM("tiny-llama", num_pages=32, page_size=8)
+    plain = pj.LLM(*models.load("tiny-llama"), num_pages=32, page_size=8)
     ref = plain.generate([[1, 2, 3], [4, 5]], p, progress=False)
     assert not calls  # off by default
     monkeypatch.setenv("PAGED_JAX_CHECKED", "1")
-    llm = pj.LLM("tiny-llama", num_pages=32, page_size=8)
+    llm = pj.LLM(*models.load("tiny-llama"), num_pages=32, page_size=8)
     outs = llm.generate([[1, 2, 3], [4, 5]], p, progress=False)
     assert llm.checked and len(calls) == llm.metrics.steps >= 4
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     with pytest.raises(TypeError, match="checked: expected a bool or None, got 'yes'"):
-        pj.LLM("tiny-llama", num_pages=32, checked="yes")
+        pj.LLM(*models.load("tiny-llama"), num_pages=32, checked="yes")
 
 
 def test_checked_engine_fails_the_request_whose_step_is_invalid(monkeypatch):
@@ -229,7 +230,7 @@ def test_checked_engine_fails_the_request_whose_step_is_invalid(monkeypatch):
                 batch.page_indices[row, 0] = 10_000
         return batch
 
-    llm = pj.LLM("tiny-llama", num_pages=32, page_size=8, checked=True)
+    llm = pj.LLM(*models.load("tiny-llama"), num_pages=32, page_size=8, checked=True)
     monkeypatch.setattr(llm_mod, "build_batch", corrupt)
     p = pj.SamplingParams(max_tokens=3, ignore_eos=True)
     llm.add_request("good", [1, 2, 3], p)

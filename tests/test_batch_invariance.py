@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import paged_jax as pj
+from paged_jax import models
 
 PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
@@ -84,7 +85,7 @@ def _outputs(cache_dtype, deterministic, batched):
         for n, kw in REQUESTS
     ]
     llm = pj.LLM(
-        "tiny-llama",
+        *models.load("tiny-llama"),
         num_pages=128,
         page_size=8,
         cache_dtype=cache_dtype,

@@ -136,8 +136,8 @@ def _checkpoint(path, config=None, tokenizer: str | None = None):
     ``config`` as config.json and optionally a tokenizer.json."""
     from safetensors.numpy import save_file
 
-    import models
-    from models.hf import to_hf_tensors
+    from paged_jax import models
+    from paged_jax.models.hf import to_hf_tensors
 
     cfg = models.LlamaConfig.from_hf(TINY_HF)
     tensors = to_hf_tensors(models.init_model(cfg, seed=1))

@@ -8,6 +8,7 @@ import pytest
 from model_helpers import dense_logits
 
 import paged_jax as pj
+from paged_jax import models
 from paged_jax.engine.sampling import sample_rows
 
 PAGE = 8
@@ -22,7 +23,11 @@ def workload():
     ]
     # Each request alone: one sequence per step, a pool that never runs out.
     alone = pj.LLM(
-        "tiny-llama", num_pages=256, page_size=PAGE, max_num_seqs=1, max_num_batched_tokens=64
+        *models.load("tiny-llama"),
+        num_pages=256,
+        page_size=PAGE,
+        max_num_seqs=1,
+        max_num_batched_tokens=64,
     )
     ref = [o.outputs[0].token_ids for o in alone.generate(prompts, params, progress=False)]
     return prompts, params, ref
@@ -34,7 +39,7 @@ def test_overload_loses_nothing_and_changes_no_output(workload, preemption, pref
     prompts, params, ref = workload
     need = sum(-(-(len(p) + q.max_tokens) // PAGE) for p, q in zip(prompts, params, strict=True))
     llm = pj.LLM(
-        "tiny-llama",
+        *models.load("tiny-llama"),
         num_pages=need // 8,
         page_size=PAGE,
         max_num_seqs=64,
@@ -57,13 +62,17 @@ def test_overload_loses_nothing_and_changes_no_output(workload, preemption, pref
 def test_parallel_sampling_shares_prompt_pages():
     prompt = list(range(40, 77))  # 37 tokens: 4 full pages + 5 tokens
     params = pj.SamplingParams(max_tokens=8, n=4, temperature=1.0, seed=11, ignore_eos=True)
-    llm = pj.LLM("tiny-llama", num_pages=64, page_size=PAGE, enable_prefix_caching=False)
+    llm = pj.LLM(
+        *models.load("tiny-llama"), num_pages=64, page_size=PAGE, enable_prefix_caching=False
+    )
     out = llm.generate([prompt], params, progress=False)[0]
     # 4 shared full pages + 4 copies of the partial page + one new page per sample.
     assert llm.metrics.max_pages_used == 4 + 4 + 4
     # Right after the fork all 5 prompt pages are shared, the partial one included.
     assert llm.metrics.max_pages_shared == 5
-    solo = pj.LLM("tiny-llama", num_pages=64, page_size=PAGE, enable_prefix_caching=False)
+    solo = pj.LLM(
+        *models.load("tiny-llama"), num_pages=64, page_size=PAGE, enable_prefix_caching=False
+    )
     singles = solo.generate(
         [prompt] * 4,
         [
@@ -109,7 +118,7 @@ def _ref_beam_search(model, prompt, width, max_tokens, eos, length_penalty=1.0):
 
 @pytest.mark.parametrize("width", [2, 3])
 def test_beam_search_equals_unpaged_reference(width):
-    llm = pj.LLM("tiny-llama", num_pages=64, page_size=4)
+    llm = pj.LLM(*models.load("tiny-llama"), num_pages=64, page_size=4)
     prompt = [256, 10, 20, 30, 40, 50]
     out = llm.generate(
         [prompt], pj.SamplingParams(max_tokens=7, beam_width=width, n=width), progress=False
@@ -133,13 +142,15 @@ def test_prefix_cache_skips_shared_prompt_and_salt_isolates():
         out = llm.generate([prompt], one, progress=False, **kw)[0]
         return llm.metrics.tokens_computed - before, out
 
-    llm = pj.LLM("tiny-llama", num_pages=64, page_size=PAGE)
+    llm = pj.LLM(*models.load("tiny-llama"), num_pages=64, page_size=PAGE)
     assert computed(llm, a)[0] == len(a)
     n_b, out_b = computed(llm, b)
     assert n_b == len(b) - 32 and out_b.metrics.num_cached_tokens == 32
     assert computed(llm, b, cache_salt="tenant-2")[0] == len(b)  # another tenant: no sharing
     assert computed(llm, b, cache_salt="tenant-2")[0] == len(b) - 32  # its own cache works
-    off = pj.LLM("tiny-llama", num_pages=64, page_size=PAGE, enable_prefix_caching=False)
+    off = pj.LLM(
+        *models.load("tiny-llama"), num_pages=64, page_size=PAGE, enable_prefix_caching=False
+    )
     p8 = pj.SamplingParams(max_tokens=8, ignore_eos=True)
     assert (
         llm.generate([b], p8, progress=False)[0].outputs[0].token_ids
@@ -151,7 +162,7 @@ def test_seeded_sampling_is_independent_of_the_batch():
     p = pj.SamplingParams(
         max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True, logprobs=True
     )
-    llm = pj.LLM("tiny-llama", num_pages=128, page_size=PAGE)
+    llm = pj.LLM(*models.load("tiny-llama"), num_pages=128, page_size=PAGE)
     alone = llm.generate([[256, 1, 2, 3]], p, progress=False)[0].outputs[0]
     others = [
         pj.SamplingParams(max_tokens=5, temperature=t, seed=s)
@@ -197,7 +208,7 @@ def test_sampler_top_k_top_p_hand_worked():
 
 
 def test_stop_tokens_abort_and_bad_requests_do_not_disturb_others():
-    llm = pj.LLM("tiny-llama", num_pages=64, page_size=PAGE)
+    llm = pj.LLM(*models.load("tiny-llama"), num_pages=64, page_size=PAGE)
     greedy = (
         llm.generate(
             [[256, 5, 6]], pj.SamplingParams(max_tokens=6, ignore_eos=True), progress=False
@@ -250,7 +261,7 @@ def test_sampling_params_errors(kwargs, msg):
 
 
 def test_request_larger_than_the_pool_is_rejected_up_front():
-    llm = pj.LLM("tiny-llama", num_pages=8, page_size=PAGE, watermark=0.0)
+    llm = pj.LLM(*models.load("tiny-llama"), num_pages=8, page_size=PAGE, watermark=0.0)
     with pytest.raises(
         ValueError,
         match=r"request needs up to 12 pages \(4 x 21 tokens\), the "
@@ -282,7 +293,7 @@ def test_request_larger_than_the_pool_is_rejected_up_front():
 def test_a_group_wider_than_a_step_is_refused_and_does_not_stall_others(params, limits, message):
     # Accepted, such a group never ran and every later request stalled behind it (the
     # engine-reliability issue: `generate -n 4 --max-num-seqs 2` hung).
-    llm = pj.LLM("tiny-llama", num_pages=64, page_size=PAGE, **limits)
+    llm = pj.LLM(*models.load("tiny-llama"), num_pages=64, page_size=PAGE, **limits)
     with pytest.raises(ValueError, match=message):
         llm.add_request("wide", list(range(5)), pj.SamplingParams(max_tokens=4, **params))
     # Nothing was queued, and a group exactly as wide as the limit still finishes.

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import paged_jax as pj
+from paged_jax import models
 from paged_jax.engine import llm as llm_mod
 
 PAGE = 8
@@ -44,7 +45,7 @@ def _engine(**kw):
         watermark=0.0,
     )
     args.update(kw)
-    return pj.LLM("tiny-llama", **args)
+    return pj.LLM(*models.load("tiny-llama"), **args)
 
 
 def _tokens(out):

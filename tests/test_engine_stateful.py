@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import paged_jax as pj
+from paged_jax import models
 
 VOCAB = 256
 
@@ -18,7 +19,7 @@ class Fault(Exception):
 
 def _engine():
     return pj.LLM(
-        "tiny-llama",
+        *models.load("tiny-llama"),
         num_pages=14,
         page_size=8,
         max_num_seqs=6,

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
-from paged_jax import AttentionMetadata
+from paged_jax import AttentionMetadata, models
 from paged_jax.batch import ScheduledSeq, build_batch
 from paged_jax.block_manager import BlockManager
 
@@ -70,7 +69,7 @@ def decode_setup():
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
 def test_decode_only_step_uses_decode_kernel_and_matches_ragged(decode_setup, backend, monkeypatch):
-    import paged_jax as pj
+    from paged_jax import decoder
 
     platform = jax.default_backend()
     native = {"xla": platform, "pallas_tpu": "tpu", "pallas_gpu": "gpu"}[backend]
@@ -81,8 +80,10 @@ def test_decode_only_step_uses_decode_kernel_and_matches_ragged(decode_setup, ba
     assert md.decode_only and dec.num_tokens == 3
     assert dec.token_ids.shape[0] != dec.kv_lens.shape[0]  # 16 token rows, 8 sequence rows
     calls = []
-    real = pj.paged_attention
-    monkeypatch.setattr(pj, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = decoder.paged_attention
+    monkeypatch.setattr(
+        decoder, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     interp = platform == "cpu" and backend != "xla"
     step_k, _ = models.make_step(model, backend=backend, interpret=interp)
     step_ref, _ = models.make_step(model, backend="xla")

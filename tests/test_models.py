@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from model_helpers import PagedGreedy, dense_greedy, dense_logits
 
-from models import TINY_LLAMA, LlamaConfig, RopeScaling, init_model
 from paged_jax.metadata import AttentionMetadata
+from paged_jax.models import TINY_LLAMA, LlamaConfig, RopeScaling, init_model
 
 PROMPTS = {"a": [256, 72, 105, 33], "b": list(range(60, 97)), "c": [256, 7]}
 

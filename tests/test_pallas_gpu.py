@@ -14,7 +14,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_paged
 from paged_cases import assert_close_to_oracle, covering_sample, make_case, max_err
 
 import paged_jax as pj
-from pallas_kernels.gpu import decode_paged_attention, ragged_paged_attention, tuning
+from paged_jax.kernels.gpu import decode_paged_attention, ragged_paged_attention, tuning
 
 INTERPRET = jax.default_backend() != "gpu"
 DECODE_BATCH = [(1, 1), (1, 8), (1, 16), (1, 17), (1, 40)]

@@ -14,7 +14,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as jax
 from paged_cases import assert_close_to_oracle, covering_sample, make_case, max_err
 
 import paged_jax as pj
-from pallas_kernels.tpu import decode_paged_attention, ragged_paged_attention
+from paged_jax.kernels.tpu import decode_paged_attention, ragged_paged_attention
 
 INTERPRET = jax.default_backend() != "tpu"
 BATCH = [(1, 1), (1, 16), (1, 17), (1, 32), (1, 70)]

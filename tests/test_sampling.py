@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import paged_jax as pj
+from paged_jax import models
 from paged_jax.engine import sampling
 from paged_jax.engine.sampling import sample_rows
 
@@ -146,7 +147,7 @@ def test_a_row_does_not_depend_on_its_batch():
 
 
 def test_min_p_one_keeps_only_the_top_token_through_the_engine():
-    llm = pj.LLM("tiny-llama", num_pages=64, page_size=8)
+    llm = pj.LLM(*models.load("tiny-llama"), num_pages=64, page_size=8)
     greedy = llm.generate(
         [[3, 4, 5]], pj.SamplingParams(max_tokens=6, ignore_eos=True), progress=False
     )[0]
@@ -193,9 +194,7 @@ def test_penalized_greedy_through_the_engine_equals_the_definition():
     # logits of everything before it (prompt and output so far).
     from model_helpers import dense_logits
 
-    import models
-
-    llm = pj.LLM("tiny-llama", num_pages=64, page_size=8)
+    llm = pj.LLM(*models.load("tiny-llama"), num_pages=64, page_size=8)
     prompt = [7, 7, 9, 200, 3]
     p = pj.SamplingParams(
         max_tokens=8,

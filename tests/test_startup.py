@@ -13,8 +13,8 @@ import sys
 import jax
 import pytest
 
-import models
 import paged_jax as pj
+from paged_jax import models
 from paged_jax.engine import compile_cache
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -54,7 +54,8 @@ hits = []
 jax.monitoring.register_event_listener(
     lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)
 import paged_jax as pj
-llm = pj.LLM("tiny-llama", num_pages=64, page_size=8, compilation_cache=sys.argv[1])
+from paged_jax import models
+llm = pj.LLM(*models.load("tiny-llama"), num_pages=64, page_size=8, compilation_cache=sys.argv[1])
 out = llm.generate([[1, 2, 3, 4, 5]], pj.SamplingParams(max_tokens=4), progress=False)
 print(json.dumps(dict(tokens=out[0].outputs[0].token_ids, hits=len(hits),
                       compilations=llm.metrics.compilations)))
@@ -155,7 +156,7 @@ def _bf16_checkpoint(path, hidden=32):
     import numpy as np
     from safetensors.numpy import save_file
 
-    from models.hf import to_hf_tensors
+    from paged_jax.models.hf import to_hf_tensors
 
     hf = dict(
         architectures=["LlamaForCausalLM"],
@@ -179,7 +180,7 @@ def _bf16_checkpoint(path, hidden=32):
 def test_hf_tensors_round_trip_through_the_loader(tmp_path):
     import numpy as np
 
-    from models.hf import load_hf, to_hf_tensors
+    from paged_jax.models.hf import load_hf, to_hf_tensors
 
     path, _, tensors = _bf16_checkpoint(tmp_path / "ckpt")
     loaded, _ = load_hf(path)
@@ -191,23 +192,23 @@ def test_hf_tensors_round_trip_through_the_loader(tmp_path):
 
 
 def test_bf16_checkpoint_runs_in_f32_on_a_cpu_without_bf16(tmp_path, monkeypatch, caplog):
-    from paged_jax.engine import llm as llm_mod
+    from paged_jax.models import loading
 
     path, _, _ = _bf16_checkpoint(tmp_path / "ckpt")
-    monkeypatch.setattr(llm_mod, "_cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(loading, "_cpu_has_native_bf16", lambda: False)
     with caplog.at_level(logging.WARNING, logger="paged_jax"):
-        llm = pj.LLM(str(path), num_pages=16, page_size=8, compilation_cache=False)
-    assert llm.model.dtype == jax.numpy.float32
-    assert llm.model.embed_tokens.embedding[...].dtype == jax.numpy.float32
+        model, _ = models.load(str(path))
+    assert model.dtype == jax.numpy.float32
+    assert model.embed_tokens.embedding[...].dtype == jax.numpy.float32
     assert [r.message for r in caplog.records].count(
         f"{path}: bfloat16 weights computed in float32 (this CPU has no native bf16, "
         "which runs several times slower); pass dtype='bfloat16' to keep them as stored"
     ) == 1
-    kept = pj.LLM(str(path), num_pages=16, page_size=8, compilation_cache=False, dtype="bfloat16")
-    assert kept.model.dtype == jax.numpy.bfloat16
-    monkeypatch.setattr(llm_mod, "_cpu_has_native_bf16", lambda: True)
-    native = pj.LLM(str(path), num_pages=16, page_size=8, compilation_cache=False)
-    assert native.model.dtype == jax.numpy.bfloat16
+    kept, _ = models.load(path, dtype="bfloat16")
+    assert kept.dtype == jax.numpy.bfloat16
+    monkeypatch.setattr(loading, "_cpu_has_native_bf16", lambda: True)
+    native, _ = models.load(path)
+    assert native.dtype == jax.numpy.bfloat16
 
 
 def test_default_kv_pool_on_cpu_follows_available_memory(monkeypatch):

@@ -9,6 +9,7 @@ from paged_jax.engine.llm import (
     RequestMetrics,
     RequestOutput,
 )
+from paged_jax.engine.protocol import PagedDecoder, check_model
 from paged_jax.engine.sampling import SamplingParams
 
 __all__ = [
@@ -17,6 +18,8 @@ __all__ = [
     "EngineFailedError",
     "EngineMetrics",
     "RequestMetrics",
+    "PagedDecoder",
     "RequestOutput",
     "SamplingParams",
+    "check_model",
 ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import os
 import time
@@ -21,6 +20,7 @@ from paged_jax.batch import ScheduledSeq, bucket, build_batch
 from paged_jax.block_manager import BlockManager, prefix_root_key
 from paged_jax.engine import compile_cache
 from paged_jax.engine._signals import DeferSignals
+from paged_jax.engine.protocol import check_model
 from paged_jax.engine.sampling import Penalties, SamplingParams, beam_candidates, sample_rows
 from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status
 from paged_jax.invariant import rowwise
@@ -122,65 +122,17 @@ log = logging.getLogger("paged_jax")
 CHECKED_ENV = "PAGED_JAX_CHECKED"
 
 
-def resolve_model(model: Any, dtype: Any = None):
-    """A model object, "tiny-llama", or a Hugging Face checkpoint directory -> (model, tok).
-
-    ``dtype``: compute (and weight) dtype of a checkpoint directory; default: as stored,
-    except 16-bit checkpoints on a CPU without native bf16, computed in float32 (see
-    ``cpu_compute_dtype``).
-    """
-    if not isinstance(model, str):
-        return model, None
-    import models  # the engine reaches the models layer lazily (core never imports it)
-
-    if model in models.PRESETS:
-        return models.init_model(models.PRESETS[model], seed=0), models.ByteTokenizer()
-    return models.load_hf(model, dtype=dtype if dtype is not None else cpu_compute_dtype(model))
-
-
-def cpu_compute_dtype(checkpoint: str) -> Any:
-    """float32 for a bf16/f16 checkpoint on a CPU without native bf16 math, else None.
-
-    XLA:CPU runs 16-bit math by converting to f32 around every op, which measured 5x
-    slower than f32 on this project's AVX2 machine; CPUs with AVX512-BF16 or AMX keep
-    the stored dtype. Says so in one line (the "paged_jax" logger, WARNING).
-    """
-    if jax.default_backend() != "cpu":
-        return None
-    try:
-        with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
-        stored = str(cfg.get("torch_dtype") or cfg.get("dtype") or "")
-    except (OSError, ValueError, AttributeError):
-        return None  # the loader reports a broken config itself
-    if stored not in ("bfloat16", "float16") or _cpu_has_native_bf16():
-        return None
-    log.warning(
-        "%s: %s weights computed in float32 (this CPU has no native bf16, which runs "
-        "several times slower); pass dtype=%r to keep them as stored",
-        checkpoint,
-        stored,
-        stored,
-    )
-    return jnp.float32
-
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 class LLM:
     """Generates from a decoder with continuous batching on a paged KV cache.
 
     Args:
-      model: an NNX decoder following ``models.LlamaForCausalLM``'s step protocol
+      model: an NNX decoder following ``paged_jax.engine.PagedDecoder``
         (``__call__(tokens, positions, cache, metadata) -> (logits, cache)``,
-        ``make_cache``, ``config``), or ``"tiny-llama"``, or a checkpoint directory.
+        ``make_cache``, ``config``), such as ``paged_jax.models.LlamaForCausalLM``. Names
+        ("tiny-llama", a checkpoint directory) become models in the model layer:
+        ``model, tokenizer = paged_jax.models.load(name)``.
+      tokenizer: object with ``encode(str)`` / ``decode(ids)``; None: prompts are
+        token ids and outputs have no text.
       num_pages: pages in the pool; None sizes it from ``kv_cache_bytes``.
       kv_cache_bytes: memory budget of the pool when ``num_pages`` is None (default: what a
         full batch at the longest context could use, at most half the accelerator's free
@@ -193,7 +145,6 @@ class LLM:
       num_host_pages: host page slots for swapping (default: as many as the pool).
       watermark: fraction of pages kept back from admissions.
       cache_dtype: KV cache dtype (default: the model's compute dtype).
-      tokenizer: object with ``encode(str)`` / ``decode(ids)`` (default: the model's).
       checked: validate every step's arrays on the host before the device call
         (``paged_jax.validate_batch``: page ids, lengths, positions, slots, token ids);
         a failure raises ``ValueError`` as a failed step. Default: the environment
@@ -209,9 +160,6 @@ class LLM:
         variable ``PAGED_JAX_COMPILATION_CACHE`` (a directory, or ``0`` for none), else
         the default directory. The directory in use is ``compilation_cache_dir``
         (None when off). See ``paged_jax.engine.compile_cache``.
-      dtype: compute dtype when ``model`` is a checkpoint directory (default: as stored,
-        but bf16/f16 checkpoints run in float32 on CPUs without native bf16, with a
-        one-line note: ``cpu_compute_dtype``). Ignored for a model object.
 
     A step is all or nothing. Python signal handlers (Ctrl-C, timers) are held while a
     step runs and called when it ends, so they never interrupt it halfway (a second
@@ -235,6 +183,7 @@ class LLM:
     def __init__(
         self,
         model: Any,
+        tokenizer: Any = None,
         *,
         num_pages: int | None = None,
         kv_cache_bytes: int | None = None,
@@ -246,11 +195,9 @@ class LLM:
         num_host_pages: int | None = None,
         watermark: float = 0.01,
         cache_dtype: Any = None,
-        tokenizer: Any = None,
         checked: bool | None = None,
         deterministic: bool = False,
         compilation_cache: bool | str | os.PathLike | None = None,
-        dtype: Any = None,
     ):
         self.compilation_cache_dir = compile_cache.enable(compilation_cache)
         if checked is None:
@@ -270,8 +217,9 @@ class LLM:
         ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
-        self.model, default_tok = resolve_model(model, dtype)
-        self.tokenizer = tokenizer or default_tok
+        check_model(model)
+        self.model = model
+        self.tokenizer = tokenizer
         cfg = self.model.config
         self.max_model_len = cfg.max_position_embeddings
         self.eos_token_ids = set(getattr(cfg, "eos_token_ids", ()))

@@ -7,7 +7,7 @@ A Mosaic GPU (Hopper) decode kernel would sit beside these as ``decode_mosaic.py
 same signature; ``paged_jax.attention`` finds kernels by these two names.
 """
 
-from pallas_kernels.gpu.decode import decode_paged_attention
-from pallas_kernels.gpu.ragged import ragged_paged_attention
+from .decode import decode_paged_attention
+from .ragged import ragged_paged_attention
 
 __all__ = ["decode_paged_attention", "ragged_paged_attention"]

@@ -8,7 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._softmax import fold
+from .._softmax import fold
 
 
 def attend_pages(q, refs, pages, keep, mask, carry, *, compute_dtype, precision, soft_cap):

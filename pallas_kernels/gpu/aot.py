@@ -10,7 +10,7 @@ rejects, IR Triton cannot compile, shared memory beyond the 227 KiB a Hopper blo
 * :func:`lower_to_triton` (needs only JAX): the Triton modules a function launches.
 * :func:`compile_sm90` (needs ``pip install triton``): shared memory, registers, spills
   and the tensor-core instructions of one module, from Triton's compiler and ``ptxas -v``.
-* ``python -m pallas_kernels.gpu.aot``: the report for this project's kernels at the
+* ``python -m paged_jax.kernels.gpu.aot``: the report for this project's kernels at the
   benchmark's shapes and the test grid.
 
 Caveat: XLA compiles the same IR with its own copy of Triton, whose passes and version can
@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 
 import jax
 
-from pallas_kernels._aot_cases import attention_case, standard_grid
+from .._aot_cases import attention_case, standard_grid
 
 # Shared memory one thread block may use on sm_90 (H100/H200): 227 KiB of the SM's 228.
 SM90_SHARED_LIMIT = 227 * 1024
@@ -216,7 +216,7 @@ def compile_sm90(module: TritonModule) -> SM90Report:
 
 
 def _decode_case(dtype="bfloat16", **kw):
-    from pallas_kernels.gpu.decode import decode_paged_attention
+    from .decode import decode_paged_attention
 
     return attention_case(decode_paged_attention, "decode", dtype, **kw)
 
@@ -224,7 +224,7 @@ def _decode_case(dtype="bfloat16", **kw):
 def standard_cases() -> dict[str, tuple[Callable, list]]:
     """The report's kernels over ``standard_grid`` (both kinds); the dtype sweep of decode
     runs at the benchmark's batch 64 x 4k context (Hq 32, Hkv 8, D 128, page 16)."""
-    from pallas_kernels.gpu.ragged import ragged_paged_attention
+    from .ragged import ragged_paged_attention
 
     cases = {}
     for label, kw in standard_grid("decode").items():
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
     import json
 
     parser = argparse.ArgumentParser(
-        prog="python -m pallas_kernels.gpu.aot",
+        prog="python -m paged_jax.kernels.gpu.aot",
         description="Compile the GPU kernels for sm_90 on this host and report their "
         "shared memory, registers, spills and tensor-core instructions.",
     )
@@ -295,7 +295,7 @@ def main(argv=None) -> int:
             jax=jax.__version__,
             jaxlib=jaxlib.__version__,
             triton=triton.__version__,
-            command="python -m pallas_kernels.gpu.aot --json " + args.json,
+            command="python -m paged_jax.kernels.gpu.aot --json " + args.json,
         )
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -22,10 +22,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._table import safe_lens, safe_table
-from pallas_kernels.gpu import tuning
-from pallas_kernels.gpu._block import attend_pages
-from pallas_kernels.gpu._scales import prepare_scales
+from .._table import safe_lens, safe_table
+from . import tuning
+from ._block import attend_pages
+from ._scales import prepare_scales
 
 NUM_SMS_GUESS = 132  # H100 SXM; only used to choose the split count
 _MIN_ROWS = 16  # tensor-core dot needs >= 16 rows

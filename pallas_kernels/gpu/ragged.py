@@ -19,11 +19,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._table import safe_lens, safe_table
-from pallas_kernels._worklist import work_list
-from pallas_kernels.gpu import tuning
-from pallas_kernels.gpu._block import attend_pages
-from pallas_kernels.gpu._scales import prepare_scales
+from .._table import safe_lens, safe_table
+from .._worklist import work_list
+from . import tuning
+from ._block import attend_pages
+from ._scales import prepare_scales
 
 
 def _kernel(

@@ -1,7 +1,7 @@
 """Default block sizes and dot precisions of the GPU kernels.
 
 The defaults are sized so a block fits a Hopper SM with room for more than one resident
-block, from ahead-of-time compiles for sm_90 (``python -m pallas_kernels.gpu.aot``, see
+block, from ahead-of-time compiles for sm_90 (``python -m paged_jax.kernels.gpu.aot``, see
 ``benchmarks/results/gpu_aot_sm90.json``). Measured there (Triton 3.9, decode, D = 128,
 4 warps): shared memory is about 4 bytes per K/V element of a block in flight for 16-bit
 pools (K and V, two buffers), so 128 tokens of bf16 take 132 KiB and 255 registers and leave

@@ -8,8 +8,8 @@
   mapping, in place; ``PagedKVCache.write(..., backend="pallas_tpu")`` uses it.
 """
 
-from pallas_kernels.tpu.decode import decode_paged_attention
-from pallas_kernels.tpu.kv_write import write_rows
-from pallas_kernels.tpu.ragged import ragged_paged_attention
+from .decode import decode_paged_attention
+from .kv_write import write_rows
+from .ragged import ragged_paged_attention
 
 __all__ = ["decode_paged_attention", "ragged_paged_attention", "write_rows"]

@@ -12,7 +12,7 @@ What remains unchecked without a TPU is the second half (Mosaic's layout passes 
 and the VMEM budget at run time).
 
 * :func:`lower_to_mosaic`: the Mosaic custom calls of ``jax.jit(fn)(*args)`` for a TPU kind.
-* ``python -m pallas_kernels.tpu.aot``: lowers this project's kernels over a grid of
+* ``python -m paged_jax.kernels.tpu.aot``: lowers this project's kernels over a grid of
   shapes and dtypes for TPU v5e and v6e and prints one line per case.
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import jax
 
-from pallas_kernels._aot_cases import attention_case, standard_grid
+from .._aot_cases import attention_case, standard_grid
 
 TPU_KINDS = ("TPU v5 lite", "TPU v6 lite")  # device_kind of v5e and v6e
 
@@ -40,23 +40,31 @@ def lower_to_mosaic(fn: Callable, *args, device_kind: str = "TPU v5 lite") -> in
 
 
 def write_case(dtype="bfloat16", *, kv_heads=8, head_dim=128, page=16, tokens=64):
-    """``(fn, args)`` for ``PagedKVCache.write(backend="pallas_tpu")`` of one layer."""
-    from paged_jax.cache import PagedKVCache
+    """``(fn, args)`` writing one layer's new K/V rows into a pool with ``write_rows``, as
+    ``PagedKVCache.write(backend="pallas_tpu")`` does: rows ``[T, 2K, D]`` into a pool
+    ``[2, 64, page, 2K, D]`` of ``dtype``, and for int8 the per-row scales
+    ``f32[T, 2K]`` into their own pool as well."""
+    from .kv_write import write_rows
 
-    cache = jax.eval_shape(lambda: PagedKVCache.create(2, 64, page, kv_heads, head_dim, dtype))
     S = jax.ShapeDtypeStruct
-    new = S((tokens, kv_heads, head_dim), "bfloat16")
+    row = (2 * kv_heads, head_dim)
+    pool = S((2, 64, page) + row, dtype)
+    rows = S((tokens,) + row, dtype)
+    slots = S((tokens,), "int32")
+    if dtype != "int8":
+        return (lambda p, r, s: write_rows(p, r, s, 1)), [pool, rows, slots]
 
-    def fn(c, k, v, slots):
-        return c.write(1, k, v, slots, backend="pallas_tpu")
+    def fn(p, r, scales_pool, scales, s):
+        return write_rows(p, r, s, 1), write_rows(scales_pool, scales, s, 1)
 
-    return fn, [cache, new, new, S((tokens,), "int32")]
+    scale_pool = S((2, 64, page, 2 * kv_heads), "float32")
+    return fn, [pool, rows, scale_pool, S((tokens, 2 * kv_heads), "float32"), slots]
 
 
 def standard_cases() -> dict[str, tuple[Callable, list]]:
     """Both attention kernels over ``standard_grid``; the KV write for a 16-bit and a
     quantized cache."""
-    from pallas_kernels.tpu import decode_paged_attention, ragged_paged_attention
+    from . import decode_paged_attention, ragged_paged_attention
 
     cases = {}
     for kind, kernel in (("decode", decode_paged_attention), ("ragged", ragged_paged_attention)):
@@ -71,7 +79,7 @@ def main(argv=None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m pallas_kernels.tpu.aot",
+        prog="python -m paged_jax.kernels.tpu.aot",
         description="Lower the TPU kernels to Mosaic for TPU v5e and v6e on this host.",
     )
     parser.add_argument("-k", default="", help="only cases whose name contains this")

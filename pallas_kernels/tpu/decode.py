@@ -29,9 +29,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._softmax import fold
-from pallas_kernels._table import safe_lens, safe_table
-from pallas_kernels.tpu._pages import (
+from .._softmax import fold
+from .._table import safe_lens, safe_table
+from ._pages import (
     PagePipeline,
     default_pages_per_block,
     scratch_shapes,

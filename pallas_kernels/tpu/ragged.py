@@ -27,16 +27,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._softmax import fold
-from pallas_kernels._table import safe_lens, safe_table
-from pallas_kernels._worklist import work_list
-from pallas_kernels.tpu._pages import (
+from .._softmax import fold
+from .._table import safe_lens, safe_table
+from .._worklist import work_list
+from ._pages import (
     PagePipeline,
     default_pages_per_block,
     scratch_shapes,
     split_refs,
 )
-from pallas_kernels.tpu.decode import check_table_chunk, split_scales
+from .decode import check_table_chunk, split_scales
 
 
 def _kernel(

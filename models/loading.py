@@ -1,0 +1,91 @@
+"""Names to models: ``load("tiny-llama")``, ``load("/path/to/checkpoint")``.
+
+The engine (``paged_jax.LLM``) takes a model object and never imports this layer; the
+CLI and user code turn a name into ``(model, tokenizer)`` here and hand both to it::
+
+    model, tokenizer = paged_jax.models.load("tiny-llama")
+    llm = paged_jax.LLM(model, tokenizer)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+from typing import Any
+
+from .config import PRESETS
+from .hf import load_hf
+from .llama import init_model
+from .tokenizer import ByteTokenizer
+
+log = logging.getLogger("paged_jax")
+
+
+def load(name: str | os.PathLike, *, dtype: Any = None, seed: int = 0) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` for a preset name or a Hugging Face checkpoint directory.
+
+    Args:
+      name: a key of ``PRESETS`` (``"tiny-llama"``: random weights, byte tokenizer), or
+        a directory with ``config.json`` and safetensors weights (``load_hf``).
+      dtype: compute and weight dtype of a checkpoint (default: as stored, except that
+        16-bit checkpoints run in float32 on a CPU without native bf16, with a one-line
+        note: ``cpu_compute_dtype``). A preset's weights are float32 unless given.
+      seed: initialisation seed of a preset's random weights.
+
+    Returns ``(model, tokenizer)``; the tokenizer is None for a checkpoint without
+    ``tokenizer.json``. Raises ``TypeError`` for a name that is not a string or path,
+    ``FileNotFoundError`` for a name that is neither a preset nor a directory, and what
+    ``load_hf`` raises for a broken checkpoint.
+    """
+    if not isinstance(name, (str, os.PathLike)):
+        raise TypeError(f"name: expected a preset name or a directory, got {type(name).__name__}")
+    if isinstance(name, str) and name in PRESETS:
+        kw = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
+        return init_model(PRESETS[name], seed=seed, **kw), ByteTokenizer()
+    path = pathlib.Path(name)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{name}: neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint directory"
+        )
+    return load_hf(path, dtype=dtype if dtype is not None else cpu_compute_dtype(path))
+
+
+def cpu_compute_dtype(checkpoint: str | os.PathLike) -> Any:
+    """float32 for a bf16/f16 checkpoint on a CPU without native bf16 math, else None.
+
+    XLA:CPU runs 16-bit math by converting to f32 around every op, which measured 5x
+    slower than f32 on this project's AVX2 machine; CPUs with AVX512-BF16 or AMX keep
+    the stored dtype. Says so in one line (the "paged_jax" logger, WARNING).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+        stored = str(cfg.get("torch_dtype") or cfg.get("dtype") or "")
+    except (OSError, ValueError, AttributeError):
+        return None  # the loader reports a broken config itself
+    if stored not in ("bfloat16", "float16") or _cpu_has_native_bf16():
+        return None
+    log.warning(
+        "%s: %s weights computed in float32 (this CPU has no native bf16, which runs "
+        "several times slower); pass dtype=%r to keep them as stored",
+        checkpoint,
+        stored,
+        stored,
+    )
+    return jnp.float32
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -1,0 +1,80 @@
+"""Regenerates tests/golden/hf: tiny checkpoints written by transformers, with the
+prompt logits and greedy tokens transformers computes from them.
+
+The default test suite compares this project's loader and engine against these files, so
+it needs neither torch nor transformers; ``pytest -m hf`` (tests/test_hf_parity.py) runs
+the same comparison live. Run from the repository root, with transformers and a CPU torch
+installed::
+
+    python tests/golden/regenerate_hf.py
+
+Each variant directory holds ``config.json``, ``model.safetensors`` (bf16 weights, about
+40 KB) and ``golden.npz``: ``logits`` (f32[T, V], every position of the "long" prompt,
+weights upcast to f32) and ``greedy_<prompt>`` (i32[32]: argmax decoding with
+transformers' own KV cache).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).resolve().parent / "hf"
+sys.path.insert(0, str(HERE.parents[1]))
+
+from hf_cases import COMMON, MODEL_CLASSES, PROMPTS, hf_config  # noqa: E402
+
+NEW_TOKENS = 32
+
+
+def hf_greedy(hf, prompt, n):
+    """Argmax decoding with transformers' forward and KV cache (no generate() logits
+    processors: min_new_tokens, for one, would forbid the EOS token)."""
+    import torch
+
+    out, past, inp = [], None, torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            r = hf(inp, past_key_values=past, use_cache=True)
+            past = r.past_key_values
+            out.append(int(r.logits[0, -1].argmax()))
+            inp = torch.tensor([[out[-1]]])
+    return out
+
+
+def main() -> None:
+    import torch
+    import transformers
+
+    for seed, name in enumerate(MODEL_CLASSES):
+        torch.manual_seed(seed)
+        cfg = hf_config(transformers, name)
+        hf = getattr(transformers, MODEL_CLASSES[name])(cfg).eval()
+        with torch.no_grad():  # random biases: transformers initializes them to zero
+            for pname, p in hf.named_parameters():
+                if pname.endswith("bias"):
+                    p.normal_(0, 0.5)
+        out = HERE / name
+        out.mkdir(parents=True, exist_ok=True)
+        hf.to(torch.bfloat16).save_pretrained(out)
+        # The reference runs on exactly the stored weights, upcast.
+        ref = getattr(transformers, MODEL_CLASSES[name]).from_pretrained(out, dtype=torch.float32)
+        ref.eval()
+        arrays = {}
+        with torch.no_grad():
+            ids = torch.tensor([PROMPTS["long"]])
+            arrays["logits"] = ref(ids).logits[0].numpy().astype(np.float32)
+        for key, prompt in PROMPTS.items():
+            arrays[f"greedy_{key}"] = np.asarray(hf_greedy(ref, prompt, NEW_TOKENS), np.int32)
+        np.savez_compressed(out / "golden.npz", **arrays)
+        size = sum(f.stat().st_size for f in out.iterdir())
+        print(f"{name}: {size / 1024:.0f} KB, vocab {COMMON['vocab_size']}")
+    (HERE / "VERSIONS").write_text(
+        f"transformers {transformers.__version__}\ntorch {torch.__version__}\n"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Parity with Hugging Face transformers through golden files (no torch needed).
+
+tests/golden/hf holds tiny Llama, Llama-3 (rope scaling, tied head, attention bias), Qwen2
+and Mistral (sliding window) checkpoints written by transformers' ``save_pretrained``, with
+the prompt logits and greedy tokens transformers computed from them
+(tests/golden/regenerate_hf.py). Here they are loaded with ``models.load_hf`` and run in
+f32; ``pytest -m hf`` runs the same comparison against a live transformers.
+"""
+
+import json
+import pathlib
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_cases import MODEL_CLASSES, PROMPTS
+from model_helpers import PagedGreedy
+
+from paged_jax.metadata import AttentionMetadata
+from paged_jax.models import load_hf
+
+GOLDEN = pathlib.Path(__file__).resolve().parent / "golden" / "hf"
+BATCH = ("short", "mid", "long")
+
+
+@pytest.fixture(scope="module", params=list(MODEL_CLASSES))
+def variant(request):
+    path = GOLDEN / request.param
+    model, _ = load_hf(path, dtype=jnp.float32)
+    return request.param, model, dict(np.load(path / "golden.npz"))
+
+
+def test_prompt_logits_match_transformers(variant):
+    name, model, golden = variant
+    ids = PROMPTS["long"]
+    cache = model.make_cache(16, 8)
+    md = AttentionMetadata.prefill(len(ids), 8 + np.arange(len(ids)), [1, 2, 3, 4], logits_all=True)
+    logits, _ = model(jnp.asarray(ids, jnp.int32), jnp.arange(len(ids), dtype=jnp.int32), cache, md)
+    ref = golden["logits"]
+    rel = np.abs(np.asarray(logits) - ref).max() / np.abs(ref).max()
+    assert rel <= 1e-4, f"{name}: relative error {rel:.2e}"
+
+
+def test_greedy_batch_fork_and_prefix_match_transformers(variant):
+    name, model, golden = variant
+    # Prompts of different lengths decoded together through the paged cache; "twin" is
+    # forked from "mid" after its prefill and shares its pages.
+    g = PagedGreedy(model, page_size=8, prefix_caching=True)
+    out = g.decode(g.prefill({k: PROMPTS[k] for k in BATCH}), max_new=32, forks={"twin": "mid"})
+    for k in BATCH:
+        assert out[k] == golden[f"greedy_{k}"].tolist(), f"{name}/{k}"
+    assert out["twin"] == golden["greedy_mid"].tolist(), f"{name}/twin"
+    # A prompt whose first two pages come from "mid"'s prompt through the prefix cache.
+    before = g.computed_tokens
+    first = g.prefill({"hit": PROMPTS["hit"]})
+    assert g.computed_tokens - before == 3, "the shared pages were prefilled again"
+    got = g.decode(first, max_new=32)["hit"]
+    assert got == golden["greedy_hit"].tolist(), f"{name}/prefix-hit"
+
+
+def _shard(src: pathlib.Path, dst: pathlib.Path) -> dict:
+    """Copies checkpoint ``src`` to ``dst`` split in two safetensors files with the index
+    file save_pretrained writes for sharded checkpoints; returns the tensors."""
+    from safetensors.numpy import load_file, save_file
+
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    tensors = load_file(src / "model.safetensors")
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[::2], names[1::2])):
+        file = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, dst / file)
+        weight_map.update({n: file for n in part})
+    index = {"metadata": {}, "weight_map": weight_map}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return tensors
+
+
+def test_sharded_and_bf16_checkpoints(tmp_path):
+    tensors = _shard(GOLDEN / "llama", tmp_path / "sharded")
+    as_stored, _ = load_hf(tmp_path / "sharded")
+    assert as_stored.embed_tokens.embedding[...].dtype == jnp.bfloat16
+    upcast, _ = load_hf(tmp_path / "sharded", dtype=jnp.float32)
+    w = upcast.layer(1).self_attn.q_proj.kernel[...]
+    assert w.dtype == jnp.float32
+    ref = tensors["model.layers.1.self_attn.q_proj.weight"].astype(np.float32).T
+    np.testing.assert_array_equal(np.asarray(w), ref)
+    whole, _ = load_hf(GOLDEN / "llama", dtype=jnp.float32)
+    np.testing.assert_array_equal(
+        np.asarray(whole.layer(1).self_attn.q_proj.kernel[...]), np.asarray(w)
+    )
+
+
+def test_tokenizer_is_loaded_when_present(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    shutil.copytree(GOLDEN / "llama", tmp_path / "ckpt")
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    _, loaded = load_hf(tmp_path / "ckpt")
+    assert loaded.encode("hello world").ids == [1, 2]
+    assert load_hf(GOLDEN / "llama")[1] is None
+
+
+def test_loader_errors(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(GOLDEN / "llama", ckpt)
+    with pytest.raises(FileNotFoundError, match="not a checkpoint directory"):
+        load_hf(tmp_path / "nope")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match=r"architectures: \['GPT2LMHeadModel'\] is not supported"):
+        load_hf(ckpt)
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 48}))
+    with pytest.raises(
+        ValueError,
+        match=r"tensor 'model.layers.0.mlp.down_proj.weight' has "
+        r"shape \(32, 64\), expected \(32, 48\)",
+    ):
+        load_hf(ckpt)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    (ckpt / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        load_hf(ckpt)
+    (ckpt / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json: missing"):
+        load_hf(ckpt)

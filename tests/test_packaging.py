@@ -1,0 +1,134 @@
+"""The installed distribution: one top-level name, imports pointing one way."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``path``; relative imports as '.'."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                out.append((node.lineno, "."))
+            else:
+                out.append((node.lineno, node.module or ""))
+                if node.module == "paged_jax":  # from paged_jax import models
+                    out += [(node.lineno, f"paged_jax.{a.name}") for a in node.names]
+    return out
+
+
+def _violations(folder: str, allowed) -> list[str]:
+    bad = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        for line, mod in _imports(path):
+            if not allowed(path.relative_to(ROOT).as_posix(), mod):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {mod}")
+    return bad
+
+
+def _top(mod: str) -> str:
+    return mod.split(".")[0]
+
+
+def test_kernels_import_only_jax_numpy_and_themselves():
+    ok = {"jax", "jaxlib", "numpy", "ml_dtypes", "triton", "rich"}  # rich: the aot reports
+
+    def allowed(_, mod):
+        return mod == "." or _top(mod) in ok or _top(mod) in sys.stdlib_module_names
+
+    assert _violations("pallas_kernels", allowed) == []
+
+
+def test_core_and_engine_never_import_the_model_layer():
+    """kernels <- core <- models <- CLI: only the CLI turns names into models."""
+
+    def allowed(path, mod):
+        if path == "paged_jax/cli.py":
+            return True
+        return not (mod.startswith("paged_jax.models") or _top(mod) in ("models", "pallas_kernels"))
+
+    assert _violations("paged_jax", allowed) == []
+
+
+def test_models_reach_kernels_only_through_the_core():
+    def allowed(_, mod):
+        return not (mod.startswith("paged_jax.kernels") or mod.startswith("paged_jax.engine"))
+
+    assert _violations("models", allowed) == []
+
+
+def test_distribution_claims_only_the_paged_jax_name():
+    import tomllib
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert {p.split(".")[0] for p in cfg["packages"]} == {"paged_jax"}
+    assert cfg["package-dir"] == {
+        "paged_jax.models": "models",
+        "paged_jax.kernels": "pallas_kernels",
+    }
+
+
+def test_a_user_project_with_its_own_models_package(tmp_path):
+    """A project with a ``models`` package of its own keeps it, and the library still finds
+    its models and kernels (installed as paged_jax.models / paged_jax.kernels)."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "__init__.py").write_text("MINE = 'the user project'\n")
+    script = textwrap.dedent(
+        """
+        import models
+        import paged_jax as pj
+        from paged_jax import models as library_models
+        from paged_jax.kernels import tpu
+
+        llm = pj.LLM(*library_models.load("tiny-llama"), num_pages=16, page_size=8,
+                     compilation_cache=False)
+        out = llm.generate([[1, 2, 3]], pj.SamplingParams(max_tokens=3, ignore_eos=True),
+                           progress=False)
+        print(models.MINE, len(out[0].outputs[0].token_ids), callable(tpu.write_rows))
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "JAX_PLATFORMS": "cpu"},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["the", "user", "project", "3", "True"]
+
+
+def test_a_name_given_to_the_engine_points_to_the_model_layer():
+    import paged_jax as pj
+
+    with pytest.raises(TypeError, match=r"paged_jax\.models\.load\('tiny-llama'\)"):
+        pj.LLM("tiny-llama")
+    with pytest.raises(TypeError, match=r"needs to be a flax\.nnx\.Module.*config.*make_cache"):
+        pj.LLM(object())
+
+
+def test_version_flag_names_the_package_and_jax():
+    import tomllib
+
+    import jax
+
+    import paged_jax
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert paged_jax.__version__ == version
+    run = subprocess.run(
+        [sys.executable, "-m", "paged_jax.cli", "--version"], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(f"paged-jax {version} (jax {jax.__version__}, jaxlib ")
