@@ -39,8 +39,8 @@ def _version() -> str:
         except metadata.PackageNotFoundError:
             return "not installed"
 
-    py = sys.version.split()[0]
-    return f"paged-jax {__version__} (jax {installed('jax')}, jaxlib {installed('jaxlib')}, Python {py})"
+    jax, jaxlib, py = installed("jax"), installed("jaxlib"), sys.version.split()[0]
+    return f"paged-jax {__version__} (jax {jax}, jaxlib {jaxlib}, Python {py})"
 
 
 def _parser() -> argparse.ArgumentParser:

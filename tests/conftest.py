@@ -8,7 +8,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("PAGED_JAX_COMPILATION_CACHE", os.path.join(_REPO, ".pytest_cache", "xla"))
 
+import gc  # noqa: E402
+
 import jax  # noqa: E402
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -23,3 +26,13 @@ settings.register_profile(
 )
 settings.register_profile("thorough", max_examples=300, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """Drops JAX's compiled programs after each test module. A worker otherwise keeps every
+    program of every module it ran (thousands of eager ops and kernel grids), and the two
+    workers of ``pytest -n 2`` grew past 8 GB together."""
+    yield
+    jax.clear_caches()
+    gc.collect()

@@ -51,3 +51,18 @@ def hf_config(transformers, name: str):
     if name == "mistral":
         return transformers.MistralConfig(**COMMON, sliding_window=8)
     raise KeyError(name)
+
+
+def hf_greedy(hf, prompt, n):
+    """``n`` argmax tokens after ``prompt`` with transformers' own forward and KV cache (no
+    generate() logits processors: min_new_tokens, for one, would forbid the EOS token)."""
+    import torch
+
+    out, past, inp = [], None, torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            r = hf(inp, past_key_values=past, use_cache=True)
+            past = r.past_key_values
+            out.append(int(r.logits[0, -1].argmax()))
+            inp = torch.tensor([[out[-1]]])
+    return out

@@ -11,21 +11,30 @@ import pathlib
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_cases import MODEL_CLASSES, PROMPTS, hf_config
+from hf_cases import MODEL_CLASSES, PROMPTS, hf_config, hf_greedy
 from model_helpers import PagedGreedy
 
 from paged_jax.metadata import AttentionMetadata
 from paged_jax.models import load_hf
 
 pytestmark = pytest.mark.hf
-transformers = pytest.importorskip("transformers", reason="pytest -m hf needs transformers")
-torch = pytest.importorskip("torch", reason="pytest -m hf needs torch (a CPU build)")
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden" / "hf"
 BATCH = ("short", "mid", "long")
 
 
+@pytest.fixture(scope="module")
+def libs():
+    """(transformers, torch), imported only when an hf test runs (a module-level import
+    would report a skip on every default run, where these tests are deselected)."""
+    return (
+        pytest.importorskip("transformers", reason="pytest -m hf needs transformers"),
+        pytest.importorskip("torch", reason="pytest -m hf needs torch (a CPU build)"),
+    )
+
+
 @pytest.fixture(scope="module", params=list(MODEL_CLASSES))
-def pair(request, tmp_path_factory):
+def pair(request, tmp_path_factory, libs):
+    transformers, torch = libs
     torch.manual_seed(100)
     cfg = hf_config(transformers, request.param)
     hf = getattr(transformers, MODEL_CLASSES[request.param])(cfg).eval()
@@ -39,18 +48,8 @@ def pair(request, tmp_path_factory):
     return request.param, hf, model
 
 
-def hf_greedy(hf, prompt, n):
-    out, past, inp = [], None, torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(n):
-            r = hf(inp, past_key_values=past, use_cache=True)
-            past = r.past_key_values
-            out.append(int(r.logits[0, -1].argmax()))
-            inp = torch.tensor([[out[-1]]])
-    return out
-
-
-def test_prompt_logits_match(pair):
+def test_prompt_logits_match(pair, libs):
+    torch = libs[1]
     name, hf, model = pair
     ids = PROMPTS["long"]
     with torch.no_grad():
@@ -76,8 +75,9 @@ def test_greedy_batch_fork_and_prefix_match_transformers(pair):
 
 
 @pytest.mark.parametrize("name", list(MODEL_CLASSES))
-def test_golden_files_are_what_transformers_computes(name):
+def test_golden_files_are_what_transformers_computes(name, libs):
     """The committed golden files still hold for the installed transformers."""
+    transformers, torch = libs
     path = GOLDEN / name
     ref = getattr(transformers, MODEL_CLASSES[name]).from_pretrained(path, dtype=torch.float32)
     golden = np.load(path / "golden.npz")

@@ -24,24 +24,9 @@ import numpy as np
 HERE = pathlib.Path(__file__).resolve().parent / "hf"
 sys.path.insert(0, str(HERE.parents[1]))
 
-from hf_cases import COMMON, MODEL_CLASSES, PROMPTS, hf_config  # noqa: E402
+from hf_cases import COMMON, MODEL_CLASSES, PROMPTS, hf_config, hf_greedy  # noqa: E402
 
 NEW_TOKENS = 32
-
-
-def hf_greedy(hf, prompt, n):
-    """Argmax decoding with transformers' forward and KV cache (no generate() logits
-    processors: min_new_tokens, for one, would forbid the EOS token)."""
-    import torch
-
-    out, past, inp = [], None, torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(n):
-            r = hf(inp, past_key_values=past, use_cache=True)
-            past = r.past_key_values
-            out.append(int(r.logits[0, -1].argmax()))
-            inp = torch.tensor([[out[-1]]])
-    return out
 
 
 def main() -> None:
