@@ -129,3 +129,30 @@ def dense_greedy(model, prompt, max_new: int) -> list[int]:
         out.append(tok)
         ids.append(tok)
     return out
+
+
+def paged_prompt_logits(model, ids, page_size: int = 8) -> np.ndarray:
+    """f32[T, V]: logits of every position of ``ids``, one prefill through a paged cache
+    (pages 1, 2, ... in order)."""
+    n_pages = -(-len(ids) // page_size)
+    cache = model.make_cache(n_pages + 1, page_size)
+    slots = page_size + np.arange(len(ids))
+    md = AttentionMetadata.prefill(len(ids), slots, list(range(1, n_pages + 1)), logits_all=True)
+    tokens = jnp.asarray(ids, jnp.int32)
+    logits, _ = model(tokens, jnp.arange(len(ids), dtype=jnp.int32), cache, md)
+    return np.asarray(logits)
+
+
+def greedy_batch_fork_and_prefix_hit(model, prompts: dict, batch, hit: str, max_new: int = 32):
+    """Greedy tokens of ``prompts[k]`` for k in ``batch``, decoded together through a paged
+    cache with prefix caching (page size 8), of "twin", forked from "mid" after its
+    prefill, and of ``prompts[hit]``, prefilled afterwards on its own. Returns
+    ``(outputs by name, tokens the hit's prefill computed)``."""
+    g = PagedGreedy(model, page_size=8, prefix_caching=True)
+    first = g.prefill({k: prompts[k] for k in batch})
+    out = g.decode(first, max_new=max_new, forks={"twin": "mid"})
+    before = g.computed_tokens
+    first = g.prefill({hit: prompts[hit]})
+    computed = g.computed_tokens - before
+    out.update(g.decode(first, max_new=max_new))
+    return out, computed

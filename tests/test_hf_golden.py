@@ -15,9 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_cases import MODEL_CLASSES, PROMPTS
-from model_helpers import PagedGreedy
+from model_helpers import greedy_batch_fork_and_prefix_hit, paged_prompt_logits
 
-from paged_jax.metadata import AttentionMetadata
 from paged_jax.models import load_hf
 
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden" / "hf"
@@ -33,30 +32,18 @@ def variant(request):
 
 def test_prompt_logits_match_transformers(variant):
     name, model, golden = variant
-    ids = PROMPTS["long"]
-    cache = model.make_cache(16, 8)
-    md = AttentionMetadata.prefill(len(ids), 8 + np.arange(len(ids)), [1, 2, 3, 4], logits_all=True)
-    logits, _ = model(jnp.asarray(ids, jnp.int32), jnp.arange(len(ids), dtype=jnp.int32), cache, md)
-    ref = golden["logits"]
-    rel = np.abs(np.asarray(logits) - ref).max() / np.abs(ref).max()
+    logits, ref = paged_prompt_logits(model, PROMPTS["long"]), golden["logits"]
+    rel = np.abs(logits - ref).max() / np.abs(ref).max()
     assert rel <= 1e-4, f"{name}: relative error {rel:.2e}"
 
 
 def test_greedy_batch_fork_and_prefix_match_transformers(variant):
     name, model, golden = variant
-    # Prompts of different lengths decoded together through the paged cache; "twin" is
-    # forked from "mid" after its prefill and shares its pages.
-    g = PagedGreedy(model, page_size=8, prefix_caching=True)
-    out = g.decode(g.prefill({k: PROMPTS[k] for k in BATCH}), max_new=32, forks={"twin": "mid"})
-    for k in BATCH:
+    out, computed = greedy_batch_fork_and_prefix_hit(model, PROMPTS, BATCH, "hit")
+    for k in (*BATCH, "hit"):
         assert out[k] == golden[f"greedy_{k}"].tolist(), f"{name}/{k}"
     assert out["twin"] == golden["greedy_mid"].tolist(), f"{name}/twin"
-    # A prompt whose first two pages come from "mid"'s prompt through the prefix cache.
-    before = g.computed_tokens
-    first = g.prefill({"hit": PROMPTS["hit"]})
-    assert g.computed_tokens - before == 3, "the shared pages were prefilled again"
-    got = g.decode(first, max_new=32)["hit"]
-    assert got == golden["greedy_hit"].tolist(), f"{name}/prefix-hit"
+    assert computed == 3, "the pages shared with 'mid' were prefilled again"
 
 
 def _shard(src: pathlib.Path, dst: pathlib.Path) -> dict:

@@ -12,9 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_cases import MODEL_CLASSES, PROMPTS, hf_config, hf_greedy
-from model_helpers import PagedGreedy
+from model_helpers import greedy_batch_fork_and_prefix_hit, paged_prompt_logits
 
-from paged_jax.metadata import AttentionMetadata
 from paged_jax.models import load_hf
 
 pytestmark = pytest.mark.hf
@@ -51,27 +50,19 @@ def pair(request, tmp_path_factory, libs):
 def test_prompt_logits_match(pair, libs):
     torch = libs[1]
     name, hf, model = pair
-    ids = PROMPTS["long"]
     with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].numpy()
-    cache = model.make_cache(16, 8)
-    md = AttentionMetadata.prefill(len(ids), 8 + np.arange(len(ids)), [1, 2, 3, 4], logits_all=True)
-    logits, _ = model(jnp.asarray(ids, jnp.int32), jnp.arange(len(ids), dtype=jnp.int32), cache, md)
-    rel = np.abs(np.asarray(logits) - ref).max() / np.abs(ref).max()
+        ref = hf(torch.tensor([PROMPTS["long"]])).logits[0].numpy()
+    rel = np.abs(paged_prompt_logits(model, PROMPTS["long"]) - ref).max() / np.abs(ref).max()
     assert rel <= 1e-4, f"{name}: relative error {rel:.2e}"
 
 
 def test_greedy_batch_fork_and_prefix_match_transformers(pair):
     name, hf, model = pair
-    g = PagedGreedy(model, page_size=8, prefix_caching=True)
-    out = g.decode(g.prefill({k: PROMPTS[k] for k in BATCH}), max_new=32, forks={"twin": "mid"})
-    for k in BATCH:
+    out, computed = greedy_batch_fork_and_prefix_hit(model, PROMPTS, BATCH, "hit")
+    for k in (*BATCH, "hit"):
         assert out[k] == hf_greedy(hf, PROMPTS[k], 32), f"{name}/{k}"
     assert out["twin"] == out["mid"], f"{name}/twin"
-    before = g.computed_tokens
-    first = g.prefill({"hit": PROMPTS["hit"]})
-    assert g.computed_tokens - before == 3, "the shared pages were prefilled again"
-    assert g.decode(first, max_new=32)["hit"] == hf_greedy(hf, PROMPTS["hit"], 32)
+    assert computed == 3, "the pages shared with 'mid' were prefilled again"
 
 
 @pytest.mark.parametrize("name", list(MODEL_CLASSES))
