@@ -114,6 +114,26 @@ def load_hf(
             tensors.update(load_file(str(f)))
         except Exception as e:  # safetensors' own error type, or OSError / ValueError
             raise ValueError(f"{f}: not a readable safetensors file ({_first_line(e)})") from None
+    model = build_model(cfg, tensors, source=str(root), dtype=dtype, param_dtype=param_dtype)
+    return model, load_tokenizer(root)
+
+
+def build_model(
+    cfg: LlamaConfig,
+    tensors: dict[str, np.ndarray],
+    *,
+    source: str,
+    dtype: Any = None,
+    param_dtype: Any = None,
+) -> LlamaForCausalLM:
+    """A ``LlamaForCausalLM`` from numpy tensors under Hugging Face names and layouts
+    (``[out, in]`` linear weights, one tensor per layer), as ``load_hf`` and ``load_gguf``
+    read them.
+
+    ``dtype`` defaults to the tensors' dtype (f32 if mixed), ``param_dtype`` to ``dtype``.
+    Raises ValueError naming ``source`` and the tensor for a missing, mis-shaped or
+    unexpected tensor.
+    """
     stored = {jnp.dtype(t.dtype) for t in tensors.values()}
     dtype = (
         jnp.dtype(dtype)
@@ -137,13 +157,13 @@ def load_hf(
         values = []
         for name, transposed in names:
             if name not in tensors:
-                raise ValueError(f"{root}: tensor {name!r} is missing from the checkpoint")
+                raise ValueError(f"{source}: tensor {name!r} is missing from the checkpoint")
             value = tensors[name].T if transposed else tensors[name]
             want = expected[1:] if stacked else expected
             if tuple(value.shape) != want:
                 got = tuple(tensors[name].shape)
                 want = want[::-1] if transposed else want
-                raise ValueError(f"{root}: tensor {name!r} has shape {got}, expected {want}")
+                raise ValueError(f"{source}: tensor {name!r} has shape {got}, expected {want}")
             values.append(value)
             used.add(name)
         # Transposes, stacking and casts in numpy, then one transfer per parameter (eager
@@ -153,10 +173,9 @@ def load_hf(
     extra = sorted(n for n in tensors if n not in used and not _IGNORED.match(n))
     if extra:
         raise ValueError(
-            f"{root}: unexpected tensors for {cfg.architecture} (first 5): {extra[:5]}"
+            f"{source}: unexpected tensors for {cfg.architecture} (first 5): {extra[:5]}"
         )
-    model = nnx.merge(graphdef, nnx.from_flat_state(filled))
-    return model, load_tokenizer(root)
+    return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 
 def to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:

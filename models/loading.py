@@ -1,4 +1,5 @@
-"""Names to models: ``load("tiny-llama")``, ``load("/path/to/checkpoint")``.
+"""Names to models: ``load("tiny-llama")``, ``load("smollm2-135m-instruct")``,
+``load("/path/to/checkpoint")``, ``load("/path/to/model.gguf")``.
 
 The engine (``paged_jax.LLM``) takes a model object and never imports this layer; the
 CLI and user code turn a name into ``(model, tokenizer)`` here and hand both to it::
@@ -16,40 +17,64 @@ import pathlib
 from typing import Any
 
 from .config import PRESETS
+from .gguf_loader import load_gguf
 from .hf import load_hf
 from .llama import init_model
+from .registry import ALIASES, fetch
 from .tokenizer import ByteTokenizer
 
 log = logging.getLogger("paged_jax")
 
 
 def load(name: str | os.PathLike, *, dtype: Any = None, seed: int = 0) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` for a preset name or a Hugging Face checkpoint directory.
+    """``(model, tokenizer)`` for a preset, a named real model, a Hugging Face checkpoint
+    directory or a GGUF file.
 
     Args:
-      name: a key of ``PRESETS`` (``"tiny-llama"``: random weights, byte tokenizer), or
-        a directory with ``config.json`` and safetensors weights (``load_hf``).
-      dtype: compute and weight dtype of a checkpoint (default: as stored, except that
+      name: a key of ``PRESETS`` (``"tiny-llama"``: random weights, byte tokenizer); a
+        key of ``ALIASES`` (``"smollm2-135m-instruct"``: a real instruction-tuned model,
+        downloaded once into the cache directory, see ``paged_jax.models.registry``); a
+        directory with ``config.json`` and safetensors weights (``load_hf``); or a
+        ``.gguf`` file (``load_gguf``).
+      dtype: compute and weight dtype (default: a checkpoint's as stored, except that
         16-bit checkpoints run in float32 on a CPU without native bf16, with a one-line
-        note: ``cpu_compute_dtype``). A preset's weights are float32 unless given.
+        note: ``cpu_compute_dtype``; float32 for GGUF files, which are dequantized, and
+        presets).
       seed: initialisation seed of a preset's random weights.
 
     Returns ``(model, tokenizer)``; the tokenizer is None for a checkpoint without
-    ``tokenizer.json``. Raises ``TypeError`` for a name that is not a string or path,
-    ``FileNotFoundError`` for a name that is neither a preset nor a directory, and what
-    ``load_hf`` raises for a broken checkpoint.
+    ``tokenizer.json`` or a GGUF file without tokenizer metadata. Raises ``TypeError``
+    for a name that is not a string or path, ``FileNotFoundError`` for a name that is
+    none of the above, ``registry.FetchError`` when a named model cannot be downloaded,
+    and what ``load_hf`` / ``load_gguf`` raise for a broken file.
     """
     if not isinstance(name, (str, os.PathLike)):
         raise TypeError(f"name: expected a preset name or a directory, got {type(name).__name__}")
     if isinstance(name, str) and name in PRESETS:
         kw = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
         return init_model(PRESETS[name], seed=seed, **kw), ByteTokenizer()
+    if isinstance(name, str) and name in ALIASES:
+        return load_gguf(fetch(name), dtype=dtype)
     path = pathlib.Path(name)
+    if path.is_file() and _is_gguf(path):
+        return load_gguf(path, dtype=dtype)
     if not path.is_dir():
         raise FileNotFoundError(
-            f"{name}: neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint directory"
+            f"{name}: neither a preset ({', '.join(sorted(PRESETS))}), a named model "
+            f"({', '.join(sorted(ALIASES))}), a checkpoint directory nor a .gguf file"
         )
     return load_hf(path, dtype=dtype if dtype is not None else cpu_compute_dtype(path))
+
+
+def _is_gguf(path: pathlib.Path) -> bool:
+    """A ``.gguf`` name, or a file that starts with GGUF's magic bytes."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def cpu_compute_dtype(checkpoint: str | os.PathLike) -> Any:

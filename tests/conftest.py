@@ -8,6 +8,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("PAGED_JAX_COMPILATION_CACHE", os.path.join(_REPO, ".pytest_cache", "xla"))
 
+import ctypes  # noqa: E402
 import gc  # noqa: E402
 
 import jax  # noqa: E402
@@ -36,3 +37,14 @@ def _drop_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Hands the C heap's free pages back to the OS (glibc only). Without it a worker's
+    resident memory never shrinks after a module's programs are dropped: 0.4 -> 1.4 GB over
+    test_attention.py, and still 1.4 GB for every later module."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -62,7 +62,12 @@ def test_generate_prints_outputs_and_metrics_table():
         (["--top-p", "1.5"], "--top-p: expected a value in (0, 1], got 1.5"),
         (
             ["--model", "/no/such/dir"],
-            "--model: '/no/such/dir' is neither 'tiny-llama' nor a checkpoint directory",
+            "--model: /no/such/dir: no such checkpoint directory or GGUF file",
+        ),
+        (
+            ["--model", "no-such-model"],
+            "--model: no-such-model: neither a preset (tiny-llama), a named model "
+            "(smollm2-135m-instruct), a checkpoint directory nor a .gguf file",
         ),
         (["--prompts-file", "/no/such/file"], "--prompts-file: /no/such/file does not exist"),
     ],

@@ -2,8 +2,8 @@
 token is wrong, nothing leaks (the engine-reliability issue)."""
 
 import gc
-import os
 import signal
+import threading
 import tracemalloc
 
 import numpy as np
@@ -281,7 +281,17 @@ def test_generate_goes_on_past_a_failing_request():
     _assert_clean(llm)
 
 
-def test_one_sigint_waits_for_the_step_and_two_interrupt_it(monkeypatch):
+@pytest.fixture
+def usual_ctrl_c():
+    """Ctrl-C's usual handler during the test, whatever the worker process or an earlier
+    test installed (the engine leaves a non-callable one, SIG_IGN, alone: the signal would
+    be dropped)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_one_sigint_waits_for_the_step_and_two_interrupt_it(monkeypatch, usual_ctrl_c):
     llm = _engine()
     p = pj.SamplingParams(max_tokens=5, ignore_eos=True)
     ref = _engine().generate([[4, 5, 6]], p, progress=False)[0]
@@ -291,8 +301,10 @@ def test_one_sigint_waits_for_the_step_and_two_interrupt_it(monkeypatch):
 
     class Run:
         def __call__(self, *a, **k):
-            if kills["n"] == 1:  # a real signal: the engine's handler only records it
-                os.kill(os.getpid(), signal.SIGINT)
+            if kills["n"] == 1:  # a real signal: the engine's handler only records it.
+                # Sent to this thread, it is delivered before pthread_kill returns; sent to
+                # the process, another thread may take it, late on a loaded machine.
+                signal.pthread_kill(threading.get_ident(), signal.SIGINT)
             else:  # two, delivered synchronously (an asynchronous second one could land in
                 # a gc callback, where Python swallows exceptions)
                 for _ in range(2):

@@ -71,7 +71,9 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_second():
 
 def test_readme_demo_command_is_the_cli():
     first = re.findall(r"```bash\n(.*?)\n```", _setup_section(), re.S)[0]
-    assert first.endswith("paged-jax generate -n 2 --temperature 0.8 --seed 0")
+    assert first.endswith(
+        "paged-jax generate --model smollm2-135m-instruct -n 2 --temperature 0.8 --seed 0"
+    )
 
 
 def test_demo_passes():

