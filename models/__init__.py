@@ -12,7 +12,7 @@ from .hf import load_hf
 from .llama import LlamaForCausalLM, init_model, make_step
 from .loading import cpu_compute_dtype, load
 from .registry import ALIASES, FetchError, fetch
-from .tokenizer import ByteTokenizer
+from .tokenizer import ByteTokenizer, TextTokenizer
 
 __all__ = [
     "ALIASES",
@@ -24,6 +24,7 @@ __all__ = [
     "LlamaConfig",
     "LlamaForCausalLM",
     "RopeScaling",
+    "TextTokenizer",
     "cpu_compute_dtype",
     "fetch",
     "gguf_chat_template",

@@ -29,6 +29,7 @@ import numpy as np
 
 from .config import LlamaConfig
 from .hf import build_model
+from .tokenizer import TextTokenizer
 
 # GGUF architecture -> Hugging Face architecture (Mistral files usually say "llama").
 ARCHITECTURES = {
@@ -81,7 +82,7 @@ class GGUFError(ValueError):
 def load_gguf(
     path: str | os.PathLike, *, dtype: Any = None, param_dtype: Any = None
 ) -> tuple[Any, Any]:
-    """Loads a GGUF file: ``(LlamaForCausalLM, tokenizers.Tokenizer | None)``.
+    """Loads a GGUF file: ``(LlamaForCausalLM, TextTokenizer | None)``.
 
     Args:
       path: a ``.gguf`` file of a ``llama``, ``mistral`` or ``qwen2`` model whose tensors
@@ -89,8 +90,8 @@ def load_gguf(
       dtype: compute dtype (default float32).
       param_dtype: storage dtype of the weights (default ``dtype``).
 
-    The tokenizer is None if the file has none; the chat template is
-    ``gguf_chat_template(path)``. Raises FileNotFoundError, and ``GGUFError`` (a
+    The tokenizer is None if the file has none; it carries the file's chat template
+    (``tokenizer.apply_chat_template``). Raises FileNotFoundError, and ``GGUFError`` (a
     ValueError) naming the file and what it cannot read.
     """
     import gguf
@@ -193,8 +194,9 @@ def gguf_chat_template(path_or_reader: Any) -> str | None:
 
 
 def gguf_tokenizer(reader: Any, path: str | os.PathLike = "<gguf>") -> Any | None:
-    """The ``tokenizers.Tokenizer`` a GGUF file's metadata describes, or None if it has no
-    ``tokenizer.ggml.model``. Raises ``GGUFError`` for an unsupported tokenizer model or
+    """The tokenizer a GGUF file's metadata describes (a ``TextTokenizer``: a
+    ``tokenizers.Tokenizer`` with the file's chat template and special tokens), or None if
+    it has no ``tokenizer.ggml.model``. Raises ``GGUFError`` for an unsupported tokenizer model or
     pre-tokenizer."""
     model = _field(reader, "tokenizer.ggml.model", path, None)
     if model is None:
@@ -242,7 +244,13 @@ def gguf_tokenizer(reader: Any, path: str | os.PathLike = "<gguf>") -> Any | Non
         single = f"{single} {tokens[eos]}:0"
         specials.append((tokens[eos], int(eos)))
     tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
-    return tok
+    names = {}
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown")):
+        i = _field(reader, f"tokenizer.ggml.{key}_token_id", path, None)
+        if i is not None and 0 <= i < len(tokens):
+            names[name] = tokens[i]
+    template = _field(reader, "tokenizer.chat_template", path, None)
+    return TextTokenizer(tok, chat_template=template, special_tokens=names)
 
 
 # ---------------------------------------------------------------------------- internals

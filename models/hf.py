@@ -19,6 +19,7 @@ from flax import nnx
 
 from .config import LlamaConfig
 from .llama import LlamaForCausalLM
+from .tokenizer import TextTokenizer
 
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -61,17 +62,45 @@ def _weight_files(root: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def load_tokenizer(path: str | pathlib.Path) -> Any | None:
-    """The ``tokenizers.Tokenizer`` of a checkpoint directory, or None without tokenizer.json."""
-    file = pathlib.Path(path) / "tokenizer.json"
+def load_tokenizer(path: str | pathlib.Path) -> TextTokenizer | None:
+    """The tokenizer of a checkpoint directory (``tokenizer.json``, with the chat template
+    and special tokens of ``tokenizer_config.json`` or ``chat_template.jinja``), or None
+    without tokenizer.json."""
+    root = pathlib.Path(path)
+    file = root / "tokenizer.json"
     if not file.exists():
         return None
     from tokenizers import Tokenizer
 
     try:
-        return Tokenizer.from_file(str(file))
+        tok = Tokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises plain Exceptions for any parse failure
         raise ValueError(f"{file}: not a valid tokenizer.json ({_first_line(e)})") from None
+    config, template = {}, None
+    cfg_file = root / "tokenizer_config.json"
+    if cfg_file.exists():
+        try:
+            config = json.loads(cfg_file.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{cfg_file}: {_first_line(e)}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{cfg_file}: expected a JSON object")
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+    jinja = root / "chat_template.jinja"
+    if jinja.exists():
+        template = jinja.read_text(encoding="utf-8")
+    special = {}
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            special[key] = value
+    return TextTokenizer(
+        tok, chat_template=template if isinstance(template, str) else None, special_tokens=special
+    )
 
 
 def _first_line(e: BaseException) -> str:

@@ -1,6 +1,12 @@
-"""A byte-level tokenizer for the built-in tiny model (no files, no dependencies)."""
+"""Tokenizers of the model layer: ``TextTokenizer`` (a ``tokenizers.Tokenizer`` with the
+checkpoint's chat template and special tokens) and ``ByteTokenizer`` for the built-in tiny
+model (no files, no dependencies)."""
 
 from __future__ import annotations
+
+from typing import Any
+
+from paged_jax.chat import render_chat
 
 
 class ByteTokenizer:
@@ -15,3 +21,54 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class TextTokenizer:
+    """A ``tokenizers.Tokenizer`` with what a checkpoint says around it: its chat template
+    and special tokens. Everything else (``encode(text).ids``, ``decode``,
+    ``token_to_id``, ...) is the wrapped tokenizer's.
+
+    Args:
+      tokenizer: a ``tokenizers.Tokenizer``.
+      chat_template: the model's Jinja chat template, or None.
+      special_tokens: their text by name, e.g. ``{"bos_token": "<s>", "eos_token": "</s>"}``
+        (the names chat templates use).
+    """
+
+    def __init__(self, tokenizer: Any, *, chat_template: str | None = None, special_tokens=None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template or None
+        self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+
+    def encode(self, text: str, add_special_tokens: bool = True):
+        """The ``tokenizers.Encoding`` of ``text`` (``.ids``, ``.tokens``)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages,
+        *,
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **extra: Any,
+    ) -> str | list[int]:
+        """The prompt of a conversation (``[{"role": ..., "content": ...}, ...]``) under the
+        model's chat template: text, or with ``tokenize`` its token ids (the template
+        writes the special tokens itself, so none are added). Raises ValueError when the
+        checkpoint has no chat template, and what ``paged_jax.chat.render_chat`` raises."""
+        if self.chat_template is None:
+            raise ValueError("tokenizer: this model has no chat template")
+        text = render_chat(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=self.special_tokens,
+            **extra,
+        )
+        return self.encode(text, add_special_tokens=False).ids if tokenize else text
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)

@@ -51,6 +51,7 @@ _LAZY = {
     "LLM": ("paged_jax.engine", "LLM"),
     "SamplingParams": ("paged_jax.engine", "SamplingParams"),
     "RequestOutput": ("paged_jax.engine", "RequestOutput"),
+    "StreamOutput": ("paged_jax.engine", "StreamOutput"),
     "EngineFailedError": ("paged_jax.engine", "EngineFailedError"),
     "PagedDecoder": ("paged_jax.engine", "PagedDecoder"),
 }
@@ -80,6 +81,7 @@ __all__ = [
     "OutOfPages",
     "PagedKVCache",
     "RequestOutput",
+    "StreamOutput",
     "SamplingParams",
     "ScheduledSeq",
     "StepBatch",

@@ -80,6 +80,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument(
+        "--stop", action="append", default=None, help="a stop string (repeatable; not kept)"
+    )
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt is a user message, rendered with the model's chat template",
+    )
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--num-pages", type=int, default=None, help="default: from a memory budget")
     g.add_argument("--max-num-seqs", type=int, default=64)
@@ -102,6 +110,29 @@ def _parser() -> argparse.ArgumentParser:
         " else ~/.cache/paged-jax/xla); off: compile every run",
     )
     g.add_argument("--json", action="store_true", help="print outputs and metrics as JSON")
+    c = sub.add_parser(
+        "chat", help="talk with a model: multi-turn, its reply printed as it is generated"
+    )
+    c.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="a model with a chat template: 'smollm2-135m-instruct' (default, downloaded "
+        "once), a Hugging Face checkpoint dir or a .gguf file",
+    )
+    c.add_argument("--system", default=None, help="a system message to start with")
+    c.add_argument("--max-tokens", type=int, default=256)
+    c.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    c.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16"], help="default: as stored"
+    )
+    c.add_argument(
+        "--compilation-cache",
+        default=None,
+        help="directory of compiled steps kept across runs, or 'off'",
+    )
     b = sub.add_parser(
         "bench",
         help="run a benchmark (from a source checkout); --out DIR among its arguments "
@@ -209,6 +240,7 @@ def _generate(args) -> int:
             n=args.n,
             beam_width=args.beam_width,
             ignore_eos=args.ignore_eos,
+            stop=tuple(args.stop or ()),
         )
         llm = LLM(
             model,
@@ -223,7 +255,14 @@ def _generate(args) -> int:
                 False if args.compilation_cache == "off" else args.compilation_cache
             ),
         )
-        outputs = llm.generate(prompts, params, progress=not args.no_progress and not args.json)
+        show = not args.no_progress and not args.json
+        if args.chat:
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise UsageError(f"--chat: {args.model} has no chat template")
+            turns = [[{"role": "user", "content": p}] for p in prompts]
+            outputs = llm.chat(turns, params, progress=show)
+        else:
+            outputs = llm.generate(prompts, params, progress=show)
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise UsageError(_flag_names(str(e))) from None
     metrics = llm.metrics.summary()
@@ -271,6 +310,62 @@ def _generate(args) -> int:
         table.add_row(k, f"{v:.3g}" if isinstance(v, float) else str(v))
     console.print(table)
     return _failed(outputs)
+
+
+def _chat(args) -> int:
+    """``paged-jax chat``: read a message, stream the reply, keep the conversation. Each
+    turn's prompt begins with the previous turns, whose pages the prefix cache keeps; the
+    line after a reply says how many prompt tokens were reused."""
+    with _INTERRUPTS.held():
+        import jax
+
+        from paged_jax.engine import LLM, SamplingParams
+
+        jax.devices()
+    model, tokenizer = _load_model(args.model, args.dtype)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise UsageError(f"--model: {args.model} has no chat template")
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop=tuple(args.stop or ()),
+        )
+        llm = LLM(
+            model,
+            tokenizer,
+            compilation_cache=False if args.compilation_cache == "off" else args.compilation_cache,
+        )
+    except (ValueError, TypeError) as e:
+        raise UsageError(_flag_names(str(e))) from None
+    conversation = [{"role": "system", "content": args.system}] if args.system else []
+    print(f"chat with {args.model}; an empty line or Ctrl-D ends", file=sys.stderr, flush=True)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            return 0
+        conversation.append({"role": "user", "content": line})
+        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        reply, done = "", None
+        for piece in llm.stream([ids], params):
+            print(piece.text, end="", flush=True)
+            reply += piece.text
+            done = piece.output or done
+        print()
+        m = done.metrics
+        print(
+            f"[{m.num_generated_tokens} tokens; prefix cache: {m.num_cached_tokens} of "
+            f"{m.num_prompt_tokens} prompt tokens reused]",
+            file=sys.stderr,
+            flush=True,
+        )
+        conversation.append({"role": "assistant", "content": reply})
 
 
 def _failed(outputs) -> int:
@@ -381,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     try:
-        code = _generate(args) if args.command == "generate" else _bench(args)
+        run = {"generate": _generate, "chat": _chat, "bench": _bench}[args.command]
+        code = run(args)
         sys.stdout.flush()  # a write error shows here, not as a traceback at exit
         return code
     except UsageError as e:

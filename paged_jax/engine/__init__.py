@@ -8,6 +8,7 @@ from paged_jax.engine.llm import (
     EngineMetrics,
     RequestMetrics,
     RequestOutput,
+    StreamOutput,
 )
 from paged_jax.engine.protocol import PagedDecoder, check_model
 from paged_jax.engine.sampling import SamplingParams
@@ -21,5 +22,6 @@ __all__ = [
     "PagedDecoder",
     "RequestOutput",
     "SamplingParams",
+    "StreamOutput",
     "check_model",
 ]

@@ -8,7 +8,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -35,6 +35,19 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     cumulative_logprob: float
     logprobs: list[float] | None
+
+
+@dataclasses.dataclass
+class StreamOutput:
+    """New text of one sample (``LLM.stream``): ``index`` is the prompt's position,
+    ``sample`` the sample's; ``finish_reason`` is set on its last piece."""
+
+    index: int
+    sample: int
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    output: RequestOutput | None = None  # the request's whole output, on its last piece
 
 
 @dataclasses.dataclass
@@ -264,6 +277,8 @@ class LLM:
         )
         self.metrics = EngineMetrics()
         self.compiled_buckets: list[dict] = []  # shape buckets this engine compiled
+        self._shapes_seen: set[tuple] = set()  # step shapes this engine has run
+        self._announce = None  # generate()'s progress bar: told before a new shape runs
         self._warm_ups = 0
         self._groups: dict[Hashable, Group] = {}
         self._arrivals = 0
@@ -321,6 +336,8 @@ class LLM:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("params.stop: stop strings need a tokenizer; this engine has none")
         if request_id in self._groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         ids = self.encode(prompt)
@@ -460,6 +477,12 @@ class LLM:
                 min_p[i] = p.min_p
                 seeds[i, : len(seed_row)] = seed_row
             compiled_before = self._run._cache_size()
+            shape = (batch.token_ids.shape[0], S_b, batch.page_indices.shape[1], num_cand)
+            if self._announce is not None and shape not in self._shapes_seen:
+                self._announce(
+                    f"{shape[0]} tokens x {S_b} sequences x {shape[2]} pages (once per shape)"
+                )
+            self._shapes_seen.add(shape)
             t1 = time.perf_counter()
             toks, lps, cand_v, cand_i, self.cache = self._run(
                 self._state,
@@ -750,6 +773,8 @@ class LLM:
         reason = None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
+        elif p.stop and self._cut_at_stop_string(s, p):
+            reason = "stop"
         elif len(s.output) >= p.max_tokens or len(s.tokens) >= self.max_model_len:
             reason = "length"
         if reason:
@@ -757,6 +782,21 @@ class LLM:
             self.bm.free(s.seq_id)
             g.seqs.remove(s)
             g.done.append(s)
+
+    def _cut_at_stop_string(self, s: Seq, p: SamplingParams) -> bool:
+        """Whether ``s``'s text now contains one of ``p.stop``; if so ``s.stop_text`` is the
+        text up to the earliest one (and through it with ``include_stop_str_in_output``).
+        Only the text a new token can have completed is searched."""
+        text = self.decode(s.output)
+        longest = max(map(len, p.stop))
+        before = len(self.decode(s.output[:-1])) if len(s.output) > 1 else 0
+        start = max(before - longest + 1, 0)
+        hits = [(i, x) for x in p.stop if (i := text.find(x, start)) >= 0]
+        if not hits:
+            return False
+        i, x = min(hits)
+        s.stop_text = text[: i + len(x)] if p.include_stop_str_in_output else text[:i]
+        return True
 
     def _fork_samples(self, g: Group, item, toks, lps) -> None:
         """The prompt's logits give n tokens: n - 1 forks share every prompt page."""
@@ -865,7 +905,7 @@ class LLM:
             CompletionOutput(
                 index=k,
                 token_ids=list(s.output),
-                text=self.decode(s.output),
+                text=s.stop_text if s.stop_text is not None else self.decode(s.output),
                 finish_reason=s.finish_reason,
                 cumulative_logprob=s.cum_logprob,
                 logprobs=list(s.logprobs) if p.logprobs else None,
@@ -884,6 +924,151 @@ class LLM:
         return RequestOutput(
             g.request_id, list(g.prompt), outs, g.status is Status.FINISHED, m, g.error
         )
+
+    # ------------------------------------------------------------------ chat, streaming
+    def chat(
+        self,
+        conversations: Sequence[Mapping[str, str]] | Sequence[Sequence[Mapping[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        progress: bool = True,
+        **template_args: Any,
+    ) -> list[RequestOutput]:
+        """The assistant's next message for a conversation, or for each of a list of them.
+
+        A conversation is a list of ``{"role": ..., "content": ...}`` messages; it is
+        rendered with the tokenizer's chat template (``tokenizer.apply_chat_template``,
+        as ``paged_jax.models`` tokenizers have; ``template_args`` go to the template)
+        and generated like ``generate``'s prompts. The turns a conversation shares with an
+        earlier request reuse its pages through the prefix cache
+        (``RequestOutput.metrics.num_cached_tokens``). Returns one output per
+        conversation; raises ValueError naming ``conversations[k]``.
+        """
+        return self.generate(
+            self._chat_prompts(conversations, add_generation_prompt, template_args),
+            sampling_params,
+            progress=progress,
+        )
+
+    def _chat_prompts(self, conversations, add_generation_prompt, template_args) -> list:
+        render = getattr(self.tokenizer, "apply_chat_template", None)
+        if render is None:
+            raise ValueError(
+                "tokenizer: chat needs a tokenizer with a chat template "
+                "(apply_chat_template), such as paged_jax.models.load gives"
+            )
+        if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence):
+            raise TypeError(
+                "conversations: expected a list of messages or a list of conversations, got "
+                f"{type(conversations).__name__}"
+            )
+        single = bool(conversations) and isinstance(conversations[0], Mapping)
+        prompts = []
+        for k, conv in enumerate([conversations] if single else conversations):
+            try:
+                prompts.append(
+                    render(
+                        conv,
+                        add_generation_prompt=add_generation_prompt,
+                        tokenize=True,
+                        **template_args,
+                    )
+                )
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"conversations[{k}]: {e}") from None
+        return prompts
+
+    def stream(
+        self,
+        prompts: Sequence[str | Sequence[int]] | str,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_salt: Any = None,
+    ) -> Iterator[StreamOutput]:
+        """Like ``generate``, but yields text as it is generated: after every step, one
+        ``StreamOutput`` per sample that has new text or finished.
+
+        Text is detokenized incrementally and never splits a character or a word: text
+        that may still change (an incomplete UTF-8 sequence in byte-fallback tokens, or
+        the start of a stop string) is held back until the next token settles it. The
+        deltas of a sample join into its ``generate`` text. Beam search is not streamed
+        (beams are ranked only at the end). Closing the iterator early aborts the
+        unfinished requests.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = (
+            sampling_params
+            if isinstance(sampling_params, Sequence)
+            else [sampling_params] * len(prompts)
+        )
+        for k, p in enumerate(params):
+            if p is not None and p.use_beam_search:
+                raise ValueError(f"sampling_params[{k}]: beam search cannot be streamed")
+        if self.tokenizer is None:
+            raise ValueError("tokenizer: streaming text needs a tokenizer; use generate for ids")
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: expected 1 or {len(prompts)}, got {len(params)}")
+        ids = []
+        base = self._arrivals + 1
+        for k, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            rid = f"stream-{base}-{k}"
+            try:
+                self.add_request(rid, prompt, p, cache_salt=cache_salt)
+            except (ValueError, TypeError) as e:
+                for r in ids:
+                    self.abort(r)
+                raise type(e)(f"prompts[{k}]: {e}") from e
+            ids.append(rid)
+        index = {rid: k for k, rid in enumerate(ids)}
+        sent: dict[tuple, str] = {}  # (request, sample) -> text yielded so far
+        left = set(ids)
+        try:
+            while left:
+                finished = {o.request_id: o for o in self.step() if o.request_id in left}
+                for rid in ids:
+                    if rid not in left:
+                        continue
+                    out = finished.get(rid)
+                    if out is not None:
+                        left.discard(rid)
+                        for c in out.outputs:
+                            key = (rid, c.index)
+                            text = c.text or ""
+                            prev = sent.get(key, "")
+                            delta = text[len(prev) :] if text.startswith(prev) else ""
+                            yield StreamOutput(
+                                index[rid], c.index, delta, True, c.finish_reason, out
+                            )
+                        continue
+                    g = self._groups.get(rid)
+                    if g is None:
+                        continue
+                    stops = g.params.stop
+                    for sq in list(g.seqs) + list(g.done):
+                        key = (rid, sq.sample_index)
+                        text = self._settled_text(sq, stops)
+                        prev = sent.get(key, "")
+                        if len(text) > len(prev) and text.startswith(prev):
+                            sent[key] = text
+                            yield StreamOutput(index[rid], sq.sample_index, text[len(prev) :])
+        finally:
+            for rid in left:
+                self.abort(rid)
+
+    def _settled_text(self, s: Seq, stops: tuple[str, ...]) -> str:
+        """The text of ``s`` that later tokens cannot change: without a trailing
+        replacement character (half a UTF-8 sequence) and without a tail that could be
+        the start of a stop string."""
+        if s.stop_text is not None:  # finished at a stop string: final
+            return s.stop_text
+        text = self.decode(s.output) or ""
+        text = text.rstrip("\ufffd")
+        if stops:
+            hold = max(map(len, stops)) - 1
+            text = text[: max(len(text) - hold, 0)] if hold else text
+        return text
 
     # ------------------------------------------------------------------ swaps
     def _swap(self, swap_out, swap_in) -> None:
@@ -977,9 +1162,15 @@ class LLM:
         done: dict[Hashable, RequestOutput] = {}
         mine = set(ids)
         others: list[RequestOutput] = []  # requests added by add_request: kept for step()
-        bar = _Progress(len(ids), enabled=progress)
+        budget = {
+            rid: p_.max_tokens * max(p_.n, 1)
+            for rid, p_ in zip(ids, (p or SamplingParams() for p in params), strict=True)
+        }
+        bar = _Progress(sum(budget.values()), len(ids), enabled=progress)
+        self._announce = bar.compiling
         try:
             while len(done) < len(ids):
+                before = self.metrics.tokens_generated
                 try:
                     outs = self.step()
                 except Exception as e:
@@ -989,12 +1180,16 @@ class LLM:
                     # ends with finish_reason "error" (see the class docstring).
                     log.warning("a step failed and was undone (%s: %s)", type(e).__name__, e)
                     continue
+                tokens, finished = self.metrics.tokens_generated - before, 0
                 for out in outs:
                     if out.request_id in mine:
                         done[out.request_id] = out
-                        bar.advance(self.metrics)
+                        finished += 1
+                        used = sum(len(c.token_ids) for c in out.outputs)
+                        tokens += max(budget[out.request_id] - used, 0)  # stopped early
                     else:
                         others.append(out)
+                bar.update(self.metrics, tokens, finished)
         except BaseException:
             # Interrupted or failed: this call's requests end with it (none is left to
             # run, unseen, in a later call).
@@ -1005,6 +1200,7 @@ class LLM:
                         self.abort(r)
             raise
         finally:
+            self._announce = None
             bar.close()
             self._undelivered = others + self._undelivered
         return [done[r] for r in ids]
@@ -1123,28 +1319,41 @@ def _write_pages(cache, pages, data, scales):
 
 
 class _Progress:
-    """A rich progress bar of finished requests (silent when disabled or not a terminal)."""
+    """A rich progress bar of generated tokens, with finished requests, tokens/s and the
+    step being compiled (silent when disabled).
 
-    def __init__(self, total: int, *, enabled: bool):
+    The total is every request's token budget (``max_tokens`` per sample or beam); a
+    request that stops early counts its unused budget as done, so the bar ends full.
+    """
+
+    def __init__(self, total_tokens: int, requests: int, *, enabled: bool):
         self._p = None
+        self.requests, self.finished = requests, 0
         if not enabled:
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+        from rich.progress import BarColumn, Progress, TextColumn
 
         self._p = Progress(
-            TextColumn("generating"),
+            TextColumn("{task.description}"),
             BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[rate]}"),
+            TextColumn("{task.completed:.0f}/{task.total:.0f} tokens"),
+            TextColumn("{task.fields[info]}"),
             transient=False,
         )
-        self._task = self._p.add_task("generate", total=total, rate="")
+        self._task = self._p.add_task("generating", total=max(total_tokens, 1), info="")
         self._p.start()
 
-    def advance(self, m: EngineMetrics) -> None:
+    def compiling(self, what: str) -> None:
+        """Shown while a new step shape compiles (the call blocks; rich redraws)."""
+        if self._p is not None:
+            self._p.update(self._task, description=f"compiling the step for {what}")
+
+    def update(self, m: EngineMetrics, tokens: int, finished: int) -> None:
+        self.finished += finished
         if self._p is not None:
             rate = f"{m.tokens_generated / max(m.elapsed_s, 1e-9):.0f} tok/s"
-            self._p.update(self._task, advance=1, rate=rate)
+            info = f"{self.finished}/{self.requests} requests, {rate}"
+            self._p.update(self._task, description="generating", advance=tokens, info=info)
 
     def close(self) -> None:
         if self._p is not None:

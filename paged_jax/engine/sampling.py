@@ -39,6 +39,11 @@ class SamplingParams:
       beam_width: > 1 runs beam search instead of sampling (``n`` beams are returned,
         ``n <= beam_width``); the prompt's pages are shared by all beams.
       stop_token_ids: tokens that end a sequence (kept in the output).
+      stop: strings that end a sequence when its text contains one (needs a tokenizer;
+        found across token boundaries). The text ends before the stop string unless
+        ``include_stop_str_in_output``; ``token_ids`` keep every generated token, up to
+        the one that completed it. Not with beam search.
+      include_stop_str_in_output: keep the stop string at the end of the text.
       ignore_eos: do not stop at the model's end-of-sequence tokens.
       logprobs: return the log-probability of each generated token.
       length_penalty: beam search ranks finished beams by ``logprob / len ** penalty``.
@@ -56,6 +61,8 @@ class SamplingParams:
     n: int = 1
     beam_width: int = 1
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: bool = False
     length_penalty: float = 1.0
@@ -108,6 +115,14 @@ class SamplingParams:
                 f"n: expected <= beam_width={self.beam_width} with beam search, got {self.n}"
             )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(x, str) and x for x in stop):
+            bad("stop", "a string or a list of non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop))
+        if not isinstance(self.include_stop_str_in_output, bool):
+            bad("include_stop_str_in_output", "a bool")
+        if self.stop and self.beam_width > 1:
+            raise ValueError(f"stop: not supported with beam search (beam_width={self.beam_width})")
 
     @property
     def use_beam_search(self) -> bool:

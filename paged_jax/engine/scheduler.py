@@ -44,6 +44,7 @@ class Seq:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     cum_logprob: float = 0.0
     finish_reason: str | None = None
+    stop_text: str | None = None  # the text, cut at a stop string (SamplingParams.stop)
 
     @property
     def output(self) -> list[int]:

@@ -1,0 +1,31 @@
+"""generate()'s progress bar: generated tokens against the requests' budget, finished
+requests, tokens/s, and the step shape being compiled."""
+
+import re
+
+import paged_jax as pj
+from paged_jax import models
+from paged_jax.engine import llm as llm_mod
+
+SHAPE = re.compile(r"\d+ tokens x \d+ sequences x \d+ pages \(once per shape\)")
+
+
+def test_the_bar_counts_tokens_and_ends_full_when_requests_stop_early(capsys, monkeypatch):
+    told = []
+    monkeypatch.setattr(llm_mod._Progress, "compiling", lambda self, what: told.append(what))
+    llm = pj.LLM(*models.load("tiny-llama"), num_pages=64, page_size=16, max_num_seqs=8)
+    params = [
+        pj.SamplingParams(max_tokens=12, ignore_eos=True, n=2, temperature=0.8, seed=1),
+        pj.SamplingParams(max_tokens=9, stop_token_ids=list(range(320))),  # stops at once
+    ]
+    outs = llm.generate(["Hello", "Paged"], params, progress=True)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12, 1]
+    text = capsys.readouterr().out
+    # budget: 12 x 2 samples + 9; the early stop's unused 8 count as done
+    assert re.search(r"33/33 tokens\s+2/2 requests, \d+ tok/s", text), text
+    # every new step shape was announced before it ran, once
+    assert told and all(SHAPE.fullmatch(w) for w in told), told
+    assert len(told) == len(set(told))
+    told.clear()
+    llm.generate(["Hello", "Paged"], params, progress=True)
+    assert told == []  # the same shapes again: nothing to announce
