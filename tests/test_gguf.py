@@ -289,10 +289,9 @@ def test_byte_level_bpe_tokenizer_from_metadata(tmp_path):
     assert tok.decode(tok.encode("<s> in text").ids) == " in text"
 
 
-def test_sentencepiece_tokenizer_from_metadata(tmp_path):
-    """A "llama" vocabulary: pieces with scores (merges follow them), "▁" for spaces,
-    bytes for what no piece covers."""
-    model = _model(vocab_size=300)
+def spm_tokenizer(path):
+    """A "llama" (SentencePiece) vocabulary written to ``path`` and read back: 3 control
+    pieces, the 256 byte pieces, and pieces for "hello" and "world" with scores."""
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
     types = [2, 3, 3] + [6] * 256
     pieces = {"▁": -1.0, "h": -2.0, "e": -2.0, "l": -2.0, "o": -2.0, "w": -2.0, "r": -2.0}
@@ -301,7 +300,6 @@ def test_sentencepiece_tokenizer_from_metadata(tmp_path):
     tokens += list(pieces)
     types += [1] * len(pieces)
     scores = [0.0] * 259 + list(pieces.values())
-    path = tmp_path / "spm.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
@@ -314,14 +312,20 @@ def test_sentencepiece_tokenizer_from_metadata(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    tok = models.gguf_tokenizer(gguf.GGUFReader(path), path)
+    return models.gguf_tokenizer(gguf.GGUFReader(path), path)
+
+
+def test_sentencepiece_tokenizer_from_metadata(tmp_path):
+    """A "llama" vocabulary: pieces with scores (merges follow them), "▁" for spaces,
+    bytes for what no piece covers."""
+    path = tmp_path / "spm.gguf"
+    tok = spm_tokenizer(path)
     assert tok.encode("hello world").tokens == ["<s>", "▁hello", "▁world"]
     enc = tok.encode("hi 😀")  # "i" and the emoji have no piece: UTF-8 bytes
     assert enc.tokens[:3] == ["<s>", "▁", "h"] and "<0x69>" in enc.tokens
     assert [t for t in enc.tokens if t.startswith("<0xF0")] == ["<0xF0>"]
     for text in ["hello world", "hi 😀", "well,\nhello"]:
         assert tok.decode(tok.encode(text).ids) == text
-    del model
 
 
 # ------------------------------------------------------------------ fetching named models

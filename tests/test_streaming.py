@@ -3,6 +3,7 @@
 import re
 
 import pytest
+from test_gguf import spm_tokenizer
 
 import paged_jax as pj
 from paged_jax import models
@@ -107,6 +108,25 @@ def test_incremental_text_never_splits_a_character():
     # a stop string's possible beginning is held back
     seq = Seq("s", [256, *b"abcEN"], 1, 0)
     assert llm._settled_text(seq, ("END",)) == "abc"
+
+
+def test_incremental_text_of_sentencepiece_words_and_byte_fallback(tmp_path):
+    """Word pieces ("▁hello") and byte-fallback tokens (the emoji's 4 bytes): decoded one
+    by one they would lose spaces or show replacement characters; the settled text is
+    always a prefix of the whole text and ends equal to it."""
+    tok = spm_tokenizer(tmp_path / "spm.gguf")
+    llm = pj.LLM(models.load("tiny-llama")[0], tok, num_pages=16)
+    ids = tok.encode("hello world 😀 hello", add_special_tokens=False).ids
+    whole = tok.decode(ids)
+    assert whole == "hello world 😀 hello"
+    assert "".join(tok.decode([i]) for i in ids) != whole  # why per-token decoding fails
+    seq, seen = Seq("s", [1], 1, 0), ""
+    for i in ids:
+        seq.tokens.append(i)
+        text = llm._settled_text(seq, ())
+        assert whole.startswith(text) and text.startswith(seen), (seen, text)
+        seen = text
+    assert seen == whole
 
 
 def test_closing_a_stream_early_aborts_its_requests():

@@ -996,31 +996,13 @@ class LLM:
         (beams are ranked only at the end). Closing the iterator early aborts the
         unfinished requests.
         """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        params = (
-            sampling_params
-            if isinstance(sampling_params, Sequence)
-            else [sampling_params] * len(prompts)
-        )
-        for k, p in enumerate(params):
-            if p is not None and p.use_beam_search:
-                raise ValueError(f"sampling_params[{k}]: beam search cannot be streamed")
         if self.tokenizer is None:
             raise ValueError("tokenizer: streaming text needs a tokenizer; use generate for ids")
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: expected 1 or {len(prompts)}, got {len(params)}")
-        ids = []
-        base = self._arrivals + 1
-        for k, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            rid = f"stream-{base}-{k}"
-            try:
-                self.add_request(rid, prompt, p, cache_salt=cache_salt)
-            except (ValueError, TypeError) as e:
-                for r in ids:
-                    self.abort(r)
-                raise type(e)(f"prompts[{k}]: {e}") from e
-            ids.append(rid)
+        each = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params]
+        for k, p in enumerate(each):
+            if p is not None and p.use_beam_search:
+                raise ValueError(f"sampling_params[{k}]: beam search cannot be streamed")
+        ids, _ = self._add_all("stream", prompts, sampling_params, cache_salt)
         index = {rid: k for k, rid in enumerate(ids)}
         sent: dict[tuple, str] = {}  # (request, sample) -> text yielded so far
         left = set(ids)
@@ -1056,6 +1038,31 @@ class LLM:
         finally:
             for rid in left:
                 self.abort(rid)
+
+    def _add_all(self, prefix: str, prompts, sampling_params, cache_salt):
+        """Adds every prompt as a request, all or nothing (a bad one aborts those added and
+        raises naming ``prompts[k]``); returns ``(request ids, params per prompt)``."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = (
+            sampling_params
+            if isinstance(sampling_params, Sequence)
+            else [sampling_params] * len(prompts)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: expected 1 or {len(prompts)}, got {len(params)}")
+        ids = []
+        base = self._arrivals + 1
+        for k, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            rid = f"{prefix}-{base}-{k}"
+            try:
+                self.add_request(rid, prompt, p, cache_salt=cache_salt)
+            except (ValueError, TypeError) as e:
+                for r in ids:  # all or nothing: nothing of this call stays queued
+                    self.abort(r)
+                raise type(e)(f"prompts[{k}]: {e}") from e
+            ids.append(rid)
+        return ids, params
 
     def _settled_text(self, s: Seq, stops: tuple[str, ...]) -> str:
         """The text of ``s`` that later tokens cannot change: without a trailing
@@ -1139,26 +1146,7 @@ class LLM:
         propagates; requests added earlier through ``add_request`` keep running in later
         steps.
         """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        params = (
-            sampling_params
-            if isinstance(sampling_params, Sequence)
-            else [sampling_params] * len(prompts)
-        )
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: expected 1 or {len(prompts)}, got {len(params)}")
-        ids = []
-        base = self._arrivals + 1
-        for k, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            rid = f"gen-{base}-{k}"
-            try:
-                self.add_request(rid, prompt, p, cache_salt=cache_salt)
-            except (ValueError, TypeError) as e:
-                for r in ids:  # all or nothing: nothing of this call stays queued
-                    self.abort(r)
-                raise type(e)(f"prompts[{k}]: {e}") from e
-            ids.append(rid)
+        ids, params = self._add_all("gen", prompts, sampling_params, cache_salt)
         done: dict[Hashable, RequestOutput] = {}
         mine = set(ids)
         others: list[RequestOutput] = []  # requests added by add_request: kept for step()
