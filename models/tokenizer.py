@@ -71,4 +71,6 @@ class TextTokenizer:
         return self.encode(text, add_special_tokens=False).ids if tokenize else text
 
     def __getattr__(self, name: str) -> Any:
+        if name == "tokenizer":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.tokenizer, name)

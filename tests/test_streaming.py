@@ -137,3 +137,13 @@ def test_closing_a_stream_early_aborts_its_requests():
     assert not llm.has_unfinished()
     with pytest.raises(ValueError, match=r"sampling_params\[0\]: beam search cannot be streamed"):
         next(llm.stream(["a"], pj.SamplingParams(beam_width=2)))
+
+
+def test_a_stream_keeps_other_requests_outputs_for_step():
+    """Requests added with add_request that finish during a stream come out of the next
+    step() call, not lost inside the stream."""
+    llm = _engine()
+    llm.add_request("mine", [256, 5, 6], pj.SamplingParams(max_tokens=2, ignore_eos=True))
+    pieces = list(llm.stream(["Hello"], pj.SamplingParams(max_tokens=8, ignore_eos=True)))
+    assert pieces[-1].finished
+    assert [o.request_id for o in llm.step()] == ["mine"]

@@ -1006,38 +1006,53 @@ class LLM:
         index = {rid: k for k, rid in enumerate(ids)}
         sent: dict[tuple, str] = {}  # (request, sample) -> text yielded so far
         left = set(ids)
+        others: list[RequestOutput] = []  # requests added by add_request: kept for step()
         try:
             while left:
-                finished = {o.request_id: o for o in self.step() if o.request_id in left}
+                try:
+                    outs = self.step()
+                except Exception as e:
+                    if self._failed is not None:
+                        raise
+                    # Recovered as in generate: the step's requests were requeued.
+                    log.warning("a step failed and was undone (%s: %s)", type(e).__name__, e)
+                    continue
+                finished = {}
+                for o in outs:
+                    if o.request_id in left:
+                        finished[o.request_id] = o
+                    else:
+                        others.append(o)
                 for rid in ids:
-                    if rid not in left:
-                        continue
-                    out = finished.get(rid)
-                    if out is not None:
-                        left.discard(rid)
-                        for c in out.outputs:
-                            key = (rid, c.index)
-                            text = c.text or ""
-                            prev = sent.get(key, "")
-                            delta = text[len(prev) :] if text.startswith(prev) else ""
-                            yield StreamOutput(
-                                index[rid], c.index, delta, True, c.finish_reason, out
-                            )
-                        continue
-                    g = self._groups.get(rid)
-                    if g is None:
-                        continue
-                    stops = g.params.stop
-                    for sq in list(g.seqs) + list(g.done):
-                        key = (rid, sq.sample_index)
-                        text = self._settled_text(sq, stops)
-                        prev = sent.get(key, "")
-                        if len(text) > len(prev) and text.startswith(prev):
-                            sent[key] = text
-                            yield StreamOutput(index[rid], sq.sample_index, text[len(prev) :])
+                    if rid in left:
+                        pieces = self._stream_pieces(rid, finished.get(rid), sent, index[rid])
+                        yield from pieces
+                        if rid in finished:
+                            left.discard(rid)
         finally:
-            for rid in left:
-                self.abort(rid)
+            if self._failed is None:
+                for rid in left:  # closed early or interrupted: nothing left running unseen
+                    self.abort(rid)
+            self._undelivered = others + self._undelivered
+
+    def _stream_pieces(self, rid, out, sent: dict, index: int) -> list[StreamOutput]:
+        """The new settled text of each sample of request ``rid`` (``out``: its output if
+        it finished in this step, with the final text of every sample)."""
+        pieces = []
+        if out is not None:
+            for c in out.outputs:
+                text, prev = c.text or "", sent.get((rid, c.index), "")
+                delta = text[len(prev) :] if text.startswith(prev) else ""
+                pieces.append(StreamOutput(index, c.index, delta, True, c.finish_reason, out))
+            return pieces
+        g = self._groups.get(rid)
+        for sq in [] if g is None else [*g.seqs, *g.done]:
+            text = self._settled_text(sq, g.params.stop)
+            prev = sent.get((rid, sq.sample_index), "")
+            if len(text) > len(prev) and text.startswith(prev):
+                sent[(rid, sq.sample_index)] = text
+                pieces.append(StreamOutput(index, sq.sample_index, text[len(prev) :]))
+        return pieces
 
     def _add_all(self, prefix: str, prompts, sampling_params, cache_salt):
         """Adds every prompt as a request, all or nothing (a bad one aborts those added and
