@@ -1,4 +1,4 @@
-"""Flax NNX decoders (Llama family: Llama 2/3, Qwen2, Mistral) on the paged KV cache, and a
+"""Flax NNX decoders (Llama family: Llama 2/3, Qwen2, Qwen3, Mistral) on the paged KV cache, and a
 Hugging Face checkpoint and GGUF loaders, and ``load(name)``: a preset, a named real model
 (fetched once), a checkpoint directory or a GGUF file to ``(model, tokenizer)`` for
 ``paged_jax.LLM``.

@@ -1,11 +1,16 @@
-"""Configuration of the Llama-family decoders: Llama 2/3, Qwen2, Mistral."""
+"""Configuration of the Llama-family decoders: Llama 2/3, Qwen2, Qwen3, Mistral."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+)
 _REQUIRED_HF_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -58,6 +63,7 @@ class LlamaConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     sliding_window: int | None = None
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -138,6 +144,7 @@ class LlamaConfig:
             else {
                 "llama": "LlamaForCausalLM",
                 "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM",
                 "mistral": "MistralForCausalLM",
             }.get(hf.get("model_type"))
         )
@@ -174,7 +181,7 @@ class LlamaConfig:
         window = None
         if arch == "MistralForCausalLM":
             window = hf.get("sliding_window")
-        elif arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
+        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
             types = hf.get("layer_types") or []
             if any(t != "sliding_attention" for t in types):
                 raise ValueError(
@@ -183,6 +190,8 @@ class LlamaConfig:
             window = hf.get("sliding_window")
         if arch == "Qwen2ForCausalLM":
             qkv_bias, o_bias = True, False
+        elif arch == "Qwen3ForCausalLM":  # q/k/v/o biases together, off by default
+            qkv_bias = o_bias = bool(hf.get("attention_bias", False))
         else:
             qkv_bias = o_bias = bool(hf.get("attention_bias", False))
         if hf.get("mlp_bias"):
@@ -207,6 +216,7 @@ class LlamaConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             sliding_window=window,
+            qk_norm=arch == "Qwen3ForCausalLM",
             architecture=arch,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,

@@ -10,8 +10,8 @@ renamed to Hugging Face names and layouts, and the model is built by the same co
   ``[out, in]`` matrix: Hugging Face's layout of a linear weight;
 * for the ``llama`` architecture (Llama, Mistral) llama.cpp's converter reorders the
   rows of each head of ``attn_q`` / ``attn_k`` from rotate-half pairs ``(j, j + D/2)``
-  to interleaved pairs ``(2j, 2j + 1)``; ``_unpermute`` puts them back. ``qwen2`` files
-  keep Hugging Face's order;
+  to interleaved pairs ``(2j, 2j + 1)``; ``_unpermute`` puts them back. ``qwen2`` and
+  ``qwen3`` files keep Hugging Face's order;
 * the tokenizer is stored as its pieces (``tokenizer.ggml.tokens``), their kinds
   (``token_type``: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte) and
   either BPE merges (``model`` "gpt2": byte-level BPE) or piece scores (``model``
@@ -36,6 +36,7 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 # Block formats read (by name of gguf.GGMLQuantizationType).
 QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
@@ -55,6 +56,8 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
 # Tensors llama.cpp writes that the model recomputes or does not use.
 _IGNORED = ("rope_freqs.weight",)
@@ -85,8 +88,8 @@ def load_gguf(
     """Loads a GGUF file: ``(LlamaForCausalLM, TextTokenizer | None)``.
 
     Args:
-      path: a ``.gguf`` file of a ``llama``, ``mistral`` or ``qwen2`` model whose tensors
-        are in ``QUANT_TYPES`` (quantized ones are dequantized to float32 when loading).
+      path: a ``.gguf`` file of a ``llama``, ``mistral``, ``qwen2`` or ``qwen3`` model whose
+        tensors are in ``QUANT_TYPES`` (quantized ones are dequantized to float32 when loading).
       dtype: compute dtype (default float32).
       param_dtype: storage dtype of the weights (default ``dtype``).
 
@@ -176,7 +179,7 @@ def gguf_config(reader: Any, path: str | os.PathLike = "<gguf>") -> LlamaConfig:
     }
     window = key("attention.sliding_window", None)
     if window:
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen3"):
             hf["use_sliding_window"] = True
         hf["sliding_window"] = window
     try:

@@ -113,7 +113,7 @@ def load_hf(
     dtype: Any = None,
     param_dtype: Any = None,
 ) -> tuple[LlamaForCausalLM, Any | None]:
-    """Loads a local Hugging Face Llama / Qwen2 / Mistral checkpoint.
+    """Loads a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral checkpoint.
 
     Args:
       path: directory with ``config.json`` and safetensors weights.

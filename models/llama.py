@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Mistral) in Flax NNX, on the paged KV cache.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral) in Flax NNX, on the paged KV cache.
 
 One forward pass serves a ragged batch: T new tokens of S sequences, each a prefill chunk
 or a decode token. Per layer the tokens' K/V are written into the ``PagedKVCache`` by
@@ -91,6 +91,9 @@ class Attention(nnx.Module):
         self.o_proj = _linear(H * D, cfg.hidden_size, cfg.o_bias, **kw)
         self.num_heads, self.num_kv_heads, self.head_dim = H, K, D
         self.sliding_window = cfg.sliding_window
+        norm = dict(dtype=dtype, param_dtype=param_dtype)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
 
     def project(self, x_TE, positions_T, inv_freq):
         """Row-wise: ``(q[T, H, D], k[T, K, D], v[T, K, D])``, RoPE applied."""
@@ -98,6 +101,8 @@ class Attention(nnx.Module):
         q_THD = self.q_proj(x_TE).reshape(T, self.num_heads, self.head_dim)
         k_TKD = self.k_proj(x_TE).reshape(T, self.num_kv_heads, self.head_dim)
         v_TKD = self.v_proj(x_TE).reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: each head normalized over D, before RoPE
+            q_THD, k_TKD = self.q_norm(q_THD), self.k_norm(k_TKD)
         return (
             apply_rope(q_THD, positions_T, inv_freq),
             apply_rope(k_TKD, positions_T, inv_freq),

@@ -18,6 +18,8 @@ MODEL_CLASSES = {
     "qwen2": "Qwen2ForCausalLM",
     # sliding window shorter than the prompts
     "mistral": "MistralForCausalLM",
+    # QK-norm, head_dim not hidden / heads, no biases, tied head
+    "qwen3": "Qwen3ForCausalLM",
 }
 PROMPTS = {
     "short": [1, 5, 9],
@@ -50,6 +52,8 @@ def hf_config(transformers, name: str):
         return transformers.Qwen2Config(**COMMON)
     if name == "mistral":
         return transformers.MistralConfig(**COMMON, sliding_window=8)
+    if name == "qwen3":
+        return transformers.Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True)
     raise KeyError(name)
 
 

@@ -44,6 +44,8 @@ _NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
 
@@ -162,6 +164,8 @@ def _model(arch: str = "llama", **kw):
     cfg = dict(CFG, vocab_size=300) | kw
     if arch == "qwen2":
         cfg |= dict(architecture="Qwen2ForCausalLM", qkv_bias=True)
+    if arch == "qwen3":
+        cfg |= dict(architecture="Qwen3ForCausalLM", qk_norm=True)
     return init_model(LlamaConfig(**cfg), seed=3)
 
 
@@ -169,9 +173,13 @@ def _weights(model) -> dict:
     return {k: np.asarray(v) for k, v in to_hf_tensors(model).items()}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_f32_gguf_loads_the_same_model(tmp_path, arch):
     model = _model(arch)
+    if arch == "qwen3":  # norm weights other than ones, so a mix-up would show
+        for norm in (model.layers.self_attn.q_norm, model.layers.self_attn.k_norm):
+            w = norm.weight[...]
+            norm.weight[...] = w * jnp.linspace(0.5, 1.5, w.size).reshape(w.shape)
     write_gguf(tmp_path / "m.gguf", model, arch)
     loaded, tok = load_gguf(tmp_path / "m.gguf")
     assert loaded.config.architecture == model.config.architecture

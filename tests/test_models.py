@@ -110,7 +110,7 @@ def test_decode_loop_compiles_once_per_bucket(tiny):
         (
             dict(architecture="GPT2LMHeadModel"),
             "architecture: expected one of ('LlamaForCausalLM', 'Qwen2ForCausalLM', "
-            "'MistralForCausalLM'), got 'GPT2LMHeadModel'",
+            "'Qwen3ForCausalLM', 'MistralForCausalLM'), got 'GPT2LMHeadModel'",
         ),
     ],
 )
