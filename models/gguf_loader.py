@@ -267,11 +267,25 @@ _REQUIRED: Any = _Required()
 def _open(path: str | os.PathLike) -> Any:
     import gguf
 
+    class Reader(gguf.GGUFReader):
+        """``gguf.GGUFReader`` over a plain ndarray view of its memory map: the reader
+        slices the file once per metadata element (98k for SmolLM2's vocabulary and
+        merges), and a ``np.memmap`` slice costs several times a plain one (reading
+        SmolLM2's file: 4.0 s -> 1.4 s). Same bytes, no copy: the view keeps the map open."""
+
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, value):
+            self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
     p = pathlib.Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{p}: no such GGUF file")
     try:
-        return gguf.GGUFReader(p)
+        return Reader(p)
     except Exception as e:  # the reader raises ValueError / struct errors on bad bytes
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise GGUFError(f"{p}: not a readable GGUF file ({first})") from None
