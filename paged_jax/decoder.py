@@ -8,12 +8,15 @@ kernel when every sequence has one new token).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from paged_jax.attention import paged_attention, ragged_paged_attention
 from paged_jax.cache import PagedKVCache
 from paged_jax.invariant import fit_rows
 from paged_jax.metadata import AttentionMetadata
+from paged_jax.sharding import sharded_attention, tensor_parallel_size
 
 
 def paged_self_attention(
@@ -43,7 +46,21 @@ def paged_self_attention(
       backend, interpret: see ``ragged_paged_attention``.
 
     Token t is causal: it sees its own sequence's tokens up to its own position.
+
+    Under a mesh with a ``"tp"`` axis (``jax.set_mesh``), each device writes and attends
+    with its own heads: q, k, v and the cache split along heads (``paged_jax.sharding``).
     """
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, backend=backend)
+    local = functools.partial(_self_attention, interpret=interpret, **kw)
+    tp = tensor_parallel_size()
+    if tp > 1:
+        return sharded_attention(local, q, k, v, cache, layer, metadata, tp)
+    return local(q, k, v, cache, layer, metadata)
+
+
+def _self_attention(
+    q, k, v, cache, layer, metadata, *, sm_scale, sliding_window, backend, interpret
+):
     T, D = q.shape[0], q.shape[-1]
     cache = cache.write(layer, k, v, metadata.slot_mapping)
     kv_pages, page_indices, k_scale, v_scale = cache.attention_inputs(layer, metadata.page_indices)

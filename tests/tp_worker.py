@@ -1,0 +1,114 @@
+"""Run by tests/test_sharding.py in a fresh process with fake CPU devices (the device count
+is fixed when JAX starts): a paged step under tensor parallelism against one device.
+Prints one JSON line."""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from paged_jax import (  # noqa: E402
+    AttentionMetadata,
+    BlockManager,
+    ScheduledSeq,
+    build_batch,
+    models,  # noqa: E402
+)
+from paged_jax.models.sharding import shard_model  # noqa: E402
+from paged_jax.sharding import shard_cache, tensor_parallel_mesh  # noqa: E402
+
+PROMPTS = {"a": list(range(1, 30)), "b": [5, 6, 7, 8, 9], "c": [200, 3] * 9}
+
+
+def run(cfg, tp: int, backend: str, steps: int = 4):
+    """Prefill, then ``steps`` greedy decode steps; returns (all logits, tokens, facts)."""
+    model = models.init_model(cfg, seed=1)
+    mesh = tensor_parallel_mesh(tp)
+    model = shard_model(model, mesh)
+    interpret = backend != "xla"
+    step, state = models.make_step(model, backend=backend, interpret=interpret)
+    cache = shard_cache(model.make_cache(num_pages=64, page_size=8), mesh)
+    bm = BlockManager(64, 8)
+    for sid, ids in PROMPTS.items():
+        bm.allocate(sid, ids)
+    sched = [ScheduledSeq(s, 0, len(p)) for s, p in PROMPTS.items()]
+    logits_all, tokens = [], {s: [] for s in PROMPTS}
+    with jax.set_mesh(mesh):
+        for k in range(steps + 1):
+            batch = build_batch(bm, sched)
+            md = AttentionMetadata.from_batch(batch)
+            if k == steps:
+                hlo = step.lower(state, batch.token_ids, batch.positions, cache, md)
+                hlo = hlo.compile().as_text()
+            logits, cache = step(state, batch.token_ids, batch.positions, cache, md)
+            logits = np.asarray(logits)[: len(PROMPTS)]
+            logits_all.append(logits)
+            for i, s in enumerate(sched):
+                bm.mark_computed(s.seq_id, s.stop)
+                tok = int(logits[i].argmax())
+                tokens[s.seq_id].append(tok)
+                bm.append_slots(s.seq_id, [tok])
+            sched = [ScheduledSeq(s.seq_id, s.stop, s.stop + 1) for s in sched]
+    shard = cache.kv_pages.addressable_shards[0].data
+    facts = dict(
+        device_cache_bytes=int(shard.nbytes),
+        total_cache_bytes=int(cache.kv_pages.nbytes),
+        # collectives whose result is shaped like the KV pool ([L, N, P, ...]): none
+        cache_collectives=sum(
+            1 for line in hlo.splitlines() if _collective_on_pool(line, cfg.num_layers)
+        ),
+        all_reduces=hlo.count("all-reduce"),
+    )
+    return logits_all, tokens, facts
+
+
+def _collective_on_pool(line: str, layers: int) -> bool:
+    """Whether an HLO line is a collective (``%x = f32[...] all-gather(...)``) whose
+    result has the pool's leading dimensions."""
+    _, eq, rhs = line.partition("= ")
+    if not eq:
+        return False
+    shape, _, op = rhs.strip().partition(" ")
+    return op.startswith(("all-gather", "all-reduce", "all-to-all", "collective-permute")) and (
+        f"[{layers},64,8," in shape
+    )
+
+
+def main() -> None:
+    backend = sys.argv[1]
+    gqa = models.LlamaConfig(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+    out = {}
+    for name, cfg in (("tiny-llama", models.TINY_LLAMA), ("gqa-8-4", gqa)):
+        ref_logits, ref_tokens, _ = run(cfg, 1, backend)
+        for tp in (2, 4):
+            if cfg.num_kv_heads % tp:
+                try:
+                    run(cfg, tp, backend)
+                    out[f"{name}/tp{tp}"] = {"error": None}
+                except ValueError as e:
+                    out[f"{name}/tp{tp}"] = {"error": str(e)}
+                continue
+            logits, tokens, facts = run(cfg, tp, backend)
+            err = max(float(np.abs(a - b).max()) for a, b in zip(logits, ref_logits, strict=True))
+            out[f"{name}/tp{tp}"] = dict(
+                max_logit_error=err, same_tokens=tokens == ref_tokens, **facts
+            )
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
