@@ -1009,13 +1009,8 @@ class LLM:
         others: list[RequestOutput] = []  # requests added by add_request: kept for step()
         try:
             while left:
-                try:
-                    outs = self.step()
-                except Exception as e:
-                    if self._failed is not None:
-                        raise
-                    # Recovered as in generate: the step's requests were requeued.
-                    log.warning("a step failed and was undone (%s: %s)", type(e).__name__, e)
+                outs = self._step_or_recover()
+                if outs is None:
                     continue
                 finished = {}
                 for o in outs:
@@ -1053,6 +1048,18 @@ class LLM:
                 sent[(rid, sq.sample_index)] = text
                 pieces.append(StreamOutput(index, sq.sample_index, text[len(prev) :]))
         return pieces
+
+    def _step_or_recover(self) -> list[RequestOutput] | None:
+        """``step()`` for the run-to-completion loops: None when the step failed and was
+        undone (its requests were requeued; one that keeps failing ends with
+        finish_reason "error", see the class docstring); a stopped engine raises."""
+        try:
+            return self.step()
+        except Exception as e:
+            if self._failed is not None:
+                raise
+            log.warning("a step failed and was undone (%s: %s)", type(e).__name__, e)
+            return None
 
     def _add_all(self, prefix: str, prompts, sampling_params, cache_salt):
         """Adds every prompt as a request, all or nothing (a bad one aborts those added and
@@ -1174,14 +1181,8 @@ class LLM:
         try:
             while len(done) < len(ids):
                 before = self.metrics.tokens_generated
-                try:
-                    outs = self.step()
-                except Exception as e:
-                    if self._failed is not None:
-                        raise
-                    # Recovered: the step's requests were requeued; one that keeps failing
-                    # ends with finish_reason "error" (see the class docstring).
-                    log.warning("a step failed and was undone (%s: %s)", type(e).__name__, e)
+                outs = self._step_or_recover()
+                if outs is None:
                     continue
                 tokens, finished = self.metrics.tokens_generated - before, 0
                 for out in outs:
