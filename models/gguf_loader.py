@@ -100,13 +100,8 @@ def load_gguf(
     import gguf
 
     reader = _open(path)
+    cfg = gguf_config(reader, path)  # checks the architecture
     arch = _field(reader, "general.architecture", path)
-    if arch not in ARCHITECTURES:
-        raise GGUFError(
-            f"{path}: architecture {arch!r} is not supported (supported: "
-            f"{', '.join(ARCHITECTURES)})"
-        )
-    cfg = gguf_config(reader, path)
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         name = _hf_tensor_name(t.name, path)
@@ -139,7 +134,10 @@ def gguf_config(reader: Any, path: str | os.PathLike = "<gguf>") -> LlamaConfig:
     ``gguf.GGUFReader``). Raises ``GGUFError`` naming a missing or unsupported key."""
     arch = _field(reader, "general.architecture", path)
     if arch not in ARCHITECTURES:
-        raise GGUFError(f"{path}: architecture {arch!r} is not supported")
+        raise GGUFError(
+            f"{path}: architecture {arch!r} is not supported (supported: "
+            f"{', '.join(ARCHITECTURES)})"
+        )
 
     def key(name: str, default: Any = _REQUIRED) -> Any:
         return _field(reader, f"{arch}.{name}", path, default)

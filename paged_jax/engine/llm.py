@@ -1173,7 +1173,7 @@ class LLM:
         mine = set(ids)
         others: list[RequestOutput] = []  # requests added by add_request: kept for step()
         budget = {
-            rid: p_.max_tokens * max(p_.n, 1)
+            rid: p_.max_tokens * p_.n
             for rid, p_ in zip(ids, (p or SamplingParams() for p in params), strict=True)
         }
         bar = _Progress(sum(budget.values()), len(ids), enabled=progress)
