@@ -1,4 +1,4 @@
-"""Configuration of the Llama-family decoders: Llama 2/3, Qwen2, Qwen3, Mistral."""
+"""Configuration of the decoders: Llama 2/3, Qwen2, Qwen3, Mistral, Gemma 2 and Gemma 3 (text)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+LAYER_TYPES = ("sliding_attention", "full_attention")
+_ACTIVATIONS = ("silu", "gelu_tanh")
 _REQUIRED_HF_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -40,12 +45,49 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+    """Positions divided by ``factor`` (HF ``rope_type="linear"``; Gemma 3's global layers)."""
+
+    factor: float
+
+    def __post_init__(self):
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling.factor: expected > 0, got {self.factor}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """What one layer's attention needs beyond the shared shapes: its sliding window (None:
+    every earlier token) and its RoPE base and scaling."""
+
+    sliding_window: int | None
+    rope_theta: float
+    rope_scaling: RopeScaling | LinearRopeScaling | None
+
+
+@dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """Shapes and options of a Llama-family decoder.
 
     ``qkv_bias`` / ``o_bias``: biases of the q/k/v and output projections (Llama's
     ``attention_bias`` sets both; Qwen2 has q/k/v biases only). ``sliding_window``: each
-    token attends to at most this many most recent tokens (Mistral).
+    token attends to at most this many most recent tokens (Mistral: every layer).
+
+    Gemma 2 / 3 options (all off for the other families):
+
+    - ``layer_types``: per layer, ``"sliding_attention"`` (the window applies) or
+      ``"full_attention"``; None: every layer slides if ``sliding_window`` is set.
+    - ``local_rope_theta``: RoPE base of the sliding layers (Gemma 3: 10,000 against
+      1,000,000 for the global ones, whose ``rope_scaling`` does not apply to them).
+    - ``hidden_act``: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU).
+    - ``norm_unit_offset``: RMSNorm scales by ``1 + w``.
+    - ``sandwich_norms``: each block's output is normed too (post-attention and
+      post-feedforward norms), and the MLP gets its own pre-norm.
+    - ``scale_embeddings``: embeddings multiplied by ``sqrt(hidden_size)``.
+    - ``query_pre_attn_scalar``: softmax scale ``query_pre_attn_scalar ** -0.5`` (default
+      ``head_dim ** -0.5``).
+    - ``attn_logit_softcap`` / ``final_logit_softcap``: scores / logits become
+      ``cap * tanh(x / cap)``.
     """
 
     vocab_size: int
@@ -57,13 +99,22 @@ class LlamaConfig:
     head_dim: int | None = None
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | LinearRopeScaling | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
     sliding_window: int | None = None
-    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3, Gemma 3)
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None
+    hidden_act: str = "silu"
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -108,6 +159,30 @@ class LlamaConfig:
             raise ValueError(f"rope_theta: expected > 0, got {self.rope_theta}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window: expected None or >= 1, got {self.sliding_window}")
+        if self.layer_types is not None:
+            types = tuple(self.layer_types)
+            object.__setattr__(self, "layer_types", types)
+            bad = [t for t in types if t not in LAYER_TYPES]
+            if len(types) != self.num_layers or bad:
+                raise ValueError(
+                    f"layer_types: expected {self.num_layers} entries, each one of "
+                    f"{LAYER_TYPES}, got {list(types)!r}"
+                )
+            if "sliding_attention" in types and self.sliding_window is None:
+                raise ValueError("layer_types: sliding layers need sliding_window, which is None")
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act: expected one of {_ACTIVATIONS}, got {self.hidden_act!r}")
+        for name in (
+            "local_rope_theta",
+            "query_pre_attn_scalar",
+            "attn_logit_softcap",
+            "final_logit_softcap",
+        ):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0
+            ):
+                raise ValueError(f"{name}: expected None or a number > 0, got {value!r}")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"architecture: expected one of {SUPPORTED_ARCHITECTURES}, got "
@@ -120,6 +195,32 @@ class LlamaConfig:
         if e is None:
             return ()
         return tuple(e) if isinstance(e, (tuple, list)) else (int(e),)
+
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """Each layer's window and RoPE settings, in order (``[L]``)."""
+        full = LayerKind(self.sliding_window, self.rope_theta, self.rope_scaling)
+        if self.layer_types is None:
+            return (full,) * self.num_layers
+        local = LayerKind(
+            self.sliding_window,
+            self.rope_theta if self.local_rope_theta is None else self.local_rope_theta,
+            self.rope_scaling if self.local_rope_theta is None else None,
+        )
+        full = dataclasses.replace(full, sliding_window=None)
+        return tuple(local if t == "sliding_attention" else full for t in self.layer_types)
+
+    @property
+    def layer_period(self) -> int:
+        """The shortest period of ``layer_kinds`` over the layers (1 when every layer is
+        alike; Gemma 2: 2; Gemma 3: 6). The forward pass scans over groups of this many
+        layers, so it compiles this many layer bodies (plus a partial group at the end),
+        whatever the depth."""
+        kinds = self.layer_kinds
+        for p in range(1, len(kinds) + 1):
+            if all(kinds[i] == kinds[i % p] for i in range(len(kinds))):
+                return p
+        return len(kinds)
 
     # ------------------------------------------------------------------ Hugging Face
     @classmethod
@@ -146,60 +247,81 @@ class LlamaConfig:
                 "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM",
                 "mistral": "MistralForCausalLM",
+                "gemma2": "Gemma2ForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM",
             }.get(hf.get("model_type"))
         )
         if arch not in SUPPORTED_ARCHITECTURES:
+            hint = (
+                " (Gemma 3's multimodal checkpoints are not: only text-only "
+                "Gemma3ForCausalLM ones, such as gemma-3-1b and gemma-3-270m)"
+                if arch == "Gemma3ForConditionalGeneration"
+                else ""
+            )
             raise ValueError(
                 f"architectures: {archs or hf.get('model_type')!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}{hint}"
             )
-        rope = dict(hf.get("rope_parameters") or {})
-        legacy = hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type") or legacy.get("rope_type") or legacy.get("type")
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        scaling = None
-        if rope_type == "llama3":
-            src = {**legacy, **rope}
-            need = ("factor", "low_freq_factor", "high_freq_factor")
-            missing = [k for k in (*need, "original_max_position_embeddings") if k not in src]
-            if missing:
-                raise ValueError(
-                    f"rope_scaling: llama3 rope scaling needs {', '.join(missing)}, which "
-                    "config.json does not give"
-                )
-            scaling = RopeScaling(
-                factor=_number(src, "factor", "rope_scaling."),
-                low_freq_factor=_number(src, "low_freq_factor", "rope_scaling."),
-                high_freq_factor=_number(src, "high_freq_factor", "rope_scaling."),
-                original_max_position_embeddings=int(
-                    _number(src, "original_max_position_embeddings", "rope_scaling.")
-                ),
-            )
-        elif rope_type not in (None, "default"):
-            raise ValueError(f"rope_type: {rope_type!r} is not supported (default, llama3)")
+        gemma = arch in _GEMMA
+        params = dict(hf.get("rope_parameters") or {})
+        legacy = dict(hf.get("rope_scaling") or {})
+        local_theta = None
+        if set(params) & set(LAYER_TYPES):  # per layer type (transformers 5, Gemma 3)
+            full, local = params.get("full_attention") or {}, params.get("sliding_attention")
+            theta, scaling = _rope({**legacy, **full}, hf.get("rope_theta", 1_000_000.0))
+            if local is not None:
+                local_theta, local_scaling = _rope(local, hf.get("rope_local_base_freq", 1e4))
+                if local_scaling is not None:
+                    raise ValueError(
+                        "rope_parameters.sliding_attention: only the default RoPE is supported "
+                        "on sliding layers"
+                    )
+        else:
+            default = 1_000_000.0 if arch == "Gemma3ForCausalLM" else 10000.0
+            theta, scaling = _rope({**legacy, **params}, hf.get("rope_theta", default))
+            if arch == "Gemma3ForCausalLM":
+                local_theta = _number({"rope_local_base_freq": 1e4, **hf}, "rope_local_base_freq")
 
-        window = None
+        window, layer_types = None, None
         if arch == "MistralForCausalLM":
             window = hf.get("sliding_window")
         elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
             types = hf.get("layer_types") or []
             if any(t != "sliding_attention" for t in types):
                 raise ValueError(
-                    "layer_types: a mix of sliding and full attention layers is not supported"
+                    "layer_types: a mix of sliding and full attention layers is not supported "
+                    "for Qwen models"
                 )
             window = hf.get("sliding_window")
+        elif gemma:
+            if hf.get("use_bidirectional_attention"):
+                raise ValueError("use_bidirectional_attention: only causal Gemma is supported")
+            window = hf.get("sliding_window", 4096)
+            layer_types = hf.get("layer_types")
+            if layer_types is None:  # transformers' default pattern
+                every = 2 if arch == "Gemma2ForCausalLM" else hf.get("sliding_window_pattern", 6)
+                layer_types = [
+                    "sliding_attention" if (i + 1) % every else "full_attention"
+                    for i in range(hf["num_hidden_layers"])
+                ]
         if arch == "Qwen2ForCausalLM":
             qkv_bias, o_bias = True, False
-        elif arch == "Qwen3ForCausalLM":  # q/k/v/o biases together, off by default
-            qkv_bias = o_bias = bool(hf.get("attention_bias", False))
-        else:
+        else:  # Llama, Mistral, Qwen3, Gemma: q/k/v/o biases together, off by default
             qkv_bias = o_bias = bool(hf.get("attention_bias", False))
         if hf.get("mlp_bias"):
             raise ValueError("mlp_bias: MLP biases are not supported")
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+        act = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "silu": "silu"}.get(act)
+        if act is None:
+            raise ValueError(
+                f"hidden_act: {hf.get('hidden_activation') or hf.get('hidden_act')!r} is not "
+                "supported (silu, gelu_pytorch_tanh)"
+            )
         eos = hf.get("eos_token_id")
         missing = [k for k in _REQUIRED_HF_KEYS if k not in hf]
         if missing:
             raise ValueError(f"missing key(s) {', '.join(map(repr, missing))}")
+        gemma2 = arch == "Gemma2ForCausalLM"
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -207,20 +329,66 @@ class LlamaConfig:
             num_layers=hf["num_hidden_layers"],
             num_heads=hf["num_attention_heads"],
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=hf.get("head_dim"),
+            head_dim=hf.get("head_dim", 256 if gemma else None),
             rms_norm_eps=_number({"rms_norm_eps": 1e-6, **hf}, "rms_norm_eps"),
-            rope_theta=_number({"rope_theta": theta}, "rope_theta"),
+            rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             sliding_window=window,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            layer_types=None if layer_types is None else tuple(layer_types),
+            local_rope_theta=local_theta,
+            hidden_act=act,
+            norm_unit_offset=gemma,
+            sandwich_norms=gemma,
+            scale_embeddings=gemma,
+            query_pre_attn_scalar=(
+                _number({"query_pre_attn_scalar": 256, **hf}, "query_pre_attn_scalar")
+                if gemma
+                else None
+            ),
+            attn_logit_softcap=_optional(hf, "attn_logit_softcapping", 50.0 if gemma2 else None),
+            final_logit_softcap=_optional(hf, "final_logit_softcapping", 30.0 if gemma2 else None),
             architecture=arch,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
         )
+
+
+def _rope(src: dict, default_theta: float) -> tuple[float, Any]:
+    """``(theta, scaling)`` from one RoPE parameter dict (``rope_parameters`` or a legacy
+    ``rope_scaling``, merged)."""
+    theta = _number({"rope_theta": default_theta, **src}, "rope_theta")
+    rope_type = src.get("rope_type") or src.get("type")
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type == "linear":
+        return theta, LinearRopeScaling(factor=_number(src, "factor", "rope_scaling."))
+    if rope_type == "llama3":
+        need = ("factor", "low_freq_factor", "high_freq_factor")
+        missing = [k for k in (*need, "original_max_position_embeddings") if k not in src]
+        if missing:
+            raise ValueError(
+                f"rope_scaling: llama3 rope scaling needs {', '.join(missing)}, which "
+                "config.json does not give"
+            )
+        return theta, RopeScaling(
+            factor=_number(src, "factor", "rope_scaling."),
+            low_freq_factor=_number(src, "low_freq_factor", "rope_scaling."),
+            high_freq_factor=_number(src, "high_freq_factor", "rope_scaling."),
+            original_max_position_embeddings=int(
+                _number(src, "original_max_position_embeddings", "rope_scaling.")
+            ),
+        )
+    raise ValueError(f"rope_type: {rope_type!r} is not supported (default, linear, llama3)")
+
+
+def _optional(src: dict, key: str, default: float | None) -> float | None:
+    value = src.get(key, default)
+    return None if value is None else _number({key: value}, key)
 
 
 def _number(src: dict, key: str, prefix: str = "") -> float:

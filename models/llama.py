@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral) in Flax NNX, on the paged KV cache.
+"""The decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3) in Flax NNX, on the
+paged KV cache.
 
 One forward pass serves a ragged batch: T new tokens of S sequences, each a prefill chunk
 or a decode token. Per layer the tokens' K/V are written into the ``PagedKVCache`` by
@@ -22,14 +23,18 @@ from paged_jax.cache import PagedKVCache
 from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata
 
-from .config import LlamaConfig, RopeScaling
+from .config import LayerKind, LinearRopeScaling, LlamaConfig, RopeScaling
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
-    """``f32[D/2]`` inverse frequencies, with Llama-3 scaling applied if given."""
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling | LinearRopeScaling | None
+) -> jax.Array:
+    """``f32[D/2]`` inverse frequencies, with Llama-3 or linear scaling applied if given."""
     inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if scaling is None:
         return inv
+    if isinstance(scaling, LinearRopeScaling):
+        return inv / scaling.factor
     old = scaling.original_max_position_embeddings
     low_wavelen = old / scaling.low_freq_factor
     high_wavelen = old / scaling.high_freq_factor
@@ -57,16 +62,29 @@ def apply_rope(x_THD: jax.Array, positions_T: jax.Array, inv_freq: jax.Array) ->
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype, param_dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+    """RMSNorm over the last axis, computed in f32. ``unit_offset``: the scale is
+    ``1 + weight`` (Gemma; its weights start at 0), else ``weight`` (starting at 1)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, param_dtype, unit_offset: bool = False):
+        init = jnp.zeros if unit_offset else jnp.ones
+        self.weight = nnx.Param(init((dim,), param_dtype))
         self.eps = eps
         self.dtype = dtype
+        self.unit_offset = unit_offset
 
     def __call__(self, x_TE: jax.Array) -> jax.Array:
         x = x_TE.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
         w = self.weight[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
-        return (w * x).astype(self.dtype)
+        return ((1.0 + w if self.unit_offset else w) * x).astype(self.dtype)
+
+
+def _norm(cfg: LlamaConfig, dim: int, kw: dict) -> RMSNorm:
+    return RMSNorm(dim, cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset, **kw)
+
+
+def _soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def _linear(cfg_in: int, out: int, bias: bool, *, rngs, dtype, param_dtype) -> nnx.Linear:
@@ -90,10 +108,12 @@ class Attention(nnx.Module):
         self.v_proj = _linear(cfg.hidden_size, K * D, cfg.qkv_bias, **kw)
         self.o_proj = _linear(H * D, cfg.hidden_size, cfg.o_bias, **kw)
         self.num_heads, self.num_kv_heads, self.head_dim = H, K, D
-        self.sliding_window = cfg.sliding_window
+        scalar = cfg.query_pre_attn_scalar
+        self.sm_scale = (D if scalar is None else scalar) ** -0.5
+        self.soft_cap = cfg.attn_logit_softcap
         norm = dict(dtype=dtype, param_dtype=param_dtype)
-        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
+        self.q_norm = _norm(cfg, D, norm) if cfg.qk_norm else None
+        self.k_norm = _norm(cfg, D, norm) if cfg.qk_norm else None
 
     def project(self, x_TE, positions_T, inv_freq):
         """Row-wise: ``(q[T, H, D], k[T, K, D], v[T, K, D])``, RoPE applied."""
@@ -101,7 +121,7 @@ class Attention(nnx.Module):
         q_THD = self.q_proj(x_TE).reshape(T, self.num_heads, self.head_dim)
         k_TKD = self.k_proj(x_TE).reshape(T, self.num_kv_heads, self.head_dim)
         v_TKD = self.v_proj(x_TE).reshape(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: each head normalized over D, before RoPE
+        if self.q_norm is not None:  # Qwen3, Gemma 3: each head normalized over D, before RoPE
             q_THD, k_TKD = self.q_norm(q_THD), self.k_norm(k_TKD)
         return (
             apply_rope(q_THD, positions_T, inv_freq),
@@ -113,8 +133,9 @@ class Attention(nnx.Module):
         """Row-wise: ``o_proj`` of the heads' outputs -> ``[T, E]``."""
         return self.o_proj(o_THD.reshape(o_THD.shape[0], self.num_heads * self.head_dim))
 
-    def attend(self, q_THD, k_TKD, v_TKD, layer, cache, md, backend, interpret):
-        """Writes the step's K/V, then attends: ``(o[T, H, D], cache)``."""
+    def attend(self, q_THD, k_TKD, v_TKD, layer, cache, md, window, backend, interpret):
+        """Writes the step's K/V, then attends (``window``: this layer's sliding window, a
+        Python int or None): ``(o[T, H, D], cache)``."""
         return pj.paged_self_attention(
             q_THD,
             k_TKD,
@@ -122,8 +143,9 @@ class Attention(nnx.Module):
             cache,
             layer,
             md,
-            sm_scale=self.head_dim**-0.5,
-            sliding_window=self.sliding_window,
+            sm_scale=self.sm_scale,
+            sliding_window=window,
+            soft_cap=self.soft_cap,
             backend=backend,
             interpret=interpret,
         )
@@ -135,34 +157,54 @@ class MLP(nnx.Module):
         self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, **kw)
         self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, **kw)
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False, **kw)
+        self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def __call__(self, x_TE):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x_TE)) * self.up_proj(x_TE))
+        gate = self.gate_proj(x_TE)
+        gate = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
+        return self.down_proj(gate * self.up_proj(x_TE))
 
 
 class DecoderLayer(nnx.Module):
+    """One block. Pre-norm (Llama): ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` with
+    ``post_attention_layernorm`` as the MLP's norm. With ``sandwich_norms`` (Gemma) each
+    block's output is normed as well: ``x + post_attention_layernorm(attn(
+    input_layernorm(x)))``, then ``x + post_feedforward_layernorm(mlp(
+    pre_feedforward_layernorm(x)))``."""
+
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.input_layernorm = _norm(cfg, cfg.hidden_size, kw)
         self.self_attn = Attention(cfg, rngs=rngs, **kw)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size, kw)
         self.mlp = MLP(cfg, rngs=rngs, **kw)
+        sandwich = cfg.sandwich_norms
+        self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size, kw) if sandwich else None
+        self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size, kw) if sandwich else None
 
-    def __call__(self, x_TE, positions_T, inv_freq, layer, cache, md, backend, interpret):
+    def __call__(self, x_TE, positions_T, kind: LayerKind, layer, cache, md, backend, interpret):
+        """One block on the step's tokens ``x[T, E]``; ``kind`` (static) gives the layer's
+        window and RoPE. Returns ``(x[T, E], cache)``."""
         attn, inv = self.self_attn, md.batch_invariant
+        inv_freq = rope_inv_freq(attn.head_dim, kind.rope_theta, kind.rope_scaling)
         q, k, v = rowwise(
             lambda x, pos: attn.project(self.input_layernorm(x), pos, inv_freq),
             x_TE,
             positions_T,
             invariant=inv,
         )
-        o_THD, cache = attn.attend(q, k, v, layer, cache, md, backend, interpret)
+        window = kind.sliding_window
+        o_THD, cache = attn.attend(q, k, v, layer, cache, md, window, backend, interpret)
         return rowwise(self._after_attention, x_TE, o_THD, invariant=inv), cache
 
     def _after_attention(self, x_TE, o_THD):
         """Row-wise: the residual, the MLP and its residual."""
-        x_TE = x_TE + self.self_attn.output(o_THD)
-        return x_TE + self.mlp(self.post_attention_layernorm(x_TE))
+        if self.pre_feedforward_layernorm is None:
+            x_TE = x_TE + self.self_attn.output(o_THD)
+            return x_TE + self.mlp(self.post_attention_layernorm(x_TE))
+        x_TE = x_TE + self.post_attention_layernorm(self.self_attn.output(o_THD))
+        h = self.mlp(self.pre_feedforward_layernorm(x_TE))
+        return x_TE + self.post_feedforward_layernorm(h)
 
 
 def _make_layers(cfg: LlamaConfig, rngs: nnx.Rngs, kw: dict) -> DecoderLayer:
@@ -200,7 +242,7 @@ class LlamaForCausalLM(nnx.Module):
         self.config = cfg
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, **kw)
         self.layers = _make_layers(cfg, rngs, kw)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.norm = _norm(cfg, cfg.hidden_size, kw)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -243,26 +285,48 @@ class LlamaForCausalLM(nnx.Module):
         ``paged_jax.paged_attention`` for ``md.decode_only`` steps).
         """
         cfg = self.config
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         x_TE = self.embed_tokens(tokens_T)
+        if cfg.scale_embeddings:  # Gemma: sqrt(E), rounded to the compute dtype first
+            x_TE = x_TE * jnp.asarray(cfg.hidden_size**0.5, x_TE.dtype)
         graphdef, stacked = nnx.split(self.layers)
+        kinds, period = cfg.layer_kinds, cfg.layer_period
+        groups, rest = divmod(cfg.num_layers, period)
 
-        def one_layer(carry, xs):  # the same compiled body for every layer
+        def run(x_TE, cache, weights, j, layer):
+            """Layer ``layer`` (a traced index), the ``j``-th of its group."""
+            block = nnx.merge(graphdef, weights)
+            return block(x_TE, positions_T, kinds[j], layer, cache, md, backend, interpret)
+
+        def one_group(carry, xs):  # the same compiled body for every group of layers
             x_TE, cache = carry
-            weights, i = xs
-            layer = nnx.merge(graphdef, weights)
-            return layer(x_TE, positions_T, inv_freq, i, cache, md, backend, interpret), None
+            weights, g = xs
+            for j in range(period):  # the layers of a group differ in window / RoPE
+                i = g * period + j
+                if period > 1:  # sliced here: a reshaped copy of the stack would cost a step
+                    weights = jax.tree.map(
+                        lambda a, i=i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
+                        stacked,
+                    )
+                x_TE, cache = run(x_TE, cache, weights, j, i)
+            return (x_TE, cache), None
 
-        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x_TE, cache), _ = jax.lax.scan(one_layer, (x_TE, cache), (stacked, layer_ids))
+        group_ids = jnp.arange(groups, dtype=jnp.int32)
+        xs = (stacked if period == 1 else None, group_ids)
+        (x_TE, cache), _ = jax.lax.scan(one_group, (x_TE, cache), xs)
+        for j in range(rest):  # a last, partial group (Gemma 3 1B: 26 = 4 x 6 + 2)
+            i = groups * period + j
+            weights = jax.tree.map(lambda a, i=i: a[i], stacked)
+            x_TE, cache = run(x_TE, cache, weights, j, jnp.int32(i))
         logits = rowwise(self._logits, x_TE[md.logits_indices], invariant=md.batch_invariant)
         return logits, cache
 
     def _logits(self, x_RE):
         x_RE = self.norm(x_RE)
         if self.lm_head is None:
-            return self.embed_tokens.attend(x_RE).astype(jnp.float32)
-        return self.lm_head(x_RE).astype(jnp.float32)
+            logits = self.embed_tokens.attend(x_RE).astype(jnp.float32)
+        else:
+            logits = self.lm_head(x_RE).astype(jnp.float32)
+        return _soft_cap(logits, self.config.final_logit_softcap)
 
 
 def init_model(cfg: LlamaConfig, *, seed: int = 0, dtype=jnp.float32, param_dtype=jnp.float32):

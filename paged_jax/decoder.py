@@ -29,6 +29,7 @@ def paged_self_attention(
     *,
     sm_scale: float | None = None,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
     backend: str = "auto",
     interpret: bool = False,
 ) -> tuple[jax.Array, PagedKVCache]:  # (o[T, H, D] in q's dtype, cache)
@@ -43,6 +44,7 @@ def paged_self_attention(
       metadata: the step's ``AttentionMetadata``, as the engine passes it to the model.
       sm_scale: softmax scale (default ``D ** -0.5``).
       sliding_window: attend to at most this many most recent tokens (None: all).
+      soft_cap: scores become ``soft_cap * tanh(scores / soft_cap)`` (Gemma 2).
       backend, interpret: see ``ragged_paged_attention``.
 
     Token t is causal: it sees its own sequence's tokens up to its own position.
@@ -50,7 +52,7 @@ def paged_self_attention(
     Under a mesh with a ``"tp"`` axis (``jax.set_mesh``), each device writes and attends
     with its own heads: q, k, v and the cache split along heads (``paged_jax.sharding``).
     """
-    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, backend=backend)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, backend=backend)
     local = functools.partial(_self_attention, interpret=interpret, **kw)
     tp = tensor_parallel_size()
     if tp > 1:
@@ -59,7 +61,7 @@ def paged_self_attention(
 
 
 def _self_attention(
-    q, k, v, cache, layer, metadata, *, sm_scale, sliding_window, backend, interpret
+    q, k, v, cache, layer, metadata, *, sm_scale, sliding_window, soft_cap, backend, interpret
 ):
     T, D = q.shape[0], q.shape[-1]
     cache = cache.write(layer, k, v, metadata.slot_mapping)
@@ -67,6 +69,7 @@ def _self_attention(
     kw = dict(
         sm_scale=D**-0.5 if sm_scale is None else sm_scale,
         sliding_window=sliding_window,
+        soft_cap=soft_cap,
         k_scale=k_scale,
         v_scale=v_scale,
         backend=backend,

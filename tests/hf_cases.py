@@ -20,7 +20,17 @@ MODEL_CLASSES = {
     "mistral": "MistralForCausalLM",
     # QK-norm, head_dim not hidden / heads, no biases, tied head
     "qwen3": "Qwen3ForCausalLM",
+    # alternating sliding (window 8) and global layers, attention and final logit
+    # soft-capping (small caps, so they bend the scores), GeGLU, sandwich norms, (1 + w)
+    # norms, scaled embeddings, query_pre_attn_scalar
+    "gemma2": "Gemma2ForCausalLM",
+    # two sliding layers per global one over 5 layers (a partial group at the end), local
+    # and global RoPE bases, linear RoPE scaling on the global layers, QK-norm
+    "gemma3": "Gemma3ForCausalLM",
 }
+# Gemma's RMSNorm weights start at 0 (the scale is 1 + w): randomized too, or the golden
+# files would not see the offset.
+RANDOM_NORMS = ("gemma2", "gemma3")
 PROMPTS = {
     "short": [1, 5, 9],
     "mid": list(range(10, 27)),
@@ -54,6 +64,30 @@ def hf_config(transformers, name: str):
         return transformers.MistralConfig(**COMMON, sliding_window=8)
     if name == "qwen3":
         return transformers.Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True)
+    if name == "gemma2":
+        return transformers.Gemma2Config(
+            **{**COMMON, "num_hidden_layers": 4},
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+            tie_word_embeddings=False,  # tied, greedy decoding repeated one token
+        )
+    if name == "gemma3":
+        sliding, full = "sliding_attention", "full_attention"
+        return transformers.Gemma3TextConfig(
+            **{**COMMON, "num_hidden_layers": 5},
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            layer_types=[sliding, sliding, full, sliding, sliding],
+            rope_parameters={
+                sliding: {"rope_type": "default", "rope_theta": 10000.0},
+                full: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+            },
+            tie_word_embeddings=False,
+        )
     raise KeyError(name)
 
 

@@ -22,9 +22,11 @@ class PagedGreedy:
     (what the jit cache keys on: to count compilations).
     """
 
-    def __init__(self, model, *, page_size, num_pages=256, prefix_caching=False):
+    def __init__(
+        self, model, *, page_size, num_pages=256, prefix_caching=False, backend="auto", **kw
+    ):
         self.model = model
-        self.step, self.state = make_step(model)
+        self.step, self.state = make_step(model, backend=backend, **kw)
         self.bm = BlockManager(
             num_pages, page_size, enable_prefix_caching=prefix_caching, watermark=0.0
         )
@@ -131,15 +133,15 @@ def dense_greedy(model, prompt, max_new: int) -> list[int]:
     return out
 
 
-def paged_prompt_logits(model, ids, page_size: int = 8) -> np.ndarray:
+def paged_prompt_logits(model, ids, page_size: int = 8, **kw) -> np.ndarray:
     """f32[T, V]: logits of every position of ``ids``, one prefill through a paged cache
-    (pages 1, 2, ... in order)."""
+    (pages 1, 2, ... in order); ``kw`` (backend, interpret) go to the model."""
     n_pages = -(-len(ids) // page_size)
     cache = model.make_cache(n_pages + 1, page_size)
     slots = page_size + np.arange(len(ids))
     md = AttentionMetadata.prefill(len(ids), slots, list(range(1, n_pages + 1)), logits_all=True)
     tokens = jnp.asarray(ids, jnp.int32)
-    logits, _ = model(tokens, jnp.arange(len(ids), dtype=jnp.int32), cache, md)
+    logits, _ = model(tokens, jnp.arange(len(ids), dtype=jnp.int32), cache, md, **kw)
     return np.asarray(logits)
 
 

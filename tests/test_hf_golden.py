@@ -1,8 +1,9 @@
 """Parity with Hugging Face transformers through golden files (no torch needed).
 
-tests/golden/hf holds tiny Llama, Llama-3 (rope scaling, tied head, attention bias), Qwen2
-and Mistral (sliding window) checkpoints written by transformers' ``save_pretrained``, with
-the prompt logits and greedy tokens transformers computed from them
+tests/golden/hf holds tiny Llama, Llama-3 (rope scaling, tied head, attention bias), Qwen2,
+Mistral (sliding window), Qwen3 (QK-norm), Gemma 2 and Gemma 3 checkpoints written by
+transformers' ``save_pretrained``, with the prompt logits and greedy tokens transformers
+computed from them
 (tests/golden/regenerate_hf.py). Here they are loaded with ``models.load_hf`` and run in
 f32; ``pytest -m hf`` runs the same comparison against a live transformers.
 """
@@ -11,11 +12,12 @@ import json
 import pathlib
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_cases import MODEL_CLASSES, PROMPTS
-from model_helpers import greedy_batch_fork_and_prefix_hit, paged_prompt_logits
+from model_helpers import PagedGreedy, greedy_batch_fork_and_prefix_hit, paged_prompt_logits
 
 from paged_jax.models import load_hf
 
@@ -44,6 +46,30 @@ def test_greedy_batch_fork_and_prefix_match_transformers(variant):
         assert out[k] == golden[f"greedy_{k}"].tolist(), f"{name}/{k}"
     assert out["twin"] == golden["greedy_mid"].tolist(), f"{name}/twin"
     assert computed == 3, "the pages shared with 'mid' were prefilled again"
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [pytest.param("pallas_tpu", marks=pytest.mark.slow), "pallas_gpu"],  # TPU: 50 s on CPU
+)
+def test_gemma2_through_the_pallas_kernels(backend):
+    """Soft-capped scores and alternating sliding / global layers inside the Pallas
+    kernels (interpreted on CPU): the ragged kernel for the prompt, the decode kernel for
+    the tokens after it."""
+    platform = jax.default_backend()
+    native = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}[backend]
+    if platform not in ("cpu", native):
+        pytest.skip(f"{backend}: compiled on {native}, interpreted on CPU; this is {platform}")
+    kw = dict(backend=backend, interpret=platform == "cpu")
+    model, _ = load_hf(GOLDEN / "gemma2", dtype=jnp.float32)
+    golden = np.load(GOLDEN / "gemma2" / "golden.npz")
+    logits = paged_prompt_logits(model, PROMPTS["long"], **kw)
+    rel = np.abs(logits - golden["logits"]).max() / np.abs(golden["logits"]).max()
+    assert rel <= 1e-4, f"relative error {rel:.2e}"
+    g = PagedGreedy(model, page_size=8, **kw)
+    out = g.decode(g.prefill({"long": PROMPTS["long"]}), max_new=4)
+    assert out["long"] == golden["greedy_long"][:4].tolist()
+    assert g.shapes[-1][-1], "the last step was not decode-only"
 
 
 def _shard(src: pathlib.Path, dst: pathlib.Path) -> dict:

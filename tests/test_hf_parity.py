@@ -11,7 +11,7 @@ import pathlib
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_cases import MODEL_CLASSES, PROMPTS, hf_config, hf_greedy
+from hf_cases import MODEL_CLASSES, PROMPTS, RANDOM_NORMS, hf_config, hf_greedy
 from model_helpers import greedy_batch_fork_and_prefix_hit, paged_prompt_logits
 
 from paged_jax.models import load_hf
@@ -40,6 +40,8 @@ def pair(request, tmp_path_factory, libs):
     with torch.no_grad():  # random biases: transformers initializes them to zero
         for name, p in hf.named_parameters():
             if name.endswith("bias"):
+                p.normal_(0, 0.5)
+            if request.param in RANDOM_NORMS and name.endswith("norm.weight"):
                 p.normal_(0, 0.5)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)

@@ -110,7 +110,8 @@ def test_decode_loop_compiles_once_per_bucket(tiny):
         (
             dict(architecture="GPT2LMHeadModel"),
             "architecture: expected one of ('LlamaForCausalLM', 'Qwen2ForCausalLM', "
-            "'Qwen3ForCausalLM', 'MistralForCausalLM'), got 'GPT2LMHeadModel'",
+            "'Qwen3ForCausalLM', 'MistralForCausalLM', 'Gemma2ForCausalLM', "
+            "'Gemma3ForCausalLM'), got 'GPT2LMHeadModel'",
         ),
     ],
 )
@@ -149,3 +150,85 @@ def test_rope_scaling_errors_and_from_hf():
     assert cfg.num_kv_heads == 2 and cfg.head_dim == 4
     with pytest.raises(ValueError, match=r"architectures: \['BertModel'\] is not supported"):
         LlamaConfig.from_hf({"architectures": ["BertModel"]})
+
+
+GEMMA3_1B_HUB = {  # the keys of google/gemma-3-1b-it's config.json (transformers 4.50)
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "vocab_size": 262144,
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "rope_local_base_freq": 10000,
+    "rope_theta": 1000000,
+    "rope_scaling": None,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "rms_norm_eps": 1e-06,
+}
+
+
+def test_gemma_configs_as_the_hub_writes_them():
+    g3 = LlamaConfig.from_hf(GEMMA3_1B_HUB)
+    assert (
+        g3.layer_types
+        == (("sliding_attention",) * 5 + ("full_attention",)) * 4 + ("sliding_attention",) * 2
+    )
+    assert g3.layer_period == 6  # 26 layers: 4 groups of 6, then 2
+    local, full = g3.layer_kinds[0], g3.layer_kinds[5]
+    assert (local.sliding_window, local.rope_theta, local.rope_scaling) == (512, 10000.0, None)
+    assert (full.sliding_window, full.rope_theta, full.rope_scaling) == (None, 1e6, None)
+    assert g3.qk_norm and g3.norm_unit_offset and g3.sandwich_norms and g3.scale_embeddings
+    assert g3.hidden_act == "gelu_tanh" and g3.tie_word_embeddings
+    assert g3.attn_logit_softcap is None and g3.query_pre_attn_scalar == 256
+    # Gemma 3 4B's text model: linear RoPE scaling on the global layers only
+    g3_4b = LlamaConfig.from_hf(
+        {**GEMMA3_1B_HUB, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    )
+    assert g3_4b.layer_kinds[5].rope_scaling.factor == 8.0
+    assert g3_4b.layer_kinds[0].rope_scaling is None
+    # Gemma 2 without layer_types (transformers 4.x): alternating, soft caps by default
+    g2 = LlamaConfig.from_hf(
+        {
+            "architectures": ["Gemma2ForCausalLM"],
+            **{k: GEMMA3_1B_HUB[k] for k in ("vocab_size", "hidden_size", "intermediate_size")},
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+        }
+    )
+    assert g2.layer_types == ("sliding_attention", "full_attention") * 2
+    assert g2.layer_period == 2 and g2.sliding_window == 4096 and g2.head_dim == 256
+    assert (g2.attn_logit_softcap, g2.final_logit_softcap) == (50.0, 30.0)
+    assert not g2.qk_norm and g2.layer_kinds[0].rope_theta == 10000.0
+    assert TINY_LLAMA.layer_period == 1
+
+
+@pytest.mark.parametrize(
+    "changes, msg",
+    [
+        (
+            {"architectures": ["Gemma3ForConditionalGeneration"]},
+            "only text-only Gemma3ForCausalLM ones",
+        ),
+        ({"use_bidirectional_attention": True}, "only causal Gemma is supported"),
+        ({"hidden_activation": "relu"}, "hidden_act: 'relu' is not supported"),
+        ({"layer_types": ["full_attention"]}, "layer_types: expected 26 entries"),
+        ({"sliding_window": None}, "sliding layers need sliding_window"),
+        (
+            {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+            "only the default RoPE is supported on sliding layers",
+        ),
+        ({"rope_scaling": {"rope_type": "yarn"}}, "rope_type: 'yarn' is not supported"),
+    ],
+)
+def test_gemma_config_errors(changes, msg):
+    with pytest.raises(ValueError, match=msg):
+        LlamaConfig.from_hf({**GEMMA3_1B_HUB, **changes})

@@ -24,7 +24,14 @@ import numpy as np
 HERE = pathlib.Path(__file__).resolve().parent / "hf"
 sys.path.insert(0, str(HERE.parents[1]))
 
-from hf_cases import COMMON, MODEL_CLASSES, PROMPTS, hf_config, hf_greedy  # noqa: E402
+from hf_cases import (  # noqa: E402
+    COMMON,
+    MODEL_CLASSES,
+    PROMPTS,
+    RANDOM_NORMS,
+    hf_config,
+    hf_greedy,
+)
 
 NEW_TOKENS = 32
 
@@ -40,6 +47,8 @@ def main() -> None:
         with torch.no_grad():  # random biases: transformers initializes them to zero
             for pname, p in hf.named_parameters():
                 if pname.endswith("bias"):
+                    p.normal_(0, 0.5)
+                if name in RANDOM_NORMS and pname.endswith("norm.weight"):
                     p.normal_(0, 0.5)
         out = HERE / name
         out.mkdir(parents=True, exist_ok=True)
