@@ -31,6 +31,19 @@ MODEL_CLASSES = {
 # Gemma's RMSNorm weights start at 0 (the scale is 1 + w): randomized too, or the golden
 # files would not see the offset.
 RANDOM_NORMS = ("gemma2", "gemma3")
+
+
+def randomize(hf, name: str) -> None:
+    """Draws the weights transformers initializes to constants: biases (zero) and, for
+    ``RANDOM_NORMS`` variants, norm weights."""
+    import torch
+
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if pname.endswith("bias") or (name in RANDOM_NORMS and pname.endswith("norm.weight")):
+                p.normal_(0, 0.5)
+
+
 PROMPTS = {
     "short": [1, 5, 9],
     "mid": list(range(10, 27)),

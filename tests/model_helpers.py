@@ -13,6 +13,18 @@ from paged_jax.metadata import AttentionMetadata
 from paged_jax.models.llama import apply_rope, make_step, rope_inv_freq
 
 
+def kernel_kwargs(backend: str) -> dict:
+    """``backend`` / ``interpret`` for running ``backend`` here: Pallas kernels compile on
+    their own platform and are interpreted on CPU; skips the test anywhere else."""
+    import pytest
+
+    platform = jax.default_backend()
+    native = {"xla": platform, "pallas_tpu": "tpu", "pallas_gpu": "gpu"}[backend]
+    if platform not in ("cpu", native):
+        pytest.skip(f"{backend}: compiled on {native}, interpreted on CPU; this is {platform}")
+    return dict(backend=backend, interpret=platform == "cpu" and backend != "xla")
+
+
 class PagedGreedy:
     """A minimal continuous-batching loop: one ragged prefill step, then decode steps.
 

@@ -12,12 +12,16 @@ import json
 import pathlib
 import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_cases import MODEL_CLASSES, PROMPTS
-from model_helpers import PagedGreedy, greedy_batch_fork_and_prefix_hit, paged_prompt_logits
+from model_helpers import (
+    PagedGreedy,
+    greedy_batch_fork_and_prefix_hit,
+    kernel_kwargs,
+    paged_prompt_logits,
+)
 
 from paged_jax.models import load_hf
 
@@ -56,11 +60,7 @@ def test_gemma2_through_the_pallas_kernels(backend):
     """Soft-capped scores and alternating sliding / global layers inside the Pallas
     kernels (interpreted on CPU): the ragged kernel for the prompt, the decode kernel for
     the tokens after it."""
-    platform = jax.default_backend()
-    native = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}[backend]
-    if platform not in ("cpu", native):
-        pytest.skip(f"{backend}: compiled on {native}, interpreted on CPU; this is {platform}")
-    kw = dict(backend=backend, interpret=platform == "cpu")
+    kw = kernel_kwargs(backend)
     model, _ = load_hf(GOLDEN / "gemma2", dtype=jnp.float32)
     golden = np.load(GOLDEN / "gemma2" / "golden.npz")
     logits = paged_prompt_logits(model, PROMPTS["long"], **kw)

@@ -11,7 +11,7 @@ import pathlib
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_cases import MODEL_CLASSES, PROMPTS, RANDOM_NORMS, hf_config, hf_greedy
+from hf_cases import MODEL_CLASSES, PROMPTS, hf_config, hf_greedy, randomize
 from model_helpers import greedy_batch_fork_and_prefix_hit, paged_prompt_logits
 
 from paged_jax.models import load_hf
@@ -37,12 +37,7 @@ def pair(request, tmp_path_factory, libs):
     torch.manual_seed(100)
     cfg = hf_config(transformers, request.param)
     hf = getattr(transformers, MODEL_CLASSES[request.param])(cfg).eval()
-    with torch.no_grad():  # random biases: transformers initializes them to zero
-        for name, p in hf.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
-            if request.param in RANDOM_NORMS and name.endswith("norm.weight"):
-                p.normal_(0, 0.5)
+    randomize(hf, request.param)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     model, _ = load_hf(path, dtype=jnp.float32)

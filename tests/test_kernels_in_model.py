@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_helpers import kernel_kwargs
 
 from paged_jax import AttentionMetadata, models
 from paged_jax.batch import ScheduledSeq, build_batch
@@ -28,13 +29,10 @@ def setup():
 
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
 def test_model_step_with_pallas_backend_matches_xla(setup, backend):
-    platform = jax.default_backend()
-    native = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}[backend]
-    if platform not in ("cpu", native):
-        pytest.skip(f"{backend}: compiled on {native}, interpreted on CPU; this is {platform}")
+    kw = kernel_kwargs(backend)
     model, batch = setup
     step_xla, state = models.make_step(model, backend="xla")
-    step_k, _ = models.make_step(model, backend=backend, interpret=platform == "cpu")
+    step_k, _ = models.make_step(model, **kw)
     args = (jnp.asarray(batch.token_ids), jnp.asarray(batch.positions))
     md = AttentionMetadata.from_batch(batch)
     ref, _ = step_xla(state, *args, model.make_cache(64, 8), md)
@@ -71,10 +69,7 @@ def decode_setup():
 def test_decode_only_step_uses_decode_kernel_and_matches_ragged(decode_setup, backend, monkeypatch):
     from paged_jax import decoder
 
-    platform = jax.default_backend()
-    native = {"xla": platform, "pallas_tpu": "tpu", "pallas_gpu": "gpu"}[backend]
-    if platform not in ("cpu", native):
-        pytest.skip(f"{backend}: compiled on {native}, interpreted on CPU; this is {platform}")
+    kw = kernel_kwargs(backend)
     model, state, cache, dec = decode_setup
     md = AttentionMetadata.from_batch(dec)
     assert md.decode_only and dec.num_tokens == 3
@@ -84,8 +79,7 @@ def test_decode_only_step_uses_decode_kernel_and_matches_ragged(decode_setup, ba
     monkeypatch.setattr(
         decoder, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
-    interp = platform == "cpu" and backend != "xla"
-    step_k, _ = models.make_step(model, backend=backend, interpret=interp)
+    step_k, _ = models.make_step(model, **kw)
     step_ref, _ = models.make_step(model, backend="xla")
     args = (jnp.asarray(dec.token_ids), jnp.asarray(dec.positions))
     copy = lambda c: jax.tree.map(jnp.copy, c)  # noqa: E731 (the steps donate the cache)

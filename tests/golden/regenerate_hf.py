@@ -28,9 +28,9 @@ from hf_cases import (  # noqa: E402
     COMMON,
     MODEL_CLASSES,
     PROMPTS,
-    RANDOM_NORMS,
     hf_config,
     hf_greedy,
+    randomize,
 )
 
 NEW_TOKENS = 32
@@ -44,12 +44,7 @@ def main() -> None:
         torch.manual_seed(seed)
         cfg = hf_config(transformers, name)
         hf = getattr(transformers, MODEL_CLASSES[name])(cfg).eval()
-        with torch.no_grad():  # random biases: transformers initializes them to zero
-            for pname, p in hf.named_parameters():
-                if pname.endswith("bias"):
-                    p.normal_(0, 0.5)
-                if name in RANDOM_NORMS and pname.endswith("norm.weight"):
-                    p.normal_(0, 0.5)
+        randomize(hf, name)
         out = HERE / name
         out.mkdir(parents=True, exist_ok=True)
         hf.to(torch.bfloat16).save_pretrained(out)
