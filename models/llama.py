@@ -299,14 +299,17 @@ class LlamaForCausalLM(nnx.Module):
 
         def one_group(carry, xs):  # the same compiled body for every group of layers
             x_TE, cache = carry
-            weights, g = xs
+            scanned, g = xs  # scanned: this layer's weights when period == 1, else None
             for j in range(period):  # the layers of a group differ in window / RoPE
                 i = g * period + j
-                if period > 1:  # sliced here: a reshaped copy of the stack would cost a step
-                    weights = jax.tree.map(
-                        lambda a, i=i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
-                        stacked,
+                # period > 1: sliced here (a reshaped copy of the stack would cost a step)
+                weights = (
+                    scanned
+                    if scanned is not None
+                    else jax.tree.map(
+                        lambda a, i=i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stacked
                     )
+                )
                 x_TE, cache = run(x_TE, cache, weights, j, i)
             return (x_TE, cache), None
 
