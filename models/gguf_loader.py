@@ -83,7 +83,7 @@ class GGUFError(ValueError):
 
 
 def load_gguf(
-    path: str | os.PathLike, *, dtype: Any = None, param_dtype: Any = None
+    path: str | os.PathLike, *, dtype: Any = None, param_dtype: Any = None, mesh: Any = None
 ) -> tuple[Any, Any]:
     """Loads a GGUF file: ``(LlamaForCausalLM, TextTokenizer | None)``.
 
@@ -92,6 +92,8 @@ def load_gguf(
         tensors are in ``QUANT_TYPES`` (quantized ones are dequantized to float32 when loading).
       dtype: compute dtype (default float32).
       param_dtype: storage dtype of the weights (default ``dtype``).
+      mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` axis: each weight goes straight into
+        its tensor-parallel shards; None: one device.
 
     The tokenizer is None if the file has none; it carries the file's chat template
     (``tokenizer.apply_chat_template``). Raises FileNotFoundError, and ``GGUFError`` (a
@@ -125,6 +127,7 @@ def load_gguf(
         source=str(path),
         dtype=dtype if dtype is not None else np.float32,
         param_dtype=param_dtype,
+        mesh=mesh,
     )
     return model, gguf_tokenizer(reader, path)
 

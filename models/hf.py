@@ -19,6 +19,7 @@ from flax import nnx
 
 from .config import LlamaConfig
 from .llama import LlamaForCausalLM
+from .sharding import place, sharder
 from .tokenizer import TextTokenizer
 
 # Tensors some checkpoints carry that the model recomputes.
@@ -112,6 +113,7 @@ def load_hf(
     *,
     dtype: Any = None,
     param_dtype: Any = None,
+    mesh: Any = None,
 ) -> tuple[LlamaForCausalLM, Any | None]:
     """Loads a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral checkpoint.
 
@@ -120,6 +122,8 @@ def load_hf(
       dtype: compute dtype (default: the weights' dtype as stored, f32 if mixed).
       param_dtype: dtype to store the weights in (default: ``dtype``); e.g. load a bf16
         checkpoint with ``dtype=jnp.float32`` for f32 parity tests.
+      mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` axis: each weight goes straight into
+        its tensor-parallel shards (``paged_jax.models.sharding``); None: one device.
 
     Returns ``(model, tokenizer)``; the tokenizer is None without ``tokenizer.json``.
     Raises FileNotFoundError, ValueError (unsupported architecture, missing or
@@ -143,7 +147,9 @@ def load_hf(
             tensors.update(load_file(str(f)))
         except Exception as e:  # safetensors' own error type, or OSError / ValueError
             raise ValueError(f"{f}: not a readable safetensors file ({_first_line(e)})") from None
-    model = build_model(cfg, tensors, source=str(root), dtype=dtype, param_dtype=param_dtype)
+    model = build_model(
+        cfg, tensors, source=str(root), dtype=dtype, param_dtype=param_dtype, mesh=mesh
+    )
     return model, load_tokenizer(root)
 
 
@@ -154,12 +160,14 @@ def build_model(
     source: str,
     dtype: Any = None,
     param_dtype: Any = None,
+    mesh: Any = None,
 ) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` from numpy tensors under Hugging Face names and layouts
     (``[out, in]`` linear weights, one tensor per layer), as ``load_hf`` and ``load_gguf``
     read them.
 
     ``dtype`` defaults to the tensors' dtype (f32 if mixed), ``param_dtype`` to ``dtype``.
+    ``mesh``: place each weight in its tensor-parallel shards (``sharding.sharder``).
     Raises ValueError naming ``source`` and the tensor for a missing, mis-shaped or
     unexpected tensor.
     """
@@ -175,6 +183,7 @@ def build_model(
         lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype)
     )
     graphdef, abstract_state = nnx.split(abstract)
+    sharding = None if mesh is None else sharder(cfg, mesh)
     filled, used = [], set()
     for p, var in nnx.to_flat_state(abstract_state):
         expected = tuple(var.get_value().shape)
@@ -198,7 +207,9 @@ def build_model(
         # Transposes, stacking and casts in numpy, then one transfer per parameter (eager
         # jnp ops here compiled one small program per shape: 3.6 s of SmolLM2's load).
         host = np.stack(values) if stacked else np.ascontiguousarray(values[0])
-        filled.append((p, var.replace(jnp.asarray(host.astype(param_dtype, copy=False)))))
+        host = host.astype(param_dtype, copy=False)
+        value = jnp.asarray(host) if sharding is None else place(host, sharding(p, host.ndim))
+        filled.append((p, var.replace(value)))
     extra = sorted(n for n in tensors if n not in used and not _IGNORED.match(n))
     if extra:
         raise ValueError(

@@ -257,6 +257,15 @@ class LlamaForCausalLM(nnx.Module):
         graphdef, stacked = nnx.split(self.layers)
         return nnx.merge(graphdef, jax.tree.map(lambda w: w[i], stacked))
 
+    def shard(self, mesh: jax.sharding.Mesh) -> LlamaForCausalLM:
+        """Moves the weights into their tensor-parallel shards on ``mesh`` (its ``"tp"``
+        axis; ``paged_jax.models.sharding``) and returns the model. The engine calls it
+        for a model it is given off the mesh; ``paged_jax.models.load(name, mesh=...)``
+        loads straight into the shards instead."""
+        from .sharding import shard_model
+
+        return shard_model(self, mesh)
+
     def make_cache(self, num_pages: int, page_size: int, dtype=None) -> PagedKVCache:
         """An empty paged cache shaped for this model (default dtype: the compute dtype)."""
         c = self.config
@@ -332,9 +341,30 @@ class LlamaForCausalLM(nnx.Module):
         return _soft_cap(logits, self.config.final_logit_softcap)
 
 
-def init_model(cfg: LlamaConfig, *, seed: int = 0, dtype=jnp.float32, param_dtype=jnp.float32):
-    """A randomly initialized model (fixed seed: the same weights in every process)."""
-    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
+def init_model(
+    cfg: LlamaConfig,
+    *,
+    seed: int = 0,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    mesh: jax.sharding.Mesh | None = None,
+):
+    """A randomly initialized model (fixed seed: the same weights in every process and
+    on any mesh). ``mesh``: a mesh with a ``"tp"`` axis; the weights are initialized
+    directly in their tensor-parallel shards (``paged_jax.models.sharding``)."""
+
+    def make():
+        return LlamaForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
+
+    if mesh is None:
+        return make()
+    from .sharding import sharder
+
+    sharding = sharder(cfg, mesh)
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    shardings = jax.tree_util.tree_map_with_path(lambda p, x: sharding(p, x.ndim), abstract)
+    state = jax.jit(lambda: nnx.split(make())[1], out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
 
 
 def make_step(model: LlamaForCausalLM, *, backend: str = "auto", interpret: bool = False):

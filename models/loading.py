@@ -26,7 +26,9 @@ from .tokenizer import ByteTokenizer
 log = logging.getLogger("paged_jax")
 
 
-def load(name: str | os.PathLike, *, dtype: Any = None, seed: int = 0) -> tuple[Any, Any]:
+def load(
+    name: str | os.PathLike, *, dtype: Any = None, seed: int = 0, mesh: Any = None
+) -> tuple[Any, Any]:
     """``(model, tokenizer)`` for a preset, a named real model, a Hugging Face checkpoint
     directory or a GGUF file.
 
@@ -41,6 +43,10 @@ def load(name: str | os.PathLike, *, dtype: Any = None, seed: int = 0) -> tuple[
         note: ``cpu_compute_dtype``; float32 for GGUF files, which are dequantized, and
         presets).
       seed: initialisation seed of a preset's random weights.
+      mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` axis
+        (``paged_jax.tensor_parallel_mesh(n)``): every weight is placed straight into
+        its tensor-parallel shards, never whole on one device; pass the same mesh to
+        ``LLM``. None: one device.
 
     Returns ``(model, tokenizer)``; the tokenizer is None for a checkpoint without
     ``tokenizer.json`` or a GGUF file without tokenizer metadata. Raises ``TypeError``
@@ -52,18 +58,18 @@ def load(name: str | os.PathLike, *, dtype: Any = None, seed: int = 0) -> tuple[
         raise TypeError(f"name: expected a preset name or a directory, got {type(name).__name__}")
     if isinstance(name, str) and name in PRESETS:
         kw = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
-        return init_model(PRESETS[name], seed=seed, **kw), ByteTokenizer()
+        return init_model(PRESETS[name], seed=seed, mesh=mesh, **kw), ByteTokenizer()
     if isinstance(name, str) and name in ALIASES:
-        return load_gguf(fetch(name), dtype=dtype)
+        return load_gguf(fetch(name), dtype=dtype, mesh=mesh)
     path = pathlib.Path(name)
     if path.is_file() and _is_gguf(path):
-        return load_gguf(path, dtype=dtype)
+        return load_gguf(path, dtype=dtype, mesh=mesh)
     if not path.is_dir():
         raise FileNotFoundError(
             f"{name}: neither a preset ({', '.join(sorted(PRESETS))}), a named model "
             f"({', '.join(sorted(ALIASES))}), a checkpoint directory nor a .gguf file"
         )
-    return load_hf(path, dtype=dtype if dtype is not None else cpu_compute_dtype(path))
+    return load_hf(path, dtype=dtype if dtype is not None else cpu_compute_dtype(path), mesh=mesh)
 
 
 def _is_gguf(path: pathlib.Path) -> bool:

@@ -9,29 +9,46 @@ device's query heads meet exactly their KV heads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from paged_jax.sharding import TENSOR_AXIS, check_divides, tensor_parallel_size
+from paged_jax.sharding import (
+    TENSOR_AXIS,
+    check_divides,
+    kv_head_replicas,
+    tensor_parallel_size,
+)
 
 _BY_OUTPUT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _BY_INPUT = ("o_proj", "down_proj")
+_KV = ("k_proj", "v_proj")
 
 
-def weight_spec(path: tuple, ndim: int) -> P:
+def weight_spec(path: tuple, ndim: int, *, replicate_kv: bool = False) -> P:
     """The ``PartitionSpec`` of the parameter at ``path`` (names as in ``nnx.state``;
-    layer weights carry a leading ``[L]`` axis)."""
-    names = [str(getattr(p, "key", p)) for p in path]
+    layer weights carry a leading ``[L]`` axis). ``replicate_kv``: k and v projections
+    are replicated (the tensor-parallel size exceeds the KV heads; each device computes
+    every KV head and keeps the one its query heads read)."""
+    # jax tree paths of an nnx.State end in the Variable's ``.value`` (a GetAttrKey)
+    names = [
+        str(p.key) if isinstance(p, jax.tree_util.DictKey) else str(p)
+        for p in path
+        if not isinstance(p, jax.tree_util.GetAttrKey)
+    ]
     leaf = names[-1]
     if names[0] == "embed_tokens":
         return P(TENSOR_AXIS, None)  # [V, E]
     if names[0] == "lm_head":
         return P(None, TENSOR_AXIS) if leaf == "kernel" else P(TENSOR_AXIS)
     for name in names:
+        if replicate_kv and name in _KV:
+            return P()
         if name in _BY_OUTPUT:
             return P(*([None] * (ndim - 1)), TENSOR_AXIS)  # kernel [L, E, out], bias [L, out]
         if name in _BY_INPUT:
@@ -39,19 +56,34 @@ def weight_spec(path: tuple, ndim: int) -> P:
     return P()
 
 
-def shard_model(model: Any, mesh: jax.sharding.Mesh) -> Any:
-    """Places ``model``'s weights on ``mesh`` (its ``"tp"`` axis) and returns it. Raises
-    ValueError naming the numbers when the tensor-parallel size does not divide the
-    query heads, the KV heads, the MLP width or the vocabulary."""
-    cfg = model.config
+def sharder(cfg: Any, mesh: jax.sharding.Mesh) -> Callable[[tuple, int], NamedSharding]:
+    """``f(path, ndim) -> NamedSharding`` of a ``LlamaForCausalLM`` of config ``cfg`` on
+    ``mesh``'s ``"tp"`` axis (``path``: a jax tree path or a tuple of names). Raises
+    ValueError naming the numbers when the tensor-parallel size does not divide the query
+    heads, the KV heads (or a multiple of them), the MLP width or the vocabulary."""
     tp = tensor_parallel_size(mesh)
     check_divides(cfg.num_heads, cfg.num_kv_heads, tp)
     for name in ("intermediate_size", "vocab_size"):
         if getattr(cfg, name) % tp:
             raise ValueError(f"tensor_parallel_size: {tp} must divide {name}={getattr(cfg, name)}")
-    state = nnx.state(model)
-    placed = jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.device_put(x, NamedSharding(mesh, weight_spec(path, x.ndim))), state
+    replicate_kv = kv_head_replicas(cfg.num_kv_heads, tp) > 1
+    return lambda path, ndim: NamedSharding(
+        mesh, weight_spec(path, ndim, replicate_kv=replicate_kv)
     )
-    nnx.update(model, placed)
+
+
+def shard_model(model: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Places ``model``'s weights on ``mesh`` (its ``"tp"`` axis) and returns it (errors:
+    ``sharder``). The weights move from where they are; to load a checkpoint
+    straight into its shards, pass ``mesh`` to ``paged_jax.models.load``."""
+    sharding = sharder(model.config, mesh)
+    state = nnx.state(model)
+    shardings = jax.tree_util.tree_map_with_path(lambda p, x: sharding(p, x.ndim), state)
+    nnx.update(model, jax.device_put(state, shardings))
     return model
+
+
+def place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array placed in its shards: each device receives only its own slice (and
+    with several processes, each process only its devices' slices)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

@@ -54,6 +54,7 @@ _LAZY = {
     "StreamOutput": ("paged_jax.engine", "StreamOutput"),
     "EngineFailedError": ("paged_jax.engine", "EngineFailedError"),
     "PagedDecoder": ("paged_jax.engine", "PagedDecoder"),
+    "tensor_parallel_mesh": ("paged_jax.sharding", "tensor_parallel_mesh"),
 }
 
 
@@ -92,6 +93,7 @@ __all__ = [
     "paged_attention",
     "ragged_paged_attention",
     "reference",
+    "tensor_parallel_mesh",
     "validate_batch",
     "validate_decode_inputs",
     "validate_inputs",

@@ -110,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
         " else ~/.cache/paged-jax/xla); off: compile every run",
     )
     g.add_argument("--json", action="store_true", help="print outputs and metrics as JSON")
+    _parallel_flags(g, processes=True)
     c = sub.add_parser(
         "chat", help="talk with a model: multi-turn, its reply printed as it is generated"
     )
@@ -133,6 +134,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="directory of compiled steps kept across runs, or 'off'",
     )
+    _parallel_flags(c, processes=False)
     b = sub.add_parser(
         "bench",
         help="run a benchmark (from a source checkout); --out DIR among its arguments "
@@ -141,6 +143,70 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("name", choices=BENCHMARKS)
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return p
+
+
+def _parallel_flags(parser: argparse.ArgumentParser, *, processes: bool) -> None:
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="devices to split the model and KV cache over (heads; default 1)",
+    )
+    if not processes:
+        return
+    parser.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="several processes, one mesh: process 0's address (jax.distributed); every "
+        "process runs the same command with its own --process-id",
+    )
+    parser.add_argument("--num-processes", type=int, default=None)
+    parser.add_argument("--process-id", type=int, default=None)
+
+
+def _start_jax(args) -> None:
+    """Imports JAX and starts its backend (joining the other processes first when
+    ``--coordinator`` is given), with Ctrl-C held (see _Interrupts)."""
+    coordinator = getattr(args, "coordinator", None)
+    if coordinator is None and (
+        getattr(args, "num_processes", None) is not None
+        or getattr(args, "process_id", None) is not None
+    ):
+        raise UsageError("--num-processes / --process-id: need --coordinator HOST:PORT")
+    if coordinator is not None:
+        for flag, v in (("--num-processes", args.num_processes), ("--process-id", args.process_id)):
+            if v is None:
+                raise UsageError(f"{flag}: required with --coordinator")
+        if not 0 <= args.process_id < args.num_processes:
+            raise UsageError(
+                f"--process-id: expected an int in [0, {args.num_processes}), got {args.process_id}"
+            )
+    with _INTERRUPTS.held():  # imports and backend start-up: see _Interrupts
+        import jax
+
+        from paged_jax import engine, models  # noqa: F401
+
+        if coordinator is not None:
+            # collectives between processes on CPU (accelerators have their own)
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            jax.distributed.initialize(
+                coordinator_address=coordinator,
+                num_processes=args.num_processes,
+                process_id=args.process_id,
+            )
+        jax.devices()
+
+
+def _mesh(args):
+    """The tensor-parallel mesh of ``--tensor-parallel-size`` (None for 1)."""
+    import paged_jax
+
+    try:
+        mesh = paged_jax.tensor_parallel_mesh(args.tensor_parallel_size)
+    except ValueError as e:
+        raise UsageError(f"--tensor-parallel-size: {str(e).partition(': ')[2]}") from None
+    return mesh if args.tensor_parallel_size > 1 else None
 
 
 def _prompts(args) -> list[str | list[int]]:
@@ -212,15 +278,11 @@ def _generate(args) -> int:
     if not 0.0 < args.top_p <= 1.0:
         raise UsageError(f"--top-p: expected a value in (0, 1], got {args.top_p}")
     prompts = _prompts(args)
-    with _INTERRUPTS.held():  # imports and backend start-up: see _Interrupts
-        import jax
+    _start_jax(args)
+    from paged_jax.engine import LLM, SamplingParams
 
-        from paged_jax import models  # noqa: F401
-        from paged_jax.engine import LLM, SamplingParams
-
-        jax.devices()
-
-    model, tokenizer = _load_model(args.model, args.dtype)
+    mesh = _mesh(args)
+    model, tokenizer = _load_model(args.model, args.dtype, mesh)
     if tokenizer is None and any(isinstance(p, str) for p in prompts):
         raise UsageError(
             f"--model: {args.model} has no tokenizer.json; give prompts as token ids "
@@ -254,6 +316,7 @@ def _generate(args) -> int:
             compilation_cache=(
                 False if args.compilation_cache == "off" else args.compilation_cache
             ),
+            mesh=mesh,
         )
         show = not args.no_progress and not args.json
         if args.chat:
@@ -265,6 +328,8 @@ def _generate(args) -> int:
             outputs = llm.generate(prompts, params, progress=show)
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise UsageError(_flag_names(str(e))) from None
+    if not llm.is_main_process:  # several processes: process 0 prints
+        return 0
     metrics = llm.metrics.summary()
     if args.json:
         print(
@@ -316,13 +381,11 @@ def _chat(args) -> int:
     """``paged-jax chat``: read a message, stream the reply, keep the conversation. Each
     turn's prompt begins with the previous turns, whose pages the prefix cache keeps; the
     line after a reply says how many prompt tokens were reused."""
-    with _INTERRUPTS.held():
-        import jax
+    _start_jax(args)
+    from paged_jax.engine import LLM, SamplingParams
 
-        from paged_jax.engine import LLM, SamplingParams
-
-        jax.devices()
-    model, tokenizer = _load_model(args.model, args.dtype)
+    mesh = _mesh(args)
+    model, tokenizer = _load_model(args.model, args.dtype, mesh)
     if getattr(tokenizer, "chat_template", None) is None:
         raise UsageError(f"--model: {args.model} has no chat template")
     try:
@@ -337,6 +400,7 @@ def _chat(args) -> int:
             model,
             tokenizer,
             compilation_cache=False if args.compilation_cache == "off" else args.compilation_cache,
+            mesh=mesh,
         )
     except (ValueError, TypeError) as e:
         raise UsageError(_flag_names(str(e))) from None
@@ -376,14 +440,17 @@ def _failed(outputs) -> int:
     return 1 if bad else 0
 
 
-def _load_model(name: str, dtype: str | None = None):
-    """(model, tokenizer) of ``--model``; a broken checkpoint is a UsageError naming the
-    file (config.json, a safetensors file, tokenizer.json)."""
+def _load_model(name: str, dtype: str | None = None, mesh=None):
+    """(model, tokenizer) of ``--model``, its weights placed in their shards on ``mesh``;
+    a broken checkpoint is a UsageError naming the file (config.json, a safetensors file,
+    tokenizer.json), a model the mesh does not divide one naming the flag."""
     from paged_jax import models
 
     try:
-        return models.load(name, dtype=dtype)
+        return models.load(name, dtype=dtype, mesh=mesh)
     except (ValueError, FileNotFoundError) as e:
+        if str(e).startswith("tensor_parallel_size: "):
+            raise UsageError(f"--tensor-parallel-size: {str(e).partition(': ')[2]}") from None
         raise UsageError(f"--model: {e}") from None
     except models.FetchError as e:  # the package index is unreachable: not a usage error
         raise Unavailable(f"--model: {e}") from None

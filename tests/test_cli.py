@@ -276,3 +276,32 @@ def test_a_real_ctrl_c_at_any_moment_is_one_line_and_exit_code_130(delay):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert (proc.returncode, err) == (130, "paged-jax: interrupted\n")
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--tensor-parallel-size", "0"],
+            "--tensor-parallel-size: expected an int in [1, {devices}] (the devices available), "
+            "got 0",
+        ),
+        (["--process-id", "1"], "--num-processes / --process-id: need --coordinator HOST:PORT"),
+        (
+            ["--coordinator", "127.0.0.1:9", "--process-id", "0"],
+            "--num-processes: required with --coordinator",
+        ),
+        (
+            ["--coordinator", "127.0.0.1:9", "--num-processes", "2", "--process-id", "2"],
+            "--process-id: expected an int in [0, 2), got 2",
+        ),
+    ],
+)
+def test_bad_parallel_flags_name_the_flag(capsys, args, message):
+    import jax
+
+    code, _, err = _main(capsys, *args)
+    assert code == 2
+    assert err.strip() == f"paged-jax: error: {message}".replace(
+        "{devices}", str(jax.device_count())
+    )

@@ -308,3 +308,22 @@ def test_a_group_wider_than_a_step_is_refused_and_does_not_stall_others(params, 
             break
     assert [r.request_id for r in done] == ["ok"]
     assert [len(o.token_ids) for o in done[0].outputs] == [4] * width
+
+
+def test_parallel_arguments_are_checked():
+    from jax.sharding import Mesh
+
+    model, _ = models.load("tiny-llama")
+    n = jax.device_count()
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size: expected an int in \[1, {n}\]"):
+        pj.LLM(model, num_pages=8, tensor_parallel_size=n + 1)
+    with pytest.raises(TypeError, match="mesh: expected a jax.sharding.Mesh, got str"):
+        pj.LLM(model, num_pages=8, mesh="tp")
+    with pytest.raises(ValueError, match=r"mesh: expected an axis named 'tp', got \('x',\)"):
+        pj.LLM(model, num_pages=8, mesh=Mesh(np.array(jax.devices()[:1]), ("x",)))
+    mesh = pj.tensor_parallel_mesh(1)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 differs from the mesh's 'tp'"):
+        pj.LLM(model, num_pages=8, mesh=mesh, tensor_parallel_size=2)
+    # a one-device mesh runs like no mesh
+    llm = pj.LLM(model, num_pages=8, mesh=mesh)
+    assert llm.generate([[1, 2, 3]], pj.SamplingParams(max_tokens=2), progress=False)[0].finished

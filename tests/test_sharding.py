@@ -1,32 +1,135 @@
-"""Tensor parallelism on 4 fake CPU devices (tests/tp_worker.py, in its own process: the
-device count is fixed when JAX starts)."""
+"""Tensor parallelism on 8 fake CPU devices, and over 2 processes x 4 devices
+(tests/tp_worker.py: the model's paged step; tests/mesh_worker.py: the engine). The
+workers run in their own processes: the device count is fixed when JAX starts."""
 
 import json
 import pathlib
+import socket
 import subprocess
 import sys
+
+import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def test_tensor_parallel_steps_equal_one_device():
+def _worker(script: str, *args: str, timeout: int = 600) -> dict:
     done = subprocess.run(
-        [sys.executable, str(HERE / "tp_worker.py"), "xla"],
+        [sys.executable, str(HERE / script), *args],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    for name in ("tiny-llama/tp2", "gqa-8-4/tp2", "gqa-8-4/tp4"):
-        r = out[name]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _check_steps(out: dict) -> None:
+    for name, r in out.items():
+        if "error" in r:
+            continue
         # prefill and 4 decode steps: logits as on one device, the same greedy tokens
         assert r["max_logit_error"] < 1e-4 and r["same_tokens"], (name, r)
-        tp = int(name[-1])
+        tp = int(name.rpartition("/tp")[2])
         assert r["device_cache_bytes"] * tp == r["total_cache_bytes"], (name, r)
         assert r["cache_collectives"] == 0, (name, r)  # the pool never moves
         assert r["all_reduces"] > 0, (name, r)  # the partial sums after o and down do
-    # tiny-llama has 2 KV heads: 4 devices would need replicated heads, not built yet
-    assert out["tiny-llama/tp4"]["error"].startswith(
-        "tensor_parallel_size: 4 must divide num_kv_heads=2 and num_heads=4"
+
+
+def test_tensor_parallel_steps_equal_one_device():
+    # tiny-llama: 4 query heads, 2 KV heads; gqa-8-2 at 4: each KV head on 2 devices
+    out = _worker("tp_worker.py", "xla", "tiny-llama:2,8", "gqa-8-2:4")
+    _check_steps(out)
+    assert {k for k, r in out.items() if "error" not in r} == {"tiny-llama/tp2", "gqa-8-2/tp4"}
+    # replicated KV heads: 4 devices hold 2 copies of each of the 2 heads, one each
+    # (2 layers x 64 pages x 8 tokens x (K and V of 4 heads) x 16 dims x 4 bytes)
+    assert out["gqa-8-2/tp4"]["total_cache_bytes"] == 2 * 64 * 8 * (2 * 4) * 16 * 4
+    assert out["tiny-llama/tp8"]["error"] == (
+        "tensor_parallel_size: 8 must divide num_heads=4, and divide num_kv_heads=2 or be "
+        "a multiple of it"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "backend,grid",
+    [
+        ("xla", ["tiny-llama:2,4", "gqa-8-4:2,4,8", "gqa-8-2:2,4,8"]),
+        ("pallas_gpu", ["gqa-8-2:2,4"]),  # interpret mode
+        ("pallas_tpu", ["gqa-8-2:4"]),  # interpret mode
+    ],
+)
+def test_tensor_parallel_grid(backend, grid):
+    out = _worker("tp_worker.py", backend, *grid)
+    assert not [k for k, r in out.items() if "error" in r], out
+    _check_steps(out)
+
+
+def _check_engine(out: dict, ref: dict) -> None:
+    for tp, r in out.items():
+        tp = int(tp)
+        # greedy, seeded top-p / top-k and n=2 samples: token for token as on one device
+        assert r["tokens"] == ref["tokens"], tp
+        assert r["device_cache_bytes"] * tp == r["total_cache_bytes"], r
+        # 2 KV heads: above tp 2 each is repeated, one copy per device
+        assert r["kv_heads"] == max(2, tp), r
+        assert r["pool_collectives"] == 0, r
+        assert (r["all_reduces"] > 0) == (tp > 1), r
+        assert r["compiled_steps"] == r["compilations"], r  # one compilation per bucket
+
+
+def test_engine_under_tensor_parallelism_matches_one_device():
+    out = _worker("mesh_worker.py", "engine", "1,4")
+    ref = out.pop("1")
+    # the 14-page pool preempted (swapping K/V of the sharded cache out and back) and the
+    # n=2 samples shared pages (copy-on-write of the last prompt page)
+    assert ref["preemptions"] > 0 and ref["max_pages_shared"] > 0, ref
+    assert out["4"]["preemptions"] == ref["preemptions"], out["4"]
+    assert out["4"]["compilations"] == ref["compilations"]
+    _check_engine(out, ref)
+
+
+@pytest.mark.slow
+def test_engine_tensor_parallel_grid():
+    out = _worker("mesh_worker.py", "engine", "1,2,8")
+    ref = out.pop("1")
+    _check_engine(out, ref)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_form_one_mesh():
+    """2 processes x 4 CPU devices (gloo collectives on localhost) run the engine at
+    tensor-parallel 8; process 0 returns what one process on one device returns, the
+    other returns nothing. Both stop by themselves (bounded by the timeout)."""
+    ref = _worker("mesh_worker.py", "engine", "1")["1"]
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "mesh_worker.py"), "host", str(pid), port, "8"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for pid in (0, 1)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=300)
+            assert p.returncode == 0, stderr[-3000:]
+            outs.append(json.loads(stdout.strip().splitlines()[-1])["8"])
+    finally:
+        for p in procs:
+            p.kill()
+    main, other = outs
+    assert (main["process"], other["process"], main["devices"]) == (0, 1, 8)
+    assert main["tokens"] == ref["tokens"]
+    assert other["tokens"] == []
+    assert main["kv_heads"] == 8 and main["device_cache_bytes"] * 8 == main["total_cache_bytes"]
+    assert main["pool_collectives"] == 0 and main["all_reduces"] > 0

@@ -1,12 +1,15 @@
-"""Run by tests/test_sharding.py in a fresh process with fake CPU devices (the device count
-is fixed when JAX starts): a paged step under tensor parallelism against one device.
-Prints one JSON line."""
+"""Run by tests/test_sharding.py in a fresh process with 8 fake CPU devices (the device
+count is fixed when JAX starts): a paged step under tensor parallelism against one device.
+
+    python tests/tp_worker.py BACKEND MODEL:TP[,TP...] [MODEL:TP...]
+
+MODEL is tiny-llama (4 query, 2 KV heads), gqa-8-4 or gqa-8-2. Prints one JSON line."""
 
 import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
@@ -79,30 +82,35 @@ def _collective_on_pool(line: str, layers: int) -> bool:
     )
 
 
-def main() -> None:
-    backend = sys.argv[1]
-    gqa = models.LlamaConfig(
+def _gqa(kv_heads: int):
+    return models.LlamaConfig(
         vocab_size=320,
         hidden_size=128,
         intermediate_size=256,
         num_layers=2,
         num_heads=8,
-        num_kv_heads=4,
+        num_kv_heads=kv_heads,
         head_dim=16,
         max_position_embeddings=512,
     )
+
+
+CONFIGS = {"tiny-llama": models.TINY_LLAMA, "gqa-8-4": _gqa(4), "gqa-8-2": _gqa(2)}
+
+
+def main() -> None:
+    backend, grid = sys.argv[1], sys.argv[2:]
     out = {}
-    for name, cfg in (("tiny-llama", models.TINY_LLAMA), ("gqa-8-4", gqa)):
+    for entry in grid:
+        name, _, sizes = entry.partition(":")
+        cfg = CONFIGS[name]
         ref_logits, ref_tokens, _ = run(cfg, 1, backend)
-        for tp in (2, 4):
-            if cfg.num_kv_heads % tp:
-                try:
-                    run(cfg, tp, backend)
-                    out[f"{name}/tp{tp}"] = {"error": None}
-                except ValueError as e:
-                    out[f"{name}/tp{tp}"] = {"error": str(e)}
+        for tp in map(int, sizes.split(",")):
+            try:
+                logits, tokens, facts = run(cfg, tp, backend)
+            except ValueError as e:
+                out[f"{name}/tp{tp}"] = {"error": str(e)}
                 continue
-            logits, tokens, facts = run(cfg, tp, backend)
             err = max(float(np.abs(a - b).max()) for a, b in zip(logits, ref_logits, strict=True))
             out[f"{name}/tp{tp}"] = dict(
                 max_logit_error=err, same_tokens=tokens == ref_tokens, **facts

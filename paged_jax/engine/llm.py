@@ -3,6 +3,7 @@ search on copy-on-write pages, prefix caching and preemption by swap or recomput
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -14,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from paged_jax._validation import validate_batch
 from paged_jax.batch import ScheduledSeq, bucket, build_batch
@@ -25,6 +27,13 @@ from paged_jax.engine.sampling import Penalties, SamplingParams, beam_candidates
 from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status
 from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata
+from paged_jax.sharding import (
+    TENSOR_AXIS,
+    create_cache,
+    kv_head_replicas,
+    tensor_parallel_mesh,
+)
+from paged_jax.sharding import tensor_parallel_size as tensor_parallel_size_of
 
 
 @dataclasses.dataclass
@@ -173,6 +182,21 @@ class LLM:
         variable ``PAGED_JAX_COMPILATION_CACHE`` (a directory, or ``0`` for none), else
         the default directory. The directory in use is ``compilation_cache_dir``
         (None when off). See ``paged_jax.engine.compile_cache``.
+      tensor_parallel_size: devices to split the model and the KV cache over
+        (Megatron-style tensor parallelism; the cache along KV heads, see
+        ``paged_jax.sharding``). The mesh is the first that many of ``jax.devices()``, of
+        every process. A model off that mesh is moved there with its ``shard(mesh)``;
+        to place the weights straight into their shards instead, load it with
+        ``paged_jax.models.load(name, mesh=mesh)`` and pass ``mesh=mesh`` here, where
+        ``mesh = paged_jax.tensor_parallel_mesh(n)``.
+      mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` axis (any other axis of size 1), in
+        place of ``tensor_parallel_size``.
+
+    Several processes (``jax.distributed.initialize``, one mesh over all their devices)
+    each run this same engine on the same requests in the same order: the scheduler is
+    deterministic, so every process makes the same steps. Only process 0 returns outputs
+    from ``generate`` and prints progress (the others get ``[]``); ``preemption="swap"``
+    needs a single process.
 
     A step is all or nothing. Python signal handlers (Ctrl-C, timers) are held while a
     step runs and called when it ends, so they never interrupt it halfway (a second
@@ -211,8 +235,18 @@ class LLM:
         checked: bool | None = None,
         deterministic: bool = False,
         compilation_cache: bool | str | os.PathLike | None = None,
+        tensor_parallel_size: int | None = None,
+        mesh: Any = None,
     ):
         self.compilation_cache_dir = compile_cache.enable(compilation_cache)
+        self.mesh = _resolve_mesh(tensor_parallel_size, mesh)
+        tp = tensor_parallel_size_of(self.mesh) if self.mesh is not None else 1
+        self.is_main_process = jax.process_index() == 0
+        if preemption == "swap" and jax.process_count() > 1:
+            raise ValueError(
+                f"preemption: 'swap' needs a single process, this program has "
+                f"{jax.process_count()} (use 'recompute')"
+            )
         if checked is None:
             checked = os.environ.get(CHECKED_ENV, "") not in ("", "0")
         if not isinstance(checked, bool):
@@ -231,21 +265,37 @@ class LLM:
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
         check_model(model)
+        if self.mesh is not None and not _on_mesh(model, self.mesh):
+            if not callable(getattr(model, "shard", None)):
+                raise TypeError(
+                    "model: tensor parallelism needs a model with shard(mesh) (placing its "
+                    f"weights on the mesh), {type(model).__name__} has none"
+                )
+            model = model.shard(self.mesh)
         self.model = model
         self.tokenizer = tokenizer
         cfg = self.model.config
         self.max_model_len = cfg.max_position_embeddings
         self.eos_token_ids = set(getattr(cfg, "eos_token_ids", ()))
         probe = self.model.make_cache(2, page_size, cache_dtype)
+        # Bytes of a token across the mesh (KV heads repeated when tp exceeds them), and
+        # the devices whose memory holds the pool (fake CPU devices share the host's).
+        token_bytes = probe.bytes_per_token * kv_head_replicas(probe.num_kv_heads, tp)
+        spread = tp if jax.default_backend() != "cpu" else 1
         if num_pages is None:
-            per_page = page_size * probe.bytes_per_token
+            per_page = page_size * token_bytes
             most_useful = (max_num_seqs * -(-self.max_model_len // page_size) + 1) * per_page
-            num_pages = max(2, (kv_cache_bytes or _default_budget(most_useful)) // per_page)
+            budget = kv_cache_bytes or spread * _default_budget(most_useful // spread)
+            num_pages = max(2, budget // per_page)
+            if jax.process_count() > 1:  # free memory differs: every process takes 0's
+                from jax.experimental import multihost_utils
+
+                num_pages = int(multihost_utils.broadcast_one_to_all(np.int64(num_pages)))
         elif isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
             raise ValueError(f"num_pages: expected an int >= 2 (page 0 is null), got {num_pages!r}")
         self.page_size = page_size
         self._cache_dtype = cache_dtype
-        need = num_pages * page_size * probe.bytes_per_token
+        need = num_pages * page_size * token_bytes // spread
         free, where = _free_memory()
         if free is not None and need > free:
             raise ValueError(
@@ -253,7 +303,7 @@ class LLM:
                 f"cache, {where} has {_gib(free)} free; lower num_pages or kv_cache_bytes"
             )
         try:
-            self.cache = self.model.make_cache(num_pages, page_size, cache_dtype)
+            self.cache = self._make_cache(num_pages)
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -293,7 +343,14 @@ class LLM:
         from flax import nnx
 
         self._graphdef, self._state = nnx.split(self.model)
-        self._run = _make_run(self._graphdef)
+        self._run = _make_run(self._graphdef, self.mesh)
+
+    def _make_cache(self, num_pages: int):
+        """An empty pool, on the mesh in its shards if there is one."""
+        make = functools.partial(
+            self.model.make_cache, num_pages, self.page_size, self._cache_dtype
+        )
+        return make() if self.mesh is None else create_cache(make, self.mesh)
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -484,24 +541,25 @@ class LLM:
                 )
             self._shapes_seen.add(shape)
             t1 = time.perf_counter()
-            toks, lps, cand_v, cand_i, self.cache = self._run(
-                self._state,
-                jnp.asarray(batch.token_ids),
-                jnp.asarray(batch.positions),
-                self.cache,
-                AttentionMetadata.from_batch(batch, batch_invariant=self.deterministic),
-                jnp.asarray(temp),
-                jnp.asarray(top_k),
-                jnp.asarray(top_p),
-                jnp.asarray(min_p),
-                jnp.asarray(seeds),
-                jnp.asarray(out_pos),
-                self._penalties(work, rows, S_b),
-                num_candidates=num_cand,
-                # No row samples: an argmax is all (deterministic mode: one path for
-                # every row, so a greedy row's log-prob is the same in any batch).
-                greedy_only=not (temp > 0).any() and not self.deterministic,
-            )
+            with _mesh_context(self.mesh):
+                toks, lps, cand_v, cand_i, self.cache = self._run(
+                    self._state,
+                    jnp.asarray(batch.token_ids),
+                    jnp.asarray(batch.positions),
+                    self.cache,
+                    AttentionMetadata.from_batch(batch, batch_invariant=self.deterministic),
+                    jnp.asarray(temp),
+                    jnp.asarray(top_k),
+                    jnp.asarray(top_p),
+                    jnp.asarray(min_p),
+                    jnp.asarray(seeds),
+                    jnp.asarray(out_pos),
+                    self._penalties(work, rows, S_b),
+                    num_candidates=num_cand,
+                    # No row samples: an argmax is all (deterministic mode: one path for
+                    # every row, so a greedy row's log-prob is the same in any batch).
+                    greedy_only=not (temp > 0).any() and not self.deterministic,
+                )
             toks, lps = np.asarray(toks), np.asarray(lps)
             cand = None if cand_v is None else (np.asarray(cand_v), np.asarray(cand_i))
             t2 = time.perf_counter()
@@ -680,7 +738,7 @@ class LLM:
             g.status = Status.WAITING
         self._host.clear()
         if any(x.is_deleted() for x in jax.tree.leaves(self.cache)):
-            self.cache = self.model.make_cache(self.bm.num_pages, self.page_size, self._cache_dtype)
+            self.cache = self._make_cache(self.bm.num_pages)
 
     def _check_usable(self) -> None:
         if self._failed is not None:
@@ -1159,7 +1217,8 @@ class LLM:
         progress: bool = True,
         cache_salt: Any = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; returns outputs in the prompts' order.
+        """Runs every prompt to completion; returns outputs in the prompts' order (with
+        several processes: on process 0, and ``[]`` on the others).
 
         Every prompt is checked before any runs (an error names ``prompts[k]``). A step
         that fails is undone and the loop goes on (a request that keeps failing comes back
@@ -1176,7 +1235,7 @@ class LLM:
             rid: p_.max_tokens * p_.n
             for rid, p_ in zip(ids, (p or SamplingParams() for p in params), strict=True)
         }
-        bar = _Progress(sum(budget.values()), len(ids), enabled=progress)
+        bar = _Progress(sum(budget.values()), len(ids), enabled=progress and self.is_main_process)
         self._announce = bar.compiling
         try:
             while len(done) < len(ids):
@@ -1207,12 +1266,60 @@ class LLM:
             self._announce = None
             bar.close()
             self._undelivered = others + self._undelivered
-        return [done[r] for r in ids]
+        return [done[r] for r in ids] if self.is_main_process else []
+
+
+def _resolve_mesh(tensor_parallel_size: Any, mesh: Any) -> Mesh | None:
+    """The engine's mesh from its arguments (None: one device), checked."""
+    if mesh is not None:
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+        if TENSOR_AXIS not in mesh.axis_names:
+            raise ValueError(f"mesh: expected an axis named {TENSOR_AXIS!r}, got {mesh.axis_names}")
+        others = {a: n for a, n in mesh.shape.items() if a != TENSOR_AXIS and n != 1}
+        if others:
+            raise ValueError(
+                f"mesh: axes other than {TENSOR_AXIS!r} must have size 1, got {others}"
+            )
+        if tensor_parallel_size not in (None, mesh.shape[TENSOR_AXIS]):
+            raise ValueError(
+                f"tensor_parallel_size: {tensor_parallel_size!r} differs from the mesh's "
+                f"{TENSOR_AXIS!r} axis, {mesh.shape[TENSOR_AXIS]}"
+            )
+    elif tensor_parallel_size is None:
+        return None
+    else:
+        mesh = tensor_parallel_mesh(tensor_parallel_size)  # checks the number
+        if tensor_parallel_size == 1:
+            return None
+    processes = {d.process_index for d in mesh.devices.flat}
+    if len(processes) < jax.process_count():
+        raise ValueError(
+            f"tensor_parallel_size: the mesh spans the devices of {len(processes)} of the "
+            f"{jax.process_count()} processes; every process must own some of its devices"
+        )
+    return mesh
+
+
+def _on_mesh(model: Any, mesh: Mesh) -> bool:
+    """Whether every array of ``model`` already lives on ``mesh``."""
+    from flax import nnx
+
+    arrays = jax.tree.leaves(nnx.state(model))
+    return all(
+        isinstance(getattr(a, "sharding", None), NamedSharding) and a.sharding.mesh == mesh
+        for a in arrays
+    )
+
+
+def _mesh_context(mesh: Mesh | None):
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def _free_memory() -> tuple[int | None, str]:
-    """Bytes the default device can still allocate (None if unknown), and its name."""
-    dev = jax.devices()[0]
+    """Bytes this process's first device can still allocate (None if unknown), and its
+    name."""
+    dev = jax.local_devices()[0]
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     if stats and "bytes_limit" in stats:
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0), dev.device_kind
@@ -1258,10 +1365,17 @@ def _describe(bucket: dict) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _make_run(graphdef):
-    """The engine's jitted step for one model structure. Cached per graphdef, so engines
-    of the same model (and config) in one process share compiled shape buckets."""
+def _make_run(graphdef, mesh):
+    """The engine's jitted step for one model structure on one mesh (or None). Cached,
+    so engines of the same model (and config) in one process share compiled shape
+    buckets. On a mesh, the step's outputs other than the cache are replicated (every
+    process reads them whole)."""
     from flax import nnx
+
+    def replicated(x):
+        if mesh is None or x is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
 
     @functools.partial(
         jax.jit, donate_argnums=(3,), static_argnames=("num_candidates", "greedy_only")
@@ -1302,7 +1416,7 @@ def _make_run(graphdef):
             cv, ci = beam_candidates(logits, num_candidates)
         else:
             cv = ci = None
-        return toks, lps, cv, ci, cache
+        return replicated(toks), replicated(lps), replicated(cv), replicated(ci), cache
 
     return run
 

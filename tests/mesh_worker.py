@@ -1,0 +1,139 @@
+"""Run by tests/test_sharding.py in fresh processes with fake CPU devices (the device
+count is fixed when JAX starts): the engine (``LLM``) under tensor parallelism.
+
+    python tests/mesh_worker.py engine TP[,TP...]        one process, 8 devices
+    python tests/mesh_worker.py host PID PORT TP         one of 2 processes x 4 devices
+
+Prints one JSON line: for each tensor-parallel size, every request's tokens and facts
+about the cache, the compiled steps and their HLO.
+"""
+
+import contextlib
+import json
+import os
+import sys
+
+MODE = sys.argv[1]
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 if MODE == 'engine' else 4}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+if MODE == "host":
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{sys.argv[3]}",
+        num_processes=2,
+        process_id=int(sys.argv[2]),
+        initialization_timeout=120,
+    )
+
+import paged_jax as pj  # noqa: E402
+from paged_jax import models  # noqa: E402
+
+PAGE = 8
+# 8 query heads, 2 KV heads: tensor-parallel 4 and 8 repeat each KV head 2 and 4 times
+GQA_2 = models.LlamaConfig(
+    vocab_size=320,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+)
+
+
+def workload():
+    """Greedy, seeded-sampled and n=2 requests (the samples fork the prompt's last page:
+    copy-on-write), long enough that a 14-page pool must preempt (swap)."""
+    g = dict(max_tokens=24, ignore_eos=True)
+    prompts = [list(range(1, 30)), [5, 6, 7, 8, 9], [200, 3] * 9, list(range(100, 140))]
+    params = [
+        pj.SamplingParams(**g),
+        pj.SamplingParams(temperature=0.9, top_p=0.9, seed=3, **g),
+        pj.SamplingParams(n=2, temperature=1.0, seed=5, **g),
+        pj.SamplingParams(temperature=0.7, top_k=20, seed=9, **g),
+    ]
+    return prompts, params
+
+
+class Recorder:
+    """Wraps the engine's jitted step, keeping the last call's arguments (to lower it)."""
+
+    def __init__(self, run):
+        self.run, self.last = run, None
+
+    def _cache_size(self):
+        return self.run._cache_size()  # noqa: SLF001
+
+    def __call__(self, *args, **kw):
+        self.last = (args, kw)
+        return self.run(*args, **kw)
+
+
+def pool_collectives(hlo: str, cache) -> int:
+    """HLO lines that are collectives whose result is shaped like the KV pool."""
+    L, N, P = cache.kv_pages.shape[:3]
+    count = 0
+    for line in hlo.splitlines():
+        _, eq, rhs = line.partition("= ")
+        shape, _, op = rhs.strip().partition(" ")
+        if eq and op.startswith(("all-gather", "all-reduce", "all-to-all", "collective-permute")):
+            count += f"[{L},{N},{P}," in shape
+    return count
+
+
+def run(tp: int) -> dict:
+    mesh = pj.tensor_parallel_mesh(tp) if tp > 1 else None
+    # on a mesh: initialized straight into the shards, as models.load(name, mesh=) loads
+    model = models.init_model(GQA_2, seed=1, mesh=mesh)
+    llm = pj.LLM(
+        model,
+        num_pages=14,
+        page_size=PAGE,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        preemption="swap" if jax.process_count() == 1 else "recompute",
+        num_host_pages=64,
+        watermark=0.0,
+        mesh=mesh,
+        compilation_cache=False,
+    )
+    llm._run = Recorder(llm._run)  # noqa: SLF001
+    prompts, params = workload()
+    outs = llm.generate(prompts, params, progress=False)
+    args, kw = llm._run.last  # noqa: SLF001
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        hlo = llm._run.run.lower(*args, **kw).compile().as_text()  # noqa: SLF001
+    pages = llm.cache.kv_pages
+    m = llm.metrics
+    return dict(
+        tokens=[[c.token_ids for c in o.outputs] for o in outs],
+        device_cache_bytes=int(pages.addressable_shards[0].data.nbytes),
+        total_cache_bytes=int(pages.nbytes),
+        kv_heads=llm.cache.num_kv_heads,
+        compilations=m.compilations,
+        compiled_steps=llm._run._cache_size(),  # noqa: SLF001
+        preemptions=m.preemptions_swap + m.preemptions_recompute,
+        max_pages_shared=m.max_pages_shared,
+        pool_collectives=pool_collectives(hlo, llm.cache),
+        all_reduces=hlo.count("all-reduce("),
+        process=jax.process_index(),
+        devices=jax.device_count(),
+    )
+
+
+def main() -> None:
+    if MODE == "engine":
+        out = {str(tp): run(tp) for tp in map(int, sys.argv[2].split(","))}
+    else:
+        out = {sys.argv[4]: run(int(sys.argv[4]))}
+    print(json.dumps(out))
+    if MODE == "host":
+        jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
