@@ -310,7 +310,11 @@ class LlamaConfig:
             qkv_bias = o_bias = bool(hf.get("attention_bias", False))
         if hf.get("mlp_bias"):
             raise ValueError("mlp_bias: MLP biases are not supported")
-        act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+        act = (
+            hf.get("hidden_activation")
+            or hf.get("hidden_act")
+            or ("gelu_pytorch_tanh" if gemma else "silu")  # transformers' defaults
+        )
         act = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "silu": "silu"}.get(act)
         if act is None:
             raise ValueError(

@@ -21,8 +21,10 @@ renamed to Hugging Face names and layouts, and the model is built by the same co
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,7 +39,10 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+_GEMMA = ("gemma2", "gemma3")
 # Block formats read (by name of gguf.GGMLQuantizationType).
 QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
 
@@ -58,6 +63,14 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm",  # Qwen3
     "attn_k_norm": "self_attn.k_norm",
+}
+# Gemma's sandwich norms (the gguf package's tensor map): llama.cpp names the norm before
+# the MLP ffn_norm, which in Llama files is the post-attention norm.
+_GEMMA_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 # Tensors llama.cpp writes that the model recomputes or does not use.
 _IGNORED = ("rope_freqs.weight",)
@@ -88,7 +101,8 @@ def load_gguf(
     """Loads a GGUF file: ``(LlamaForCausalLM, TextTokenizer | None)``.
 
     Args:
-      path: a ``.gguf`` file of a ``llama``, ``mistral``, ``qwen2`` or ``qwen3`` model whose
+      path: a ``.gguf`` file of a ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gemma2``
+        or ``gemma3`` (text) model whose
         tensors are in ``QUANT_TYPES`` (quantized ones are dequantized to float32 when loading).
       dtype: compute dtype (default float32).
       param_dtype: storage dtype of the weights (default ``dtype``).
@@ -106,7 +120,7 @@ def load_gguf(
     arch = _field(reader, "general.architecture", path)
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
-        name = _hf_tensor_name(t.name, path)
+        name = _hf_tensor_name(t.name, arch, path)
         if name is None:
             continue
         qtype = gguf.GGMLQuantizationType(int(t.tensor_type))
@@ -146,7 +160,7 @@ def gguf_config(reader: Any, path: str | os.PathLike = "<gguf>") -> LlamaConfig:
         return _field(reader, f"{arch}.{name}", path, default)
 
     scaling = key("rope.scaling.type", None)
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none") and not (arch == "gemma3" and scaling == "linear"):
         raise GGUFError(f"{path}: {arch}.rope.scaling.type {scaling!r} is not supported")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
@@ -157,9 +171,10 @@ def gguf_config(reader: Any, path: str | os.PathLike = "<gguf>") -> LlamaConfig:
     heads = key("attention.head_count")
     tokens = _field(reader, "tokenizer.ggml.tokens", path, None)
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    vocab = key("vocab_size", None) or (len(tokens) if tokens else None)
-    if vocab is None and embd is not None:
-        vocab = int(embd.shape[-1])
+    # the embedding's rows, which may outnumber the token list (padded vocabularies)
+    vocab = key("vocab_size", None) or (int(embd.shape[-1]) if embd is not None else None)
+    if vocab is None and tokens:
+        vocab = len(tokens)
     hidden = key("embedding_length")
     hf = {
         "architectures": [ARCHITECTURES[arch]],
@@ -183,10 +198,43 @@ def gguf_config(reader: Any, path: str | os.PathLike = "<gguf>") -> LlamaConfig:
         if arch in ("qwen2", "qwen3"):
             hf["use_sliding_window"] = True
         hf["sliding_window"] = window
+    if arch in _GEMMA:
+        hf.update(_gemma_keys(arch, key, hf, window))
     try:
-        return LlamaConfig.from_hf(hf)
+        cfg = LlamaConfig.from_hf(hf)
     except ValueError as e:
         raise GGUFError(f"{path}: {e}") from None
+    # llama.cpp stores Gemma's norm weights as 1 + w: the norms use them as they are
+    return dataclasses.replace(cfg, norm_unit_offset=False) if arch in _GEMMA else cfg
+
+
+def _gemma_keys(arch: str, key: Callable[..., Any], hf: dict, window: Any) -> dict:
+    """The Hugging Face config keys of a Gemma 2 / 3 file that llama.cpp leaves implicit
+    (its loader's rules for these architectures: ``llama-model.cpp``)."""
+    layers, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    head_dim = hf["head_dim"] or 256
+    # The 27B models (46 and 62 layers) scale queries by hidden / heads, others by head_dim.
+    big = layers == (46 if arch == "gemma2" else 62)
+    out = {
+        "head_dim": head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hf["hidden_size"] // heads if big else head_dim,
+        "final_logit_softcapping": key("final_logit_softcapping", None),
+    }
+    if arch == "gemma2":  # sliding and global layers alternate, sliding first
+        out["attn_logit_softcapping"] = key("attn_logit_softcapping", None)
+        return out
+    # Gemma 3: five sliding layers per global one, sliding RoPE base 10,000 (fixed), the
+    # file's rope.freq_base and linear scaling for the global layers
+    out["rope_theta"] = float(key("rope.freq_base", 1_000_000.0))
+    out["rope_local_base_freq"] = 10000.0
+    if window:
+        out["sliding_window_pattern"] = 6
+    else:
+        out["layer_types"] = ["full_attention"] * layers
+    if key("rope.scaling.type", None) == "linear":
+        out["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    return out
 
 
 def gguf_chat_template(path_or_reader: Any) -> str | None:
@@ -301,14 +349,15 @@ def _field(reader: Any, key: str, path: Any, default: Any = _REQUIRED) -> Any:
     return f.contents()
 
 
-def _hf_tensor_name(name: str, path: Any) -> str | None:
+def _hf_tensor_name(name: str, arch: str, path: Any) -> str | None:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     if name in _IGNORED:
         return None
+    layer = _GEMMA_LAYER_TENSORS if arch in _GEMMA else _LAYER_TENSORS
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer:
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}.{parts[3]}"
     raise GGUFError(f"{path}: tensor {name!r} is not a tensor of a Llama-family model")
 
 

