@@ -85,12 +85,8 @@ def _encode(values: np.ndarray, qtype: Q, rng) -> np.ndarray:
     return quants.quantize(values, qtype)
 
 
-def write_gguf(path, model, arch="llama", qtype=Q.F32, *, tokenizer="gpt2", rng=None, extra=None):
-    """Writes ``model`` as llama.cpp would: GGUF names, Q/K rows reordered for "llama",
-    2-D weights in ``qtype`` (norms stay F32). Returns {gguf name: the float weights the
-    file holds} (the K-quants' random blocks dequantized)."""
-    rng = rng or np.random.default_rng(0)
-    c = model.config
+def _writer(path, arch: str, c) -> gguf.GGUFWriter:
+    """A GGUF writer holding the dimensions every architecture's converter writes."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -101,6 +97,16 @@ def write_gguf(path, model, arch="llama", qtype=Q.F32, *, tokenizer="gpt2", rng=
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    return w
+
+
+def write_gguf(path, model, arch="llama", qtype=Q.F32, *, tokenizer="gpt2", rng=None, extra=None):
+    """Writes ``model`` as llama.cpp would: GGUF names, Q/K rows reordered for "llama",
+    2-D weights in ``qtype`` (norms stay F32). Returns {gguf name: the float weights the
+    file holds} (the K-quants' random blocks dequantized)."""
+    rng = rng or np.random.default_rng(0)
+    c = model.config
+    w = _writer(path, arch, c)
     w.add_rope_freq_base(c.rope_theta)
     w.add_vocab_size(c.vocab_size)
     if tokenizer == "gpt2":
@@ -464,16 +470,7 @@ def write_gemma_gguf(path, model):
     Q/K rows in Hugging Face's order; the keys its Gemma2Model / Gemma3Model write."""
     c = model.config
     arch = "gemma2" if c.architecture == "Gemma2ForCausalLM" else "gemma3"
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_heads)
-    w.add_head_count_kv(c.num_kv_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
+    w = _writer(path, arch, c)
     w.add_sliding_window(c.sliding_window)
     if arch == "gemma2":
         w.add_attn_logit_softcapping(c.attn_logit_softcap)
