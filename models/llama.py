@@ -358,11 +358,10 @@ def init_model(
 
     if mesh is None:
         return make()
-    from .sharding import sharder
+    from .sharding import state_shardings
 
-    sharding = sharder(cfg, mesh)
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
-    shardings = jax.tree_util.tree_map_with_path(lambda p, x: sharding(p, x.ndim), abstract)
+    shardings = state_shardings(cfg, abstract, mesh)
     state = jax.jit(lambda: nnx.split(make())[1], out_shardings=shardings)()
     return nnx.merge(graphdef, state)
 

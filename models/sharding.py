@@ -72,14 +72,19 @@ def sharder(cfg: Any, mesh: jax.sharding.Mesh) -> Callable[[tuple, int], NamedSh
     )
 
 
+def state_shardings(cfg: Any, state: Any, mesh: jax.sharding.Mesh) -> Any:
+    """The ``NamedSharding`` of every array of ``state`` (an ``nnx.State`` of a model of
+    config ``cfg``, real or abstract), as a tree of the same structure (``sharder``)."""
+    sharding = sharder(cfg, mesh)
+    return jax.tree_util.tree_map_with_path(lambda p, x: sharding(p, x.ndim), state)
+
+
 def shard_model(model: Any, mesh: jax.sharding.Mesh) -> Any:
     """Places ``model``'s weights on ``mesh`` (its ``"tp"`` axis) and returns it (errors:
     ``sharder``). The weights move from where they are; to load a checkpoint
     straight into its shards, pass ``mesh`` to ``paged_jax.models.load``."""
-    sharding = sharder(model.config, mesh)
     state = nnx.state(model)
-    shardings = jax.tree_util.tree_map_with_path(lambda p, x: sharding(p, x.ndim), state)
-    nnx.update(model, jax.device_put(state, shardings))
+    nnx.update(model, jax.device_put(state, state_shardings(model.config, state, mesh)))
     return model
 
 

@@ -205,7 +205,7 @@ def _mesh(args):
     try:
         mesh = paged_jax.tensor_parallel_mesh(args.tensor_parallel_size)
     except ValueError as e:
-        raise UsageError(f"--tensor-parallel-size: {str(e).partition(': ')[2]}") from None
+        raise UsageError(_flag_names(str(e))) from None
     return mesh if args.tensor_parallel_size > 1 else None
 
 
@@ -261,11 +261,12 @@ _FLAGS = {
     "num_pages": "--num-pages",
     "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens",
+    "tensor_parallel_size": "--tensor-parallel-size",
 }
 
 
 def _flag_names(message: str) -> str:
-    """An error about a ``SamplingParams`` field, in the CLI's flag names."""
+    """An error about a ``SamplingParams`` or ``LLM`` argument, in the CLI's flag names."""
     field, sep, rest = message.partition(": ")
     return f"{_FLAGS[field]}: {rest}" if sep and field in _FLAGS else message
 
@@ -449,9 +450,8 @@ def _load_model(name: str, dtype: str | None = None, mesh=None):
     try:
         return models.load(name, dtype=dtype, mesh=mesh)
     except (ValueError, FileNotFoundError) as e:
-        if str(e).startswith("tensor_parallel_size: "):
-            raise UsageError(f"--tensor-parallel-size: {str(e).partition(': ')[2]}") from None
-        raise UsageError(f"--model: {e}") from None
+        flagged = _flag_names(str(e))  # a model the mesh does not divide
+        raise UsageError(flagged if flagged != str(e) else f"--model: {e}") from None
     except models.FetchError as e:  # the package index is unreachable: not a usage error
         raise Unavailable(f"--model: {e}") from None
 

@@ -28,21 +28,14 @@ if MODE == "host":
         initialization_timeout=120,
     )
 
+from model_helpers import gqa_config, pool_collectives  # noqa: E402
+
 import paged_jax as pj  # noqa: E402
 from paged_jax import models  # noqa: E402
 
 PAGE = 8
 # 8 query heads, 2 KV heads: tensor-parallel 4 and 8 repeat each KV head 2 and 4 times
-GQA_2 = models.LlamaConfig(
-    vocab_size=320,
-    hidden_size=128,
-    intermediate_size=256,
-    num_layers=2,
-    num_heads=8,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-)
+GQA_2 = gqa_config(2)
 
 
 def workload():
@@ -71,18 +64,6 @@ class Recorder:
     def __call__(self, *args, **kw):
         self.last = (args, kw)
         return self.run(*args, **kw)
-
-
-def pool_collectives(hlo: str, cache) -> int:
-    """HLO lines that are collectives whose result is shaped like the KV pool."""
-    L, N, P = cache.kv_pages.shape[:3]
-    count = 0
-    for line in hlo.splitlines():
-        _, eq, rhs = line.partition("= ")
-        shape, _, op = rhs.strip().partition(" ")
-        if eq and op.startswith(("all-gather", "all-reduce", "all-to-all", "collective-permute")):
-            count += f"[{L},{N},{P}," in shape
-    return count
 
 
 def run(tp: int) -> dict:

@@ -13,6 +13,36 @@ from paged_jax.metadata import AttentionMetadata
 from paged_jax.models.llama import apply_rope, make_step, rope_inv_freq
 
 
+def gqa_config(num_kv_heads: int):
+    """A small model with 8 query heads and ``num_kv_heads`` KV heads (head_dim 16),
+    whose sizes every tensor-parallel size up to 8 divides."""
+    from paged_jax.models import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=num_kv_heads,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+
+
+def pool_collectives(hlo: str, cache) -> int:
+    """HLO lines (``%x = f32[...] all-gather(...)``) that are collectives whose result is
+    shaped like ``cache``'s pool (``[L, N, P, ...]``): a tensor-parallel step has none."""
+    L, N, P = cache.kv_pages.shape[:3]
+    count = 0
+    for line in hlo.splitlines():
+        _, eq, rhs = line.partition("= ")
+        shape, _, op = rhs.strip().partition(" ")
+        if eq and op.startswith(("all-gather", "all-reduce", "all-to-all", "collective-permute")):
+            count += f"[{L},{N},{P}," in shape
+    return count
+
+
 def kernel_kwargs(backend: str) -> dict:
     """``backend`` / ``interpret`` for running ``backend`` here: Pallas kernels compile on
     their own platform and are interpreted on CPU; skips the test anywhere else."""

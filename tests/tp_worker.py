@@ -14,6 +14,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from model_helpers import gqa_config, pool_collectives  # noqa: E402
 
 from paged_jax import (  # noqa: E402
     AttentionMetadata,
@@ -61,41 +62,13 @@ def run(cfg, tp: int, backend: str, steps: int = 4):
     facts = dict(
         device_cache_bytes=int(shard.nbytes),
         total_cache_bytes=int(cache.kv_pages.nbytes),
-        # collectives whose result is shaped like the KV pool ([L, N, P, ...]): none
-        cache_collectives=sum(
-            1 for line in hlo.splitlines() if _collective_on_pool(line, cfg.num_layers)
-        ),
+        cache_collectives=pool_collectives(hlo, cache),
         all_reduces=hlo.count("all-reduce"),
     )
     return logits_all, tokens, facts
 
 
-def _collective_on_pool(line: str, layers: int) -> bool:
-    """Whether an HLO line is a collective (``%x = f32[...] all-gather(...)``) whose
-    result has the pool's leading dimensions."""
-    _, eq, rhs = line.partition("= ")
-    if not eq:
-        return False
-    shape, _, op = rhs.strip().partition(" ")
-    return op.startswith(("all-gather", "all-reduce", "all-to-all", "collective-permute")) and (
-        f"[{layers},64,8," in shape
-    )
-
-
-def _gqa(kv_heads: int):
-    return models.LlamaConfig(
-        vocab_size=320,
-        hidden_size=128,
-        intermediate_size=256,
-        num_layers=2,
-        num_heads=8,
-        num_kv_heads=kv_heads,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-
-
-CONFIGS = {"tiny-llama": models.TINY_LLAMA, "gqa-8-4": _gqa(4), "gqa-8-2": _gqa(2)}
+CONFIGS = {"tiny-llama": models.TINY_LLAMA, "gqa-8-4": gqa_config(4), "gqa-8-2": gqa_config(2)}
 
 
 def main() -> None:
