@@ -30,6 +30,7 @@ _LAZY = {
     "StepBatch": ("paged_jax.batch", "StepBatch"),
     "bucket": ("paged_jax.batch", "bucket"),
     "build_batch": ("paged_jax.batch", "build_batch"),
+    "concat_batches": ("paged_jax.batch", "concat_batches"),
     "BlockManager": ("paged_jax.block_manager", "BlockManager"),
     "BlockManagerError": ("paged_jax.block_manager", "BlockManagerError"),
     "DuplicateSequence": ("paged_jax.block_manager", "DuplicateSequence"),
@@ -55,6 +56,7 @@ _LAZY = {
     "EngineFailedError": ("paged_jax.engine", "EngineFailedError"),
     "PagedDecoder": ("paged_jax.engine", "PagedDecoder"),
     "tensor_parallel_mesh": ("paged_jax.sharding", "tensor_parallel_mesh"),
+    "parallel_mesh": ("paged_jax.sharding", "parallel_mesh"),
 }
 
 
@@ -90,7 +92,9 @@ __all__ = [
     "available_backends",
     "bucket",
     "build_batch",
+    "concat_batches",
     "paged_attention",
+    "parallel_mesh",
     "ragged_paged_attention",
     "reference",
     "tensor_parallel_mesh",

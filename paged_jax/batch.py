@@ -139,3 +139,56 @@ def build_batch(
         seq_ids=tuple(s.seq_id for s in scheduled),
         num_tokens=num_tokens,
     )
+
+
+def concat_batches(batches: Sequence[StepBatch]) -> StepBatch:
+    """One step's batch for data-parallel replicas: each replica's batch padded to the
+    largest ``T_b``, ``S_b``, ``M_b`` and ``C_b`` among them, then concatenated, so that
+    replica r owns token rows ``[r T_b, (r + 1) T_b)``, sequence rows
+    ``[r S_b, (r + 1) S_b)`` (``cu_q_lens``: ``r (S_b + 1)`` on, local to its tokens),
+    copies ``[r C_b, (r + 1) C_b)`` and ``num_seqs[r]``. Page ids and slots stay local to
+    each replica's pool; ``logits_indices`` become global token rows (``r T_b`` added).
+    ``seq_ids`` lists the replicas' live sequences one replica after the other. One
+    batch is returned as it is."""
+    if len(batches) == 1:
+        return batches[0]
+    T_b = max(b.token_ids.shape[0] for b in batches)
+    S_b = max(b.kv_lens.shape[0] for b in batches)
+    M_b = max(b.page_indices.shape[1] for b in batches)
+    C_b = max(b.copy_src.shape[0] for b in batches)
+
+    def pad(a: np.ndarray, n: int, value=0) -> np.ndarray:
+        return np.pad(a, (0, n - a.shape[0]), constant_values=value)
+
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in _ARRAYS}
+    for r, b in enumerate(batches):
+        parts["token_ids"].append(pad(b.token_ids, T_b))
+        parts["positions"].append(pad(b.positions, T_b))
+        parts["slot_mapping"].append(pad(b.slot_mapping, T_b))
+        s, m = b.page_indices.shape
+        parts["page_indices"].append(np.pad(b.page_indices, ((0, S_b - s), (0, M_b - m))))
+        parts["kv_lens"].append(pad(b.kv_lens, S_b))
+        parts["cu_q_lens"].append(pad(b.cu_q_lens, S_b + 1, b.cu_q_lens[-1]))
+        parts["num_seqs"].append(b.num_seqs)
+        parts["logits_indices"].append(pad(b.logits_indices, S_b) + np.int32(r * T_b))
+        parts["copy_src"].append(pad(b.copy_src, C_b))
+        parts["copy_dst"].append(pad(b.copy_dst, C_b))
+    return StepBatch(
+        **{k: np.concatenate(v).astype(np.int32) for k, v in parts.items()},
+        seq_ids=tuple(sid for b in batches for sid in b.seq_ids),
+        num_tokens=sum(b.num_tokens for b in batches),
+    )
+
+
+_ARRAYS = (
+    "token_ids",
+    "positions",
+    "slot_mapping",
+    "page_indices",
+    "kv_lens",
+    "cu_q_lens",
+    "num_seqs",
+    "logits_indices",
+    "copy_src",
+    "copy_dst",
+)

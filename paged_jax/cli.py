@@ -152,6 +152,13 @@ def _parallel_flags(parser: argparse.ArgumentParser, *, processes: bool) -> None
         default=1,
         help="devices to split the model and KV cache over (heads; default 1)",
     )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="replicas of the model, each with its own KV pool and its share of the "
+        "requests, all stepped in one call (default 1); uses dp x tp devices",
+    )
     if not processes:
         return
     parser.add_argument(
@@ -199,14 +206,16 @@ def _start_jax(args) -> None:
 
 
 def _mesh(args):
-    """The tensor-parallel mesh of ``--tensor-parallel-size`` (None for 1)."""
+    """The mesh of ``--tensor-parallel-size`` and ``--data-parallel-size`` (None for one
+    device)."""
     import paged_jax
 
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
     try:
-        mesh = paged_jax.tensor_parallel_mesh(args.tensor_parallel_size)
+        mesh = paged_jax.parallel_mesh(tp, dp)
     except ValueError as e:
         raise UsageError(_flag_names(str(e))) from None
-    return mesh if args.tensor_parallel_size > 1 else None
+    return mesh if tp * dp > 1 else None
 
 
 def _prompts(args) -> list[str | list[int]]:
@@ -262,6 +271,8 @@ _FLAGS = {
     "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens",
     "tensor_parallel_size": "--tensor-parallel-size",
+    "data_parallel_size": "--data-parallel-size",
+    "data_parallel_size x tensor_parallel_size": "--data-parallel-size x --tensor-parallel-size",
 }
 
 

@@ -16,7 +16,7 @@ from paged_jax.attention import paged_attention, ragged_paged_attention
 from paged_jax.cache import PagedKVCache
 from paged_jax.invariant import fit_rows
 from paged_jax.metadata import AttentionMetadata
-from paged_jax.sharding import sharded_attention, tensor_parallel_size
+from paged_jax.sharding import data_parallel_size, sharded_attention, tensor_parallel_size
 
 
 def paged_self_attention(
@@ -50,12 +50,13 @@ def paged_self_attention(
     Token t is causal: it sees its own sequence's tokens up to its own position.
 
     Under a mesh with a ``"tp"`` axis (``jax.set_mesh``), each device writes and attends
-    with its own heads: q, k, v and the cache split along heads (``paged_jax.sharding``).
+    with its own heads: q, k, v and the cache split along heads (``paged_jax.sharding``);
+    with a ``"dp"`` axis, each replica with its own token rows, metadata and pages.
     """
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, backend=backend)
     local = functools.partial(_self_attention, interpret=interpret, **kw)
     tp = tensor_parallel_size()
-    if tp > 1:
+    if tp > 1 or data_parallel_size() > 1:
         return sharded_attention(local, q, k, v, cache, layer, metadata, tp)
     return local(q, k, v, cache, layer, metadata)
 

@@ -1,11 +1,13 @@
 """Run by tests/test_sharding.py in fresh processes with fake CPU devices (the device
-count is fixed when JAX starts): the engine (``LLM``) under tensor parallelism.
+count is fixed when JAX starts): the engine (``LLM``) under tensor and data parallelism.
 
-    python tests/mesh_worker.py engine TP[,TP...]        one process, 8 devices
-    python tests/mesh_worker.py host PID PORT TP         one of 2 processes x 4 devices
+    python tests/mesh_worker.py engine MESH[,MESH...] [tiny-llama]   one process, 8 devices
+    python tests/mesh_worker.py host PID PORT MESH[,MESH...] one of 2 processes x 4 devices
 
-Prints one JSON line: for each tensor-parallel size, every request's tokens and facts
-about the cache, the compiled steps and their HLO.
+A MESH is ``TP`` or ``TPxDP`` (tensor- x data-parallel size). The model is one with 8
+query and 2 KV heads, or the ``tiny-llama`` preset (4 and 2). Prints one JSON line: for
+each mesh, every request's tokens and facts about the cache, the compiled steps and
+their HLO.
 """
 
 import contextlib
@@ -14,6 +16,7 @@ import os
 import sys
 
 MODE = sys.argv[1]
+MODEL = sys.argv[3] if MODE == "engine" and len(sys.argv) > 3 else "gqa-8-2"
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 if MODE == 'engine' else 4}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -66,23 +69,31 @@ class Recorder:
         return self.run(*args, **kw)
 
 
-def run(tp: int) -> dict:
-    mesh = pj.tensor_parallel_mesh(tp) if tp > 1 else None
+def run(spec: str) -> dict:
+    tp, _, dp = spec.partition("x")
+    tp, dp = int(tp), int(dp or 1)
+    mesh = pj.parallel_mesh(tp, dp) if tp * dp > 1 else None
     # on a mesh: initialized straight into the shards, as models.load(name, mesh=) loads
-    model = models.init_model(GQA_2, seed=1, mesh=mesh)
+    if MODEL == "tiny-llama":
+        model, _ = models.load("tiny-llama", mesh=mesh)
+    else:
+        model = models.init_model(GQA_2, seed=1, mesh=mesh)
     llm = pj.LLM(
         model,
-        num_pages=14,
+        num_pages=14 * dp,  # 14 per replica
         page_size=PAGE,
         max_num_seqs=8,
         max_num_batched_tokens=64,
         preemption="swap" if jax.process_count() == 1 else "recompute",
-        num_host_pages=64,
+        num_host_pages=64 * dp,
         watermark=0.0,
         mesh=mesh,
         compilation_cache=False,
     )
     llm._run = Recorder(llm._run)  # noqa: SLF001
+    routed = [0] * dp  # requests each replica's scheduler received
+    for r, sc in enumerate(llm.schedulers):
+        sc.add = lambda g, add=sc.add, r=r: (routed.__setitem__(r, routed[r] + 1), add(g))
     prompts, params = workload()
     outs = llm.generate(prompts, params, progress=False)
     args, kw = llm._run.last  # noqa: SLF001
@@ -101,16 +112,34 @@ def run(tp: int) -> dict:
         max_pages_shared=m.max_pages_shared,
         pool_collectives=pool_collectives(hlo, llm.cache),
         all_reduces=hlo.count("all-reduce("),
+        replica_requests=routed,
         process=jax.process_index(),
         devices=jax.device_count(),
     )
 
 
+def errors() -> list[str]:
+    """The messages of arguments that do not fit data parallelism."""
+    model = models.init_model(GQA_2, seed=1)
+    found = []
+    for kw in (dict(num_pages=15, data_parallel_size=2), dict(num_pages=2, data_parallel_size=2)):
+        try:
+            pj.LLM(model, compilation_cache=False, **kw)
+        except ValueError as e:
+            found.append(str(e))
+    llm = pj.LLM(model, num_pages=8, data_parallel_size=2, compilation_cache=False)
+    try:
+        llm.bm  # noqa: B018
+    except AttributeError as e:
+        found.append(str(e))
+    return found
+
+
 def main() -> None:
+    specs = sys.argv[2 if MODE == "engine" else 4].split(",")
+    out = {spec: run(spec) for spec in specs}
     if MODE == "engine":
-        out = {str(tp): run(tp) for tp in map(int, sys.argv[2].split(","))}
-    else:
-        out = {sys.argv[4]: run(int(sys.argv[4]))}
+        out["errors"] = errors()
     print(json.dumps(out))
     if MODE == "host":
         jax.distributed.shutdown()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,14 +34,16 @@ def gqa_config(num_kv_heads: int):
 
 def pool_collectives(hlo: str, cache) -> int:
     """HLO lines (``%x = f32[...] all-gather(...)``) that are collectives whose result is
-    shaped like ``cache``'s pool (``[L, N, P, ...]``): a tensor-parallel step has none."""
-    L, N, P = cache.kv_pages.shape[:3]
+    shaped like ``cache``'s pool or part of it (``[L, any pages, P, ...]``): a tensor- or
+    data-parallel step has none."""
+    L, _, P = cache.kv_pages.shape[:3]
+    pool = re.compile(rf"\[{L},\d+,{P},")
     count = 0
     for line in hlo.splitlines():
         _, eq, rhs = line.partition("= ")
         shape, _, op = rhs.strip().partition(" ")
         if eq and op.startswith(("all-gather", "all-reduce", "all-to-all", "collective-permute")):
-            count += f"[{L},{N},{P}," in shape
+            count += bool(pool.search(shape))
     return count
 
 

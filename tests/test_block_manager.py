@@ -1,6 +1,7 @@
 """BlockManager: unit tests of each operation and error, a stateful property test with a
 shadow device, determinism across processes, and the step batch builder."""
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -626,6 +627,61 @@ def test_build_batch_carries_copies_and_validates():
         "num_tokens=6 for seq_id 'p', got start=6, stop=7",
     ):
         build_batch(bm, [ScheduledSeq("p", 6, 7)])
+
+
+def test_concat_batches_gives_each_replica_its_own_padded_rows():
+    from paged_jax import concat_batches, validate_batch
+
+    a, b, idle = _bm(32), _bm(32), _bm(32)
+    a.allocate("p", list(range(10, 30)))  # a 20-token prefill: T_b 32
+    b.allocate("d", [1, 2, 3])
+    b.mark_computed("d", 3)
+    b.fork("d", "e")  # the two share the prompt's last page: a copy-on-write copy on b
+    b.append_slots("d", [4])
+    b.append_slots("e", [5])
+    parts = [
+        build_batch(a, [ScheduledSeq("p", 0, 20)]),
+        build_batch(b, [ScheduledSeq("d", 3, 4), ScheduledSeq("e", 3, 4)]),
+        build_batch(idle, []),
+    ]
+    cat = concat_batches(parts)
+    T, S, M, C = 32, 8, 8, 8  # a: 32 tokens, 5 pages; b: 16 tokens, 4 pages wide
+    assert cat.token_ids.shape == (3 * T,) and cat.page_indices.shape == (3 * S, M)
+    assert cat.cu_q_lens.shape == (3 * (S + 1),) and cat.copy_src.shape == (3 * C,)
+    assert cat.num_tokens == 22 and list(cat.num_seqs) == [1, 2, 0]
+    assert cat.seq_ids == ("p", "d", "e")
+    for r, part in enumerate(parts):
+        t, n = part.token_ids.shape[0], part.kv_lens.shape[0]
+        for name in ("token_ids", "positions", "slot_mapping"):  # local slots, zero-padded
+            got = getattr(cat, name)[r * T : (r + 1) * T]
+            np.testing.assert_array_equal(got[:t], getattr(part, name))
+            assert not got[t:].any()
+        rows = cat.page_indices[r * S : (r + 1) * S]
+        np.testing.assert_array_equal(rows[:n, : part.page_indices.shape[1]], part.page_indices)
+        assert not rows[:, part.page_indices.shape[1] :].any() and not rows[n:].any()
+        cu = cat.cu_q_lens[r * (S + 1) : (r + 1) * (S + 1)]
+        np.testing.assert_array_equal(cu[: n + 1], part.cu_q_lens)
+        assert (cu[n:] == part.num_tokens).all()
+        # logits rows are global: replica r's tokens start at r * T
+        np.testing.assert_array_equal(
+            cat.logits_indices[r * S : r * S + n], part.logits_indices + r * T
+        )
+        np.testing.assert_array_equal(cat.copy_src[r * C : r * C + 8], part.copy_src)
+        # each replica's share is a valid batch of its own pool
+        share = dataclasses.replace(
+            part,
+            **{
+                k: getattr(cat, k)[r * w : (r + 1) * w]
+                for k, w in (("token_ids", T), ("positions", T), ("slot_mapping", T))
+            },
+            page_indices=rows,
+            kv_lens=cat.kv_lens[r * S : (r + 1) * S],
+            cu_q_lens=cu,
+            logits_indices=cat.logits_indices[r * S : (r + 1) * S] - r * T,
+        )
+        validate_batch(share, num_pages=32, page_size=4, vocab_size=64)
+    assert (cat.copy_src[C], cat.copy_dst[C]) == (parts[1].copy_src[0], parts[1].copy_dst[0])
+    assert concat_batches(parts[:1]) is parts[0]
 
 
 @given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 6)), min_size=1, max_size=12))

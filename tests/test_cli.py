@@ -106,10 +106,10 @@ def test_a_request_the_engine_fails_is_reported_and_exits_1(monkeypatch, capsys)
 
     real = llm_mod.LLM._penalties
 
-    def breaks(self, work, rows, S_b):  # any step that runs the prompt "bad" raises
-        if any(w.group.prompt == [256, *b"bad"] for w in work):
+    def breaks(self, placed, rows, S_b):  # any step that runs the prompt "bad" raises
+        if any(w.group.prompt == [256, *b"bad"] for _, w in placed):
             raise RuntimeError("boom")
-        return real(self, work, rows, S_b)
+        return real(self, placed, rows, S_b)
 
     monkeypatch.setattr(llm_mod.LLM, "_penalties", breaks)
     argv = ["generate", "--prompt", "good", "--prompt", "bad", "--max-tokens", "3", "--json"]
@@ -284,6 +284,11 @@ def test_a_real_ctrl_c_at_any_moment_is_one_line_and_exit_code_130(delay):
         (
             ["--tensor-parallel-size", "0"],
             "--tensor-parallel-size: expected an int in [1, {devices}] (the devices available), "
+            "got 0",
+        ),
+        (
+            ["--data-parallel-size", "0"],
+            "--data-parallel-size: expected an int in [1, {devices}] (the devices available), "
             "got 0",
         ),
         (["--process-id", "1"], "--num-processes / --process-id: need --coordinator HOST:PORT"),

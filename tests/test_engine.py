@@ -319,11 +319,22 @@ def test_parallel_arguments_are_checked():
         pj.LLM(model, num_pages=8, tensor_parallel_size=n + 1)
     with pytest.raises(TypeError, match="mesh: expected a jax.sharding.Mesh, got str"):
         pj.LLM(model, num_pages=8, mesh="tp")
-    with pytest.raises(ValueError, match=r"mesh: expected an axis named 'tp', got \('x',\)"):
+    with pytest.raises(ValueError, match=rf"data_parallel_size: expected an int in \[1, {n}\]"):
+        pj.LLM(model, num_pages=8, data_parallel_size=0)
+    with pytest.raises(
+        ValueError, match=r"mesh: expected an axis named 'tp' or 'dp', got \('x',\)"
+    ):
         pj.LLM(model, num_pages=8, mesh=Mesh(np.array(jax.devices()[:1]), ("x",)))
     mesh = pj.tensor_parallel_mesh(1)
     with pytest.raises(ValueError, match="tensor_parallel_size: 2 differs from the mesh's 'tp'"):
         pj.LLM(model, num_pages=8, mesh=mesh, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size: 2 differs from the mesh's 'dp'"):
+        pj.LLM(model, num_pages=8, mesh=mesh, data_parallel_size=2)
+    with pytest.raises(
+        ValueError,
+        match=r"data_parallel_size x tensor_parallel_size: 2 x 2 = 4 devices, 3 are available",
+    ):
+        pj.parallel_mesh(2, 2, devices=jax.devices()[:1] * 3)
     # a one-device mesh runs like no mesh
     llm = pj.LLM(model, num_pages=8, mesh=mesh)
     assert llm.generate([[1, 2, 3]], pj.SamplingParams(max_tokens=2), progress=False)[0].finished

@@ -121,9 +121,9 @@ def _inject(monkeypatch, llm, stage: str, at_steps: set[int], exc=Fault):
     elif stage == "swap":
         real = llm._swap  # noqa: SLF001
 
-        def swap(out, into):
-            real(out, into)
-            if (out or into) and due():
+        def swap(scheds):
+            real(scheds)
+            if any(s.swap_out or s.swap_in for s in scheds) and due():
                 raise exc("after swap")
 
         monkeypatch.setattr(llm, "_swap", swap)

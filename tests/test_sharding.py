@@ -1,4 +1,4 @@
-"""Tensor parallelism on 8 fake CPU devices, and over 2 processes x 4 devices
+"""Tensor and data parallelism on 8 fake CPU devices, and over 2 processes x 4 devices
 (tests/tp_worker.py: the model's paged step; tests/mesh_worker.py: the engine). The
 workers run in their own processes: the device count is fixed when JAX starts."""
 
@@ -66,33 +66,59 @@ def test_tensor_parallel_grid(backend, grid):
 
 
 def _check_engine(out: dict, ref: dict) -> None:
-    for tp, r in out.items():
-        tp = int(tp)
+    for spec, r in out.items():
+        tp, _, dp = spec.partition("x")
+        tp, dp = int(tp), int(dp or 1)
         # greedy, seeded top-p / top-k and n=2 samples: token for token as on one device
-        assert r["tokens"] == ref["tokens"], tp
-        assert r["device_cache_bytes"] * tp == r["total_cache_bytes"], r
+        assert r["tokens"] == ref["tokens"], spec
+        # the pool: dp pools of 14 pages, each split along heads over its tp devices
+        assert r["total_cache_bytes"] == dp * ref["total_cache_bytes"] * max(2, tp) // 2, r
+        assert r["device_cache_bytes"] * tp * dp == r["total_cache_bytes"], r
+        # data parallel: the 4 requests (one of 2 samples) went to the least loaded
+        # replicas; up to 2 replicas, 2 requests share a 14-page pool and preempt
+        # (swapping K/V of the split pool out and back)
+        assert r["replica_requests"] == {1: [4], 2: [2, 2], 4: [1, 1, 1, 1]}[dp], r
+        assert r["preemptions"] > 0 or dp > 2, r
         # 2 KV heads: above tp 2 each is repeated, one copy per device
         assert r["kv_heads"] == max(2, tp), r
         assert r["pool_collectives"] == 0, r
-        assert (r["all_reduces"] > 0) == (tp > 1), r
+        # tp: the partial sums after o and down (dp alone: the logits rows, a small one)
+        assert r["all_reduces"] > 0 or tp == 1, r
         assert r["compiled_steps"] == r["compilations"], r  # one compilation per bucket
 
 
-def test_engine_under_tensor_parallelism_matches_one_device():
-    out = _worker("mesh_worker.py", "engine", "1,4")
+def test_engine_under_tensor_and_data_parallelism_matches_one_device():
+    out = _worker("mesh_worker.py", "engine", "1,2x2")
     ref = out.pop("1")
+    each = "a multiple of data_parallel_size=2 (each replica's pool has its own)"
+    assert out.pop("errors") == [
+        f"num_pages: expected an int >= 4 (page 0 is null), {each}, got 15",
+        f"num_pages: expected an int >= 4 (page 0 is null), {each}, got 2",
+        "bm: this engine has 2 data-parallel replicas; use block_managers[r]",
+    ]
     # the 14-page pool preempted (swapping K/V of the sharded cache out and back) and the
     # n=2 samples shared pages (copy-on-write of the last prompt page)
     assert ref["preemptions"] > 0 and ref["max_pages_shared"] > 0, ref
+    assert out["2x2"]["max_pages_shared"] > 0, out["2x2"]
+    _check_engine(out, ref)
+
+
+@pytest.mark.slow
+def test_engine_parallel_grid():
+    out = _worker("mesh_worker.py", "engine", "1,2,4,8,1x2,1x4,2x4,4x2")
+    ref = out.pop("1")
+    out.pop("errors")  # checked by the test above
+    # tensor parallel alone: the same steps as one device
     assert out["4"]["preemptions"] == ref["preemptions"], out["4"]
     assert out["4"]["compilations"] == ref["compilations"]
     _check_engine(out, ref)
 
 
 @pytest.mark.slow
-def test_engine_tensor_parallel_grid():
-    out = _worker("mesh_worker.py", "engine", "1,2,8")
+def test_engine_parallel_tiny_llama():
+    out = _worker("mesh_worker.py", "engine", "1,2,4,1x2,2x2,4x2", "tiny-llama")
     ref = out.pop("1")
+    out.pop("errors")
     _check_engine(out, ref)
 
 
@@ -105,13 +131,14 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_two_processes_form_one_mesh():
     """2 processes x 4 CPU devices (gloo collectives on localhost) run the engine at
-    tensor-parallel 8; process 0 returns what one process on one device returns, the
-    other returns nothing. Both stop by themselves (bounded by the timeout)."""
+    tensor-parallel 8, then at tensor-parallel 4 x data-parallel 2 (a replica per
+    process); process 0 returns what one process on one device returns, the other
+    returns nothing. Both stop by themselves (bounded by the timeout)."""
     ref = _worker("mesh_worker.py", "engine", "1")["1"]
     port = str(_free_port())
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "mesh_worker.py"), "host", str(pid), port, "8"],
+            [sys.executable, str(HERE / "mesh_worker.py"), "host", str(pid), port, "8,4x2"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -123,13 +150,15 @@ def test_two_processes_form_one_mesh():
         for p in procs:
             stdout, stderr = p.communicate(timeout=300)
             assert p.returncode == 0, stderr[-3000:]
-            outs.append(json.loads(stdout.strip().splitlines()[-1])["8"])
+            outs.append(json.loads(stdout.strip().splitlines()[-1]))
     finally:
         for p in procs:
             p.kill()
-    main, other = outs
-    assert (main["process"], other["process"], main["devices"]) == (0, 1, 8)
-    assert main["tokens"] == ref["tokens"]
-    assert other["tokens"] == []
-    assert main["kv_heads"] == 8 and main["device_cache_bytes"] * 8 == main["total_cache_bytes"]
-    assert main["pool_collectives"] == 0 and main["all_reduces"] > 0
+    for spec, kv_heads in (("8", 8), ("4x2", 4)):
+        main, other = outs[0][spec], outs[1][spec]
+        assert (main["process"], other["process"], main["devices"]) == (0, 1, 8)
+        assert main["tokens"] == ref["tokens"], spec
+        assert other["tokens"] == [], spec
+        assert main["kv_heads"] == kv_heads, spec
+        assert main["device_cache_bytes"] * 8 == main["total_cache_bytes"], spec
+        assert main["pool_collectives"] == 0 and main["all_reduces"] > 0, spec

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from paged_jax._validation import validate_batch
-from paged_jax.batch import ScheduledSeq, bucket, build_batch
+from paged_jax.batch import ScheduledSeq, bucket, build_batch, concat_batches
 from paged_jax.block_manager import BlockManager, prefix_root_key
 from paged_jax.engine import compile_cache
 from paged_jax.engine._signals import DeferSignals
@@ -28,11 +28,14 @@ from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status
 from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata
 from paged_jax.sharding import (
+    DATA_AXIS,
     TENSOR_AXIS,
     create_cache,
     kv_head_replicas,
-    tensor_parallel_mesh,
+    parallel_mesh,
+    per_replica,
 )
+from paged_jax.sharding import data_parallel_size as data_parallel_size_of
 from paged_jax.sharding import tensor_parallel_size as tensor_parallel_size_of
 
 
@@ -155,16 +158,19 @@ class LLM:
         ``model, tokenizer = paged_jax.models.load(name)``.
       tokenizer: object with ``encode(str)`` / ``decode(ids)``; None: prompts are
         token ids and outputs have no text.
-      num_pages: pages in the pool; None sizes it from ``kv_cache_bytes``.
+      num_pages: pages in the pool (of all data-parallel replicas together: each has
+        ``num_pages / data_parallel_size``); None sizes it from ``kv_cache_bytes``.
       kv_cache_bytes: memory budget of the pool when ``num_pages`` is None (default: what a
         full batch at the longest context could use, at most half the accelerator's free
         memory, or on CPU a quarter of the available memory and 4 GiB).
       page_size: tokens per page.
-      max_num_seqs: sequences per step at most.
-      max_num_batched_tokens: tokens per step at most (decode tokens + prefill chunks).
+      max_num_seqs: sequences per step at most (per data-parallel replica).
+      max_num_batched_tokens: tokens per step at most (decode tokens + prefill chunks;
+        per data-parallel replica).
       enable_prefix_caching: share full prompt pages across requests.
       preemption: "recompute" (free pages, prefill again later) or "swap" (to host).
-      num_host_pages: host page slots for swapping (default: as many as the pool).
+      num_host_pages: host page slots for swapping (default: as many as the pool; split
+        evenly among data-parallel replicas).
       watermark: fraction of pages kept back from admissions.
       cache_dtype: KV cache dtype (default: the model's compute dtype).
       checked: validate every step's arrays on the host before the device call
@@ -184,13 +190,20 @@ class LLM:
         (None when off). See ``paged_jax.engine.compile_cache``.
       tensor_parallel_size: devices to split the model and the KV cache over
         (Megatron-style tensor parallelism; the cache along KV heads, see
-        ``paged_jax.sharding``). The mesh is the first that many of ``jax.devices()``, of
-        every process. A model off that mesh is moved there with its ``shard(mesh)``;
-        to place the weights straight into their shards instead, load it with
-        ``paged_jax.models.load(name, mesh=mesh)`` and pass ``mesh=mesh`` here, where
-        ``mesh = paged_jax.tensor_parallel_mesh(n)``.
-      mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` axis (any other axis of size 1), in
-        place of ``tensor_parallel_size``.
+        ``paged_jax.sharding``).
+      data_parallel_size: replicas of the model, each with its own pool, block manager
+        and scheduler; a request goes to the replica with the fewest unfinished
+        sequences (ties: the lowest index). Every step runs all replicas in one jitted
+        call over the mesh, each replica's batch on its own devices (no Python loop
+        over replicas on the device side). The mesh of ``tensor_parallel_size`` and
+        ``data_parallel_size`` is ``paged_jax.parallel_mesh(tp, dp)``, over the first
+        ``dp * tp`` of ``jax.devices()`` (of every process): replica r on devices
+        ``[r tp, (r + 1) tp)``. A model off that mesh is moved there with its
+        ``shard(mesh)``; to place the weights straight into their shards instead, load
+        it with ``paged_jax.models.load(name, mesh=mesh)`` and pass ``mesh=mesh`` here.
+      mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` and/or a ``"dp"`` axis (any other
+        axis of size 1), in place of ``tensor_parallel_size`` and
+        ``data_parallel_size``.
 
     Several processes (``jax.distributed.initialize``, one mesh over all their devices)
     each run this same engine on the same requests in the same order: the scheduler is
@@ -236,11 +249,14 @@ class LLM:
         deterministic: bool = False,
         compilation_cache: bool | str | os.PathLike | None = None,
         tensor_parallel_size: int | None = None,
+        data_parallel_size: int | None = None,
         mesh: Any = None,
     ):
         self.compilation_cache_dir = compile_cache.enable(compilation_cache)
-        self.mesh = _resolve_mesh(tensor_parallel_size, mesh)
+        self.mesh = _resolve_mesh(tensor_parallel_size, data_parallel_size, mesh)
         tp = tensor_parallel_size_of(self.mesh) if self.mesh is not None else 1
+        dp = data_parallel_size_of(self.mesh) if self.mesh is not None else 1
+        self.data_parallel_size = dp
         self.is_main_process = jax.process_index() == 0
         if preemption == "swap" and jax.process_count() > 1:
             raise ValueError(
@@ -281,18 +297,30 @@ class LLM:
         # Bytes of a token across the mesh (KV heads repeated when tp exceeds them), and
         # the devices whose memory holds the pool (fake CPU devices share the host's).
         token_bytes = probe.bytes_per_token * kv_head_replicas(probe.num_kv_heads, tp)
-        spread = tp if jax.default_backend() != "cpu" else 1
+        spread = tp * dp if jax.default_backend() != "cpu" else 1
         if num_pages is None:
             per_page = page_size * token_bytes
-            most_useful = (max_num_seqs * -(-self.max_model_len // page_size) + 1) * per_page
+            most_useful = dp * (max_num_seqs * -(-self.max_model_len // page_size) + 1) * per_page
             budget = kv_cache_bytes or spread * _default_budget(most_useful // spread)
-            num_pages = max(2, budget // per_page)
+            num_pages = max(2, budget // per_page // dp) * dp
             if jax.process_count() > 1:  # free memory differs: every process takes 0's
                 from jax.experimental import multihost_utils
 
                 num_pages = int(multihost_utils.broadcast_one_to_all(np.int64(num_pages)))
-        elif isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
-            raise ValueError(f"num_pages: expected an int >= 2 (page 0 is null), got {num_pages!r}")
+        elif (
+            isinstance(num_pages, bool)
+            or not isinstance(num_pages, int)
+            or num_pages < 2 * dp
+            or num_pages % dp
+        ):
+            each = (
+                f", a multiple of data_parallel_size={dp} (each replica's pool has its own)"
+                if dp > 1
+                else ""
+            )
+            raise ValueError(
+                f"num_pages: expected an int >= {2 * dp} (page 0 is null){each}, got {num_pages!r}"
+            )
         self.page_size = page_size
         self._cache_dtype = cache_dtype
         need = num_pages * page_size * token_bytes // spread
@@ -312,19 +340,24 @@ class LLM:
                 f"cache, more than {where} could allocate; lower num_pages or kv_cache_bytes"
             ) from None
         self._bm_args = dict(
-            num_pages=num_pages,
+            num_pages=num_pages // dp,
             page_size=page_size,
             enable_prefix_caching=enable_prefix_caching,
             watermark=watermark,
-            num_host_pages=num_pages if num_host_pages is None else num_host_pages,
+            num_host_pages=(num_pages if num_host_pages is None else num_host_pages) // dp,
         )
-        self.bm = BlockManager(**self._bm_args)
-        self.scheduler = Scheduler(
-            self.bm,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            preemption=preemption,
-        )
+        # One block manager and scheduler per data-parallel replica (page ids local to
+        # its pool); `bm` and `scheduler` name the only one when there is one.
+        self.schedulers = [
+            Scheduler(
+                BlockManager(**self._bm_args),
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                preemption=preemption,
+            )
+            for _ in range(dp)
+        ]
+        self._load = [0] * dp  # unfinished sequences routed to each replica
         self.metrics = EngineMetrics()
         self.compiled_buckets: list[dict] = []  # shape buckets this engine compiled
         self._shapes_seen: set[tuple] = set()  # step shapes this engine has run
@@ -332,7 +365,8 @@ class LLM:
         self._warm_ups = 0
         self._groups: dict[Hashable, Group] = {}
         self._arrivals = 0
-        self._host: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}  # swapped pages
+        # swapped pages, by (replica, host slot)
+        self._host: dict[tuple[int, int], tuple[np.ndarray, np.ndarray | None]] = {}
         self._failed: BaseException | None = None  # set when a step could not be undone
         self._phase: str | None = None  # where the running step is ("apply": results)
         self._consecutive_faults = 0
@@ -344,6 +378,32 @@ class LLM:
 
         self._graphdef, self._state = nnx.split(self.model)
         self._run = _make_run(self._graphdef, self.mesh)
+
+    @property
+    def bm(self) -> BlockManager:
+        """The block manager (with several data-parallel replicas: ``block_managers``)."""
+        return self._only("bm", self.schedulers[0].bm)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler (with several data-parallel replicas: ``schedulers``)."""
+        return self._only("scheduler", self.schedulers[0])
+
+    @property
+    def block_managers(self) -> list[BlockManager]:
+        """Each data-parallel replica's block manager (page ids local to its pool)."""
+        return [sc.bm for sc in self.schedulers]
+
+    def _only(self, name: str, value):
+        if len(self.schedulers) > 1:
+            raise AttributeError(
+                f"{name}: this engine has {len(self.schedulers)} data-parallel replicas; "
+                f"use {'block_managers' if name == 'bm' else 'schedulers'}[r]"
+            )
+        return value
+
+    def _bm(self, g: Group) -> BlockManager:
+        return self.schedulers[g.replica].bm
 
     def _make_cache(self, num_pages: int):
         """An empty pool, on the mesh in its shards if there is one."""
@@ -417,9 +477,10 @@ class LLM:
         # A group's sequences are scheduled together: one wider than a step can hold would
         # never run, and the scheduler, which keeps arrival order, would stall behind it.
         name = "beam_width" if params.use_beam_search else "n"
+        first = self.schedulers[0]  # every replica has the same limits and pool size
         for limit, value in (
-            ("max_num_seqs", self.scheduler.max_num_seqs),
-            ("max_num_batched_tokens", self.scheduler.max_num_batched_tokens),
+            ("max_num_seqs", first.max_num_seqs),
+            ("max_num_batched_tokens", first.max_num_batched_tokens),
         ):
             if width > value:
                 raise ValueError(
@@ -427,8 +488,8 @@ class LLM:
                     f"(a group's sequences run in the same step)"
                 )
         worst = min(len(ids) + params.max_tokens, self.max_model_len)
-        pages = width * self.bm.pages_needed(worst)
-        usable = self.bm.num_pages - 1 - self.bm.watermark_pages
+        pages = width * first.bm.pages_needed(worst)
+        usable = first.bm.num_pages - 1 - first.bm.watermark_pages
         if pages > usable:
             raise ValueError(
                 f"request needs up to {pages} pages ({width} x {worst} tokens), the pool "
@@ -445,8 +506,11 @@ class LLM:
             arrival_time=time.perf_counter(),
         )
         g.seqs.append(Seq(f"{g.arrival}/0", list(ids), len(ids), 0))
+        # the least loaded replica (deterministic: every process routes alike)
+        g.replica = min(range(len(self._load)), key=lambda r: (self._load[r], r))
+        self._load[g.replica] += width
         self._groups[request_id] = g
-        self.scheduler.add(g)
+        self.schedulers[g.replica].add(g)
 
     def abort(self, request_id: Hashable) -> RequestOutput | None:
         """Stops an unfinished request and frees its pages and host buffers.
@@ -460,14 +524,15 @@ class LLM:
         g = self._groups.get(request_id)
         if g is None:
             return None
-        self.scheduler.remove(g)
+        self.schedulers[g.replica].remove(g)
+        bm = self._bm(g)
         for s in g.seqs:
-            if s.seq_id in self.bm:
-                slots = self.bm.block_table(s.seq_id) if self.bm.is_swapped(s.seq_id) else []
-                self.bm.free(s.seq_id)
+            if s.seq_id in bm:
+                slots = bm.block_table(s.seq_id) if bm.is_swapped(s.seq_id) else []
+                bm.free(s.seq_id)
                 for slot in slots:  # swapped-out K/V nobody else holds
-                    if self.bm.host_refcount(slot) == 0:
-                        self._host.pop(slot, None)
+                    if bm.host_refcount(slot) == 0:
+                        self._host.pop((g.replica, slot), None)
             s.finish_reason = "abort"
             g.done.append(s)
         g.seqs.clear()
@@ -475,7 +540,7 @@ class LLM:
 
     def has_unfinished(self) -> bool:
         """True while a request runs or a finished one's output waits for ``step``."""
-        return self.scheduler.has_work() or bool(self._undelivered)
+        return any(sc.has_work() for sc in self.schedulers) or bool(self._undelivered)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
@@ -502,27 +567,39 @@ class LLM:
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self._phase = "schedule"
-        self.scheduler.only = self._isolation()
-        sched = self.scheduler.schedule()
-        work = sched.work
+        only = self._isolation()
+        scheds = []
+        for sc in self.schedulers:
+            sc.only = only
+            scheds.append(sc.schedule())
+        work = [w for sched in scheds for w in sched.work]
         self._step_groups = list({id(w.group): w.group for w in work}.values())
         finished: list[RequestOutput] = []
-        self._swap(sched.swap_out, sched.swap_in)
+        self._swap(scheds)
         if work:
-            batch = build_batch(
-                self.bm,
-                [ScheduledSeq(w.seq.seq_id, w.start, w.stop) for w in work],
-                min_seqs=self._min_seqs(sum(w.stop - w.start for w in work)),
-            )
-            if self.checked:
-                validate_batch(
-                    batch,
-                    num_pages=self.bm.num_pages,
-                    page_size=self.page_size,
-                    vocab_size=self.model.config.vocab_size,
+            batches = []
+            for sc, sched in zip(self.schedulers, scheds, strict=True):
+                b = build_batch(
+                    sc.bm,
+                    [ScheduledSeq(w.seq.seq_id, w.start, w.stop) for w in sched.work],
+                    min_seqs=self._min_seqs(sum(w.stop - w.start for w in sched.work)),
                 )
-            rows, num_samples, num_cand = self._sampling_rows(work)
+                if self.checked:
+                    validate_batch(
+                        b,
+                        num_pages=sc.bm.num_pages,
+                        page_size=self.page_size,
+                        vocab_size=self.model.config.vocab_size,
+                    )
+                batches.append(b)
+            # replicas' batches side by side: replica r's sequence rows from r * S_r
+            batch = concat_batches(batches)
             S_b = batch.kv_lens.shape[0]
+            S_r = S_b // len(batches)
+            placed = [
+                (r * S_r + i, w) for r, sched in enumerate(scheds) for i, w in enumerate(sched.work)
+            ]
+            rows, num_samples, num_cand = self._sampling_rows(placed)
             temp = np.zeros(S_b, np.float32)
             top_k = np.zeros(S_b, np.int32)
             top_p = np.ones(S_b, np.float32)
@@ -538,6 +615,7 @@ class LLM:
             if self._announce is not None and shape not in self._shapes_seen:
                 self._announce(
                     f"{shape[0]} tokens x {S_b} sequences x {shape[2]} pages (once per shape)"
+                    + (f", {len(batches)} replicas" if len(batches) > 1 else "")
                 )
             self._shapes_seen.add(shape)
             t1 = time.perf_counter()
@@ -554,7 +632,7 @@ class LLM:
                     jnp.asarray(min_p),
                     jnp.asarray(seeds),
                     jnp.asarray(out_pos),
-                    self._penalties(work, rows, S_b),
+                    self._penalties(placed, rows, S_b),
                     num_candidates=num_cand,
                     # No row samples: an argmax is all (deterministic mode: one path for
                     # every row, so a greedy row's log-prob is the same in any batch).
@@ -571,16 +649,16 @@ class LLM:
                 self.metrics.step_s += t2 - t1
             self.metrics.tokens_computed += batch.num_tokens
             for w in work:
-                self.bm.mark_computed(w.seq.seq_id, w.stop)
+                self._bm(w.group).mark_computed(w.seq.seq_id, w.stop)
             self._phase = "apply"
-            finished = self._process(work, toks, lps, cand, t2)
+            finished = self._process(placed, toks, lps, cand, t2)
         self._phase = None
         self._consecutive_faults = 0
         if self._suspects and any(w.sample and w.group is self._suspects[0] for w in work):
             cleared = self._suspects.pop(0)
             cleared.strikes = 0
             self._cleared.add(cleared.arrival)
-        self._account(sched, time.perf_counter() - t0)
+        self._account(time.perf_counter() - t0)
         return finished
 
     def _min_seqs(self, num_tokens: int) -> int:
@@ -593,7 +671,7 @@ class LLM:
         cost a few logits rows in a step of hundreds of tokens. Decode steps (one token
         per sequence) are unaffected.
         """
-        cap = bucket(self.scheduler.max_num_seqs, 8)
+        cap = bucket(self.schedulers[0].max_num_seqs, 8)
         return max(8, min(cap, bucket(num_tokens, 16) // 16))
 
     def _compiled(self, batch, num_candidates: int, seconds: float) -> None:
@@ -730,15 +808,15 @@ class LLM:
         """Fresh block manager, queues and host buffers; ``requeue`` waits to be
         recomputed from its committed tokens. The pool is reallocated only if the failed
         step consumed it (donated buffers); its contents are never read again."""
-        self.bm = BlockManager(**self._bm_args)
-        self.scheduler.bm = self.bm
-        self.scheduler.running, self.scheduler.swapped = [], []
-        self.scheduler.waiting = sorted(requeue, key=lambda g: g.arrival)
+        for r, sc in enumerate(self.schedulers):  # each request stays on its replica
+            sc.bm = BlockManager(**self._bm_args)
+            sc.running, sc.swapped = [], []
+            sc.waiting = sorted((g for g in requeue if g.replica == r), key=lambda g: g.arrival)
         for g in requeue:
             g.status = Status.WAITING
         self._host.clear()
         if any(x.is_deleted() for x in jax.tree.leaves(self.cache)):
-            self.cache = self._make_cache(self.bm.num_pages)
+            self.cache = self._make_cache(self._bm_args["num_pages"] * len(self.schedulers))
 
     def _check_usable(self) -> None:
         if self._failed is not None:
@@ -756,12 +834,14 @@ class LLM:
         self._undelivered.clear()
         self._failed, self._phase, self._consecutive_faults = None, None, 0
         self._suspects, self._cleared = [], set()
+        self._load = [0] * len(self.schedulers)
         self._rebuild([])
 
-    def _sampling_rows(self, work):
-        """Rows that sample: {row: (params, seeds, output position)}, J, beam candidates."""
+    def _sampling_rows(self, placed):
+        """Rows that sample: {row: (params, seeds, output position)}, J, beam candidates.
+        ``placed``: the step's (batch row, Work) pairs."""
         rows, num_samples, num_cand = {}, 1, 0
-        for i, w in enumerate(work):
+        for i, w in placed:
             if not w.sample:
                 continue
             g, s, p = w.group, w.seq, w.group.params
@@ -776,13 +856,13 @@ class LLM:
                 rows[i] = (p, [g.seed + s.sample_index], pos)
         return rows, num_samples, num_cand
 
-    def _penalties(self, work, rows, S_b) -> Penalties | None:
+    def _penalties(self, placed, rows, S_b) -> Penalties | None:
         """Penalty inputs of the step's sampling rows, or None when no row uses them (the
         step then compiles without them). Token arrays are padded with -1 to power-of-two
         widths."""
         if not any(p.penalized for p, _, _ in rows.values()):
             return None
-        seqs = {i: work[i].seq for i in rows}
+        seqs = {i: w.seq for i, w in placed if i in rows}
         O_b = bucket(max(len(s.output) for s in seqs.values()), 8)
         P_b = bucket(max(s.prompt_len for s in seqs.values()), 8)
         out = np.full((S_b, O_b), -1, np.int32)
@@ -799,9 +879,9 @@ class LLM:
             rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
         return Penalties(*(jnp.asarray(a) for a in (rep, pres, freq, out, prompt)))
 
-    def _process(self, work, toks, lps, cand, now) -> list[RequestOutput]:
+    def _process(self, placed, toks, lps, cand, now) -> list[RequestOutput]:
         by_group: dict[int, list[tuple[int, Any]]] = {}
-        for i, w in enumerate(work):
+        for i, w in placed:
             if w.sample:
                 by_group.setdefault(id(w.group), []).append((i, w))
         finished = []
@@ -837,7 +917,7 @@ class LLM:
             reason = "length"
         if reason:
             s.finish_reason = reason
-            self.bm.free(s.seq_id)
+            self._bm(g).free(s.seq_id)
             g.seqs.remove(s)
             g.done.append(s)
 
@@ -864,7 +944,7 @@ class LLM:
         children = []
         for j in range(1, g.params.n):
             sid = g.new_seq_id()
-            self.bm.fork(parent.seq_id, sid)
+            self._bm(g).fork(parent.seq_id, sid)
             child = Seq(sid, list(parent.tokens), parent.prompt_len, j)
             g.seqs.append(child)
             children.append((child, j))
@@ -915,20 +995,20 @@ class LLM:
                 )
             else:
                 sid = g.new_seq_id()
-                self.bm.fork(parent.seq_id, sid)
+                self._bm(g).fork(parent.seq_id, sid)
                 beam = Seq(
                     sid, list(parent.tokens), parent.prompt_len, 0, cum_logprob=parent.cum_logprob
                 )
             new_beams.append((beam, token, lp))
         for old in g.seqs:
             if old.seq_id not in uses:
-                self.bm.free(old.seq_id)
+                self._bm(g).free(old.seq_id)
         g.seqs = [b for b, _, _ in new_beams]
         for beam, token, lp in new_beams:
             self._append_beam(g, beam, token, lp)
         if len(g.done) >= p.beam_width:  # enough finished beams: stop (early stopping)
             for s in g.seqs:
-                self.bm.free(s.seq_id)
+                self._bm(g).free(s.seq_id)
             g.seqs.clear()
 
     def _append_beam(self, g: Group, s: Seq, token: int, logprob: float) -> None:
@@ -937,14 +1017,15 @@ class LLM:
         self.metrics.tokens_generated += 1
         if len(s.output) >= g.params.max_tokens or len(s.tokens) >= self.max_model_len:
             s.finish_reason = "length"
-            self.bm.free(s.seq_id)
+            self._bm(g).free(s.seq_id)
             g.seqs.remove(s)
             g.done.append(s)
 
     def _finish(self, g: Group) -> RequestOutput:
         g.status = Status.FINISHED
         g.finish_time = time.perf_counter()
-        self.scheduler.remove(g)
+        self.schedulers[g.replica].remove(g)
+        self._load[g.replica] -= g.params.beam_width if g.params.use_beam_search else g.params.n
         self._groups.pop(g.request_id, None)  # the id may be used again
         self.metrics.requests_finished += 1
         if g.first_token_time is not None:
@@ -1158,55 +1239,74 @@ class LLM:
         return text
 
     # ------------------------------------------------------------------ swaps
-    def _swap(self, swap_out, swap_in) -> None:
-        """Swap-out reads, then swap-in writes, before the step (see BlockManager)."""
-        if swap_out:
-            pages = jnp.asarray([d for d, _ in swap_out], jnp.int32)
-            data = np.asarray(jax.device_get(_read_pages(self.cache, pages)))
+    def _swap(self, scheds) -> None:
+        """Swap-out reads, then swap-in writes, before the step (see BlockManager), of
+        every replica's schedule at once: replica r's pages (local ids, padded with its
+        null page to the same count) at positions ``[r n, (r + 1) n)``."""
+        outs = [sched.swap_out for sched in scheds]
+        ins = [sched.swap_in for sched in scheds]
+        if any(outs):
+            n = max(map(len, outs))
+            pages = np.zeros((len(outs), n), np.int32)
+            for r, swap_out in enumerate(outs):
+                pages[r, : len(swap_out)] = [d for d, _ in swap_out]
+            with _mesh_context(self.mesh):
+                data = np.asarray(jax.device_get(_read_pages(self.cache, pages.reshape(-1))))
+                scales = (
+                    np.asarray(jax.device_get(_read_scales(self.cache, pages.reshape(-1))))
+                    if self.cache.quantized
+                    else None
+                )
+            for r, swap_out in enumerate(outs):
+                for k, (_, slot) in enumerate(swap_out):
+                    j = r * n + k
+                    self._host[r, slot] = (data[:, j], None if scales is None else scales[:, j])
+        if any(ins):
+            n = bucket(max(map(len, ins)))
+            pages = np.zeros(len(ins) * n, np.int32)  # padding rewrites a null page with 0s
+            shape = self.cache.kv_pages.shape
+            data = np.zeros((shape[0], len(pages)) + shape[2:], self.cache.kv_pages.dtype)
             scales = (
-                np.asarray(jax.device_get(_read_scales(self.cache, pages)))
+                np.zeros((shape[0], len(pages)) + shape[2:4], np.float32)
                 if self.cache.quantized
                 else None
             )
-            for k, (_, slot) in enumerate(swap_out):
-                self._host[slot] = (data[:, k], None if scales is None else scales[:, k])
-        if swap_in:
-            n = bucket(len(swap_in))
-            pages = np.zeros(n, np.int32)  # padding rewrites the null page with zeros
-            shape = self.cache.kv_pages.shape
-            data = np.zeros((shape[0], n) + shape[2:], self.cache.kv_pages.dtype)
-            scales = (
-                np.zeros((shape[0], n) + shape[2:4], np.float32) if self.cache.quantized else None
-            )
-            for k, (slot, page) in enumerate(swap_in):
-                kv, sc = self._host.pop(slot)
-                pages[k], data[:, k] = page, kv
-                if scales is not None:
-                    scales[:, k] = sc
-            self.cache = _write_pages(
-                self.cache,
-                jnp.asarray(pages),
-                jnp.asarray(data),
-                None if scales is None else jnp.asarray(scales),
-            )
+            for r, swap_in in enumerate(ins):
+                for k, (slot, page) in enumerate(swap_in):
+                    j = r * n + k
+                    kv, sc = self._host.pop((r, slot))
+                    pages[j], data[:, j] = page, kv
+                    if scales is not None:
+                        scales[:, j] = sc
+            with _mesh_context(self.mesh):
+                self.cache = _write_pages(
+                    self.cache,
+                    jnp.asarray(pages),
+                    jnp.asarray(data),
+                    None if scales is None else jnp.asarray(scales),
+                )
 
-    def _account(self, sched, dt: float) -> None:
+    def _account(self, dt: float) -> None:
         m = self.metrics
         m.steps += 1
         m.elapsed_s += dt
         m.host_s = m.elapsed_s - m.step_s - m.compile_s
-        used = self.bm.num_pages - 1 - self.bm.num_free_pages
+        bms = self.block_managers
+        used = sum(bm.num_pages - 1 - bm.num_free_pages for bm in bms)
         m.max_pages_used = max(m.max_pages_used, used)
         # The full recount walks every page of every sequence: sample it (every step while
         # there are few sequences, every 8th step beyond), it is statistics, not control.
-        if len(self.bm.seq_ids) <= 16 or m.steps % 8 == 1:
-            s = self.bm.stats()
+        if sum(len(bm.seq_ids) for bm in bms) <= 16 or m.steps % 8 == 1:
+            stats = [bm.stats() for bm in bms]
+            total = {k: sum(st[k] for st in stats) for k in stats[0]}
+            pages = total["pages_used"] * self.page_size
             m.kv_samples += 1
-            m.kv_utilization_sum += s["kv_utilization"]
-            m.max_pages_shared = max(m.max_pages_shared, s["pages_shared"])
-            m.prefix_hit_rate = s["prefix_hit_rate"]
-        m.preemptions_swap = self.scheduler.num_preempted["swap"]
-        m.preemptions_recompute = self.scheduler.num_preempted["recompute"]
+            m.kv_utilization_sum += total["tokens_stored"] / pages if pages else 1.0
+            m.max_pages_shared = max(m.max_pages_shared, total["pages_shared"])
+            queries = total["prefix_queries"]
+            m.prefix_hit_rate = total["prefix_hits"] / queries if queries else 0.0
+        m.preemptions_swap = sum(sc.num_preempted["swap"] for sc in self.schedulers)
+        m.preemptions_recompute = sum(sc.num_preempted["recompute"] for sc in self.schedulers)
 
     # ------------------------------------------------------------------ batch API
     def generate(
@@ -1269,34 +1369,43 @@ class LLM:
         return [done[r] for r in ids] if self.is_main_process else []
 
 
-def _resolve_mesh(tensor_parallel_size: Any, mesh: Any) -> Mesh | None:
+def _resolve_mesh(tensor_parallel_size: Any, data_parallel_size: Any, mesh: Any) -> Mesh | None:
     """The engine's mesh from its arguments (None: one device), checked."""
+    sizes = {TENSOR_AXIS: tensor_parallel_size, DATA_AXIS: data_parallel_size}
+    names = {TENSOR_AXIS: "tensor_parallel_size", DATA_AXIS: "data_parallel_size"}
     if mesh is not None:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
-        if TENSOR_AXIS not in mesh.axis_names:
-            raise ValueError(f"mesh: expected an axis named {TENSOR_AXIS!r}, got {mesh.axis_names}")
-        others = {a: n for a, n in mesh.shape.items() if a != TENSOR_AXIS and n != 1}
+        if not set(sizes) & set(mesh.axis_names):
+            raise ValueError(
+                f"mesh: expected an axis named {TENSOR_AXIS!r} or {DATA_AXIS!r}, got "
+                f"{mesh.axis_names}"
+            )
+        others = {a: n for a, n in mesh.shape.items() if a not in sizes and n != 1}
         if others:
             raise ValueError(
-                f"mesh: axes other than {TENSOR_AXIS!r} must have size 1, got {others}"
+                f"mesh: axes other than {TENSOR_AXIS!r} and {DATA_AXIS!r} must have size 1, "
+                f"got {others}"
             )
-        if tensor_parallel_size not in (None, mesh.shape[TENSOR_AXIS]):
-            raise ValueError(
-                f"tensor_parallel_size: {tensor_parallel_size!r} differs from the mesh's "
-                f"{TENSOR_AXIS!r} axis, {mesh.shape[TENSOR_AXIS]}"
-            )
-    elif tensor_parallel_size is None:
+        for axis, size in sizes.items():
+            if size not in (None, mesh.shape.get(axis, 1)):
+                raise ValueError(
+                    f"{names[axis]}: {size!r} differs from the mesh's {axis!r} axis, "
+                    f"{mesh.shape.get(axis, 1)}"
+                )
+    elif tensor_parallel_size is None and data_parallel_size is None:
         return None
     else:
-        mesh = tensor_parallel_mesh(tensor_parallel_size)  # checks the number
-        if tensor_parallel_size == 1:
+        tp = 1 if tensor_parallel_size is None else tensor_parallel_size
+        dp = 1 if data_parallel_size is None else data_parallel_size
+        mesh = parallel_mesh(tp, dp)  # checks the numbers
+        if tp * dp == 1:
             return None
     processes = {d.process_index for d in mesh.devices.flat}
     if len(processes) < jax.process_count():
         raise ValueError(
-            f"tensor_parallel_size: the mesh spans the devices of {len(processes)} of the "
-            f"{jax.process_count()} processes; every process must own some of its devices"
+            f"mesh: it spans the devices of {len(processes)} of the {jax.process_count()} "
+            f"processes; every process must own some of its devices"
         )
     return mesh
 
@@ -1398,7 +1507,11 @@ def _make_run(graphdef, mesh):
         greedy_only,
     ):
         model = nnx.merge(graphdef, state)
-        cache = cache.copy_pages(md.copy_src, md.copy_dst)
+        if mesh is not None and data_parallel_size_of(mesh) > 1:  # each replica its rows
+            rows = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+            tokens = jax.lax.with_sharding_constraint(tokens, rows)
+            positions = jax.lax.with_sharding_constraint(positions, rows)
+        cache = per_replica(lambda c, s, d: c.copy_pages(s, d), cache, md.copy_src, md.copy_dst)
         logits, cache = model(tokens, positions, cache, md)
         toks, lps = rowwise(
             lambda *rows: sample_rows(*rows, greedy_only=greedy_only),
@@ -1421,19 +1534,21 @@ def _make_run(graphdef, mesh):
     return run
 
 
+# Swap copies, each replica's pages in its own pool (``per_replica``; as they are without
+# a data-parallel mesh).
 @jax.jit
 def _read_pages(cache, pages):
-    return cache.read_pages(pages)
+    return per_replica(lambda c, p: c.read_pages(p), cache, pages)
 
 
 @jax.jit
 def _read_scales(cache, pages):
-    return cache.read_page_scales(pages)
+    return per_replica(lambda c, p: c.read_page_scales(p), cache, pages)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _write_pages(cache, pages, data, scales):
-    return cache.write_pages(pages, data, scales)
+    return per_replica(lambda c, *a: c.write_pages(*a), cache, pages, data, scales)
 
 
 class _Progress:

@@ -73,6 +73,7 @@ class Group:
     num_preemptions: int = 0
     strikes: int = 0  # failed steps in a row while isolated as a suspect (engine faults)
     error: str | None = None  # why the engine failed this request
+    replica: int = 0  # the data-parallel replica (scheduler, pool) that runs it
 
     def new_seq_id(self) -> str:
         # Keyed by the engine's arrival counter, not the request id: request 1 and "1"
