@@ -88,12 +88,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="each prompt is a user message, rendered with the model's chat template",
     )
-    g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--num-pages", type=int, default=None, help="default: from a memory budget")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
-    g.add_argument("--no-prefix-caching", action="store_true")
+    _engine_flags(g)
     g.add_argument("--no-progress", action="store_true")
     g.add_argument(
         "--dtype",
@@ -135,6 +130,45 @@ def _parser() -> argparse.ArgumentParser:
         help="directory of compiled steps kept across runs, or 'off'",
     )
     _parallel_flags(c, processes=False)
+    s = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming)"
+    )
+    s.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="'smollm2-135m-instruct' (default, downloaded once), 'tiny-llama', a Hugging "
+        "Face checkpoint dir or a .gguf file (with a tokenizer)",
+    )
+    s.add_argument(
+        "--served-model-name", default=None, help="the name clients use (default: --model)"
+    )
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGED_JAX_API_KEY"),
+        help="clients must send 'Authorization: Bearer KEY' (default: $PAGED_JAX_API_KEY; "
+        "none: no check)",
+    )
+    s.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="requests that may wait beyond those running; more are answered 429",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds requests in flight may take to finish after SIGINT / SIGTERM",
+    )
+    _engine_flags(s)
+    s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    s.add_argument(
+        "--compilation-cache", default=None, help="directory of compiled steps, or 'off'"
+    )
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _parallel_flags(s, processes=False)
     b = sub.add_parser(
         "bench",
         help="run a benchmark (from a source checkout); --out DIR among its arguments "
@@ -143,6 +177,16 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("name", choices=BENCHMARKS)
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return p
+
+
+def _engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The pool and scheduler flags of ``generate`` and ``serve``."""
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--num-pages", type=int, default=None, help="default: from a memory budget")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
+    parser.add_argument("--no-prefix-caching", action="store_true")
 
 
 def _parallel_flags(parser: argparse.ArgumentParser, *, processes: bool) -> None:
@@ -444,6 +488,64 @@ def _chat(args) -> int:
         conversation.append({"role": "assistant", "content": reply})
 
 
+def _serve(args) -> int:
+    """``paged-jax serve``: the OpenAI-compatible server until SIGINT / SIGTERM."""
+    try:
+        from paged_jax.server import serve
+        from paged_jax.server.api import Server  # noqa: F401 (its imports: the extra)
+    except ImportError as e:
+        raise Unavailable(
+            f"serve: needs the 'serve' extra ({e.name} is missing): pip install 'paged-jax[serve]'"
+        ) from None
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port: expected an int in [0, 65535], got {args.port}")
+    if args.max_waiting < 0:
+        raise UsageError(f"--max-waiting: expected an int >= 0, got {args.max_waiting}")
+    _start_jax(args)
+    from paged_jax.engine import LLM
+
+    mesh = _mesh(args)
+    model, tokenizer = _load_model(args.model, args.dtype, mesh)
+    if tokenizer is None:
+        raise UsageError(f"--model: {args.model} has no tokenizer; the server serves text")
+    try:
+        llm = LLM(
+            model,
+            tokenizer,
+            page_size=args.page_size,
+            num_pages=args.num_pages,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            preemption=args.preemption,
+            enable_prefix_caching=not args.no_prefix_caching,
+            compilation_cache=False if args.compilation_cache == "off" else args.compilation_cache,
+            mesh=mesh,
+        )
+    except (ValueError, TypeError) as e:
+        raise UsageError(_flag_names(str(e))) from None
+    name = args.served_model_name or args.model
+
+    def ready() -> None:
+        print(
+            f"paged-jax: serving {name!r} on http://{args.host}:{args.port}/v1",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    serve(
+        llm,
+        model_name=name,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level,
+        on_ready=ready,
+    )
+    return 0
+
+
 def _failed(outputs) -> int:
     """Exit status: 1 when the engine failed a request (each says why), else 0."""
     bad = [k + 1 for k, o in enumerate(outputs) if o.error]
@@ -554,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     try:
-        run = {"generate": _generate, "chat": _chat, "bench": _bench}[args.command]
+        run = {"generate": _generate, "chat": _chat, "serve": _serve, "bench": _bench}[args.command]
         code = run(args)
         sys.stdout.flush()  # a write error shows here, not as a traceback at exit
         return code

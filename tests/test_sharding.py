@@ -36,6 +36,7 @@ def _check_steps(out: dict) -> None:
         assert r["all_reduces"] > 0, (name, r)  # the partial sums after o and down do
 
 
+@pytest.mark.slow  # the default suite runs the engine at tp 2 x dp 2 (below)
 def test_tensor_parallel_steps_equal_one_device():
     # tiny-llama: 4 query heads, 2 KV heads; gqa-8-2 at 4: each KV head on 2 devices
     out = _worker("tp_worker.py", "xla", "tiny-llama:2,8", "gqa-8-2:4")

@@ -538,6 +538,12 @@ class LLM:
         g.seqs.clear()
         return self._finish(g)
 
+    def num_generated(self, request_id: Hashable) -> list[int] | None:
+        """Tokens generated so far by each running sample of an unfinished request (None
+        for an unknown or finished one). Cheap: no text is decoded."""
+        g = self._groups.get(request_id)
+        return None if g is None else [len(s.output) for s in g.seqs]
+
     def has_unfinished(self) -> bool:
         """True while a request runs or a finished one's output waits for ``step``."""
         return any(sc.has_work() for sc in self.schedulers) or bool(self._undelivered)
@@ -1159,7 +1165,7 @@ class LLM:
                         others.append(o)
                 for rid in ids:
                     if rid in left:
-                        pieces = self._stream_pieces(rid, finished.get(rid), sent, index[rid])
+                        pieces = self.text_deltas(rid, finished.get(rid), sent, index[rid])
                         yield from pieces
                         if rid in finished:
                             left.discard(rid)
@@ -1169,9 +1175,15 @@ class LLM:
                     self.abort(rid)
             self._undelivered = others + self._undelivered
 
-    def _stream_pieces(self, rid, out, sent: dict, index: int) -> list[StreamOutput]:
-        """The new settled text of each sample of request ``rid`` (``out``: its output if
-        it finished in this step, with the final text of every sample)."""
+    def text_deltas(
+        self, rid: Hashable, out: RequestOutput | None, sent: dict, index: int = 0
+    ) -> list[StreamOutput]:
+        """The new settled text of each sample of request ``rid`` since ``sent`` (a dict
+        ``(rid, sample) -> text already delivered``, updated here), as ``StreamOutput``s
+        with ``index``; ``out``: the request's output if it finished in the last step
+        (each sample then gets a last piece with its final text). For a driver of
+        ``step()`` that streams (``stream`` and ``paged_jax.server`` call it after every
+        step); text that may still change is held back as ``stream`` describes."""
         pieces = []
         if out is not None:
             for c in out.outputs:

@@ -1,0 +1,74 @@
+"""``paged-jax serve``: an OpenAI-compatible HTTP server on the engine.
+
+``Server(llm, model_name=...)`` builds the ASGI app (``.app``); ``serve(...)`` runs it
+with uvicorn until SIGINT / SIGTERM. Routes: POST /v1/completions, POST
+/v1/chat/completions (server-sent events with ``"stream": true``), GET /v1/models,
+GET /health, GET /metrics (Prometheus text). See docs/SERVER.md.
+
+Needs the ``serve`` extra (starlette, uvicorn, prometheus_client).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+
+def serve(
+    llm: Any,
+    *,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_waiting: int = 256,
+    shutdown_timeout: float = 30.0,
+    log_level: str = "info",
+    on_ready: Any = None,
+) -> None:
+    """Serves ``llm`` until SIGINT / SIGTERM, then lets requests in flight finish for up
+    to ``shutdown_timeout`` seconds, aborts the rest and returns. ``on_ready()`` is
+    called once the socket listens."""
+    import asyncio
+
+    import uvicorn
+
+    from paged_jax.server.api import Server
+
+    server = Server(llm, model_name=model_name, api_key=api_key, max_waiting=max_waiting)
+    config = uvicorn.Config(
+        server.app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=shutdown_timeout,
+        lifespan="on",
+    )
+    runner = uvicorn.Server(config)
+
+    async def main() -> None:
+        task = asyncio.create_task(runner.serve())
+        while not runner.started and not task.done():
+            await asyncio.sleep(0.05)
+        if runner.started and on_ready is not None:
+            on_ready()
+        await task
+
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again for
+    # the handler it found: a no-op here, so the process then exits normally (status 0).
+    held = {}
+    if threading.current_thread() is threading.main_thread():
+        held = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        asyncio.run(main())
+    finally:
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
+
+
+def _ignore(signum, frame) -> None:
+    pass
+
+
+__all__ = ["serve"]

@@ -1,0 +1,488 @@
+"""OpenAI-compatible HTTP routes on the engine loop (Starlette, served by uvicorn).
+
+Starlette rather than FastAPI: every field of an OpenAI request is checked here, so that
+a bad one gets OpenAI's error body with status 400 naming the field (FastAPI's pydantic
+models would answer 422 in their own format), and nothing else of FastAPI would be used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from paged_jax.engine.sampling import SamplingParams
+from paged_jax.server.loop import EngineLoop, Event, Overloaded
+from paged_jax.server.metrics import Metrics
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+# OpenAI fields this server takes (besides model, prompt / messages, stream)
+_SAMPLING = {
+    "max_tokens": "max_tokens",
+    "max_completion_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "n": "n",
+    "stop": "stop",
+    "seed": "seed",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    # vLLM's extensions
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "ignore_eos": "ignore_eos",
+    "include_stop_str_in_output": "include_stop_str_in_output",
+}
+# accepted only at their default (value -> "why not")
+_UNSUPPORTED = {
+    "echo": (False, "echoing the prompt is not supported"),
+    "suffix": (None, "suffixes are not supported"),
+    "logit_bias": (None, "logit_bias is not supported"),
+    "tools": (None, "tools are not supported"),
+    "tool_choice": (None, "tools are not supported"),
+    "functions": (None, "functions are not supported"),
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    body = {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "error"),
+            "param": param,
+            "code": status,
+        }
+    }
+    return JSONResponse(body, status_code=status)
+
+
+def _param_of(message: str) -> str | None:
+    field, sep, _ = message.partition(":")
+    return field.split("[")[0].split(".")[-1] if sep and " " not in field else None
+
+
+class Server:
+    """The routes of one served model; ``app`` is the ASGI application."""
+
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        model_name: str,
+        api_key: str | None = None,
+        max_waiting: int = 256,
+    ):
+        if llm.tokenizer is None:
+            raise ValueError("llm: the server needs a model with a tokenizer (it serves text)")
+        self.llm = llm
+        self.model_name = model_name
+        self.api_key = api_key
+        self.metrics = Metrics()
+        self.loop = EngineLoop(
+            llm,
+            max_waiting=max_waiting,
+            on_tokens=self.metrics.tokens,
+            on_step=self.metrics.step,
+        )
+        self.created = int(time.time())
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app):
+            self.loop.start()
+            try:
+                yield
+            finally:
+                await asyncio.to_thread(self.loop.stop)
+
+        self.app = Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.scrape, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            ],
+            lifespan=lifespan,
+            exception_handlers={Exception: self._crash},
+        )
+
+    async def _crash(self, request: Request, exc: Exception) -> Response:
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ simple routes
+    async def health(self, request: Request) -> Response:
+        if not self.loop._thread.is_alive():  # noqa: SLF001 (its own loop)
+            return error_response(503, "the engine thread is not running")
+        return JSONResponse({"status": "ok"})
+
+    async def scrape(self, request: Request) -> Response:
+        body, content_type = self.metrics.render(self.llm, self.loop.in_flight)
+        return Response(body, media_type=content_type)
+
+    async def models(self, request: Request) -> Response:
+        if (denied := self._auth(request)) is not None:
+            return denied
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "paged-jax",
+            "max_model_len": self.llm.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    def _auth(self, request: Request) -> Response | None:
+        if self.api_key is None:
+            return None
+        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+            return error_response(401, "api key: missing or wrong (Authorization: Bearer KEY)")
+        return None
+
+    # ------------------------------------------------------------------ generation
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        if (denied := self._auth(request)) is not None:
+            self.metrics.request(endpoint, 401)
+            return denied
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            self.metrics.request(endpoint, 400)
+            return error_response(400, "body: expected a JSON object")
+        try:
+            job = self._parse(body, chat)
+        except ApiError as e:
+            self.metrics.request(endpoint, e.status)
+            return error_response(e.status, e.message, e.param)
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        rids = [f"{job['id']}-{k}" for k in range(len(job["prompts"]))]
+        try:
+            for k, (rid, ids) in enumerate(zip(rids, job["prompts"], strict=True)):
+
+                def notify(event: Event, k=k) -> None:
+                    loop.call_soon_threadsafe(queue.put_nowait, (k, event))
+
+                self.loop.submit(rid, ids, job["params"], notify)
+        except (Overloaded, RuntimeError) as e:
+            for rid in rids[:k]:
+                self.loop.abort(rid)
+            status = 429 if isinstance(e, Overloaded) else 503
+            self.metrics.request(endpoint, status)
+            return error_response(status, f"server busy: {e}")
+        if job["stream"]:
+            return StreamingResponse(
+                self._stream(job, rids, queue, endpoint), media_type="text/event-stream"
+            )
+        return await self._collect(request, job, rids, queue, endpoint)
+
+    def _parse(self, body: Any, chat: bool) -> dict:
+        if not isinstance(body, Mapping):
+            raise ApiError(400, "body: expected a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise ApiError(400, f"model: expected a string, got {model!r}", "model")
+        if model != self.model_name:
+            raise ApiError(
+                404,
+                f"model: {model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+            )
+        for name, (default, why) in _UNSUPPORTED.items():
+            if body.get(name, default) not in (default, None, {}, []):
+                raise ApiError(400, f"{name}: {why}", name)
+        n = body.get("n", 1)
+        if "best_of" in body and body["best_of"] not in (None, n):
+            raise ApiError(400, "best_of: only best_of == n is supported", "best_of")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError(400, f"stream: expected a bool, got {stream!r}", "stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, Mapping) or not isinstance(
+            options.get("include_usage", False), bool
+        ):
+            raise ApiError(400, "stream_options: expected {include_usage: bool}", "stream_options")
+        logprobs = self._logprobs(body, chat)
+        if logprobs and stream:
+            raise ApiError(400, "logprobs: not supported with stream", "logprobs")
+        if chat:
+            prompts = [self._chat_prompt(body.get("messages"))]
+        else:
+            prompts = self._prompts(body.get("prompt"))
+        for ids in prompts:
+            if len(ids) >= self.llm.max_model_len:
+                raise ApiError(
+                    400,
+                    f"{'messages' if chat else 'prompt'}: {len(ids)} tokens, the model's "
+                    f"maximum length is {self.llm.max_model_len} (one more is needed to "
+                    f"generate)",
+                    "messages" if chat else "prompt",
+                )
+        kw: dict[str, Any] = {"temperature": 1.0}  # OpenAI's default
+        for name, field in _SAMPLING.items():
+            if body.get(name) is not None:
+                kw[field] = body[name]
+        if isinstance(kw.get("stop"), list):
+            kw["stop"] = tuple(kw["stop"])
+        if "max_tokens" not in kw:  # chat: up to the context; completions: OpenAI's 16
+            longest = max(len(ids) for ids in prompts)
+            kw["max_tokens"] = self.llm.max_model_len - longest if chat else 16
+        try:
+            params = SamplingParams(logprobs=logprobs, **kw)
+        except (ValueError, TypeError) as e:
+            message = str(e)
+            raise ApiError(400, message, _param_of(message)) from None
+        return dict(
+            id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            chat=chat,
+            prompts=prompts,
+            params=params,
+            stream=stream,
+            include_usage=bool(options.get("include_usage", False)),
+            logprobs=logprobs,
+            created=int(time.time()),
+        )
+
+    def _logprobs(self, body: Mapping, chat: bool) -> bool:
+        value = body.get("logprobs")
+        if chat:
+            if value not in (None, True, False):
+                raise ApiError(400, f"logprobs: expected a bool, got {value!r}", "logprobs")
+            top = body.get("top_logprobs")
+            if top not in (None, 0):
+                raise ApiError(
+                    400,
+                    "top_logprobs: only 0 is supported (the sampled tokens' log-probabilities)",
+                    "top_logprobs",
+                )
+            return bool(value)
+        if value is None:
+            return False
+        if value != 0 or isinstance(value, bool):
+            raise ApiError(
+                400,
+                f"logprobs: only 0 is supported (the sampled tokens' log-probabilities, no "
+                f"alternatives), got {value!r}",
+                "logprobs",
+            )
+        return True
+
+    def _prompts(self, prompt: Any) -> list[list[int]]:
+        def one(p: Any, where: str) -> list[int]:
+            if isinstance(p, str):
+                ids = self.llm.encode(p)
+            elif isinstance(p, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in p
+            ):
+                ids = list(p)
+            else:
+                raise ApiError(
+                    400,
+                    f"{where}: expected a string or a list of token ids, got {p!r:.80}",
+                    "prompt",
+                )
+            if not ids:
+                raise ApiError(400, f"{where}: expected at least one token", "prompt")
+            vocab = self.llm.model.config.vocab_size
+            if not all(0 <= t < vocab for t in ids):
+                raise ApiError(400, f"{where}: token ids must lie in [0, {vocab})", "prompt")
+            return ids
+
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            return [one(p, f"prompt[{k}]") for k, p in enumerate(prompt)]
+        return [one(prompt, "prompt")]
+
+    def _chat_prompt(self, messages: Any) -> list[int]:
+        if isinstance(messages, list):  # content as a list of text parts
+            flat = []
+            for i, m in enumerate(messages):
+                if isinstance(m, Mapping) and isinstance(m.get("content"), list):
+                    parts = m["content"]
+                    if not all(isinstance(p, Mapping) and p.get("type") == "text" for p in parts):
+                        raise ApiError(
+                            400, f"messages[{i}].content: only text parts are supported", "messages"
+                        )
+                    m = {**m, "content": "".join(str(p.get("text", "")) for p in parts)}
+                flat.append(m)
+            messages = flat
+        if getattr(self.llm.tokenizer, "chat_template", None) is None:
+            raise ApiError(
+                400,
+                "messages: this model has no chat template; use /v1/completions",
+                "messages",
+            )
+        try:
+            return list(self.llm.tokenizer.apply_chat_template(messages, tokenize=True))
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, str(e), "messages") from None
+
+    # ------------------------------------------------------------------ answers
+    def _choice_index(self, job: dict, k: int, sample: int) -> int:
+        return k * job["params"].n + sample
+
+    async def _collect(self, request, job, rids, queue, endpoint) -> Response:
+        outputs: list[Any] = [None] * len(rids)
+        while any(o is None for o in outputs):
+            try:
+                k, event = await asyncio.wait_for(queue.get(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    self._abort(rids, outputs)
+                    self.metrics.request(endpoint, 499)
+                    return Response(status_code=499)
+                continue
+            if event.kind == "error":
+                outputs[k] = event
+                self._abort(rids, outputs)
+                self.metrics.request(endpoint, event.status)
+                return error_response(event.status, event.message, _param_of(event.message))
+            if event.kind == "done":
+                if event.output.error is not None:
+                    outputs[k] = event
+                    self._abort(rids, outputs)
+                    self.metrics.request(endpoint, 500)
+                    return error_response(
+                        500, f"the engine failed the request: {event.output.error}"
+                    )
+                outputs[k] = event.output
+                self.metrics.finished(event.output)
+        choices = []
+        for k, out in enumerate(outputs):
+            for c in out.outputs:
+                choice: dict[str, Any] = {
+                    "index": self._choice_index(job, k, c.index),
+                    "finish_reason": c.finish_reason,
+                    "logprobs": self._logprob_body(job, c) if job["logprobs"] else None,
+                }
+                if job["chat"]:
+                    choice["message"] = {"role": "assistant", "content": c.text}
+                else:
+                    choice["text"] = c.text
+                choices.append(choice)
+        self.metrics.request(endpoint, 200)
+        return JSONResponse(
+            {
+                "id": job["id"],
+                "object": "chat.completion" if job["chat"] else "text_completion",
+                "created": job["created"],
+                "model": self.model_name,
+                "choices": choices,
+                "usage": self._usage(job, outputs),
+            }
+        )
+
+    def _abort(self, rids, outputs) -> None:
+        for rid, out in zip(rids, outputs, strict=True):
+            if out is None:
+                self.loop.abort(rid)
+
+    def _usage(self, job, outputs) -> dict:
+        prompt = sum(len(ids) for ids in job["prompts"])
+        done = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+    def _logprob_body(self, job, c) -> dict:
+        tokens = [self.llm.decode([t]) or "" for t in c.token_ids]
+        if job["chat"]:
+            return {
+                "content": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                    for t, lp in zip(tokens, c.logprobs, strict=True)
+                ]
+            }
+        return {"tokens": tokens, "token_logprobs": list(c.logprobs), "top_logprobs": None}
+
+    async def _stream(self, job, rids, queue, endpoint):
+        chat = job["chat"]
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        base = {
+            "id": job["id"],
+            "object": kind,
+            "created": job["created"],
+            "model": self.model_name,
+        }
+        outputs: list[Any] = [None] * len(rids)
+
+        def chunk(index: int, text: str | None, finish: str | None, role: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant"} if role else {}
+                if text is not None:
+                    delta["content"] = text
+                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": index, "text": text or "", "finish_reason": finish}
+            body = dict(base, choices=[choice])
+            if job["include_usage"]:
+                body["usage"] = None
+            return f"data: {json.dumps(body)}\n\n"
+
+        status = 200
+        try:
+            if chat:
+                for k in range(len(rids)):
+                    for j in range(job["params"].n):
+                        yield chunk(self._choice_index(job, k, j), "", None, role=True)
+            while any(o is None for o in outputs):
+                k, event = await queue.get()
+                if event.kind == "text":
+                    yield chunk(self._choice_index(job, k, event.sample), event.text, None)
+                elif event.kind == "error" or event.output.error is not None:
+                    outputs[k] = event
+                    status = event.status if event.kind == "error" else 500
+                    message = (
+                        event.message
+                        if event.kind == "error"
+                        else f"the engine failed the request: {event.output.error}"
+                    )
+                    self._abort(rids, outputs)
+                    error = {"message": message, "type": _ERROR_TYPES.get(status), "code": status}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
+                    break
+                else:
+                    outputs[k] = event.output
+                    self.metrics.finished(event.output)
+                    for c in event.output.outputs:
+                        yield chunk(
+                            self._choice_index(job, k, c.index),
+                            None if chat else "",
+                            c.finish_reason,
+                        )
+            if status == 200 and job["include_usage"]:
+                body = dict(base, choices=[], usage=self._usage(job, outputs))
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+        except BaseException:  # the client went away (cancelled): free its pages
+            status = 499
+            self._abort(rids, outputs)
+            raise
+        finally:
+            self.metrics.request(endpoint, status)

@@ -1,0 +1,205 @@
+"""The engine on a thread of its own, for the HTTP server.
+
+``LLM`` is not thread-safe and its steps block, so one thread owns it: it takes requests
+and aborts from a queue, steps while anything runs, and hands each request's progress
+(new text, its final output, or an error) to a callback that the server turns into an
+item on the request's asyncio queue. No JAX here beyond what ``LLM`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+log = logging.getLogger("paged_jax.server")
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What a request learns after a step.
+
+    ``kind``: "text" (``sample``'s new settled ``text``), "done" (``output``, the
+    finished ``RequestOutput``), or "error" (``status``, an HTTP status, and ``message``).
+    """
+
+    kind: str
+    sample: int = 0
+    text: str = ""
+    output: Any = None
+    status: int = 0
+    message: str = ""
+
+
+class Overloaded(RuntimeError):
+    """The waiting queue is full (the server answers 429)."""
+
+
+@dataclasses.dataclass
+class _Live:
+    notify: Callable[[Event], None]
+    sent: dict = dataclasses.field(default_factory=dict)  # (rid, sample) -> text sent
+    tokens: int = 0  # tokens generated so far, all samples
+    last_token_time: float | None = None
+
+
+class EngineLoop:
+    """Runs ``llm`` on a daemon thread.
+
+    Args:
+      llm: a ``paged_jax.LLM`` (with a tokenizer: the server streams text).
+      max_waiting: requests that may wait beyond the ones a step can run
+        (``max_num_seqs`` per replica): ``submit`` raises ``Overloaded`` past that.
+      on_tokens: called on the engine thread with ``(new tokens, seconds since the
+        request's previous token or None for its first)`` per request and step
+        (metrics).
+      on_step: called on the engine thread after each step with the ``LLM``.
+    """
+
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        max_waiting: int = 256,
+        on_tokens: Callable[[int, float | None, float], None] | None = None,
+        on_step: Callable[[Any], None] | None = None,
+    ):
+        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
+            raise ValueError(f"max_waiting: expected an int >= 0, got {max_waiting!r}")
+        self.llm = llm
+        running = sum(sc.max_num_seqs for sc in llm.schedulers)
+        self.capacity = running + max_waiting
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[Hashable, _Live] = {}  # engine thread only
+        self._lock = threading.Lock()
+        self._in_flight = 0  # submitted, not yet done (any thread, under _lock)
+        self._on_tokens = on_tokens
+        self._on_step = on_step
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="paged-jax-engine", daemon=True)
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._in_flight
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Aborts whatever is still in flight (each gets an "error" 503 event) and joins
+        the thread."""
+        self._stopping.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout)
+
+    def submit(
+        self, request_id: Hashable, prompt: Any, params: Any, notify: Callable[[Event], None]
+    ) -> None:
+        """Queues a request (any thread). ``notify`` receives its events on the engine
+        thread. Raises ``Overloaded`` when ``capacity`` requests are in flight, and
+        RuntimeError once stopping."""
+        with self._lock:
+            if self._stopping.is_set():
+                raise RuntimeError("the server is shutting down")
+            if self._in_flight >= self.capacity:
+                raise Overloaded(
+                    f"{self._in_flight} requests in flight, the limit is {self.capacity}"
+                )
+            self._in_flight += 1
+        self._inbox.put(("add", request_id, prompt, params, notify))
+
+    def abort(self, request_id: Hashable) -> None:
+        """Stops a request (any thread): its pages are freed before the next step, and it
+        gets no more events."""
+        self._inbox.put(("abort", request_id))
+
+    # ------------------------------------------------------------------ engine thread
+    def _done(self, rid: Hashable, event: Event | None) -> None:
+        live = self._live.pop(rid, None)
+        if live is None:
+            return
+        with self._lock:
+            self._in_flight -= 1
+        if event is not None:
+            live.notify(event)
+
+    def _take(self, block: bool) -> None:
+        """Applies queued commands; waits for one first when ``block``."""
+        try:
+            cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if cmd[0] == "add":
+                _, rid, prompt, params, notify = cmd
+                self._live[rid] = _Live(notify)
+                try:
+                    self.llm.add_request(rid, prompt, params)
+                except (ValueError, TypeError) as e:
+                    self._done(rid, Event("error", status=400, message=str(e)))
+            elif cmd[0] == "abort":
+                if cmd[1] in self._live:
+                    self.llm.abort(cmd[1])
+                    self._done(cmd[1], None)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        if self._on_step is not None:  # aborts free pages without a step
+            self._on_step(self.llm)
+
+    def _run(self) -> None:
+        from paged_jax.engine import EngineFailedError
+
+        while not self._stopping.is_set():
+            self._take(block=not self.llm.has_unfinished())
+            if self._stopping.is_set() or not self.llm.has_unfinished():
+                continue
+            try:
+                outs = self.llm.step()
+            except EngineFailedError as e:  # a step could not be undone: fail everyone
+                self._fail_all(500, f"the engine failed: {e}")
+                self.llm.reset()
+                continue
+            except Exception as e:  # noqa: BLE001 (undone and requeued by the engine)
+                log.warning("a step failed and was undone (%s: %s)", type(e).__name__, e)
+                continue
+            self._deliver(outs)
+            if self._on_step is not None:
+                self._on_step(self.llm)
+        self._take(block=False)
+        for rid in list(self._live):
+            if self.llm.num_generated(rid) is not None:
+                self.llm.abort(rid)
+        self._fail_all(503, "the server is shutting down")
+
+    def _fail_all(self, status: int, message: str) -> None:
+        for rid in list(self._live):
+            self._done(rid, Event("error", status=status, message=message))
+
+    def _deliver(self, outs: list) -> None:
+        now = time.perf_counter()
+        finished = {o.request_id: o for o in outs}
+        for rid, live in list(self._live.items()):
+            out = finished.get(rid)
+            counts = self.llm.num_generated(rid)
+            tokens = (
+                sum(len(c.token_ids) for c in out.outputs) if out is not None else sum(counts or [])
+            )
+            if tokens > live.tokens and self._on_tokens is not None:
+                gap = None if live.last_token_time is None else now - live.last_token_time
+                self._on_tokens(tokens - live.tokens, gap, now)
+            if tokens > live.tokens:
+                live.tokens, live.last_token_time = tokens, now
+            if out is None and counts is None:
+                continue  # not known to the engine (already answered)
+            for piece in self.llm.text_deltas(rid, out, live.sent):
+                if piece.text:
+                    live.notify(Event("text", sample=piece.sample, text=piece.text))
+            if out is not None:
+                self._done(rid, Event("done", output=out))
