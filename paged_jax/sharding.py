@@ -55,15 +55,11 @@ def _data_axis(mesh) -> str | None:
 
 
 def tensor_parallel_mesh(size: int, devices=None) -> Mesh:
-    """A one-axis mesh (``"tp"``) over the first ``size`` of ``devices`` (default: all
-    devices of every process, ``jax.devices()``)."""
-    devices = list(jax.devices() if devices is None else devices)
-    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= len(devices):
-        raise ValueError(
-            f"tensor_parallel_size: expected an int in [1, {len(devices)}] (the devices "
-            f"available), got {size!r}"
-        )
-    return Mesh(np.array(devices[:size]), (TENSOR_AXIS,))
+    """The mesh of tensor-parallel size ``size`` over the first ``size`` of ``devices``
+    (default: all devices of every process, ``jax.devices()``): ``parallel_mesh(size)``,
+    whose ``"dp"`` axis has size 1, so it equals the mesh ``LLM(tensor_parallel_size=
+    size)`` builds."""
+    return parallel_mesh(size, 1, devices)
 
 
 def parallel_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices=None):

@@ -256,7 +256,6 @@ class LLM:
         self.mesh = _resolve_mesh(tensor_parallel_size, data_parallel_size, mesh)
         tp = tensor_parallel_size_of(self.mesh) if self.mesh is not None else 1
         dp = data_parallel_size_of(self.mesh) if self.mesh is not None else 1
-        self.data_parallel_size = dp
         self.is_main_process = jax.process_index() == 0
         if preemption == "swap" and jax.process_count() > 1:
             raise ValueError(

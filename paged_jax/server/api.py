@@ -134,12 +134,12 @@ class Server:
 
     # ------------------------------------------------------------------ simple routes
     async def health(self, request: Request) -> Response:
-        if not self.loop._thread.is_alive():  # noqa: SLF001 (its own loop)
+        if not self.loop.alive:
             return error_response(503, "the engine thread is not running")
         return JSONResponse({"status": "ok"})
 
     async def scrape(self, request: Request) -> Response:
-        body, content_type = self.metrics.render(self.llm, self.loop.in_flight)
+        body, content_type = self.metrics.render(self.loop.in_flight)
         return Response(body, media_type=content_type)
 
     async def models(self, request: Request) -> Response:
@@ -192,7 +192,7 @@ class Server:
                 def notify(event: Event, k=k) -> None:
                     loop.call_soon_threadsafe(queue.put_nowait, (k, event))
 
-                self.loop.submit(rid, ids, job["params"], notify)
+                self.loop.submit(rid, ids, job["params"], notify, stream=job["stream"])
         except (Overloaded, RuntimeError) as e:
             for rid in rids[:k]:
                 self.loop.abort(rid)

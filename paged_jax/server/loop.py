@@ -42,6 +42,7 @@ class Overloaded(RuntimeError):
 @dataclasses.dataclass
 class _Live:
     notify: Callable[[Event], None]
+    stream: bool  # send text as it settles
     sent: dict = dataclasses.field(default_factory=dict)  # (rid, sample) -> text sent
     tokens: int = 0  # tokens generated so far, all samples
     last_token_time: float | None = None
@@ -57,6 +58,9 @@ class EngineLoop:
       on_tokens: called on the engine thread with ``(new tokens, seconds since the
         request's previous token or None for its first)`` per request and step
         (metrics).
+
+    Text is settled and sent ("text" events) only for requests submitted with
+    ``stream=True``; the others get their text once, in their finished output.
       on_step: called on the engine thread after each step with the ``LLM``.
     """
 
@@ -65,7 +69,7 @@ class EngineLoop:
         llm: Any,
         *,
         max_waiting: int = 256,
-        on_tokens: Callable[[int, float | None, float], None] | None = None,
+        on_tokens: Callable[[int, float | None], None] | None = None,
         on_step: Callable[[Any], None] | None = None,
     ):
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
@@ -83,6 +87,11 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="paged-jax-engine", daemon=True)
 
     @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs."""
+        return self._thread.is_alive()
+
+    @property
     def in_flight(self) -> int:
         with self._lock:
             return self._in_flight
@@ -98,7 +107,13 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def submit(
-        self, request_id: Hashable, prompt: Any, params: Any, notify: Callable[[Event], None]
+        self,
+        request_id: Hashable,
+        prompt: Any,
+        params: Any,
+        notify: Callable[[Event], None],
+        *,
+        stream: bool = False,
     ) -> None:
         """Queues a request (any thread). ``notify`` receives its events on the engine
         thread. Raises ``Overloaded`` when ``capacity`` requests are in flight, and
@@ -111,7 +126,7 @@ class EngineLoop:
                     f"{self._in_flight} requests in flight, the limit is {self.capacity}"
                 )
             self._in_flight += 1
-        self._inbox.put(("add", request_id, prompt, params, notify))
+        self._inbox.put(("add", request_id, prompt, params, notify, stream))
 
     def abort(self, request_id: Hashable) -> None:
         """Stops a request (any thread): its pages are freed before the next step, and it
@@ -136,8 +151,8 @@ class EngineLoop:
             return
         while True:
             if cmd[0] == "add":
-                _, rid, prompt, params, notify = cmd
-                self._live[rid] = _Live(notify)
+                _, rid, prompt, params, notify, stream = cmd
+                self._live[rid] = _Live(notify, stream)
                 try:
                     self.llm.add_request(rid, prompt, params)
                 except (ValueError, TypeError) as e:
@@ -193,13 +208,12 @@ class EngineLoop:
             )
             if tokens > live.tokens and self._on_tokens is not None:
                 gap = None if live.last_token_time is None else now - live.last_token_time
-                self._on_tokens(tokens - live.tokens, gap, now)
+                self._on_tokens(tokens - live.tokens, gap)
             if tokens > live.tokens:
                 live.tokens, live.last_token_time = tokens, now
-            if out is None and counts is None:
-                continue  # not known to the engine (already answered)
-            for piece in self.llm.text_deltas(rid, out, live.sent):
-                if piece.text:
-                    live.notify(Event("text", sample=piece.sample, text=piece.text))
+            if live.stream and (out is not None or counts is not None):
+                for piece in self.llm.text_deltas(rid, out, live.sent):
+                    if piece.text:
+                        live.notify(Event("text", sample=piece.sample, text=piece.text))
             if out is not None:
                 self._done(rid, Event("done", output=out))

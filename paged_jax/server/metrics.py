@@ -66,7 +66,7 @@ class Metrics:
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
-    def tokens(self, new: int, gap: float | None, now: float) -> None:
+    def tokens(self, new: int, gap: float | None) -> None:
         """Engine thread: ``new`` tokens of one request, ``gap`` seconds after its last."""
         self.generation_tokens.inc(new)
         if gap is not None:
@@ -89,6 +89,6 @@ class Metrics:
         self.preemptions.set(m.preemptions_swap + m.preemptions_recompute)
         self.prefix_hit_rate.set(m.prefix_hit_rate)
 
-    def render(self, llm: Any, in_flight: int) -> tuple[bytes, str]:
+    def render(self, in_flight: int) -> tuple[bytes, str]:
         self.in_flight.set(in_flight)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
