@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-import httpx
+import httpx2 as httpx
 import pytest
 from test_gguf import _model, write_gguf
 
