@@ -1,7 +1,8 @@
 """``python -m benchmarks <name> [--out DIR] [args]``: memory, sharing, throughput,
-host_overhead, kernels, engine, block_manager, layer_view, peers. ``--out DIR`` writes the
-results there; without it they go to a new ``bench-results/<time>`` directory under the current one.
-The committed results in ``benchmarks/results`` change only with ``--out benchmarks/results``."""
+host_overhead, kernels, engine, block_manager, layer_view, peers, serve. ``--out DIR``
+writes the results there; without it they go to a new ``bench-results/<time>`` directory
+under the current one. The committed results in ``benchmarks/results`` change only with
+``--out benchmarks/results``."""
 
 import importlib
 import sys
@@ -18,6 +19,7 @@ NAMES = (
     "block_manager",
     "layer_view",
     "peers",
+    "serve",
 )
 
 if __name__ == "__main__":

@@ -207,3 +207,71 @@ def test_peers_workload_and_summary(monkeypatch):
     assert row["tokens_per_s"] == dict(min=2.0, median=4.0, max=8.0)
     assert row["ttft_s"]["median"] == 0.2 and row["peak_rss_gib"] == 1.0
     assert row["greedy_tokens_equal"] == "2/3 prompts"
+
+
+def test_serve_arrivals_workload_and_summaries():
+    import math
+
+    from benchmarks import bench_serve
+
+    times = bench_serve.arrivals(4.0, 4000, seed=3)
+    assert times == bench_serve.arrivals(4.0, 4000, seed=3) and times[0] == 0.0
+    assert all(b >= a for a, b in zip(times, times[1:], strict=False))
+    assert abs(times[-1] / (len(times) - 1) - 0.25) < 0.02  # mean gap 1 / rate
+    assert bench_serve.arrivals(math.inf, 3) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="rate: expected > 0, got 0"):
+        bench_serve.arrivals(0, 3)
+    tiny, smol = bench_serve.workload("tiny-llama", 6), bench_serve.workload("smollm2", 6)
+    assert all(90 <= len(p) <= 110 for p in tiny + smol)
+    assert all(0 <= t < 256 for p in tiny for t in p)  # bytes for the byte vocabulary
+    assert all(100 <= t < 40000 for p in smol for t in p)
+    assert bench_serve.workload("smollm2", 6, seed=1) != smol  # every run its own prompts
+
+    def rec(sent, chunks, tokens, error=None):
+        return dict(
+            sent=sent,
+            chunks=chunks,
+            end=chunks[-1] + 0.5 if chunks else None,
+            tokens=tokens,
+            error=error,
+        )
+
+    records = [
+        rec(0.0, [1.0, 1.5, 2.0], 3),  # TTFT 1.0, TPOT 0.5, gaps 0.5 0.5
+        rec(1.0, [1.5, 1.7, 1.9, 2.1, 2.3], 5),  # TTFT 0.5, TPOT 0.2, gaps 0.2 x4
+        rec(2.0, [], 0, error="HTTP 429: full"),
+    ]
+    run = bench_serve.summarize_run(records)
+    assert run["errors"] == 1 and run["first_error"] == "HTTP 429: full"
+    assert run["duration_s"] == 2.8 and run["completion_tokens"] == 8
+    assert run["throughput_tok_s"] == pytest.approx(8 / 2.8)
+    assert run["ttft_s"] == pytest.approx(0.75) and run["tpot_s"] == pytest.approx(0.35)
+    assert run["itl_s"] == pytest.approx(0.2) and run["itl_p90_s"] == pytest.approx(0.5)
+    assert run["e2e_s"] == pytest.approx((2.5 + 1.8) / 2)
+    runs = [dict(run, ttft_s=t) for t in (0.3, 0.1, 0.2)] + [dict(run, ttft_s=None)]
+    rate = bench_serve.summarize_rate(runs)
+    assert rate["ttft_s"] == dict(min=0.1, median=0.2, max=0.3)  # a run without any: left out
+    assert rate["errors"] == 4 and rate["tpot_s"]["median"] == pytest.approx(0.35)
+
+
+@pytest.mark.slow
+def test_serve_benchmark_measures_a_real_server(tmp_path, monkeypatch):
+    """The whole benchmark against a real ``paged-jax serve`` on tiny-llama: every request
+    answered, tokens counted from the stream, results and plot where told."""
+    import json
+
+    from benchmarks import bench_serve, common
+
+    monkeypatch.setenv(common.OUT_ENV, str(tmp_path))
+    argv = ["--models", "tiny-llama", "--engines", "paged-jax", "vllm", "--rates", "8", "inf"]
+    argv += ["--requests", "4", "--output-len", "6", "--repeats", "1"]
+    assert bench_serve.main(argv) == 0
+    data = json.loads((tmp_path / "serve.json").read_text())
+    (res,) = data["results"]
+    assert res["engine"] == "paged-jax" and res["versions"]["jax"]
+    assert [r["rate"] for r in res["rows"]] == [8.0, "inf"]
+    for row in res["rows"]:
+        assert row["errors"] == 0 and row["throughput_tok_s"]["median"] > 0
+        assert 0 < row["ttft_s"]["min"] <= row["e2e_s"]["min"]
+        assert row["compiles_measured"] >= 0
+    assert "tiny-llama exists only in paged-jax" in data["skipped"]["vllm / tiny-llama"]

@@ -62,6 +62,14 @@ class Metrics:
         self.prefix_hit_rate = Gauge(
             p + "prefix_cache_hit_rate", "prefix cache hit rate", registry=r
         )
+        self.compiled = Gauge(
+            p + "compiled_step_buckets",
+            "shape buckets of the step compiled (or loaded from the compilation cache)",
+            registry=r,
+        )
+        self.compile_seconds = Gauge(
+            p + "compile_seconds", "seconds spent compiling step buckets", registry=r
+        )
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -88,6 +96,8 @@ class Metrics:
         m = llm.metrics
         self.preemptions.set(m.preemptions_swap + m.preemptions_recompute)
         self.prefix_hit_rate.set(m.prefix_hit_rate)
+        self.compiled.set(len(llm.compiled_buckets))
+        self.compile_seconds.set(sum(b["seconds"] for b in llm.compiled_buckets))
 
     def render(self, in_flight: int) -> tuple[bytes, str]:
         self.in_flight.set(in_flight)
