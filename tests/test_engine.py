@@ -338,3 +338,46 @@ def test_parallel_arguments_are_checked():
     # a one-device mesh runs like no mesh
     llm = pj.LLM(model, num_pages=8, mesh=mesh)
     assert llm.generate([[1, 2, 3]], pj.SamplingParams(max_tokens=2), progress=False)[0].finished
+
+
+def test_small_steps_take_their_cpu_compile_options_and_change_no_token(monkeypatch):
+    """On CPU, steps of <= SMALL_STEP_TOKENS tokens compile with XLA's own dots (a
+    separate jitted function); larger ones, and every step in deterministic mode, with
+    the defaults. Tokens are the same either way, log-probs within float error."""
+    from paged_jax.engine import llm as llm_mod
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (40, 9, 23)]
+    params = pj.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True)
+    kw = dict(num_pages=64, page_size=PAGE, max_num_batched_tokens=64, compilation_cache=False)
+    llm = pj.LLM(*models.load("tiny-llama"), **kw)
+    assert llm._run.small is not None  # noqa: SLF001 (the suite runs on CPU)
+    calls = []
+
+    class Seen:  # records which jitted step ran a step of how many tokens
+        def __init__(self, name, fn):
+            self.name, self.fn = name, fn
+
+        def __call__(self, *a, **k):
+            calls.append((self.name, a[1].shape[0]))
+            return self.fn(*a, **k)
+
+        def _cache_size(self):
+            return self.fn._cache_size()
+
+    step = llm._run  # noqa: SLF001
+    step.default, step.small = Seen("default", step.default), Seen("small", step.small)
+    got = llm.generate(prompts, params, progress=False)
+    # the prefill (64 tokens) took the default step, the decode steps (3 rows) the small one
+    assert ("default", 64) in calls and ("small", 16) in calls
+    assert all((name == "small") == (t <= 16) for name, t in calls)
+    assert llm_mod.SMALL_STEP_TOKENS == 16
+    assert pj.LLM(*models.load("tiny-llama"), deterministic=True, **kw)._run.small is None  # noqa: SLF001
+
+    monkeypatch.setattr(llm_mod, "_small_step_options", lambda: None)
+    plain = pj.LLM(*models.load("tiny-llama"), **kw)
+    assert plain._run.small is None  # noqa: SLF001
+    want = plain.generate(prompts, params, progress=False)
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        np.testing.assert_allclose(g.outputs[0].logprobs, w.outputs[0].logprobs, atol=1e-5)
