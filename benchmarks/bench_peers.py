@@ -52,13 +52,16 @@ def cache_root() -> pathlib.Path:
     return pathlib.Path(base) / "paged-jax" / "peers"
 
 
-def workload(num_prompts: int) -> list[list[int]]:
+def workload(
+    num_prompts: int, *, seed: int = 0, ids: tuple[int, int] = (100, 40000)
+) -> list[list[int]]:
+    """``num_prompts`` prompts of 90..110 token ids drawn from ``[ids[0], ids[1])``
+    (seeded; the default range has no SmolLM2 special tokens)."""
     import numpy as np
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     return [
-        rng.integers(100, 40000, size=int(rng.integers(90, 111))).tolist()
-        for _ in range(num_prompts)
+        rng.integers(*ids, size=int(rng.integers(90, 111))).tolist() for _ in range(num_prompts)
     ]
 
 

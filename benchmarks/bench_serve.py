@@ -76,13 +76,9 @@ RATES = {"tiny-llama": [4.0, 16.0, 64.0, math.inf], "smollm2": [0.5, 1.0, 2.0, 4
 # --------------------------------------------------------------------------- workload
 def workload(model: str, num_requests: int, seed: int = 0) -> list[list[int]]:
     """``num_requests`` prompts of 90..110 token ids from ``VOCAB[model]`` (seeded)."""
-    import numpy as np
+    from benchmarks.bench_peers import workload as prompts
 
-    lo, hi = VOCAB[model]
-    rng = np.random.default_rng(seed)
-    return [
-        rng.integers(lo, hi, size=int(rng.integers(90, 111))).tolist() for _ in range(num_requests)
-    ]
+    return prompts(num_requests, seed=seed, ids=VOCAB[model])
 
 
 def arrivals(rate: float, n: int, seed: int = 0) -> list[float]:
