@@ -12,6 +12,7 @@ their HLO.
 
 import contextlib
 import json
+import math
 import os
 import sys
 
@@ -98,13 +99,25 @@ def run(spec: str) -> dict:
     outs = llm.generate(prompts, params, progress=False)
     args, kw = llm._run.last  # noqa: SLF001
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        hlo = llm._run.run.lower(*args, **kw).compile().as_text()  # noqa: SLF001
+        compiled = llm._run.run.lower(*args, **kw).compile()  # noqa: SLF001
+    hlo = compiled.as_text()
     pages = llm.cache.kv_pages
+    # what the compiled step takes per device, less every argument but the pool: the
+    # pool's bytes per device as XLA sees them
+    others = sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+        if isinstance(x, jax.Array)
+        else x.nbytes
+        for x in jax.tree.leaves((args, kw))
+        if hasattr(x, "nbytes") and (x.shape, x.dtype) != (pages.shape, pages.dtype)
+    )
+    compiled_cache_bytes = compiled.memory_analysis().argument_size_in_bytes - others
     m = llm.metrics
     return dict(
         tokens=[[c.token_ids for c in o.outputs] for o in outs],
         device_cache_bytes=int(pages.addressable_shards[0].data.nbytes),
         total_cache_bytes=int(pages.nbytes),
+        compiled_cache_bytes=int(compiled_cache_bytes),
         kv_heads=llm.cache.num_kv_heads,
         compilations=m.compilations,
         compiled_steps=llm._run._cache_size(),  # noqa: SLF001
