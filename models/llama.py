@@ -266,9 +266,17 @@ class LlamaForCausalLM(nnx.Module):
 
         return shard_model(self, mesh)
 
-    def make_cache(self, num_pages: int, page_size: int, dtype=None) -> PagedKVCache:
-        """An empty paged cache shaped for this model (default dtype: the compute dtype)."""
+    def make_cache(
+        self, num_pages: int, page_size: int, dtype=None, *, hybrid: bool = False
+    ) -> PagedKVCache:
+        """An empty paged cache shaped for this model (default dtype: the compute dtype).
+
+        ``hybrid``: when some layers have a sliding window, a pool of layer groups
+        (``PagedKVCache.create(layer_windows=...)``) whose sliding groups' pages a
+        ``HybridBlockManager`` frees once they leave the window; otherwise ignored.
+        """
         c = self.config
+        windows = tuple(k.sliding_window for k in c.layer_kinds)
         return PagedKVCache.create(
             c.num_layers,
             num_pages,
@@ -276,6 +284,7 @@ class LlamaForCausalLM(nnx.Module):
             c.num_kv_heads,
             c.head_dim,
             dtype=dtype or self.dtype,
+            layer_windows=windows if hybrid and any(w is not None for w in windows) else None,
         )
 
     def __call__(

@@ -8,6 +8,7 @@ engine step); the engine calls it in checked mode, jitted code cannot.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -198,7 +199,15 @@ def validate_inputs(
 
 
 def _check_ragged_values(
-    T, num_pages, page_size, kv_lens, page_indices, cu_q_lens, num_seqs, allow_null_page
+    T,
+    num_pages,
+    page_size,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    allow_null_page,
+    sliding_window=None,
 ):
     """The value checks of ``validate_inputs`` for ``T`` tokens and a pool of
     ``num_pages`` pages of ``page_size`` tokens."""
@@ -220,13 +229,18 @@ def _check_ragged_values(
         )
     if cu[n] > T:
         raise ValueError(f"cu_q_lens: cu_q_lens[num_seqs={n}]={cu[n]} exceeds q's {T} tokens")
-    _check_sequences(kv_lens[:n], q_lens, page_indices, num_pages, page_size, allow_null_page)
+    _check_sequences(
+        kv_lens[:n], q_lens, page_indices, num_pages, page_size, allow_null_page, sliding_window
+    )
 
 
-def _check_sequences(kv_lens, q_lens, page_indices, num_pages, page_size, allow_null_page):
+def _check_sequences(
+    kv_lens, q_lens, page_indices, num_pages, page_size, allow_null_page, sliding_window=None
+):
     """Per live sequence i: ``0 <= q_len <= kv_len <= M * P`` and every page it reads in
     ``[0, N)`` (and not the null page unless allowed). Vectorized: one pass, then the
-    first offender is named."""
+    first offender is named. With ``sliding_window`` W, pages wholly before the window of
+    a sequence's first new token are not read (a hybrid pool drops them)."""
     n = len(kv_lens)
     M = page_indices.shape[1]
     kv_lens = kv_lens.astype(np.int64)
@@ -246,6 +260,9 @@ def _check_sequences(kv_lens, q_lens, page_indices, num_pages, page_size, allow_
             f"M * P = {M} * {page_size} = {M * page_size}"
         )
     used = np.arange(M)[None, :] < -(-kv_lens[:, None] // page_size)  # [n, M] pages read
+    if sliding_window is not None:
+        first = (kv_lens - q_lens - sliding_window + 1) // page_size  # first page read
+        used &= np.arange(M)[None, :] >= first[:, None]
     table = page_indices[:n]
     outside = used & ((table < 0) | (table >= num_pages))
     if outside.any():
@@ -297,7 +314,15 @@ def validate_decode_inputs(
     )
 
 
-def validate_batch(batch, *, num_pages: int, page_size: int, vocab_size: int) -> None:
+def validate_batch(
+    batch,
+    *,
+    num_pages: int,
+    page_size: int,
+    vocab_size: int,
+    group_windows: tuple | None = None,
+    _window: int | None = None,
+) -> None:
     """Eager checks of one engine step's ``StepBatch`` against a pool of ``num_pages``
     pages of ``page_size`` tokens; raises ``ValueError`` naming the array and the row.
 
@@ -306,7 +331,27 @@ def validate_batch(batch, *, num_pages: int, page_size: int, vocab_size: int) ->
     sequence; each token's K/V slot is on the page its block table lists for its position
     (never the null page) and no slot is written twice; copy-on-write pages lie in
     ``[1, N)``. The engine runs it before every step in checked mode.
+
+    A batch of a hybrid pool (``page_indices [G, S, M]``, ``slot_mapping [G, T]``) is
+    checked group by group; ``group_windows`` gives each group's sliding window, before
+    which its tables may hold the null page.
     """
+    if np.ndim(batch.page_indices) == 3:
+        G = batch.page_indices.shape[0]
+        windows = (None,) * G if group_windows is None else tuple(group_windows)
+        if len(windows) != G:
+            raise ValueError(f"group_windows: expected {G} entries, got {len(windows)}")
+        for g, w in enumerate(windows):
+            part = dataclasses.replace(
+                batch, page_indices=batch.page_indices[g], slot_mapping=batch.slot_mapping[g]
+            )
+            try:
+                validate_batch(
+                    part, num_pages=num_pages, page_size=page_size, vocab_size=vocab_size, _window=w
+                )
+            except ValueError as e:
+                raise ValueError(f"layer group {g}: {e}") from None
+        return
     n = int(batch.num_seqs[0])
     cu = batch.cu_q_lens
     _check_ragged_values(
@@ -318,6 +363,7 @@ def validate_batch(batch, *, num_pages: int, page_size: int, vocab_size: int) ->
         cu,
         batch.num_seqs,
         allow_null_page=False,
+        sliding_window=_window,
     )
     live = int(cu[n])
     toks = batch.token_ids[:live]

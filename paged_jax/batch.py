@@ -40,6 +40,7 @@ class StepBatch:
 
     token_ids: np.ndarray  # i32[T_b]   input token of each row of q (0 for padding)
     positions: np.ndarray  # i32[T_b]   absolute position of each token (0 for padding)
+    # With a HybridBlockManager (G layer groups) these two gain a leading [G] axis.
     slot_mapping: np.ndarray  # i32[T_b] where each token's K/V is written (0 for padding)
     page_indices: np.ndarray  # i32[S_b, M_b] block tables (0 for padding)
     kv_lens: np.ndarray  # i32[S_b]     tokens each sequence attends to (0 for padding)
@@ -68,8 +69,11 @@ def build_batch(
     scheduled), min_seqs)``, ``M_b = bucket(max pages any scheduled sequence reads,
     min_pages)``, ``C_b = bucket(pending copies, min_copies)``. With ``take_copies`` the
     manager's pending copy-on-write copies are taken (and cleared) into the batch.
+    A ``HybridBlockManager`` gives ``page_indices`` ``[G, S_b, M_b]`` and ``slot_mapping``
+    ``[G, T_b]``, one of each per layer group.
     """
     P = manager.page_size
+    G = getattr(manager, "num_groups", None)  # None: a plain BlockManager
     num_seqs = len(scheduled)
     q_lens = np.empty(num_seqs, np.int64)
     kv_lens_live = np.empty(num_seqs, np.int64)
@@ -87,10 +91,11 @@ def build_batch(
     S_b = bucket(num_seqs, min_seqs)
     M_b = bucket(int(-(-kv_lens_live.max() // P)) if num_seqs else 1, min_pages)
 
-    page_indices = np.zeros((S_b, M_b), np.int32)
+    grouped = () if G is None else (G,)
+    page_indices = np.zeros((*grouped, S_b, M_b), np.int32)
     token_ids = np.zeros(T_b, np.int32)
     positions = np.zeros(T_b, np.int32)
-    slot_mapping = np.zeros(T_b, np.int32)
+    slot_mapping = np.zeros((*grouped, T_b), np.int32)
     cu = np.zeros(S_b + 1, np.int32)
     cu[1 : num_seqs + 1] = np.cumsum(q_lens)
     cu[num_seqs + 1 :] = num_tokens
@@ -100,12 +105,15 @@ def build_batch(
     logits_indices[:num_seqs] = cu[1 : num_seqs + 1] - 1
 
     for i, s in enumerate(scheduled):
-        pages = manager.pages_np(s.seq_id)
+        pages = manager.pages_np(s.seq_id)  # [pages] ([G, pages] with groups)
         used = -(-s.stop // P)
-        page_indices[i, :used] = pages[:used]
+        page_indices[..., i, :used] = pages[..., :used]
         a, b = int(cu[i]), int(cu[i + 1])
-        toks = manager._seqs[s.seq_id].tokens.buf  # noqa: SLF001 (same package, hot path)
-        if b - a == 1:  # decode: no temporary arrays
+        if G is None:
+            toks = manager._seqs[s.seq_id].tokens.buf  # noqa: SLF001 (same package, hot path)
+        else:
+            toks = manager.token_buffer(s.seq_id)
+        if b - a == 1 and G is None:  # decode: no temporary arrays
             pos = s.start
             positions[a] = pos
             token_ids[a] = toks[pos]
@@ -114,7 +122,7 @@ def build_batch(
             pos = np.arange(s.start, s.stop, dtype=np.int32)
             positions[a:b] = pos
             token_ids[a:b] = toks[s.start : s.stop]
-            slot_mapping[a:b] = pages[pos // P] * P + pos % P
+            slot_mapping[..., a:b] = pages[..., pos // P] * P + pos % P
 
     if take_copies:
         src, dst = manager.take_copies()

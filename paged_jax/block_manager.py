@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 NULL_PAGE = 0  # never handed out; the device-side sink for padding (see paged_jax.cache)
+_DROPPED_SLOT = -1  # a swapped-out table's entry for a page dropped outside the window
 _DIGEST_BYTES = 16
 
 
@@ -119,11 +120,15 @@ class _Seq:
         "num_hashed",
         "swapped",
         "last_append_step",
+        "window",
+        "dropped",
         "_pages_np",
     )
 
-    def __init__(self, pages: list[int], tokens: _Tokens, root: bytes):
-        self.pages = pages  # device pages, or host slots while swapped
+    def __init__(self, pages: list[int], tokens: _Tokens, root: bytes, window: int | None):
+        # device pages, or host slots while swapped; the first `dropped` entries are
+        # NULL_PAGE (host: _DROPPED_SLOT), pages no future token reads (sliding window)
+        self.pages = pages
         self.tokens = tokens
         self.num_computed = 0  # leading tokens whose K/V are on the device
         self.root = root
@@ -131,6 +136,8 @@ class _Seq:
         self.num_hashed = 0  # leading full pages whose keys are known
         self.swapped = False
         self.last_append_step = -1  # step of the latest append_slots (-1: never)
+        self.window = window  # keys each token attends to (None: all)
+        self.dropped = 0
         self._pages_np: np.ndarray | None = None
 
     def pages_np(self) -> np.ndarray:
@@ -268,6 +275,11 @@ class BlockManager:
     def is_swapped(self, seq_id: Hashable) -> bool:
         return self._seq(seq_id).swapped
 
+    def host_slots(self, seq_id: Hashable) -> list[int]:
+        """The host slots a swapped-out sequence holds (none while it is on the device)."""
+        seq = self._seq(seq_id)
+        return list(seq.pages[seq.dropped :]) if seq.swapped else []
+
     def refcount(self, page: int) -> int:
         return self._refcount[page]
 
@@ -375,8 +387,45 @@ class BlockManager:
             raise DuplicateSequence(f"{op}: seq_id {seq_id!r} is already live")
 
     # ------------------------------------------------------------------ lifecycle
+    def _lookup(self, tokens: np.ndarray, root: bytes, limit: int) -> tuple[list[int], bytes]:
+        """The cached pages of ``tokens``' leading full pages (at most ``limit`` pages),
+        and the key of the last one (``root`` when none)."""
+        hits: list[int] = []
+        if not self.enable_prefix_caching:
+            return hits, root
+        # The hot loop of a prefix hit: local names, one digest per page.
+        blake2b = hashlib.blake2b
+        cached_get = self._cached.get
+        page_tokens = self._page_tokens
+        step = 4 * self.page_size
+        buf = tokens.tobytes()
+        last_key = root
+        for off in range(0, limit * step, step):
+            chunk = buf[off : off + step]
+            key = blake2b(last_key + chunk, digest_size=_DIGEST_BYTES).digest()
+            page = cached_get(key)
+            if page is None or page_tokens[page] != chunk:
+                break
+            hits.append(page)
+            last_key = key
+        return hits, last_key
+
+    def cached_tokens(self, token_ids: Sequence[int] | np.ndarray, *, extra_key: Any = None) -> int:
+        """Leading tokens of a prompt that ``allocate`` would find cached now (a multiple of
+        ``page_size``, smaller than ``len(token_ids)``); changes nothing."""
+        tokens = _as_tokens(token_ids)
+        root = prefix_root_key(extra_key) if self.enable_prefix_caching else b""
+        hits, _ = self._lookup(tokens, root, max(len(tokens) - 1, 0) // self.page_size)
+        return len(hits) * self.page_size
+
     def allocate(
-        self, seq_id: Hashable, token_ids: Sequence[int] | np.ndarray, *, extra_key: Any = None
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[int] | np.ndarray,
+        *,
+        extra_key: Any = None,
+        sliding_window: int | None = None,
+        max_cached_tokens: int | None = None,
     ) -> int:
         """Pages for a new sequence's prompt; returns how many leading tokens are cached.
 
@@ -385,38 +434,34 @@ class BlockManager:
         Cached tokens share the pages of an earlier prompt with the same tokens and the
         same ``extra_key`` (e.g. an adapter id or a tenant's cache salt). The remaining
         tokens get fresh pages; their slots are ``slots(seq_id, cached, len(token_ids))``.
+        ``max_cached_tokens`` caps the cached count (a ``HybridBlockManager`` makes its
+        layer groups agree). With ``sliding_window`` W (each token attends to the W most
+        recent keys, itself included), pages no later token can read are dropped from the
+        table as tokens get computed: their entries become ``NULL_PAGE`` and the pages go
+        back to the pool (a full one stays in the prefix cache).
         Raises ``OutOfPages`` (changing nothing) when the pool cannot hold the prompt.
         """
         self._check_new_id(seq_id, "allocate")
+        if sliding_window is not None and (
+            isinstance(sliding_window, bool)
+            or not isinstance(sliding_window, (int, np.integer))
+            or sliding_window < 1
+        ):
+            raise ValueError(
+                f"sliding_window: expected None or an int >= 1, got {sliding_window!r}"
+            )
         tokens = _as_tokens(token_ids)
         n, P = len(tokens), self.page_size
         if n == 0:
             raise ValueError("token_ids: expected at least one token, got an empty prompt")
         root = prefix_root_key(extra_key) if self.enable_prefix_caching else b""
-        hits: list[int] = []
-        key = root
-        revived = 0  # hits on cached pages nobody holds (they leave the evictable set)
-        if self.enable_prefix_caching:
-            # The hot loop of a prefix hit: local names, one digest per page.
-            blake2b = hashlib.blake2b
-            cached_get = self._cached.get
-            page_tokens = self._page_tokens
-            refcount = self._refcount
-            buf = tokens.tobytes()
-            step = 4 * P
-            last_key = root
-            # At most (n - 1) // P pages: the last token always gets computed.
-            for off in range(0, ((n - 1) // P) * step, step):
-                chunk = buf[off : off + step]
-                key = blake2b(last_key + chunk, digest_size=_DIGEST_BYTES).digest()
-                page = cached_get(key)
-                if page is None or page_tokens[page] != chunk:
-                    break
-                hits.append(page)
-                last_key = key
-                if refcount[page] == 0:
-                    revived += 1
-            key = last_key
+        # At most (n - 1) // P pages: the last token always gets computed.
+        limit = (n - 1) // P
+        if max_cached_tokens is not None:
+            limit = min(limit, max(int(max_cached_tokens), 0) // P)
+        hits, key = self._lookup(tokens, root, limit)
+        # hits on cached pages nobody holds (they leave the evictable set)
+        revived = sum(1 for page in hits if self._refcount[page] == 0)
         fresh = self.pages_needed(n) - len(hits)
         reusable = len(self._free) + len(self._evictable) - revived
         if fresh > reusable:
@@ -434,11 +479,14 @@ class BlockManager:
                 del evictable[page]
             refcount[page] += 1
         pages = hits + [self._take_page() for _ in range(fresh)]
-        seq = _Seq(pages, _Tokens(tokens), root)
+        seq = _Seq(
+            pages, _Tokens(tokens), root, None if sliding_window is None else int(sliding_window)
+        )
         seq.num_computed = len(hits) * P
         seq.num_hashed = len(hits)
         seq.last_key = key
         self._seqs[seq_id] = seq
+        self._drop_out_of_window(seq)  # hits no prompt token reads
         return len(hits) * P
 
     def append_slots(self, seq_id: Hashable, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -522,6 +570,26 @@ class BlockManager:
         if num_tokens <= seq.num_computed:
             return
         seq.num_computed = num_tokens
+        self._register(seq, num_tokens)
+        self._drop_out_of_window(seq)
+
+    def _drop_out_of_window(self, seq: _Seq) -> None:
+        """Releases the leading pages no token from ``num_computed`` on can read: page i's
+        last key ``(i + 1) P - 1`` lies before the window of position ``num_computed``."""
+        if seq.window is None:
+            return
+        dead = (seq.num_computed - seq.window + 1) // self.page_size
+        if dead <= seq.dropped:
+            return
+        pages = seq.pages
+        for i in range(seq.dropped, dead):
+            page, pages[i] = pages[i], NULL_PAGE
+            self._unref(page)
+        seq.dropped = dead
+        seq.pages_changed()
+
+    def _register(self, seq: _Seq, num_tokens: int) -> None:
+        """Enters the sequence's full computed pages in the prefix cache."""
         if not self.enable_prefix_caching:
             return
         P = self.page_size
@@ -534,6 +602,8 @@ class BlockManager:
             chunk = buf[i * P : (i + 1) * P].tobytes()
             key = page_key(key, chunk)
             page = seq.pages[i]
+            if page == NULL_PAGE:  # dropped outside the window (the chain goes on)
+                continue
             if key not in self._cached and page not in self._page_key:
                 self._cached[key] = page
                 self._page_key[page] = key
@@ -560,9 +630,10 @@ class BlockManager:
                 f"{parent.tokens.n} computed); fork before appending, or after the step "
                 "that computes them (mark_computed for a prompt)"
             )
-        for page in parent.pages:
+        for page in parent.pages[parent.dropped :]:
             self._ref(page)
-        child = _Seq(list(parent.pages), parent.tokens.copy(), parent.root)
+        child = _Seq(list(parent.pages), parent.tokens.copy(), parent.root, parent.window)
+        child.dropped = parent.dropped
         child.num_computed = parent.num_computed
         child.last_key = parent.last_key
         child.num_hashed = parent.num_hashed
@@ -577,12 +648,12 @@ class BlockManager:
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
         if seq.swapped:
-            for slot in seq.pages:
+            for slot in seq.pages[seq.dropped :]:
                 self._host_refcount[slot] -= 1
                 if self._host_refcount[slot] == 0:
                     self._host_free.append(slot)
             return
-        for page in reversed(seq.pages):
+        for page in reversed(seq.pages[seq.dropped :]):
             self._unref(page)
 
     def take_copies(self) -> tuple[np.ndarray, np.ndarray]:
@@ -615,11 +686,11 @@ class BlockManager:
 
     def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
         seqs = self._group(seq_ids, False, "can_swap_out")
-        return len({p for seq in seqs for p in seq.pages}) <= len(self._host_free)
+        return len({p for seq in seqs for p in seq.pages[seq.dropped :]}) <= len(self._host_free)
 
     def can_swap_in(self, seq_ids: Iterable[Hashable]) -> bool:
         seqs = self._group(seq_ids, True, "can_swap_in")
-        return len({p for seq in seqs for p in seq.pages}) <= self.num_free_pages
+        return len({p for seq in seqs for p in seq.pages[seq.dropped :]}) <= self.num_free_pages
 
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Moves a group of sequences to host slots, all or nothing.
@@ -636,7 +707,7 @@ class BlockManager:
                     f"swap_out: seq_id {seq_id!r} appended tokens this step whose K/V are "
                     "not written yet; preempt a sequence before appending to it"
                 )
-        distinct = list(dict.fromkeys(p for seq in seqs for p in seq.pages))
+        distinct = list(dict.fromkeys(p for seq in seqs for p in seq.pages[seq.dropped :]))
         if len(distinct) > len(self._host_free):
             raise OutOfPages(
                 f"swap_out: {len(distinct)} host slots needed, {len(self._host_free)} free"
@@ -647,14 +718,15 @@ class BlockManager:
             slot = self._host_free.pop()
             to_host[page] = slot
             plan.append((page, slot))
+        to_host[NULL_PAGE] = _DROPPED_SLOT
         for seq in seqs:
-            for page in seq.pages:
+            live = seq.pages[seq.dropped :]
+            for page in live:
                 self._host_refcount[to_host[page]] += 1
-            old = seq.pages
-            seq.pages = [to_host[p] for p in old]
+            seq.pages = [to_host[p] for p in seq.pages]
             seq.swapped = True
             seq.pages_changed()
-            for page in reversed(old):
+            for page in reversed(live):
                 self._unref(page)
         return plan
 
@@ -665,7 +737,7 @@ class BlockManager:
         before the step's model writes. Raises ``OutOfPages`` when the device lacks pages.
         """
         seqs = self._group(seq_ids, True, "swap_in")
-        distinct = list(dict.fromkeys(s for seq in seqs for s in seq.pages))
+        distinct = list(dict.fromkeys(s for seq in seqs for s in seq.pages[seq.dropped :]))
         if len(distinct) > self.num_free_pages:
             raise OutOfPages(
                 f"swap_in: {len(distinct)} device pages needed, {self.num_free_pages} available"
@@ -677,8 +749,9 @@ class BlockManager:
             self._refcount[page] = 0
             to_device[slot] = page
             plan.append((slot, page))
+        to_device[_DROPPED_SLOT] = NULL_PAGE
         for seq in seqs:
-            for slot in seq.pages:
+            for slot in seq.pages[seq.dropped :]:
                 self._refcount[to_device[slot]] += 1
                 self._host_refcount[slot] -= 1
                 if self._host_refcount[slot] == 0:
@@ -687,9 +760,8 @@ class BlockManager:
             seq.swapped = False
             seq.pages_changed()
             # Re-register the restored full pages (their old device copies may be gone).
-            computed, seq.num_computed = seq.num_computed, 0
             seq.last_key, seq.num_hashed = seq.root, 0
-            self._mark_computed(seq, computed)
+            self._register(seq, seq.num_computed)
         return plan
 
     # ------------------------------------------------------------------ statistics
@@ -705,13 +777,15 @@ class BlockManager:
             if seq.swapped:
                 continue
             n = seq.tokens.n
-            for i, page in enumerate(seq.pages):
+            for i, page in enumerate(seq.pages[seq.dropped :], seq.dropped):
                 f = min(P, n - i * P)
                 if f > fill.get(page, 0):
                     fill[page] = f
         used = sum(1 for rc in self._refcount if rc > 0)
         stored = sum(fill.values())
-        referenced = sum(len(seq.pages) for seq in self._seqs.values() if not seq.swapped)
+        referenced = sum(
+            len(seq.pages) - seq.dropped for seq in self._seqs.values() if not seq.swapped
+        )
         return {
             "pages_total": self.num_pages - 1,
             "pages_used": used,
@@ -742,11 +816,19 @@ class BlockManager:
         counts = [0] * self.num_pages
         host_counts = [0] * self.num_host_pages
         for seq in self._seqs.values():
+            gone = NULL_PAGE if not seq.swapped else _DROPPED_SLOT
+            assert all(p == gone for p in seq.pages[: seq.dropped]), "dropped entry reused"
+            assert gone not in seq.pages[seq.dropped :], "live entry dropped"
+            if seq.window is not None:
+                dead = (seq.num_computed - seq.window + 1) // self.page_size
+                assert seq.dropped == max(dead, 0), "window drop drift"
+            else:
+                assert seq.dropped == 0
             if seq.swapped:
-                for s in seq.pages:
+                for s in seq.pages[seq.dropped :]:
                     host_counts[s] += 1
             else:
-                for p in seq.pages:
+                for p in seq.pages[seq.dropped :]:
                     counts[p] += 1
             assert len(seq.pages) == self.pages_needed(seq.tokens.n), "table length drift"
             assert seq.num_computed <= seq.tokens.n
@@ -774,3 +856,270 @@ class BlockManager:
         for dst, src in self._pending.items():
             assert counts[dst] > 0, f"pending copy into unreferenced page {dst}"
             assert src not in free and src not in self._evictable, f"copy source {src} reusable"
+
+
+def layer_groups(windows: Sequence[int | None]) -> tuple[tuple[int | None, ...], tuple, tuple]:
+    """Splits a decoder's layers into groups that share page tables (a hybrid pool).
+
+    ``windows[l]`` is layer l's sliding window (None: full attention). Every group holds
+    ``k`` layers of one window, so a page (``k`` layer slots) serves any group: layers of
+    each window, in order, fill groups of ``k`` (the last one may have empty slots).
+    ``k`` is the largest divisor of the number of full-attention layers that is no larger
+    than the smallest count of any window (so full-attention pages, which grow with the
+    context, waste no slot); without full-attention layers, that smallest count.
+
+    Returns ``(group_windows, layer_group, layer_slot)``: each group's window, then each
+    layer's group and its slot within a page (``0 <= slot < k``; ``k = max(slot) + 1``).
+    """
+    windows = tuple(None if w is None else int(w) for w in windows)
+    if not windows:
+        raise ValueError("windows: expected at least one layer, got none")
+    kinds = list(dict.fromkeys(windows))  # in order of first appearance
+    counts = {w: windows.count(w) for w in kinds}
+    k = min(counts.values())
+    full = counts.get(None, 0)
+    if full:
+        k = max(d for d in range(1, k + 1) if full % d == 0)
+    group_windows: list[int | None] = []
+    first_group = {}
+    for w in kinds:
+        first_group[w] = len(group_windows)
+        group_windows += [w] * -(-counts[w] // k)
+    seen = dict.fromkeys(kinds, 0)
+    layer_group, layer_slot = [], []
+    for w in windows:
+        r = seen[w]
+        seen[w] = r + 1
+        layer_group.append(first_group[w] + r // k)
+        layer_slot.append(r % k)
+    return tuple(group_windows), tuple(layer_group), tuple(layer_slot)
+
+
+class HybridBlockManager:
+    """A ``BlockManager`` for a cache whose layers form groups with page tables of their
+    own (``layer_groups``): one pool, and per sequence one table per group. A sliding-window
+    group's table drops pages once they leave the window, so sliding layers hold about a
+    window of pages per sequence instead of the whole context (vLLM's hybrid allocator).
+
+    The methods the engine and scheduler use act on every group of a sequence at once
+    and keep them in step: the same tokens, the same computed count (prefix hits are the
+    shortest of the groups'), all or nothing. Arrays gain a leading group axis:
+    ``pages_np`` is ``i32[G, pages]`` and ``slots`` ``i32[G, n]``. Sequences of the inner
+    manager are named ``(seq_id, group)``; ``inner`` is that manager (pool-wide counts).
+
+    Args:
+      group_windows: each group's sliding window (None: full attention).
+      Others as ``BlockManager``.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        group_windows: Sequence[int | None],
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+        num_host_pages: int = 0,
+    ):
+        group_windows = tuple(group_windows)
+        if not group_windows:
+            raise ValueError("group_windows: expected at least one group, got none")
+        for w in group_windows:
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+                raise ValueError(f"group_windows: expected None or ints >= 1, got {w!r}")
+        self.inner = BlockManager(
+            num_pages,
+            page_size,
+            enable_prefix_caching=enable_prefix_caching,
+            watermark=watermark,
+            num_host_pages=num_host_pages,
+        )
+        self.group_windows = group_windows
+        self.num_groups = len(group_windows)
+        self.num_pages = self.inner.num_pages
+        self.page_size = self.inner.page_size
+        self.enable_prefix_caching = self.inner.enable_prefix_caching
+        self.watermark = self.inner.watermark
+        self.watermark_pages = self.inner.watermark_pages
+        self.num_host_pages = self.inner.num_host_pages
+        self._ids: dict[Hashable, None] = {}
+
+    def _each(self, seq_id: Hashable) -> list[tuple]:
+        if seq_id not in self._ids:
+            raise UnknownSequence(f"seq_id {seq_id!r}: unknown (never allocated, or already freed)")
+        return [(seq_id, g) for g in range(self.num_groups)]
+
+    def _all(self, seq_ids: Iterable[Hashable]) -> list[tuple]:
+        return [i for s in dict.fromkeys(seq_ids) for i in self._each(s)]
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_pages(self) -> int:
+        return self.inner.num_free_pages
+
+    @property
+    def num_host_free_pages(self) -> int:
+        return self.inner.num_host_free_pages
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._ids
+
+    @property
+    def seq_ids(self) -> list:
+        return list(self._ids)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return self.inner.num_tokens(self._each(seq_id)[0])
+
+    def num_computed_tokens(self, seq_id: Hashable) -> int:
+        return min(self.inner.num_computed_tokens(i) for i in self._each(seq_id))
+
+    def token_ids(self, seq_id: Hashable) -> np.ndarray:
+        return self.inner.token_ids(self._each(seq_id)[0])
+
+    def token_buffer(self, seq_id: Hashable) -> np.ndarray:
+        """The sequence's token buffer (its first ``num_tokens`` entries; do not modify)."""
+        return self.inner._seqs[(seq_id, 0)].tokens.buf
+
+    def block_table(self, seq_id: Hashable) -> list[list[int]]:
+        """Each group's pages in order (host slots while swapped out; dropped pages are
+        ``NULL_PAGE``, or -1 while swapped out)."""
+        return [self.inner.block_table(i) for i in self._each(seq_id)]
+
+    def host_slots(self, seq_id: Hashable) -> list[int]:
+        """The host slots a swapped-out sequence holds, every group's."""
+        return [s for i in self._each(seq_id) for s in self.inner.host_slots(i)]
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        return self.inner.is_swapped(self._each(seq_id)[0])
+
+    def refcount(self, page: int) -> int:
+        return self.inner.refcount(page)
+
+    def host_refcount(self, slot: int) -> int:
+        return self.inner.host_refcount(slot)
+
+    def slots(self, seq_id: Hashable, start: int, stop: int) -> np.ndarray:
+        """``i32[G, stop - start]``: each group's slots of tokens [start, stop)."""
+        return np.stack([self.inner.slots(i, start, stop) for i in self._each(seq_id)])
+
+    def pages_np(self, seq_id: Hashable) -> np.ndarray:
+        """``i32[G, pages]``: the groups' block tables (dropped entries ``NULL_PAGE``)."""
+        return np.stack([self.inner.pages_np(i) for i in self._each(seq_id)])
+
+    # ------------------------------------------------------------------ admission checks
+    def pages_needed(self, num_tokens: int) -> int:
+        """Pages a new sequence of ``num_tokens`` takes (every group holds the whole prompt
+        until its tokens are computed)."""
+        return self.num_groups * self.inner.pages_needed(num_tokens)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.num_free_pages - self.pages_needed(num_tokens) >= self.watermark_pages
+
+    def can_append(self, seq_ids: Iterable[Hashable], num_tokens: int = 1) -> bool:
+        return self.inner.can_append(self._all(seq_ids), num_tokens)
+
+    # ------------------------------------------------------------------ lifecycle
+    def _root(self, extra_key: Any, g: int) -> Any:
+        return ("layer group", g, extra_key)  # each group's pages cached apart
+
+    def allocate(
+        self, seq_id: Hashable, token_ids: Sequence[int] | np.ndarray, *, extra_key: Any = None
+    ) -> int:
+        """Allocates every group's pages (``BlockManager.allocate``); returns the cached
+        tokens, the fewest any group found. Raises ``OutOfPages`` changing nothing."""
+        if seq_id in self._ids:
+            raise DuplicateSequence(f"allocate: seq_id {seq_id!r} is already live")
+        tokens = _as_tokens(token_ids)
+        if len(tokens) == 0:
+            raise ValueError("token_ids: expected at least one token, got an empty prompt")
+        inner, G = self.inner, self.num_groups
+        cached = min(
+            inner.cached_tokens(tokens, extra_key=self._root(extra_key, g)) for g in range(G)
+        )
+        fresh = G * (inner.pages_needed(len(tokens)) - cached // self.page_size)
+        if fresh > inner.num_free_pages:  # revived cached hits are counted as free
+            raise OutOfPages(
+                f"allocate: seq_id {seq_id!r} needs {fresh} new pages for {len(tokens)} tokens "
+                f"in {G} layer groups ({cached} tokens cached), {inner.num_free_pages} available"
+            )
+        done = []
+        try:
+            for g, w in enumerate(self.group_windows):
+                inner.allocate(
+                    (seq_id, g),
+                    tokens,
+                    extra_key=self._root(extra_key, g),
+                    sliding_window=w,
+                    max_cached_tokens=cached,
+                )
+                done.append((seq_id, g))
+        except OutOfPages:  # a revived hit counted twice above: undo the groups done
+            for i in done:
+                inner.free(i)
+            raise
+        self._ids[seq_id] = None
+        return cached
+
+    def append_slots(self, seq_id: Hashable, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``i32[G, len(token_ids)]`` slots; every group or none (``OutOfPages``)."""
+        ids = self._each(seq_id)
+        if not self.inner.can_append(ids, len(token_ids)):
+            raise OutOfPages(
+                f"append_slots: seq_id {seq_id!r} needs "
+                f"{self.inner._append_need(ids, len(token_ids))} pages for "
+                f"{len(token_ids)} tokens, {self.num_free_pages} available"
+            )
+        return np.stack([self.inner.append_slots(i, token_ids) for i in ids])
+
+    def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
+        for i in self._each(seq_id):
+            self.inner.mark_computed(i, num_tokens)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        ids = self._each(parent_id)
+        if child_id in self._ids:
+            raise DuplicateSequence(f"fork: seq_id {child_id!r} is already live")
+        for g, i in enumerate(ids):
+            self.inner.fork(i, (child_id, g))
+        self._ids[child_id] = None
+
+    def free(self, seq_id: Hashable) -> None:
+        for i in reversed(self._each(seq_id)):
+            self.inner.free(i)
+        del self._ids[seq_id]
+
+    def take_copies(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.inner.take_copies()
+
+    # ------------------------------------------------------------------ swapping
+    def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
+        return self.inner.can_swap_out(self._all(seq_ids))
+
+    def can_swap_in(self, seq_ids: Iterable[Hashable]) -> bool:
+        return self.inner.can_swap_in(self._all(seq_ids))
+
+    def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        return self.inner.swap_out(self._all(seq_ids))
+
+    def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        return self.inner.swap_in(self._all(seq_ids))
+
+    # ------------------------------------------------------------------ statistics
+    def stats(self) -> dict[str, float]:
+        """``BlockManager.stats`` of the pool (tokens and tables counted per group), with
+        ``num_seqs`` counting sequences and ``layer_groups`` the number of groups."""
+        out = self.inner.stats()
+        out["num_seqs"] = len(self._ids)
+        out["layer_groups"] = self.num_groups
+        return out
+
+    def check_invariants(self) -> None:
+        self.inner.check_invariants()
+        assert len(self.inner._seqs) == self.num_groups * len(self._ids), "group drift"
+        for s in self._ids:
+            ids = self._each(s)
+            n = {self.inner.num_tokens(i) for i in ids}
+            c = {self.inner.num_computed_tokens(i) for i in ids}
+            assert len(n) == 1 and len(c) == 1, f"seq {s!r}: groups out of step"

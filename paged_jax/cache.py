@@ -11,6 +11,7 @@ with buffer pointers and compiled memory statistics).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import _quant
+from paged_jax.block_manager import layer_groups
 
 NULL_PAGE = 0
 """Page id that is never allocated: padding slots write here, padding table rows point here."""
@@ -37,6 +39,11 @@ class PagedKVCache:
       kv_scales: ``f32[L, N, P, 2K]`` per-token, per-head dequantization scales when the
         cache dtype is int8 or fp8 (see ``paged_jax._quant``), else ``None``.
       num_layers, page_size, num_kv_heads, head_dim: static (Python ints).
+      layer_groups: static; None, or a hybrid pool's layout
+        ``(group_windows, layer_group, layer_slot)`` (``paged_jax.layer_groups``): each
+        page then holds ``num_layers`` layer slots of one group, model layer ``l`` lives in
+        slot ``layer_slot[l]`` of its group's pages and reads that group's block table
+        (``AttentionMetadata`` with a leading group axis; ``HybridBlockManager``).
 
     Slot ``s`` addresses token offset ``s % P`` of page ``s // P``; valid slots lie in
     ``[0, N * P)``. Page 0 is the null page (``NULL_PAGE``).
@@ -48,6 +55,7 @@ class PagedKVCache:
     page_size: int = _static()
     num_kv_heads: int = _static()
     head_dim: int = _static()
+    layer_groups: tuple | None = _static(default=None)
 
     def __post_init__(self):
         # Pytree transformations rebuild the class with placeholder leaves; check only
@@ -86,12 +94,26 @@ class PagedKVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: Any = jnp.bfloat16,
+        *,
+        layer_windows: Sequence[int | None] | None = None,
     ) -> PagedKVCache:
         """A zero-filled cache of ``num_pages`` pages (page 0 included, never allocated).
 
         ``dtype``: f32, bf16, f16, or int8 / float8_e4m3fn / float8_e5m2 (quantized, with
-        per-token scales).
+        per-token scales). ``layer_windows``: each of the ``num_layers`` layers' sliding
+        window (None: full attention) for a hybrid pool (``layer_groups``), whose pages
+        hold one layer group each; None (default): every page holds every layer.
         """
+        groups = None
+        if layer_windows is not None:
+            layer_windows = tuple(layer_windows)
+            if len(layer_windows) != num_layers:
+                raise ValueError(
+                    f"layer_windows: expected {num_layers} entries (one per layer), got "
+                    f"{len(layer_windows)}"
+                )
+            groups = layer_groups(layer_windows)
+            num_layers = max(groups[2]) + 1  # layer slots of a page
         for name, value, minimum in (
             ("num_layers", num_layers, 1),
             ("num_pages", num_pages, 2),
@@ -117,6 +139,7 @@ class PagedKVCache:
             page_size=int(page_size),
             num_kv_heads=int(num_kv_heads),
             head_dim=int(head_dim),
+            layer_groups=groups,
         )
 
     # ------------------------------------------------------------------ properties
@@ -137,8 +160,24 @@ class PagedKVCache:
         return self.kv_scales is not None
 
     @property
+    def num_groups(self) -> int:
+        """Layer groups with block tables of their own (1 unless ``layer_groups``)."""
+        return 1 if self.layer_groups is None else len(self.layer_groups[0])
+
+    def locate(self, layer: int | jax.Array) -> tuple[int | jax.Array | None, int | jax.Array]:
+        """``(group, slot)`` of model layer ``layer`` (an int or a traced i32 scalar):
+        ``(None, layer)`` unless the pool has ``layer_groups``."""
+        if self.layer_groups is None:
+            return None, layer
+        _, group, slot = self.layer_groups
+        if isinstance(layer, (int, np.integer)):
+            return group[layer], slot[layer]
+        return jnp.asarray(group, jnp.int32)[layer], jnp.asarray(slot, jnp.int32)[layer]
+
+    @property
     def bytes_per_token(self) -> int:
-        """Bytes one token occupies across all layers (K and V, plus scales if quantized)."""
+        """Bytes one token occupies in a page: across all layers (K and V, plus scales if
+        quantized), or with ``layer_groups`` across one group's layer slots."""
         per_row = self.head_dim * self.dtype.itemsize + (4 if self.quantized else 0)
         return self.num_layers * 2 * self.num_kv_heads * per_row
 

@@ -8,6 +8,7 @@ kernel when every sequence has one new token).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -39,8 +40,9 @@ def paged_self_attention(
       q: queries of the step's tokens (RoPE, if any, already applied), ``[T, H, D]``.
       k, v: their keys and values, ``[T, K, D]``; ``H`` a multiple of ``K`` (GQA/MQA).
       cache: the step's ``PagedKVCache`` (use the returned one afterwards).
-      layer: this layer's index in the cache, an int or a traced i32 scalar (a
-        ``lax.scan`` over layers).
+      layer: this layer's index in the model, an int or a traced i32 scalar (a
+        ``lax.scan`` over layers); a hybrid pool (``PagedKVCache.layer_groups``) maps it
+        to its group's tables and its slot in the group's pages.
       metadata: the step's ``AttentionMetadata``, as the engine passes it to the model.
       sm_scale: softmax scale (default ``D ** -0.5``).
       sliding_window: attend to at most this many most recent tokens (None: all).
@@ -53,6 +55,13 @@ def paged_self_attention(
     with its own heads: q, k, v and the cache split along heads (``paged_jax.sharding``);
     with a ``"dp"`` axis, each replica with its own token rows, metadata and pages.
     """
+    group, layer = cache.locate(layer)
+    if group is not None:  # a hybrid pool: this layer's group's tables and slots
+        metadata = dataclasses.replace(
+            metadata,
+            slot_mapping=metadata.slot_mapping[group],
+            page_indices=metadata.page_indices[group],
+        )
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, backend=backend)
     local = functools.partial(_self_attention, interpret=interpret, **kw)
     tp = tensor_parallel_size()

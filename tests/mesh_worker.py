@@ -1,11 +1,12 @@
 """Run by tests/test_sharding.py in fresh processes with fake CPU devices (the device
 count is fixed when JAX starts): the engine (``LLM``) under tensor and data parallelism.
 
-    python tests/mesh_worker.py engine MESH[,MESH...] [tiny-llama]   one process, 8 devices
+    python tests/mesh_worker.py engine MESH[,MESH...] [tiny-llama|gemma3]   one process, 8 devices
     python tests/mesh_worker.py host PID PORT MESH[,MESH...] one of 2 processes x 4 devices
 
 A MESH is ``TP`` or ``TPxDP`` (tensor- x data-parallel size). The model is one with 8
-query and 2 KV heads, or the ``tiny-llama`` preset (4 and 2). Prints one JSON line: for
+query and 2 KV heads, the ``tiny-llama`` preset (4 and 2), or ``gemma3``, the golden
+tiny Gemma 3 (4 and 2; sliding layers, so a hybrid pool of layer groups). Prints one JSON line: for
 each mesh, every request's tokens and facts about the cache, the compiled steps and
 their HLO.
 """
@@ -14,6 +15,7 @@ import contextlib
 import json
 import math
 import os
+import pathlib
 import sys
 
 MODE = sys.argv[1]
@@ -22,6 +24,7 @@ os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 if MODE ==
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 if MODE == "host":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -38,6 +41,7 @@ import paged_jax as pj  # noqa: E402
 from paged_jax import models  # noqa: E402
 
 PAGE = 8
+GEMMA3 = pathlib.Path(__file__).resolve().parent / "golden" / "hf" / "gemma3"
 # 8 query heads, 2 KV heads: tensor-parallel 4 and 8 repeat each KV head 2 and 4 times
 GQA_2 = gqa_config(2)
 
@@ -75,13 +79,18 @@ def run(spec: str) -> dict:
     tp, dp = int(tp), int(dp or 1)
     mesh = pj.parallel_mesh(tp, dp) if tp * dp > 1 else None
     # on a mesh: initialized straight into the shards, as models.load(name, mesh=) loads
+    pages = 14
     if MODEL == "tiny-llama":
         model, _ = models.load("tiny-llama", mesh=mesh)
+    elif MODEL == "gemma3":  # a hybrid pool: pages of 1 layer slot, 4 sliding groups
+        model, _ = models.load_hf(GEMMA3, dtype=jnp.float32, mesh=mesh)
+        pages = 62  # of one layer slot: each request fits alone (5 groups x 6 pages x n=2
+        # at admission), together they preempt
     else:
         model = models.init_model(GQA_2, seed=1, mesh=mesh)
     llm = pj.LLM(
         model,
-        num_pages=14 * dp,  # 14 per replica
+        num_pages=pages * dp,  # per replica
         page_size=PAGE,
         max_num_seqs=8,
         max_num_batched_tokens=64,
@@ -96,6 +105,8 @@ def run(spec: str) -> dict:
     for r, sc in enumerate(llm.schedulers):
         sc.add = lambda g, add=sc.add, r=r: (routed.__setitem__(r, routed[r] + 1), add(g))
     prompts, params = workload()
+    vocab = model.config.vocab_size  # gemma3: 64
+    prompts = [[t % vocab for t in p] for p in prompts]
     outs = llm.generate(prompts, params, progress=False)
     args, kw = llm._run.last  # noqa: SLF001
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
@@ -126,6 +137,7 @@ def run(spec: str) -> dict:
         pool_collectives=pool_collectives(hlo, llm.cache),
         all_reduces=hlo.count("all-reduce("),
         replica_requests=routed,
+        hybrid=llm.hybrid_kv_cache,
         process=jax.process_index(),
         devices=jax.device_count(),
     )

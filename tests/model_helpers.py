@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax.batch import ScheduledSeq, build_batch
-from paged_jax.block_manager import BlockManager
+from paged_jax.block_manager import BlockManager, HybridBlockManager
 from paged_jax.metadata import AttentionMetadata
 from paged_jax.models.llama import apply_rope, make_step, rope_inv_freq
 
@@ -69,14 +69,25 @@ class PagedGreedy:
     """
 
     def __init__(
-        self, model, *, page_size, num_pages=256, prefix_caching=False, backend="auto", **kw
+        self,
+        model,
+        *,
+        page_size,
+        num_pages=256,
+        prefix_caching=False,
+        backend="auto",
+        hybrid=False,
+        **kw,
     ):
         self.model = model
         self.step, self.state = make_step(model, backend=backend, **kw)
-        self.bm = BlockManager(
-            num_pages, page_size, enable_prefix_caching=prefix_caching, watermark=0.0
-        )
-        self.cache = model.make_cache(num_pages, page_size)
+        self.cache = model.make_cache(num_pages, page_size, hybrid=hybrid)
+        args = dict(enable_prefix_caching=prefix_caching, watermark=0.0)
+        if self.cache.layer_groups is None:
+            self.bm = BlockManager(num_pages, page_size, **args)
+        else:  # sliding layers' pages freed outside the window
+            windows = self.cache.layer_groups[0]
+            self.bm = HybridBlockManager(num_pages, page_size, group_windows=windows, **args)
         self.shapes = []
         self.computed_tokens = 0
 
@@ -191,16 +202,20 @@ def paged_prompt_logits(model, ids, page_size: int = 8, **kw) -> np.ndarray:
     return np.asarray(logits)
 
 
-def greedy_batch_fork_and_prefix_hit(model, prompts: dict, batch, hit: str, max_new: int = 32):
+def greedy_batch_fork_and_prefix_hit(
+    model, prompts: dict, batch, hit: str, max_new: int = 32, **kw
+):
     """Greedy tokens of ``prompts[k]`` for k in ``batch``, decoded together through a paged
     cache with prefix caching (page size 8), of "twin", forked from "mid" after its
     prefill, and of ``prompts[hit]``, prefilled afterwards on its own. Returns
-    ``(outputs by name, tokens the hit's prefill computed)``."""
-    g = PagedGreedy(model, page_size=8, prefix_caching=True)
+    ``(outputs by name, tokens the hit's prefill computed)``; ``kw`` go to
+    ``PagedGreedy`` (``hybrid``), which is ``outputs["_loop"]``."""
+    g = PagedGreedy(model, page_size=8, prefix_caching=True, **kw)
     first = g.prefill({k: prompts[k] for k in batch})
     out = g.decode(first, max_new=max_new, forks={"twin": "mid"})
     before = g.computed_tokens
     first = g.prefill({hit: prompts[hit]})
     computed = g.computed_tokens - before
     out.update(g.decode(first, max_new=max_new))
+    out["_loop"] = g
     return out, computed

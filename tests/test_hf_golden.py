@@ -52,6 +52,35 @@ def test_greedy_batch_fork_and_prefix_match_transformers(variant):
     assert computed == 3, "the pages shared with 'mid' were prefilled again"
 
 
+SLIDING = ("mistral", "gemma2", "gemma3")  # the variants with sliding-window layers
+
+
+@pytest.mark.parametrize("name", SLIDING)
+def test_hybrid_pool_frees_sliding_pages_and_keeps_every_token(name):
+    """The same tokens with a pool of layer groups whose sliding groups drop pages the
+    window has passed (HybridBlockManager), through the batch, the fork and the prefix
+    hit; the sliding groups hold about a window of pages per sequence."""
+    model, _ = load_hf(GOLDEN / name, dtype=jnp.float32)
+    golden = dict(np.load(GOLDEN / name / "golden.npz"))
+    out, computed = greedy_batch_fork_and_prefix_hit(model, PROMPTS, BATCH, "hit", hybrid=True)
+    for k in (*BATCH, "hit"):
+        assert out[k] == golden[f"greedy_{k}"].tolist(), f"{name}/{k}"
+    assert out["twin"] == golden["greedy_mid"].tolist(), f"{name}/twin"
+    assert computed == 3, "the pages shared with 'mid' were prefilled again"
+    bm = out["_loop"].bm
+    bm.check_invariants()
+    windows = bm.group_windows
+    assert any(w is not None for w in windows), windows
+    for sid in bm.seq_ids:  # window 8, pages of 8: the window spans 1 or 2 pages
+        n = bm.num_tokens(sid)
+        for w, table in zip(windows, bm.block_table(sid), strict=True):
+            live = sum(1 for p in table if p != 0)
+            if w is None:
+                assert live == len(table) == -(-n // 8), (sid, table)
+            else:
+                assert 1 <= live <= 2 < len(table), (sid, w, table)
+
+
 @pytest.mark.parametrize(
     "backend",
     [pytest.param("pallas_tpu", marks=pytest.mark.slow), "pallas_gpu"],  # TPU: 50 s on CPU

@@ -126,6 +126,20 @@ def test_engine_parallel_tiny_llama():
     _check_engine(out, ref)
 
 
+@pytest.mark.slow
+def test_engine_tensor_parallel_on_a_hybrid_pool():
+    """Gemma 3's layer groups (sliding ones dropping pages) split along KV heads: the same
+    tokens as one device, swap preemption included."""
+    out = _worker("mesh_worker.py", "engine", "1,2,4", "gemma3")
+    ref = out.pop("1")
+    out.pop("errors")
+    assert ref["hybrid"] and ref["preemptions"] > 0, ref
+    for spec, r in out.items():
+        assert r["hybrid"] and r["tokens"] == ref["tokens"], spec
+        assert r["device_cache_bytes"] * int(spec) == r["total_cache_bytes"], spec
+        assert r["pool_collectives"] == 0, spec
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import os
 import time
@@ -19,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from paged_jax._validation import validate_batch
 from paged_jax.batch import ScheduledSeq, bucket, build_batch, concat_batches
-from paged_jax.block_manager import BlockManager, prefix_root_key
+from paged_jax.block_manager import BlockManager, HybridBlockManager, prefix_root_key
 from paged_jax.engine import compile_cache
 from paged_jax.engine._signals import DeferSignals
 from paged_jax.engine.protocol import check_model
@@ -204,6 +205,13 @@ class LLM:
       mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` and/or a ``"dp"`` axis (any other
         axis of size 1), in place of ``tensor_parallel_size`` and
         ``data_parallel_size``.
+      hybrid_kv_cache: for a model with sliding-window layers (Gemma 2 and 3, Mistral),
+        a pool of layer groups whose sliding groups free their pages once the window has
+        passed them (``PagedKVCache.create(layer_windows=)``, ``HybridBlockManager``):
+        sliding layers then hold about a window of pages per sequence. None (default):
+        on for such models with one data-parallel replica; True: on (refused with
+        several replicas); False: off. Ignored for models without sliding layers or whose
+        ``make_cache`` takes no ``hybrid`` argument.
 
     Several processes (``jax.distributed.initialize``, one mesh over all their devices)
     each run this same engine on the same requests in the same order: the scheduler is
@@ -251,6 +259,7 @@ class LLM:
         tensor_parallel_size: int | None = None,
         data_parallel_size: int | None = None,
         mesh: Any = None,
+        hybrid_kv_cache: bool | None = None,
     ):
         self.compilation_cache_dir = compile_cache.enable(compilation_cache)
         self.mesh = _resolve_mesh(tensor_parallel_size, data_parallel_size, mesh)
@@ -292,14 +301,29 @@ class LLM:
         cfg = self.model.config
         self.max_model_len = cfg.max_position_embeddings
         self.eos_token_ids = set(getattr(cfg, "eos_token_ids", ()))
-        probe = self.model.make_cache(2, page_size, cache_dtype)
+        if hybrid_kv_cache not in (None, True, False):
+            raise TypeError(f"hybrid_kv_cache: expected a bool or None, got {hybrid_kv_cache!r}")
+        if hybrid_kv_cache and dp > 1:
+            raise ValueError(
+                f"hybrid_kv_cache: not supported with data_parallel_size={dp} yet; use "
+                "hybrid_kv_cache=False (or None: on only where supported)"
+            )
+        hybrid = hybrid_kv_cache is not False and dp == 1
+        self._cache_kw = (
+            {"hybrid": True}
+            if hybrid and "hybrid" in inspect.signature(self.model.make_cache).parameters
+            else {}
+        )
+        probe = self.model.make_cache(2, page_size, cache_dtype, **self._cache_kw)
+        self.hybrid_kv_cache = probe.layer_groups is not None
         # Bytes of a token across the mesh (KV heads repeated when tp exceeds them), and
         # the devices whose memory holds the pool (fake CPU devices share the host's).
         token_bytes = probe.bytes_per_token * kv_head_replicas(probe.num_kv_heads, tp)
         spread = tp * dp if jax.default_backend() != "cpu" else 1
         if num_pages is None:
             per_page = page_size * token_bytes
-            most_useful = dp * (max_num_seqs * -(-self.max_model_len // page_size) + 1) * per_page
+            pages_per_seq = probe.num_groups * -(-self.max_model_len // page_size)
+            most_useful = dp * (max_num_seqs * pages_per_seq + 1) * per_page
             budget = kv_cache_bytes or spread * _default_budget(most_useful // spread)
             num_pages = max(2, budget // per_page // dp) * dp
             if jax.process_count() > 1:  # free memory differs: every process takes 0's
@@ -345,11 +369,13 @@ class LLM:
             watermark=watermark,
             num_host_pages=(num_pages if num_host_pages is None else num_host_pages) // dp,
         )
+        if self.hybrid_kv_cache:
+            self._bm_args["group_windows"] = probe.layer_groups[0]
         # One block manager and scheduler per data-parallel replica (page ids local to
         # its pool); `bm` and `scheduler` name the only one when there is one.
         self.schedulers = [
             Scheduler(
-                BlockManager(**self._bm_args),
+                self._new_block_manager(),
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 preemption=preemption,
@@ -411,10 +437,15 @@ class LLM:
     def _bm(self, g: Group) -> BlockManager:
         return self.schedulers[g.replica].bm
 
+    def _new_block_manager(self) -> BlockManager | HybridBlockManager:
+        if "group_windows" in self._bm_args:
+            return HybridBlockManager(**self._bm_args)
+        return BlockManager(**self._bm_args)
+
     def _make_cache(self, num_pages: int):
         """An empty pool, on the mesh in its shards if there is one."""
         make = functools.partial(
-            self.model.make_cache, num_pages, self.page_size, self._cache_dtype
+            self.model.make_cache, num_pages, self.page_size, self._cache_dtype, **self._cache_kw
         )
         return make() if self.mesh is None else create_cache(make, self.mesh)
 
@@ -534,7 +565,7 @@ class LLM:
         bm = self._bm(g)
         for s in g.seqs:
             if s.seq_id in bm:
-                slots = bm.block_table(s.seq_id) if bm.is_swapped(s.seq_id) else []
+                slots = bm.host_slots(s.seq_id)
                 bm.free(s.seq_id)
                 for slot in slots:  # swapped-out K/V nobody else holds
                     if bm.host_refcount(slot) == 0:
@@ -601,6 +632,7 @@ class LLM:
                         b,
                         num_pages=sc.bm.num_pages,
                         page_size=self.page_size,
+                        group_windows=getattr(sc.bm, "group_windows", None),
                         vocab_size=self.model.config.vocab_size,
                     )
                 batches.append(b)
@@ -623,7 +655,7 @@ class LLM:
                 min_p[i] = p.min_p
                 seeds[i, : len(seed_row)] = seed_row
             compiled_before = self._run._cache_size()
-            shape = (batch.token_ids.shape[0], S_b, batch.page_indices.shape[1], num_cand)
+            shape = (batch.token_ids.shape[0], S_b, batch.page_indices.shape[-1], num_cand)
             if self._announce is not None and shape not in self._shapes_seen:
                 self._announce(
                     f"{shape[0]} tokens x {S_b} sequences x {shape[2]} pages (once per shape)"
@@ -691,7 +723,7 @@ class LLM:
         b = dict(
             tokens=int(batch.token_ids.shape[0]),
             seqs=int(batch.kv_lens.shape[0]),
-            pages_per_seq=int(batch.page_indices.shape[1]),
+            pages_per_seq=int(batch.page_indices.shape[-1]),
             copies=int(batch.copy_src.shape[0]),
             beam_candidates=num_candidates,
             seconds=round(seconds, 2),
@@ -821,7 +853,7 @@ class LLM:
         recomputed from its committed tokens. The pool is reallocated only if the failed
         step consumed it (donated buffers); its contents are never read again."""
         for r, sc in enumerate(self.schedulers):  # each request stays on its replica
-            sc.bm = BlockManager(**self._bm_args)
+            sc.bm = self._new_block_manager()
             sc.running, sc.swapped = [], []
             sc.waiting = sorted((g for g in requeue if g.replica == r), key=lambda g: g.arrival)
         for g in requeue:
