@@ -1,5 +1,5 @@
 """``python -m benchmarks <name> [--out DIR] [args]``: memory, sharing, throughput,
-host_overhead, kernels, engine, block_manager, layer_view, peers, serve. ``--out DIR``
+host_overhead, kernels, engine, block_manager, layer_view, peers, serve, hybrid. ``--out DIR``
 writes the results there; without it they go to a new ``bench-results/<time>`` directory
 under the current one. The committed results in ``benchmarks/results`` change only with
 ``--out benchmarks/results``."""
@@ -20,6 +20,7 @@ NAMES = (
     "layer_view",
     "peers",
     "serve",
+    "hybrid",
 )
 
 if __name__ == "__main__":

@@ -275,3 +275,19 @@ def test_serve_benchmark_measures_a_real_server(tmp_path, monkeypatch):
         assert 0 < row["ttft_s"]["min"] <= row["e2e_s"]["min"]
         assert row["compiles_measured"] >= 0
     assert "tiny-llama exists only in paged-jax" in data["skipped"]["vllm / tiny-llama"]
+
+
+def test_hybrid_memory_counted_by_hand():
+    """Gemma 3 1B's pattern at 4096 + 16 tokens, pages of 16: 257 pages a layer. The 4
+    global layers keep all of them; each of the 6 sliding groups of 4 layers keeps the
+    pages of keys 3601..4112 (the next token's window of 512): pages 225..256, 32."""
+    from benchmarks.bench_hybrid import MODELS, measure
+
+    windows, kv_heads, head_dim = MODELS["gemma-3-1b"]
+    r = measure(windows, kv_heads, head_dim, context=4096, page=16, chunk=512)
+    slot = 16 * 2 * kv_heads * head_dim * 2  # one layer slot of one page, bf16
+    assert (r["groups"], r["slots_per_page"]) == (7, 4)
+    assert r["whole_model_pages"] == 26 * 257 * slot
+    assert r["hybrid_decoding"] == (4 * 257 + 6 * 4 * 32) * slot
+    # at admission every group holds the 4096-token prompt: 7 groups x 256 pages x 4
+    assert r["hybrid_admission"] == 7 * 256 * 4 * slot

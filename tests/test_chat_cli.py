@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from test_gguf import _model, write_gguf
 
 from paged_jax.models import load_gguf
@@ -77,6 +78,7 @@ def test_interactive_chat_streams_and_reuses_the_conversation(tmp_path):
         os.close(fd)
 
 
+@pytest.mark.slow  # 19 s (two CLI runs); .ci/run runs it
 def test_generate_chat_is_generate_on_the_rendered_prompt(tmp_path):
     path = tmp_path / "m.gguf"
     write_gguf(path, _model())

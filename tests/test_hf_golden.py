@@ -52,10 +52,11 @@ def test_greedy_batch_fork_and_prefix_match_transformers(variant):
     assert computed == 3, "the pages shared with 'mid' were prefilled again"
 
 
-SLIDING = ("mistral", "gemma2", "gemma3")  # the variants with sliding-window layers
-
-
-@pytest.mark.parametrize("name", SLIDING)
+@pytest.mark.parametrize(
+    "name",
+    # Gemma 3 has the most groups (4 sliding, 1 global); the others under -m slow
+    [pytest.param(n, marks=pytest.mark.slow) for n in ("mistral", "gemma2")] + ["gemma3"],
+)
 def test_hybrid_pool_frees_sliding_pages_and_keeps_every_token(name):
     """The same tokens with a pool of layer groups whose sliding groups drop pages the
     window has passed (HybridBlockManager), through the batch, the fork and the prefix

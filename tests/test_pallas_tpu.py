@@ -110,6 +110,7 @@ def test_through_the_public_api_and_errors():
         decode_paged_attention(*args, pages_per_block=2, table_chunk=3, interpret=True)
 
 
+@pytest.mark.slow  # 13-17 s in interpret mode; .ci/run runs it
 def test_matches_jax_tpu_paged_attention():
     # JAX's own TPU decode kernel, layout transposed to [K, N, P, D], identical inputs. It
     # computes in bf16 (it casts K/V): compare in bf16 with a bf16-sized tolerance.
@@ -190,6 +191,7 @@ def test_ragged_kernel_large_grid(params):
     _check_ragged(params, seed=1)
 
 
+@pytest.mark.slow  # 13-17 s in interpret mode; .ci/run runs it
 def test_ragged_small_blocks_and_public_api():
     _check_ragged(
         ("mixed", 16, (8, 2), 64, "float32", "both"),
