@@ -321,7 +321,6 @@ def validate_batch(
     page_size: int,
     vocab_size: int,
     group_windows: tuple | None = None,
-    _window: int | None = None,
 ) -> None:
     """Eager checks of one engine step's ``StepBatch`` against a pool of ``num_pages``
     pages of ``page_size`` tokens; raises ``ValueError`` naming the array and the row.
@@ -346,12 +345,16 @@ def validate_batch(
                 batch, page_indices=batch.page_indices[g], slot_mapping=batch.slot_mapping[g]
             )
             try:
-                validate_batch(
-                    part, num_pages=num_pages, page_size=page_size, vocab_size=vocab_size, _window=w
-                )
+                _validate_tables(part, num_pages, page_size, vocab_size, w)
             except ValueError as e:
                 raise ValueError(f"layer group {g}: {e}") from None
         return
+    _validate_tables(batch, num_pages, page_size, vocab_size, None)
+
+
+def _validate_tables(batch, num_pages, page_size, vocab_size, window) -> None:
+    """``validate_batch`` of one table set (``page_indices [S, M]``); a group with a
+    sliding ``window`` may hold the null page before it."""
     n = int(batch.num_seqs[0])
     cu = batch.cu_q_lens
     _check_ragged_values(
@@ -363,7 +366,7 @@ def validate_batch(
         cu,
         batch.num_seqs,
         allow_null_page=False,
-        sliding_window=_window,
+        sliding_window=window,
     )
     live = int(cu[n])
     toks = batch.token_ids[:live]
