@@ -268,6 +268,22 @@ class BlockManager:
         seq = self._seq(seq_id)
         return seq.tokens.buf[: seq.tokens.n].copy()
 
+    def set_token(self, seq_id: Hashable, index: int, token: int) -> None:
+        """Replaces token ``index`` of the sequence, one whose K/V is not computed yet.
+
+        For a token appended before its value was known (the engine's overlapped steps
+        append a placeholder for the token the running step samples): its page is not
+        in the prefix cache until the token is marked computed, so the value it is
+        hashed with is this one. Raises ``ValueError`` for a computed or absent index.
+        """
+        seq = self._seq(seq_id)
+        if not seq.num_computed <= index < seq.tokens.n:
+            raise ValueError(
+                f"index: expected a token not yet computed, in [{seq.num_computed}, "
+                f"{seq.tokens.n}), got {index}"
+            )
+        seq.tokens.buf[index] = token
+
     def block_table(self, seq_id: Hashable) -> list[int]:
         """The sequence's pages in order (host slots while it is swapped out)."""
         return list(self._seq(seq_id).pages)
@@ -981,6 +997,11 @@ class HybridBlockManager:
     def token_buffer(self, seq_id: Hashable) -> np.ndarray:
         """The sequence's token buffer (its first ``num_tokens`` entries; do not modify)."""
         return self.inner._seqs[(seq_id, 0)].tokens.buf
+
+    def set_token(self, seq_id: Hashable, index: int, token: int) -> None:
+        """``BlockManager.set_token`` in every group."""
+        for i in self._each(seq_id):
+            self.inner.set_token(i, index, token)
 
     def block_table(self, seq_id: Hashable) -> list[list[int]]:
         """Each group's pages in order (host slots while swapped out; dropped pages are

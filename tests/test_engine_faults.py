@@ -111,8 +111,8 @@ def _inject(monkeypatch, llm, stage: str, at_steps: set[int], exc=Fault):
     if stage == "schedule":
         real = llm.scheduler.schedule
 
-        def schedule():
-            sched = real()
+        def schedule(**kw):
+            sched = real(**kw)
             if due():
                 raise exc("after schedule")
             return sched
@@ -204,7 +204,8 @@ def test_a_fault_while_applying_results_stops_the_engine_until_reset(monkeypatch
         raise Fault("while applying")
 
     monkeypatch.setattr(llm, "_process", broken)
-    with pytest.raises(Fault):
+    with pytest.raises(Fault):  # the first call may leave its step running (overlap)
+        llm.step()
         llm.step()
     monkeypatch.undo()
     for call in (llm.step, lambda: llm.add_request("b", [1]), lambda: llm.abort("a")):
@@ -318,7 +319,8 @@ def test_one_sigint_waits_for_the_step_and_two_interrupt_it(monkeypatch, usual_c
     # One Ctrl-C: the step completes, then KeyboardInterrupt is raised at its end.
     with pytest.raises(KeyboardInterrupt):
         llm.step()
-    assert llm.metrics.steps == 1 and llm.metrics.failed_steps == 0
+    running = llm._inflight is not None  # noqa: SLF001 (left running: overlapped steps)
+    assert llm.metrics.steps + running == 1 and llm.metrics.failed_steps == 0
     # Two: the second interrupts the step, which is undone.
     kills["n"] = 2
     with pytest.raises(KeyboardInterrupt):
@@ -358,7 +360,7 @@ def test_timer_interrupts_never_change_a_token(reference, seed):
         for rid, prompt, p in _requests(seed % 2):
             llm.add_request(rid, prompt, p)
         done, errors = {}, 0
-        signal.setitimer(signal.ITIMER_REAL, float(rng.uniform(0.005, 0.05)), 0.03)
+        signal.setitimer(signal.ITIMER_REAL, float(rng.uniform(0.002, 0.02)), 0.004)
         for _ in range(2000):
             if not llm.has_unfinished():
                 break

@@ -90,11 +90,19 @@ class RequestOutput:
 
 @dataclasses.dataclass
 class EngineMetrics:
-    steps: int = 0
+    steps: int = 0  # device steps completed (a step() call completes 0 to 2)
     elapsed_s: float = 0.0
-    step_s: float = 0.0  # time inside the jitted step (device work), compiling calls excluded
+    # Dispatching the jitted step and waiting for its results (device work not hidden
+    # behind host work), compiling calls excluded.
+    step_s: float = 0.0
     compile_s: float = 0.0  # calls of the jitted step that compiled a new shape bucket
-    host_s: float = 0.0  # scheduling, block manager, batch building, sampling bookkeeping
+    # Scheduling, block manager, batch building, sampling bookkeeping: with overlapped
+    # steps (async_scheduling) mostly while the device runs the previous step.
+    host_s: float = 0.0
+    overlapped_steps: int = 0  # steps dispatched while the previous one still ran
+    # Overlapped schedules that stopped where a decode needed a page none had: the step
+    # after completes first, and its schedule preempts if pages are still short.
+    overlap_stalls: int = 0
     tokens_computed: int = 0  # prompt + generated tokens run through the model
     tokens_generated: int = 0
     requests_finished: int = 0
@@ -212,6 +220,16 @@ class LLM:
         on for such models with one data-parallel replica; True: on (refused with
         several replicas); False: off. Ignored for models without sliding layers or whose
         ``make_cache`` takes no ``hybrid`` argument.
+      async_scheduling: overlapped steps (default on). While the device runs a step, the
+        host schedules, builds and dispatches the next one, its decode tokens read on the
+        device from the running step's output, and only then applies the running step's
+        tokens; the host's work per step is then hidden behind the device's instead of
+        added to it. A sequence that finishes (a stop token, a stop string) has computed
+        one more token by then, which is dropped; a step with a beam-search row, the
+        first token of ``n`` samples or penalties completes before the next is
+        scheduled. Outputs are the same either way; ``step()`` then returns the requests
+        finished by the step launched in the call before. False: every step completes
+        within its ``step()`` call.
 
     Several processes (``jax.distributed.initialize``, one mesh over all their devices)
     each run this same engine on the same requests in the same order: the scheduler is
@@ -260,6 +278,7 @@ class LLM:
         data_parallel_size: int | None = None,
         mesh: Any = None,
         hybrid_kv_cache: bool | None = None,
+        async_scheduling: bool = True,
     ):
         self.compilation_cache_dir = compile_cache.enable(compilation_cache)
         self.mesh = _resolve_mesh(tensor_parallel_size, data_parallel_size, mesh)
@@ -279,6 +298,9 @@ class LLM:
         if not isinstance(deterministic, bool):
             raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
         self.deterministic = deterministic
+        if not isinstance(async_scheduling, bool):
+            raise TypeError(f"async_scheduling: expected a bool, got {async_scheduling!r}")
+        self.async_scheduling = async_scheduling
         if preemption not in ("recompute", "swap"):
             raise ValueError(f"preemption: expected 'recompute' or 'swap', got {preemption!r}")
         for name, v in (
@@ -397,6 +419,7 @@ class LLM:
         self._consecutive_faults = 0
         self._undelivered: list[RequestOutput] = []  # finished, not yet returned
         self._step_groups: list[Group] = []  # the running step's groups
+        self._inflight: _Launched | None = None  # a step left running (async_scheduling)
         self._suspects: list[Group] = []  # groups of a failed step, not yet cleared
         self._cleared: set[int] = set()  # arrivals of suspects that since sampled a token
         from flax import nnx
@@ -541,6 +564,7 @@ class LLM:
             seed=params.seed if params.seed is not None else self._arrivals,
             salt=cache_salt,
             arrival_time=time.perf_counter(),
+            max_len=min(len(ids) + params.max_tokens, self.max_model_len),
         )
         g.seqs.append(Seq(f"{g.arrival}/0", list(ids), len(ids), 0))
         # the least loaded replica (deterministic: every process routes alike)
@@ -608,101 +632,230 @@ class LLM:
         return out
 
     def _step(self) -> list[RequestOutput]:
+        """One step's results, and with overlapped steps the next step launched first.
+
+        Overlapped (``async_scheduling``, a step left running by the previous call): the
+        next step is scheduled and dispatched while that one runs on the device, each of
+        its sampling sequences ending in a placeholder for the token it will get (read on
+        the device from the running step's output, ``_merge_tokens``); then the running
+        step's tokens are read and applied. A step is left running for the next call
+        only when nothing in its results can change what the following step computes
+        (``_may_overlap``); otherwise it completes in this call.
+        """
         t0 = time.perf_counter()
+        prev, self._inflight = self._inflight, None
+        done: list[_Launched] = []
+        finished: list[RequestOutput] = []
+        if prev is not None:
+            placed = self._place(prev)
+            try:
+                nxt = self._launch(prev)
+            finally:
+                for s in placed:
+                    s.tokens.pop()
+            finished += self._complete(prev, overlapped=True)
+            done.append(prev)
+        else:
+            nxt = self._launch(None)
+        if nxt is not None:
+            self.metrics.overlap_stalls += nxt.stalled
+            self.metrics.overlapped_steps += prev is not None
+            if self._may_overlap(nxt):
+                self._inflight = nxt
+            else:
+                finished += self._complete(nxt)
+                done.append(nxt)
+        self._phase = None
+        self._consecutive_faults = 0
+        if self._suspects and any(
+            w.sample and w.group is self._suspects[0] for f in done for w in f.work
+        ):
+            cleared = self._suspects.pop(0)
+            cleared.strikes = 0
+            self._cleared.add(cleared.arrival)
+        self._account(time.perf_counter() - t0, completed=len(done))
+        return finished
+
+    def _launch(self, prev: _Launched | None) -> _Launched | None:
+        """Schedules and dispatches a step (without waiting for it); None if there is no
+        work. ``prev``: the step still running, whose sampling sequences end in a
+        placeholder token (``_place``); the schedule is then speculative."""
         self._phase = "schedule"
         only = self._isolation()
         scheds = []
         for sc in self.schedulers:
             sc.only = only
-            scheds.append(sc.schedule())
+            scheds.append(sc.schedule(speculative=prev is not None))
         work = [w for sched in scheds for w in sched.work]
         self._step_groups = list({id(w.group): w.group for w in work}.values())
-        finished: list[RequestOutput] = []
         self._swap(scheds)
-        if work:
-            batches = []
-            for sc, sched in zip(self.schedulers, scheds, strict=True):
-                b = build_batch(
-                    sc.bm,
-                    [ScheduledSeq(w.seq.seq_id, w.start, w.stop) for w in sched.work],
-                    min_seqs=self._min_seqs(sum(w.stop - w.start for w in sched.work)),
+        if not work:
+            return None
+        batches, pending = [], 0
+        for sc, sched in zip(self.schedulers, scheds, strict=True):
+            b = build_batch(
+                sc.bm,
+                [ScheduledSeq(w.seq.seq_id, w.start, w.stop) for w in sched.work],
+                min_seqs=self._min_seqs(sum(w.stop - w.start for w in sched.work)),
+            )
+            if prev is not None:  # placeholders: filled on the device (0 until then)
+                mask = b.token_ids == _PENDING
+                pending += int(mask.sum())
+                b.token_ids[mask] = 0
+            if self.checked:
+                validate_batch(
+                    b,
+                    num_pages=sc.bm.num_pages,
+                    page_size=self.page_size,
+                    group_windows=getattr(sc.bm, "group_windows", None),
+                    vocab_size=self.model.config.vocab_size,
                 )
-                if self.checked:
-                    validate_batch(
-                        b,
-                        num_pages=sc.bm.num_pages,
-                        page_size=self.page_size,
-                        group_windows=getattr(sc.bm, "group_windows", None),
-                        vocab_size=self.model.config.vocab_size,
-                    )
-                batches.append(b)
-            # replicas' batches side by side: replica r's sequence rows from r * S_r
-            batch = concat_batches(batches)
-            S_b = batch.kv_lens.shape[0]
-            S_r = S_b // len(batches)
-            placed = [
-                (r * S_r + i, w) for r, sched in enumerate(scheds) for i, w in enumerate(sched.work)
-            ]
-            rows, num_samples, num_cand = self._sampling_rows(placed)
-            temp = np.zeros(S_b, np.float32)
-            top_k = np.zeros(S_b, np.int32)
-            top_p = np.ones(S_b, np.float32)
-            min_p = np.zeros(S_b, np.float32)
-            seeds = np.zeros((S_b, num_samples), np.uint32)
-            out_pos = np.zeros(S_b, np.int32)
-            for i, (p, seed_row, pos) in rows.items():
-                temp[i], top_k[i], top_p[i], out_pos[i] = p.temperature, p.top_k, p.top_p, pos
-                min_p[i] = p.min_p
-                seeds[i, : len(seed_row)] = seed_row
-            compiled_before = self._run._cache_size()
-            shape = (batch.token_ids.shape[0], S_b, batch.page_indices.shape[-1], num_cand)
-            if self._announce is not None and shape not in self._shapes_seen:
-                self._announce(
-                    f"{shape[0]} tokens x {S_b} sequences x {shape[2]} pages (once per shape)"
-                    + (f", {len(batches)} replicas" if len(batches) > 1 else "")
-                )
-            self._shapes_seen.add(shape)
-            t1 = time.perf_counter()
-            with _mesh_context(self.mesh):
-                toks, lps, cand_v, cand_i, self.cache = self._run(
-                    self._state,
-                    jnp.asarray(batch.token_ids),
-                    jnp.asarray(batch.positions),
-                    self.cache,
-                    AttentionMetadata.from_batch(batch, batch_invariant=self.deterministic),
-                    jnp.asarray(temp),
-                    jnp.asarray(top_k),
-                    jnp.asarray(top_p),
-                    jnp.asarray(min_p),
-                    jnp.asarray(seeds),
-                    jnp.asarray(out_pos),
-                    self._penalties(placed, rows, S_b),
-                    num_candidates=num_cand,
-                    # No row samples: an argmax is all (deterministic mode: one path for
-                    # every row, so a greedy row's log-prob is the same in any batch).
-                    greedy_only=not (temp > 0).any() and not self.deterministic,
-                )
-            toks, lps = np.asarray(toks), np.asarray(lps)
-            cand = None if cand_v is None else (np.asarray(cand_v), np.asarray(cand_i))
-            t2 = time.perf_counter()
-            if self._run._cache_size() > compiled_before:  # this call compiled a new shape
-                self.metrics.compile_s += t2 - t1
-                self.metrics.compilations += 1
-                self._compiled(batch, num_cand, t2 - t1)
-            else:
-                self.metrics.step_s += t2 - t1
-            self.metrics.tokens_computed += batch.num_tokens
-            for w in work:
-                self._bm(w.group).mark_computed(w.seq.seq_id, w.stop)
-            self._phase = "apply"
-            finished = self._process(placed, toks, lps, cand, t2)
-        self._phase = None
-        self._consecutive_faults = 0
-        if self._suspects and any(w.sample and w.group is self._suspects[0] for w in work):
-            cleared = self._suspects.pop(0)
-            cleared.strikes = 0
-            self._cleared.add(cleared.arrival)
-        self._account(time.perf_counter() - t0)
+            batches.append(b)
+        # replicas' batches side by side: replica r's sequence rows from r * S_r
+        batch = concat_batches(batches)
+        S_b = batch.kv_lens.shape[0]
+        S_r = S_b // len(batches)
+        placed = [
+            (r * S_r + i, w) for r, sched in enumerate(scheds) for i, w in enumerate(sched.work)
+        ]
+        rows, num_samples, num_cand = self._sampling_rows(placed)
+        temp = np.zeros(S_b, np.float32)
+        top_k = np.zeros(S_b, np.int32)
+        top_p = np.ones(S_b, np.float32)
+        min_p = np.zeros(S_b, np.float32)
+        seeds = np.zeros((S_b, num_samples), np.uint32)
+        out_pos = np.zeros(S_b, np.int32)
+        for i, (p, seed_row, pos) in rows.items():
+            temp[i], top_k[i], top_p[i], out_pos[i] = p.temperature, p.top_k, p.top_p, pos
+            min_p[i] = p.min_p
+            seeds[i, : len(seed_row)] = seed_row
+        shape = (batch.token_ids.shape[0], S_b, batch.page_indices.shape[-1], num_cand)
+        if self._announce is not None and shape not in self._shapes_seen:
+            self._announce(
+                f"{shape[0]} tokens x {S_b} sequences x {shape[2]} pages (once per shape)"
+                + (f", {len(batches)} replicas" if len(batches) > 1 else "")
+            )
+        self._shapes_seen.add(shape)
+        compiled_before = self._run._cache_size()
+        t1 = time.perf_counter()
+        with _mesh_context(self.mesh):
+            tokens = self._tokens(batch, placed, prev, pending)
+            # Host arrays go as they are: the jitted call moves them (cheaper than a
+            # transfer each).
+            toks, lps, cand_v, cand_i, self.cache = self._run(
+                self._state,
+                tokens,
+                batch.positions,
+                self.cache,
+                AttentionMetadata.from_batch(
+                    batch, batch_invariant=self.deterministic, on_device=False
+                ),
+                temp,
+                top_k,
+                top_p,
+                min_p,
+                seeds,
+                out_pos,
+                self._penalties(placed, rows, S_b),
+                num_candidates=num_cand,
+                # No row samples: an argmax is all (deterministic mode: one path for
+                # every row, so a greedy row's log-prob is the same in any batch).
+                greedy_only=not (temp > 0).any() and not self.deterministic,
+            )
+        dispatch_s = time.perf_counter() - t1
+        compiled = self._run._cache_size() > compiled_before  # compiled a new shape
+        if compiled:
+            self.metrics.compile_s += dispatch_s
+            self.metrics.compilations += 1
+            self._compiled(batch, num_cand, dispatch_s)
+        return _Launched(
+            work=work,
+            placed=placed,
+            groups=self._step_groups,
+            num_tokens=batch.num_tokens,
+            outputs=(toks, lps, cand_v, cand_i),
+            dispatch_s=0.0 if compiled else dispatch_s,
+            stalled=any(sched.stalled for sched in scheds),
+        )
+
+    def _tokens(self, batch, placed, prev: _Launched | None, pending: int):
+        """The step's input tokens: the batch's (host), or on the device with each of its
+        ``pending`` placeholders (a token ``prev`` is sampling) taken from ``prev``'s
+        output."""
+        if prev is None:
+            return batch.token_ids
+        src = np.full(batch.token_ids.shape[0], -1, np.int32)
+        for i, w in placed:
+            row = prev.rows.get(id(w.seq))
+            if row is not None and w.stop == len(w.seq.tokens):  # decodes the placeholder
+                src[batch.logits_indices[i]] = row
+        found = int((src >= 0).sum())
+        if found != pending:  # a placeholder anywhere else would compute a wrong token
+            raise RuntimeError(
+                f"overlapped step: {pending} placeholder tokens in the batch, {found} of "
+                "them decode a running step's sample (a bug in paged-jax)"
+            )
+        if not found:
+            return batch.token_ids
+        return _merge_tokens(prev.outputs[0], src, batch.token_ids)
+
+    def _place(self, f: _Launched) -> list[Seq]:
+        """Readies the schedule that overlaps running step ``f``: each of its sampling
+        sequences still running gets a placeholder for the token ``f`` samples, and every
+        sequence's tokens of ``f`` count as computed (the device runs steps in order, so
+        any later step sees their K/V). Returns the sequences given a placeholder."""
+        placed = []
+        for w in f.work:
+            s = w.seq
+            if s.finish_reason is not None or w.group.status is not Status.RUNNING:
+                continue  # finished or aborted since (its row's results are dropped)
+            self._bm(w.group).mark_computed(s.seq_id, w.stop)
+            if w.sample:
+                s.tokens.append(_PENDING)
+                placed.append(s)
+        return placed
+
+    def _may_overlap(self, f: _Launched) -> bool:
+        """Whether the next step may be scheduled before ``f``'s tokens are known: overlap
+        is on, no request is isolated as a suspect, ``f``'s schedule did not stop short
+        of a preemption (the next one makes it, from known tokens), and each sampling row
+        only appends its token (no beam search, no first token of n samples to fork, no
+        penalties, which count the tokens so far)."""
+        if not self.async_scheduling or self._suspects or f.stalled:
+            return False
+        for w in f.work:
+            if w.sample:
+                p = w.group.params
+                if p.use_beam_search or p.penalized or (p.n > 1 and not w.group.forked):
+                    return False
+        return True
+
+    def _complete(self, f: _Launched, *, overlapped: bool = False) -> list[RequestOutput]:
+        """Waits for step ``f`` and applies its tokens; returns the requests it finished.
+        ``overlapped``: the next step was launched meanwhile (with placeholders for these
+        tokens, replaced here in the block manager); rows of sequences that finished or
+        were aborted since ``f`` was launched are dropped."""
+        self._phase = "schedule"  # a fault surfacing here is the step's, as at dispatch
+        self._step_groups = f.groups
+        t1 = time.perf_counter()
+        toks, lps, cand_v, cand_i = f.outputs
+        toks, lps = np.asarray(toks), np.asarray(lps)
+        cand = None if cand_v is None else (np.asarray(cand_v), np.asarray(cand_i))
+        t2 = time.perf_counter()
+        self.metrics.step_s += f.dispatch_s + t2 - t1
+        self.metrics.tokens_computed += f.num_tokens
+        live = [(i, w) for i, w in f.placed if w.seq.finish_reason is None]
+        for _, w in () if overlapped else live:  # overlapped: _place marked them
+            self._bm(w.group).mark_computed(w.seq.seq_id, w.stop)
+        self._phase = "apply"
+        finished = self._process(live, toks, lps, cand, t2)
+        for _, w in live if overlapped else ():  # the next step appended placeholders
+            s = w.seq
+            if w.sample and s.finish_reason is None:
+                bm = self._bm(w.group)
+                k = len(s.tokens) - 1
+                if s.seq_id in bm and bm.num_tokens(s.seq_id) > k:
+                    bm.set_token(s.seq_id, k, s.tokens[k])
         return finished
 
     def _min_seqs(self, num_tokens: int) -> int:
@@ -858,6 +1011,7 @@ class LLM:
             sc.waiting = sorted((g for g in requeue if g.replica == r), key=lambda g: g.arrival)
         for g in requeue:
             g.status = Status.WAITING
+        self._inflight = None  # its results are dropped: the requests are recomputed
         self._host.clear()
         if any(x.is_deleted() for x in jax.tree.leaves(self.cache)):
             self.cache = self._make_cache(self._bm_args["num_pages"] * len(self.schedulers))
@@ -1336,9 +1490,9 @@ class LLM:
                     None if scales is None else jnp.asarray(scales),
                 )
 
-    def _account(self, dt: float) -> None:
+    def _account(self, dt: float, completed: int) -> None:
         m = self.metrics
-        m.steps += 1
+        m.steps += completed
         m.elapsed_s += dt
         m.host_s = m.elapsed_s - m.step_s - m.compile_s
         bms = self.block_managers
@@ -1636,6 +1790,33 @@ def _make_run(graphdef, mesh, compiler_options: tuple | None = None):
         return replicated(toks), replicated(lps), replicated(cv), replicated(ci), cache
 
     return run
+
+
+_PENDING = -1  # a token the running step is sampling (overlapped steps)
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A dispatched step: its work, batch rows and device outputs (not waited for)."""
+
+    work: list  # [Work]
+    placed: list  # [(batch row, Work)]
+    groups: list  # [Group] the step runs
+    num_tokens: int  # live tokens
+    outputs: tuple  # (tokens i32[S_b, J], log-probs f32[S_b, J], candidates or None x 2)
+    dispatch_s: float  # the dispatch call's time (0 when it compiled)
+    stalled: bool  # its speculative schedule stopped short of a preemption
+    rows: dict = dataclasses.field(init=False)  # id(Seq) -> batch row of its sample
+
+    def __post_init__(self):
+        self.rows = {id(w.seq): i for i, w in self.placed if w.sample}
+
+
+@jax.jit
+def _merge_tokens(prev_tokens, src, tokens):
+    """``i32[T]``: ``tokens``, with token t taken from ``prev_tokens[src[t], 0]`` (the
+    running step's samples, ``i32[S, J]``) where ``src[t] >= 0``."""
+    return jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0), 0], tokens)
 
 
 # Swap copies, each replica's pages in its own pool (``per_replica``; as they are without

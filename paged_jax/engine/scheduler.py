@@ -74,6 +74,10 @@ class Group:
     strikes: int = 0  # failed steps in a row while isolated as a suspect (engine faults)
     error: str | None = None  # why the engine failed this request
     replica: int = 0  # the data-parallel replica (scheduler, pool) that runs it
+    # Tokens a sequence ends at whatever it samples (prompt + max_tokens, at most the
+    # model's length); None: no limit known. A speculative schedule does not decode a
+    # sequence that has reached it.
+    max_len: int | None = None
 
     def new_seq_id(self) -> str:
         # Keyed by the engine's arrival counter, not the request id: request 1 and "1"
@@ -100,6 +104,7 @@ class Schedule:
     swap_out: list[tuple[int, int]]  # (device page, host slot), read before the step
     swap_in: list[tuple[int, int]]  # (host slot, device page), written before the step
     preempted: list[tuple[Group, str]]  # (group, "swap" | "recompute")
+    stalled: bool = False  # a speculative schedule stopped where it would have preempted
 
 
 class Scheduler:
@@ -163,7 +168,16 @@ class Scheduler:
         self.num_preempted["recompute"] += 1
 
     # ------------------------------------------------------------------ the step
-    def schedule(self) -> Schedule:
+    def schedule(self, *, speculative: bool = False) -> Schedule:
+        """The next step's work, swaps and preemptions.
+
+        ``speculative``: scheduled while the previous step still runs (the engine's
+        overlapped steps). Each sequence that samples in that step already ends in a
+        placeholder for the token it will get; a sequence at its ``Group.max_len`` is not
+        decoded (it finishes whatever it samples), and a group whose decode would need a
+        preemption waits instead (``stalled``: preemptions, swap-ins and admissions wait
+        for a step scheduled with every token known).
+        """
         sched = Schedule([], [], [], [])
         budget = self.max_num_batched_tokens
         seq_budget = self.max_num_seqs
@@ -175,6 +189,18 @@ class Scheduler:
             if self._decoding(g):
                 if len(g.seqs) > budget:
                     break
+                if speculative:
+                    live = [s for s in g.seqs if g.max_len is None or len(s.tokens) < g.max_len]
+                    if not self.bm.can_append([s.seq_id for s in live]):
+                        sched.stalled = True  # this group waits a step; the others go on
+                        continue
+                    for s in live:
+                        self.bm.append_slots(s.seq_id, [s.tokens[-1]])
+                        n = len(s.tokens)
+                        sched.work.append(Work(g, s, n - 1, n, True))
+                    budget -= len(live)
+                    seq_budget -= len(g.seqs)
+                    continue
                 while not self.bm.can_append(self._seq_ids(g)):
                     victim = self._allowed(self.running)[-1]  # the most recently arrived
                     self._preempt(victim, sched)
@@ -192,7 +218,7 @@ class Scheduler:
                 used = self._prefill(g, budget, sched)
                 budget -= used
                 seq_budget -= len(g.seqs)
-        if sched.preempted:
+        if sched.preempted or sched.stalled:
             return sched
         for g in self._allowed(self.swapped):
             ids = self._seq_ids(g)
