@@ -76,8 +76,10 @@ def _check_engine(out: dict, ref: dict) -> None:
         assert r["total_cache_bytes"] == dp * ref["total_cache_bytes"] * max(2, tp) // 2, r
         assert r["device_cache_bytes"] * tp * dp == r["total_cache_bytes"], r
         # and the compiled step takes that share of it (its memory analysis, per device;
-        # within the few bytes of metadata arguments XLA drops as unused)
-        assert abs(r["compiled_cache_bytes"] - r["device_cache_bytes"]) < 1024, r
+        # within the metadata arguments XLA drops as unused: up to 1.6 KiB of a 56 KiB
+        # share in a decode-only step, far from the half or whole pool of a wrong split)
+        share = r["device_cache_bytes"]
+        assert abs(r["compiled_cache_bytes"] - share) < share // 16, r
         # data parallel: the 4 requests (one of 2 samples) went to the least loaded
         # replicas; up to 2 replicas, 2 requests share a 14-page pool and preempt
         # (swapping K/V of the split pool out and back)
