@@ -845,17 +845,19 @@ class LLM:
         self.metrics.step_s += f.dispatch_s + t2 - t1
         self.metrics.tokens_computed += f.num_tokens
         live = [(i, w) for i, w in f.placed if w.seq.finish_reason is None]
-        for _, w in () if overlapped else live:  # overlapped: _place marked them
-            self._bm(w.group).mark_computed(w.seq.seq_id, w.stop)
+        if not overlapped:  # (overlapped: _place marked them)
+            for _, w in live:
+                self._bm(w.group).mark_computed(w.seq.seq_id, w.stop)
         self._phase = "apply"
         finished = self._process(live, toks, lps, cand, t2)
-        for _, w in live if overlapped else ():  # the next step appended placeholders
-            s = w.seq
-            if w.sample and s.finish_reason is None:
-                bm = self._bm(w.group)
-                k = len(s.tokens) - 1
-                if s.seq_id in bm and bm.num_tokens(s.seq_id) > k:
-                    bm.set_token(s.seq_id, k, s.tokens[k])
+        if overlapped:  # the next step appended placeholders for these tokens
+            for _, w in live:
+                s = w.seq
+                if w.sample and s.finish_reason is None:
+                    bm = self._bm(w.group)
+                    k = len(s.tokens) - 1
+                    if s.seq_id in bm and bm.num_tokens(s.seq_id) > k:
+                        bm.set_token(s.seq_id, k, s.tokens[k])
         return finished
 
     def _min_seqs(self, num_tokens: int) -> int:

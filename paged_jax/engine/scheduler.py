@@ -189,30 +189,25 @@ class Scheduler:
             if self._decoding(g):
                 if len(g.seqs) > budget:
                     break
-                if speculative:
+                live = g.seqs
+                if speculative:  # a sequence at its last token finishes whatever it samples
                     live = [s for s in g.seqs if g.max_len is None or len(s.tokens) < g.max_len]
-                    if not self.bm.can_append([s.seq_id for s in live]):
-                        sched.stalled = True  # this group waits a step; the others go on
-                        continue
-                    for s in live:
-                        self.bm.append_slots(s.seq_id, [s.tokens[-1]])
-                        n = len(s.tokens)
-                        sched.work.append(Work(g, s, n - 1, n, True))
-                    budget -= len(live)
-                    seq_budget -= len(g.seqs)
-                    continue
-                while not self.bm.can_append(self._seq_ids(g)):
+                ids, waits = [s.seq_id for s in live], False
+                while not self.bm.can_append(ids):
+                    if speculative:  # no preemption: this group waits, the others go on
+                        sched.stalled = waits = True
+                        break
                     victim = self._allowed(self.running)[-1]  # the most recently arrived
                     self._preempt(victim, sched)
                     if victim is g:
                         break
-                if g.status is not Status.RUNNING:
+                if waits or g.status is not Status.RUNNING:
                     continue
-                for s in g.seqs:
+                for s in live:
                     self.bm.append_slots(s.seq_id, [s.tokens[-1]])
                     n = len(s.tokens)
                     sched.work.append(Work(g, s, n - 1, n, True))
-                budget -= len(g.seqs)
+                budget -= len(live)
                 seq_budget -= len(g.seqs)
             else:
                 used = self._prefill(g, budget, sched)
