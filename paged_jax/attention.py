@@ -1,10 +1,12 @@
 """Public paged-attention entry points and backend dispatch.
 
 Backends: ``"xla"`` (plain jnp, every platform), ``"pallas_tpu"`` and ``"pallas_gpu"``
-(``pallas_kernels/``, imported lazily so the core never needs them). ``"auto"`` takes the
-first implemented and enabled backend in the platform's order of preference (TPU:
-pallas_tpu; NVIDIA GPU: pallas_gpu; CPU: XLA); the
-environment variable ``PAGED_JAX_BACKEND`` overrides it.
+(``pallas_kernels/``, imported lazily so the core never needs them), and ``"cpu"`` (a C
+decode kernel XLA calls through its FFI, ``pallas_kernels/cpu``, built on first use by
+the system's C compiler; ragged steps, quantized pools and batch-invariant steps stay on
+XLA). ``"auto"`` takes the first implemented and enabled backend in the platform's order
+of preference (TPU: pallas_tpu; NVIDIA GPU: pallas_gpu; CPU: cpu when it builds, else
+XLA); the environment variable ``PAGED_JAX_BACKEND`` overrides it.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import os
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 from paged_jax import _xla
 from paged_jax._validation import static_check_decode, static_check_ragged
 
-BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
+BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "cpu")
 
 # Preference per platform; "auto" skips backends whose kernels are not implemented yet.
 _PREFERENCE = {
@@ -25,7 +28,7 @@ _PREFERENCE = {
     "gpu": ("pallas_gpu", "xla"),
     "cuda": ("pallas_gpu", "xla"),
     "rocm": ("xla",),
-    "cpu": ("xla",),
+    "cpu": ("cpu", "xla"),
 }
 # Which Pallas backends "auto" may pick.
 # * pallas_tpu: yes. Verified in TPU interpret mode, which is the acceptance bar its issue
@@ -37,12 +40,19 @@ _PREFERENCE = {
 #   pass there, and the decode kernel read K/V at 0.93-1.07x of measured copy bandwidth at
 #   batch 64-256 x 4k-32k against 0.09-0.11x for the XLA path
 #   (benchmarks/results/kernels_gpu.json). PAGED_JAX_BACKEND=xla restores the XLA path.
-_AUTO_ENABLED = {"pallas_tpu": True, "pallas_gpu": True}
+# * cpu: yes, where it builds. Against XLA's decode path on SmolLM2-135M (f32, 32 sequences,
+#   2-core AMD EPYC): 0.6 against 2.5 ms a layer at 256 tokens, the same greedy tokens.
+_AUTO_ENABLED = {"pallas_tpu": True, "pallas_gpu": True, "cpu": True}
 _ENV_OVERRIDE = "PAGED_JAX_BACKEND"
 
 
 def _pallas_impl(backend: str, kind: str) -> Callable | None:
-    """The Pallas implementation of ``kind`` ("ragged" | "decode"), or None if not built yet."""
+    """The kernel implementing ``kind`` ("ragged" | "decode"), or None if there is none (the
+    CPU backend: none for ragged steps, none where its kernel did not build)."""
+    if backend == "cpu":
+        from paged_jax.kernels import cpu
+
+        return cpu.decode_paged_attention if kind == "decode" and cpu.available() else None
     if backend == "pallas_tpu":
         from paged_jax.kernels import tpu as mod
     else:
@@ -51,15 +61,21 @@ def _pallas_impl(backend: str, kind: str) -> Callable | None:
 
 
 def backend_of(impl: Callable) -> str:
-    """ "pallas_gpu" or "pallas_tpu": the backend a kernel function belongs to."""
-    return "pallas_gpu" if impl.__module__.startswith("paged_jax.kernels.gpu") else "pallas_tpu"
+    """ "pallas_gpu", "pallas_tpu" or "cpu": the backend a kernel function belongs to."""
+    for name, module in (("pallas_gpu", "gpu"), ("cpu", "cpu")):
+        if impl.__module__.startswith(f"paged_jax.kernels.{module}"):
+            return name
+    return "pallas_tpu"
 
 
 def available_backends(platform: str | None = None) -> tuple[str, ...]:
     """Implemented backends for ``platform`` (default: JAX's default backend), best first."""
     platform = platform or jax.default_backend()
     names = _PREFERENCE.get(platform, ("xla",))
-    return tuple(b for b in names if b == "xla" or _pallas_impl(b, "ragged") is not None)
+    kind = {"cpu": "decode"}  # the CPU backend has a decode kernel only
+    return tuple(
+        b for b in names if b == "xla" or _pallas_impl(b, kind.get(b, "ragged")) is not None
+    )
 
 
 def _auto(platform: str | None = None) -> str:
@@ -83,6 +99,15 @@ def _resolve(backend: str, kind: str) -> Callable | None:
         backend = _auto()
     if backend == "xla":
         return None
+    if backend == "cpu":  # ragged steps on XLA; an unbuilt kernel is an error when asked for
+        from paged_jax.kernels import cpu
+
+        if not cpu.available():
+            raise ValueError(
+                f"backend='cpu': the CPU kernel is not available here ({cpu.unavailable_reason()});"
+                " use backend='xla' or 'auto'"
+            )
+        return cpu.decode_paged_attention if kind == "decode" else None
     impl = _pallas_impl(backend, kind)
     if impl is None:
         raise NotImplementedError(
@@ -129,7 +154,8 @@ def ragged_paged_attention(
       soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)``.
       k_scale, v_scale: dequantization of int8/fp8 pages: a float, or per-token
         ``f32[N, P, K]`` scales (``PagedKVCache.layer`` returns them).
-      backend: ``"auto" | "xla" | "pallas_tpu" | "pallas_gpu"``.
+      backend: ``"auto" | "xla" | "pallas_tpu" | "pallas_gpu" | "cpu"`` (``"cpu"``: the C
+        decode kernel for decode-only steps, XLA for the rest).
       interpret: run Pallas kernels in interpret mode (CPU testing); ignored by ``"xla"``.
       batch_invariant: each token's output is bitwise independent of the other tokens and
         sequences of the call: KV block sizes and order are fixed, never chosen from T, S
@@ -218,6 +244,13 @@ def paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )
+    if impl is not None and backend_of(impl) == "cpu":
+        # The C kernel reads f32/bf16 pools; a batch-invariant decode step must match what
+        # the same token gets in a ragged (XLA) step bit for bit.
+        plain = k_scale is None and v_scale is None
+        floats = q.dtype in (jnp.float32, jnp.bfloat16) and kv_pages.dtype == q.dtype
+        if batch_invariant or not plain or not floats:
+            impl = None
     if impl is None:
         return _xla.paged_attention(
             q, kv_pages, kv_lens, page_indices, batch_invariant=bool(batch_invariant), **kwargs

@@ -1,0 +1,168 @@
+"""A C decode kernel for CPUs, called through XLA's FFI (the ``"cpu"`` backend).
+
+XLA:CPU runs decode attention as a gather of every sequence's K/V pages, transposes and
+small batched dot products: SmolLM2-135M (32 sequences at 256 tokens, f32) spent about
+2.5 ms a layer there, 4-5 GB/s of K/V. ``decode.c`` instead reads each sequence's pages
+in place, once, with an online softmax, split over the cores (0.6 ms a layer, 22 GB/s,
+on the same 2-core machine). It is compiled on first use by the system's C compiler
+(``$CC``, else ``cc``) against the FFI header jaxlib ships, into
+``<user cache dir>/paged-jax/kernels/``, and registered with XLA as a custom call. No
+compiler, or a failed build, leaves ``available()`` False and "auto" on the XLA path.
+
+* ``decode_paged_attention``: ``paged_jax.paged_attention``'s signature; f32 or bf16
+  queries and pools, sliding windows, soft caps. Not for quantized pools (scales) or
+  batch-invariant steps: ``paged_jax.attention`` sends those, and ragged steps, to XLA.
+* ``available()``, ``unavailable_reason()``: whether the kernel built here, and why not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+
+TARGET = "paged_jax_cpu_decode_attention"
+_SOURCE = pathlib.Path(__file__).with_name("decode.c")
+_FLAGS = ("-O3", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11")
+_lock = threading.Lock()
+_state: dict = {}  # "ok": bool, "why": str, "lib": the loaded library (kept alive)
+
+
+def _cache_dir() -> pathlib.Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "paged-jax" / "kernels"
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        import platform
+
+        return platform.machine() + platform.processor()
+
+
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    """Compiles (or finds in the cache) and loads the kernel: (library, why not)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        return None, "no C compiler (set $CC or install cc)"
+    include = jax.ffi.include_dir()
+    header = pathlib.Path(include, "xla", "ffi", "api", "c_api.h")
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), header.read_bytes(), cc.encode(), " ".join(_FLAGS).encode()):
+        key.update(part)
+    key.update(_cpu_signature().encode())
+    lib_path = _cache_dir() / f"decode-{key.hexdigest()[:16]}.so"
+    if not lib_path.is_file():
+        lib_path.parent.mkdir(parents=True, exist_ok=True)
+        why = ""
+        for march in (("-march=native",), ()):  # some compilers lack -march=native
+            with tempfile.NamedTemporaryFile(dir=lib_path.parent, suffix=".so", delete=False) as t:
+                tmp = t.name
+            cmd = [cc, *_FLAGS, *march, f"-I{include}", "-o", tmp, str(_SOURCE), "-lm", "-lpthread"]
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                r, why = None, str(e)
+            if r is not None and r.returncode == 0:
+                os.replace(tmp, lib_path)  # atomic: another process may be building it too
+                break
+            if r is not None:
+                why = (r.stderr or r.stdout).strip()[-500:]
+            os.unlink(tmp)
+        else:
+            return None, f"building {_SOURCE.name} with {cc} failed: {why}"
+    try:
+        lib = ctypes.CDLL(str(lib_path))
+        handler = lib.PagedJaxDecodeAttention
+    except (OSError, AttributeError) as e:
+        return None, f"loading {lib_path} failed: {e}"
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    return lib, ""
+
+
+def _ensure() -> bool:
+    with _lock:
+        if "ok" not in _state:
+            if sys.platform == "win32":
+                lib, why = None, "not built on Windows"
+            else:
+                try:
+                    lib, why = _build()
+                except Exception as e:  # a broken toolchain must not break the library
+                    lib, why = None, f"{type(e).__name__}: {e}"
+            _state.update(ok=lib is not None, why=why, lib=lib)
+        return _state["ok"]
+
+
+def available() -> bool:
+    """True once the kernel is built and registered with XLA (builds it on first call)."""
+    return _ensure()
+
+
+def unavailable_reason() -> str:
+    """Why ``available()`` is False ("" when it is True)."""
+    _ensure()
+    return _state["why"]
+
+
+def _threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def decode_paged_attention(
+    q: jax.Array,  # [B, H, D] f32 | bf16
+    kv_pages: jax.Array,  # [N, P, 2K, D] f32 | bf16
+    kv_lens: jax.Array,  # i32[B]
+    page_indices: jax.Array,  # i32[B, M]
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale=None,
+    v_scale=None,
+    batch_invariant: bool = False,
+    interpret: bool = False,
+    threads: int | None = None,
+) -> jax.Array:  # [B, H, D], q.dtype
+    """Decode attention over a paged cache on the CPU; arguments as
+    ``paged_jax.paged_attention``. ``threads``: at most this many threads (default: the
+    cores this process may use); the result does not depend on it. Raises ``ValueError``
+    for quantized pools (``k_scale``/``v_scale``), dtypes other than f32/bf16, and when
+    the kernel is not available here (``unavailable_reason()``)."""
+    del interpret, batch_invariant  # one computation; every row independent of the batch
+    if k_scale is not None or v_scale is not None:
+        raise ValueError("k_scale/v_scale: the CPU kernel reads f32 or bf16 pools only")
+    for name, x in (("q", q), ("kv_pages", kv_pages)):
+        if x.dtype not in (jnp.float32, jnp.bfloat16):
+            raise ValueError(f"{name}: expected float32 or bfloat16, got {x.dtype}")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads: expected a positive int or None, got {threads!r}")
+    if not available():
+        raise ValueError(f"the CPU decode kernel is not available: {unavailable_reason()}")
+    params = jnp.asarray(
+        [sm_scale, sliding_window or 0, soft_cap or 0.0, threads or _threads()], jnp.float32
+    )
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(
+        q, kv_pages, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_indices, jnp.int32), params
+    )
+
+
+__all__ = ["available", "decode_paged_attention", "unavailable_reason"]

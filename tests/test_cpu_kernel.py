@@ -1,0 +1,168 @@
+"""The CPU backend's C decode kernel (``paged_jax.kernels.cpu``) against the f64 oracle.
+
+The kernel is compiled on first use with the machine's C compiler; where none is at hand
+``available()`` is False and these tests fail rather than skip, since CI and the README's
+test command run where ``cc`` exists: a silently unbuilt kernel would hide a regression.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from paged_cases import assert_close_to_oracle, covering_sample, make_case
+
+import paged_jax as pj
+from paged_jax import attention
+from paged_jax.kernels import cpu
+
+BATCH = [(1, 1), (1, 8), (1, 16), (1, 17), (1, 40), (1, 129)]
+GQA = [(4, 4), (8, 2), (6, 2), (8, 1)]  # groups of 1, 4, 3, 8
+OPTIONS = {
+    "plain": {},
+    "softcap": dict(soft_cap=2.5),
+    "window": dict(sliding_window=6),
+    "both": dict(sliding_window=11, soft_cap=4.0),
+}
+
+
+def test_kernel_builds_here():
+    assert cpu.available(), cpu.unavailable_reason()
+    assert cpu.unavailable_reason() == ""
+
+
+def _check(page, heads, d, dtype, opt, seed, threads=None):
+    case = make_case(
+        seed,
+        BATCH,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=d,
+        page_size=page,
+        dtype=jnp.dtype(dtype),
+        pad_seqs=0,
+        pad_tokens=0,
+        **OPTIONS[opt],
+    )
+    kw = dict(sm_scale=d**-0.5, **OPTIONS[opt])
+    # Two padding rows: kv_len 0 and a negative kv_len, NaN queries, tables on NaN pages.
+    pad = jnp.full((2,) + case.q.shape[1:], jnp.nan, case.q.dtype)
+    q = jnp.concatenate([case.q, pad])
+    lens = jnp.concatenate([case.kv_lens, jnp.array([0, -3], jnp.int32)])
+    table = jnp.concatenate([case.page_indices, case.page_indices[-2:]])
+    args = (q, case.kv_pages, lens, table)
+    ref = pj.reference.paged_attention(case.q, case.kv_pages, case.kv_lens, case.page_indices, **kw)
+    out = jax.jit(lambda *a: cpu.decode_paged_attention(*a, threads=threads, **kw))(*args)
+    assert out.dtype == case.q.dtype and out.shape == q.shape
+    np.testing.assert_array_equal(np.asarray(out[-2:], np.float32), 0.0)
+    assert_close_to_oracle(out[:-2], ref, case.expected, what=f"{page} {heads} {dtype} {opt}")
+    return out
+
+
+def _grid(num, seed):
+    full = list(itertools.product([8, 16], GQA, [64, 128], ["float32", "bfloat16"], OPTIONS))
+    return covering_sample(full, num, seed)
+
+
+@pytest.mark.parametrize("params", _grid(8, seed=21), ids=str)
+def test_decode_kernel(params):
+    _check(*params, seed=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", _grid(64, seed=22), ids=str)
+def test_decode_kernel_large_grid(params):
+    _check(*params, seed=1)
+
+
+def test_rows_do_not_depend_on_batch_or_threads():
+    """Each sequence is computed alone: bitwise the same alone, in a batch, on 1-3 threads."""
+    full = _check(16, (8, 2), 64, "float32", "plain", seed=3, threads=3)
+    for threads in (1, 2):
+        np.testing.assert_array_equal(
+            _check(16, (8, 2), 64, "float32", "plain", seed=3, threads=threads), full
+        )
+    case = make_case(
+        3, BATCH, num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16, pad_seqs=0, pad_tokens=0
+    )
+    alone = cpu.decode_paged_attention(
+        case.q[4:5], case.kv_pages, case.kv_lens[4:5], case.page_indices[4:5], sm_scale=0.125
+    )
+    np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(full[4]))
+
+
+def test_bad_page_ids_read_the_null_page():
+    """Ids outside the pool read page 0 (here zeros), never memory outside the pool."""
+    case = make_case(4, [(1, 20), (1, 9)], page_size=8, pad_seqs=0, pad_tokens=0)
+    pool = case.kv_pages.at[0].set(0.0)
+    table = case.page_indices.at[0, 1].set(10**6).at[1, 0].set(-5)
+    lens = case.kv_lens.at[1].set(10**6)  # past its table: clipped to the table's slots
+    args = (case.q, pool, lens, table)
+    out = cpu.decode_paged_attention(*args, sm_scale=0.25)
+    xla = attention._xla.paged_attention(
+        *args, sm_scale=0.25, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None
+    )
+    np.testing.assert_allclose(np.asarray(out), np.asarray(xla), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_picks_it_for_decode_and_xla_elsewhere(monkeypatch):
+    monkeypatch.delenv("PAGED_JAX_BACKEND", raising=False)
+    assert pj.available_backends("cpu") == ("cpu", "xla")
+    assert attention._auto("cpu") == "cpu"
+    assert attention._resolve("cpu", "decode") is cpu.decode_paged_attention
+    assert attention._resolve("cpu", "ragged") is None  # ragged steps run on XLA
+
+    calls = []
+
+    def fake(*a, **k):
+        calls.append(k)
+        return a[0] * 0
+
+    fake.__module__ = cpu.__name__  # how paged_jax.attention tells the backend of a kernel
+    monkeypatch.setattr(cpu, "decode_paged_attention", fake)
+    case = make_case(5, [(1, 9), (1, 3)], pad_seqs=0, pad_tokens=0)
+    args = (case.q, case.kv_pages, case.kv_lens, case.page_indices)
+    pj.paged_attention(*args, sm_scale=0.25, backend="cpu")
+    assert len(calls) == 1
+    # Batch-invariant steps and other dtypes stay on XLA (no call, a finite result).
+    out = pj.paged_attention(*args, sm_scale=0.25, backend="cpu", batch_invariant=True)
+    half = tuple(a.astype(jnp.float16) if a.dtype == jnp.float32 else a for a in args)
+    out16 = pj.paged_attention(*half, sm_scale=0.25, backend="cpu")
+    assert len(calls) == 1
+    assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(out16)).all()
+
+
+def test_boundary_errors():
+    case = make_case(6, [(1, 9)], pad_seqs=0, pad_tokens=0)
+    args = (case.q, case.kv_pages, case.kv_lens, case.page_indices)
+    with pytest.raises(ValueError, match="k_scale/v_scale"):
+        cpu.decode_paged_attention(*args, k_scale=0.5)
+    with pytest.raises(ValueError, match="q: expected float32 or bfloat16, got float16"):
+        cpu.decode_paged_attention(case.q.astype(jnp.float16), *args[1:])
+    with pytest.raises(ValueError, match="threads: expected a positive int"):
+        cpu.decode_paged_attention(*args, threads=0)
+
+
+def test_unavailable_kernel_leaves_auto_on_xla(monkeypatch):
+    monkeypatch.delenv("PAGED_JAX_BACKEND", raising=False)
+    monkeypatch.setattr(cpu, "_state", {"ok": False, "why": "no C compiler", "lib": None})
+    assert pj.available_backends("cpu") == ("xla",)
+    assert attention._auto("cpu") == "xla"
+    case = make_case(7, [(1, 9)], pad_seqs=0, pad_tokens=0)
+    args = (case.q, case.kv_pages, case.kv_lens, case.page_indices)
+    with pytest.raises(ValueError, match=r"backend='cpu'.*no C compiler"):
+        pj.paged_attention(*args, backend="cpu")
+    with pytest.raises(ValueError, match="not available: no C compiler"):
+        cpu.decode_paged_attention(*args)
+
+
+def test_failed_build_is_reported(monkeypatch, tmp_path):
+    """A compiler that fails leaves the kernel unavailable with the compiler's words."""
+    bad = tmp_path / "cc"
+    bad.write_text("#!/bin/sh\necho 'cc: broken toolchain' >&2\nexit 1\n")
+    bad.chmod(0o755)
+    monkeypatch.setenv("CC", str(bad))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    lib, why = cpu._build()
+    assert lib is None and "broken toolchain" in why
