@@ -418,7 +418,7 @@ def main(argv=None) -> int:
         "--backends",
         nargs="+",
         default=["auto"],
-        choices=["auto", "xla", "pallas_gpu", "pallas_tpu"],
+        choices=["auto", "xla", "pallas_gpu", "pallas_tpu", "cpu"],
     )
     ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument(

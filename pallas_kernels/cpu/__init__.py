@@ -32,7 +32,15 @@ import jax.numpy as jnp
 
 TARGET = "paged_jax_cpu_decode_attention"
 _SOURCE = pathlib.Path(__file__).with_name("decode.c")
-_FLAGS = ("-O3", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11")
+_FLAGS = (
+    "-O3",
+    "-std=c11",
+    "-ffp-contract=fast",
+    "-fno-math-errno",
+    "-fopenmp-simd",
+    "-shared",
+    "-fPIC",
+)
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool, "why": str, "lib": the loaded library (kept alive)
 
