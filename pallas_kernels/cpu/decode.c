@@ -31,7 +31,7 @@
 
 #include "xla/ffi/api/c_api.h"
 
-#define BLOCK 16 /* tokens whose scores are exponentiated together */
+#define PREFETCH_TOKENS 4 /* how far ahead the next tokens' rows are fetched */
 #define MAX_THREADS 64
 #define MAX_GROUP 64                     /* query heads per KV head */
 #define MIN_ELEMENTS_PER_THREAD (1 << 18) /* a thread only for at least this much K/V */
@@ -76,30 +76,6 @@ static inline float dot(const float *a, const float *b, int64_t n) {
   return s;
 }
 
-/* exp(x) for x <= 0 (the softmax's exponents), within 1.3 ulp of expf down to -87, where
- * it stops (1.6e-38: a weight no sum notices). Written out so that loops over it
- * vectorize: libm's expf does not without -ffast-math, which the running max's
- * -INFINITY rules out. 2^n * e^y, n = round(x / ln 2) (adding and removing 1.5 * 2^23
- * rounds to nearest), y = x - n ln 2 in two parts (Cody-Waite), e^y by its Taylor series
- * to degree 7 (|y| <= 0.35: the next term is below 6e-9). */
-static inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float y = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.0f / 5040.0f;
-  p = p * y + 1.0f / 720.0f;
-  p = p * y + 1.0f / 120.0f;
-  p = p * y + 1.0f / 24.0f;
-  p = p * y + 1.0f / 6.0f;
-  p = p * y + 0.5f;
-  p = p * y + 1.0f;
-  p = p * y + 1.0f;
-  const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n, n in [-126, 0] */
-  float scale;
-  memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 static inline int64_t clipped_len(const Job *j, int64_t b) {
   int64_t len = j->lens[b], slots = j->M * j->P;
   return len <= 0 ? 0 : (len < slots ? len : slots);
@@ -119,7 +95,7 @@ static void *run_rows(void *arg) {
   float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * H * D + D + 2 * H));
   if (!buf) return NULL; /* j->ok stays 0 */
   float *qf = buf, *acc = qf + H * D, *tmp = acc + H * D, *mx = tmp + D, *sum = mx + H;
-  float score[MAX_GROUP * BLOCK]; /* per query head of a KV head, per token of a block */
+  float score[MAX_GROUP];
 
   for (int64_t b = j->first; b < j->last; ++b) {
     const int64_t len = clipped_len(j, b);
@@ -131,50 +107,36 @@ static void *run_rows(void *arg) {
       mx[h] = -INFINITY;
       sum[h] = 0.0f;
     }
-    for (int64_t c0 = start; c0 < len; c0 += BLOCK) { /* BLOCK tokens at a time */
-      const int64_t n = len - c0 < BLOCK ? len - c0 : BLOCK;
-      int64_t row0[BLOCK]; /* each token's first row: [2K, D] of them, K and V per head */
-      for (int64_t t = 0; t < n; ++t) row0[t] = (page_of(j, b, c0 + t) * P + (c0 + t) % P) * K2;
-      for (int64_t t = c0 + BLOCK; t < len && t < c0 + 2 * BLOCK; ++t) { /* the next block */
-        const char *rows = (const char *)j->kv + (size_t)((page_of(j, b, t) * P + t % P) * K2 * D) * elem;
+    for (int64_t c = start; c < len; ++c) {
+      if (c + PREFETCH_TOKENS < len) {
+        const int64_t ahead = c + PREFETCH_TOKENS;
+        const char *rows = (const char *)j->kv +
+                           (size_t)((page_of(j, b, ahead) * P + ahead % P) * K2 * D) * elem;
         for (size_t o = 0; o < (size_t)(K2 * D) * elem; o += 64) __builtin_prefetch(rows + o);
       }
+      const int64_t row0 = (page_of(j, b, c) * P + c % P) * K2;
       for (int64_t k = 0; k < K; ++k) {
-        for (int64_t t = 0; t < n; ++t) { /* scores of the block's tokens */
-          const float *key = row_f32(j->kv, j->kv16, row0[t] + 2 * k, D, tmp);
-          for (int64_t g = 0; g < G; ++g) {
-            float s = dot(qf + (k * G + g) * D, key, D);
-            if (j->cap > 0.0f) s = j->cap * tanhf(s / j->cap);
-            score[g * BLOCK + t] = s;
-          }
+        const float *key = row_f32(j->kv, j->kv16, row0 + 2 * k, D, tmp);
+        for (int64_t g = 0; g < G; ++g) {
+          float s = dot(qf + (k * G + g) * D, key, D);
+          if (j->cap > 0.0f) s = j->cap * tanhf(s / j->cap);
+          score[g] = s;
         }
-        for (int64_t g = 0; g < G; ++g) { /* online softmax, one block at a time */
+        const float *value = row_f32(j->kv, j->kv16, row0 + 2 * k + 1, D, tmp);
+        for (int64_t g = 0; g < G; ++g) {
           const int64_t h = k * G + g;
-          float *sg = score + g * BLOCK, top = mx[h], total = 0.0f;
-          for (int64_t t = 0; t < n; ++t) top = sg[t] > top ? sg[t] : top;
-          if (top > mx[h]) { /* a new running max: rescale what was summed so far */
-            const float r = exp_nonpositive(mx[h] - top); /* 0 for the first block */
+          float *a = acc + h * D;
+          if (score[g] > mx[h]) { /* a new running max: rescale what was summed so far */
+            const float r = expf(mx[h] - score[g]);
             sum[h] *= r;
-            float *a = acc + h * D;
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) a[d] *= r;
-            mx[h] = top;
+            mx[h] = score[g];
           }
-#pragma omp simd reduction(+ : total)
-          for (int64_t t = 0; t < n; ++t) {
-            sg[t] = exp_nonpositive(sg[t] - top);
-            total += sg[t];
-          }
-          sum[h] += total;
-        }
-        for (int64_t t = 0; t < n; ++t) { /* weighted values */
-          const float *value = row_f32(j->kv, j->kv16, row0[t] + 2 * k + 1, D, tmp);
-          for (int64_t g = 0; g < G; ++g) {
-            float *a = acc + (k * G + g) * D;
-            const float w = score[g * BLOCK + t];
+          const float p = expf(score[g] - mx[h]);
+          sum[h] += p;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += w * value[d];
-          }
+          for (int64_t d = 0; d < D; ++d) a[d] += p * value[d];
         }
       }
     }
