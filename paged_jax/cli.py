@@ -187,6 +187,12 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="complete each step before scheduling the next (default: the next step is "
+        "scheduled while the device runs the current one)",
+    )
 
 
 def _parallel_flags(parser: argparse.ArgumentParser, *, processes: bool) -> None:
@@ -369,6 +375,7 @@ def _generate(args) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
             preemption=args.preemption,
+            async_scheduling=not args.no_async_scheduling,
             compilation_cache=(
                 False if args.compilation_cache == "off" else args.compilation_cache
             ),
@@ -518,6 +525,7 @@ def _serve(args) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             preemption=args.preemption,
             enable_prefix_caching=not args.no_prefix_caching,
+            async_scheduling=not args.no_async_scheduling,
             compilation_cache=False if args.compilation_cache == "off" else args.compilation_cache,
             mesh=mesh,
         )

@@ -90,6 +90,27 @@ def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys):
     assert capsys.readouterr().err == "paged-jax: interrupted\n"
 
 
+@pytest.mark.parametrize("flag,expected", [([], True), (["--no-async-scheduling"], False)])
+def test_async_scheduling_flag_reaches_the_engine(monkeypatch, capsys, flag, expected):
+    from paged_jax import cli
+    from paged_jax.engine import llm as llm_mod
+
+    seen = []
+    real = llm_mod.LLM.__init__
+
+    def init(self, *a, **kw):
+        seen.append(kw.get("async_scheduling"))
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(llm_mod.LLM, "__init__", init)
+    argv = ["generate", "--prompt", "hi", "--max-tokens", "2", "--json", "--no-progress"]
+    assert cli.main([*argv, *flag]) == 0
+    assert seen == [expected]
+    assert (
+        len(json.loads(capsys.readouterr().out)["outputs"][0]["completions"][0]["token_ids"]) == 2
+    )
+
+
 def test_sampling_errors_name_the_flag():
     from paged_jax import cli
 
