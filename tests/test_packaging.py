@@ -82,6 +82,23 @@ def test_distribution_claims_only_the_paged_jax_name():
     assert mapped == {"paged_jax.models": "models", "paged_jax.kernels": "pallas_kernels"}
 
 
+def test_the_wheel_carries_the_cpu_kernel_source(tmp_path):
+    """The CPU backend compiles ``decode.c`` from the installed package on first use."""
+    import zipfile
+
+    run = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+        + ["-w", str(tmp_path), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    (wheel,) = tmp_path.glob("paged_jax-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"paged_jax/kernels/cpu/__init__.py", "paged_jax/kernels/cpu/decode.c"} <= names
+
+
 def test_a_user_project_with_its_own_models_package(tmp_path):
     """A project with a ``models`` package of its own keeps it, and the library still finds
     its models and kernels (installed as paged_jax.models / paged_jax.kernels)."""
