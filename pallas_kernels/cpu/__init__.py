@@ -32,9 +32,9 @@ import jax.numpy as jnp
 
 TARGET = "paged_jax_cpu_decode_attention"
 _SOURCE = pathlib.Path(__file__).with_name("decode.c")
-# -ffp-contract=fast and -fno-math-errno made SmolLM2's engine run 8-17% slower (2-core
+# -ffp-contract=fast and -fno-math-errno made SmolLM2's engine run 7-17% slower (2-core
 # AMD EPYC, gcc 12.2, 2 A/B runs each); so did softmax blocks of 16 tokens with a
-# vectorized exp (17-27%), although a benchmark re-reading cached pages liked both.
+# vectorized exp (16-32%), although a benchmark re-reading cached pages liked both.
 _FLAGS = ("-O3", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11")
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool, "why": str, "lib": the loaded library (kept alive)
