@@ -180,6 +180,25 @@ def make_case(
     )
 
 
+def decode_case(
+    seed: int, seqs, page: int, heads: tuple[int, int], head_dim: int, dtype, **options
+):
+    """``make_case`` for a decode kernel's grid: ``heads = (H, K)``, no padding rows or
+    tokens; ``options`` (sliding window, soft cap) as ``make_case`` takes them."""
+    return make_case(
+        seed,
+        seqs,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        page_size=page,
+        dtype=jnp.dtype(dtype),
+        pad_seqs=0,
+        pad_tokens=0,
+        **options,
+    )
+
+
 def max_err(actual, expected, num_tokens: int | None = None) -> float:
     a = np.asarray(jnp.asarray(actual).astype(jnp.float32), np.float64)
     if num_tokens is not None:
