@@ -180,11 +180,9 @@ def make_case(
     )
 
 
-def decode_case(
-    seed: int, seqs, page: int, heads: tuple[int, int], head_dim: int, dtype, **options
-):
-    """``make_case`` for a decode kernel's grid: ``heads = (H, K)``, no padding rows or
-    tokens; ``options`` (sliding window, soft cap) as ``make_case`` takes them."""
+def kernel_case(seed: int, seqs, page: int, heads: tuple[int, int], head_dim: int, dtype, **kw):
+    """``make_case`` as the kernels' grids spell it: ``heads = (H, K)``, ``dtype`` a name
+    or dtype; ``kw`` (padding, sliding window, soft cap) goes to ``make_case``."""
     return make_case(
         seed,
         seqs,
@@ -193,9 +191,7 @@ def decode_case(
         head_dim=head_dim,
         page_size=page,
         dtype=jnp.dtype(dtype),
-        pad_seqs=0,
-        pad_tokens=0,
-        **options,
+        **kw,
     )
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_cases import assert_close_to_oracle, covering_sample, decode_case, make_case
+from paged_cases import assert_close_to_oracle, covering_sample, kernel_case, make_case
 
 import paged_jax as pj
 from paged_jax import attention
@@ -41,7 +41,7 @@ def test_kernel_builds_here():
 
 
 def _check(page, heads, d, dtype, opt, seed, threads=None):
-    case = decode_case(seed, BATCH, page, heads, d, dtype, **OPTIONS[opt])
+    case = kernel_case(seed, BATCH, page, heads, d, dtype, pad_seqs=0, pad_tokens=0, **OPTIONS[opt])
     kw = dict(sm_scale=d**-0.5, **OPTIONS[opt])
     # Two padding rows: kv_len 0 and a negative kv_len, NaN queries, tables on NaN pages.
     pad = jnp.full((2,) + case.q.shape[1:], jnp.nan, case.q.dtype)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_paged
-from paged_cases import assert_close_to_oracle, covering_sample, make_case, max_err
+from paged_cases import assert_close_to_oracle, covering_sample, kernel_case, make_case, max_err
 
 import paged_jax as pj
 from paged_jax.kernels.gpu import decode_paged_attention, ragged_paged_attention, tuning
@@ -47,17 +47,7 @@ def _id(p):
 
 
 def _case(seqs, page, heads, d, dtype, opt, seed, **kw):
-    return make_case(
-        seed,
-        seqs,
-        num_q_heads=heads[0],
-        num_kv_heads=heads[1],
-        head_dim=d,
-        page_size=page,
-        dtype=jnp.dtype(dtype),
-        **OPTIONS[opt],
-        **kw,
-    )
+    return kernel_case(seed, seqs, page, heads, d, dtype, **OPTIONS[opt], **kw)
 
 
 def _check_decode(params, seed):

@@ -11,7 +11,7 @@ from jax.experimental.pallas.ops.tpu.paged_attention import (
     paged_attention as jax_tpu_paged_attention,
 )
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as jax_ragged
-from paged_cases import assert_close_to_oracle, covering_sample, decode_case, make_case, max_err
+from paged_cases import assert_close_to_oracle, covering_sample, kernel_case, make_case, max_err
 
 import paged_jax as pj
 from paged_jax.kernels.tpu import decode_paged_attention, ragged_paged_attention
@@ -41,7 +41,7 @@ def _id(p):
 
 def _check(params, seed, **knobs):
     page, heads, d, dtype, opt = params
-    case = decode_case(seed, BATCH, page, heads, d, dtype, **OPTIONS[opt])
+    case = kernel_case(seed, BATCH, page, heads, d, dtype, pad_seqs=0, pad_tokens=0, **OPTIONS[opt])
     # A padding row (kv_len 0, NaN query) must come out 0 and read nothing.
     q = jnp.concatenate([case.q, jnp.full((1,) + case.q.shape[1:], jnp.nan, case.q.dtype)])
     lens = jnp.concatenate([case.kv_lens, jnp.zeros(1, jnp.int32)])
