@@ -245,10 +245,10 @@ def paged_attention(
         v_scale=v_scale,
     )
     if impl is not None and backend_of(impl) == "cpu":
-        # The C kernel reads f32/bf16 pools; a batch-invariant decode step must match what
-        # the same token gets in a ragged (XLA) step bit for bit.
+        # The C kernel reads f32/bf16 queries and pools without scales; a batch-invariant
+        # decode step must match what the same token gets in a ragged (XLA) step bit for bit.
         plain = k_scale is None and v_scale is None
-        floats = q.dtype in (jnp.float32, jnp.bfloat16) and kv_pages.dtype == q.dtype
+        floats = {q.dtype, kv_pages.dtype} <= {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
         if batch_invariant or not plain or not floats:
             impl = None
     if impl is None:

@@ -133,6 +133,9 @@ def test_auto_picks_it_for_decode_and_xla_elsewhere(monkeypatch):
     out16 = pj.paged_attention(*half, sm_scale=0.25, backend="cpu")
     assert len(calls) == 1
     assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(out16)).all()
+    # f32 queries on a bf16 pool: the kernel reads each dtype as it is.
+    pj.paged_attention(args[0], args[1].astype(jnp.bfloat16), *args[2:], sm_scale=0.25)
+    assert len(calls) == 2
 
 
 @needs_cc
