@@ -76,6 +76,29 @@ def test_decode_kernel_large_grid(params):
 
 
 @needs_cc
+@pytest.mark.parametrize(
+    "head_dim,dtype,q_dtype",
+    [(24, "float32", None), (24, "bfloat16", None), (48, "bfloat16", None)]
+    + [(48, "float32", None), (64, "bfloat16", "float32"), (128, "bfloat16", None)],
+)
+def test_each_code_path(head_dim, dtype, q_dtype):
+    """decode.c goes token by token for a head_dim off the 16-lane vectors (24) and on CPUs
+    without AVX-512, blocked otherwise; reads bf16 values 32 at a time when head_dim allows
+    (64, 128, not 48); and, with AVX512-BF16, multiplies bf16 q by bf16 keys directly (not
+    for f32 q)."""
+    opts = dict(sliding_window=21, soft_cap=4.0)
+    case = kernel_case(
+        8, BATCH, 16, (6, 2), head_dim, dtype, q_dtype=q_dtype, pad_seqs=0, pad_tokens=0, **opts
+    )
+    args = (case.q, case.kv_pages, case.kv_lens, case.page_indices)
+    kw = dict(sm_scale=head_dim**-0.5, **opts)
+    out = cpu.decode_paged_attention(*args, **kw)
+    assert out.dtype == case.q.dtype
+    ref = pj.reference.paged_attention(*args, **kw)
+    assert_close_to_oracle(out, ref, case.expected, what=f"{head_dim} {dtype} q {q_dtype}")
+
+
+@needs_cc
 def test_rows_do_not_depend_on_batch_or_threads():
     """Each sequence is computed alone: bitwise the same alone, in a batch, on 1-3 threads."""
     full = _check(16, (8, 2), 64, "float32", "plain", seed=3, threads=3)
