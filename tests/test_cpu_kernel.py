@@ -78,14 +78,14 @@ def test_decode_kernel_large_grid(params):
 @needs_cc
 @pytest.mark.parametrize(
     "head_dim,dtype,q_dtype",
-    [(24, "float32", None), (24, "bfloat16", None), (48, "bfloat16", None)]
+    [(20, "float32", None), (24, "bfloat16", None), (48, "bfloat16", None)]
     + [(48, "float32", None), (64, "bfloat16", "float32"), (128, "bfloat16", None)],
 )
 def test_each_code_path(head_dim, dtype, q_dtype):
-    """decode.c goes token by token for a head_dim off the 16-lane vectors (24) and on CPUs
-    without AVX-512, blocked otherwise; reads bf16 values 32 at a time when head_dim allows
-    (64, 128, not 48); and, with AVX512-BF16, multiplies bf16 q by bf16 keys directly (not
-    for f32 q)."""
+    """decode.c goes token by token for a head_dim off the vector lanes (20; 24 with
+    AVX-512's 16 lanes, not AVX2's 8) and on CPUs without AVX2, blocked otherwise; reads
+    bf16 values two vectors at a time when head_dim allows (64, 128; 48 only with 8
+    lanes); and, with AVX512-BF16, multiplies bf16 q by bf16 keys directly (not f32 q)."""
     opts = dict(sliding_window=21, soft_cap=4.0)
     case = kernel_case(
         8, BATCH, 16, (6, 2), head_dim, dtype, q_dtype=q_dtype, pad_seqs=0, pad_tokens=0, **opts

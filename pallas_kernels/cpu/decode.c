@@ -16,18 +16,18 @@
  *
  * The work, per sequence, with an online softmax per query head in f32 (the running max,
  * the sum of exponentials and the weighted values, rescaled when the max grows):
- *   - run_blocked (CPUs with AVX-512 and D a multiple of 16): BLOCK = 16 tokens at a
- *     time, in two passes. The first reads the block's rows in memory order (and
- *     prefetches the next block's keys) and keeps per query head and token a vector of
- *     16 partial sums of the score (on CPUs with AVX512-BF16, bf16 q and keys multiply in
- *     pairs without conversion); one transposing reduction per head gives the block's 16
- *     scores, the running max moves once per block and the 16 exponentials are taken
- *     together. The second pass adds the weighted values from rows now in cache (and
- *     prefetches the next block's values), with the sums of up to four query heads in
- *     registers; bf16 values are read 32 at a time as even and odd halves, which is why
- *     those sums are kept in a permuted order until the end.
- *   - run_rows (any D, any CPU): token by token, one exponential each. Built for AVX2,
- *     run_blocked spilled its 16-lane vectors and ran 6x slower than this.
+ *   - run_blocked (x86 CPUs with AVX2 or AVX-512, D a multiple of LANES, the f32 lanes of
+ *     one register: 8 or 16): BLOCK = LANES tokens at a time, in two passes. The first
+ *     reads the block's rows in memory order (and prefetches the next block's keys) and
+ *     keeps per query head and token a vector of partial sums of the score (with
+ *     AVX512-BF16, bf16 q and keys multiply in pairs without conversion); one transposing
+ *     reduction per head gives the block's scores, the running max moves once per block
+ *     and the block's exponentials are one vector. The second pass adds the weighted
+ *     values from rows now in cache (and prefetches the next block's values), with the
+ *     sums of up to four query heads in registers; bf16 values are read 2 * LANES at a
+ *     time as even and odd halves, which is why those sums are kept in a permuted order
+ *     until the end.
+ *   - run_rows (any D, any CPU): token by token, one exponential each.
  * A token's K and V rows for all heads are adjacent (2K * D elements), so both read every
  * page front to back; the rows ahead are prefetched, since a page boundary jumps to an
  * unrelated address. Sequences are split over `threads` threads in contiguous runs of
@@ -91,40 +91,48 @@ static inline float dot(const float *a, const float *b, int64_t n) {
   return s;
 }
 
-/* The blocked path: vectors of 16 f32 lanes in GCC/clang vector extensions, which the
- * compiler maps to the machine's SIMD registers (one AVX-512 register, two AVX ones, four
- * NEON ones). */
-#define BLOCK 16 /* tokens per softmax block: one lane each */
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
+#if defined(__AVX512F__) || defined(__AVX2__) /* the blocked path: x86 with AVX2 or more */
+#define HAVE_BLOCKED 1
+/* The blocked path: vectors of LANES f32 lanes in GCC/clang vector extensions, one
+ * machine register each: 16 with AVX-512, 8 with AVX2. BLOCK tokens (one a lane) share a
+ * softmax step. */
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+#define BLOCK LANES
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
+typedef uint16_t vh __attribute__((vector_size(2 * LANES)));
 
 #if defined(__clang__) || __GNUC__ >= 12
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
 #endif
 
-static inline v16f load_f32(const float *p) {
-  v16f v;
+static inline vf load_f32(const float *p) {
+  vf v;
   memcpy(&v, p, sizeof v);
   return v;
 }
 
-static inline v16f load_bf16(const uint16_t *p) {
-  v16h h;
+static inline vf load_bf16(const uint16_t *p) {
+  vh h;
   memcpy(&h, p, sizeof h);
-  return (v16f)(__builtin_convertvector(h, v16u) << 16);
+  return (vf)(__builtin_convertvector(h, vu) << 16);
 }
 
-static inline v16f load_row(const void *base, int bf16, size_t at) {
+static inline vf load_row(const void *base, int bf16, size_t at) {
   return bf16 ? load_bf16((const uint16_t *)base + at) : load_f32((const float *)base + at);
 }
 
-/* Lane t of the result: the sum of a[t]'s 16 lanes, for 16 vectors a. A transposing
+/* Lane t of the result: the sum of a[t]'s lanes, for LANES vectors a. A transposing
  * reduction: each step adds two vectors' lanes in pairs and packs the two halves into one
- * vector, so 16 sums take 30 shuffles and 15 adds. */
+ * vector (16 lanes: 30 shuffles and 15 adds for 16 sums). */
+#if LANES == 16
 #define PAIRS_8A 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
 #define PAIRS_8B 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
 #define PAIRS_4A 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
@@ -133,10 +141,23 @@ static inline v16f load_row(const void *base, int bf16, size_t at) {
 #define PAIRS_2B 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
 #define PAIRS_1A 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
 #define PAIRS_1B 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+#else
+#define PAIRS_4A 0, 1, 2, 3, 8, 9, 10, 11
+#define PAIRS_4B 4, 5, 6, 7, 12, 13, 14, 15
+#define PAIRS_2A 0, 1, 4, 5, 8, 9, 12, 13
+#define PAIRS_2B 2, 3, 6, 7, 10, 11, 14, 15
+#define PAIRS_1A 0, 2, 4, 6, 8, 10, 12, 14
+#define PAIRS_1B 1, 3, 5, 7, 9, 11, 13, 15
+#endif
 #define FOLD(a, b, n) (SHUFFLE(a, b, PAIRS_##n##A) + SHUFFLE(a, b, PAIRS_##n##B))
-static inline v16f sum_lanes(const v16f *a) {
-  v16f x[8], y[4], z[2];
+static inline vf sum_lanes(const vf *a) {
+  vf y[4], z[2];
+#if LANES == 16
+  vf x[8];
   for (int i = 0; i < 8; ++i) x[i] = FOLD(a[2 * i], a[2 * i + 1], 8);
+#else
+  const vf *x = a;
+#endif
   for (int i = 0; i < 4; ++i) y[i] = FOLD(x[2 * i], x[2 * i + 1], 4);
   for (int i = 0; i < 2; ++i) z[i] = FOLD(y[2 * i], y[2 * i + 1], 2);
   return FOLD(z[0], z[1], 1);
@@ -147,21 +168,23 @@ static inline v16f sum_lanes(const v16f *a) {
  * -inf; NaN stays NaN. 2^n e^y with n = round(x / ln 2) (adding
  * and removing 1.5 * 2^23 rounds to nearest), y = x - n ln 2 in two parts (Cody-Waite),
  * e^y by its Taylor series to degree 7 (|y| <= 0.35: the next term is below 6e-9). */
-static inline v16f exp_nonpositive(v16f x) {
-  const v16i small = x < -87.0f;
-  x = (v16f)(((v16i)x & ~small) | ((v16i)((v16f){} - 87.0f) & small));
-  const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const v16f y = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  v16f p = y * (1.0f / 5040.0f) + 1.0f / 720.0f;
+static inline vf exp_nonpositive(vf x) {
+  const vi small = x < -87.0f;
+  x = (vf)(((vi)x & ~small) | ((vi)((vf){} - 87.0f) & small));
+  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const vf y = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  vf p = y * (1.0f / 5040.0f) + 1.0f / 720.0f;
   p = p * y + 1.0f / 120.0f;
   p = p * y + 1.0f / 24.0f;
   p = p * y + 1.0f / 6.0f;
   p = p * y + 0.5f;
   p = p * y + 1.0f;
   p = p * y + 1.0f;
-  const v16f scale = (v16f)((v16u)(__builtin_convertvector(n, v16i) + 127) << 23); /* 2^n */
-  return (v16f)((v16i)(p * scale) & ~small);
+  const vf scale = (vf)((vu)(__builtin_convertvector(n, vi) + 127) << 23); /* 2^n */
+  return (vf)((vi)(p * scale) & ~small);
 }
+
+#endif
 
 static inline int64_t clipped_len(const Job *j, int64_t b) {
   int64_t len = j->lens[b], slots = j->M * j->P;
@@ -243,6 +266,7 @@ static void *run_rows(void *arg) {
   return NULL;
 }
 
+#if HAVE_BLOCKED
 static inline void prefetch_row(const Job *j, int64_t row) {
   const size_t bytes = (size_t)j->D * (j->kv16 ? 2 : 4);
   const char *at = (const char *)j->kv + (size_t)row * bytes;
@@ -251,22 +275,22 @@ static inline void prefetch_row(const Job *j, int64_t row) {
 
 /* The weighted values of KV head k for query heads [h0, h0 + ng): the running sums of up
  * to four heads stay in registers while the block's value rows (in cache since the first
- * pass) are added in, 16 lanes at a time. */
+ * pass) are added in, LANES at a time. */
 static inline __attribute__((always_inline)) void add_values(
     const Job *j, float *acc, const float *w, const int64_t *row, int64_t n, int64_t k,
     int64_t h0, const int ng) {
   const int64_t D = j->D;
-  if (j->kv16 && D % 32 == 0) { /* 32 values a load: even ones in acc[c, c+16), odd after */
-    for (int64_t c = 0; c < D; c += 32) {
-      v16f e[4], o[4];
+  if (j->kv16 && D % (2 * LANES) == 0) { /* 2 LANES values a load: even ones first */
+    for (int64_t c = 0; c < D; c += 2 * LANES) {
+      vf e[4], o[4];
       for (int i = 0; i < ng; ++i) {
         e[i] = load_f32(acc + (h0 + i) * D + c);
-        o[i] = load_f32(acc + (h0 + i) * D + c + 16);
+        o[i] = load_f32(acc + (h0 + i) * D + c + LANES);
       }
       for (int64_t t = 0; t < n; ++t) {
-        v16u u;
+        vu u;
         memcpy(&u, (const uint16_t *)j->kv + (size_t)(row[t] + 2 * k + 1) * D + c, sizeof u);
-        const v16f even = (v16f)(u << 16), odd = (v16f)(u & 0xffff0000u);
+        const vf even = (vf)(u << 16), odd = (vf)(u & 0xffff0000u);
         for (int i = 0; i < ng; ++i) {
           e[i] += w[(h0 + i) * BLOCK + t] * even;
           o[i] += w[(h0 + i) * BLOCK + t] * odd;
@@ -274,34 +298,34 @@ static inline __attribute__((always_inline)) void add_values(
       }
       for (int i = 0; i < ng; ++i) {
         memcpy(acc + (h0 + i) * D + c, &e[i], sizeof e[i]);
-        memcpy(acc + (h0 + i) * D + c + 16, &o[i], sizeof o[i]);
+        memcpy(acc + (h0 + i) * D + c + LANES, &o[i], sizeof o[i]);
       }
     }
     return;
   }
-  for (int64_t c = 0; c < D; c += 16) {
-    v16f a[4];
+  for (int64_t c = 0; c < D; c += LANES) {
+    vf a[4];
     for (int i = 0; i < ng; ++i) a[i] = load_f32(acc + (h0 + i) * D + c);
     for (int64_t t = 0; t < n; ++t) {
-      const v16f v = load_row(j->kv, j->kv16, (size_t)(row[t] + 2 * k + 1) * D + c);
+      const vf v = load_row(j->kv, j->kv16, (size_t)(row[t] + 2 * k + 1) * D + c);
       for (int i = 0; i < ng; ++i) a[i] += w[(h0 + i) * BLOCK + t] * v;
     }
     for (int i = 0; i < ng; ++i) memcpy(acc + (h0 + i) * D + c, &a[i], sizeof a[i]);
   }
 }
 
-/* The blocked path, for D a multiple of 16 (see the top of the file); the same result as
+/* The blocked path, for D a multiple of LANES (see the top of the file); the same result as
  * run_rows up to rounding. */
 static void *run_blocked(void *arg) {
   Job *j = (Job *)arg;
   const int64_t H = j->H, D = j->D, P = j->P, K = j->K, K2 = 2 * K, G = H / K;
   /* partial scores [H][BLOCK] (vectors), q scaled to f32 [H][D], the running sums
    * [H][D], weights [H][BLOCK], a converted key row [D], max and sum [H] */
-  const size_t floats = (size_t)(H * BLOCK * 16 + 2 * H * D + H * BLOCK + D + 2 * H);
+  const size_t floats = (size_t)(H * BLOCK * LANES + 2 * H * D + H * BLOCK + D + 2 * H);
   float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
   if (!buf) return NULL; /* j->ok stays 0 */
-  v16f *part = (v16f *)buf;
-  float *qf = buf + H * BLOCK * 16, *acc = qf + H * D, *w = acc + H * D, *tmp = w + H * BLOCK,
+  vf *part = (vf *)buf;
+  float *qf = buf + H * BLOCK * LANES, *acc = qf + H * D, *w = acc + H * D, *tmp = w + H * BLOCK,
         *mx = tmp + D, *sum = mx + H;
 
 #if defined(__AVX512BF16__)
@@ -338,7 +362,7 @@ static void *run_blocked(void *arg) {
         for (int64_t k = 0; k < K; ++k) {
           if (t < n2) prefetch_row(j, next[t] + 2 * k);
           if (t >= n) {
-            for (int64_t h = k * G; h < (k + 1) * G; ++h) part[h * BLOCK + t] = (v16f){};
+            for (int64_t h = k * G; h < (k + 1) * G; ++h) part[h * BLOCK + t] = (vf){};
             continue;
           }
 #if defined(__AVX512BF16__)
@@ -356,14 +380,15 @@ static void *run_blocked(void *arg) {
 #endif
           const float *key = row_f32(j->kv, j->kv16, row[t] + 2 * k, D, tmp);
           for (int64_t h = k * G; h < (k + 1) * G; ++h) {
-            v16f a = load_f32(qf + h * D) * load_f32(key);
-            for (int64_t c = 16; c < D; c += 16) a += load_f32(qf + h * D + c) * load_f32(key + c);
+            vf a = load_f32(qf + h * D) * load_f32(key);
+            for (int64_t c = LANES; c < D; c += LANES)
+              a += load_f32(qf + h * D + c) * load_f32(key + c);
             part[h * BLOCK + t] = a;
           }
         }
       }
       for (int64_t h = 0; h < H; ++h) { /* the block's scores and weights, per head */
-        v16f s = sum_lanes(part + h * BLOCK);
+        vf s = sum_lanes(part + h * BLOCK);
         if (dp) s *= j->scale;
         if (j->cap > 0.0f)
           for (int64_t t = 0; t < n; ++t) s[t] = j->cap * tanhf(s[t] / j->cap);
@@ -373,13 +398,13 @@ static void *run_blocked(void *arg) {
         if (top > mx[h]) { /* a new running max: rescale what was summed so far */
           const float r = expf(mx[h] - top);
           sum[h] *= r;
-          for (int64_t c = 0; c < D; c += 16) {
-            const v16f a = load_f32(acc + h * D + c) * r;
+          for (int64_t c = 0; c < D; c += LANES) {
+            const vf a = load_f32(acc + h * D + c) * r;
             memcpy(acc + h * D + c, &a, sizeof a);
           }
           mx[h] = top;
         }
-        const v16f p = exp_nonpositive(s - mx[h]);
+        const vf p = exp_nonpositive(s - mx[h]);
         float total = 0.0f;
         for (int t = 0; t < BLOCK; ++t) total += p[t];
         sum[h] += total;
@@ -401,12 +426,12 @@ static void *run_blocked(void *arg) {
       const float inv = sum[h] > 0.0f ? 1.0f / sum[h] : 0.0f;
       for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= inv;
     }
-    if (j->kv16 && D % 32 == 0) /* back to d order (add_values keeps even d, then odd) */
+    if (j->kv16 && D % (2 * LANES) == 0) /* back to d order (see add_values) */
       for (int64_t h = 0; h < H; ++h)
-        for (int64_t c = 0; c < D; c += 32) {
+        for (int64_t c = 0; c < D; c += 2 * LANES) {
           float *a = acc + h * D + c;
-          for (int d = 0; d < 32; ++d) tmp[d] = a[(d & 1) * 16 + d / 2];
-          memcpy(a, tmp, 32 * sizeof(float));
+          for (int d = 0; d < 2 * LANES; ++d) tmp[d] = a[(d & 1) * LANES + d / 2];
+          memcpy(a, tmp, 2 * LANES * sizeof(float));
         }
     if (j->q16) {
       uint16_t *o = (uint16_t *)j->out + b * H * D;
@@ -419,6 +444,8 @@ static void *run_blocked(void *arg) {
   j->ok = 1;
   return NULL;
 }
+
+#endif
 
 static XLA_FFI_Error *fail(const XLA_FFI_CallFrame *frame, const char *msg) {
   XLA_FFI_Error_Create_Args args;
@@ -480,8 +507,8 @@ XLA_FFI_Error *PagedJaxDecodeAttention(XLA_FFI_CallFrame *frame) {
   if (threads > MAX_THREADS) threads = MAX_THREADS;
   if (threads < 1) threads = 1;
 
-#if defined(__AVX512F__) /* built for 16-lane registers; with 8 lanes (AVX2) its vectors */
-  void *(*run)(void *) = D % 16 == 0 ? run_blocked : run_rows; /* spill: 6x slower */
+#if HAVE_BLOCKED
+  void *(*run)(void *) = D % LANES == 0 ? run_blocked : run_rows;
 #else
   void *(*run)(void *) = run_rows;
 #endif
