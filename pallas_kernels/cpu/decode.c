@@ -197,6 +197,36 @@ static inline int64_t page_of(const Job *j, int64_t b, int64_t c) {
   return (page < 0 || page >= j->N) ? 0 : page;
 }
 
+/* Sequence b's starting state: q scaled to f32 in qf [H, D], acc [H, D] zero, the running
+ * max -inf and sum 0 per head. */
+static void start_row(const Job *j, int64_t b, float *qf, float *acc, float *mx, float *sum,
+                      float *tmp) {
+  const int64_t H = j->H, D = j->D;
+  memset(acc, 0, sizeof(float) * (size_t)(H * D));
+  for (int64_t h = 0; h < H; ++h) {
+    const float *r = row_f32(j->q, j->q16, b * H + h, D, tmp);
+    for (int64_t d = 0; d < D; ++d) qf[h * D + d] = r[d] * j->scale;
+    mx[h] = -INFINITY;
+    sum[h] = 0.0f;
+  }
+}
+
+/* Divides each head's weighted values by its sum of exponentials (0 for a row with no
+ * keys) and writes sequence b's output in q's dtype. */
+static void finish_row(const Job *j, int64_t b, float *acc, const float *sum) {
+  const int64_t H = j->H, D = j->D;
+  for (int64_t h = 0; h < H; ++h) {
+    const float inv = sum[h] > 0.0f ? 1.0f / sum[h] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= inv;
+  }
+  if (j->q16) {
+    uint16_t *o = (uint16_t *)j->out + b * H * D;
+    for (int64_t i = 0; i < H * D; ++i) o[i] = f32_to_bf16(acc[i]);
+  } else {
+    memcpy((float *)j->out + b * H * D, acc, sizeof(float) * (size_t)(H * D));
+  }
+}
+
 static void *run_rows(void *arg) {
   Job *j = (Job *)arg;
   const int64_t H = j->H, D = j->D, P = j->P, K = j->K, K2 = 2 * K, G = H / K;
@@ -210,13 +240,7 @@ static void *run_rows(void *arg) {
   for (int64_t b = j->first; b < j->last; ++b) {
     const int64_t len = clipped_len(j, b);
     const int64_t start = (j->window > 0 && len > j->window) ? len - j->window : 0;
-    memset(acc, 0, sizeof(float) * (size_t)(H * D));
-    for (int64_t h = 0; h < H; ++h) {
-      const float *r = row_f32(j->q, j->q16, b * H + h, D, tmp);
-      for (int64_t d = 0; d < D; ++d) qf[h * D + d] = r[d] * j->scale;
-      mx[h] = -INFINITY;
-      sum[h] = 0.0f;
-    }
+    start_row(j, b, qf, acc, mx, sum, tmp);
     for (int64_t c = start; c < len; ++c) {
       if (c + PREFETCH_TOKENS < len) {
         const int64_t ahead = c + PREFETCH_TOKENS;
@@ -250,16 +274,7 @@ static void *run_rows(void *arg) {
         }
       }
     }
-    for (int64_t h = 0; h < H; ++h) {
-      const float inv = sum[h] > 0.0f ? 1.0f / sum[h] : 0.0f;
-      for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= inv;
-    }
-    if (j->q16) {
-      uint16_t *o = (uint16_t *)j->out + b * H * D;
-      for (int64_t i = 0; i < H * D; ++i) o[i] = f32_to_bf16(acc[i]);
-    } else {
-      memcpy((float *)j->out + b * H * D, acc, sizeof(float) * (size_t)(H * D));
-    }
+    finish_row(j, b, acc, sum);
   }
   free(buf);
   j->ok = 1;
@@ -339,13 +354,7 @@ static void *run_blocked(void *arg) {
 #if defined(__AVX512BF16__)
     const uint16_t *qh = (const uint16_t *)j->q + b * H * D; /* q as it came, for dp */
 #endif
-    memset(acc, 0, sizeof(float) * (size_t)(H * D));
-    for (int64_t h = 0; h < H; ++h) {
-      const float *r = row_f32(j->q, j->q16, b * H + h, D, tmp);
-      for (int64_t d = 0; d < D; ++d) qf[h * D + d] = r[d] * j->scale;
-      mx[h] = -INFINITY;
-      sum[h] = 0.0f;
-    }
+    start_row(j, b, qf, acc, mx, sum, tmp);
     for (int64_t c0 = start; c0 < len; c0 += BLOCK) {
       const int64_t n = len - c0 < BLOCK ? len - c0 : BLOCK;
       int64_t row[BLOCK]; /* each token's first row (its KV head 0 key) in kv_pages */
@@ -422,10 +431,6 @@ static void *run_blocked(void *arg) {
         }
       }
     }
-    for (int64_t h = 0; h < H; ++h) {
-      const float inv = sum[h] > 0.0f ? 1.0f / sum[h] : 0.0f;
-      for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= inv;
-    }
     if (j->kv16 && D % (2 * LANES) == 0) /* back to d order (see add_values) */
       for (int64_t h = 0; h < H; ++h)
         for (int64_t c = 0; c < D; c += 2 * LANES) {
@@ -433,12 +438,7 @@ static void *run_blocked(void *arg) {
           for (int d = 0; d < 2 * LANES; ++d) tmp[d] = a[(d & 1) * LANES + d / 2];
           memcpy(a, tmp, 2 * LANES * sizeof(float));
         }
-    if (j->q16) {
-      uint16_t *o = (uint16_t *)j->out + b * H * D;
-      for (int64_t i = 0; i < H * D; ++i) o[i] = f32_to_bf16(acc[i]);
-    } else {
-      memcpy((float *)j->out + b * H * D, acc, sizeof(float) * (size_t)(H * D));
-    }
+    finish_row(j, b, acc, sum);
   }
   free(buf);
   j->ok = 1;
