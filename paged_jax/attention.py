@@ -107,7 +107,7 @@ def _resolve(backend: str, kind: str) -> Callable | None:
                 f"backend='cpu': the CPU kernel is not available here ({cpu.unavailable_reason()});"
                 " use backend='xla' or 'auto'"
             )
-        return cpu.decode_paged_attention if kind == "decode" else None
+        return _pallas_impl(backend, kind)  # None for ragged steps: they run on XLA
     impl = _pallas_impl(backend, kind)
     if impl is None:
         raise NotImplementedError(

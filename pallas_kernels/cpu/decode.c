@@ -165,9 +165,9 @@ static inline vf sum_lanes(const vf *a) {
 
 /* exp(x) lane by lane for x <= 0 (the softmax's exponents): within 1 ulp of exp on
  * [-87, 0] (every float there checked, built with this file's flags), 0 below and for
- * -inf; NaN stays NaN. 2^n e^y with n = round(x / ln 2) (adding
- * and removing 1.5 * 2^23 rounds to nearest), y = x - n ln 2 in two parts (Cody-Waite),
- * e^y by its Taylor series to degree 7 (|y| <= 0.35: the next term is below 6e-9). */
+ * -inf; NaN stays NaN. 2^n e^y with n = round(x / ln 2) (adding and removing 1.5 * 2^23
+ * rounds to nearest), y = x - n ln 2 in two parts (Cody-Waite), e^y by its Taylor series
+ * to degree 7 (|y| <= 0.35: the next term is below 6e-9). */
 static inline vf exp_nonpositive(vf x) {
   const vi small = x < -87.0f;
   x = (vf)(((vi)x & ~small) | ((vi)((vf){} - 87.0f) & small));
@@ -195,6 +195,19 @@ static inline int64_t clipped_len(const Job *j, int64_t b) {
 static inline int64_t page_of(const Job *j, int64_t b, int64_t c) {
   int64_t page = j->tables[b * j->M + c / j->P];
   return (page < 0 || page >= j->N) ? 0 : page;
+}
+
+/* Token c of sequence b's first row in kv_pages (its KV head 0 key); head k's key is
+ * row + 2k, its value row + 2k + 1. */
+static inline int64_t token_row(const Job *j, int64_t b, int64_t c) {
+  return (page_of(j, b, c) * j->P + c % j->P) * 2 * j->K;
+}
+
+/* Fetches `count` rows from `row` on into the cache ahead of their use. */
+static inline void prefetch_rows(const Job *j, int64_t row, int64_t count) {
+  const size_t bytes = (size_t)j->D * (j->kv16 ? 2 : 4);
+  const char *at = (const char *)j->kv + (size_t)row * bytes;
+  for (size_t o = 0; o < (size_t)count * bytes; o += 64) __builtin_prefetch(at + o);
 }
 
 /* Sequence b's starting state: q scaled to f32 in qf [H, D], acc [H, D] zero, the running
@@ -229,8 +242,7 @@ static void finish_row(const Job *j, int64_t b, float *acc, const float *sum) {
 
 static void *run_rows(void *arg) {
   Job *j = (Job *)arg;
-  const int64_t H = j->H, D = j->D, P = j->P, K = j->K, K2 = 2 * K, G = H / K;
-  const size_t elem = j->kv16 ? 2 : 4;
+  const int64_t H = j->H, D = j->D, K = j->K, G = H / K;
   /* q scaled to f32, the running sums per query head, a bf16 conversion row */
   float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * H * D + D + 2 * H));
   if (!buf) return NULL; /* j->ok stays 0 */
@@ -242,13 +254,8 @@ static void *run_rows(void *arg) {
     const int64_t start = (j->window > 0 && len > j->window) ? len - j->window : 0;
     start_row(j, b, qf, acc, mx, sum, tmp);
     for (int64_t c = start; c < len; ++c) {
-      if (c + PREFETCH_TOKENS < len) {
-        const int64_t ahead = c + PREFETCH_TOKENS;
-        const char *rows = (const char *)j->kv +
-                           (size_t)((page_of(j, b, ahead) * P + ahead % P) * K2 * D) * elem;
-        for (size_t o = 0; o < (size_t)(K2 * D) * elem; o += 64) __builtin_prefetch(rows + o);
-      }
-      const int64_t row0 = (page_of(j, b, c) * P + c % P) * K2;
+      if (c + PREFETCH_TOKENS < len) prefetch_rows(j, token_row(j, b, c + PREFETCH_TOKENS), 2 * K);
+      const int64_t row0 = token_row(j, b, c);
       for (int64_t k = 0; k < K; ++k) {
         const float *key = row_f32(j->kv, j->kv16, row0 + 2 * k, D, tmp);
         for (int64_t g = 0; g < G; ++g) {
@@ -282,12 +289,6 @@ static void *run_rows(void *arg) {
 }
 
 #if HAVE_BLOCKED
-static inline void prefetch_row(const Job *j, int64_t row) {
-  const size_t bytes = (size_t)j->D * (j->kv16 ? 2 : 4);
-  const char *at = (const char *)j->kv + (size_t)row * bytes;
-  for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(at + o);
-}
-
 /* The weighted values of KV head k for query heads [h0, h0 + ng): the running sums of up
  * to four heads stay in registers while the block's value rows (in cache since the first
  * pass) are added in, LANES at a time. */
@@ -333,7 +334,7 @@ static inline __attribute__((always_inline)) void add_values(
  * run_rows up to rounding. */
 static void *run_blocked(void *arg) {
   Job *j = (Job *)arg;
-  const int64_t H = j->H, D = j->D, P = j->P, K = j->K, K2 = 2 * K, G = H / K;
+  const int64_t H = j->H, D = j->D, K = j->K, G = H / K;
   /* partial scores [H][BLOCK] (vectors), q scaled to f32 [H][D], the running sums
    * [H][D], weights [H][BLOCK], a converted key row [D], max and sum [H] */
   const size_t floats = (size_t)(H * BLOCK * LANES + 2 * H * D + H * BLOCK + D + 2 * H);
@@ -355,21 +356,19 @@ static void *run_blocked(void *arg) {
     const uint16_t *qh = (const uint16_t *)j->q + b * H * D; /* q as it came, for dp */
 #endif
     start_row(j, b, qf, acc, mx, sum, tmp);
+    int64_t row[BLOCK], next[BLOCK]; /* token_row of this block's tokens, of the next's */
+    for (int64_t t = 0; t < BLOCK && start + t < len; ++t) row[t] = token_row(j, b, start + t);
     for (int64_t c0 = start; c0 < len; c0 += BLOCK) {
       const int64_t n = len - c0 < BLOCK ? len - c0 : BLOCK;
-      int64_t row[BLOCK]; /* each token's first row (its KV head 0 key) in kv_pages */
-      for (int64_t t = 0; t < n; ++t) row[t] = (page_of(j, b, c0 + t) * P + (c0 + t) % P) * K2;
       /* The next block's rows are fetched while this one is computed: its keys during the
        * first pass, its values during the second. Fetching them all at once stalled the
        * first pass on the memory system and left it idle in the second (61 ms against 51
        * at 64 x 4k bf16). */
-      int64_t next[BLOCK];
       const int64_t after = len - (c0 + BLOCK), n2 = after < 0 ? 0 : after < BLOCK ? after : BLOCK;
-      for (int64_t t = 0; t < n2; ++t)
-        next[t] = (page_of(j, b, c0 + BLOCK + t) * P + (c0 + BLOCK + t) % P) * K2;
+      for (int64_t t = 0; t < n2; ++t) next[t] = token_row(j, b, c0 + BLOCK + t);
       for (int64_t t = 0; t < BLOCK; ++t) { /* pass 1: partial scores, rows in order */
         for (int64_t k = 0; k < K; ++k) {
-          if (t < n2) prefetch_row(j, next[t] + 2 * k);
+          if (t < n2) prefetch_rows(j, next[t] + 2 * k, 1);
           if (t >= n) {
             for (int64_t h = k * G; h < (k + 1) * G; ++h) part[h * BLOCK + t] = (vf){};
             continue;
@@ -420,7 +419,7 @@ static void *run_blocked(void *arg) {
         memcpy(w + h * BLOCK, &p, sizeof p);
       }
       for (int64_t k = 0; k < K; ++k) { /* pass 2: weighted values, rows now in cache */
-        for (int64_t t = 0; t < n2; ++t) prefetch_row(j, next[t] + 2 * k + 1);
+        for (int64_t t = 0; t < n2; ++t) prefetch_rows(j, next[t] + 2 * k + 1, 1);
         for (int64_t h0 = k * G; h0 < (k + 1) * G; h0 += 4) {
           switch ((k + 1) * G - h0) {
             case 1: add_values(j, acc, w, row, n, k, h0, 1); break;
@@ -430,6 +429,7 @@ static void *run_blocked(void *arg) {
           }
         }
       }
+      memcpy(row, next, sizeof(int64_t) * (size_t)n2);
     }
     if (j->kv16 && D % (2 * LANES) == 0) /* back to d order (see add_values) */
       for (int64_t h = 0; h < H; ++h)
