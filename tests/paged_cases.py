@@ -10,6 +10,8 @@ that touches one fails the comparison.
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -178,6 +180,10 @@ def make_case(
         k_seqs=k_seqs,
         v_seqs=v_seqs,
     )
+
+
+# Whether the CPU backend's C kernel can be built here (it needs a compiler).
+HAS_CC = bool(os.environ.get("CC")) or any(map(shutil.which, ("cc", "gcc", "clang")))
 
 
 def kernel_case(seed: int, seqs, page: int, heads: tuple[int, int], head_dim: int, dtype, **kw):

@@ -2,8 +2,6 @@
 
 import functools
 import itertools
-import os
-import shutil
 
 import chex
 import jax
@@ -11,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from paged_cases import (
+    HAS_CC,
     assert_close_to_oracle,
     assert_reference_close,
     covering_sample,
@@ -311,13 +310,12 @@ def test_backend_selection():
     from paged_jax import attention
 
     # The C kernel where a compiler is at hand (tests/test_cpu_kernel.py), else XLA.
-    has_cc = bool(os.environ.get("CC")) or any(map(shutil.which, ("cc", "gcc", "clang")))
-    assert pj.available_backends("cpu") == (("cpu", "xla") if has_cc else ("xla",))
+    assert pj.available_backends("cpu") == (("cpu", "xla") if HAS_CC else ("xla",))
     assert pj.available_backends("gpu") == ("pallas_gpu", "xla")
     assert pj.available_backends("tpu") == ("pallas_tpu", "xla")
     # TPU and NVIDIA GPU: the Pallas kernels (the GPU ones since they ran on an H100).
     assert attention._auto("tpu") == "pallas_tpu" and attention._auto("gpu") == "pallas_gpu"
-    assert attention._auto("cpu") == ("cpu" if has_cc else "xla")
+    assert attention._auto("cpu") == ("cpu" if HAS_CC else "xla")
     case = make_case(11, BATCHES["decode"][:2])
     with pytest.raises(ValueError, match=r"backend: expected one of .* got 'cuda'"):
         pj.ragged_paged_attention(*case.args, backend="cuda")

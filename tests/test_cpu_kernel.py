@@ -7,14 +7,18 @@ not build fails them.
 """
 
 import itertools
-import os
-import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_cases import assert_close_to_oracle, covering_sample, kernel_case, make_case
+from paged_cases import (
+    HAS_CC,
+    assert_close_to_oracle,
+    covering_sample,
+    kernel_case,
+    make_case,
+)
 
 import paged_jax as pj
 from paged_jax import attention
@@ -22,7 +26,6 @@ from paged_jax.kernels import cpu
 
 BATCH = [(1, 1), (1, 8), (1, 16), (1, 17), (1, 40), (1, 129)]
 GQA = [(4, 4), (8, 2), (6, 2), (8, 1)]  # groups of 1, 4, 3, 8
-HAS_CC = bool(os.environ.get("CC")) or any(map(shutil.which, ("cc", "gcc", "clang")))
 needs_cc = pytest.mark.skipif(
     not HAS_CC, reason="no C compiler here: the CPU backend falls back to XLA"
 )
