@@ -564,6 +564,44 @@ class BlockManager:
         seq.tokens.extend(tokens)
         return self.slots(seq_id, n, n + num_new)
 
+    def append_tokens(self, seq_ids: Sequence[Hashable], tokens: Sequence[int]) -> bool:
+        """Appends ``tokens[i]`` to sequence ``seq_ids[i]``, all of them or none: returns
+        False, changing nothing, when the pages they need together are not free.
+
+        A decode step's appends in one call (``can_append`` and ``append_slots`` of one
+        token each, without the slot arrays): the engine's scheduler runs this for every
+        decoding group of every step.
+        """
+        if len(seq_ids) != len(tokens):
+            raise ValueError(
+                f"tokens: expected one per sequence ({len(seq_ids)}), got {len(tokens)}"
+            )
+        seqs = [self._device_seq(i, "append_tokens") for i in seq_ids]
+        P, refcount = self.page_size, self._refcount
+        need = 0
+        for seq in seqs:
+            n = seq.tokens.n
+            if not n % P or refcount[seq.pages[-1]] > 1:  # a new page, or copy-on-write
+                need += self._pages_for_append(seq, 1)
+        if need > self.num_free_pages:
+            return False
+        step = self._step
+        for seq, token, seq_id in zip(seqs, tokens, seq_ids, strict=True):
+            toks = seq.tokens
+            n = toks.n
+            if (
+                n % P
+                and n < len(toks.buf)
+                and refcount[seq.pages[-1]] == 1
+                and (seq.last_append_step == step or n <= seq.num_computed)
+            ):  # the common case: room in an exclusively owned page, nothing to mark
+                seq.last_append_step = step
+                toks.buf[n] = token
+                toks.n = n + 1
+            else:
+                self.append_slots(seq_id, [int(token)])
+        return True
+
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
         """Declares the K/V of the sequence's first ``num_tokens`` tokens written.
 
@@ -1093,6 +1131,18 @@ class HybridBlockManager:
                 f"{len(token_ids)} tokens, {self.num_free_pages} available"
             )
         return np.stack([self.inner.append_slots(i, token_ids) for i in ids])
+
+    def append_tokens(self, seq_ids: Sequence[Hashable], tokens: Sequence[int]) -> bool:
+        """``BlockManager.append_tokens`` in every group: all of them or none."""
+        if len(seq_ids) != len(tokens):
+            raise ValueError(
+                f"tokens: expected one per sequence ({len(seq_ids)}), got {len(tokens)}"
+            )
+        if not self.can_append(seq_ids):
+            return False
+        for seq_id, token in zip(seq_ids, tokens, strict=True):
+            self.append_slots(seq_id, [int(token)])
+        return True
 
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
         for i in self._each(seq_id):

@@ -64,6 +64,38 @@ def test_watermark_reserves_pages_for_running_sequences():
     assert bm.can_append(["a"], num_tokens=10 * P) and not bm.can_append(["a"], 10 * P + 1)
 
 
+def test_append_tokens_is_append_slots_for_every_sequence_all_or_none():
+    a, b = _bm(8), _bm(8)
+    for bm in (a, b):
+        bm.allocate("x", [1, 2, 3])  # a partial page
+        bm.allocate("y", [4, 5, 6, 7])  # a full page: its next token takes a new one
+        bm.mark_computed("x", 3)
+        bm.mark_computed("y", 4)
+        bm.fork("x", "z")  # "z" shares x's partial page: its append copies it first
+    assert a.append_tokens(["x", "y", "z"], [8, 9, 10])
+    for sid, tok in (("x", 8), ("y", 9), ("z", 10)):
+        b.append_slots(sid, [tok])
+    for sid in ("x", "y", "z"):
+        assert a.block_table(sid) == b.block_table(sid)
+        np.testing.assert_array_equal(a.token_ids(sid), b.token_ids(sid))
+    assert a.take_copies()[0].tolist() == b.take_copies()[0].tolist() != []
+    a.check_invariants()
+    # 3 pages left: two full-page prompts take 2; both need a new page, 1 is free.
+    for k in range(2):
+        a.allocate(f"w{k}", [k] * P)
+    assert a.num_free_pages == 1
+    before = (a.stats(), {s: a.block_table(s) for s in a.seq_ids})
+    assert not a.append_tokens(["y", "w0", "w1"], [1, 2, 3])
+    assert (a.stats(), {s: a.block_table(s) for s in a.seq_ids}) == before
+    assert a.num_tokens("w0") == P
+    assert a.append_tokens(["w0"], [3]) and a.num_free_pages == 0
+    with pytest.raises(ValueError, match="tokens: expected one per sequence"):
+        a.append_tokens(["x"], [1, 2])
+    with pytest.raises(UnknownSequence):
+        a.append_tokens(["nope"], [1])
+    a.check_invariants()
+
+
 def test_out_of_pages_is_typed_and_changes_nothing():
     bm = _bm(4)  # 3 usable pages
     bm.allocate("a", list(range(8)))
@@ -428,6 +460,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert self.bm.refcount(page) == 1, f"append_slots returned shared page {page}"
             self.tokens[sid] += toks
             self.pending_writes.append((slots, toks))
+        self._step()
+
+    @rule(data=st.data())
+    def decode_all(self, data):
+        """One token for each of several sequences at once (the scheduler's decode pass):
+        all appended, each in a page it owns alone, or none and nothing changed."""
+        live = sorted(s for s in self.tokens if not self.bm.is_swapped(s))
+        if not live:
+            return
+        group = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=4, unique=True))
+        toks = data.draw(
+            st.lists(st.integers(0, VOCAB - 1), min_size=len(group), max_size=len(group))
+        )
+        before = (self.bm.stats(), {s: self.bm.block_table(s) for s in group})
+        lens = [self.bm.num_tokens(s) for s in group]
+        if not self.bm.append_tokens(group, toks):
+            assert (self.bm.stats(), {s: self.bm.block_table(s) for s in group}) == before
+            return
+        for sid, tok, n in zip(group, toks, lens, strict=True):
+            slots = self.bm.slots(sid, n, n + 1)
+            assert self.bm.refcount(int(slots[0]) // P) == 1
+            self.tokens[sid].append(tok)
+            self.pending_writes.append((slots, [tok]))
         self._step()
 
     @rule(sid=consumes(seqs))

@@ -21,6 +21,7 @@ import bisect
 import dataclasses
 import enum
 from collections.abc import Hashable
+from typing import NamedTuple
 
 from paged_jax.block_manager import BlockManager, OutOfPages
 from paged_jax.engine.sampling import SamplingParams
@@ -87,8 +88,7 @@ class Group:
         return sid
 
 
-@dataclasses.dataclass(frozen=True)
-class Work:
+class Work(NamedTuple):  # a tuple: built for every sequence of every step
     """One sequence's tokens [start, stop) this step; ``sample``: its logits are used."""
 
     group: Group
@@ -179,40 +179,10 @@ class Scheduler:
         for a step scheduled with every token known).
         """
         sched = Schedule([], [], [], [])
-        budget = self.max_num_batched_tokens
-        seq_budget = self.max_num_seqs
-        for g in self._allowed(self.running):
-            if g.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
-            if budget <= 0 or seq_budget < len(g.seqs):
-                break
-            if self._decoding(g):
-                if len(g.seqs) > budget:
-                    break
-                live = g.seqs
-                if speculative:  # a sequence at its last token finishes whatever it samples
-                    live = [s for s in g.seqs if g.max_len is None or len(s.tokens) < g.max_len]
-                ids, waits = [s.seq_id for s in live], False
-                while not self.bm.can_append(ids):
-                    if speculative:  # no preemption: this group waits, the others go on
-                        sched.stalled = waits = True
-                        break
-                    victim = self._allowed(self.running)[-1]  # the most recently arrived
-                    self._preempt(victim, sched)
-                    if victim is g:
-                        break
-                if waits or g.status is not Status.RUNNING:
-                    continue
-                for s in live:
-                    self.bm.append_slots(s.seq_id, [s.tokens[-1]])
-                    n = len(s.tokens)
-                    sched.work.append(Work(g, s, n - 1, n, True))
-                budget -= len(live)
-                seq_budget -= len(g.seqs)
-            else:
-                used = self._prefill(g, budget, sched)
-                budget -= used
-                seq_budget -= len(g.seqs)
+        left = self._decode_all(sched, speculative)
+        if left is None:
+            left = self._running_groups(sched, speculative)
+        budget, seq_budget = left
         if sched.preempted or sched.stalled:
             return sched
         for g in self._allowed(self.swapped):
@@ -247,6 +217,80 @@ class Scheduler:
             budget -= self._prefill(g, budget, sched)
             seq_budget -= len(g.seqs)
         return sched
+
+    def _decode_all(self, sched: Schedule, speculative: bool) -> tuple[int, int] | None:
+        """The running groups' step in one pass, for the common case: each group the
+        budgets reach is decoding and the pages for all their tokens are free. Returns
+        the token and sequence budgets left, or None, changing nothing, for
+        ``_running_groups`` to take the step (a prefill, a preemption or a stall)."""
+        budget, seq_budget = self.max_num_batched_tokens, self.max_num_seqs
+        num_tokens = self.bm.num_tokens
+        ids, last, work = [], [], []
+        for g in self._allowed(self.running):
+            seqs = g.seqs
+            k = len(seqs)
+            if budget <= 0 or seq_budget < k:
+                break
+            for s in seqs:
+                if num_tokens(s.seq_id) != len(s.tokens) - 1:
+                    return None  # not decoding (``_decoding``)
+            if k > budget:
+                break
+            m = g.max_len
+            for s in seqs:
+                tokens = s.tokens
+                n = len(tokens)
+                if speculative and m is not None and n >= m:
+                    continue  # at its last token: it finishes whatever it samples
+                ids.append(s.seq_id)
+                last.append(tokens[-1])
+                work.append(Work(g, s, n - 1, n, True))
+                budget -= 1
+            seq_budget -= k
+        if not self.bm.append_tokens(ids, last):
+            return None
+        sched.work += work
+        return budget, seq_budget
+
+    def _running_groups(self, sched: Schedule, speculative: bool) -> tuple[int, int]:
+        """The running groups' step, oldest first: decode tokens and prefill chunks within
+        the budgets, preempting the newest groups when pages run out (a speculative
+        schedule stalls instead). Returns the token and sequence budgets left."""
+        budget = self.max_num_batched_tokens
+        seq_budget = self.max_num_seqs
+        for g in self._allowed(self.running):
+            if g.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            if budget <= 0 or seq_budget < len(g.seqs):
+                break
+            if self._decoding(g):
+                if len(g.seqs) > budget:
+                    break
+                live = g.seqs
+                if speculative:  # a sequence at its last token finishes whatever it samples
+                    live = [s for s in g.seqs if g.max_len is None or len(s.tokens) < g.max_len]
+                ids, last = [s.seq_id for s in live], [s.tokens[-1] for s in live]
+                waits = False
+                while not self.bm.append_tokens(ids, last):
+                    if speculative:  # no preemption: this group waits, the others go on
+                        sched.stalled = waits = True
+                        break
+                    victim = self._allowed(self.running)[-1]  # the most recently arrived
+                    self._preempt(victim, sched)
+                    if victim is g:
+                        break
+                if waits or g.status is not Status.RUNNING:
+                    continue
+                for s in live:
+                    n = len(s.tokens)
+                    sched.work.append(Work(g, s, n - 1, n, True))
+                budget -= len(live)
+                seq_budget -= len(g.seqs)
+            else:
+                used = self._prefill(g, budget, sched)
+                budget -= used
+                seq_budget -= len(g.seqs)
+        return budget, seq_budget
 
     def _decoding(self, g: Group) -> bool:
         """Every sequence has its K/V written but for the last sampled token."""
