@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -21,8 +22,7 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@dataclasses.dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):  # a tuple: built for every sequence of every step
     """This step computes tokens ``[start, stop)`` of ``seq_id``; it attends to ``[0, stop)``.
 
     A decode token is ``(n - 1, n)``; a prefill chunk ``(computed, computed + chunk)``.
@@ -75,21 +75,25 @@ def build_batch(
     P = manager.page_size
     G = getattr(manager, "num_groups", None)  # None: a plain BlockManager
     num_seqs = len(scheduled)
-    q_lens = np.empty(num_seqs, np.int64)
-    kv_lens_live = np.empty(num_seqs, np.int64)
-    for i, s in enumerate(scheduled):
-        n = manager.num_tokens(s.seq_id)
-        if not 0 <= s.start < s.stop <= n:
+    if G is None:  # the hot path: each sequence's record looked up once
+        seqs = [manager._device_seq(s.seq_id, "build_batch") for s in scheduled]  # noqa: SLF001
+        lens = [seq.tokens.n for seq in seqs]
+    else:
+        seqs = None
+        lens = [manager.num_tokens(s.seq_id) for s in scheduled]
+    starts = [s.start for s in scheduled]
+    stops = [s.stop for s in scheduled]
+    for i, (a, b, n) in enumerate(zip(starts, stops, lens, strict=True)):
+        if not 0 <= a < b <= n:
             raise ValueError(
                 f"scheduled[{i}]: expected 0 <= start < stop <= num_tokens={n} for seq_id "
-                f"{s.seq_id!r}, got start={s.start}, stop={s.stop}"
+                f"{scheduled[i].seq_id!r}, got start={a}, stop={b}"
             )
-        q_lens[i] = s.stop - s.start
-        kv_lens_live[i] = s.stop
+    q_lens = np.subtract(stops, starts, dtype=np.int64) if num_seqs else np.zeros(0, np.int64)
     num_tokens = int(q_lens.sum())
     T_b = bucket(num_tokens, min_tokens)
     S_b = bucket(num_seqs, min_seqs)
-    M_b = bucket(int(-(-kv_lens_live.max() // P)) if num_seqs else 1, min_pages)
+    M_b = bucket(-(-max(stops) // P) if num_seqs else 1, min_pages)
 
     grouped = () if G is None else (G,)
     page_indices = np.zeros((*grouped, S_b, M_b), np.int32)
@@ -100,28 +104,42 @@ def build_batch(
     cu[1 : num_seqs + 1] = np.cumsum(q_lens)
     cu[num_seqs + 1 :] = num_tokens
     kv_lens = np.zeros(S_b, np.int32)
-    kv_lens[:num_seqs] = kv_lens_live
+    kv_lens[:num_seqs] = stops
     logits_indices = np.zeros(S_b, np.int32)
     logits_indices[:num_seqs] = cu[1 : num_seqs + 1] - 1
 
-    for i, s in enumerate(scheduled):
-        pages = manager.pages_np(s.seq_id)  # [pages] ([G, pages] with groups)
-        used = -(-s.stop // P)
-        page_indices[..., i, :used] = pages[..., :used]
-        a, b = int(cu[i]), int(cu[i + 1])
-        if G is None:
-            toks = manager._seqs[s.seq_id].tokens.buf  # noqa: SLF001 (same package, hot path)
-        else:
-            toks = manager.token_buffer(s.seq_id)
-        if b - a == 1 and G is None:  # decode: no temporary arrays
-            pos = s.start
-            positions[a] = pos
-            token_ids[a] = toks[pos]
-            slot_mapping[a] = pages[pos // P] * P + pos % P
-        else:
+    if G is None and num_tokens == num_seqs:  # decode only: one token a row, no per-row arrays
+        toks, slots, tables, used = [], [], [], []
+        for seq, pos, stop in zip(seqs, starts, stops, strict=True):
+            pages = seq.pages
+            toks.append(seq.tokens.buf[pos])
+            slots.append(pages[pos // P] * P + pos % P)
+            k = -(-stop // P)
+            used.append(k)
+            table = seq.pages_np()
+            tables.append(table if k == len(table) else table[:k])
+        if num_seqs:
+            positions[:num_seqs] = starts
+            token_ids[:num_seqs] = toks
+            slot_mapping[:num_seqs] = slots
+            # row-major order of the mask = the tables one after the other
+            page_indices[:num_seqs][np.arange(M_b) < np.array(used)[:, None]] = np.concatenate(
+                tables
+            )
+    else:
+        for i, s in enumerate(scheduled):
+            if G is None:
+                pages = seqs[i].pages_np()
+                buf = seqs[i].tokens.buf
+            else:
+                pages = manager.pages_np(s.seq_id)  # [G, pages]
+                buf = manager.token_buffer(s.seq_id)
+            used = -(-s.stop // P)
+            page_indices[..., i, :used] = pages[..., :used]
+            a, b = int(cu[i]), int(cu[i + 1])
             pos = np.arange(s.start, s.stop, dtype=np.int32)
             positions[a:b] = pos
-            token_ids[a:b] = toks[s.start : s.stop]
+            token_ids[a:b] = buf[s.start : s.stop]
             slot_mapping[..., a:b] = pages[..., pos // P] * P + pos % P
 
     if take_copies:

@@ -725,10 +725,20 @@ class LLM:
         min_p = np.zeros(S_b, np.float32)
         seeds = np.zeros((S_b, num_samples), np.uint32)
         out_pos = np.zeros(S_b, np.int32)
-        for i, (p, seed_row, pos) in rows.items():
-            temp[i], top_k[i], top_p[i], out_pos[i] = p.temperature, p.top_k, p.top_p, pos
-            min_p[i] = p.min_p
-            seeds[i, : len(seed_row)] = seed_row
+        if rows:  # one array write per column, not per row
+            at = list(rows)
+            per_row = list(rows.values())
+            params = [p for p, _, _ in per_row]
+            temp[at] = [p.temperature for p in params]
+            top_k[at] = [p.top_k for p in params]
+            top_p[at] = [p.top_p for p in params]
+            min_p[at] = [p.min_p for p in params]
+            out_pos[at] = [pos for _, _, pos in per_row]
+            if num_samples == 1:
+                seeds[at, 0] = [seed_row[0] for _, seed_row, _ in per_row]
+            else:
+                for i, (_, seed_row, _) in rows.items():
+                    seeds[i, : len(seed_row)] = seed_row
         shape = (batch.token_ids.shape[0], S_b, batch.page_indices.shape[-1], num_cand)
         if self._announce is not None and shape not in self._shapes_seen:
             self._announce(
@@ -1060,7 +1070,8 @@ class LLM:
         """Penalty inputs of the step's sampling rows, or None when no row uses them (the
         step then compiles without them). Token arrays are padded with -1 to power-of-two
         widths."""
-        if not any(p.penalized for p, _, _ in rows.values()):
+        distinct = {id(p): p for p, _, _ in rows.values()}  # requests share params objects
+        if not any(p.penalized for p in distinct.values()):
             return None
         seqs = {i: w.seq for i, w in placed if i in rows}
         O_b = bucket(max(len(s.output) for s in seqs.values()), 8)
@@ -1085,6 +1096,7 @@ class LLM:
             if w.sample:
                 by_group.setdefault(id(w.group), []).append((i, w))
         finished = []
+        first_toks, first_lps = toks[:, 0].tolist(), lps[:, 0].tolist()  # ints, floats
         for items in by_group.values():
             g = items[0][1].group
             if g.first_token_time is None:
@@ -1095,7 +1107,7 @@ class LLM:
                 self._fork_samples(g, items[0], toks, lps)
             else:
                 for i, w in items:
-                    self._append(g, w.seq, int(toks[i, 0]), float(lps[i, 0]))
+                    self._append(g, w.seq, first_toks[i], first_lps[i])
             if not g.seqs:
                 finished.append(self._finish(g))
         return finished
@@ -1103,17 +1115,19 @@ class LLM:
     def _append(self, g: Group, s: Seq, token: int, logprob: float) -> None:
         """Adds a sampled token to ``s``; finishes ``s`` on a stop condition."""
         p = g.params
-        s.tokens.append(token)
+        tokens = s.tokens
+        tokens.append(token)
         s.cum_logprob += logprob
         if p.logprobs:
             s.logprobs.append(logprob)
         self.metrics.tokens_generated += 1
         reason = None
+        n = len(tokens)
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
         elif p.stop and self._cut_at_stop_string(s, p):
             reason = "stop"
-        elif len(s.output) >= p.max_tokens or len(s.tokens) >= self.max_model_len:
+        elif n - s.prompt_len >= p.max_tokens or n >= self.max_model_len:
             reason = "length"
         if reason:
             s.finish_reason = reason
