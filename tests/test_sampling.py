@@ -84,6 +84,28 @@ def test_tokens_equal_the_full_sort_definition(monkeypatch, num_candidates):
         assert fallback > 0
 
 
+def test_argmax_rows_is_jnp_argmax_with_ties_nans_and_infinities():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 300)).astype(np.float32)
+    x[1, [7, 40, 299]] = 9.0  # ties: the first wins
+    x[2, [5, 9]] = np.nan  # the first NaN wins, as with argmax
+    x[3] = -np.inf  # nothing above -inf: index 0
+    x[4, 17] = np.inf
+    x[5, [0, 299]] = [np.nan, np.inf]
+    x[6] = x[6].astype(jnp.bfloat16).astype(np.float32)  # many equal values
+    x[7, -1] = 50.0  # the last index
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = jax.jit(sampling.argmax_rows)(jnp.asarray(x, dtype))
+        want = jnp.argmax(jnp.asarray(x, dtype), axis=-1)
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.asarray(jax.jit(sampling.argmax_rows)(jnp.asarray(x)))[[1, 2, 3]].tolist() == [
+        7,
+        5,
+        0,
+    ]
+
+
 def test_greedy_only_is_the_argmax_with_the_same_log_probs():
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.standard_normal((5, 1000)), jnp.float32)
