@@ -1,5 +1,6 @@
-"""The scheduler's one-pass decode step (``Scheduler._decode_all``) against its general
-loop (``_running_groups``): the same schedules, step after step, and the same outputs,
+"""The scheduler's one-pass decode of the leading decoding groups
+(``Scheduler._decode_prefix``) against its general loop (``_running_groups``) taking
+every group: the same schedules, step after step, and the same outputs,
 with every kind of request, a tight pool (recompute and swap preemptions) and overlapped
 steps (speculative schedules). The block manager's ``append_tokens``, which that pass
 uses, has its unit tests and a stateful rule in ``test_block_manager.py``."""
@@ -10,7 +11,7 @@ import paged_jax as pj
 from paged_jax.engine.scheduler import Scheduler
 from tests.test_overlap import _engine, _requests, _summary
 
-_SCHEDULE, _DECODE_ALL = Scheduler.schedule, Scheduler._decode_all
+_SCHEDULE, _DECODE_PREFIX = Scheduler.schedule, Scheduler._decode_prefix
 
 
 def _run(monkeypatch, fast: bool, overlapped: bool, pool: dict):
@@ -30,13 +31,13 @@ def _run(monkeypatch, fast: bool, overlapped: bool, pool: dict):
         )
         return sched
 
-    def decode_all(self, sched, speculative):
-        left = _DECODE_ALL(self, sched, speculative) if fast else None
-        taken.append(left is not None)
-        return left
+    def decode_prefix(self, groups, sched, speculative):
+        took = _DECODE_PREFIX(self, groups, sched, speculative) if fast else None
+        taken.append(took is not None and took[0] > 0)
+        return took
 
     monkeypatch.setattr(Scheduler, "schedule", schedule)
-    monkeypatch.setattr(Scheduler, "_decode_all", decode_all)
+    monkeypatch.setattr(Scheduler, "_decode_prefix", decode_prefix)
     prompts, params = _requests(stop_token=5)
     llm = _engine(overlapped, **pool)
     outs = llm.generate(prompts, params, progress=False)
@@ -70,13 +71,27 @@ def test_one_pass_decode_schedules_as_the_general_loop(monkeypatch, overlapped, 
         assert m.preemptions_recompute + m.preemptions_swap > 0
 
 
-def test_one_pass_decode_declines_a_prefilling_group():
-    """A step with a group still prefilling goes to the general loop, changing nothing."""
+def test_the_one_pass_decode_takes_the_decoders_ahead_of_a_new_prompt(monkeypatch):
+    """In a step that admits a prompt, the running groups decode in one pass and the
+    general loop prefills the newcomer after them."""
     llm = _engine(False)
-    llm.add_request("a", [1, 2, 3], pj.SamplingParams(max_tokens=4))
-    sc = llm.scheduler
-    sched = sc.schedule()  # admits "a": its prompt is prefilled in this step
-    assert [(w.start, w.stop) for w in sched.work] == [(0, 3)]
-    before = llm.bm.stats()
-    assert sc._decode_all(type(sched)([], [], [], []), False) is None
-    assert llm.bm.stats() == before
+    for rid, prompt in (("a", [1, 2, 3]), ("b", [4, 5])):
+        llm.add_request(rid, prompt, pj.SamplingParams(max_tokens=6, ignore_eos=True))
+    llm.step()  # both prompts, and their first tokens
+    llm.add_request("c", list(range(30)), pj.SamplingParams(max_tokens=4, ignore_eos=True))
+    seen = []
+
+    def schedule(self, **kw):
+        sched = _SCHEDULE(self, **kw)
+        seen.append([(w.group.request_id, w.stop - w.start) for w in sched.work])
+        return sched
+
+    def decode_prefix(self, groups, sched, speculative):
+        took = _DECODE_PREFIX(self, groups, sched, speculative)
+        seen.append(took)
+        return took
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    monkeypatch.setattr(Scheduler, "_decode_prefix", decode_prefix)
+    llm.step()
+    assert seen == [(2, 64 - 2, 8 - 2, False), [("a", 1), ("b", 1), ("c", 30)]]

@@ -179,10 +179,13 @@ class Scheduler:
         for a step scheduled with every token known).
         """
         sched = Schedule([], [], [], [])
-        left = self._decode_all(sched, speculative)
-        if left is None:
-            left = self._running_groups(sched, speculative)
-        budget, seq_budget = left
+        groups = self._allowed(self.running)
+        budget, seq_budget = self.max_num_batched_tokens, self.max_num_seqs
+        taken = self._decode_prefix(groups, sched, speculative)
+        if taken is not None:
+            k, budget, seq_budget, out_of_budget = taken
+            groups = [] if out_of_budget else groups[k:]
+        budget, seq_budget = self._running_groups(groups, sched, speculative, budget, seq_budget)
         if sched.preempted or sched.stalled:
             return sched
         for g in self._allowed(self.swapped):
@@ -218,23 +221,30 @@ class Scheduler:
             seq_budget -= len(g.seqs)
         return sched
 
-    def _decode_all(self, sched: Schedule, speculative: bool) -> tuple[int, int] | None:
-        """The running groups' step in one pass, for the common case: each group the
-        budgets reach is decoding and the pages for all their tokens are free. Returns
-        the token and sequence budgets left, or None, changing nothing, for
-        ``_running_groups`` to take the step (a prefill, a preemption or a stall)."""
+    def _decode_prefix(
+        self, groups: list[Group], sched: Schedule, speculative: bool
+    ) -> tuple[int, int, int, bool] | None:
+        """The leading decoding groups of ``groups`` (the running ones, oldest first) in
+        one pass, their tokens appended in one ``append_tokens`` call: the common step,
+        where the groups still prefilling, if any, are the newest. Returns (groups
+        taken, token budget left, sequence budget left, whether the budgets ran out),
+        or None, changing nothing, when the pages for all those tokens are not free
+        (``_running_groups`` then takes every group, preempting or stalling). A group
+        a preemption could take is never among those taken: victims are the newest."""
         budget, seq_budget = self.max_num_batched_tokens, self.max_num_seqs
         num_tokens = self.bm.num_tokens
         ids, last, work = [], [], []
-        for g in self._allowed(self.running):
+        k, out_of_budget = 0, False
+        for g in groups:
             seqs = g.seqs
-            k = len(seqs)
-            if budget <= 0 or seq_budget < k:
+            n_seqs = len(seqs)
+            if budget <= 0 or seq_budget < n_seqs:
+                out_of_budget = True
                 break
-            for s in seqs:
-                if num_tokens(s.seq_id) != len(s.tokens) - 1:
-                    return None  # not decoding (``_decoding``)
-            if k > budget:
+            if any(num_tokens(s.seq_id) != len(s.tokens) - 1 for s in seqs):
+                break  # not decoding (``_decoding``): the general loop goes on from here
+            if n_seqs > budget:
+                out_of_budget = True
                 break
             m = g.max_len
             for s in seqs:
@@ -246,19 +256,21 @@ class Scheduler:
                 last.append(tokens[-1])
                 work.append(Work(g, s, n - 1, n, True))
                 budget -= 1
-            seq_budget -= k
+            seq_budget -= n_seqs
+            k += 1
         if not self.bm.append_tokens(ids, last):
             return None
         sched.work += work
-        return budget, seq_budget
+        return k, budget, seq_budget, out_of_budget
 
-    def _running_groups(self, sched: Schedule, speculative: bool) -> tuple[int, int]:
-        """The running groups' step, oldest first: decode tokens and prefill chunks within
-        the budgets, preempting the newest groups when pages run out (a speculative
-        schedule stalls instead). Returns the token and sequence budgets left."""
-        budget = self.max_num_batched_tokens
-        seq_budget = self.max_num_seqs
-        for g in self._allowed(self.running):
+    def _running_groups(
+        self, groups: list[Group], sched: Schedule, speculative: bool, budget: int, seq_budget: int
+    ) -> tuple[int, int]:
+        """The step of running ``groups``, oldest first: decode tokens and prefill chunks
+        within the budgets, preempting the newest running groups when pages run out (a
+        speculative schedule stalls instead). Returns the token and sequence budgets
+        left."""
+        for g in groups:
             if g.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             if budget <= 0 or seq_budget < len(g.seqs):
