@@ -520,12 +520,7 @@ class BlockManager:
         P = self.page_size
         toks = seq.tokens
         n = toks.n
-        if seq.last_append_step != self._step:
-            # First append of this step: every token the sequence had before it was
-            # computed by an earlier step. Tokens appended within this step are not.
-            seq.last_append_step = self._step
-            if n > seq.num_computed:
-                self._mark_computed(seq, n)
+        self._first_append(seq)
         pages = seq.pages
         fill = n % P
         # Fast path (a decode step): one token into an exclusively owned, partially
@@ -549,7 +544,23 @@ class BlockManager:
                 f"append_slots: seq_id {seq_id!r} needs {need} pages for {num_new} tokens, "
                 f"{self.num_free_pages} available"
             )
-        if fill and num_new and self._refcount[pages[-1]] > 1:
+        self._grow(seq, tokens)
+        return self.slots(seq_id, n, n + num_new)
+
+    def _first_append(self, seq: _Seq) -> None:
+        """At a sequence's first append of a step, every token it had before was computed
+        by an earlier step (tokens appended within this step are not)."""
+        if seq.last_append_step != self._step:
+            seq.last_append_step = self._step
+            if seq.tokens.n > seq.num_computed:
+                self._mark_computed(seq, seq.tokens.n)
+
+    def _grow(self, seq: _Seq, tokens: np.ndarray) -> None:
+        """Appends ``tokens`` to ``seq``, whose pages for them were counted free: a shared
+        partially filled last page is first replaced by a private copy (copy-on-write),
+        then new pages are taken as the tokens need them."""
+        pages, n, num_new = seq.pages, seq.tokens.n, len(tokens)
+        if n % self.page_size and num_new and self._refcount[pages[-1]] > 1:
             old = pages[-1]
             new = self._take_page()
             # `old` holds only K/V of earlier steps: fork refuses parents with unwritten
@@ -562,7 +573,6 @@ class BlockManager:
             pages.append(self._take_page())
         seq.pages_changed()
         seq.tokens.extend(tokens)
-        return self.slots(seq_id, n, n + num_new)
 
     def append_tokens(self, seq_ids: Sequence[Hashable], tokens: Sequence[int]) -> bool:
         """Appends ``tokens[i]`` to sequence ``seq_ids[i]``, all of them or none: returns
@@ -576,17 +586,19 @@ class BlockManager:
             raise ValueError(
                 f"tokens: expected one per sequence ({len(seq_ids)}), got {len(tokens)}"
             )
-        seqs = [self._device_seq(i, "append_tokens") for i in seq_ids]
-        P, refcount = self.page_size, self._refcount
-        need = 0
-        for seq in seqs:
-            n = seq.tokens.n
-            if not n % P or refcount[seq.pages[-1]] > 1:  # a new page, or copy-on-write
+        table, P, refcount = self._seqs, self.page_size, self._refcount
+        seqs, need = [], 0
+        for seq_id in seq_ids:
+            seq = table.get(seq_id)
+            if seq is None or seq.swapped:
+                seq = self._device_seq(seq_id, "append_tokens")  # raises the typed error
+            seqs.append(seq)
+            if not seq.tokens.n % P or refcount[seq.pages[-1]] > 1:  # a new page, or CoW
                 need += self._pages_for_append(seq, 1)
         if need > self.num_free_pages:
             return False
         step = self._step
-        for seq, token, seq_id in zip(seqs, tokens, seq_ids, strict=True):
+        for seq, token in zip(seqs, tokens, strict=True):
             toks = seq.tokens
             n = toks.n
             if (
@@ -598,8 +610,9 @@ class BlockManager:
                 seq.last_append_step = step
                 toks.buf[n] = token
                 toks.n = n + 1
-            else:
-                self.append_slots(seq_id, [int(token)])
+            else:  # a new page, a shared last page, or earlier tokens to mark computed
+                self._first_append(seq)
+                self._grow(seq, np.array([token], np.int32))
         return True
 
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
