@@ -597,21 +597,14 @@ class BlockManager:
                 need += self._pages_for_append(seq, 1)
         if need > self.num_free_pages:
             return False
-        step = self._step
         for seq, token in zip(seqs, tokens, strict=True):
+            self._first_append(seq)
             toks = seq.tokens
             n = toks.n
-            if (
-                n % P
-                and n < len(toks.buf)
-                and refcount[seq.pages[-1]] == 1
-                and (seq.last_append_step == step or n <= seq.num_computed)
-            ):  # the common case: room in an exclusively owned page, nothing to mark
-                seq.last_append_step = step
-                toks.buf[n] = token
+            if n % P and n < len(toks.buf) and refcount[seq.pages[-1]] == 1:
+                toks.buf[n] = token  # the common case: room in an exclusively owned page
                 toks.n = n + 1
-            else:  # a new page, a shared last page, or earlier tokens to mark computed
-                self._first_append(seq)
+            else:  # a new page, or a private copy of a shared last page
                 self._grow(seq, np.array([token], np.int32))
         return True
 

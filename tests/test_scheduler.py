@@ -6,10 +6,10 @@ steps (speculative schedules). The block manager's ``append_tokens``, which that
 uses, has its unit tests and a stateful rule in ``test_block_manager.py``."""
 
 import pytest
+from test_overlap import _engine, _requests, _summary
 
 import paged_jax as pj
 from paged_jax.engine.scheduler import Scheduler
-from tests.test_overlap import _engine, _requests, _summary
 
 _SCHEDULE, _DECODE_PREFIX = Scheduler.schedule, Scheduler._decode_prefix
 

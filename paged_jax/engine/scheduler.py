@@ -232,7 +232,6 @@ class Scheduler:
         (``_running_groups`` then takes every group, preempting or stalling). A group
         a preemption could take is never among those taken: victims are the newest."""
         budget, seq_budget = self.max_num_batched_tokens, self.max_num_seqs
-        num_tokens = self.bm.num_tokens
         ids, last, work = [], [], []
         k, out_of_budget = 0, False
         for g in groups:
@@ -241,17 +240,14 @@ class Scheduler:
             if budget <= 0 or seq_budget < n_seqs:
                 out_of_budget = True
                 break
-            if any(num_tokens(s.seq_id) != len(s.tokens) - 1 for s in seqs):
-                break  # not decoding (``_decoding``): the general loop goes on from here
+            if not self._decoding(g):
+                break  # the general loop goes on from here
             if n_seqs > budget:
                 out_of_budget = True
                 break
-            m = g.max_len
-            for s in seqs:
+            for s in self._live(g, speculative):
                 tokens = s.tokens
                 n = len(tokens)
-                if speculative and m is not None and n >= m:
-                    continue  # at its last token: it finishes whatever it samples
                 ids.append(s.seq_id)
                 last.append(tokens[-1])
                 work.append(Work(g, s, n - 1, n, True))
@@ -278,9 +274,7 @@ class Scheduler:
             if self._decoding(g):
                 if len(g.seqs) > budget:
                     break
-                live = g.seqs
-                if speculative:  # a sequence at its last token finishes whatever it samples
-                    live = [s for s in g.seqs if g.max_len is None or len(s.tokens) < g.max_len]
+                live = self._live(g, speculative)
                 ids, last = [s.seq_id for s in live], [s.tokens[-1] for s in live]
                 waits = False
                 while not self.bm.append_tokens(ids, last):
@@ -303,6 +297,15 @@ class Scheduler:
                 budget -= used
                 seq_budget -= len(g.seqs)
         return budget, seq_budget
+
+    @staticmethod
+    def _live(g: Group, speculative: bool) -> list[Seq]:
+        """The sequences of decoding group ``g`` that decode this step: all of them, but
+        in a speculative schedule not one at its ``max_len`` (it finishes whatever the
+        running step samples)."""
+        if not speculative or g.max_len is None:
+            return g.seqs
+        return [s for s in g.seqs if len(s.tokens) < g.max_len]
 
     def _decoding(self, g: Group) -> bool:
         """Every sequence has its K/V written but for the last sampled token."""
