@@ -102,6 +102,28 @@ def test_each_code_path(head_dim, dtype, q_dtype):
 
 
 @needs_cc
+def test_a_far_larger_score_in_any_lane():
+    """One key's score is ~200 above the rest (exp of the gap overflows f32), at every
+    position of a block in turn: the block's max must find it wherever it sits, or the
+    output is inf/NaN; the output is then that key's value."""
+    rng = np.random.default_rng(5)
+    D, P, L = 32, 16, 40
+    q = rng.standard_normal((1, 2, D)).astype(np.float32)
+    pool = (0.1 * rng.standard_normal((4, P, 2, D))).astype(np.float32)
+    tables, lens = jnp.asarray([[2, 0, 3]], jnp.int32), jnp.asarray([L], jnp.int32)
+    for pos in range(P, 2 * P):  # every lane of the second block
+        kv = pool.copy()
+        page, slot = int(tables[0, pos // P]), pos % P
+        kv[page, slot, 0] = q[0, 0] * (200.0 * D**0.5 / float(q[0, 0] @ q[0, 0]))
+        args = (jnp.asarray(q), jnp.asarray(kv), lens, tables)
+        out = np.asarray(cpu.decode_paged_attention(*args, sm_scale=D**-0.5))
+        ref = np.asarray(pj.reference.paged_attention(*args, sm_scale=D**-0.5))
+        assert np.isfinite(out).all(), pos
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5, err_msg=str(pos))
+        np.testing.assert_allclose(out[0, 0], kv[page, slot, 1], rtol=1e-5, atol=1e-5)
+
+
+@needs_cc
 def test_rows_do_not_depend_on_batch_or_threads():
     """Each sequence is computed alone: bitwise the same alone, in a batch, on 1-3 threads."""
     full = _check(16, (8, 2), 64, "float32", "plain", seed=3, threads=3)

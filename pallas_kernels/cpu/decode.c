@@ -150,6 +150,45 @@ static inline vf load_row(const void *base, int bf16, size_t at) {
 #define PAIRS_1A 0, 2, 4, 6, 8, 10, 12, 14
 #define PAIRS_1B 1, 3, 5, 7, 9, 11, 13, 15
 #endif
+#if LANES == 16
+#define SWAP_8 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7
+#define SWAP_4 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11
+#define SWAP_2 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13
+#define SWAP_1 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14
+#else
+#define SWAP_4 4, 5, 6, 7, 0, 1, 2, 3
+#define SWAP_2 2, 3, 0, 1, 6, 7, 4, 5
+#define SWAP_1 1, 0, 3, 2, 5, 4, 7, 6
+#endif
+
+/* Lane-wise max (a's lane where b's is not larger, NaN included). */
+static inline vf vmax(vf a, vf b) {
+  const vi m = b > a;
+  return (vf)(((vi)b & m) | ((vi)a & ~m));
+}
+
+/* The largest of a vector's lanes and their sum, each by a butterfly of shuffles: a
+ * block's max and sum of exponentials in 4 steps instead of a chain of 15 (64 x 4k bf16:
+ * 43 -> 41 ms, 29 -> 27 with cached pages). */
+static inline float max_lanes(vf x) {
+#if LANES == 16
+  x = vmax(x, SHUFFLE(x, x, SWAP_8));
+#endif
+  x = vmax(x, SHUFFLE(x, x, SWAP_4));
+  x = vmax(x, SHUFFLE(x, x, SWAP_2));
+  x = vmax(x, SHUFFLE(x, x, SWAP_1));
+  return x[0];
+}
+
+static inline float add_lanes(vf x) {
+#if LANES == 16
+  x += SHUFFLE(x, x, SWAP_8);
+#endif
+  x += SHUFFLE(x, x, SWAP_4);
+  x += SHUFFLE(x, x, SWAP_2);
+  x += SHUFFLE(x, x, SWAP_1);
+  return x[0];
+}
 #define FOLD(a, b, n) (SHUFFLE(a, b, PAIRS_##n##A) + SHUFFLE(a, b, PAIRS_##n##B))
 static inline vf sum_lanes(const vf *a) {
   vf y[4], z[2];
@@ -441,8 +480,7 @@ static void *run_blocked(void *arg) {
         if (j->cap > 0.0f)
           for (int64_t t = 0; t < n; ++t) s[t] = j->cap * tanhf(s[t] / j->cap);
         for (int64_t t = n; t < BLOCK; ++t) s[t] = -INFINITY;
-        float top = s[0];
-        for (int64_t t = 1; t < n; ++t) top = s[t] > top ? s[t] : top;
+        const float top = max_lanes(s);
         if (top > mx[h]) { /* a new running max: rescale what was summed so far */
           const float r = expf(mx[h] - top);
           sum[h] *= r;
@@ -453,9 +491,7 @@ static void *run_blocked(void *arg) {
           mx[h] = top;
         }
         const vf p = exp_nonpositive(s - mx[h]);
-        float total = 0.0f;
-        for (int t = 0; t < BLOCK; ++t) total += p[t];
-        sum[h] += total;
+        sum[h] += add_lanes(p);
         memcpy(w + h * BLOCK, &p, sizeof p);
       }
       for (int64_t k = 0; k < K; ++k) { /* pass 2: weighted values, rows now in cache */
