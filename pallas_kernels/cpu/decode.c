@@ -248,18 +248,17 @@ static inline int64_t token_row(const Job *j, int64_t b, int64_t c) {
   return (page_of(j, b, c) * j->P + c % j->P) * 2 * j->K;
 }
 
-/* Fetches `count` rows from `row` on into the cache ahead of their use (prefetch_rows_l2:
- * into L2, not L1). */
-static inline void prefetch_rows(const Job *j, int64_t row, int64_t count) {
+/* Fetches `count` rows from `row` on into the cache ahead of their use: into L1, or only
+ * into L2 when `l2` (a constant at every call, so the branch compiles away). */
+static inline void prefetch_rows(const Job *j, int64_t row, int64_t count, int l2) {
   const size_t bytes = (size_t)j->D * (j->kv16 ? 2 : 4);
   const char *at = (const char *)j->kv + (size_t)row * bytes;
-  for (size_t o = 0; o < (size_t)count * bytes; o += 64) __builtin_prefetch(at + o, 0, 3);
-}
-
-static inline void prefetch_rows_l2(const Job *j, int64_t row, int64_t count) {
-  const size_t bytes = (size_t)j->D * (j->kv16 ? 2 : 4);
-  const char *at = (const char *)j->kv + (size_t)row * bytes;
-  for (size_t o = 0; o < (size_t)count * bytes; o += 64) __builtin_prefetch(at + o, 0, 2);
+  for (size_t o = 0; o < (size_t)count * bytes; o += 64) {
+    if (l2)
+      __builtin_prefetch(at + o, 0, 2);
+    else
+      __builtin_prefetch(at + o, 0, 3);
+  }
 }
 
 /* Sequence b's starting state: q scaled to f32 in qf [H, D], acc [H, D] zero, the running
@@ -306,7 +305,8 @@ static void *run_rows(void *arg) {
     const int64_t start = first_token(j, len);
     start_row(j, b, qf, acc, mx, sum, tmp);
     for (int64_t c = start; c < len; ++c) {
-      if (c + PREFETCH_TOKENS < len) prefetch_rows(j, token_row(j, b, c + PREFETCH_TOKENS), 2 * K);
+      if (c + PREFETCH_TOKENS < len)
+        prefetch_rows(j, token_row(j, b, c + PREFETCH_TOKENS), 2 * K, 0);
       const int64_t row0 = token_row(j, b, c);
       for (int64_t k = 0; k < K; ++k) {
         const float *key = row_f32(j->kv, j->kv16, row0 + 2 * k, D, tmp);
@@ -446,8 +446,8 @@ static void *run_blocked(void *arg) {
                     n3 = left < BLOCK ? left : BLOCK;
       for (int64_t t = 0; t < BLOCK; ++t) { /* pass 1: partial scores, rows in order */
         for (int64_t k = 0; k < K; ++k) {
-          if (t < n3) prefetch_rows_l2(j, token_row(j, far.b, far.c + t) + 2 * k, 2);
-          if (t < n2) prefetch_rows(j, next[t] + 2 * k, 1);
+          if (t < n3) prefetch_rows(j, token_row(j, far.b, far.c + t) + 2 * k, 2, 1);
+          if (t < n2) prefetch_rows(j, next[t] + 2 * k, 1, 0);
           if (t >= n) {
             for (int64_t h = k * G; h < (k + 1) * G; ++h) part[h * BLOCK + t] = (vf){};
             continue;
@@ -495,7 +495,7 @@ static void *run_blocked(void *arg) {
         memcpy(w + h * BLOCK, &p, sizeof p);
       }
       for (int64_t k = 0; k < K; ++k) { /* pass 2: weighted values, rows now in cache */
-        for (int64_t t = 0; t < n2; ++t) prefetch_rows(j, next[t] + 2 * k + 1, 1);
+        for (int64_t t = 0; t < n2; ++t) prefetch_rows(j, next[t] + 2 * k + 1, 1, 0);
         for (int64_t h0 = k * G; h0 < (k + 1) * G; h0 += 4) {
           switch ((k + 1) * G - h0) {
             case 1: add_values(j, acc, w, row, n, k, h0, 1); break;
