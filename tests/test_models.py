@@ -1,10 +1,13 @@
 """The Flax decoder on the paged cache: paged == unpaged, one compile per bucket, configs."""
 
 import dataclasses
+import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from model_helpers import PagedGreedy, dense_greedy, dense_logits
 
 from paged_jax.metadata import AttentionMetadata
@@ -232,3 +235,65 @@ def test_gemma_configs_as_the_hub_writes_them():
 def test_gemma_config_errors(changes, msg):
     with pytest.raises(ValueError, match=msg):
         LlamaConfig.from_hf({**GEMMA3_1B_HUB, **changes})
+
+
+def _prefill_logits(model, ids):
+    cache = model.make_cache(16, 8)
+    md = AttentionMetadata.prefill(len(ids), 8 + np.arange(len(ids)), [1, 2, 3, 4, 5])
+    step = jax.jit(lambda ids, pos, cache: model(ids, pos, cache, md)[0])
+    args = (jnp.asarray(ids, jnp.int32), jnp.arange(len(ids), dtype=jnp.int32), cache)
+    return np.asarray(step(*args)), step.lower(*args).compile().as_text()
+
+
+def _copied_weights(hlo: str, model) -> int:
+    """Slices in ``hlo`` shaped like one layer's kernel: each layer's weights copied out of
+    the stacked ``[L, in, out]`` arrays."""
+    shapes = {
+        "[" + ",".join(map(str, np.shape(w)[-2:])) + "]"
+        for w in jax.tree.leaves(nnx.state(model.layers))
+        if np.ndim(w) >= 2
+    }
+    return sum(
+        "dynamic-slice" in line and any(s in line.split("=")[1].split(" ")[1] for s in shapes)
+        for line in hlo.splitlines()
+        if "=" in line and " " in line.split("=", 1)[1].strip()
+    )
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "qwen2", "gemma3"])
+def test_split_layer_weights_keeps_the_logits_and_reads_weights_in_place(name):
+    # Qwen2: biases on q/k/v; Gemma 3: 5 layers, groups of 3 plus a last partial group.
+    from paged_jax.models import load_hf
+
+    if name == "tiny-llama":
+        model = init_model(TINY_LLAMA, seed=3)
+    else:
+        golden = pathlib.Path(__file__).parent / "golden" / "hf" / name
+        model, _ = load_hf(golden, dtype=jnp.float32)
+    ids = list(range(3, 40))
+    before, hlo_before = _prefill_logits(model, ids)
+    layer1 = [np.asarray(w) for w in jax.tree.leaves(nnx.state(model.layer(1)))]
+    assert model.split_layer_weights() is model
+    model.split_layer_weights()  # a second call changes nothing
+    kernel = model.layers.mlp.up_proj.kernel.get_value()
+    assert isinstance(kernel, tuple) and len(kernel) == model.config.num_layers
+    assert all(k.shape == kernel[0].shape and k.ndim == 2 for k in kernel)
+    after, hlo_after = _prefill_logits(model, ids)
+    np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
+    assert (after.argmax(-1) == before.argmax(-1)).all()
+    # model.layer(i) gives the same weights as before
+    again = [np.asarray(w) for w in jax.tree.leaves(nnx.state(model.layer(1)))]
+    assert all(np.array_equal(a, b) for a, b in zip(layer1, again, strict=True))
+    # the stacked model copied each layer's kernels out of the stack (tiny-llama; Gemma 3's
+    # 32-wide products fuse their slices); the split one does not
+    if name == "tiny-llama":
+        assert _copied_weights(hlo_before, model) > 0
+    assert _copied_weights(hlo_after, model) == 0
+
+
+def test_engine_on_cpu_holds_layer_weights_apart():
+    from paged_jax.engine import LLM
+
+    model = init_model(TINY_LLAMA, seed=0)
+    llm = LLM(model, None, num_pages=64, page_size=8)
+    assert isinstance(llm.model.layers.self_attn.q_proj.kernel.get_value(), tuple)

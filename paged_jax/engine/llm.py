@@ -318,6 +318,9 @@ class LLM:
                     f"weights on the mesh), {type(model).__name__} has none"
                 )
             model = model.shard(self.mesh)
+        if self.mesh is None and _on_cpu(model) and hasattr(model, "split_layer_weights"):
+            # XLA:CPU would copy each layer's weights out of the stacked arrays every step
+            model = model.split_layer_weights()
         self.model = model
         self.tokenizer = tokenizer
         cfg = self.model.config
@@ -1628,6 +1631,16 @@ def _resolve_mesh(tensor_parallel_size: Any, data_parallel_size: Any, mesh: Any)
             f"processes; every process must own some of its devices"
         )
     return mesh
+
+
+def _on_cpu(model: Any) -> bool:
+    """Whether every array of ``model`` lives on CPU devices."""
+    from flax import nnx
+
+    arrays = jax.tree.leaves(nnx.state(model))
+    return bool(arrays) and all(
+        all(d.platform == "cpu" for d in getattr(a, "devices", lambda: ())()) for a in arrays
+    )
 
 
 def _on_mesh(model: Any, mesh: Mesh) -> bool:
