@@ -279,6 +279,9 @@ class PagedKVCache:
             return dataclasses.replace(self, kv_pages=new_kv, kv_scales=scales)
         if backend != "xla":
             raise ValueError(f"backend: expected 'xla' or 'pallas_tpu', got {backend!r}")
+        if kv.shape[0] == 1:  # XLA makes a one-row scatter an update that copies the pool
+            kv = jnp.concatenate([kv, kv])
+            slot_mapping = jnp.concatenate([slot_mapping, jnp.full((1,), -1, slot_mapping.dtype)])
         pages = slot_mapping // self.page_size
         offsets = slot_mapping % self.page_size
         # mode="drop": an out-of-range slot must never wrap around onto a live page.

@@ -136,6 +136,8 @@ def _donating(fn):
 
 OPS = {
     "write": lambda c: c.write(0, *_kv(4, 3), jnp.array([5, 6, 7], jnp.int32)),
+    # one row: XLA would make the scatter an update that copies the pool (padded to 2)
+    "write_one_row": lambda c: c.write(1, *_kv(4, 1), jnp.array([9], jnp.int32)),
     "copy_pages": lambda c: c.copy_pages(
         jnp.array([1, 2], jnp.int32), jnp.array([3, 4], jnp.int32)
     ),
@@ -173,6 +175,15 @@ def test_donated_ops_update_the_pool_in_place(op, dtype):
     out = fn(cache)
     assert out.kv_pages.unsafe_buffer_pointer() == ptr
     assert cache.kv_pages.is_deleted()
+
+
+def test_one_row_write_lands_in_its_slot_only():
+    c = _cache()
+    k, v = _kv(8, 1)
+    out = np.array(jax.jit(lambda c: c.write(1, k, v, jnp.array([9], jnp.int32)))(c).kv_pages)
+    np.testing.assert_array_equal(out[1, 9 // P, 9 % P], np.stack([k[0], v[0]], 1).reshape(-1, D))
+    out[1, 9 // P, 9 % P] = 0
+    assert not out.any()
 
 
 def test_donated_quantized_write_pages_in_place():

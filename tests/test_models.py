@@ -297,3 +297,24 @@ def test_engine_on_cpu_holds_layer_weights_apart():
     model = init_model(TINY_LLAMA, seed=0)
     llm = LLM(model, None, num_pages=64, page_size=8)
     assert isinstance(llm.model.layers.self_attn.q_proj.kernel.get_value(), tuple)
+
+
+def test_one_token_step_updates_the_pool_in_place(tiny):
+    # A decode step of one token row (the CPU decode kernel reading the pool): XLA made
+    # the one-row scatter an update that copied the whole pool, three times over
+    # (PagedKVCache.write pads it to two rows).
+    from paged_jax.batch import ScheduledSeq, build_batch
+    from paged_jax.block_manager import BlockManager
+
+    bm = BlockManager(num_pages=4096, page_size=8)
+    bm.allocate("s", list(range(5)))
+    bm.mark_computed("s", 5)
+    assert bm.append_tokens(["s"], [7])
+    batch = build_batch(bm, [ScheduledSeq("s", 5, 6)], min_tokens=1)
+    md = AttentionMetadata.from_batch(batch)
+    assert md.decode_only and batch.token_ids.shape == (1,)
+    cache = tiny.make_cache(4096, 8)
+    ids, pos = jnp.asarray(batch.token_ids), jnp.asarray(batch.positions)
+    step = jax.jit(lambda c: tiny(ids, pos, c, md), donate_argnums=0)
+    stats = step.lower(cache).compile().memory_analysis()
+    assert stats.temp_size_in_bytes < cache.kv_pages.nbytes / 4, stats.temp_size_in_bytes
