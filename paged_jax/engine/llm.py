@@ -1709,12 +1709,15 @@ def _describe(bucket: dict) -> str:
 
 # Steps of at most this many tokens (a bucket) compile with _small_step_options on CPU.
 SMALL_STEP_TOKENS = 16
-# The smallest token bucket of a step. Decode of 1-4 sequences in a 16-token bucket
-# computed 16 rows of every product: SmolLM2-135M f32 on the 2-core AMD EPYC, 27.6 ->
-# 25.6 ms a step for 1 sequence and 30.3-32.7 -> 26-27 ms for 4 (buckets of 4 and 8 tokens
-# against 16, 2026-11-24). Not 1: XLA turns a one-row scatter into an update that copies
-# the whole KV pool (PagedKVCache.write pads such a write to 2 rows).
-MIN_STEP_TOKENS = 4
+# The smallest token bucket of a step. Decode of a few sequences in a 16-token bucket
+# computed 16 rows of every product. SmolLM2-135M f32 on the 2-core AMD EPYC, greedy
+# decode, medians (2026-11-24): 1 sequence 37.2 tokens/s with 8, 39.1 with 4, and
+# 32.1-32.9 before (16, with the layers' weights stacked); 4 sequences 144 / 149 / 126.
+# 4 cost a bucket more (8 and 4 at the tail of a 32 x 128 run, where sequences finish
+# in waves): 15.1-15.4 s to compile that run's buckets against 14.4-14.6 with 8. Never 1:
+# XLA turns a one-row scatter into an update that copies the whole KV pool (so
+# PagedKVCache.write pads one row to two).
+MIN_STEP_TOKENS = 8
 _SMALL_STEP_OPTIONS = (
     ("xla_cpu_use_xnnpack", False),
     ("xla_cpu_experimental_ynn_fusion_type", ""),
