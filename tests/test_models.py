@@ -301,7 +301,7 @@ def test_engine_on_cpu_holds_layer_weights_apart():
 
 def test_one_token_step_updates_the_pool_in_place(tiny):
     # A decode step of one token row (the CPU decode kernel reading the pool): XLA made
-    # the one-row scatter an update that copied the whole pool, three times over
+    # the one-row scatter an update that copied the whole pool, four times over
     # (PagedKVCache.write pads it to two rows).
     from paged_jax.batch import ScheduledSeq, build_batch
     from paged_jax.block_manager import BlockManager
