@@ -164,7 +164,10 @@ class LLM:
         (``__call__(tokens, positions, cache, metadata) -> (logits, cache)``,
         ``make_cache``, ``config``), such as ``paged_jax.models.LlamaForCausalLM``. Names
         ("tiny-llama", a checkpoint directory) become models in the model layer:
-        ``model, tokenizer = paged_jax.models.load(name)``.
+        ``model, tokenizer = paged_jax.models.load(name)``. A model on CPU without a
+        mesh that has ``split_layer_weights`` gets it called, in place (its layers'
+        linear weights held per layer: XLA:CPU would copy them out of the stack every
+        step).
       tokenizer: object with ``encode(str)`` / ``decode(ids)``; None: prompts are
         token ids and outputs have no text.
       num_pages: pages in the pool (of all data-parallel replicas together: each has
