@@ -109,7 +109,7 @@ class Linear(nnx.Linear):
             def apply(x):
                 b = None if bias is None else bias[i]
                 x, k, b = self.promote_dtype((x, kernel[i], b), dtype=self.dtype)
-                y = jax.lax.dot_general(
+                y = self.dot_general(  # as nnx.Linear computes one layer's product
                     x, k, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision
                 )
                 return y if b is None else y + jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,))
@@ -311,8 +311,8 @@ class LlamaForCausalLM(nnx.Module):
             if not isinstance(node, Linear):
                 continue
             for var in (node.kernel, node.bias):
-                if var is not None and not isinstance(var.get_value(), tuple):
-                    w = var.get_value()
+                w = None if var is None else var.get_value()
+                if w is not None and not isinstance(w, tuple):
                     var.set_value(tuple(w[i] for i in range(L)))
         return self
 
