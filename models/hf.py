@@ -224,6 +224,8 @@ def to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
     out = {}
     for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         value = np.asarray(var.get_value())
+        if tuple(map(str, p)) == ("embed_tokens", "embedding"):
+            value = np.asarray(model.embed_tokens.table())  # [V, E], even if held [E, V]
         per_layer = enumerate(value) if str(p[0]) == "layers" else [(None, value)]
         for i, v in per_layer:
             name, transposed = _hf_name(p if i is None else ("layers", i, *p[1:]))

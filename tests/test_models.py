@@ -13,6 +13,7 @@ from model_helpers import PagedGreedy, dense_greedy, dense_logits
 
 from paged_jax.metadata import AttentionMetadata
 from paged_jax.models import TINY_LLAMA, LlamaConfig, RopeScaling, init_model
+from paged_jax.models.llama import Embed
 
 PROMPTS = {"a": [256, 72, 105, 33], "b": list(range(60, 97)), "c": [256, 7]}
 
@@ -262,10 +263,12 @@ def _copied_weights(hlo: str, model) -> int:
     return sum(any(s in t for s in shapes) for t in result_types)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "qwen2", "gemma3"])
-def test_split_layer_weights_keeps_the_logits_and_reads_weights_in_place(name):
-    # Qwen2: biases on q/k/v; Gemma 3: 5 layers, groups of 3 plus a last partial group.
+@pytest.mark.parametrize("name", ["tiny-llama", "qwen2", "gemma3", "llama3"])
+def test_hold_for_cpu_keeps_the_logits_and_reads_weights_in_place(name):
+    # Qwen2: biases on q/k/v; Gemma 3: 5 layers, groups of 3 plus a last partial group;
+    # Llama 3: a tied embedding, held [E, V].
     from paged_jax.models import load_hf
+    from paged_jax.models.hf import to_hf_tensors
 
     if name == "tiny-llama":
         model = init_model(TINY_LLAMA, seed=3)
@@ -275,17 +278,26 @@ def test_split_layer_weights_keeps_the_logits_and_reads_weights_in_place(name):
     ids = list(range(3, 40))
     before, hlo_before = _prefill_logits(model, ids)
     layer1 = [np.asarray(w) for w in jax.tree.leaves(nnx.state(model.layer(1)))]
+    exported = to_hf_tensors(model)
     assert model.split_layer_weights() is model
-    model.split_layer_weights()  # a second call changes nothing
+    assert model.hold_for_cpu() is model
+    model.hold_for_cpu()  # a second call changes nothing
     kernel = model.layers.mlp.up_proj.kernel.get_value()
     assert isinstance(kernel, tuple) and len(kernel) == model.config.num_layers
     assert all(k.shape == kernel[0].shape and k.ndim == 2 for k in kernel)
+    tied = model.config.tie_word_embeddings
+    assert tied == (name == "llama3") and model.embed_tokens.transposed == tied
+    V, E = model.config.vocab_size, model.config.hidden_size
+    assert model.embed_tokens.embedding.get_value().shape == ((E, V) if tied else (V, E))
     after, hlo_after = _prefill_logits(model, ids)
     np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
     assert (after.argmax(-1) == before.argmax(-1)).all()
-    # model.layer(i) gives the same weights as before
+    # model.layer(i) gives the same weights as before, and the export the same tensors
     again = [np.asarray(w) for w in jax.tree.leaves(nnx.state(model.layer(1)))]
     assert all(np.array_equal(a, b) for a, b in zip(layer1, again, strict=True))
+    out = to_hf_tensors(model)
+    assert out.keys() == exported.keys()
+    assert all(np.array_equal(out[k], exported[k]) for k in out)
     # the stacked model copied each layer's kernels out of the stack (tiny-llama; Gemma 3's
     # 32-wide products fuse their slices); the split one does not
     if name == "tiny-llama":
@@ -293,12 +305,31 @@ def test_split_layer_weights_keeps_the_logits_and_reads_weights_in_place(name):
     assert _copied_weights(hlo_after, model) == 0
 
 
-def test_engine_on_cpu_holds_layer_weights_apart():
+def test_transposed_embedding_looks_up_the_same_rows():
+    emb = Embed(50, 8, rngs=nnx.Rngs(0))
+    ids = jnp.asarray([[3, 0, 49], [7, 7, 1]], jnp.int32)  # any leading shape
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    rows, logits, table = emb(ids), emb.attend(x), emb.table()
+    assert emb.hold_transposed() is emb and emb.hold_transposed().transposed
+    assert emb.embedding.get_value().shape == (8, 50)
+    np.testing.assert_array_equal(emb(ids), rows)
+    np.testing.assert_allclose(emb.attend(x), logits, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(emb.table(), table)  # [V, E], whichever way it lies
+    # the head's product contracts the table's first axis: [R, E] x [E, V], no transpose
+    graphdef, state = nnx.split(emb)
+    hlo = jax.jit(lambda s, x: nnx.merge(graphdef, s).attend(x)).lower(state, x).as_text()
+    assert re.findall(r"contracting_dims = \[1\] x \[(\d)\]", hlo) == ["0"], hlo
+    with pytest.raises(TypeError, match="inputs"):
+        emb(ids.astype(jnp.float32))
+
+
+def test_engine_on_cpu_holds_its_weights_for_cpu():
     from paged_jax.engine import LLM
 
-    model = init_model(TINY_LLAMA, seed=0)
+    model = init_model(dataclasses.replace(TINY_LLAMA, tie_word_embeddings=True), seed=0)
     llm = LLM(model, None, num_pages=64, page_size=8)
     assert isinstance(llm.model.layers.self_attn.q_proj.kernel.get_value(), tuple)
+    assert llm.model.embed_tokens.transposed
 
 
 def test_one_token_step_updates_the_pool_in_place(tiny):

@@ -165,9 +165,9 @@ class LLM:
         ``make_cache``, ``config``), such as ``paged_jax.models.LlamaForCausalLM``. Names
         ("tiny-llama", a checkpoint directory) become models in the model layer:
         ``model, tokenizer = paged_jax.models.load(name)``. A model on CPU without a
-        mesh that has ``split_layer_weights`` gets it called, in place (its layers'
-        linear weights held per layer: XLA:CPU would copy them out of the stack every
-        step).
+        mesh that has ``hold_for_cpu`` gets it called, in place: its layers' linear
+        weights are held per layer (XLA:CPU would copy them out of the stack every step)
+        and a tied embedding table ``[E, V]`` (the LM head's product reads it faster).
       tokenizer: object with ``encode(str)`` / ``decode(ids)``; None: prompts are
         token ids and outputs have no text.
       num_pages: pages in the pool (of all data-parallel replicas together: each has
@@ -321,9 +321,9 @@ class LLM:
                     f"weights on the mesh), {type(model).__name__} has none"
                 )
             model = model.shard(self.mesh)
-        if self.mesh is None and _on_cpu(model) and hasattr(model, "split_layer_weights"):
-            # XLA:CPU would copy each layer's weights out of the stacked arrays every step
-            model = model.split_layer_weights()
+        if self.mesh is None and _on_cpu(model) and hasattr(model, "hold_for_cpu"):
+            # the layouts XLA:CPU reads fastest: layers' weights apart, a tied head [E, V]
+            model = model.hold_for_cpu()
         self.model = model
         self.tokenizer = tokenizer
         cfg = self.model.config
