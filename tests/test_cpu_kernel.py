@@ -124,6 +124,35 @@ def test_a_far_larger_score_in_any_lane():
 
 
 @needs_cc
+def test_work_shared_with_xla_threads_matches_one_thread():
+    # Enough K/V for 3 threads (a thread takes at least 2**18 elements); the jobs past the
+    # first go to XLA's thread pool, and calls from several Python threads at once keep
+    # that pool busy, so the calling thread must claim back work no worker started.
+    import concurrent.futures
+
+    B, M, P, K, H, D = 8, 40, 16, 2, 8, 64
+    rng = np.random.default_rng(5)
+    kv = jnp.asarray(rng.standard_normal((B * M + 1, P, 2 * K, D)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((B, H, D)), jnp.float32)
+    lens = jnp.asarray(rng.integers(500, M * P, B), jnp.int32)
+    tables = jnp.asarray(rng.permutation(np.arange(1, B * M + 1)).reshape(B, M), jnp.int32)
+    assert int(lens.sum()) * 2 * K * D >= 3 * 2**18
+
+    def run(threads):
+        f = jax.jit(lambda *a: cpu.decode_paged_attention(*a, sm_scale=0.125, threads=threads))
+        return np.asarray(f(q, kv, lens, tables))
+
+    one = run(1)
+    ref = pj.reference.paged_attention(q, kv, lens, tables, sm_scale=0.125)
+    np.testing.assert_allclose(one, ref, rtol=1e-5, atol=1e-5)
+    for threads in (2, 3):
+        np.testing.assert_array_equal(run(threads), one)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for out in pool.map(run, [2, 3] * 6):
+            np.testing.assert_array_equal(out, one)
+
+
+@needs_cc
 def test_rows_do_not_depend_on_batch_or_threads():
     """Each sequence is computed alone: bitwise the same alone, in a batch, on 1-3 threads."""
     full = _check(16, (8, 2), 64, "float32", "plain", seed=3, threads=3)
