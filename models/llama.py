@@ -139,10 +139,10 @@ class Embed(nnx.Embed):
         return table.T if self.transposed else table
 
     def __call__(self, inputs: jax.Array) -> jax.Array:  # int[...] -> [..., E]
-        if not self.transposed:
-            return super().__call__(inputs)
         if not jnp.issubdtype(inputs.dtype, jnp.integer):
             raise TypeError(f"inputs: expected an integer array, got {inputs.dtype}")
+        if not self.transposed:
+            return super().__call__(inputs)
         (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
         return jnp.moveaxis(jnp.take(table, inputs, axis=1), 0, -1)
 

@@ -310,6 +310,8 @@ def test_transposed_embedding_looks_up_the_same_rows():
     ids = jnp.asarray([[3, 0, 49], [7, 7, 1]], jnp.int32)  # any leading shape
     x = jax.random.normal(jax.random.key(1), (4, 8))
     rows, logits, table = emb(ids), emb.attend(x), emb.table()
+    with pytest.raises(TypeError, match="inputs"):  # held either way
+        emb(ids.astype(jnp.float32))
     assert emb.hold_transposed() is emb and emb.hold_transposed().transposed
     assert emb.embedding.get_value().shape == (8, 50)
     np.testing.assert_array_equal(emb(ids), rows)

@@ -33,8 +33,8 @@
  * page front to back; the rows ahead are prefetched, since a page boundary jumps to an
  * unrelated address. Sequences are split over `threads` threads in contiguous runs of
  * about equal token counts; the calling thread computes the first run and hands the
- * others to XLA's thread pool (run_jobs). Each sequence is computed alone and in a fixed order, so its
- * result does not depend on the rest of the batch or on the thread count.
+ * others to XLA's thread pool (run_jobs). Each sequence is computed alone and in a fixed
+ * order, so its result does not depend on the rest of the batch or on the thread count.
  */
 #include <math.h>
 #include <pthread.h>
@@ -581,9 +581,9 @@ static int schedule(const XLA_FFI_CallFrame *frame, Handed *h) {
 }
 
 /* Runs jobs[0 .. n) with `run`: jobs[0] here, the others on XLA's thread pool, or on
- * threads of their own where it takes none. Creating and joining threads in every call
- * cost a 32-sequence SmolLM2 decode step ~0.1 ms in each layer and competed with XLA's
- * spinning workers for the cores. */
+ * threads of their own where it takes none. With a thread created and joined per run in
+ * every call, the kernel took 9.2-9.5 ms of a 32-sequence SmolLM2 decode step (30 calls);
+ * on XLA's pool, 7.7-8.0 ms. */
 static void run_jobs(const XLA_FFI_CallFrame *frame, Job *jobs, int64_t n,
                      void *(*run)(void *)) {
   Handed *handed[MAX_THREADS] = {0};
