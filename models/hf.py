@@ -8,6 +8,7 @@ Reads ``config.json``, the safetensors weights (one file, or shards listed in
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import re
@@ -223,9 +224,13 @@ def to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
     what ``load_hf`` reads back, e.g. to write with ``safetensors.numpy.save_file``."""
     out = {}
     for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        value = np.asarray(var.get_value())
+        value = var.get_value()
         if tuple(map(str, p)) == ("embed_tokens", "embedding"):
-            value = np.asarray(model.embed_tokens.table())  # [V, E], even if held [E, V]
+            value = model.embed_tokens.table()  # [V, E], however it is held
+        elif str(p[-1]) == "kernel":  # [in, out], even if packed (Linear.hold_packed)
+            value = functools.reduce(lambda node, part: getattr(node, str(part)), p[:-1], model)
+            value = value.weight()
+        value = np.asarray(value)
         per_layer = enumerate(value) if str(p[0]) == "layers" else [(None, value)]
         for i, v in per_layer:
             name, transposed = _hf_name(p if i is None else ("layers", i, *p[1:]))

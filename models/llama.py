@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import paged_jax as pj
+from paged_jax import linear
 from paged_jax.cache import PagedKVCache
 from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata
@@ -97,56 +98,114 @@ class Linear(nnx.Linear):
     """``nnx.Linear`` whose kernel (and bias) may be a tuple of per-layer arrays
     (``LlamaForCausalLM.split_layer_weights``): the layer being computed picks its own by
     a ``lax.switch``, so its weights are read where they lie instead of copied out of a
-    stacked ``[L, ...]`` array."""
+    stacked ``[L, ...]`` array. Its kernels may also be packed for the CPU kernel
+    (``hold_packed``)."""
+
+    packed = False  # hold_packed sets it on the instance (a static attribute)
+
+    def hold_packed(self) -> Linear:
+        """In place: each f32 kernel ``[in, out]`` (or each of a tuple) becomes
+        ``paged_jax.linear.pack``'s ``[P, in, NR]``, which ``paged_jax.linear.matmul``
+        multiplies by; returns the module. Idempotent. Raises ``ValueError`` for a
+        stacked ``[L, in, out]`` kernel (split it first), another dtype, or where the
+        CPU kernels are not available."""
+        if self.packed:
+            return self
+        kernel = self.kernel.get_value()
+        parts = kernel if isinstance(kernel, tuple) else (kernel,)
+        if any(k.ndim != 2 or k.dtype != jnp.float32 for k in parts):
+            raise ValueError(
+                "kernel: expected float32 [in, out] arrays (split stacked layers first), got "
+                + ", ".join(f"{k.dtype}{list(k.shape)}" for k in parts[:2])
+            )
+        packed = tuple(linear.pack(k) for k in parts)
+        self.kernel.set_value(packed if isinstance(kernel, tuple) else packed[0])
+        self.packed = True
+        return self
+
+    def weight(self) -> jax.Array | tuple:
+        """The kernel as ``nnx.Linear`` holds it, ``[in, out]`` (a tuple of them for
+        per-layer weights), whichever way it lies."""
+        kernel = self.kernel.get_value()
+        if not self.packed:
+            return kernel
+        if isinstance(kernel, tuple):
+            return tuple(linear.unpack(k, self.out_features) for k in kernel)
+        return linear.unpack(kernel, self.out_features)
+
+    def _product(self, x, kernel, bias):
+        if self.packed:
+            y = linear.matmul(x.astype(jnp.float32), kernel, self.out_features)
+            y = y.astype(self.dtype or y.dtype)
+            b = bias
+        else:
+            x, kernel, b = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
+            y = self.dot_general(  # as nnx.Linear computes one layer's product
+                x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision
+            )
+        return y if b is None else y + jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,))
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         kernel = self.kernel.get_value()
-        if not isinstance(kernel, tuple):
-            return super().__call__(inputs)
         bias = None if self.bias is None else self.bias.get_value()
+        if not isinstance(kernel, tuple):
+            if not self.packed:
+                return super().__call__(inputs)
+            return self._product(inputs, kernel, bias)
 
         def one(i):
-            def apply(x):
-                b = None if bias is None else bias[i]
-                x, k, b = self.promote_dtype((x, kernel[i], b), dtype=self.dtype)
-                y = self.dot_general(  # as nnx.Linear computes one layer's product
-                    x, k, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision
-                )
-                return y if b is None else y + jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,))
-
-            return apply
+            return lambda x: self._product(x, kernel[i], None if bias is None else bias[i])
 
         return jax.lax.switch(_LAYER.get(), [one(i) for i in range(len(kernel))], inputs)
 
 
 class Embed(nnx.Embed):
     """``nnx.Embed`` whose table may be held transposed, ``[E, V]`` instead of ``[V, E]``
-    (``hold_transposed``). A tied LM head (``attend``) then multiplies by the table as it
-    lies; lookups gather its columns."""
+    (``hold_transposed``), or packed for the CPU kernel as the weight ``[E, V]`` is
+    (``hold_packed``: ``[P, E, NR]``). A tied LM head (``attend``) then multiplies by the
+    table as it lies; lookups gather its columns."""
 
-    transposed = False  # hold_transposed sets it on the instance (a static attribute)
+    transposed = False  # hold_transposed / hold_packed set them on the instance (static)
+    packed = False
 
     def hold_transposed(self) -> Embed:
         """In place: the table becomes ``[E, V]``; returns the module. Idempotent."""
-        if not self.transposed:
+        if not self.transposed and not self.packed:
             self.embedding.set_value(jnp.asarray(self.embedding.get_value().T))
             self.transposed = True
+        return self
+
+    def hold_packed(self) -> Embed:
+        """In place: the table becomes ``paged_jax.linear.pack`` of its ``[E, V]``
+        transpose, ``[P, E, NR]``; returns the module. Idempotent. Raises ``ValueError``
+        for a table that is not f32, or where the CPU kernels are not available."""
+        if not self.packed:
+            self.embedding.set_value(linear.pack(self.table().T))
+            self.transposed, self.packed = False, True
         return self
 
     def table(self) -> jax.Array:
         """The table as ``nnx.Embed`` holds it, ``[V, E]``, whichever way it lies."""
         table = self.embedding.get_value()
+        if self.packed:
+            return linear.unpack(table, self.num_embeddings).T
         return table.T if self.transposed else table
 
     def __call__(self, inputs: jax.Array) -> jax.Array:  # int[...] -> [..., E]
         if not jnp.issubdtype(inputs.dtype, jnp.integer):
             raise TypeError(f"inputs: expected an integer array, got {inputs.dtype}")
-        if not self.transposed:
+        if not self.transposed and not self.packed:
             return super().__call__(inputs)
         (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
+        if self.packed:  # token v: column v % NR of panel v // NR
+            nr = table.shape[-1]
+            return table[inputs // nr, :, inputs % nr]
         return jnp.moveaxis(jnp.take(table, inputs, axis=1), 0, -1)
 
     def attend(self, query: jax.Array) -> jax.Array:  # [..., E] -> [..., V]
+        if self.packed:
+            y = linear.matmul(query.astype(jnp.float32), self.embedding[...], self.num_embeddings)
+            return y.astype(self.dtype or y.dtype)
         if not self.transposed:
             return super().attend(query)
         query, table = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
@@ -350,7 +409,7 @@ class LlamaForCausalLM(nnx.Module):
                     var.set_value(tuple(w[i] for i in range(L)))
         return self
 
-    def hold_for_cpu(self) -> LlamaForCausalLM:
+    def hold_for_cpu(self, *, pack: bool | None = None) -> LlamaForCausalLM:
         """In place: the weight layouts XLA:CPU reads fastest; returns the model. The
         engine calls it for a model on CPU without a mesh (the mesh's shardings are given
         for the loaded layouts). Idempotent.
@@ -364,7 +423,14 @@ class LlamaForCausalLM(nnx.Module):
           seconds). No weight is copied: the memory held stays the same.
         """
         self.split_layer_weights()
-        if self.lm_head is None:
+        if pack is None:
+            pack = self.dtype == jnp.float32 and linear.available()
+        if pack:
+            for node in [n for _, n in nnx.iter_graph(self) if isinstance(n, Linear)]:
+                node.hold_packed()
+            if self.lm_head is None:
+                self.embed_tokens.hold_packed()
+        elif self.lm_head is None:
             self.embed_tokens.hold_transposed()
         return self
 

@@ -1,6 +1,7 @@
 """The Flax decoder on the paged cache: paged == unpaged, one compile per bucket, configs."""
 
 import dataclasses
+import functools
 import pathlib
 import re
 
@@ -11,6 +12,7 @@ import pytest
 from flax import nnx
 from model_helpers import PagedGreedy, dense_greedy, dense_logits
 
+from paged_jax import linear as paged_linear
 from paged_jax.metadata import AttentionMetadata
 from paged_jax.models import TINY_LLAMA, LlamaConfig, RopeScaling, init_model
 from paged_jax.models.llama import Embed
@@ -247,11 +249,12 @@ def _prefill_logits(model, ids):
     return np.asarray(step(*args)), step.lower(*args).compile().as_text()
 
 
-def _copied_weights(hlo: str, model) -> int:
-    """Slices in ``hlo`` shaped like one layer's kernel: each layer's weights copied out of
-    the stacked ``[L, in, out]`` arrays."""
+def _copied_weights(hlo: str, *models) -> int:
+    """Slices in ``hlo`` shaped like one layer's kernel (as any of ``models`` holds it):
+    each layer's weights copied out of the stacked ``[L, in, out]`` arrays."""
     shapes = {
         "[" + ",".join(map(str, np.shape(w)[-2:])) + "]"
+        for model in models
         for w in jax.tree.leaves(nnx.state(model.layers))
         if np.ndim(w) >= 2
     }
@@ -263,10 +266,31 @@ def _copied_weights(hlo: str, model) -> int:
     return sum(any(s in t for s in shapes) for t in result_types)
 
 
+def _layer_weights(model, i: int) -> list[np.ndarray]:
+    """Layer ``i``'s weights (``model.layer(i)``), linear kernels ``[in, out]`` however held."""
+    layer = model.layer(i)
+    return [
+        np.asarray(
+            functools.reduce(getattr, map(str, p[:-1]), layer).weight()
+            if str(p[-1]) == "kernel"
+            else var.get_value()
+        )
+        for p, var in nnx.to_flat_state(nnx.state(layer, nnx.Param))
+    ]
+
+
+_needs_kernels = pytest.mark.skipif(
+    not paged_linear.available(), reason="the CPU kernels did not build here (no C compiler)"
+)
+
+
+@pytest.mark.parametrize(
+    "pack", [False, pytest.param(True, marks=_needs_kernels)], ids=["xla", "packed"]
+)
 @pytest.mark.parametrize("name", ["tiny-llama", "qwen2", "gemma3", "llama3"])
-def test_hold_for_cpu_keeps_the_logits_and_reads_weights_in_place(name):
+def test_hold_for_cpu_keeps_the_logits_and_reads_weights_in_place(name, pack):
     # Qwen2: biases on q/k/v; Gemma 3: 5 layers, groups of 3 plus a last partial group;
-    # Llama 3: a tied embedding, held [E, V].
+    # Llama 3: a tied embedding, held [E, V] (xla) or packed with the linear kernels.
     from paged_jax.models import load_hf
     from paged_jax.models.hf import to_hf_tensors
 
@@ -277,23 +301,30 @@ def test_hold_for_cpu_keeps_the_logits_and_reads_weights_in_place(name):
         model, _ = load_hf(golden, dtype=jnp.float32)
     ids = list(range(3, 40))
     before, hlo_before = _prefill_logits(model, ids)
-    layer1 = [np.asarray(w) for w in jax.tree.leaves(nnx.state(model.layer(1)))]
+    loaded = nnx.clone(model)  # the layouts as loaded
+    layer1 = _layer_weights(model, 1)
     exported = to_hf_tensors(model)
     assert model.split_layer_weights() is model
-    assert model.hold_for_cpu() is model
-    model.hold_for_cpu()  # a second call changes nothing
-    kernel = model.layers.mlp.up_proj.kernel.get_value()
-    assert isinstance(kernel, tuple) and len(kernel) == model.config.num_layers
-    assert all(k.shape == kernel[0].shape and k.ndim == 2 for k in kernel)
+    assert model.hold_for_cpu(pack=pack) is model
+    model.hold_for_cpu(pack=pack)  # a second call changes nothing
+    L, V, E = model.config.num_layers, model.config.vocab_size, model.config.hidden_size
+    up = model.layers.mlp.up_proj
+    kernel = up.kernel.get_value()
+    assert isinstance(kernel, tuple) and len(kernel) == L and up.packed == pack
+    nr = paged_linear.pack(jnp.zeros((1, 1))).shape[-1] if pack else None
+    inner = model.config.intermediate_size
+    assert all(k.shape == ((-(-inner // nr), E, nr) if pack else (E, inner)) for k in kernel)
     tied = model.config.tie_word_embeddings
-    assert tied == (name == "llama3") and model.embed_tokens.transposed == tied
-    V, E = model.config.vocab_size, model.config.hidden_size
-    assert model.embed_tokens.embedding.get_value().shape == ((E, V) if tied else (V, E))
+    assert tied == (name == "llama3")
+    emb = model.embed_tokens
+    assert (emb.transposed, emb.packed) == ((tied and not pack), (tied and pack))
+    if not pack:
+        assert emb.embedding.get_value().shape == ((E, V) if tied else (V, E))
     after, hlo_after = _prefill_logits(model, ids)
     np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
     assert (after.argmax(-1) == before.argmax(-1)).all()
     # model.layer(i) gives the same weights as before, and the export the same tensors
-    again = [np.asarray(w) for w in jax.tree.leaves(nnx.state(model.layer(1)))]
+    again = _layer_weights(model, 1)
     assert all(np.array_equal(a, b) for a, b in zip(layer1, again, strict=True))
     out = to_hf_tensors(model)
     assert out.keys() == exported.keys()
@@ -301,8 +332,11 @@ def test_hold_for_cpu_keeps_the_logits_and_reads_weights_in_place(name):
     # the stacked model copied each layer's kernels out of the stack (tiny-llama; Gemma 3's
     # 32-wide products fuse their slices); the split one does not
     if name == "tiny-llama":
-        assert _copied_weights(hlo_before, model) > 0
-    assert _copied_weights(hlo_after, model) == 0
+        assert _copied_weights(hlo_before, loaded) > 0
+    assert _copied_weights(hlo_after, loaded, model) == 0
+    # packed: the products are the kernel's (7 a layer, in the layer's switch branch)
+    calls = hlo_after.count('custom_call_target="paged_jax_cpu_linear"')
+    assert calls >= 7 if pack else calls == 0, calls
 
 
 def test_transposed_embedding_looks_up_the_same_rows():
@@ -330,8 +364,12 @@ def test_engine_on_cpu_holds_its_weights_for_cpu():
 
     model = init_model(dataclasses.replace(TINY_LLAMA, tie_word_embeddings=True), seed=0)
     llm = LLM(model, None, num_pages=64, page_size=8)
-    assert isinstance(llm.model.layers.self_attn.q_proj.kernel.get_value(), tuple)
-    assert llm.model.embed_tokens.transposed
+    q_proj = llm.model.layers.self_attn.q_proj
+    assert isinstance(q_proj.kernel.get_value(), tuple)
+    # packed for the CPU kernels where they build, else the tied table held [E, V]
+    packed = paged_linear.available()
+    assert q_proj.packed == packed and llm.model.embed_tokens.packed == packed
+    assert llm.model.embed_tokens.transposed == (not packed)
 
 
 def test_one_token_step_updates_the_pool_in_place(tiny):

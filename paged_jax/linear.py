@@ -1,0 +1,58 @@
+"""Matrix products against weights packed for the CPU kernel (``pallas_kernels/cpu``).
+
+A weight ``w [K, N]`` packed by ``pack`` lies in column panels, ``[P, K, NR]``, the
+layout the kernel's ``linear.c`` reads front to back without repacking it on every call
+as a general matrix product does; ``matmul(x, packed, n)`` computes ``x @ w`` with it.
+``LlamaForCausalLM.hold_for_cpu`` packs a model's weights this way where ``available()``.
+
+Measured on a 2-core AMD EPYC (Zen 5), f32, SmolLM2-135M's shapes (576 x 1536 and
+1536 x 576), min of 15: at 32 rows 0.12 ms a product against 0.28-0.32 for XLA's dot on
+the unpacked weight; at 64-256 rows 0.23-0.90 against 0.34-1.10; at 2048 rows 7.1-7.2
+against 7.5-8.3. XLA's own product on the packed layout was 5-30% slower than its dot.
+"""
+
+from __future__ import annotations
+
+import jax
+
+
+def available() -> bool:
+    """True where weights can be packed: JAX's default backend is the CPU and the CPU
+    kernels built (``paged_jax.kernels.cpu.available()``)."""
+    if jax.default_backend() != "cpu":
+        return False
+    from paged_jax.kernels import cpu
+
+    return cpu.available()
+
+
+def pack(w: jax.Array) -> jax.Array:  # [K, N] f32 -> [P, K, NR]
+    """``w`` in column panels of the kernel's width NR (``P = ceil(N / NR)``, zero past
+    column N). Raises ``ValueError`` for a ``w`` that is not ``[K, N]`` float32, or where
+    the kernels are not available."""
+    from paged_jax.kernels import cpu
+
+    return cpu.pack_weight(w)
+
+
+def unpack(packed: jax.Array, n: int) -> jax.Array:  # [P, K, NR] -> [K, n]
+    """The ``[K, n]`` weight that ``pack`` made ``packed``."""
+    from paged_jax.kernels import cpu
+
+    return cpu.unpack_weight(packed, n)
+
+
+def matmul(
+    x: jax.Array,  # [..., K] f32
+    packed: jax.Array,  # [P, K, NR] f32
+    n: int,
+) -> jax.Array:  # [..., n] f32
+    """``x @ w`` for the ``[K, n]`` weight ``w`` packed as ``packed``, by the CPU kernel:
+    one f32 sum per output over K in order, so a row's result does not depend on the
+    other rows. Raises ``ValueError`` for mismatched shapes or dtypes."""
+    from paged_jax.kernels import cpu
+
+    return cpu.linear(x, packed, n)
+
+
+__all__ = ["available", "matmul", "pack", "unpack"]

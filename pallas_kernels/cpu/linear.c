@@ -1,0 +1,163 @@
+/* Matrix products against weights packed in column panels, for CPUs, called by XLA
+ * through its FFI; built with decode.c into one library by __init__.py.
+ *
+ * Operands (row-major):
+ *   x        f32[M, K]
+ *   w        f32[P, K, NR]  a weight W [K, N] in panels of NR columns:
+ *                           w[p, k, j] = W[k, p * NR + j], 0 past column N
+ *   threads  i32[1]         at most this many threads
+ * Result: y f32[M, N], N in (P * NR - NR, P * NR].
+ *
+ * NR is paged_jax_linear_panel_width(): three vector registers of f32 lanes (48 with
+ * AVX-512, 24 with AVX2, 12 otherwise). Packing is done once, when the weights are loaded
+ * (paged_jax.linear.pack): the product then reads each panel front to back, one cache
+ * line after the next, and never repacks a weight the way a general matrix product
+ * must for each call.
+ *
+ * y[m, n] = sum of x[m, k] * W[k, n] for k = 0, 1, ... K - 1, added in that order into
+ * one f32 sum per output (fused multiply-adds where the CPU has them). A row's result
+ * does not depend on M, on the other rows or on the thread count.
+ *
+ * The work: MR rows of x by one panel at a time, in 3 * MR vector accumulators (AVX-512:
+ * 8 rows, 24 of its 32 registers); each k loads the panel's NR weights once and
+ * multiplies them by MR broadcast values of x. Rows go in blocks of ROW_BLOCK, each block
+ * reading the panels of its thread while its x rows stay in cache; within a block a
+ * panel is read from memory by its first MR rows and from L2 by the rest. Panels are
+ * split over the threads in contiguous runs; the calling thread computes the first run
+ * and hands the others to XLA's thread pool (run_jobs).
+ *
+ * Measured on a 2-core AMD EPYC (Zen 5), 32 rows, f32, SmolLM2-135M's shapes, 30
+ * different weights one after the other: 355-408 GFLOP/s against 140-250 for XLA's own
+ * dots and YNNPACK's.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool.h"
+
+#if defined(__AVX512F__)
+#define VL 16
+#define MR 8
+#elif defined(__AVX2__)
+#define VL 8
+#define MR 4
+#else
+#define VL 4
+#define MR 4
+#endif
+#define NR (3 * VL)
+#define ROW_BLOCK 64                   /* rows whose x stays in cache over the panels */
+#define MIN_MACS_PER_THREAD (1 << 20) /* a thread only for at least this many products */
+
+typedef float lv __attribute__((vector_size(4 * VL)));
+
+int paged_jax_linear_panel_width(void) { return NR; }
+
+typedef struct {
+  const float *x, *w;
+  float *y;
+  int64_t M, K, N, first, last; /* panels [first, last) */
+} LinearJob;
+
+static inline lv load(const float *p) {
+  lv v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+/* y[0 .. mr) x [n0, n0 + NR) (clipped to N) = x[0 .. mr) @ panel wp [K, NR]. */
+static inline __attribute__((always_inline)) void tile(const float *x, const float *wp,
+                                                      float *y, int64_t K, int64_t N,
+                                                      int64_t n0, const int mr) {
+  lv c[MR][3];
+  for (int i = 0; i < mr; ++i) c[i][0] = c[i][1] = c[i][2] = (lv){};
+  for (int64_t k = 0; k < K; ++k) {
+    const lv b0 = load(wp + k * NR), b1 = load(wp + k * NR + VL), b2 = load(wp + k * NR + 2 * VL);
+    for (int i = 0; i < mr; ++i) {
+      const float a = x[i * K + k];
+      c[i][0] += a * b0;
+      c[i][1] += a * b1;
+      c[i][2] += a * b2;
+    }
+  }
+  const int64_t cols = N - n0 < NR ? N - n0 : NR;
+  for (int i = 0; i < mr; ++i) {
+    float *out = y + i * N + n0;
+    if (cols == NR) {
+      memcpy(out, &c[i][0], sizeof(lv));
+      memcpy(out + VL, &c[i][1], sizeof(lv));
+      memcpy(out + 2 * VL, &c[i][2], sizeof(lv));
+    } else { /* the last panel of an N that is not a multiple of NR */
+      float row[NR];
+      memcpy(row, &c[i][0], sizeof(lv));
+      memcpy(row + VL, &c[i][1], sizeof(lv));
+      memcpy(row + 2 * VL, &c[i][2], sizeof(lv));
+      memcpy(out, row, sizeof(float) * (size_t)cols);
+    }
+  }
+}
+
+static void *run_linear(void *arg) {
+  LinearJob *j = (LinearJob *)arg;
+  const int64_t M = j->M, K = j->K, N = j->N;
+  for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+    const int64_t m1 = M - m0 < ROW_BLOCK ? M : m0 + ROW_BLOCK;
+    for (int64_t p = j->first; p < j->last; ++p) {
+      const float *wp = j->w + p * K * NR;
+      int64_t m = m0;
+      for (; m + MR <= m1; m += MR) tile(j->x + m * K, wp, j->y + m * N, K, N, p * NR, MR);
+      switch (m1 - m) { /* the last rows: a tile per count, each fully unrolled */
+#if MR == 8
+        case 7: tile(j->x + m * K, wp, j->y + m * N, K, N, p * NR, 7); break;
+        case 6: tile(j->x + m * K, wp, j->y + m * N, K, N, p * NR, 6); break;
+        case 5: tile(j->x + m * K, wp, j->y + m * N, K, N, p * NR, 5); break;
+        case 4: tile(j->x + m * K, wp, j->y + m * N, K, N, p * NR, 4); break;
+#endif
+        case 3: tile(j->x + m * K, wp, j->y + m * N, K, N, p * NR, 3); break;
+        case 2: tile(j->x + m * K, wp, j->y + m * N, K, N, p * NR, 2); break;
+        case 1: tile(j->x + m * K, wp, j->y + m * N, K, N, p * NR, 1); break;
+        default: break;
+      }
+    }
+  }
+  return NULL;
+}
+
+XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
+  if (ffi_metadata(frame)) return NULL;
+  if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
+  if (frame->args.size != 3 || frame->rets.size != 1)
+    return fail(frame, "paged_jax linear: expected 3 operands and 1 result");
+  const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1],
+                       *threads_arg = frame->args.args[2], *y = frame->rets.rets[0];
+  if (x->rank != 2 || w->rank != 3 || threads_arg->rank != 1 || y->rank != 2)
+    return fail(frame, "paged_jax linear: expected x[M,K], w[P,K,NR], threads[1] and y[M,N]");
+  if (x->dtype != XLA_FFI_DataType_F32 || w->dtype != XLA_FFI_DataType_F32 ||
+      y->dtype != XLA_FFI_DataType_F32 || threads_arg->dtype != XLA_FFI_DataType_S32 ||
+      threads_arg->dims[0] != 1)
+    return fail(frame, "paged_jax linear: expected f32 x, w and y, and i32[1] threads");
+  const int64_t M = x->dims[0], K = x->dims[1], P = w->dims[0], N = y->dims[1];
+  if (w->dims[1] != K || w->dims[2] != NR || y->dims[0] != M || N > P * NR || N <= P * NR - NR)
+    return fail(frame, "paged_jax linear: operand shapes disagree (w's panels must be this "
+                       "build's panel width and cover N)");
+  if (M == 0 || N == 0) return NULL;
+  if (K == 0) {
+    memset(y->data, 0, sizeof(float) * (size_t)(M * N));
+    return NULL;
+  }
+  int64_t threads = *(const int32_t *)threads_arg->data;
+  const int64_t by_work = M * K * P * NR / MIN_MACS_PER_THREAD;
+  if (threads > by_work) threads = by_work;
+  if (threads > P) threads = P;
+  if (threads > MAX_THREADS) threads = MAX_THREADS;
+  if (threads < 1) threads = 1;
+  LinearJob jobs[MAX_THREADS];
+  for (int64_t t = 0; t < threads; ++t)
+    jobs[t] = (LinearJob){.x = (const float *)x->data, .w = (const float *)w->data,
+                          .y = (float *)y->data, .M = M, .K = K, .N = N,
+                          .first = P * t / threads, .last = P * (t + 1) / threads};
+  run_jobs(frame, jobs, sizeof(LinearJob), threads, run_linear);
+  return NULL;
+}

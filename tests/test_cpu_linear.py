@@ -1,0 +1,117 @@
+"""The CPU kernels' matrix product on packed weights (``paged_jax.kernels.cpu.linear``,
+``paged_jax.linear``) against numpy's f64 product.
+
+Built like the decode kernel, on first use with the machine's C compiler; without one the
+tests that run it are skipped, saying so, and the model keeps XLA's products (checked
+here everywhere).
+"""
+
+import concurrent.futures
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from paged_cases import HAS_CC
+
+from paged_jax import linear
+from paged_jax.kernels import cpu
+from paged_jax.models import TINY_LLAMA, init_model
+
+needs_cc = pytest.mark.skipif(not HAS_CC, reason="no C compiler here: products stay on XLA")
+
+
+def _data(seed, m, k, n):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    return x, w
+
+
+def _product(x, w, threads=None):
+    packed = cpu.pack_weight(jnp.asarray(w))
+    f = jax.jit(lambda x, p: cpu.linear(x, p, w.shape[1], threads=threads))
+    return np.asarray(f(jnp.asarray(x), packed))
+
+
+@needs_cc
+def test_panel_width_is_three_registers():
+    assert cpu.panel_width() in (12, 24, 48)
+    assert linear.available()
+
+
+@needs_cc
+@pytest.mark.parametrize(
+    "m,k,n",
+    # rows: none, one, tails of 8-row tiles, past a 64-row block; columns: a partial
+    # panel, exactly one (NR = 48, 24 or 12), one and a column, several and a part
+    list(itertools.product([1, 7, 9, 70], [1, 64, 130], [1, 47, 48, 49, 149]))[::3]
+    + [(0, 8, 16), (8, 0, 16), (37, 576, 192)],
+)
+def test_matches_the_f64_product(m, k, n):
+    x, w = _data(m * 1000 + k * 10 + n, m, k, n)
+    y = _product(x, w)
+    assert y.shape == (m, n) and y.dtype == np.float32
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    # one f32 sum over K: at most about K ulps of the sum of magnitudes
+    bound = 2 * max(k, 1) * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(w)) + 1e-30
+    assert (np.abs(y - ref) <= bound).all(), np.abs(y - ref).max()
+
+
+@needs_cc
+def test_rows_do_not_depend_on_the_batch_or_threads():
+    # Enough products for several threads (at least 2**20 each): 32 x 576 x 7 panels. The
+    # jobs past the first go to XLA's thread pool, kept busy by four Python threads.
+    x, w = _data(1, 32, 576, 300)
+    one = _product(x, w, threads=1)
+    assert 32 * 576 * cpu.pack_weight(jnp.asarray(w)).shape[0] * cpu.panel_width() >= 3 * 2**20
+    for threads in (2, 3):
+        np.testing.assert_array_equal(_product(x, w, threads), one)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for out in pool.map(lambda t: _product(x, w, t), [2, 3] * 4):
+            np.testing.assert_array_equal(out, one)
+    np.testing.assert_array_equal(_product(x[5:6], w), one[5:6])  # a row alone
+    np.testing.assert_array_equal(_product(x[3:20], w), one[3:20])
+
+
+@needs_cc
+def test_packing_is_panels_of_columns_and_unpacks_exactly():
+    nr = cpu.panel_width()
+    x, w = _data(2, 1, 5, 2 * nr + 3)
+    packed = np.asarray(linear.pack(jnp.asarray(w)))
+    assert packed.shape == (3, 5, nr)
+    np.testing.assert_array_equal(packed[1, :, 2], w[:, nr + 2])
+    np.testing.assert_array_equal(packed[2, :, 3:], 0.0)  # past column N
+    np.testing.assert_array_equal(np.asarray(linear.unpack(jnp.asarray(packed), w.shape[1])), w)
+    y = jax.jit(lambda x, p: linear.matmul(x, p, w.shape[1]))(x.reshape(1, 1, 5), packed)
+    assert y.shape == (1, 1, w.shape[1])  # leading dimensions kept
+
+
+@needs_cc
+def test_boundary_errors():
+    nr = cpu.panel_width()
+    x, w = _data(3, 4, 8, 20)
+    packed = cpu.pack_weight(jnp.asarray(w))
+    with pytest.raises(ValueError, match=r"x, packed: expected float32, got bfloat16"):
+        cpu.linear(jnp.asarray(x, jnp.bfloat16), packed, 20)
+    with pytest.raises(ValueError, match=rf"packed: expected \[P, K, {nr}\], got \[1, 8, 20\]"):
+        cpu.linear(x, jnp.asarray(w)[None], 20)
+    with pytest.raises(ValueError, match=r"x: expected \[\.\.\., 8\]"):
+        cpu.linear(x[:, :7], packed, 20)
+    with pytest.raises(ValueError, match=rf"n: expected an int in \(0, {nr}\], got {nr + 1}"):
+        cpu.linear(x, packed, nr + 1)
+    with pytest.raises(ValueError, match="threads: expected a positive int"):
+        cpu.linear(x, packed, 20, threads=0)
+    with pytest.raises(ValueError, match=r"w: expected a \[K, N\] float32 array, got float16"):
+        cpu.pack_weight(jnp.asarray(w, jnp.float16))
+
+
+def test_without_the_kernels_the_model_keeps_xla_products(monkeypatch):
+    monkeypatch.setattr(cpu, "_state", {"ok": False, "why": "no C compiler", "lib": None})
+    assert not linear.available()
+    with pytest.raises(ValueError, match="not available: no C compiler"):
+        linear.pack(jnp.zeros((2, 3)))
+    model = init_model(TINY_LLAMA, seed=0).hold_for_cpu()
+    assert not model.layers.mlp.up_proj.packed
+    assert isinstance(model.layers.mlp.up_proj.kernel.get_value(), tuple)  # still split
