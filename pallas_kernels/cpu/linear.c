@@ -67,13 +67,16 @@ static inline lv load(const float *p) {
   return v;
 }
 
-/* y[0 .. mr) x [n0, n0 + NR) (clipped to N) = x[0 .. mr) @ panel wp [K, NR]. */
+/* y[0 .. mr) x [n0, n0 + NR) (clipped to N) = x[0 .. mr) @ panel wp [K, NR]. `ahead`:
+ * a panel to fetch into the cache meanwhile, row k with row k of this one (or NULL). */
 static inline __attribute__((always_inline)) void tile(const float *x, const float *wp,
-                                                      float *y, int64_t K, int64_t N,
-                                                      int64_t n0, const int mr) {
+                                                      const float *ahead, float *y, int64_t K,
+                                                      int64_t N, int64_t n0, const int mr) {
   lv c[MR][3];
   for (int i = 0; i < mr; ++i) c[i][0] = c[i][1] = c[i][2] = (lv){};
   for (int64_t k = 0; k < K; ++k) {
+    if (ahead)
+      for (int v = 0; v < 3; ++v) __builtin_prefetch(ahead + k * NR + v * VL, 0, 3);
     const lv b0 = load(wp + k * NR), b1 = load(wp + k * NR + VL), b2 = load(wp + k * NR + 2 * VL);
     for (int i = 0; i < mr; ++i) {
       const float a = x[i * K + k];
@@ -106,18 +109,22 @@ static void *run_linear(void *arg) {
     const int64_t m1 = M - m0 < ROW_BLOCK ? M : m0 + ROW_BLOCK;
     for (int64_t p = j->first; p < j->last; ++p) {
       const float *wp = j->w + p * K * NR;
+      /* The block's first tile fetches the thread's next panel: 7-10% faster at 32 rows x
+       * 576 x 1536 and SmolLM2's head on the machine above, the same at 1536 x 576. */
+      const float *next = p + 1 < j->last ? wp + K * NR : NULL;
       int64_t m = m0;
-      for (; m + MR <= m1; m += MR) tile(j->x + m * K, wp, j->y + m * N, K, N, p * NR, MR);
+      for (; m + MR <= m1; m += MR, next = NULL)
+        tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, MR);
       switch (m1 - m) { /* the last rows: a tile per count, each fully unrolled */
 #if MR == 8
-        case 7: tile(j->x + m * K, wp, j->y + m * N, K, N, p * NR, 7); break;
-        case 6: tile(j->x + m * K, wp, j->y + m * N, K, N, p * NR, 6); break;
-        case 5: tile(j->x + m * K, wp, j->y + m * N, K, N, p * NR, 5); break;
-        case 4: tile(j->x + m * K, wp, j->y + m * N, K, N, p * NR, 4); break;
+        case 7: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 7); break;
+        case 6: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 6); break;
+        case 5: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 5); break;
+        case 4: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 4); break;
 #endif
-        case 3: tile(j->x + m * K, wp, j->y + m * N, K, N, p * NR, 3); break;
-        case 2: tile(j->x + m * K, wp, j->y + m * N, K, N, p * NR, 2); break;
-        case 1: tile(j->x + m * K, wp, j->y + m * N, K, N, p * NR, 1); break;
+        case 3: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 3); break;
+        case 2: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 2); break;
+        case 1: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 1); break;
         default: break;
       }
     }
