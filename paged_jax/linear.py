@@ -26,17 +26,17 @@ def available() -> bool:
     return cpu.available()
 
 
-def pack(w: jax.Array) -> jax.Array:  # [K, N] f32 -> [P, K, NR]
+def pack(w: jax.Array) -> jax.Array:  # [(L,) K, N] f32 -> [(L,) P, K, NR]
     """``w`` in column panels of the kernel's width NR (``P = ceil(N / NR)``, zero past
-    column N). Raises ``ValueError`` for a ``w`` that is not ``[K, N]`` float32, or where
-    the kernels are not available."""
+    column N), each of a stack ``[L, K, N]`` alike. Raises ``ValueError`` for a ``w``
+    that is not float32 of those ranks, or where the kernels are not available."""
     from paged_jax.kernels import cpu
 
     return cpu.pack_weight(w)
 
 
-def unpack(packed: jax.Array, n: int) -> jax.Array:  # [P, K, NR] -> [K, n]
-    """The ``[K, n]`` weight that ``pack`` made ``packed``."""
+def unpack(packed: jax.Array, n: int) -> jax.Array:  # [(L,) P, K, NR] -> [(L,) K, n]
+    """The weight that ``pack`` made ``packed``."""
     from paged_jax.kernels import cpu
 
     return cpu.unpack_weight(packed, n)
@@ -44,15 +44,17 @@ def unpack(packed: jax.Array, n: int) -> jax.Array:  # [P, K, NR] -> [K, n]
 
 def matmul(
     x: jax.Array,  # [..., K] f32
-    packed: jax.Array,  # [P, K, NR] f32
+    packed: jax.Array,  # [P, K, NR] or [L, P, K, NR] f32
     n: int,
+    layer: jax.Array | int | None = None,  # i32 scalar: which of L weights
 ) -> jax.Array:  # [..., n] f32
-    """``x @ w`` for the ``[K, n]`` weight ``w`` packed as ``packed``, by the CPU kernel:
-    one f32 sum per output over K in order, so a row's result does not depend on the
-    other rows. Raises ``ValueError`` for mismatched shapes or dtypes."""
+    """``x @ w`` for the ``[K, n]`` weight ``w`` packed as ``packed`` (of a stack of L, the
+    one at ``layer``, read where it lies), by the CPU kernel: one f32 sum per output
+    over K in order, so a row's result does not depend on the other rows. Raises
+    ``ValueError`` for mismatched shapes or dtypes."""
     from paged_jax.kernels import cpu
 
-    return cpu.linear(x, packed, n)
+    return cpu.linear(x, packed, n, layer=layer)
 
 
 __all__ = ["available", "matmul", "pack", "unpack"]

@@ -95,7 +95,9 @@ def test_boundary_errors():
     packed = cpu.pack_weight(jnp.asarray(w))
     with pytest.raises(ValueError, match=r"x, packed: expected float32, got bfloat16"):
         cpu.linear(jnp.asarray(x, jnp.bfloat16), packed, 20)
-    with pytest.raises(ValueError, match=rf"packed: expected \[P, K, {nr}\], got \[1, 8, 20\]"):
+    with pytest.raises(
+        ValueError, match=rf"packed: expected \[\(L,\) P, K, {nr}\], got \[1, 8, 20\]"
+    ):
         cpu.linear(x, jnp.asarray(w)[None], 20)
     with pytest.raises(ValueError, match=r"x: expected \[\.\.\., 8\]"):
         cpu.linear(x[:, :7], packed, 20)
@@ -106,7 +108,7 @@ def test_boundary_errors():
         cpu.linear(x, packed, p * nr + 1)
     with pytest.raises(ValueError, match="threads: expected a positive int"):
         cpu.linear(x, packed, 20, threads=0)
-    with pytest.raises(ValueError, match=r"w: expected a \[K, N\] float32 array, got float16"):
+    with pytest.raises(ValueError, match=r"w: expected a \[K, N\] or \[L, K, N\] float32 array"):
         cpu.pack_weight(jnp.asarray(w, jnp.float16))
 
 
@@ -118,3 +120,29 @@ def test_without_the_kernels_the_model_keeps_xla_products(monkeypatch):
     model = init_model(TINY_LLAMA, seed=0).hold_for_cpu()
     assert not model.layers.mlp.up_proj.packed
     assert isinstance(model.layers.mlp.up_proj.kernel.get_value(), tuple)  # still split
+
+
+@needs_cc
+def test_a_stack_of_weights_is_read_by_index():
+    # [L, K, N] packed weight by weight; a traced index picks one in place (as each layer's
+    # product does in the model's scan), bitwise the product with that weight alone.
+    rng = np.random.default_rng(4)
+    stack = rng.standard_normal((3, 64, 100)).astype(np.float32)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    packed = linear.pack(jnp.asarray(stack))
+    assert packed.shape[:2] == (3, -(-100 // cpu.panel_width()))
+    np.testing.assert_array_equal(np.asarray(linear.unpack(packed, 100)), stack)
+
+    def body(carry, i):
+        return carry, linear.matmul(x, packed, 100, i)
+
+    _, ys = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(3, dtype=jnp.int32)))()
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(ys[i]), _product(x, stack[i]))
+        np.testing.assert_array_equal(np.asarray(linear.matmul(x, packed, 100, i)), ys[i])
+    with pytest.raises(ValueError, match=r"layer: expected an index into packed's 3 weights"):
+        linear.matmul(x, packed, 100)
+    with pytest.raises(ValueError, match=r"layer: expected an int in \[0, 3\), got 3"):
+        linear.matmul(x, packed, 100, 3)
+    with pytest.raises(Exception, match="weight index out of range"):  # traced: the kernel's
+        jax.block_until_ready(jax.jit(lambda i: linear.matmul(x, packed, 100, i))(jnp.int32(5)))

@@ -192,64 +192,79 @@ def panel_width() -> int:
     return _state["panel_width"]
 
 
-def pack_weight(w: jax.Array) -> jax.Array:  # [K, N] f32 -> [P, K, NR], P = ceil(N / NR)
-    """``w`` in the panel layout ``linear`` reads: ``packed[p, k, j] = w[k, p * NR + j]``,
-    zero past column N. Raises ``ValueError`` for a ``w`` that is not 2-D f32. Outside
-    ``jit`` the panels are filled in numpy (no XLA program compiled per weight shape)."""
-    if w.ndim != 2 or w.dtype != jnp.float32:
-        raise ValueError(f"w: expected a [K, N] float32 array, got {w.dtype}{list(w.shape)}")
+def pack_weight(w: jax.Array) -> jax.Array:
+    """``w`` in the panel layout ``linear`` reads, NR = ``panel_width()``:
+    ``[K, N] -> [P, K, NR]`` with ``packed[p, k, j] = w[k, p * NR + j]`` (zero past column
+    N, ``P = ceil(N / NR)``), or ``[L, K, N] -> [L, P, K, NR]`` weight by weight. Raises
+    ``ValueError`` for a ``w`` that is not f32 of those ranks. Outside ``jit`` the panels
+    are filled in numpy (no XLA program compiled per weight shape)."""
+    if w.ndim not in (2, 3) or w.dtype != jnp.float32:
+        raise ValueError(
+            f"w: expected a [K, N] or [L, K, N] float32 array, got {w.dtype}{list(w.shape)}"
+        )
     nr = panel_width()
-    k, n = w.shape
+    *lead, k, n = w.shape
     p = -(-n // nr)
     if isinstance(w, jax.core.Tracer):
-        w = jnp.pad(w, ((0, 0), (0, p * nr - n)))
-        return jnp.transpose(w.reshape(k, p, nr), (1, 0, 2))
+        w = jnp.pad(w, [(0, 0)] * len(lead) + [(0, 0), (0, p * nr - n)])
+        return jnp.moveaxis(w.reshape(*lead, k, p, nr), -2, -3)
     w = np.asarray(w)
-    packed = np.zeros((p, k, nr), np.float32)
+    packed = np.zeros((*lead, p, k, nr), np.float32)
     whole = n // nr  # panels with no padding
-    packed[:whole] = w[:, : whole * nr].reshape(k, whole, nr).transpose(1, 0, 2)
+    packed[..., :whole, :, :] = np.moveaxis(
+        w[..., : whole * nr].reshape(*lead, k, whole, nr), -2, -3
+    )
     if whole < p:
-        packed[whole, :, : n - whole * nr] = w[:, whole * nr :]
+        packed[..., whole, :, : n - whole * nr] = w[..., whole * nr :]
     try:  # the new buffer as it is: nothing else holds it (3x faster than a copy)
         return jax.device_put(packed, may_alias=True)
     except TypeError:  # a JAX without may_alias
         return jnp.asarray(packed)
 
 
-def unpack_weight(packed: jax.Array, n: int) -> jax.Array:  # [P, K, NR] -> [K, n]
-    """The ``[K, n]`` weight ``pack_weight`` packed (any NR)."""
-    p, k, nr = packed.shape
-    return jnp.transpose(packed, (1, 0, 2)).reshape(k, p * nr)[:, :n]
+def unpack_weight(packed: jax.Array, n: int) -> jax.Array:
+    """The weight ``pack_weight`` packed: ``[P, K, NR] -> [K, n]`` or
+    ``[L, P, K, NR] -> [L, K, n]`` (any NR)."""
+    *lead, p, k, nr = packed.shape
+    return jnp.moveaxis(packed, -3, -2).reshape(*lead, k, p * nr)[..., :n]
 
 
 def linear(
     x: jax.Array,  # [..., K] f32
-    packed: jax.Array,  # [P, K, NR] f32, from pack_weight
+    packed: jax.Array,  # [P, K, NR] or [L, P, K, NR] f32, from pack_weight
     n: int,
     *,
+    layer: jax.Array | int | None = None,
     threads: int | None = None,
 ) -> jax.Array:  # [..., n] f32
-    """``x @ w`` for the ``[K, n]`` weight ``w`` that ``pack_weight`` made ``packed``,
-    computed by ``linear.c``: each output one f32 sum over K in order, so a row's result
-    does not depend on the other rows or on ``threads`` (default: the cores this process
-    may use). Raises ``ValueError`` for other dtypes or shapes, and when the kernels are
-    not available here."""
+    """``x @ w`` for the ``[K, n]`` weight ``w`` that ``pack_weight`` made ``packed`` (for
+    an ``[L, ...]`` stack, weight ``layer``: an int or a traced i32 scalar, read in place,
+    never sliced out), computed by ``linear.c``: each output one f32 sum over K in order,
+    so a row's result does not depend on the other rows or on ``threads`` (default: the
+    cores this process may use). Raises ``ValueError`` for other dtypes or shapes, a
+    missing or out-of-range static ``layer``, and when the kernels are not available."""
     if x.dtype != jnp.float32 or packed.dtype != jnp.float32:
         raise ValueError(f"x, packed: expected float32, got {x.dtype} and {packed.dtype}")
     nr = panel_width()
-    if packed.ndim != 3 or packed.shape[2] != nr:
-        raise ValueError(f"packed: expected [P, K, {nr}], got {list(packed.shape)}")
-    p, k, _ = packed.shape
+    if packed.ndim not in (3, 4) or packed.shape[-1] != nr:
+        raise ValueError(f"packed: expected [(L,) P, K, {nr}], got {list(packed.shape)}")
+    p, k, _ = packed.shape[-3:]
     if x.ndim < 1 or x.shape[-1] != k:
         raise ValueError(f"x: expected [..., {k}] (packed's K), got {list(x.shape)}")
     if not isinstance(n, int) or not p * nr - nr < n <= p * nr:
         raise ValueError(f"n: expected an int in ({p * nr - nr}, {p * nr}], got {n!r}")
+    if packed.ndim == 4 and layer is None:
+        raise ValueError(f"layer: expected an index into packed's {packed.shape[0]} weights")
+    if isinstance(layer, int) and not 0 <= layer < (packed.shape[0] if packed.ndim == 4 else 1):
+        raise ValueError(f"layer: expected an int in [0, {packed.shape[0]}), got {layer}")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads: expected a positive int or None, got {threads!r}")
     rows = x.reshape(math.prod(x.shape[:-1]), k)
+    params = jnp.stack(
+        [jnp.asarray(0 if layer is None else layer, jnp.int32), jnp.int32(threads or _threads())]
+    )
     call = jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
-    y = call(rows, packed, jnp.asarray([threads or _threads()], jnp.int32))
-    return y.reshape(*x.shape[:-1], n)
+    return call(rows, packed, params).reshape(*x.shape[:-1], n)
 
 
 __all__ = [

@@ -3,9 +3,10 @@
  *
  * Operands (row-major):
  *   x        f32[M, K]
- *   w        f32[P, K, NR]  a weight W [K, N] in panels of NR columns:
- *                           w[p, k, j] = W[k, p * NR + j], 0 past column N
- *   threads  i32[1]         at most this many threads
+ *   w        f32[P, K, NR]     a weight W [K, N] in panels of NR columns:
+ *                              w[p, k, j] = W[k, p * NR + j], 0 past column N
+ *            or f32[L, P, K, NR]  L such weights (a model's layers), one of them used
+ *   params   i32[2]            {the weight to use (0 for a 3-D w), at most this many threads}
  * Result: y f32[M, N], N in (P * NR - NR, P * NR].
  *
  * NR is paged_jax_linear_panel_width(): three vector registers of f32 lanes (48 with
@@ -138,32 +139,37 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
   if (frame->args.size != 3 || frame->rets.size != 1)
     return fail(frame, "paged_jax linear: expected 3 operands and 1 result");
   const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1],
-                       *threads_arg = frame->args.args[2], *y = frame->rets.rets[0];
-  if (x->rank != 2 || w->rank != 3 || threads_arg->rank != 1 || y->rank != 2)
-    return fail(frame, "paged_jax linear: expected x[M,K], w[P,K,NR], threads[1] and y[M,N]");
+                       *params = frame->args.args[2], *y = frame->rets.rets[0];
+  if (x->rank != 2 || (w->rank != 3 && w->rank != 4) || params->rank != 1 || y->rank != 2)
+    return fail(frame, "paged_jax linear: expected x[M,K], w[(L,)P,K,NR], params[2], y[M,N]");
   if (x->dtype != XLA_FFI_DataType_F32 || w->dtype != XLA_FFI_DataType_F32 ||
-      y->dtype != XLA_FFI_DataType_F32 || threads_arg->dtype != XLA_FFI_DataType_S32 ||
-      threads_arg->dims[0] != 1)
-    return fail(frame, "paged_jax linear: expected f32 x, w and y, and i32[1] threads");
-  const int64_t M = x->dims[0], K = x->dims[1], P = w->dims[0], N = y->dims[1];
-  if (w->dims[1] != K || w->dims[2] != NR || y->dims[0] != M || N > P * NR || N <= P * NR - NR)
+      y->dtype != XLA_FFI_DataType_F32 || params->dtype != XLA_FFI_DataType_S32 ||
+      params->dims[0] != 2)
+    return fail(frame, "paged_jax linear: expected f32 x, w and y, and i32[2] params");
+  const int64_t *wd = w->dims + (w->rank - 3); /* P, K, NR */
+  const int64_t L = w->rank == 4 ? w->dims[0] : 1;
+  const int64_t M = x->dims[0], K = x->dims[1], P = wd[0], N = y->dims[1];
+  if (wd[1] != K || wd[2] != NR || y->dims[0] != M || N > P * NR || N <= P * NR - NR)
     return fail(frame, "paged_jax linear: operand shapes disagree (w's panels must be this "
                        "build's panel width and cover N)");
+  const int32_t *p = (const int32_t *)params->data;
+  if (p[0] < 0 || p[0] >= L) return fail(frame, "paged_jax linear: weight index out of range");
   if (M == 0 || N == 0) return NULL;
   if (K == 0) {
     memset(y->data, 0, sizeof(float) * (size_t)(M * N));
     return NULL;
   }
-  int64_t threads = *(const int32_t *)threads_arg->data;
+  int64_t threads = p[1];
   const int64_t by_work = M * K * P * NR / MIN_MACS_PER_THREAD;
   if (threads > by_work) threads = by_work;
   if (threads > P) threads = P;
   if (threads > MAX_THREADS) threads = MAX_THREADS;
   if (threads < 1) threads = 1;
+  const float *weight = (const float *)w->data + (size_t)p[0] * (size_t)(P * K * NR);
   LinearJob jobs[MAX_THREADS];
   for (int64_t t = 0; t < threads; ++t)
-    jobs[t] = (LinearJob){.x = (const float *)x->data, .w = (const float *)w->data,
-                          .y = (float *)y->data, .M = M, .K = K, .N = N,
+    jobs[t] = (LinearJob){.x = (const float *)x->data, .w = weight, .y = (float *)y->data,
+                          .M = M, .K = K, .N = N,
                           .first = P * t / threads, .last = P * (t + 1) / threads};
   run_jobs(frame, jobs, sizeof(LinearJob), threads, run_linear);
   return NULL;
