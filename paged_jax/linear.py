@@ -13,13 +13,17 @@ against 7.5-8.3. XLA's own product on the packed layout was 5-30% slower than it
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 
 def available() -> bool:
-    """True where weights can be packed: JAX's default backend is the CPU and the CPU
-    kernels built (``paged_jax.kernels.cpu.available()``)."""
-    if jax.default_backend() != "cpu":
+    """True where weights can be packed (and the engine's greedy sampler may use its C
+    kernel): JAX's default backend is the CPU, the CPU kernels built
+    (``paged_jax.kernels.cpu.available()``), and ``PAGED_JAX_BACKEND`` is not ``xla``
+    (which keeps every CPU step on XLA)."""
+    if jax.default_backend() != "cpu" or os.environ.get("PAGED_JAX_BACKEND") == "xla":
         return False
     from paged_jax.kernels import cpu
 

@@ -146,3 +146,12 @@ def test_a_stack_of_weights_is_read_by_index():
         linear.matmul(x, packed, 100, 3)
     with pytest.raises(Exception, match="weight index out of range"):  # traced: the kernel's
         jax.block_until_ready(jax.jit(lambda i: linear.matmul(x, packed, 100, i))(jnp.int32(5)))
+
+
+@needs_cc
+def test_backend_xla_keeps_the_products_on_xla(monkeypatch):
+    monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")
+    assert not linear.available()
+    assert not init_model(TINY_LLAMA, seed=0).hold_for_cpu().layers.mlp.up_proj.packed
+    monkeypatch.delenv("PAGED_JAX_BACKEND")
+    assert init_model(TINY_LLAMA, seed=0).hold_for_cpu().layers.mlp.up_proj.packed

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from paged_jax import linear as paged_linear
 from paged_jax._validation import validate_batch
 from paged_jax.batch import ScheduledSeq, bucket, build_batch, concat_batches
 from paged_jax.block_manager import BlockManager, HybridBlockManager, prefix_root_key
@@ -1783,6 +1784,10 @@ def _make_run(graphdef, mesh, compiler_options: tuple | None = None):
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
 
+    # The greedy sampler's C kernel: on CPU where the kernels built (as for packed
+    # weights), off a mesh (XLA would gather a sharded operand for it).
+    cpu_kernel = mesh is None and paged_linear.available()
+
     @functools.partial(
         jax.jit,
         donate_argnums=(3,),
@@ -1814,7 +1819,7 @@ def _make_run(graphdef, mesh, compiler_options: tuple | None = None):
         cache = per_replica(lambda c, s, d: c.copy_pages(s, d), cache, md.copy_src, md.copy_dst)
         logits, cache = model(tokens, positions, cache, md)
         toks, lps = rowwise(
-            lambda *rows: sample_rows(*rows, greedy_only=greedy_only),
+            lambda *rows: sample_rows(*rows, greedy_only=greedy_only, cpu_kernel=cpu_kernel),
             logits,
             temp,
             top_k,

@@ -255,6 +255,7 @@ def sample_rows(
     penalties: Penalties | None = None,
     *,
     greedy_only: bool = False,
+    cpu_kernel: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (i32[R, J] tokens, f32[R, J] log-probs under the model)
     """``J`` samples per row (column j drawn with ``seeds[:, j]``), and their log-probs.
 
@@ -268,11 +269,22 @@ def sample_rows(
     row alone then takes a full sort, giving the token the candidates would have given
     (the same kept prefix and draw). A row's token depends only on its own inputs.
     ``penalties`` (``apply_penalties``) change the logits first, greedy rows included.
-    Log-probabilities are those of the model's raw distribution. Traceable.
+    Log-probabilities are those of the model's raw distribution. ``cpu_kernel`` (static;
+    the engine sets it on CPU where the kernels built, without a mesh): a greedy-only
+    step without penalties takes its tokens and log-sum-exps from the C kernel
+    (``paged_jax.kernels.cpu.greedy_rows``: 0.36 against 0.87 ms for SmolLM2's 32 x
+    49,152 logits on a 2-core CPU; the same tokens, log-probs within a few ulps).
+    Traceable.
     """
     raw = logits.astype(jnp.float32)
     R, vocab = raw.shape
     J = seeds.shape[1]
+    if greedy_only and cpu_kernel and penalties is None:
+        from paged_jax.kernels import cpu
+
+        token, lse = cpu.greedy_rows(raw)
+        greedy = jnp.broadcast_to(token[:, None], (R, J))
+        return greedy, jnp.take_along_axis(raw, greedy, axis=-1) - lse[:, None]
     lse_raw = jax.nn.logsumexp(raw, axis=-1, keepdims=True)
     logits = raw if penalties is None else apply_penalties(raw, penalties)
     greedy = jnp.broadcast_to(argmax_rows(logits)[:, None], (R, J))

@@ -34,9 +34,10 @@ import numpy as np
 
 TARGET = "paged_jax_cpu_decode_attention"
 LINEAR_TARGET = "paged_jax_cpu_linear"
+GREEDY_TARGET = "paged_jax_cpu_greedy_rows"
 _HERE = pathlib.Path(__file__).parent
-_SOURCES = (_HERE / "decode.c", _HERE / "linear.c")  # one library
-_HEADERS = (_HERE / "pool.h",)
+_SOURCES = (_HERE / "decode.c", _HERE / "linear.c", _HERE / "sample.c")  # one library
+_HEADERS = (_HERE / "pool.h", _HERE / "vec.h")
 # -ffp-contract=fast lets the compiler fuse multiplies and adds (FMA): 12% off the blocked
 # path at 64 sequences x 4k bf16 on a 2-core AMD EPYC with gcc 12.2. Kernel changes are
 # judged in the engine too (SmolLM2, 32 x 128 greedy), where the pages come from memory
@@ -105,11 +106,13 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     try:
         lib = ctypes.CDLL(str(lib_path))
         handler, linear_handler = lib.PagedJaxDecodeAttention, lib.PagedJaxLinear
+        greedy_handler = lib.PagedJaxGreedyRows
         _state["panel_width"] = int(lib.paged_jax_linear_panel_width())
     except (OSError, AttributeError) as e:
         return None, f"loading {lib_path} failed: {e}"
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
     jax.ffi.register_ffi_target(LINEAR_TARGET, jax.ffi.pycapsule(linear_handler), platform="cpu")
+    jax.ffi.register_ffi_target(GREEDY_TARGET, jax.ffi.pycapsule(greedy_handler), platform="cpu")
     return lib, ""
 
 
@@ -267,8 +270,35 @@ def linear(
     return call(rows, packed, params).reshape(*x.shape[:-1], n)
 
 
+def greedy_rows(
+    x: jax.Array,  # f32[R, V]
+    *,
+    threads: int | None = None,
+) -> tuple[jax.Array, jax.Array]:  # (i32[R] token, f32[R] lse)
+    """Each row's first index of its maximum (``jnp.argmax``, the first NaN winning) and
+    its ``jax.nn.logsumexp``, computed by ``sample.c`` in two passes over the row (the
+    greedy sampler's work; the sum of exponentials may differ from XLA's in the last
+    bits). A row's result does not depend on the others or on ``threads``. Raises
+    ``ValueError`` for an ``x`` that is not ``f32[R, V]`` with V >= 1, and when the
+    kernels are not available here."""
+    if x.dtype != jnp.float32 or x.ndim != 2 or x.shape[1] < 1:
+        raise ValueError(f"x: expected f32[R, V] with V >= 1, got {x.dtype}{list(x.shape)}")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads: expected a positive int or None, got {threads!r}")
+    if not available():
+        raise ValueError(f"the CPU kernels are not available: {unavailable_reason()}")
+    r = x.shape[0]
+    call = jax.ffi.ffi_call(
+        GREEDY_TARGET,
+        (jax.ShapeDtypeStruct((r,), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.float32)),
+    )
+    token, lse = call(x, jnp.asarray([threads or _threads()], jnp.int32))
+    return token, lse
+
+
 __all__ = [
     "available",
+    "greedy_rows",
     "decode_paged_attention",
     "linear",
     "pack_weight",
