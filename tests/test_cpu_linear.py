@@ -84,6 +84,7 @@ def test_packing_is_panels_of_columns_and_unpacks_exactly():
     np.testing.assert_array_equal(packed[1, :, 2], w[:, nr + 2])
     np.testing.assert_array_equal(packed[2, :, 3:], 0.0)  # past column N
     np.testing.assert_array_equal(np.asarray(linear.unpack(jnp.asarray(packed), w.shape[1])), w)
+    np.testing.assert_array_equal(np.asarray(jax.jit(linear.pack)(w)), packed)  # traced: jnp
     y = jax.jit(lambda x, p: linear.matmul(x, p, w.shape[1]))(x.reshape(1, 1, 5), packed)
     assert y.shape == (1, 1, w.shape[1])  # leading dimensions kept
 

@@ -166,9 +166,10 @@ class LLM:
         ``make_cache``, ``config``), such as ``paged_jax.models.LlamaForCausalLM``. Names
         ("tiny-llama", a checkpoint directory) become models in the model layer:
         ``model, tokenizer = paged_jax.models.load(name)``. A model on CPU without a
-        mesh that has ``hold_for_cpu`` gets it called, in place: its layers' linear
-        weights are held per layer (XLA:CPU would copy them out of the stack every step)
-        and a tied embedding table ``[E, V]`` (the LM head's product reads it faster).
+        mesh that has ``hold_for_cpu`` gets it called, in place: its linear weights and
+        a tied embedding table packed for the C matrix-product kernel where the CPU
+        kernels built (``paged_jax.linear``), else its layers' linear weights held per
+        layer and a tied table ``[E, V]``, the layouts XLA:CPU reads fastest.
       tokenizer: object with ``encode(str)`` / ``decode(ids)``; None: prompts are
         token ids and outputs have no text.
       num_pages: pages in the pool (of all data-parallel replicas together: each has

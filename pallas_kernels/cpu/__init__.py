@@ -208,10 +208,11 @@ def pack_weight(w: jax.Array) -> jax.Array:
     nr = panel_width()
     *lead, k, n = w.shape
     p = -(-n // nr)
-    if isinstance(w, jax.core.Tracer):
+    try:
+        w = np.asarray(w)
+    except jax.errors.TracerArrayConversionError:  # under jit: the same panels in jnp
         w = jnp.pad(w, [(0, 0)] * len(lead) + [(0, 0), (0, p * nr - n)])
         return jnp.moveaxis(w.reshape(*lead, k, p, nr), -2, -3)
-    w = np.asarray(w)
     packed = np.zeros((*lead, p, k, nr), np.float32)
     whole = n // nr  # panels with no padding
     packed[..., :whole, :, :] = np.moveaxis(
