@@ -156,3 +156,13 @@ def test_backend_xla_keeps_the_products_on_xla(monkeypatch):
     assert not init_model(TINY_LLAMA, seed=0).hold_for_cpu().layers.mlp.up_proj.packed
     monkeypatch.delenv("PAGED_JAX_BACKEND")
     assert init_model(TINY_LLAMA, seed=0).hold_for_cpu().layers.mlp.up_proj.packed
+
+
+@needs_cc
+def test_only_f32_models_are_packed():
+    # bf16 compute, or f32 compute on bf16 weights: XLA's products (packing would compute
+    # in f32, or widen the weights), split per layer as before
+    for dtype, param_dtype in ((jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.bfloat16)):
+        model = init_model(TINY_LLAMA, seed=0, dtype=dtype, param_dtype=param_dtype)
+        up = model.hold_for_cpu().layers.mlp.up_proj
+        assert not up.packed and isinstance(up.kernel.get_value(), tuple)
