@@ -166,3 +166,22 @@ def test_only_f32_models_are_packed():
         model = init_model(TINY_LLAMA, seed=0, dtype=dtype, param_dtype=param_dtype)
         up = model.hold_for_cpu().layers.mlp.up_proj
         assert not up.packed and isinstance(up.kernel.get_value(), tuple)
+
+
+@needs_cc
+def test_packed_embedding_looks_up_the_same_rows():
+    from flax import nnx
+
+    from paged_jax.models.llama import Embed
+
+    emb = Embed(101, 8, rngs=nnx.Rngs(0))  # 101: a last, partial panel
+    ids = jnp.asarray([[3, 0, 100], [48, 47, 1]], jnp.int32)  # any leading shape
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    rows, logits, table = emb(ids), emb.attend(x), emb.table()
+    assert emb.hold_packed() is emb and emb.hold_packed().packed and not emb.transposed
+    assert emb.embedding.get_value().shape == (-(-101 // cpu.panel_width()), 8, cpu.panel_width())
+    np.testing.assert_array_equal(emb(ids), rows)
+    np.testing.assert_allclose(emb.attend(x), logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(emb.table(), table)  # [V, E], however it lies
+    with pytest.raises(TypeError, match="inputs"):
+        emb(ids.astype(jnp.float32))
