@@ -404,12 +404,13 @@ class LlamaForCausalLM(nnx.Module):
         each layer's slice out of the stack before every product, a copy of all the
         weights every step (18 of 58 ms of a SmolLM2 step at 32 sequences); the copy's
         speed also varied about 2x from one process to the next. The engine does this on
-        CPU (``LLM``); other backends read a slice in place. Norm scales stay stacked.
+        CPU (``LLM``); other backends read a slice in place. Norm scales stay stacked, and
+        packed weights (``Linear.hold_packed``) stay whole.
         Not for a model on a mesh (its shardings are given for the stacked arrays).
         """
         L = self.config.num_layers
         for _, node in nnx.iter_graph(self.layers):
-            if not isinstance(node, Linear):
+            if not isinstance(node, Linear) or node.packed:  # a packed stack stays whole
                 continue
             for var in (node.kernel, node.bias):
                 w = None if var is None else var.get_value()

@@ -185,3 +185,10 @@ def test_packed_embedding_looks_up_the_same_rows():
     np.testing.assert_array_equal(emb.table(), table)  # [V, E], however it lies
     with pytest.raises(TypeError, match="inputs"):
         emb(ids.astype(jnp.float32))
+
+
+@needs_cc
+def test_splitting_a_packed_model_leaves_its_stacks_whole():
+    model = init_model(TINY_LLAMA, seed=0).hold_for_cpu()
+    kernel = model.layers.mlp.up_proj.kernel.get_value()
+    assert model.split_layer_weights().layers.mlp.up_proj.kernel.get_value() is kernel
