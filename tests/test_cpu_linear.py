@@ -109,6 +109,8 @@ def test_boundary_errors():
         cpu.linear(x, packed, p * nr + 1)
     with pytest.raises(ValueError, match="threads: expected a positive int"):
         cpu.linear(x, packed, 20, threads=0)
+    with pytest.raises(ValueError, match=r"layer: expected an int in \[0, 1\), got 1"):
+        cpu.linear(x, packed, 20, layer=1)  # one weight, not a stack
     with pytest.raises(ValueError, match=r"w: expected a \[K, N\] or \[L, K, N\] float32 array"):
         cpu.pack_weight(jnp.asarray(w, jnp.float16))
 

@@ -324,7 +324,7 @@ class LLM:
                 )
             model = model.shard(self.mesh)
         if self.mesh is None and _on_cpu(model) and hasattr(model, "hold_for_cpu"):
-            # the layouts XLA:CPU reads fastest: layers' weights apart, a tied head [E, V]
+            # packed for the C kernels where they built, else XLA:CPU's fastest layouts
             model = model.hold_for_cpu()
         self.model = model
         self.tokenizer = tokenizer

@@ -141,11 +141,22 @@ def unavailable_reason() -> str:
     return _state["why"]
 
 
-def _threads() -> int:
+def _threads(threads: int | None = None) -> int:
+    """``threads`` (checked: a positive int), or by default the cores this process may use."""
+    if threads is not None:
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads: expected a positive int or None, got {threads!r}")
+        return threads
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def _require() -> None:
+    """Raises ``ValueError`` naming why the kernels are not available here, if they are not."""
+    if not available():
+        raise ValueError(f"the CPU kernels are not available: {unavailable_reason()}")
 
 
 def decode_paged_attention(
@@ -174,13 +185,9 @@ def decode_paged_attention(
     for name, x in (("q", q), ("kv_pages", kv_pages)):
         if x.dtype not in (jnp.float32, jnp.bfloat16):
             raise ValueError(f"{name}: expected float32 or bfloat16, got {x.dtype}")
-    if threads is not None and (not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"threads: expected a positive int or None, got {threads!r}")
-    if not available():
-        raise ValueError(f"the CPU decode kernel is not available: {unavailable_reason()}")
-    params = jnp.asarray(
-        [sm_scale, sliding_window or 0, soft_cap or 0.0, threads or _threads()], jnp.float32
-    )
+    count = _threads(threads)
+    _require()
+    params = jnp.asarray([sm_scale, sliding_window or 0, soft_cap or 0.0, count], jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(
         q, kv_pages, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_indices, jnp.int32), params
@@ -190,8 +197,7 @@ def decode_paged_attention(
 def panel_width() -> int:
     """NR, the columns of a packed weight's panel in this build (48 with AVX-512, 24 with
     AVX2, 12 otherwise). Raises ``ValueError`` when the kernels are not available."""
-    if not available():
-        raise ValueError(f"the CPU kernels are not available: {unavailable_reason()}")
+    _require()
     return _state["panel_width"]
 
 
@@ -259,14 +265,12 @@ def linear(
         raise ValueError(f"n: expected an int in ({p * nr - nr}, {p * nr}], got {n!r}")
     if packed.ndim == 4 and layer is None:
         raise ValueError(f"layer: expected an index into packed's {packed.shape[0]} weights")
-    if isinstance(layer, int) and not 0 <= layer < (packed.shape[0] if packed.ndim == 4 else 1):
-        raise ValueError(f"layer: expected an int in [0, {packed.shape[0]}), got {layer}")
-    if threads is not None and (not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"threads: expected a positive int or None, got {threads!r}")
+    weights = packed.shape[0] if packed.ndim == 4 else 1
+    if isinstance(layer, int) and not 0 <= layer < weights:
+        raise ValueError(f"layer: expected an int in [0, {weights}), got {layer}")
+    count = _threads(threads)
     rows = x.reshape(math.prod(x.shape[:-1]), k)
-    params = jnp.stack(
-        [jnp.asarray(0 if layer is None else layer, jnp.int32), jnp.int32(threads or _threads())]
-    )
+    params = jnp.stack([jnp.asarray(0 if layer is None else layer, jnp.int32), jnp.int32(count)])
     call = jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
     return call(rows, packed, params).reshape(*x.shape[:-1], n)
 
@@ -284,16 +288,14 @@ def greedy_rows(
     kernels are not available here."""
     if x.dtype != jnp.float32 or x.ndim != 2 or x.shape[1] < 1:
         raise ValueError(f"x: expected f32[R, V] with V >= 1, got {x.dtype}{list(x.shape)}")
-    if threads is not None and (not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"threads: expected a positive int or None, got {threads!r}")
-    if not available():
-        raise ValueError(f"the CPU kernels are not available: {unavailable_reason()}")
+    count = _threads(threads)
+    _require()
     r = x.shape[0]
     call = jax.ffi.ffi_call(
         GREEDY_TARGET,
         (jax.ShapeDtypeStruct((r,), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.float32)),
     )
-    token, lse = call(x, jnp.asarray([threads or _threads()], jnp.int32))
+    token, lse = call(x, jnp.asarray([count], jnp.int32))
     return token, lse
 
 

@@ -485,12 +485,8 @@ XLA_FFI_Error *PagedJaxDecodeAttention(XLA_FFI_CallFrame *frame) {
   };
   int64_t tokens = 0;
   for (int64_t b = 0; b < B; ++b) tokens += clipped_len(&base, b);
-  int64_t threads = (int64_t)p[3];
-  const int64_t by_work = tokens * 2 * K * D / MIN_ELEMENTS_PER_THREAD;
-  if (threads > by_work) threads = by_work;
-  if (threads > B) threads = B;
-  if (threads > MAX_THREADS) threads = MAX_THREADS;
-  if (threads < 1) threads = 1;
+  const int64_t threads =
+      clamp_threads((int64_t)p[3], tokens * 2 * K * D / MIN_ELEMENTS_PER_THREAD, B);
 
 #if HAVE_BLOCKED
   void *(*run)(void *) = D % LANES == 0 ? run_blocked : run_rows;

@@ -159,12 +159,7 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
     memset(y->data, 0, sizeof(float) * (size_t)(M * N));
     return NULL;
   }
-  int64_t threads = p[1];
-  const int64_t by_work = M * K * P * NR / MIN_MACS_PER_THREAD;
-  if (threads > by_work) threads = by_work;
-  if (threads > P) threads = P;
-  if (threads > MAX_THREADS) threads = MAX_THREADS;
-  if (threads < 1) threads = 1;
+  const int64_t threads = clamp_threads(p[1], M * K * P * NR / MIN_MACS_PER_THREAD, P);
   const float *weight = (const float *)w->data + (size_t)p[0] * (size_t)(P * K * NR);
   LinearJob jobs[MAX_THREADS];
   for (int64_t t = 0; t < threads; ++t)

@@ -14,6 +14,17 @@
 
 #define MAX_THREADS 64
 
+/* How many threads a call takes: at most `asked`, one per `work_units` (the work divided
+ * by the least a thread is given), one per `parts` the work splits into, and
+ * MAX_THREADS; at least 1. */
+static inline int64_t clamp_threads(int64_t asked, int64_t work_units, int64_t parts) {
+  int64_t t = asked;
+  if (t > work_units) t = work_units;
+  if (t > parts) t = parts;
+  if (t > MAX_THREADS) t = MAX_THREADS;
+  return t < 1 ? 1 : t;
+}
+
 /* A job handed to XLA's own thread pool, the one its compute runs on. The calling thread
  * (itself one of the pool's) claims back every job no worker has started, so a busy or
  * one-thread pool cannot leave the call waiting. The struct is on the heap and freed by

@@ -109,12 +109,8 @@ XLA_FFI_Error *PagedJaxGreedyRows(XLA_FFI_CallFrame *frame) {
     return fail(frame, "paged_jax greedy rows: expected f32 x[R,V] (V >= 1), i32[1] params, "
                        "i32 token[R] and f32 lse[R]");
   const int64_t R = x->dims[0], V = x->dims[1];
-  int64_t threads = *(const int32_t *)params->data;
-  const int64_t by_work = R * V / MIN_ELEMENTS_PER_THREAD;
-  if (threads > by_work) threads = by_work;
-  if (threads > R) threads = R;
-  if (threads > MAX_THREADS) threads = MAX_THREADS;
-  if (threads < 1) threads = 1;
+  const int64_t threads =
+      clamp_threads(*(const int32_t *)params->data, R * V / MIN_ELEMENTS_PER_THREAD, R);
   RowsJob jobs[MAX_THREADS];
   for (int64_t t = 0; t < threads; ++t)
     jobs[t] = (RowsJob){.x = (const float *)x->data, .token = (int32_t *)token->data,
