@@ -92,6 +92,10 @@ def _soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
 # The traced index of the layer being computed, while a forward pass runs the layers of
 # a model whose linear weights are held per layer (LlamaForCausalLM.split_layer_weights).
 _LAYER: contextvars.ContextVar = contextvars.ContextVar("paged_jax_layer")
+# While a forward pass runs its layers: (T, the step's real tokens as a traced i32
+# scalar). Packed products on [T, in] inputs then compute those rows only, not the
+# padding up to the bucket's T (whose results are 0; nothing reads them).
+_ROWS: contextvars.ContextVar = contextvars.ContextVar("paged_jax_rows", default=None)
 
 
 class Packed(nnx.Param):
@@ -148,7 +152,9 @@ class Linear(nnx.Linear):
 
         if self.packed:  # a stack is indexed by the layer being computed
             layer = _LAYER.get() if kernel.ndim == 4 else None
-            y = linear.matmul(inputs.astype(jnp.float32), kernel, self.out_features, layer)
+            step = _ROWS.get()
+            rows = step[1] if step is not None and inputs.shape[:-1] == (step[0],) else None
+            y = linear.matmul(inputs.astype(jnp.float32), kernel, self.out_features, layer, rows)
             return add_bias(y.astype(self.dtype or y.dtype), bias)
         if not isinstance(kernel, tuple):
             return super().__call__(inputs)
@@ -540,11 +546,15 @@ class LlamaForCausalLM(nnx.Module):
 
         group_ids = jnp.arange(groups, dtype=jnp.int32)
         xs = (stacked if period == 1 else None, group_ids)
-        (x_TE, cache), _ = jax.lax.scan(one_group, (x_TE, cache), xs)
-        for j in range(rest):  # a last, partial group (Gemma 3 1B: 26 = 4 x 6 + 2)
-            i = groups * period + j
-            weights = jax.tree.map(lambda a, i=i: a[i], stacked)
-            x_TE, cache = run(x_TE, cache, weights, j, jnp.int32(i))
+        rows = _ROWS.set((x_TE.shape[0], md.cu_q_lens[md.num_seqs[0]]))
+        try:
+            (x_TE, cache), _ = jax.lax.scan(one_group, (x_TE, cache), xs)
+            for j in range(rest):  # a last, partial group (Gemma 3 1B: 26 = 4 x 6 + 2)
+                i = groups * period + j
+                weights = jax.tree.map(lambda a, i=i: a[i], stacked)
+                x_TE, cache = run(x_TE, cache, weights, j, jnp.int32(i))
+        finally:
+            _ROWS.reset(rows)
         logits = rowwise(self._logits, x_TE[md.logits_indices], invariant=md.batch_invariant)
         return logits, cache
 

@@ -51,14 +51,16 @@ def matmul(
     packed: jax.Array,  # [P, K, NR] or [L, P, K, NR] f32
     n: int,
     layer: jax.Array | int | None = None,  # i32 scalar: which of L weights
+    rows: jax.Array | int | None = None,  # i32 scalar: rows of x to compute
 ) -> jax.Array:  # [..., n] f32
     """``x @ w`` for the ``[K, n]`` weight ``w`` packed as ``packed`` (of a stack of L, the
     one at ``layer``, read where it lies), by the CPU kernel: one f32 sum per output
-    over K in order, so a row's result does not depend on the other rows. Raises
-    ``ValueError`` for mismatched shapes or dtypes."""
+    over K in order, so a row's result does not depend on the other rows. ``rows``: only
+    the first ``rows`` rows of ``x`` (flattened) are computed, the others' results are 0
+    (None: all). Raises ``ValueError`` for mismatched shapes or dtypes."""
     from paged_jax.kernels import cpu
 
-    return cpu.linear(x, packed, n, layer=layer)
+    return cpu.linear(x, packed, n, layer=layer, rows=rows)
 
 
 __all__ = ["available", "matmul", "pack", "unpack"]

@@ -1,4 +1,5 @@
-"""The CPU backend's C decode kernel (``paged_jax.kernels.cpu``) against the f64 oracle.
+"""The CPU backend's C attention kernels (``paged_jax.kernels.cpu``: decode and ragged)
+against the f64 oracle.
 
 The kernel is compiled on first use with the machine's C compiler. On a machine with no
 compiler at all the tests that run the kernel are skipped, saying so (the library then
@@ -184,13 +185,105 @@ def test_bad_page_ids_read_the_null_page():
     np.testing.assert_allclose(np.asarray(out), np.asarray(xla), rtol=1e-5, atol=1e-5)
 
 
+# Prefill chunks after cached keys, whole prompts, decode tokens, tails of a page and of
+# the vector block, and one sequence whose chunk is longer than a page.
+RAGGED = [(1, 1), (5, 5), (7, 40), (16, 16), (33, 129), (1, 17), (3, 20), (20, 23)]
+
+
+def _check_ragged(page, heads, d, dtype, opt, seed, threads=None):
+    case = kernel_case(
+        seed, RAGGED, page, heads, d, dtype, pad_seqs=1, pad_tokens=3, **OPTIONS[opt]
+    )
+    kw = dict(sm_scale=d**-0.5, **OPTIONS[opt])
+    args = (case.q, case.kv_pages, case.kv_lens, case.page_indices, case.cu_q_lens, case.num_seqs)
+    out = jax.jit(lambda *a: cpu.ragged_paged_attention(*a, threads=threads, **kw))(*args)
+    ref = pj.reference.ragged_paged_attention(*args, **kw)
+    live = int(case.cu_q_lens[int(case.num_seqs[0])])
+    assert out.dtype == case.q.dtype and out.shape == case.q.shape
+    np.testing.assert_array_equal(np.asarray(out[live:], np.float32), 0.0)  # NaN q: padding
+    assert_close_to_oracle(
+        out[:live], ref[:live], case.expected[:live], what=f"{page} {heads} {dtype} {opt}"
+    )
+    return case, out, kw
+
+
 @needs_cc
-def test_auto_picks_it_for_decode_and_xla_elsewhere(monkeypatch):
+@pytest.mark.parametrize("params", _grid(8, seed=23), ids=str)
+def test_ragged_kernel(params):
+    _check_ragged(*params, seed=4)
+
+
+@needs_cc
+@pytest.mark.slow
+@pytest.mark.parametrize("params", _grid(64, seed=24), ids=str)
+def test_ragged_kernel_large_grid(params):
+    _check_ragged(*params, seed=5)
+
+
+@needs_cc
+def test_ragged_rows_are_decode_rows():
+    """Each ragged row is bitwise the decode kernel's row for that token alone (its own
+    length, its sequence's table), on any thread count: rows do not depend on the batch."""
+    case, out, kw = _check_ragged(16, (6, 2), 64, "float32", "both", seed=6, threads=1)
+    for threads in (2, 3):
+        np.testing.assert_array_equal(
+            np.asarray(
+                _check_ragged(16, (6, 2), 64, "float32", "both", seed=6, threads=threads)[1]
+            ),
+            np.asarray(out),
+        )
+    seq = np.repeat(np.arange(len(RAGGED)), [q for q, _ in RAGGED])
+    pos = np.concatenate([np.arange(kv - q, kv) for q, kv in RAGGED])
+    live = len(seq)
+    rows = cpu.decode_paged_attention(
+        case.q[:live], case.kv_pages, jnp.asarray(pos + 1, jnp.int32), case.page_indices[seq], **kw
+    )
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(out[:live]))
+
+
+@needs_cc
+def test_ragged_bad_offsets_stay_inside_q():
+    """cu_q_lens past T, decreasing or negative, and num_seqs past S or negative, are
+    clamped: no row outside q is read or written, and rows nobody owns are 0."""
+    case = make_case(9, [(4, 10), (3, 3)], pad_seqs=1, pad_tokens=2)
+    base = (case.q, case.kv_pages, case.kv_lens, case.page_indices)
+    T = case.q.shape[0]
+    for cu, n in [([0, 4, 10**6, 7], 2), ([0, 5, 2, 1], 3), ([-9, 4, 7, 7], 9), ([0, 4, 7, 7], -1)]:
+        out = np.asarray(
+            cpu.ragged_paged_attention(
+                *base, jnp.asarray(cu, jnp.int32), jnp.asarray([n], jnp.int32), sm_scale=0.25
+            )
+        )
+        assert out.shape == (T, 4, 16)
+        owned = np.zeros(T, bool)
+        for s in range(max(0, min(n, 3))):
+            a = min(max(cu[s], 0), T)
+            owned[a : min(max(cu[s + 1], a), T)] = True
+        np.testing.assert_array_equal(out[~owned], 0.0)
+
+
+@needs_cc
+def test_auto_picks_it_for_decode_and_ragged_steps(monkeypatch):
     monkeypatch.delenv("PAGED_JAX_BACKEND", raising=False)
     assert pj.available_backends("cpu") == ("cpu", "xla")
     assert attention._auto("cpu") == "cpu"
     assert attention._resolve("cpu", "decode") is cpu.decode_paged_attention
-    assert attention._resolve("cpu", "ragged") is None  # ragged steps run on XLA
+    assert attention._resolve("cpu", "ragged") is cpu.ragged_paged_attention
+
+    ragged_calls = []
+
+    def fake_ragged(*a, **k):
+        ragged_calls.append(k)
+        return a[0] * 0
+
+    fake_ragged.__module__ = cpu.__name__
+    monkeypatch.setattr(cpu, "ragged_paged_attention", fake_ragged)
+    case = make_case(5, [(3, 9), (1, 3)], pad_seqs=0, pad_tokens=0)
+    rargs = (case.q, case.kv_pages, case.kv_lens, case.page_indices, case.cu_q_lens, case.num_seqs)
+    pj.ragged_paged_attention(*rargs, sm_scale=0.25)
+    assert len(ragged_calls) == 1
+    out = pj.ragged_paged_attention(*rargs, sm_scale=0.25, batch_invariant=True)
+    assert len(ragged_calls) == 1 and np.isfinite(np.asarray(out)).all()
 
     calls = []
 
@@ -225,6 +318,11 @@ def test_boundary_errors():
         cpu.decode_paged_attention(case.q.astype(jnp.float16), *args[1:])
     with pytest.raises(ValueError, match="threads: expected a positive int"):
         cpu.decode_paged_attention(*args, threads=0)
+    rargs = (*args[:2], case.kv_lens, case.page_indices, case.cu_q_lens, case.num_seqs)
+    with pytest.raises(ValueError, match="v_scale"):
+        cpu.ragged_paged_attention(*rargs, v_scale=0.5)
+    with pytest.raises(ValueError, match="kv_pages: expected float32 or bfloat16, got float16"):
+        cpu.ragged_paged_attention(rargs[0], rargs[1].astype(jnp.float16), *rargs[2:])
 
 
 def test_unavailable_kernel_leaves_auto_on_xla(monkeypatch):

@@ -76,6 +76,26 @@ def test_rows_do_not_depend_on_the_batch_or_threads():
 
 
 @needs_cc
+def test_rows_computes_the_first_rows_and_zeroes_the_rest():
+    """``rows`` (static or traced) computes rows [0, rows), bitwise as without it, and
+    writes 0 to the others; a value
+    outside [0, M] computes every row."""
+    x, w = _data(7, 21, 64, 100)
+    packed = cpu.pack_weight(jnp.asarray(w))
+    full = _product(x, w)
+    f = jax.jit(lambda x, p, r: cpu.linear(x, p, 100, rows=r))
+    for r in (0, 1, 8, 13, 21):
+        y = np.asarray(f(jnp.asarray(x), packed, jnp.int32(r)))
+        np.testing.assert_array_equal(y[:r], full[:r])
+        np.testing.assert_array_equal(y[r:], 0.0)
+    for r in (-1, 22, 10**6):
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x), packed, jnp.int32(r))), full)
+    y = np.asarray(cpu.linear(jnp.asarray(x).reshape(3, 7, 64), packed, 100, rows=9))
+    np.testing.assert_array_equal(y.reshape(21, 100)[:9], full[:9])  # rows of the flattening
+    np.testing.assert_array_equal(y.reshape(21, 100)[9:], 0.0)
+
+
+@needs_cc
 def test_packing_is_panels_of_columns_and_unpacks_exactly():
     nr = cpu.panel_width()
     x, w = _data(2, 1, 5, 2 * nr + 3)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 TARGET = "paged_jax_cpu_decode_attention"
+RAGGED_TARGET = "paged_jax_cpu_ragged_attention"
 LINEAR_TARGET = "paged_jax_cpu_linear"
 GREEDY_TARGET = "paged_jax_cpu_greedy_rows"
 _HERE = pathlib.Path(__file__).parent
@@ -106,11 +107,13 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     try:
         lib = ctypes.CDLL(str(lib_path))
         handler, linear_handler = lib.PagedJaxDecodeAttention, lib.PagedJaxLinear
+        ragged_handler = lib.PagedJaxRaggedAttention
         greedy_handler = lib.PagedJaxGreedyRows
         _state["panel_width"] = int(lib.paged_jax_linear_panel_width())
     except (OSError, AttributeError) as e:
         return None, f"loading {lib_path} failed: {e}"
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    jax.ffi.register_ffi_target(RAGGED_TARGET, jax.ffi.pycapsule(ragged_handler), platform="cpu")
     jax.ffi.register_ffi_target(LINEAR_TARGET, jax.ffi.pycapsule(linear_handler), platform="cpu")
     jax.ffi.register_ffi_target(GREEDY_TARGET, jax.ffi.pycapsule(greedy_handler), platform="cpu")
     return lib, ""
@@ -180,6 +183,48 @@ def decode_paged_attention(
     for quantized pools (``k_scale``/``v_scale``), dtypes other than f32/bf16, and when
     the kernel is not available here (``unavailable_reason()``)."""
     del interpret, batch_invariant  # one computation; every row independent of the batch
+    params = _attention_params(
+        q, kv_pages, k_scale, v_scale, sm_scale, sliding_window, soft_cap, threads
+    )
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(
+        q, kv_pages, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_indices, jnp.int32), params
+    )
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, H, D] f32 | bf16
+    kv_pages: jax.Array,  # [N, P, 2K, D] f32 | bf16
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, M]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale=None,
+    v_scale=None,
+    batch_invariant: bool = False,
+    interpret: bool = False,
+    threads: int | None = None,
+) -> jax.Array:  # [T, H, D], q.dtype
+    """Attention for a ragged batch (prefill chunks and decode tokens) on the CPU;
+    arguments as ``paged_jax.ragged_paged_attention``. Each query token runs as a decode
+    row of its own, over its sequence's keys up to its position, so its result does not
+    depend on the other tokens, the batch or ``threads``. Rows no sequence owns (past
+    ``cu_q_lens[num_seqs]``) are 0. Raises ``ValueError`` as ``decode_paged_attention``."""
+    del interpret, batch_invariant
+    params = _attention_params(
+        q, kv_pages, k_scale, v_scale, sm_scale, sliding_window, soft_cap, threads
+    )
+    call = jax.ffi.ffi_call(RAGGED_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    return call(q, kv_pages, i32(kv_lens), i32(page_indices), i32(cu_q_lens), i32(num_seqs), params)
+
+
+def _attention_params(q, kv_pages, k_scale, v_scale, sm_scale, sliding_window, soft_cap, threads):
+    """Checks what the attention kernels read; their f32[4] params operand."""
     if k_scale is not None or v_scale is not None:
         raise ValueError("k_scale/v_scale: the CPU kernel reads f32 or bf16 pools only")
     for name, x in (("q", q), ("kv_pages", kv_pages)):
@@ -187,11 +232,7 @@ def decode_paged_attention(
             raise ValueError(f"{name}: expected float32 or bfloat16, got {x.dtype}")
     count = _threads(threads)
     _require()
-    params = jnp.asarray([sm_scale, sliding_window or 0, soft_cap or 0.0, count], jnp.float32)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(
-        q, kv_pages, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_indices, jnp.int32), params
-    )
+    return jnp.asarray([sm_scale, sliding_window or 0, soft_cap or 0.0, count], jnp.float32)
 
 
 def panel_width() -> int:
@@ -245,13 +286,17 @@ def linear(
     n: int,
     *,
     layer: jax.Array | int | None = None,
+    rows: jax.Array | int | None = None,
     threads: int | None = None,
 ) -> jax.Array:  # [..., n] f32
     """``x @ w`` for the ``[K, n]`` weight ``w`` that ``pack_weight`` made ``packed`` (for
     an ``[L, ...]`` stack, weight ``layer``: an int or a traced i32 scalar, read in place,
     never sliced out), computed by ``linear.c``: each output one f32 sum over K in order,
     so a row's result does not depend on the other rows or on ``threads`` (default: the
-    cores this process may use). Raises ``ValueError`` for other dtypes or shapes, a
+    cores this process may use). ``rows`` (an int or a traced i32 scalar): only the first
+    ``rows`` rows of ``x`` (flattened to ``[M, K]``) are computed and the rest of the
+    result is 0, so a batch padded to a bucket costs its real rows; None, or a value
+    outside ``[0, M]``: every row. Raises ``ValueError`` for other dtypes or shapes, a
     missing or out-of-range static ``layer``, and when the kernels are not available."""
     if x.dtype != jnp.float32 or packed.dtype != jnp.float32:
         raise ValueError(f"x, packed: expected float32, got {x.dtype} and {packed.dtype}")
@@ -269,10 +314,16 @@ def linear(
     if isinstance(layer, int) and not 0 <= layer < weights:
         raise ValueError(f"layer: expected an int in [0, {weights}), got {layer}")
     count = _threads(threads)
-    rows = x.reshape(math.prod(x.shape[:-1]), k)
-    params = jnp.stack([jnp.asarray(0 if layer is None else layer, jnp.int32), jnp.int32(count)])
-    call = jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
-    return call(rows, packed, params).reshape(*x.shape[:-1], n)
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)
+    params = jnp.stack(
+        [
+            jnp.asarray(0 if layer is None else layer, jnp.int32),
+            jnp.int32(count),
+            jnp.asarray(-1 if rows is None else rows, jnp.int32),
+        ]
+    )
+    call = jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
+    return call(x2, packed, params).reshape(*x.shape[:-1], n)
 
 
 def greedy_rows(

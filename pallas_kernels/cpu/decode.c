@@ -1,7 +1,10 @@
-/* Paged decode attention for CPUs, called by XLA through its FFI (the C API in
- * jaxlib/include/xla/ffi/api/c_api.h); built and registered by __init__.py.
+/* Paged attention for CPUs, called by XLA through its FFI (the C API in
+ * jaxlib/include/xla/ffi/api/c_api.h); built and registered by __init__.py. Two entry
+ * points: PagedJaxDecodeAttention (one query token per sequence, below) and
+ * PagedJaxRaggedAttention (any number per sequence; see above it at the end of the file:
+ * each query token is run as a decode row of its own).
  *
- * Operands (row-major):
+ * Decode operands (row-major):
  *   q        [B, H, D]      f32 or bf16, one query token per sequence
  *   kv_pages [N, P, 2K, D]  f32 or bf16; a token's row 2k is KV head k's key, 2k + 1 its value
  *   kv_lens  i32[B]         sequence b's query sits at position kv_lens[b] - 1
@@ -56,6 +59,7 @@ typedef struct {
   const void *q, *kv;
   void *out;
   const int32_t *lens, *tables;
+  const int32_t *seq; /* ragged calls: row b's table row (NULL: row b's own) */
   int64_t H, D, N, P, K, M, window, first, last; /* rows [first, last) */
   float scale, cap;
   int q16, kv16, ok;
@@ -159,9 +163,10 @@ static inline int64_t first_token(const Job *j, int64_t len) {
   return (j->window > 0 && len > j->window) ? len - j->window : 0;
 }
 
-/* The id of the page holding token c of sequence b (the null page for a bad id). */
+/* The id of the page holding token c of row b's sequence (the null page for a bad id). */
 static inline int64_t page_of(const Job *j, int64_t b, int64_t c) {
-  int64_t page = j->tables[b * j->M + c / j->P];
+  const int64_t s = j->seq ? j->seq[b] : b;
+  int64_t page = j->tables[s * j->M + c / j->P];
   return (page < 0 || page >= j->N) ? 0 : page;
 }
 
@@ -451,59 +456,127 @@ static int is_float(const XLA_FFI_Buffer *x) {
   return x->dtype == XLA_FFI_DataType_F32 || x->dtype == XLA_FFI_DataType_BF16;
 }
 
-XLA_FFI_Error *PagedJaxDecodeAttention(XLA_FFI_CallFrame *frame) {
-  /* XLA first asks which FFI version the handler speaks. */
-  if (ffi_metadata(frame)) return NULL;
-  if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
-  if (frame->args.size != 5 || frame->rets.size != 1)
-    return fail(frame, "paged_jax decode: expected 5 operands and 1 result");
-  const XLA_FFI_Buffer *q = frame->args.args[0], *kv = frame->args.args[1],
-                       *lens = frame->args.args[2], *tables = frame->args.args[3],
-                       *params = frame->args.args[4], *out = frame->rets.rets[0];
-  if (q->rank != 3 || kv->rank != 4 || lens->rank != 1 || tables->rank != 2 ||
-      params->rank != 1 || out->rank != 3)
-    return fail(frame, "paged_jax decode: expected q[B,H,D], kv_pages[N,P,2K,D], kv_lens[B], "
-                       "tables[B,M], params[4] and o[B,H,D]");
-  if (!is_float(q) || !is_float(kv) || out->dtype != q->dtype ||
-      lens->dtype != XLA_FFI_DataType_S32 || tables->dtype != XLA_FFI_DataType_S32 ||
-      params->dtype != XLA_FFI_DataType_F32 || params->dims[0] != 4)
-    return fail(frame, "paged_jax decode: expected f32/bf16 q and kv_pages, i32 kv_lens and "
-                       "tables, f32[4] params, o in q's dtype");
-  const int64_t B = q->dims[0], H = q->dims[1], D = q->dims[2], K = kv->dims[2] / 2;
-  if (kv->dims[3] != D || kv->dims[2] % 2 || K == 0 || H % K || H / K > MAX_GROUP ||
-      lens->dims[0] != B || tables->dims[0] != B || out->dims[0] != B || out->dims[1] != H ||
-      out->dims[2] != D)
-    return fail(frame, "paged_jax decode: operand shapes disagree (or > 64 query heads per "
-                       "KV head)");
-  const float *p = (const float *)params->data;
-  Job base = {
-      .q = q->data, .kv = kv->data, .out = out->data,
-      .lens = (const int32_t *)lens->data, .tables = (const int32_t *)tables->data,
-      .H = H, .D = D, .N = kv->dims[0], .P = kv->dims[1], .K = K, .M = tables->dims[1],
-      .window = (int64_t)p[1], .scale = p[0], .cap = p[2],
-      .q16 = q->dtype == XLA_FFI_DataType_BF16, .kv16 = kv->dtype == XLA_FFI_DataType_BF16,
-  };
+/* Splits rows [0, B) over the threads in contiguous runs of about equal token counts and
+ * runs them; `base` holds everything else. */
+static XLA_FFI_Error *run_split(XLA_FFI_CallFrame *frame, const Job *base, int64_t B,
+                                int64_t asked, const char *oom) {
   int64_t tokens = 0;
-  for (int64_t b = 0; b < B; ++b) tokens += clipped_len(&base, b);
+  for (int64_t b = 0; b < B; ++b) tokens += clipped_len(base, b);
   const int64_t threads =
-      clamp_threads((int64_t)p[3], tokens * 2 * K * D / MIN_ELEMENTS_PER_THREAD, B);
-
+      clamp_threads(asked, tokens * 2 * base->K * base->D / MIN_ELEMENTS_PER_THREAD, B);
 #if HAVE_BLOCKED
-  void *(*run)(void *) = D % LANES == 0 ? run_blocked : run_rows;
+  void *(*run)(void *) = base->D % LANES == 0 ? run_blocked : run_rows;
 #else
   void *(*run)(void *) = run_rows;
 #endif
   Job jobs[MAX_THREADS];
   int64_t b = 0, done = 0;
   for (int64_t t = 0; t < threads; ++t) { /* contiguous runs of about tokens / threads */
-    jobs[t] = base;
+    jobs[t] = *base;
     jobs[t].first = b;
     const int64_t target = tokens * (t + 1) / threads;
-    while (b < B && (done < target || t == threads - 1)) done += clipped_len(&base, b++);
+    while (b < B && (done < target || t == threads - 1)) done += clipped_len(base, b++);
     jobs[t].last = b;
   }
   run_jobs(frame, jobs, sizeof(Job), threads, run);
   int ok = 1;
   for (int64_t t = 0; t < threads; ++t) ok &= jobs[t].ok;
-  return ok ? NULL : fail(frame, "paged_jax decode: out of memory");
+  return ok ? NULL : fail(frame, oom);
+}
+
+/* Checks q [B, H, D], kv [N, P, 2K, D], tables [S, M], params f32[4] and o (as q) and
+ * fills `j` from them; an error message, or NULL. */
+static const char *common_operands(const XLA_FFI_Buffer *q, const XLA_FFI_Buffer *kv,
+                                   const XLA_FFI_Buffer *tables, const XLA_FFI_Buffer *params,
+                                   const XLA_FFI_Buffer *out, Job *j) {
+  if (q->rank != 3 || kv->rank != 4 || tables->rank != 2 || params->rank != 1 || out->rank != 3)
+    return "paged_jax attention: expected q[T,H,D], kv_pages[N,P,2K,D], tables[S,M], "
+           "params[4] and o[T,H,D]";
+  if (!is_float(q) || !is_float(kv) || out->dtype != q->dtype ||
+      tables->dtype != XLA_FFI_DataType_S32 || params->dtype != XLA_FFI_DataType_F32 ||
+      params->dims[0] != 4)
+    return "paged_jax attention: expected f32/bf16 q and kv_pages, i32 tables, f32[4] "
+           "params, o in q's dtype";
+  const int64_t H = q->dims[1], D = q->dims[2], K = kv->dims[2] / 2;
+  if (kv->dims[3] != D || kv->dims[2] % 2 || K == 0 || H % K || H / K > MAX_GROUP ||
+      out->dims[0] != q->dims[0] || out->dims[1] != H || out->dims[2] != D)
+    return "paged_jax attention: operand shapes disagree (or > 64 query heads per KV head)";
+  const float *p = (const float *)params->data;
+  *j = (Job){
+      .q = q->data, .kv = kv->data, .out = out->data, .tables = (const int32_t *)tables->data,
+      .H = H, .D = D, .N = kv->dims[0], .P = kv->dims[1], .K = K, .M = tables->dims[1],
+      .window = (int64_t)p[1], .scale = p[0], .cap = p[2],
+      .q16 = q->dtype == XLA_FFI_DataType_BF16, .kv16 = kv->dtype == XLA_FFI_DataType_BF16,
+  };
+  return NULL;
+}
+
+/* Decode: operands q, kv_pages, kv_lens i32[B], tables i32[B, M], params (see the top). */
+XLA_FFI_Error *PagedJaxDecodeAttention(XLA_FFI_CallFrame *frame) {
+  /* XLA first asks which FFI version the handler speaks. */
+  if (ffi_metadata(frame)) return NULL;
+  if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
+  if (frame->args.size != 5 || frame->rets.size != 1)
+    return fail(frame, "paged_jax decode: expected 5 operands and 1 result");
+  const XLA_FFI_Buffer *q = frame->args.args[0], *lens = frame->args.args[2],
+                       *tables = frame->args.args[3], *params = frame->args.args[4];
+  Job base;
+  const char *why = common_operands(q, frame->args.args[1], tables, params,
+                                    frame->rets.rets[0], &base);
+  if (why) return fail(frame, why);
+  const int64_t B = q->dims[0];
+  if (lens->rank != 1 || lens->dtype != XLA_FFI_DataType_S32 || lens->dims[0] != B ||
+      tables->dims[0] != B)
+    return fail(frame, "paged_jax decode: expected kv_lens i32[B] and tables[B, M]");
+  base.lens = (const int32_t *)lens->data;
+  return run_split(frame, &base, B, (int64_t)((const float *)params->data)[3],
+                   "paged_jax decode: out of memory");
+}
+
+/* Ragged steps: operands q [T, H, D], kv_pages, kv_lens i32[S], tables i32[S, M],
+ * cu_q_lens i32[S + 1], num_seqs i32[1], params. Sequence s < num_seqs owns query rows
+ * [cu_q_lens[s], cu_q_lens[s + 1]), the last kv_lens[s] - q_len .. kv_lens[s] - 1
+ * positions of its keys; each row is computed as a decode row of its own, whose keys end
+ * at its position (causal), with its sequence's table. Rows no sequence owns are padding
+ * (output 0). Offsets are clamped to [0, T], so bad ones cannot read outside q. */
+XLA_FFI_Error *PagedJaxRaggedAttention(XLA_FFI_CallFrame *frame) {
+  if (ffi_metadata(frame)) return NULL;
+  if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
+  if (frame->args.size != 7 || frame->rets.size != 1)
+    return fail(frame, "paged_jax ragged: expected 7 operands and 1 result");
+  const XLA_FFI_Buffer *q = frame->args.args[0], *lens = frame->args.args[2],
+                       *tables = frame->args.args[3], *cu = frame->args.args[4],
+                       *num = frame->args.args[5], *params = frame->args.args[6];
+  Job base;
+  const char *why = common_operands(q, frame->args.args[1], tables, params,
+                                    frame->rets.rets[0], &base);
+  if (why) return fail(frame, why);
+  const int64_t T = q->dims[0], S = tables->dims[0];
+  if (lens->rank != 1 || lens->dtype != XLA_FFI_DataType_S32 || lens->dims[0] != S ||
+      cu->rank != 1 || cu->dtype != XLA_FFI_DataType_S32 || cu->dims[0] != S + 1 ||
+      num->rank != 1 || num->dtype != XLA_FFI_DataType_S32 || num->dims[0] != 1)
+    return fail(frame, "paged_jax ragged: expected kv_lens i32[S], cu_q_lens i32[S + 1] and "
+                       "num_seqs i32[1] with tables[S, M]");
+  int32_t *rows = (int32_t *)calloc((size_t)(2 * T + 1), sizeof(int32_t));
+  if (!rows) return fail(frame, "paged_jax ragged: out of memory");
+  int32_t *row_len = rows, *row_seq = rows + T; /* calloc: every row padding at first */
+  const int32_t *kv_lens = (const int32_t *)lens->data, *offsets = (const int32_t *)cu->data;
+  int64_t used = ((const int32_t *)num->data)[0];
+  used = used < 0 ? 0 : used > S ? S : used;
+  for (int64_t s = 0; s < used; ++s) {
+    int64_t a = offsets[s], e = offsets[s + 1];
+    a = a < 0 ? 0 : a > T ? T : a;
+    e = e < a ? a : e > T ? T : e;
+    for (int64_t t = a; t < e; ++t) {
+      const int64_t len = (int64_t)kv_lens[s] - (e - a) + (t - a) + 1;
+      row_len[t] = (int32_t)(len < 0 ? 0 : len);
+      row_seq[t] = (int32_t)s;
+    }
+  }
+  base.lens = row_len;
+  base.seq = row_seq;
+  XLA_FFI_Error *err = run_split(frame, &base, T, (int64_t)((const float *)params->data)[3],
+                                 "paged_jax ragged: out of memory");
+  free(rows);
+  return err;
 }

@@ -6,8 +6,10 @@
  *   w        f32[P, K, NR]     a weight W [K, N] in panels of NR columns:
  *                              w[p, k, j] = W[k, p * NR + j], 0 past column N
  *            or f32[L, P, K, NR]  L such weights (a model's layers), one of them used
- *   params   i32[2]            {the weight to use (0 for a 3-D w), at most this many threads}
- * Result: y f32[M, N], N in (P * NR - NR, P * NR].
+ *   params   i32[3]            {the weight to use (0 for a 3-D w), at most this many threads,
+ *                              the rows to compute (R; outside [0, M]: all M)}
+ * Result: y f32[M, N], N in (P * NR - NR, P * NR]; rows R .. M - 1 are 0. A step padded
+ * to a power-of-two count of tokens thus pays only for its real ones.
  *
  * NR is paged_jax_linear_panel_width(): three vector registers of f32 lanes (48 with
  * AVX-512, 24 with AVX2, 12 otherwise). Packing is done once, when the weights are loaded
@@ -141,19 +143,21 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
   const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1],
                        *params = frame->args.args[2], *y = frame->rets.rets[0];
   if (x->rank != 2 || (w->rank != 3 && w->rank != 4) || params->rank != 1 || y->rank != 2)
-    return fail(frame, "paged_jax linear: expected x[M,K], w[(L,)P,K,NR], params[2], y[M,N]");
+    return fail(frame, "paged_jax linear: expected x[M,K], w[(L,)P,K,NR], params[3], y[M,N]");
   if (x->dtype != XLA_FFI_DataType_F32 || w->dtype != XLA_FFI_DataType_F32 ||
       y->dtype != XLA_FFI_DataType_F32 || params->dtype != XLA_FFI_DataType_S32 ||
-      params->dims[0] != 2)
-    return fail(frame, "paged_jax linear: expected f32 x, w and y, and i32[2] params");
+      params->dims[0] != 3)
+    return fail(frame, "paged_jax linear: expected f32 x, w and y, and i32[3] params");
   const int64_t *wd = w->dims + (w->rank - 3); /* P, K, NR */
   const int64_t L = w->rank == 4 ? w->dims[0] : 1;
-  const int64_t M = x->dims[0], K = x->dims[1], P = wd[0], N = y->dims[1];
-  if (wd[1] != K || wd[2] != NR || y->dims[0] != M || N > P * NR || N <= P * NR - NR)
+  const int64_t K = x->dims[1], P = wd[0], N = y->dims[1];
+  if (wd[1] != K || wd[2] != NR || y->dims[0] != x->dims[0] || N > P * NR || N <= P * NR - NR)
     return fail(frame, "paged_jax linear: operand shapes disagree (w's panels must be this "
                        "build's panel width and cover N)");
   const int32_t *p = (const int32_t *)params->data;
   if (p[0] < 0 || p[0] >= L) return fail(frame, "paged_jax linear: weight index out of range");
+  const int64_t M = (p[2] >= 0 && p[2] < x->dims[0]) ? p[2] : x->dims[0]; /* rows computed */
+  memset((float *)y->data + M * N, 0, sizeof(float) * (size_t)((x->dims[0] - M) * N));
   if (M == 0 || N == 0) return NULL;
   if (K == 0) {
     memset(y->data, 0, sizeof(float) * (size_t)(M * N));
