@@ -1,18 +1,23 @@
-"""A C decode kernel for CPUs, called through XLA's FFI (the ``"cpu"`` backend).
+"""C kernels for CPUs, called through XLA's FFI (the ``"cpu"`` backend).
 
 XLA:CPU runs decode attention as a gather of every sequence's K/V pages, transposes and
 small batched dot products: SmolLM2-135M (32 sequences at 256 tokens, f32) spent about
 2.5 ms a layer there, 4-5 GB/s of K/V. ``decode.c`` instead reads each sequence's pages
 in place, once, with an online softmax, split over the cores (0.6 ms a layer, 22 GB/s,
-on the same 2-core machine). It is compiled on first use by the system's C compiler
-(``$CC``, else ``cc``) against the FFI header jaxlib ships, into
-``<user cache dir>/paged-jax/kernels/``, and registered with XLA as a custom call. No
+on the same 2-core machine); its ragged entry does the same for prefill chunks, 5-9x
+XLA's ragged path. The kernels are compiled on first use by the system's C compiler
+(``$CC``, else ``cc``) against the FFI header jaxlib ships, into one library in
+``<user cache dir>/paged-jax/kernels/``, and registered with XLA as custom calls. No
 compiler, or a failed build, leaves ``available()`` False and "auto" on the XLA path.
 
-* ``decode_paged_attention``: ``paged_jax.paged_attention``'s signature; f32 or bf16
+* ``decode_paged_attention``, ``ragged_paged_attention``: the signatures of
+  ``paged_jax.paged_attention`` and ``paged_jax.ragged_paged_attention``; f32 or bf16
   queries and pools, sliding windows, soft caps. Not for quantized pools (scales) or
-  batch-invariant steps: ``paged_jax.attention`` sends those, and ragged steps, to XLA.
-* ``available()``, ``unavailable_reason()``: whether the kernel built here, and why not.
+  batch-invariant steps: ``paged_jax.attention`` sends those to XLA.
+* ``pack_weight``, ``unpack_weight``, ``linear``, ``panel_width``: matrix products
+  against weights packed once in column panels (``linear.c``; ``paged_jax.linear``).
+* ``greedy_rows``: each row's argmax and log-sum-exp (``sample.c``), for greedy steps.
+* ``available()``, ``unavailable_reason()``: whether the kernels built here, and why not.
 """
 
 from __future__ import annotations
@@ -210,10 +215,13 @@ def ragged_paged_attention(
     threads: int | None = None,
 ) -> jax.Array:  # [T, H, D], q.dtype
     """Attention for a ragged batch (prefill chunks and decode tokens) on the CPU;
-    arguments as ``paged_jax.ragged_paged_attention``. Each query token runs as a decode
-    row of its own, over its sequence's keys up to its position, so its result does not
-    depend on the other tokens, the batch or ``threads``. Rows no sequence owns (past
-    ``cu_q_lens[num_seqs]``) are 0. Raises ``ValueError`` as ``decode_paged_attention``."""
+    arguments as ``paged_jax.ragged_paged_attention``. Each query token attends to its
+    sequence's keys up to its position; up to 8 consecutive tokens of a sequence read
+    each block of keys together. Without a sliding window a token's result is bitwise
+    the decode kernel's for it alone; with one, equal to rounding (the 8 tokens' blocks
+    start at the first one's window). Results do not depend on ``threads``. Rows no
+    sequence owns (past ``cu_q_lens[num_seqs]``) are 0. Raises ``ValueError`` as
+    ``decode_paged_attention``."""
     del interpret, batch_invariant
     params = _attention_params(
         q, kv_pages, k_scale, v_scale, sm_scale, sliding_window, soft_cap, threads
