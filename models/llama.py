@@ -546,7 +546,9 @@ class LlamaForCausalLM(nnx.Module):
 
         group_ids = jnp.arange(groups, dtype=jnp.int32)
         xs = (stacked if period == 1 else None, group_ids)
-        rows = _ROWS.set((x_TE.shape[0], md.cu_q_lens[md.num_seqs[0]]))
+        # (one replica's batch: data-parallel steps concatenate several, padded each)
+        real = md.cu_q_lens[md.num_seqs[0]] if md.num_seqs.shape == (1,) else None
+        rows = _ROWS.set(None if real is None else (x_TE.shape[0], real))
         try:
             (x_TE, cache), _ = jax.lax.scan(one_group, (x_TE, cache), xs)
             for j in range(rest):  # a last, partial group (Gemma 3 1B: 26 = 4 x 6 + 2)

@@ -146,6 +146,40 @@ def test_without_the_kernels_the_model_keeps_xla_products(monkeypatch):
 
 
 @needs_cc
+def test_a_padded_step_computes_its_real_tokens_only(monkeypatch):
+    """The model hands its layers' packed products the step's real token count (the
+    tokens past ``cu_q_lens[num_seqs]`` are padding up to the bucket): the real rows'
+    logits are those of the step without padding."""
+    from paged_jax import AttentionMetadata
+    from paged_jax.models import llama
+
+    model = init_model(TINY_LLAMA, seed=5).hold_for_cpu()
+    assert model.layers.mlp.up_proj.packed
+    limited, real = [], linear.matmul
+
+    def spy(x, packed, n, layer=None, rows=None):
+        limited.append(rows is not None)
+        return real(x, packed, n, layer, rows)
+
+    monkeypatch.setattr(llama.linear, "matmul", spy)
+    ids = list(range(3, 40))
+    n = len(ids)
+
+    def logits(pad):
+        md = AttentionMetadata.prefill(n, [*range(8, 8 + n), *[0] * pad], [1, 2, 3, 4, 5])
+        tokens = jnp.asarray(ids + [0] * pad, jnp.int32)
+        positions = jnp.asarray([*range(n), *[0] * pad], jnp.int32)
+        step = jax.jit(lambda t, p, c: model(t, p, c, md)[0])
+        return np.asarray(step(tokens, positions, model.make_cache(16, 8)))
+
+    alone = logits(0)
+    limited.clear()
+    padded = logits(27)
+    np.testing.assert_allclose(padded, alone, rtol=1e-6, atol=1e-6)
+    assert limited.count(True) == 7, limited  # the layer body's products, traced once
+
+
+@needs_cc
 def test_a_stack_of_weights_is_read_by_index():
     # [L, K, N] packed weight by weight; a traced index picks one in place (as each layer's
     # product does in the model's scan), bitwise the product with that weight alone.
