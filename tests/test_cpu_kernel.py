@@ -224,11 +224,9 @@ def test_ragged_kernel_large_grid(params):
 @pytest.mark.parametrize("opt", ["softcap", "both"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_ragged_rows_are_decode_rows(opt, dtype):
-    """A ragged row is the decode kernel's row for that token alone (its own length, its
-    sequence's table): bitwise without a window, where every token's blocks of keys start
-    at key 0; with one, the up to 8 tokens computed together start their blocks at the
-    first one's window, so rows agree to rounding. Either way, bitwise on any thread
-    count."""
+    """A ragged row is bitwise the decode kernel's row for that token alone (its own
+    length, its sequence's table), with or without a window (blocks of keys lie at fixed
+    multiples, whichever tokens are computed together), on any thread count."""
     case, out, kw = _check_ragged(16, (6, 2), 64, dtype, opt, seed=6, threads=1)
     for threads in (2, 3):
         again = _check_ragged(16, (6, 2), 64, dtype, opt, seed=6, threads=threads)[1]
@@ -239,12 +237,47 @@ def test_ragged_rows_are_decode_rows(opt, dtype):
     rows = cpu.decode_paged_attention(
         case.q[:live], case.kv_pages, jnp.asarray(pos + 1, jnp.int32), case.page_indices[seq], **kw
     )
-    rows, out = np.asarray(rows, np.float32), np.asarray(out[:live], np.float32)
-    if opt == "both":  # a window of 11
-        tol = 1e-5 if dtype == "float32" else 1e-2
-        np.testing.assert_allclose(rows, out, rtol=tol, atol=tol)
-    else:
-        np.testing.assert_array_equal(rows, out)
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(out[:live]))
+
+
+@needs_cc
+@pytest.mark.parametrize("kernel", ["decode", "ragged"])
+def test_pages_before_every_window_are_never_read(kernel):
+    """Pages that no token's window reaches may be freed (the engine drops them: the table
+    then names the null page, whose contents are anything). Filling them with NaN changes
+    no bit of the output, though 8-token pages put them inside the first 16-key block."""
+    case = kernel_case(
+        10,
+        [(5, 70), (1, 45), (9, 33)],
+        8,
+        (4, 2),
+        64,
+        "float32",
+        pad_seqs=0,
+        pad_tokens=0,
+        sliding_window=13,
+    )
+    # each sequence's first query position (decode: its last token alone)
+    first_pos = [70 - 5, 45 - 1, 33 - 9] if kernel == "ragged" else [69, 44, 32]
+    nan_page = case.kv_pages.shape[0]  # a page of NaN after the pool's others
+    pool = jnp.concatenate([case.kv_pages, jnp.full_like(case.kv_pages[:1], jnp.nan)])
+    table = np.asarray(case.page_indices).copy()
+    for s, pos in enumerate(first_pos):
+        table[s, : (pos + 1 - 13) // 8] = nan_page  # pages wholly before every window
+    assert (table == nan_page).sum() >= 5
+    kw = dict(sm_scale=0.125, sliding_window=13)
+    if kernel == "ragged":
+        run = lambda t: cpu.ragged_paged_attention(  # noqa: E731
+            case.q, pool, case.kv_lens, t, case.cu_q_lens, case.num_seqs, **kw
+        )
+    else:  # each sequence's last token alone
+        last = np.cumsum([5, 1, 9]) - 1
+        run = lambda t: cpu.decode_paged_attention(  # noqa: E731
+            case.q[last], pool, case.kv_lens, t, **kw
+        )
+    clean, dropped = np.asarray(run(case.page_indices)), np.asarray(run(jnp.asarray(table)))
+    assert np.isfinite(dropped).all()
+    np.testing.assert_array_equal(dropped, clean)
 
 
 @needs_cc

@@ -217,9 +217,9 @@ def ragged_paged_attention(
     """Attention for a ragged batch (prefill chunks and decode tokens) on the CPU;
     arguments as ``paged_jax.ragged_paged_attention``. Each query token attends to its
     sequence's keys up to its position; up to 8 consecutive tokens of a sequence read
-    each block of keys together. Without a sliding window a token's result is bitwise
-    the decode kernel's for it alone; with one, equal to rounding (the 8 tokens' blocks
-    start at the first one's window). Results do not depend on ``threads``. Rows no
+    each block of keys together. A token's result is bitwise the decode kernel's for it
+    alone (blocks of keys lie at fixed multiples for every token), so it depends neither
+    on the other tokens nor on ``threads``. Rows no
     sequence owns (past ``cu_q_lens[num_seqs]``) are 0. Raises ``ValueError`` as
     ``decode_paged_attention``."""
     del interpret, batch_invariant

@@ -3,7 +3,8 @@
  * points: PagedJaxDecodeAttention (one query token per sequence, below) and
  * PagedJaxRaggedAttention (any number per sequence, at the end of the file: up to
  * ITEM_TOKENS consecutive query tokens of a sequence make an item, which reads each
- * block of keys once for all of them, each token masking the keys past its position).
+ * block of keys once for all of them, each token masking the keys past its position;
+ * a token's result is bitwise its decode row's).
  *
  * Decode operands (row-major):
  *   q        [B, H, D]      f32 or bf16, one query token per sequence
@@ -206,7 +207,8 @@ static inline void prefetch_rows(const Job *j, int64_t row, int64_t count, int l
   }
 }
 
-/* The first key item b reads: its first token's window start. */
+/* The first key item b attends to: its first token's window start (run_blocked reads from
+ * the multiple of BLOCK at or before it). */
 static inline int64_t item_start(const Job *j, int64_t b) {
   return first_token(j, token_len(j, b, 0));
 }
@@ -291,12 +293,12 @@ static void *run_rows(void *arg) {
 }
 
 #if HAVE_BLOCKED
-/* The weighted values of KV head k for query heads [h0, h0 + ng): the running sums of up
- * to four heads stay in registers while the block's value rows (in cache since the first
- * pass) are added in, LANES at a time. */
+/* The weighted values of KV head k for query heads [h0, h0 + ng), of the block's tokens
+ * [t0, n): the running sums of up to four heads stay in registers while the block's value
+ * rows (in cache since the first pass) are added in, LANES at a time. */
 static inline __attribute__((always_inline)) void add_values(
-    const Job *j, float *acc, const float *w, const int64_t *row, int64_t n, int64_t k,
-    int64_t h0, const int ng) {
+    const Job *j, float *acc, const float *w, const int64_t *row, int64_t t0, int64_t n,
+    int64_t k, int64_t h0, const int ng) {
   const int64_t D = j->D;
   if (j->kv16 && D % (2 * LANES) == 0) { /* 2 LANES values a load: even ones first */
     for (int64_t c = 0; c < D; c += 2 * LANES) {
@@ -305,7 +307,7 @@ static inline __attribute__((always_inline)) void add_values(
         e[i] = load_f32(acc + (h0 + i) * D + c);
         o[i] = load_f32(acc + (h0 + i) * D + c + LANES);
       }
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = t0; t < n; ++t) {
         vu u;
         memcpy(&u, (const uint16_t *)j->kv + (size_t)(row[t] + 2 * k + 1) * D + c, sizeof u);
         const vf even = (vf)(u << 16), odd = (vf)(u & 0xffff0000u);
@@ -324,7 +326,7 @@ static inline __attribute__((always_inline)) void add_values(
   for (int64_t c = 0; c < D; c += LANES) {
     vf a[4];
     for (int i = 0; i < ng; ++i) a[i] = load_f32(acc + (h0 + i) * D + c);
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = t0; t < n; ++t) {
       const vf v = load_row(j->kv, j->kv16, (size_t)(row[t] + 2 * k + 1) * D + c);
       for (int i = 0; i < ng; ++i) a[i] += w[(h0 + i) * BLOCK + t] * v;
     }
@@ -351,9 +353,11 @@ static inline void cursor_advance(const Job *j, Cursor *at, int64_t step) {
  * run_rows up to rounding. An item of several query tokens (ragged calls) reads each
  * block of keys once for all of them: token i's heads are heads i * H .. of the item, and
  * keys outside token i's own range [first_token, token_len) get weight 0 (at the item's
- * end, where the later tokens' keys lie, and at its start with a window). Blocks start
- * at the item's first key, so without a window a token's result is bitwise that of the
- * token alone. `multi` (a constant where it is inlined): items may have several tokens;
+ * end, where the later tokens' keys lie, and at its start with a window). Blocks lie at
+ * multiples of BLOCK keys, whatever the item, the keys of a first partial block before
+ * its first token's window neither read nor weighted: a token's result is bitwise that
+ * of the token alone (a decode row). `multi` (a constant where it is inlined): items may
+ * have several tokens;
  * 0 compiles the decode path without the checks those need (6% faster at 64 x 1k f32). */
 static inline __attribute__((always_inline)) void *blocked(Job *j, const int multi) {
   const int64_t H = j->H, D = j->D, K = j->K, G = H / K;
@@ -382,7 +386,7 @@ static inline __attribute__((always_inline)) void *blocked(Job *j, const int mul
   cursor_advance(j, &far, BLOCK);
   for (int64_t b = j->first; b < j->last; ++b) {
     const int64_t nq = multi ? item_tokens(j, b) : 1, len = clipped_len(j, b),
-                  start = item_start(j, b);
+                  start = item_start(j, b) / BLOCK * BLOCK;
     int64_t tl[MAX_ITEM], lo[MAX_ITEM]; /* token i's keys: [lo[i], tl[i]) */
     for (int64_t i = 0; i < nq; ++i) {
       tl[i] = token_len(j, b, i);
@@ -400,6 +404,8 @@ static inline __attribute__((always_inline)) void *blocked(Job *j, const int mul
       int64_t i0 = 0, i1 = nq;
       while (multi && i0 < nq && tl[i0] <= c0) ++i0;
       while (multi && i1 > i0 && lo[i1 - 1] >= c0 + n) --i1;
+      /* keys before t_first (the earliest window's start) are not read */
+      const int64_t t_first = lo[i0] > c0 ? lo[i0] - c0 : 0;
       /* Prefetching, in two steps (measured on a 2-core AMD EPYC, Zen 5).
        * 1. The block two ahead, at `far` (in a later sequence near the end of this one),
        *    goes to L2 during the first pass, a key and its value together: 48.5 -> 40 ms
@@ -417,7 +423,7 @@ static inline __attribute__((always_inline)) void *blocked(Job *j, const int mul
         for (int64_t k = 0; k < K; ++k) {
           if (t < n3) prefetch_rows(j, token_row(j, far.b, far.c + t) + 2 * k, 2, 1);
           if (t < n2) prefetch_rows(j, next[t] + 2 * k, 1, 0);
-          if (t >= n) {
+          if (t >= n || t < t_first) {
             for (int64_t i = i0; i < i1; ++i)
               for (int64_t h = i * H + k * G; h < i * H + (k + 1) * G; ++h)
                 part[h * BLOCK + t] = (vf){};
@@ -449,7 +455,7 @@ static inline __attribute__((always_inline)) void *blocked(Job *j, const int mul
       }
       for (int64_t i = i0; i < i1; ++i) { /* the block's scores and weights, per head */
         /* the block's keys in token i's range: lanes [t_lo, t_hi) */
-        const int64_t t_lo = multi && lo[i] > c0 ? lo[i] - c0 : 0,
+        const int64_t t_lo = lo[i] > c0 ? lo[i] - c0 : 0,
                       t_hi = multi && tl[i] - c0 < n ? tl[i] - c0 : n;
         vi lane;
         for (int t = 0; t < LANES; ++t) lane[t] = t;
@@ -481,10 +487,10 @@ static inline __attribute__((always_inline)) void *blocked(Job *j, const int mul
         for (int64_t i = i0; i < i1; ++i)
           for (int64_t h0 = i * H + k * G; h0 < i * H + (k + 1) * G; h0 += 4) {
             switch (i * H + (k + 1) * G - h0) {
-              case 1: add_values(j, acc, w, row, n, k, h0, 1); break;
-              case 2: add_values(j, acc, w, row, n, k, h0, 2); break;
-              case 3: add_values(j, acc, w, row, n, k, h0, 3); break;
-              default: add_values(j, acc, w, row, n, k, h0, 4); break;
+              case 1: add_values(j, acc, w, row, t_first, n, k, h0, 1); break;
+              case 2: add_values(j, acc, w, row, t_first, n, k, h0, 2); break;
+              case 3: add_values(j, acc, w, row, t_first, n, k, h0, 3); break;
+              default: add_values(j, acc, w, row, t_first, n, k, h0, 4); break;
             }
           }
       }
