@@ -3,10 +3,10 @@
 Backends: ``"xla"`` (plain jnp, every platform), ``"pallas_tpu"`` and ``"pallas_gpu"``
 (``pallas_kernels/``, imported lazily so the core never needs them), and ``"cpu"`` (C
 decode and ragged kernels XLA calls through its FFI, ``pallas_kernels/cpu``, built on
-first use by the system's C compiler; quantized pools and batch-invariant steps stay on
-XLA). ``"auto"`` takes the first implemented and enabled backend in the platform's order
-of preference (TPU: pallas_tpu; NVIDIA GPU: pallas_gpu; CPU: cpu when it builds, else
-XLA); the environment variable ``PAGED_JAX_BACKEND`` overrides it.
+first use by the system's C compiler; quantized pools stay on XLA). ``"auto"`` takes the
+first implemented and enabled backend in the platform's order of preference (TPU:
+pallas_tpu; NVIDIA GPU: pallas_gpu; CPU: cpu when it builds, else XLA); the environment
+variable ``PAGED_JAX_BACKEND`` overrides it.
 """
 
 from __future__ import annotations
@@ -118,13 +118,15 @@ def _resolve(backend: str, kind: str) -> Callable | None:
 
 def _cpu_or_none(impl, q, kv_pages, k_scale, v_scale, batch_invariant) -> Callable | None:
     """``impl``, or None (XLA) where a CPU kernel cannot take the call: the C kernels read
-    f32/bf16 queries and pools without scales, and a batch-invariant step stays on XLA's
-    fixed-block path so that every step of such a run computes the same way."""
+    f32/bf16 queries and pools without scales. They are batch invariant as they are
+    (each token computed alone, its ragged row bitwise its decode row), so
+    ``batch_invariant`` steps take them too."""
+    del batch_invariant
     if impl is None or backend_of(impl) != "cpu":
         return impl
     plain = k_scale is None and v_scale is None
     floats = {q.dtype, kv_pages.dtype} <= {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
-    return impl if plain and floats and not batch_invariant else None
+    return impl if plain and floats else None
 
 
 def ragged_paged_attention(
@@ -165,7 +167,7 @@ def ragged_paged_attention(
       k_scale, v_scale: dequantization of int8/fp8 pages: a float, or per-token
         ``f32[N, P, K]`` scales (``PagedKVCache.layer`` returns them).
       backend: ``"auto" | "xla" | "pallas_tpu" | "pallas_gpu" | "cpu"`` (``"cpu"``: the C
-        kernel for f32/bf16 pools, XLA for quantized pools and batch-invariant steps).
+        kernels for f32/bf16 pools, XLA for quantized pools).
       interpret: run Pallas kernels in interpret mode (CPU testing); ignored by ``"xla"``.
       batch_invariant: each token's output is bitwise independent of the other tokens and
         sequences of the call: KV block sizes and order are fixed, never chosen from T, S

@@ -320,9 +320,8 @@ def test_auto_picks_it_for_decode_and_ragged_steps(monkeypatch):
     case = make_case(5, [(3, 9), (1, 3)], pad_seqs=0, pad_tokens=0)
     rargs = (case.q, case.kv_pages, case.kv_lens, case.page_indices, case.cu_q_lens, case.num_seqs)
     pj.ragged_paged_attention(*rargs, sm_scale=0.25)
-    assert len(ragged_calls) == 1
-    out = pj.ragged_paged_attention(*rargs, sm_scale=0.25, batch_invariant=True)
-    assert len(ragged_calls) == 1 and np.isfinite(np.asarray(out)).all()
+    pj.ragged_paged_attention(*rargs, sm_scale=0.25, batch_invariant=True)  # invariant as is
+    assert len(ragged_calls) == 2
 
     calls = []
 
@@ -336,15 +335,17 @@ def test_auto_picks_it_for_decode_and_ragged_steps(monkeypatch):
     args = (case.q, case.kv_pages, case.kv_lens, case.page_indices)
     pj.paged_attention(*args, sm_scale=0.25, backend="cpu")
     assert len(calls) == 1
-    # Batch-invariant steps and other dtypes stay on XLA (no call, a finite result).
-    out = pj.paged_attention(*args, sm_scale=0.25, backend="cpu", batch_invariant=True)
+    pj.paged_attention(*args, sm_scale=0.25, backend="cpu", batch_invariant=True)
+    assert len(calls) == 2
+    # Other dtypes and quantized pools stay on XLA (no call, a finite result).
     half = tuple(a.astype(jnp.float16) if a.dtype == jnp.float32 else a for a in args)
     out16 = pj.paged_attention(*half, sm_scale=0.25, backend="cpu")
-    assert len(calls) == 1
-    assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(out16)).all()
+    scaled = pj.paged_attention(*args, sm_scale=0.25, backend="cpu", k_scale=1.0, v_scale=1.0)
+    assert len(calls) == 2
+    assert np.isfinite(np.asarray(out16)).all() and np.isfinite(np.asarray(scaled)).all()
     # f32 queries on a bf16 pool: the kernel reads each dtype as it is.
     pj.paged_attention(args[0], args[1].astype(jnp.bfloat16), *args[2:], sm_scale=0.25)
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 @needs_cc

@@ -12,8 +12,8 @@ compiler, or a failed build, leaves ``available()`` False and "auto" on the XLA 
 
 * ``decode_paged_attention``, ``ragged_paged_attention``: the signatures of
   ``paged_jax.paged_attention`` and ``paged_jax.ragged_paged_attention``; f32 or bf16
-  queries and pools, sliding windows, soft caps. Not for quantized pools (scales) or
-  batch-invariant steps: ``paged_jax.attention`` sends those to XLA.
+  queries and pools, sliding windows, soft caps. Not for quantized pools (scales):
+  ``paged_jax.attention`` sends those to XLA. Batch invariant as they are.
 * ``pack_weight``, ``unpack_weight``, ``linear``, ``panel_width``: matrix products
   against weights packed once in column panels (``linear.c``; ``paged_jax.linear``).
 * ``greedy_rows``: each row's argmax and log-sum-exp (``sample.c``), for greedy steps.
