@@ -15,15 +15,16 @@ each batch x context. Measured in one run on one device:
 * JAX's Pallas GPU ``paged_attention`` with its default knobs (GPU only; given K and V in
   its own ``[Hkv, N, P, D]`` layout, built outside the timed call), and the ``"xla"``
   backend;
-* ragged prefill (GPU): causal prefill chunks on the same head shapes, TFLOP/s against
-  the measured matrix-product rate and the chip's bf16 peak.
+* ragged prefill: causal prefill chunks on the same head shapes, TFLOP/s against the
+  measured matrix-product rate and the chip's bf16 peak (GPU); on a CPU, smaller chunks
+  (``PREFILL_CASES_CPU``) through the CPU ragged kernel and the XLA backend.
 
 Achieved bandwidth = K and V bytes that must be read (B * context * 2 * Hkv * D * 2) / time.
 Each figure is min / median / max over ``--repeats`` samples; a sample enqueues enough
 back-to-back calls to last ~2 ms and divides (dispatch is asynchronous), so small cases
 show per-call cost including launch, and cases under ~50 MB of K/V may sit in L2.
-On a machine without an accelerator the XLA backend and the CPU decode kernel
-(``paged_jax.kernels.cpu``, where it builds) run, at reduced sizes, and the results say so:
+On a machine without an accelerator the XLA backend and the CPU kernels
+(``paged_jax.kernels.cpu``, where they build) run, at reduced sizes, and the results say so:
 interpret-mode kernels are never timed (their times say nothing about speed).
 Goals (GPU issue): >= 85% of copy bandwidth at batch 64 x 4k and above, >= 2x JAX's op,
 paging overhead <= 10%.
@@ -59,6 +60,9 @@ PEAKS = {
 # Ragged prefill cases: (sequences, new tokens each, kv length each); the chunk is the last
 # q_len tokens of the sequence (cached pages before it), causal within it.
 PREFILL_CASES = [(1, 4096, 4096), (8, 2048, 2048), (32, 512, 512), (16, 512, 8192)]
+# On a CPU: one 2048-token prompt, four 512-token ones, and 32 short chunks after cached
+# pages (what a step of the engine computes for repeated prompts).
+PREFILL_CASES_CPU = [(1, 2048, 2048), (4, 512, 512), (32, 16, 112)]
 
 
 def _stats(samples: list[float]) -> dict:
@@ -173,7 +177,7 @@ def decode_kernels(platform: str) -> dict:
     if platform == "cpu":
         from paged_jax.kernels import cpu
 
-        if cpu.available():  # decode only: ragged steps on CPU run on XLA
+        if cpu.available():  # the ragged kernel: the prefill table
             out["cpu decode"] = functools.partial(pj.paged_attention, backend="cpu", sm_scale=scale)
     if mine:
         out[f"{mine} decode"] = functools.partial(pj.paged_attention, backend=mine, sm_scale=scale)
@@ -297,17 +301,27 @@ def prefill_flops(seqs: int, q_len: int, kv_len: int) -> int:
     return 4 * seqs * pairs * HQ * D
 
 
+def prefill_cases(platform: str) -> list[tuple[int, int, int]]:
+    return PREFILL_CASES_CPU if platform == "cpu" else PREFILL_CASES
+
+
 def run_prefill(args, platform, mm_rate, peaks, tuned) -> list[dict]:
     import paged_jax as pj
+    from paged_jax.kernels import cpu
     from paged_jax.kernels.gpu import ragged_paged_attention as gpu_ragged
 
     rows = []
-    backends = {
-        "pallas_gpu ragged": functools.partial(gpu_ragged, sm_scale=D**-0.5),
-        "xla": functools.partial(pj.ragged_paged_attention, backend="xla", sm_scale=D**-0.5),
-    }
-    with progress(len(PREFILL_CASES), "prefill") as bar:
-        for s, ql, kl in PREFILL_CASES:
+    backends = {}
+    if platform == "gpu":
+        backends["pallas_gpu ragged"] = functools.partial(gpu_ragged, sm_scale=D**-0.5)
+    if platform == "cpu" and cpu.available():
+        backends["cpu ragged"] = functools.partial(
+            pj.ragged_paged_attention, backend="cpu", sm_scale=D**-0.5
+        )
+    backends["xla"] = functools.partial(pj.ragged_paged_attention, backend="xla", sm_scale=D**-0.5)
+    cases = prefill_cases(platform)
+    with progress(len(cases), "prefill") as bar:
+        for s, ql, kl in cases:
             q, kv, lens, paged, _, cu, num = make_inputs(s, kl, ql)
             inputs = (q, kv, lens, paged, cu, num)
             flops = prefill_flops(s, ql, kl)
@@ -324,7 +338,8 @@ def run_prefill(args, platform, mm_rate, peaks, tuned) -> list[dict]:
                     rows.append(dict(seqs=s, q_len=ql, kv_len=kl, kernel=name, error=str(e)[:300]))
                     continue
                 row["tflops"] = flops / (row["ms"] / 1e3) / 1e12
-                row["frac_measured_matmul"] = row["tflops"] * 1e12 / mm_rate
+                if mm_rate:
+                    row["frac_measured_matmul"] = row["tflops"] * 1e12 / mm_rate
                 if peaks:
                     row["frac_peak_bf16"] = row["tflops"] * 1e12 / peaks[1]
                 rows.append(row)
@@ -407,7 +422,7 @@ def main(argv=None) -> int:
                     batches=args.batches,
                     contexts=args.contexts,
                     repeats=args.repeats,
-                    prefill_cases=None if not prefill else PREFILL_CASES,
+                    prefill_cases=None if not prefill else prefill_cases(platform),
                 ),
                 "results": rows,
                 "prefill": prefill,
@@ -417,14 +432,14 @@ def main(argv=None) -> int:
 
     rows = run_decode(args, platform, bw, peaks, tuned)
     save(rows, [])  # the decode table survives a prefill run cut short
-    prefill = [] if (on_cpu or args.no_prefill) else run_prefill(args, platform, mm, peaks, tuned)
+    prefill = [] if args.no_prefill else run_prefill(args, platform, mm, peaks, tuned)
     print(
         f"device: {env['device_kind']} ({platform}); copy bandwidth {bw / 1e9:.1f} GB/s"
         + (f"; bf16 matmul {mm / 1e12:.0f} TFLOP/s" if mm else "")
     )
     if on_cpu:
         print(
-            "no accelerator: the XLA backend and the CPU decode kernel are timed; Pallas "
+            "no accelerator: the XLA backend and the CPU kernels are timed; Pallas "
             "kernels run in interpret mode in the tests, and interpret-mode times are not speed"
         )
     cols = [

@@ -48,6 +48,29 @@ def test_kernel_tuning_sweep_refuses_to_run_without_a_gpu():
     assert err.value.code == 2
 
 
+def test_kernel_benchmark_times_prefill_on_cpu(tmp_path, monkeypatch):
+    # On CPU the prefill table times the CPU ragged kernel (where it builds) and XLA, on
+    # PREFILL_CASES_CPU (here one tiny case; timings meaningless).
+    import json
+
+    import jax
+
+    from benchmarks import bench_kernels
+    from benchmarks.common import OUT_ENV
+    from paged_jax.kernels import cpu
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU prefill table")
+    monkeypatch.setenv(OUT_ENV, str(tmp_path))
+    monkeypatch.setattr(bench_kernels, "PREFILL_CASES_CPU", [(2, 16, 48)])
+    assert bench_kernels.main("--batches 1 --contexts 16 --repeats 1".split()) == 0
+    out = json.loads((tmp_path / "kernels_cpu.json").read_text())
+    names = [r["kernel"] for r in out["prefill"]]
+    assert names == (["cpu ragged", "xla"] if cpu.available() else ["xla"])
+    assert all(r["tflops"] > 0 and "error" not in r for r in out["prefill"])
+    assert out["parameters"]["prefill_cases"] == [[2, 16, 48]]
+
+
 def test_engine_benchmark_runs_a_tiny_shape_and_writes_where_told(tmp_path, monkeypatch):
     # The GPU engine benchmark end to end on CPU with a tiny shape (timings meaningless):
     # every request generates exactly output_len tokens, the step split is filled in, and
