@@ -116,12 +116,11 @@ def _resolve(backend: str, kind: str) -> Callable | None:
     return impl
 
 
-def _cpu_or_none(impl, q, kv_pages, k_scale, v_scale, batch_invariant) -> Callable | None:
+def _cpu_or_none(impl, q, kv_pages, k_scale, v_scale) -> Callable | None:
     """``impl``, or None (XLA) where a CPU kernel cannot take the call: the C kernels read
     f32/bf16 queries and pools without scales. They are batch invariant as they are
     (each token computed alone, its ragged row bitwise its decode row), so
     ``batch_invariant`` steps take them too."""
-    del batch_invariant
     if impl is None or backend_of(impl) != "cpu":
         return impl
     plain = k_scale is None and v_scale is None
@@ -191,7 +190,7 @@ def ragged_paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    impl = _cpu_or_none(_resolve(backend, "ragged"), q, kv_pages, k_scale, v_scale, batch_invariant)
+    impl = _cpu_or_none(_resolve(backend, "ragged"), q, kv_pages, k_scale, v_scale)
     kwargs = dict(
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
@@ -248,7 +247,7 @@ def paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    impl = _cpu_or_none(_resolve(backend, "decode"), q, kv_pages, k_scale, v_scale, batch_invariant)
+    impl = _cpu_or_none(_resolve(backend, "decode"), q, kv_pages, k_scale, v_scale)
     kwargs = dict(
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,

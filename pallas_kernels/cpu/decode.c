@@ -207,12 +207,6 @@ static inline void prefetch_rows(const Job *j, int64_t row, int64_t count, int l
   }
 }
 
-/* The first key item b attends to: its first token's window start (run_blocked reads from
- * the multiple of BLOCK at or before it). */
-static inline int64_t item_start(const Job *j, int64_t b) {
-  return first_token(j, token_len(j, b, 0));
-}
-
 /* Item b's starting state, per head of its tokens (token i's head h at i * H + h): q
  * scaled to f32 in qf [nq * H, D], acc zero, the running max -inf and sum 0. */
 static void start_row(const Job *j, int64_t b, float *qf, float *acc, float *mx, float *sum,
@@ -293,6 +287,12 @@ static void *run_rows(void *arg) {
 }
 
 #if HAVE_BLOCKED
+/* The first key of item b's first block: its first token's window start, rounded down to
+ * a multiple of BLOCK (blocks lie at the same keys for every token). */
+static inline int64_t item_start(const Job *j, int64_t b) {
+  return first_token(j, token_len(j, b, 0)) / BLOCK * BLOCK;
+}
+
 /* The weighted values of KV head k for query heads [h0, h0 + ng), of the block's tokens
  * [t0, n): the running sums of up to four heads stay in registers while the block's value
  * rows (in cache since the first pass) are added in, LANES at a time. */
@@ -386,7 +386,7 @@ static inline __attribute__((always_inline)) void *blocked(Job *j, const int mul
   cursor_advance(j, &far, BLOCK);
   for (int64_t b = j->first; b < j->last; ++b) {
     const int64_t nq = multi ? item_tokens(j, b) : 1, len = clipped_len(j, b),
-                  start = item_start(j, b) / BLOCK * BLOCK;
+                  start = item_start(j, b);
     int64_t tl[MAX_ITEM], lo[MAX_ITEM]; /* token i's keys: [lo[i], tl[i]) */
     for (int64_t i = 0; i < nq; ++i) {
       tl[i] = token_len(j, b, i);
@@ -517,6 +517,10 @@ static void *run_blocked_items(void *arg) { return blocked((Job *)arg, 1); }
 
 #endif
 
+static int is_i32_vector(const XLA_FFI_Buffer *x, int64_t n) {
+  return x->rank == 1 && x->dtype == XLA_FFI_DataType_S32 && x->dims[0] == n;
+}
+
 static int is_float(const XLA_FFI_Buffer *x) {
   return x->dtype == XLA_FFI_DataType_F32 || x->dtype == XLA_FFI_DataType_BF16;
 }
@@ -596,8 +600,7 @@ XLA_FFI_Error *PagedJaxDecodeAttention(XLA_FFI_CallFrame *frame) {
                                     frame->rets.rets[0], &base);
   if (why) return fail(frame, why);
   const int64_t B = q->dims[0];
-  if (lens->rank != 1 || lens->dtype != XLA_FFI_DataType_S32 || lens->dims[0] != B ||
-      tables->dims[0] != B)
+  if (!is_i32_vector(lens, B) || tables->dims[0] != B)
     return fail(frame, "paged_jax decode: expected kv_lens i32[B] and tables[B, M]");
   base.lens = (const int32_t *)lens->data;
   return run_split(frame, &base, B, (int64_t)((const float *)params->data)[3],
@@ -632,9 +635,7 @@ XLA_FFI_Error *PagedJaxRaggedAttention(XLA_FFI_CallFrame *frame) {
                                     frame->rets.rets[0], &base);
   if (why) return fail(frame, why);
   const int64_t T = q->dims[0], S = tables->dims[0];
-  if (lens->rank != 1 || lens->dtype != XLA_FFI_DataType_S32 || lens->dims[0] != S ||
-      cu->rank != 1 || cu->dtype != XLA_FFI_DataType_S32 || cu->dims[0] != S + 1 ||
-      num->rank != 1 || num->dtype != XLA_FFI_DataType_S32 || num->dims[0] != 1)
+  if (!is_i32_vector(lens, S) || !is_i32_vector(cu, S + 1) || !is_i32_vector(num, 1))
     return fail(frame, "paged_jax ragged: expected kv_lens i32[S], cu_q_lens i32[S + 1] and "
                        "num_seqs i32[1] with tables[S, M]");
 #if HAVE_BLOCKED
