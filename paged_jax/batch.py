@@ -62,6 +62,7 @@ def build_batch(
     min_pages: int = 4,
     min_copies: int = 8,
     take_copies: bool = True,
+    table_tokens: Sequence[int] | None = None,
 ) -> StepBatch:
     """Builds the step's arrays from the manager's block tables and token ids.
 
@@ -70,7 +71,9 @@ def build_batch(
     min_pages)``, ``C_b = bucket(pending copies, min_copies)``. With ``take_copies`` the
     manager's pending copy-on-write copies are taken (and cleared) into the batch.
     A ``HybridBlockManager`` gives ``page_indices`` ``[G, S_b, M_b]`` and ``slot_mapping``
-    ``[G, T_b]``, one of each per layer group.
+    ``[G, T_b]``, one of each per layer group. ``table_tokens``: tokens each row's block
+    table covers (default, and at least, its ``stop``); more for a launch that decodes
+    several tokens of each row (the engine's multi-step decoding, ``decode_loop``).
     """
     P = manager.page_size
     G = getattr(manager, "num_groups", None)  # None: a plain BlockManager
@@ -89,11 +92,25 @@ def build_batch(
                 f"scheduled[{i}]: expected 0 <= start < stop <= num_tokens={n} for seq_id "
                 f"{scheduled[i].seq_id!r}, got start={a}, stop={b}"
             )
+    reach = stops
+    if table_tokens is not None:
+        if len(table_tokens) != num_seqs:
+            raise ValueError(
+                f"table_tokens: expected one per scheduled sequence ({num_seqs}), got "
+                f"{len(table_tokens)}"
+            )
+        reach = [max(b, int(r)) for b, r in zip(stops, table_tokens, strict=True)]
+        for i, (r, n) in enumerate(zip(reach, lens, strict=True)):
+            if r > n:
+                raise ValueError(
+                    f"table_tokens[{i}]: expected <= num_tokens={n} for seq_id "
+                    f"{scheduled[i].seq_id!r}, got {r}"
+                )
     q_lens = np.subtract(stops, starts, dtype=np.int64) if num_seqs else np.zeros(0, np.int64)
     num_tokens = int(q_lens.sum())
     T_b = bucket(num_tokens, min_tokens)
     S_b = bucket(num_seqs, min_seqs)
-    M_b = bucket(-(-max(stops) // P) if num_seqs else 1, min_pages)
+    M_b = bucket(-(-max(reach) // P) if num_seqs else 1, min_pages)
 
     grouped = () if G is None else (G,)
     page_indices = np.zeros((*grouped, S_b, M_b), np.int32)
@@ -110,11 +127,11 @@ def build_batch(
 
     if G is None and num_tokens == num_seqs:  # decode only: one token a row, no per-row arrays
         toks, slots, tables, used = [], [], [], []
-        for seq, pos, stop in zip(seqs, starts, stops, strict=True):
+        for seq, pos, cover in zip(seqs, starts, reach, strict=True):
             pages = seq.pages
             toks.append(seq.tokens.buf[pos])
             slots.append(pages[pos // P] * P + pos % P)
-            k = -(-stop // P)
+            k = -(-cover // P)
             used.append(k)
             table = seq.pages_np()
             tables.append(table if k == len(table) else table[:k])
@@ -134,7 +151,7 @@ def build_batch(
             else:
                 pages = manager.pages_np(s.seq_id)  # [G, pages]
                 buf = manager.token_buffer(s.seq_id)
-            used = -(-s.stop // P)
+            used = -(-reach[i] // P)
             page_indices[..., i, :used] = pages[..., :used]
             a, b = int(cu[i]), int(cu[i + 1])
             pos = np.arange(s.start, s.stop, dtype=np.int32)

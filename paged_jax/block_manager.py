@@ -608,6 +608,73 @@ class BlockManager:
                 self._grow(seq, np.array([token], np.int32))
         return True
 
+    def reserve_tokens(self, seq_ids: Sequence[Hashable], counts: Sequence[int]) -> bool:
+        """Appends ``counts[i]`` placeholder tokens (-1) to sequence ``seq_ids[i]``, all of
+        them or none: returns False, changing nothing, when the pages they need together
+        are not free.
+
+        For tokens the device will sample within the step that follows (the engine's
+        multi-step decoding computes several tokens of a sequence in one launch): set
+        their values with ``set_tokens`` before they are marked computed, which is when
+        their pages enter the prefix cache.
+        """
+        if len(seq_ids) != len(counts):
+            raise ValueError(
+                f"counts: expected one per sequence ({len(seq_ids)}), got {len(counts)}"
+            )
+        table, P, refcount = self._seqs, self.page_size, self._refcount
+        seqs, need = [], 0
+        for seq_id, k in zip(seq_ids, counts, strict=True):
+            if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+                raise ValueError(f"counts: expected ints >= 0, got {k!r} for {seq_id!r}")
+            seq = table.get(seq_id)
+            if seq is None or seq.swapped:
+                seq = self._device_seq(seq_id, "reserve_tokens")  # raises the typed error
+            seqs.append(seq)
+            n = seq.tokens.n
+            if k and (-(-(n + k) // P) > len(seq.pages) or (n % P and refcount[seq.pages[-1]] > 1)):
+                need += self._pages_for_append(seq, int(k))
+        if need > self.num_free_pages:
+            return False
+        for seq, k in zip(seqs, counts, strict=True):
+            if not k:
+                continue
+            self._first_append(seq)
+            toks, pages = seq.tokens, seq.pages
+            n = toks.n
+            m = n + k
+            if m <= len(toks.buf) and (not n % P or refcount[pages[-1]] == 1):
+                toks.buf[n:m] = -1  # no copy-on-write: the buffer in place, pages as needed
+                toks.n = m
+                new = -(-m // P) - len(pages)
+                if new > 0:
+                    for _ in range(new):
+                        pages.append(self._take_page())
+                    seq.pages_changed()
+            else:
+                self._grow(seq, np.full(int(k), -1, np.int32))
+        return True
+
+    def fill_reserved(
+        self, seq_ids: Sequence[Hashable], starts: Sequence[int], tokens: Sequence[np.ndarray]
+    ) -> None:
+        """For each sequence: ``set_tokens(seq_ids[i], starts[i], tokens[i])``, then every
+        token up to them marked computed (``mark_computed(seq_ids[i], starts[i] +
+        len(tokens[i]))``): a multi-step launch's reserved tokens, once it returned."""
+        table = self._seqs
+        for seq_id, start, toks in zip(seq_ids, starts, tokens, strict=True):
+            seq = table.get(seq_id)
+            if seq is None or seq.swapped:
+                seq = self._device_seq(seq_id, "fill_reserved")  # raises the typed error
+            stop = start + len(toks)
+            if not seq.num_computed <= start <= stop <= seq.tokens.n:
+                raise ValueError(
+                    f"starts: expected tokens not yet computed, within [{seq.num_computed}, "
+                    f"{seq.tokens.n}) for {seq_id!r}, got [{start}, {stop})"
+                )
+            seq.tokens.buf[start:stop] = toks
+            self._mark_computed(seq, stop)
+
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
         """Declares the K/V of the sequence's first ``num_tokens`` tokens written.
 

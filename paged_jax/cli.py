@@ -193,6 +193,13 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="complete each step before scheduling the next (default: the next step is "
         "scheduled while the device runs the current one)",
     )
+    parser.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=1,
+        help="decode steps per launch while every running sequence decodes and none waits "
+        "(multi-step decoding: less host work per token, for throughput on CPU)",
+    )
 
 
 def _parallel_flags(parser: argparse.ArgumentParser, *, processes: bool) -> None:
@@ -320,6 +327,7 @@ _FLAGS = {
     "num_pages": "--num-pages",
     "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens",
+    "num_scheduler_steps": "--num-scheduler-steps",
     "tensor_parallel_size": "--tensor-parallel-size",
     "data_parallel_size": "--data-parallel-size",
     "data_parallel_size x tensor_parallel_size": "--data-parallel-size x --tensor-parallel-size",
@@ -376,6 +384,7 @@ def _generate(args) -> int:
             enable_prefix_caching=not args.no_prefix_caching,
             preemption=args.preemption,
             async_scheduling=not args.no_async_scheduling,
+            num_scheduler_steps=args.num_scheduler_steps,
             compilation_cache=(
                 False if args.compilation_cache == "off" else args.compilation_cache
             ),
@@ -526,6 +535,7 @@ def _serve(args) -> int:
             preemption=args.preemption,
             enable_prefix_caching=not args.no_prefix_caching,
             async_scheduling=not args.no_async_scheduling,
+            num_scheduler_steps=args.num_scheduler_steps,
             compilation_cache=False if args.compilation_cache == "off" else args.compilation_cache,
             mesh=mesh,
         )

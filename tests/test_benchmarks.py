@@ -314,3 +314,23 @@ def test_hybrid_memory_counted_by_hand():
     assert r["hybrid_decoding"] == (4 * 257 + 6 * 4 * 32) * slot
     # at admission every group holds the 4096-token prompt: 7 groups x 256 pages x 4
     assert r["hybrid_admission"] == 7 * 256 * 4 * slot
+
+
+def test_host_overhead_benchmark_runs_every_mode_and_writes_where_told(tmp_path, monkeypatch):
+    # Three modes on tiny-llama (timings meaningless): the same tokens in each (asserted
+    # inside), shares in [0, 1], a multi-step launch counted as its K device steps.
+    import json
+
+    from benchmarks import bench_host_overhead
+    from benchmarks.common import OUT_ENV
+
+    monkeypatch.setenv(OUT_ENV, str(tmp_path))
+    argv = ["--seqs", "8", "--steps", "9", "--repeats", "1", "--scheduler-steps", "4"]
+    assert bench_host_overhead.main(argv) == 0
+    data = json.loads((tmp_path / "host_overhead.json").read_text())
+    assert data["parameters"]["scheduler_steps"] == 4
+    (row,) = data["results"]
+    for key in ("plain_host_share", "overlapped_host_share", "multi_host_share"):
+        assert 0.0 <= row[key]["median"] <= 1.0
+    # 1 prompt step + 8 decode steps in both (two launches of 4 in the multi-step run)
+    assert row["steps_multi"] == row["steps_plain"] == 9

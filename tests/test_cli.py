@@ -111,6 +111,27 @@ def test_async_scheduling_flag_reaches_the_engine(monkeypatch, capsys, flag, exp
     )
 
 
+def test_num_scheduler_steps_flag_reaches_the_engine(monkeypatch, capsys):
+    from paged_jax import cli
+    from paged_jax.engine import llm as llm_mod
+
+    seen = []
+    real = llm_mod.LLM.__init__
+
+    def init(self, *a, **kw):
+        seen.append(kw.get("num_scheduler_steps"))
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(llm_mod.LLM, "__init__", init)
+    argv = ["generate", "--prompt", "hi", "--max-tokens", "6", "--json", "--no-progress"]
+    assert cli.main([*argv, "--num-scheduler-steps", "4"]) == 0
+    assert seen == [4]
+    out = json.loads(capsys.readouterr().out)["outputs"][0]["completions"][0]
+    assert len(out["token_ids"]) == 6
+    assert cli.main([*argv, "--num-scheduler-steps", "0"]) == 2
+    assert "--num-scheduler-steps: expected an int >= 1, got 0" in capsys.readouterr().err
+
+
 def test_sampling_errors_name_the_flag():
     from paged_jax import cli
 

@@ -24,6 +24,7 @@ from paged_jax.batch import ScheduledSeq, bucket, build_batch, concat_batches
 from paged_jax.block_manager import BlockManager, HybridBlockManager, prefix_root_key
 from paged_jax.engine import compile_cache
 from paged_jax.engine._signals import DeferSignals
+from paged_jax.engine.multistep import decode_loop
 from paged_jax.engine.protocol import check_model
 from paged_jax.engine.sampling import Penalties, SamplingParams, beam_candidates, sample_rows
 from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status
@@ -101,6 +102,7 @@ class EngineMetrics:
     # steps (async_scheduling) mostly while the device runs the previous step.
     host_s: float = 0.0
     overlapped_steps: int = 0  # steps dispatched while the previous one still ran
+    multi_step_launches: int = 0  # launches of several decode steps (num_scheduler_steps)
     # Overlapped schedules that stopped where a decode needed a page none had: the step
     # after completes first, and its schedule preempts if pages are still short.
     overlap_stalls: int = 0
@@ -235,6 +237,15 @@ class LLM:
         scheduled. Outputs are the same either way; ``step()`` then returns the requests
         finished by the step launched in the call before. False: every step completes
         within its ``step()`` call.
+      num_scheduler_steps: decode steps per launch (multi-step decoding, default 1). With
+        ``K > 1``, a step whose every sequence decodes one token (no beams, penalties or
+        first token of ``n`` samples) while no request waits to be admitted runs ``K``
+        decode steps in one jitted call: the host schedules, builds and applies once per
+        ``K`` tokens of each sequence (``paged_jax.engine.multistep``). Outputs are those
+        of single steps; a sequence that stops early (a stop token or string) has
+        computed up to ``K - 1`` more tokens, which are dropped. For throughput where
+        host and device share cores (CPU); a request arriving meanwhile waits for the
+        launch to end (up to ``K`` steps) before its prompt runs.
 
     Several processes (``jax.distributed.initialize``, one mesh over all their devices)
     each run this same engine on the same requests in the same order: the scheduler is
@@ -284,6 +295,7 @@ class LLM:
         mesh: Any = None,
         hybrid_kv_cache: bool | None = None,
         async_scheduling: bool = True,
+        num_scheduler_steps: int = 1,
     ):
         self.compilation_cache_dir = compile_cache.enable(compilation_cache)
         self.mesh = _resolve_mesh(tensor_parallel_size, data_parallel_size, mesh)
@@ -306,6 +318,15 @@ class LLM:
         if not isinstance(async_scheduling, bool):
             raise TypeError(f"async_scheduling: expected a bool, got {async_scheduling!r}")
         self.async_scheduling = async_scheduling
+        if (
+            isinstance(num_scheduler_steps, bool)
+            or not isinstance(num_scheduler_steps, int)
+            or num_scheduler_steps < 1
+        ):
+            raise ValueError(
+                f"num_scheduler_steps: expected an int >= 1, got {num_scheduler_steps!r}"
+            )
+        self.num_scheduler_steps = num_scheduler_steps
         if preemption not in ("recompute", "swap"):
             raise ValueError(f"preemption: expected 'recompute' or 'swap', got {preemption!r}")
         for name, v in (
@@ -667,6 +688,7 @@ class LLM:
             nxt = self._launch(None)
         if nxt is not None:
             self.metrics.overlap_stalls += nxt.stalled
+            self.metrics.multi_step_launches += nxt.steps is not None
             self.metrics.overlapped_steps += prev is not None
             if self._may_overlap(nxt):
                 self._inflight = nxt
@@ -681,7 +703,7 @@ class LLM:
             cleared = self._suspects.pop(0)
             cleared.strikes = 0
             self._cleared.add(cleared.arrival)
-        self._account(time.perf_counter() - t0, completed=len(done))
+        self._account(time.perf_counter() - t0, completed=sum(f.iterations for f in done))
         return finished
 
     def _launch(self, prev: _Launched | None) -> _Launched | None:
@@ -699,6 +721,8 @@ class LLM:
         self._swap(scheds)
         if not work:
             return None
+        steps = self._multi_steps(scheds, prev)  # None: one step
+        K = 1 if steps is None else self.num_scheduler_steps
         batches, pending = [], 0
         for sc, sched in zip(self.schedulers, scheds, strict=True):
             b = build_batch(
@@ -706,6 +730,9 @@ class LLM:
                 [ScheduledSeq(w.seq.seq_id, w.start, w.stop) for w in sched.work],
                 min_tokens=MIN_STEP_TOKENS,
                 min_seqs=self._min_seqs(sum(w.stop - w.start for w in sched.work)),
+                table_tokens=None
+                if steps is None
+                else [w.stop + k - 1 for w, k in zip(sched.work, steps, strict=True)],
             )
             if prev is not None:  # placeholders: filled on the device (0 until then)
                 mask = b.token_ids == _PENDING
@@ -748,11 +775,12 @@ class LLM:
             else:
                 for i, (_, seed_row, _) in rows.items():
                     seeds[i, : len(seed_row)] = seed_row
-        shape = (batch.token_ids.shape[0], S_b, batch.page_indices.shape[-1], num_cand)
+        shape = (batch.token_ids.shape[0], S_b, batch.page_indices.shape[-1], num_cand, K)
         if self._announce is not None and shape not in self._shapes_seen:
             self._announce(
                 f"{shape[0]} tokens x {S_b} sequences x {shape[2]} pages (once per shape)"
                 + (f", {len(batches)} replicas" if len(batches) > 1 else "")
+                + (f", {K} steps a launch" if K > 1 else "")
             )
         self._shapes_seen.add(shape)
         compiled_before = self._run._cache_size()
@@ -776,7 +804,9 @@ class LLM:
                 seeds,
                 out_pos,
                 self._penalties(placed, rows, S_b),
+                None if steps is None else np.pad(np.array(steps, np.int32), (0, S_b - len(steps))),
                 num_candidates=num_cand,
+                num_steps=K,
                 # No row samples: an argmax is all (deterministic mode: one path for
                 # every row, so a greedy row's log-prob is the same in any batch).
                 greedy_only=not (temp > 0).any() and not self.deterministic,
@@ -786,16 +816,56 @@ class LLM:
         if compiled:
             self.metrics.compile_s += dispatch_s
             self.metrics.compilations += 1
-            self._compiled(batch, num_cand, dispatch_s)
+            self._compiled(batch, num_cand, dispatch_s, K)
         return _Launched(
             work=work,
             placed=placed,
             groups=self._step_groups,
-            num_tokens=batch.num_tokens,
+            num_tokens=batch.num_tokens if steps is None else sum(steps),
             outputs=(toks, lps, cand_v, cand_i),
             dispatch_s=0.0 if compiled else dispatch_s,
             stalled=any(sched.stalled for sched in scheds),
+            steps=steps,
+            iterations=K,
         )
+
+    def _multi_step_ready(self) -> bool:
+        """Multi-step decoding is on and may run now: one replica, no hybrid pool, no
+        isolated suspect, no request waiting or swapped out."""
+        if self.num_scheduler_steps == 1 or len(self.schedulers) != 1 or self.hybrid_kv_cache:
+            return False
+        sc = self.schedulers[0]
+        return not (self._suspects or sc.waiting or sc.swapped)
+
+    def _multi_steps(self, scheds, prev: _Launched | None) -> list[int] | None:
+        """The steps each sequence of the schedule runs in a multi-step launch, its slots
+        reserved (``BlockManager.reserve_tokens``), or None for one step: multi-step
+        decoding is off, or the schedule overlaps a running step, swaps, preempts or
+        stalled, a request waits to be admitted, a suspect is isolated, there are
+        several replicas or a hybrid pool, a row is not a plain decode row, or the
+        reserved tokens' pages are not free. A row runs at most as many steps as it has
+        tokens left to sample (``Group.max_len``)."""
+        K = self.num_scheduler_steps
+        if prev is not None or not self._multi_step_ready():
+            return None
+        sched, sc = scheds[0], self.schedulers[0]
+        if sched.swap_in or sched.swap_out or sched.preempted or sched.stalled:
+            return None
+        steps = []
+        for w in sched.work:
+            g = w.group
+            p = g.params
+            if not w.sample or w.stop - w.start != 1 or w.stop != len(w.seq.tokens):
+                return None
+            if p.use_beam_search or p.penalized or (p.n > 1 and not g.forked):
+                return None
+            steps.append(min(K, g.max_len - w.stop))
+        if max(steps) <= 1:
+            return None
+        ids = [w.seq.seq_id for w in sched.work]
+        if not sc.bm.reserve_tokens(ids, [k - 1 for k in steps]):
+            return None
+        return steps
 
     def _tokens(self, batch, placed, prev: _Launched | None, pending: int):
         """The step's input tokens: the batch's (host), or on the device with each of its
@@ -840,8 +910,10 @@ class LLM:
         of a preemption (the next one makes it, from known tokens), and each sampling row
         only appends its token (no beam search, no first token of n samples to fork, no
         penalties, which count the tokens so far)."""
-        if not self.async_scheduling or self._suspects or f.stalled:
+        if not self.async_scheduling or self._suspects or f.stalled or f.steps is not None:
             return False
+        if self._multi_step_ready():
+            return False  # the next launch may decode several steps: it needs every token
         for w in f.work:
             if w.sample:
                 p = w.group.params
@@ -863,6 +935,8 @@ class LLM:
         t2 = time.perf_counter()
         self.metrics.step_s += f.dispatch_s + t2 - t1
         self.metrics.tokens_computed += f.num_tokens
+        if f.steps is not None:
+            return self._apply_steps(f, toks, lps, t2)
         live = [(i, w) for i, w in f.placed if w.seq.finish_reason is None]
         if not overlapped:  # (overlapped: _place marked them)
             for _, w in live:
@@ -892,7 +966,7 @@ class LLM:
         cap = bucket(self.schedulers[0].max_num_seqs, 8)
         return max(8, min(cap, bucket(num_tokens, 16) // 16))
 
-    def _compiled(self, batch, num_candidates: int, seconds: float) -> None:
+    def _compiled(self, batch, num_candidates: int, seconds: float, num_steps: int = 1) -> None:
         """Records (and logs at INFO) the shape bucket a step just compiled."""
         b = dict(
             tokens=int(batch.token_ids.shape[0]),
@@ -902,6 +976,8 @@ class LLM:
             beam_candidates=num_candidates,
             seconds=round(seconds, 2),
         )
+        if num_steps > 1:
+            b["steps"] = num_steps
         self.compiled_buckets.append(b)
         log.info("compiled a step bucket in %.1f s: %s", seconds, _describe(b))
 
@@ -926,7 +1002,8 @@ class LLM:
         persistent compilation cache on, a later process loads these instead.
 
         Returns the buckets compiled (dicts: ``tokens``, ``seqs``, ``pages_per_seq``,
-        ``copies``, ``beam_candidates``, ``seconds``); buckets compiled before are not
+        ``copies``, ``beam_candidates``, ``seconds``, and ``steps`` for a multi-step
+        launch's, see ``num_scheduler_steps``); buckets compiled before are not
         compiled again. The engine's metrics are reset afterwards, and the warm-up
         prompts do not stay in the prefix cache's way (their pages are ordinary LRU
         pages, evicted first when memory runs short).
@@ -1139,10 +1216,83 @@ class LLM:
         elif n - s.prompt_len >= p.max_tokens or n >= self.max_model_len:
             reason = "length"
         if reason:
-            s.finish_reason = reason
-            self._bm(g).free(s.seq_id)
-            g.seqs.remove(s)
-            g.done.append(s)
+            self._end(g, s, reason)
+
+    def _end(self, g: Group, s: Seq, reason: str) -> None:
+        s.finish_reason = reason
+        self._bm(g).free(s.seq_id)
+        g.seqs.remove(s)
+        g.done.append(s)
+
+    def _apply_steps(self, f: _Launched, toks, lps, now: float) -> list[RequestOutput]:
+        """Applies a multi-step launch (``toks``, ``lps``: ``[S_b, K]``): each row's
+        reserved tokens get their sampled values and count as computed, then its samples
+        are appended, up to the first that stops it (the rest are dropped)."""
+        live = [
+            (i, w, k)
+            for (i, w), k in zip(f.placed, f.steps, strict=True)
+            if w.seq.finish_reason is None
+        ]
+        self.schedulers[0].bm.fill_reserved(
+            [w.seq.seq_id for _, w, _ in live],
+            [w.stop for _, w, _ in live],
+            [toks[i, : k - 1] for i, _, k in live],
+        )
+        self._phase = "apply"
+        # Running sums of each row's log-probs from its sequence's, in float64 one at a
+        # time (as _append adds them): column c is the sum after c tokens.
+        at = [i for i, _, _ in live]
+        sums = np.zeros((toks.shape[0], toks.shape[1] + 1))
+        sums[at, 0] = [w.seq.cum_logprob for _, w, _ in live]
+        sums[:, 1:] = lps
+        sums = np.cumsum(sums, axis=1)
+        rows_t = toks.tolist()
+        finished = []
+        stop_ids: dict[int, set] = {}  # by params: the token ids that stop a sequence
+        # A group's rows are consecutive (the scheduler takes its sequences together):
+        # it is finished, if at all, after its last row.
+        for j, (i, w, k) in enumerate(live):
+            g, p = w.group, w.group.params
+            if g.first_token_time is None:
+                g.first_token_time = now
+            stops = stop_ids.get(id(p))
+            if stops is None:
+                stops = stop_ids[id(p)] = set(p.stop_token_ids) | (
+                    set() if p.ignore_eos else self.eos_token_ids
+                )
+            self._extend(g, w.seq, rows_t[i][:k], lps[i], sums[i], stops)
+            if not g.seqs and (j + 1 == len(live) or live[j + 1][1].group is not g):
+                finished.append(self._finish(g))
+        return finished
+
+    def _extend(
+        self, g: Group, s: Seq, tokens: list, logprobs: np.ndarray, sums: np.ndarray, stops: set
+    ) -> None:
+        """``_append`` of several ``tokens``, up to the first that finishes ``s``.
+        ``logprobs``: ``f32[>= len(tokens)]`` theirs; ``sums[c]``: ``s.cum_logprob`` after
+        ``c`` of them; ``stops``: the token ids that finish ``s``."""
+        p = g.params
+        if p.stop:  # a stop string may end at any token: one at a time
+            for token, lp in zip(tokens, logprobs.tolist(), strict=False):
+                self._append(g, s, token, lp)
+                if s.finish_reason is not None:
+                    return
+            return
+        cut, reason = len(tokens), None
+        if stops and not stops.isdisjoint(tokens):
+            cut = next(j for j, token in enumerate(tokens) if token in stops) + 1
+            reason = "stop"
+            tokens = tokens[:cut]
+        s.tokens += tokens
+        s.cum_logprob = float(sums[cut])
+        if p.logprobs:
+            s.logprobs += logprobs[:cut].tolist()
+        self.metrics.tokens_generated += cut
+        n = len(s.tokens)
+        if reason is None and (n - s.prompt_len >= p.max_tokens or n >= self.max_model_len):
+            reason = "length"
+        if reason:
+            self._end(g, s, reason)
 
     def _cut_at_stop_string(self, s: Seq, p: SamplingParams) -> bool:
         """Whether ``s``'s text now contains one of ``p.stop``; if so ``s.stop_text`` is the
@@ -1709,6 +1859,7 @@ def _describe(bucket: dict) -> str:
         f"{bucket['tokens']} tokens, {bucket['seqs']} sequences, "
         f"{bucket['pages_per_seq']} pages per sequence, {bucket['copies']} page copies"
         + (f", {bucket['beam_candidates']} beam candidates" if bucket["beam_candidates"] else "")
+        + (f", {bucket['steps']} decode steps" if bucket.get("steps", 1) > 1 else "")
     )
 
 
@@ -1792,7 +1943,7 @@ def _make_run(graphdef, mesh, compiler_options: tuple | None = None):
     @functools.partial(
         jax.jit,
         donate_argnums=(3,),
-        static_argnames=("num_candidates", "greedy_only"),
+        static_argnames=("num_candidates", "greedy_only", "num_steps"),
         compiler_options=None if compiler_options is None else dict(compiler_options),
     )
     def run(
@@ -1808,9 +1959,11 @@ def _make_run(graphdef, mesh, compiler_options: tuple | None = None):
         seeds,
         out_pos,
         penalties,
+        steps=None,
         *,
         num_candidates,
         greedy_only,
+        num_steps=1,
     ):
         model = nnx.merge(graphdef, state)
         if mesh is not None and data_parallel_size_of(mesh) > 1:  # each replica its rows
@@ -1818,19 +1971,28 @@ def _make_run(graphdef, mesh, compiler_options: tuple | None = None):
             tokens = jax.lax.with_sharding_constraint(tokens, rows)
             positions = jax.lax.with_sharding_constraint(positions, rows)
         cache = per_replica(lambda c, s, d: c.copy_pages(s, d), cache, md.copy_src, md.copy_dst)
+
+        def sample(logits, pos):
+            return rowwise(
+                lambda *rows: sample_rows(*rows, greedy_only=greedy_only, cpu_kernel=cpu_kernel),
+                logits,
+                temp,
+                top_k,
+                top_p,
+                seeds,
+                pos,
+                min_p,
+                penalties,
+                invariant=md.batch_invariant,
+            )
+
+        if num_steps > 1:  # multi-step decoding: tokens [S, num_steps]
+            toks, lps, cache = decode_loop(
+                model, sample, tokens, positions, cache, md, steps, out_pos, num_steps
+            )
+            return replicated(toks), replicated(lps), None, None, cache
         logits, cache = model(tokens, positions, cache, md)
-        toks, lps = rowwise(
-            lambda *rows: sample_rows(*rows, greedy_only=greedy_only, cpu_kernel=cpu_kernel),
-            logits,
-            temp,
-            top_k,
-            top_p,
-            seeds,
-            out_pos,
-            min_p,
-            penalties,
-            invariant=md.batch_invariant,
-        )
+        toks, lps = sample(logits, out_pos)
         if num_candidates:
             cv, ci = beam_candidates(logits, num_candidates)
         else:
@@ -1854,6 +2016,10 @@ class _Launched:
     outputs: tuple  # (tokens i32[S_b, J], log-probs f32[S_b, J], candidates or None x 2)
     dispatch_s: float  # the dispatch call's time (0 when it compiled)
     stalled: bool  # its speculative schedule stopped short of a preemption
+    # Multi-step decoding: the steps each placed row runs (outputs then [S_b, K]); None:
+    # one step.
+    steps: list[int] | None = None
+    iterations: int = 1  # device steps the launch runs
     rows: dict = dataclasses.field(init=False)  # id(Seq) -> batch row of its sample
 
     def __post_init__(self):

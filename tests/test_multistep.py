@@ -1,0 +1,251 @@
+"""Multi-step decoding (``LLM(num_scheduler_steps=K)``): K decode steps of every running
+sequence in one jitted launch. Checked here: the same tokens, log-probs, finish reasons
+and texts as single steps for every kind of request (greedy, seeded, n samples, stop
+tokens and strings that end a sequence mid-launch, max_tokens that end it short of K);
+pages all returned; fallbacks to single steps; the block manager's reserve and fill."""
+
+import numpy as np
+import pytest
+
+import paged_jax as pj
+from paged_jax import models
+from paged_jax.batch import ScheduledSeq, build_batch
+from paged_jax.block_manager import BlockManager
+
+
+def _engine(K: int, **kw):
+    args = dict(num_pages=96, page_size=8, max_num_seqs=16, max_num_batched_tokens=128)
+    args.update(kw)
+    return pj.LLM(*models.load("tiny-llama"), num_scheduler_steps=K, **args)
+
+
+def _summary(outs):
+    return [
+        [
+            (c.token_ids, c.finish_reason, c.logprobs, c.cumulative_logprob, c.text)
+            for c in o.outputs
+        ]
+        for o in outs
+    ]
+
+
+def _prompts():
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, 256, 19).tolist()  # a prefix-cache hit for the second
+    return [
+        shared + [1, 2],
+        shared + [3],
+        rng.integers(0, 256, 5).tolist(),
+        rng.integers(0, 256, 30).tolist(),
+        rng.integers(0, 256, 12).tolist(),
+        rng.integers(0, 256, 9).tolist(),
+        rng.integers(0, 256, 3).tolist(),
+    ]
+
+
+@pytest.fixture(scope="module")
+def requests():
+    """Prompts and params whose stop token and stop string fall mid-launch: taken from the
+    greedy continuations single steps give."""
+    prompts = _prompts()
+    free = pj.SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = _engine(1).generate([prompts[4], prompts[5]], free, progress=False)
+    ids = ref[0].outputs[0].token_ids
+    stop_token = next(t for t in ids[5:] if t not in ids[:5])  # first seen at 5 or later
+    text = ref[1].outputs[0].text
+    # a printable ASCII character first seen late (bytes that are not UTF-8 decode to
+    # replacement characters, whose text changes as tokens arrive)
+    stop_text = next(
+        c
+        for i, c in enumerate(text)
+        if i >= 5 and c.isalnum() and c.isascii() and c not in text[:i]
+    )
+    params = [
+        pj.SamplingParams(max_tokens=23, ignore_eos=True),
+        pj.SamplingParams(max_tokens=17, temperature=0.9, top_p=0.8, seed=4, logprobs=True),
+        pj.SamplingParams(max_tokens=3, ignore_eos=True),  # ends short of a launch
+        pj.SamplingParams(max_tokens=21, temperature=1.0, n=2, seed=7, ignore_eos=True),
+        pj.SamplingParams(max_tokens=24, stop_token_ids=(stop_token,), ignore_eos=True),
+        pj.SamplingParams(max_tokens=24, stop=(stop_text,), ignore_eos=True),
+        pj.SamplingParams(max_tokens=30, temperature=0.7, top_k=5, seed=1, logprobs=True),
+    ]
+    return prompts, params
+
+
+@pytest.mark.parametrize("K", [4, 8])
+def test_multi_step_launches_change_no_token(requests, K):
+    prompts, params = requests
+    single = _engine(1)
+    ref = single.generate(prompts, params, progress=False)
+    llm = _engine(K)
+    outs = llm.generate(prompts, params, progress=False)
+    assert _summary(outs) == _summary(ref)
+    assert outs[4].outputs[0].finish_reason == "stop" and len(outs[4].outputs[0].token_ids) < 24
+    assert outs[5].outputs[0].finish_reason == "stop" and len(outs[5].outputs[0].token_ids) < 24
+    assert single.metrics.multi_step_launches == 0 and llm.metrics.multi_step_launches > 0
+    assert llm.metrics.tokens_generated == single.metrics.tokens_generated
+    # fewer launches for the same device steps
+    assert llm.metrics.steps >= single.metrics.steps - 1
+    for e in (single, llm):
+        assert e.bm.stats()["pages_used"] == 0
+        e.bm.check_invariants()
+
+
+def test_generated_pages_enter_the_prefix_cache_with_their_real_tokens():
+    """A reserved token is a placeholder until the launch returns: the pages it fills must
+    be cached under the sampled tokens, so a prompt that repeats a sequence's output hits
+    them."""
+    p = pj.SamplingParams(max_tokens=32, ignore_eos=True)
+    llm = _engine(8)
+    first = llm.generate([[7, 8, 9]], p, progress=False)[0].outputs[0].token_ids
+    assert llm.metrics.multi_step_launches > 0
+    again = llm.generate([[7, 8, 9, *first]], pj.SamplingParams(max_tokens=1), progress=False)
+    assert again[0].metrics.num_cached_tokens == 32  # every full page of prompt and output
+    llm.bm.check_invariants()
+
+
+def test_a_waiting_request_gets_single_steps_and_the_same_tokens():
+    """Requests that do not fit at once: while one waits, steps are single (its prompt
+    runs as soon as pages free); outputs as with single steps throughout."""
+    prompts = _prompts()
+    p = pj.SamplingParams(max_tokens=20, ignore_eos=True)
+    # deterministic: batches differ from single steps' here, and log-probs must not
+    tight = dict(num_pages=14, max_num_seqs=4, deterministic=True)
+    ref = _engine(1, **tight).generate(prompts, p, progress=False)
+    llm = _engine(8, **tight)
+    assert _summary(llm.generate(prompts, p, progress=False)) == _summary(ref)
+    assert llm.metrics.multi_step_launches > 0
+    llm.bm.check_invariants()
+
+
+def test_beams_and_penalties_run_single_steps():
+    prompts = _prompts()[:3]
+    params = [
+        pj.SamplingParams(max_tokens=10, beam_width=2, ignore_eos=True),
+        pj.SamplingParams(max_tokens=10, repetition_penalty=1.3, ignore_eos=True),
+    ]
+    for p in params:
+        ref = _engine(1).generate(prompts, p, progress=False)
+        llm = _engine(4)
+        assert _summary(llm.generate(prompts, p, progress=False)) == _summary(ref)
+        assert llm.metrics.multi_step_launches == 0
+
+
+def test_deterministic_mode_multi_step_matches_single_steps(requests):
+    prompts, params = requests
+    ref = _engine(1, deterministic=True).generate(prompts, params, progress=False)
+    llm = _engine(4, deterministic=True)
+    assert _summary(llm.generate(prompts, params, progress=False)) == _summary(ref)
+    assert llm.metrics.multi_step_launches > 0
+
+
+class _Fault(Exception):
+    pass
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_failed_launch_loses_nothing_and_changes_no_token(requests, when):
+    """A fault before the device call, or after it (the cache donated, the reserved tokens
+    never filled): the requests are recomputed from their committed tokens."""
+    prompts, params = requests
+    # deterministic: recomputed requests run in other batches, their log-probs must not
+    # change
+    ref = _engine(1, deterministic=True).generate(prompts, params, progress=False)
+    llm = _engine(4, deterministic=True)
+    real, launches = llm._run, []  # noqa: SLF001
+
+    class Run:
+        def __call__(self, *a, **k):
+            multi = k.get("num_steps", 1) > 1
+            launches.append(multi)
+            fail = multi and launches.count(True) in (1, 3)
+            if fail and when == "before":
+                raise _Fault("before the launch")
+            out = real(*a, **k)
+            if fail:
+                raise _Fault("after the launch")
+            return out
+
+        def _cache_size(self):
+            return real._cache_size()
+
+    llm._run = Run()  # noqa: SLF001
+    for rid, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        llm.add_request(rid, prompt, p)
+    done, errors = {}, 0
+    while llm.has_unfinished():
+        try:
+            done.update((o.request_id, o) for o in llm.step())
+        except _Fault:
+            errors += 1
+    assert errors == 2 and launches.count(True) > 3
+    assert _summary([done[i] for i in range(len(prompts))]) == _summary(ref)
+    assert llm.bm.stats()["pages_used"] == 0
+    llm.bm.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "4"])
+def test_num_scheduler_steps_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="num_scheduler_steps: expected an int >= 1"):
+        _engine(bad)
+
+
+# ---------------------------------------------------------------- block manager, batch
+P = 4
+
+
+def test_reserve_tokens_is_all_or_nothing_and_fill_reserved_sets_and_computes():
+    bm = BlockManager(8, P, watermark=0.0)  # 7 usable pages
+    bm.allocate("a", [1, 2, 3, 4, 5])  # 2 pages
+    bm.allocate("b", [6, 7])  # 1 page
+    bm.mark_computed("a", 5)
+    bm.mark_computed("b", 2)
+    free = bm.num_free_pages  # 4
+    assert not bm.reserve_tokens(["a", "b"], [8, 11])  # 2 + 3 pages: one short
+    assert bm.num_free_pages == free and bm.num_tokens("a") == 5 and bm.num_tokens("b") == 2
+    assert bm.reserve_tokens(["a", "b"], [3, 0])
+    assert bm.num_tokens("a") == 8 and bm.num_tokens("b") == 2
+    assert list(bm.token_ids("a")[5:]) == [-1, -1, -1]
+    assert bm.num_free_pages == free  # 8 tokens still fit in 2 pages
+    assert bm.reserve_tokens(["a"], [1])
+    assert len(bm.block_table("a")) == 3 and bm.num_free_pages == free - 1
+    bm.fill_reserved(["a"], [5], [np.array([9, 10, 11], np.int32)])
+    assert list(bm.token_ids("a")) == [1, 2, 3, 4, 5, 9, 10, 11, -1]
+    assert bm.num_computed_tokens("a") == 8
+    with pytest.raises(ValueError, match="starts: expected tokens not yet computed"):
+        bm.fill_reserved(["a"], [7], [np.array([0], np.int32)])  # token 7 is computed
+    with pytest.raises(ValueError, match="counts: expected ints >= 0"):
+        bm.reserve_tokens(["a"], [-1])
+    with pytest.raises(ValueError, match="counts: expected one per sequence"):
+        bm.reserve_tokens(["a", "b"], [1])
+    bm.check_invariants()
+
+
+def test_reserve_tokens_copies_a_shared_last_page_first():
+    bm = BlockManager(16, P, watermark=0.0)
+    bm.allocate("p", [1, 2, 3, 4, 5, 6])  # page 2 holds 2 of 4 tokens
+    bm.mark_computed("p", 6)
+    bm.fork("p", "c")
+    assert bm.reserve_tokens(["c"], [3])
+    table = bm.block_table("c")
+    assert table[0] == bm.block_table("p")[0] and table[1] != bm.block_table("p")[1]
+    src, dst = bm.take_copies()
+    assert list(src) == [bm.block_table("p")[1]] and list(dst) == [table[1]]
+    assert list(bm.token_ids("p")) == [1, 2, 3, 4, 5, 6]  # the parent is unchanged
+    bm.check_invariants()
+
+
+def test_build_batch_tables_cover_table_tokens():
+    bm = BlockManager(32, P, watermark=0.0, enable_prefix_caching=False)
+    bm.allocate("a", [1, 2, 3])
+    bm.mark_computed("a", 2)
+    assert bm.reserve_tokens(["a"], [9])  # 12 tokens: 3 pages
+    b = build_batch(bm, [ScheduledSeq("a", 2, 3)], table_tokens=[11])
+    assert list(b.page_indices[0, :3]) == bm.block_table("a")
+    assert b.kv_lens[0] == 3 and b.num_tokens == 1 and b.positions[0] == 2
+    plain = build_batch(bm, [ScheduledSeq("a", 2, 3)])
+    assert list(plain.page_indices[0]) == [bm.block_table("a")[0], 0, 0, 0]
+    with pytest.raises(ValueError, match=r"table_tokens\[0\]: expected <= num_tokens=12"):
+        build_batch(bm, [ScheduledSeq("a", 2, 3)], table_tokens=[13])
+    with pytest.raises(ValueError, match="table_tokens: expected one per scheduled sequence"):
+        build_batch(bm, [ScheduledSeq("a", 2, 3)], table_tokens=[3, 4])
