@@ -330,7 +330,13 @@ def test_host_overhead_benchmark_runs_every_mode_and_writes_where_told(tmp_path,
     data = json.loads((tmp_path / "host_overhead.json").read_text())
     assert data["parameters"]["scheduler_steps"] == 4
     (row,) = data["results"]
-    for key in ("plain_host_share", "overlapped_host_share", "multi_host_share"):
+    for key in (
+        "plain_host_share",
+        "overlapped_host_share",
+        "multi_host_share",
+        "plain_decode_host_share",
+        "multi_decode_host_share",
+    ):
         assert 0.0 <= row[key]["median"] <= 1.0
     # 1 prompt step + 8 decode steps in both (two launches of 4 in the multi-step run)
     assert row["steps_multi"] == row["steps_plain"] == 9

@@ -826,7 +826,7 @@ class LLM:
             dispatch_s=0.0 if compiled else dispatch_s,
             stalled=any(sched.stalled for sched in scheds),
             steps=steps,
-            iterations=K,
+            iterations=1 if steps is None else max(steps),  # the device loop's trips
         )
 
     def _multi_step_ready(self) -> bool:
@@ -2019,7 +2019,7 @@ class _Launched:
     # Multi-step decoding: the steps each placed row runs (outputs then [S_b, K]); None:
     # one step.
     steps: list[int] | None = None
-    iterations: int = 1  # device steps the launch runs
+    iterations: int = 1  # device steps the launch runs (a multi-step one: its longest row's)
     rows: dict = dataclasses.field(init=False)  # id(Seq) -> batch row of its sample
 
     def __post_init__(self):
