@@ -139,6 +139,17 @@ def test_deterministic_mode_multi_step_matches_single_steps(requests):
     assert llm.metrics.multi_step_launches > 0
 
 
+def test_streamed_text_of_launches_is_the_generated_text():
+    p = pj.SamplingParams(max_tokens=21, ignore_eos=True)
+    llm = _engine(4)
+    pieces = {}
+    for piece in llm.stream(["Hello", "Paged attention"], p):
+        pieces[piece.index] = pieces.get(piece.index, "") + piece.text
+    whole = _engine(1).generate(["Hello", "Paged attention"], p, progress=False)
+    assert [pieces[k] for k in range(2)] == [o.outputs[0].text for o in whole]
+    assert llm.metrics.multi_step_launches > 0
+
+
 class _Fault(Exception):
     pass
 
