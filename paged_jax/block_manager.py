@@ -614,16 +614,15 @@ class BlockManager:
         are not free.
 
         For tokens the device will sample within the step that follows (the engine's
-        multi-step decoding computes several tokens of a sequence in one launch): set
-        their values with ``set_tokens`` before they are marked computed, which is when
-        their pages enter the prefix cache.
+        multi-step decoding computes several tokens of a sequence in one launch): give
+        them their values with ``fill_reserved``, which also marks them computed, the
+        moment their pages enter the prefix cache.
         """
         if len(seq_ids) != len(counts):
             raise ValueError(
                 f"counts: expected one per sequence ({len(seq_ids)}), got {len(counts)}"
             )
-        table, P, refcount = self._seqs, self.page_size, self._refcount
-        seqs, need = [], 0
+        table, seqs, need = self._seqs, [], 0
         for seq_id, k in zip(seq_ids, counts, strict=True):
             if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
                 raise ValueError(f"counts: expected ints >= 0, got {k!r} for {seq_id!r}")
@@ -631,36 +630,22 @@ class BlockManager:
             if seq is None or seq.swapped:
                 seq = self._device_seq(seq_id, "reserve_tokens")  # raises the typed error
             seqs.append(seq)
-            n = seq.tokens.n
-            if k and (-(-(n + k) // P) > len(seq.pages) or (n % P and refcount[seq.pages[-1]] > 1)):
-                need += self._pages_for_append(seq, int(k))
+            need += self._pages_for_append(seq, int(k))
         if need > self.num_free_pages:
             return False
         for seq, k in zip(seqs, counts, strict=True):
-            if not k:
-                continue
-            self._first_append(seq)
-            toks, pages = seq.tokens, seq.pages
-            n = toks.n
-            m = n + k
-            if m <= len(toks.buf) and (not n % P or refcount[pages[-1]] == 1):
-                toks.buf[n:m] = -1  # no copy-on-write: the buffer in place, pages as needed
-                toks.n = m
-                new = -(-m // P) - len(pages)
-                if new > 0:
-                    for _ in range(new):
-                        pages.append(self._take_page())
-                    seq.pages_changed()
-            else:
+            if k:
+                self._first_append(seq)
                 self._grow(seq, np.full(int(k), -1, np.int32))
         return True
 
     def fill_reserved(
         self, seq_ids: Sequence[Hashable], starts: Sequence[int], tokens: Sequence[np.ndarray]
     ) -> None:
-        """For each sequence: ``set_tokens(seq_ids[i], starts[i], tokens[i])``, then every
-        token up to them marked computed (``mark_computed(seq_ids[i], starts[i] +
-        len(tokens[i]))``): a multi-step launch's reserved tokens, once it returned."""
+        """For each sequence, tokens ``[starts[i], starts[i] + len(tokens[i]))`` (none of
+        them computed yet) replaced by ``tokens[i]`` (``set_token`` for each), then every
+        token up to them marked computed (``mark_computed``): a multi-step launch's
+        reserved tokens (``reserve_tokens``), once it returned."""
         table = self._seqs
         for seq_id, start, toks in zip(seq_ids, starts, tokens, strict=True):
             seq = table.get(seq_id)

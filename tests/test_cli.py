@@ -90,19 +90,26 @@ def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys):
     assert capsys.readouterr().err == "paged-jax: interrupted\n"
 
 
-@pytest.mark.parametrize("flag,expected", [([], True), (["--no-async-scheduling"], False)])
-def test_async_scheduling_flag_reaches_the_engine(monkeypatch, capsys, flag, expected):
-    from paged_jax import cli
+def _llm_arg(monkeypatch, name: str) -> list:
+    """Records the ``LLM`` keyword ``name`` of every engine the CLI creates."""
     from paged_jax.engine import llm as llm_mod
 
     seen = []
     real = llm_mod.LLM.__init__
 
     def init(self, *a, **kw):
-        seen.append(kw.get("async_scheduling"))
+        seen.append(kw.get(name))
         real(self, *a, **kw)
 
     monkeypatch.setattr(llm_mod.LLM, "__init__", init)
+    return seen
+
+
+@pytest.mark.parametrize("flag,expected", [([], True), (["--no-async-scheduling"], False)])
+def test_async_scheduling_flag_reaches_the_engine(monkeypatch, capsys, flag, expected):
+    from paged_jax import cli
+
+    seen = _llm_arg(monkeypatch, "async_scheduling")
     argv = ["generate", "--prompt", "hi", "--max-tokens", "2", "--json", "--no-progress"]
     assert cli.main([*argv, *flag]) == 0
     assert seen == [expected]
@@ -113,16 +120,8 @@ def test_async_scheduling_flag_reaches_the_engine(monkeypatch, capsys, flag, exp
 
 def test_num_scheduler_steps_flag_reaches_the_engine(monkeypatch, capsys):
     from paged_jax import cli
-    from paged_jax.engine import llm as llm_mod
 
-    seen = []
-    real = llm_mod.LLM.__init__
-
-    def init(self, *a, **kw):
-        seen.append(kw.get("num_scheduler_steps"))
-        real(self, *a, **kw)
-
-    monkeypatch.setattr(llm_mod.LLM, "__init__", init)
+    seen = _llm_arg(monkeypatch, "num_scheduler_steps")
     argv = ["generate", "--prompt", "hi", "--max-tokens", "6", "--json", "--no-progress"]
     assert cli.main([*argv, "--num-scheduler-steps", "4"]) == 0
     assert seen == [4]

@@ -826,7 +826,6 @@ class LLM:
             dispatch_s=0.0 if compiled else dispatch_s,
             stalled=any(sched.stalled for sched in scheds),
             steps=steps,
-            iterations=1 if steps is None else max(steps),  # the device loop's trips
         )
 
     def _multi_step_ready(self) -> bool:
@@ -909,7 +908,9 @@ class LLM:
         is on, no request is isolated as a suspect, ``f``'s schedule did not stop short
         of a preemption (the next one makes it, from known tokens), and each sampling row
         only appends its token (no beam search, no first token of n samples to fork, no
-        penalties, which count the tokens so far)."""
+        penalties, which count the tokens so far). Never for a multi-step launch, nor
+        when the next step could be one (``_multi_step_ready``): a launch starts from
+        known tokens."""
         if not self.async_scheduling or self._suspects or f.stalled or f.steps is not None:
             return False
         if self._multi_step_ready():
@@ -2019,11 +2020,16 @@ class _Launched:
     # Multi-step decoding: the steps each placed row runs (outputs then [S_b, K]); None:
     # one step.
     steps: list[int] | None = None
-    iterations: int = 1  # device steps the launch runs (a multi-step one: its longest row's)
     rows: dict = dataclasses.field(init=False)  # id(Seq) -> batch row of its sample
 
     def __post_init__(self):
         self.rows = {id(w.seq): i for i, w in self.placed if w.sample}
+
+    @property
+    def iterations(self) -> int:
+        """Device steps the launch runs (a multi-step one: its longest row's, the loop's
+        trip count)."""
+        return 1 if self.steps is None else max(self.steps)
 
 
 @jax.jit

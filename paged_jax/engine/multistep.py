@@ -11,8 +11,8 @@ be admitted; see ``docs/ENGINE.md``.
 On the device (``decode_loop``) step ``i`` feeds each row the token step ``i - 1``
 sampled, at position ``p + i``, attending to ``kv_len + i`` tokens, its K/V written to
 the slot its block table gives that position. The block manager reserved those slots
-before the launch (``BlockManager.reserve_tokens``; the engine sets the tokens' values
-with ``set_tokens`` after it). Row ``r`` runs ``steps[r]`` steps (fewer near its
+before the launch (``BlockManager.reserve_tokens``; the engine gives the tokens their
+values with ``fill_reserved`` after it). Row ``r`` runs ``steps[r]`` steps (fewer near its
 ``max_tokens``); past them it recomputes its last step with its K/V written to the null
 page, and its results there are dropped. Sampling is keyed by seed and output position
 as in single steps, so the tokens are those of ``K`` single steps.
