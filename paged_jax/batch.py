@@ -143,21 +143,24 @@ def build_batch(
             page_indices[:num_seqs][np.arange(M_b) < np.array(used)[:, None]] = np.concatenate(
                 tables
             )
-    else:
+    elif num_seqs:  # whole arrays at once: per row only its table and tokens are read
+        tables, toks = [], []
+        used = [-(-r // P) for r in reach]
         for i, s in enumerate(scheduled):
             if G is None:
-                pages = seqs[i].pages_np()
-                buf = seqs[i].tokens.buf
+                pages, buf = seqs[i].pages_np(), seqs[i].tokens.buf
             else:
                 pages = manager.pages_np(s.seq_id)  # [G, pages]
                 buf = manager.token_buffer(s.seq_id)
-            used = -(-reach[i] // P)
-            page_indices[..., i, :used] = pages[..., :used]
-            a, b = int(cu[i]), int(cu[i + 1])
-            pos = np.arange(s.start, s.stop, dtype=np.int32)
-            positions[a:b] = pos
-            token_ids[a:b] = buf[s.start : s.stop]
-            slot_mapping[..., a:b] = pages[..., pos // P] * P + pos % P
+            tables.append(pages[..., : used[i]])
+            toks.append(buf[s.start : s.stop])
+        within = np.arange(M_b) < np.array(used)[:, None]  # [S, M_b]: the tables' entries
+        page_indices[..., :num_seqs, :][..., within] = np.concatenate(tables, axis=-1)
+        row = np.repeat(np.arange(num_seqs), q_lens)  # each token's row
+        pos = np.asarray(starts, np.int32)[row] + (np.arange(num_tokens) - cu[row])
+        positions[:num_tokens] = pos
+        token_ids[:num_tokens] = np.concatenate(toks)
+        slot_mapping[..., :num_tokens] = page_indices[..., row, pos // P] * P + pos % P
 
     if take_copies:
         src, dst = manager.take_copies()
@@ -181,6 +184,94 @@ def build_batch(
         copy_dst=copy_dst,
         seq_ids=tuple(s.seq_id for s in scheduled),
         num_tokens=num_tokens,
+    )
+
+
+def advance_batch(
+    manager: BlockManager,
+    prev: StepBatch,
+    rows: np.ndarray,
+    advance: np.ndarray,
+    table_tokens: np.ndarray,
+    *,
+    min_tokens: int = 16,
+    min_seqs: int = 8,
+    min_pages: int = 4,
+    min_copies: int = 8,
+) -> StepBatch:
+    """The decode batch that goes on from decode batch ``prev`` (one token a row) without
+    reading every block table again: the engine's next multi-step launch, built while
+    the one before runs.
+
+    Row i decodes the token at ``prev.positions[rows[i]] + advance[i]`` of the sequence
+    of ``prev``'s row ``rows[i]`` (``rows``, ``advance``: ``int[S]``), its block table
+    covering ``table_tokens[i]`` tokens (``int[S]``); token ids are 0 (the caller puts
+    the tokens there). The same arrays as ``build_batch`` of those rows with these
+    ``table_tokens`` (and the same buckets), given that each sequence only grew since
+    ``prev`` was built: of each table only the entries from ``prev``'s last one on are
+    read (that one may have been replaced by a copy-on-write), the whole table for a
+    sequence with a sliding window (whose leading pages are dropped). The manager's
+    pending copies are taken. A plain ``BlockManager`` only.
+    """
+    P = manager.page_size
+    rows = np.asarray(rows, np.int64)
+    num_seqs = len(rows)
+    ids = [prev.seq_ids[r] for r in rows.tolist()]
+    start = prev.positions[rows].astype(np.int64) + advance
+    reach = np.maximum(np.asarray(table_tokens, np.int64), start + 1)
+    used = -(-reach // P)
+    # prev's table entries of each row (its real pages are never the null page 0)
+    had = np.minimum(np.count_nonzero(prev.page_indices[rows], axis=1), used)
+    T_b = bucket(num_seqs, min_tokens)
+    S_b = bucket(num_seqs, min_seqs)
+    M_b = bucket(int(used.max()) if num_seqs else 1, min_pages)
+    page_indices = np.zeros((S_b, M_b), np.int32)
+    keep = min(M_b, prev.page_indices.shape[1])
+    page_indices[:num_seqs, :keep] = prev.page_indices[rows, :keep]
+    # each row's entries [first, used) read again: from prev's last one on
+    first, fresh = (had - 1).tolist(), []
+    for i, (seq_id, b) in enumerate(zip(ids, used.tolist(), strict=True)):
+        seq = manager._device_seq(seq_id, "advance_batch")  # noqa: SLF001
+        a = first[i]
+        if not 0 <= a < b <= len(seq.pages) or seq.window is not None:
+            a = first[i] = 0
+        fresh += seq.pages[a:b]
+    if num_seqs:  # row-major order of the mask = the rows' entries one after the other
+        cols = np.arange(M_b)
+        within = (cols >= np.array(first)[:, None]) & (cols < used[:, None])
+        page_indices[:num_seqs][within] = fresh
+    token_ids = np.zeros(T_b, np.int32)
+    positions = np.zeros(T_b, np.int32)
+    positions[:num_seqs] = start
+    slot_mapping = np.zeros(T_b, np.int32)
+    if num_seqs:
+        slot_mapping[:num_seqs] = page_indices[np.arange(num_seqs), start // P] * P + start % P
+    cu = np.zeros(S_b + 1, np.int32)
+    cu[1 : num_seqs + 1] = np.arange(1, num_seqs + 1)
+    cu[num_seqs + 1 :] = num_seqs
+    kv_lens = np.zeros(S_b, np.int32)
+    kv_lens[:num_seqs] = start + 1
+    logits_indices = np.zeros(S_b, np.int32)
+    logits_indices[:num_seqs] = np.arange(num_seqs)
+    src, dst = manager.take_copies()
+    C_b = bucket(len(src), min_copies)
+    copy_src = np.zeros(C_b, np.int32)
+    copy_dst = np.zeros(C_b, np.int32)
+    copy_src[: len(src)] = src
+    copy_dst[: len(dst)] = dst
+    return StepBatch(
+        token_ids=token_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        page_indices=page_indices,
+        kv_lens=kv_lens,
+        cu_q_lens=cu,
+        num_seqs=np.array([num_seqs], np.int32),
+        logits_indices=logits_indices,
+        copy_src=copy_src,
+        copy_dst=copy_dst,
+        seq_ids=tuple(ids),
+        num_tokens=num_seqs,
     )
 
 

@@ -97,13 +97,14 @@ class _Tokens:
         self.buf = np.empty(max(16, 2 * self.n), np.int32)
         self.buf[: self.n] = tokens
 
-    def extend(self, tokens: np.ndarray) -> None:
-        m = self.n + len(tokens)
+    def extend(self, tokens: np.ndarray | int) -> None:
+        """Appends ``tokens``, or that many placeholders (-1) for an int."""
+        m = self.n + (tokens if isinstance(tokens, int) else len(tokens))
         if m > len(self.buf):
             new = np.empty(2 * m, np.int32)
             new[: self.n] = self.buf[: self.n]
             self.buf = new
-        self.buf[self.n : m] = tokens
+        self.buf[self.n : m] = -1 if isinstance(tokens, int) else tokens
         self.n = m
 
     def copy(self) -> _Tokens:
@@ -120,6 +121,7 @@ class _Seq:
         "num_hashed",
         "swapped",
         "last_append_step",
+        "reserved",
         "window",
         "dropped",
         "_pages_np",
@@ -136,6 +138,9 @@ class _Seq:
         self.num_hashed = 0  # leading full pages whose keys are known
         self.swapped = False
         self.last_append_step = -1  # step of the latest append_slots (-1: never)
+        # first reserved token not yet filled (reserve_tokens), or None: it and every
+        # token after it are not computed, whatever step boundaries passed
+        self.reserved: int | None = None
         self.window = window  # keys each token attends to (None: all)
         self.dropped = 0
         self._pages_np: np.ndarray | None = None
@@ -552,14 +557,17 @@ class BlockManager:
         by an earlier step (tokens appended within this step are not)."""
         if seq.last_append_step != self._step:
             seq.last_append_step = self._step
-            if seq.tokens.n > seq.num_computed:
-                self._mark_computed(seq, seq.tokens.n)
+            done = seq.tokens.n if seq.reserved is None else seq.reserved
+            if done > seq.num_computed:
+                self._mark_computed(seq, done)
 
-    def _grow(self, seq: _Seq, tokens: np.ndarray) -> None:
-        """Appends ``tokens`` to ``seq``, whose pages for them were counted free: a shared
-        partially filled last page is first replaced by a private copy (copy-on-write),
-        then new pages are taken as the tokens need them."""
-        pages, n, num_new = seq.pages, seq.tokens.n, len(tokens)
+    def _grow(self, seq: _Seq, tokens: np.ndarray | int) -> None:
+        """Appends ``tokens`` (an int: that many placeholders, -1) to ``seq``, whose pages
+        for them were counted free: a shared partially filled last page is first replaced
+        by a private copy (copy-on-write), then new pages are taken as the tokens need
+        them."""
+        pages, n = seq.pages, seq.tokens.n
+        num_new = tokens if isinstance(tokens, int) else len(tokens)
         if n % self.page_size and num_new and self._refcount[pages[-1]] > 1:
             old = pages[-1]
             new = self._take_page()
@@ -616,27 +624,35 @@ class BlockManager:
         For tokens the device will sample within the step that follows (the engine's
         multi-step decoding computes several tokens of a sequence in one launch): give
         them their values with ``fill_reserved``, which also marks them computed, the
-        moment their pages enter the prefix cache.
+        moment their pages enter the prefix cache. Until then they stay uncomputed, step
+        boundaries notwithstanding, and more may be reserved after them (the next launch,
+        dispatched while this one runs); fill them in order.
         """
         if len(seq_ids) != len(counts):
             raise ValueError(
                 f"counts: expected one per sequence ({len(seq_ids)}), got {len(counts)}"
             )
         table, seqs, need = self._seqs, [], 0
+        ks = []
         for seq_id, k in zip(seq_ids, counts, strict=True):
-            if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
-                raise ValueError(f"counts: expected ints >= 0, got {k!r} for {seq_id!r}")
+            if type(k) is not int or k < 0:  # (the common case in one test)
+                if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+                    raise ValueError(f"counts: expected ints >= 0, got {k!r} for {seq_id!r}")
+                k = int(k)
             seq = table.get(seq_id)
             if seq is None or seq.swapped:
                 seq = self._device_seq(seq_id, "reserve_tokens")  # raises the typed error
             seqs.append(seq)
-            need += self._pages_for_append(seq, int(k))
+            ks.append(k)
+            need += self._pages_for_append(seq, k)
         if need > self.num_free_pages:
             return False
-        for seq, k in zip(seqs, counts, strict=True):
+        for seq, k in zip(seqs, ks, strict=True):
             if k:
                 self._first_append(seq)
-                self._grow(seq, np.full(int(k), -1, np.int32))
+                if seq.reserved is None:
+                    seq.reserved = seq.tokens.n
+                self._grow(seq, k)
         return True
 
     def fill_reserved(
@@ -658,6 +674,8 @@ class BlockManager:
                     f"{seq.tokens.n}) for {seq_id!r}, got [{start}, {stop})"
                 )
             seq.tokens.buf[start:stop] = toks
+            if seq.reserved is not None and stop > seq.reserved:
+                seq.reserved = stop if stop < seq.tokens.n else None
             self._mark_computed(seq, stop)
 
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
@@ -675,8 +693,9 @@ class BlockManager:
 
     def _sync_computed(self, seq: _Seq) -> None:
         """Tokens appended in earlier steps are computed once a step boundary passed."""
-        if 0 <= seq.last_append_step < self._step and seq.num_computed < seq.tokens.n:
-            self._mark_computed(seq, seq.tokens.n)
+        done = seq.tokens.n if seq.reserved is None else seq.reserved
+        if 0 <= seq.last_append_step < self._step and seq.num_computed < done:
+            self._mark_computed(seq, done)
 
     def _mark_computed(self, seq: _Seq, num_tokens: int) -> None:
         if num_tokens <= seq.num_computed:
@@ -750,6 +769,7 @@ class BlockManager:
         child.last_key = parent.last_key
         child.num_hashed = parent.num_hashed
         child.last_append_step = parent.last_append_step
+        child.reserved = parent.reserved
         self._seqs[child_id] = child
 
     def free(self, seq_id: Hashable) -> None:

@@ -336,7 +336,13 @@ def test_host_overhead_benchmark_runs_every_mode_and_writes_where_told(tmp_path,
         "multi_host_share",
         "plain_decode_host_share",
         "multi_decode_host_share",
+        "multi_overlapped_host_share",
+        "multi_overlapped_decode_host_share",
+        "multi_steady_host_share",
+        "multi_overlapped_steady_host_share",
     ):
         assert 0.0 <= row[key]["median"] <= 1.0
-    # 1 prompt step + 8 decode steps in both (two launches of 4 in the multi-step run)
-    assert row["steps_multi"] == row["steps_plain"] == 9
+    # 1 prompt step + 8 decode steps in each (two launches of 4 in the multi-step runs)
+    assert row["steps_multi"] == row["steps_plain"] == row["steps_multi_overlapped"] == 9
+    # the first launch finishes nothing: steady; the second finishes every request
+    assert row["steady_steps_multi"] == 4

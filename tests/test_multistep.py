@@ -9,7 +9,7 @@ import pytest
 
 import paged_jax as pj
 from paged_jax import models
-from paged_jax.batch import ScheduledSeq, build_batch
+from paged_jax.batch import ScheduledSeq, advance_batch, build_batch
 from paged_jax.block_manager import BlockManager
 
 
@@ -72,13 +72,20 @@ def requests():
     return prompts, params
 
 
-@pytest.mark.parametrize("K", [4, 8])
-def test_multi_step_launches_change_no_token(requests, K):
+@pytest.mark.parametrize("K, overlapped", [(4, True), (8, True), (4, False)])
+def test_multi_step_launches_change_no_token(requests, K, overlapped):
+    """Overlapped (the default), each launch after the first of a run goes on from the
+    one still running (``_continue``), rows that stop meanwhile dropped."""
     prompts, params = requests
     single = _engine(1)
     ref = single.generate(prompts, params, progress=False)
-    llm = _engine(K)
+    llm = _engine(K, async_scheduling=overlapped)
+    went_on, go_on = [], llm._continue
+    llm._continue = lambda f: went_on.append(go_on(f)) or went_on[-1]
     outs = llm.generate(prompts, params, progress=False)
+    # launches that went on from the one running: overlapped only
+    assert sum(f is not None for f in went_on) >= (2 if overlapped else 0)
+    assert all(f is None for f in went_on) != overlapped
     assert _summary(outs) == _summary(ref)
     assert outs[4].outputs[0].finish_reason == "stop" and len(outs[4].outputs[0].token_ids) < 24
     assert outs[5].outputs[0].finish_reason == "stop" and len(outs[5].outputs[0].token_ids) < 24
@@ -260,3 +267,94 @@ def test_build_batch_tables_cover_table_tokens():
         build_batch(bm, [ScheduledSeq("a", 2, 3)], table_tokens=[13])
     with pytest.raises(ValueError, match="table_tokens: expected one per scheduled sequence"):
         build_batch(bm, [ScheduledSeq("a", 2, 3)], table_tokens=[3, 4])
+
+
+def test_reserved_tokens_stay_uncomputed_across_steps_until_filled():
+    """Overlapped launches reserve the next launch's tokens before the running one's are
+    filled: a step boundary (``take_copies``) must not count placeholders computed, or
+    their pages would enter the prefix cache under -1."""
+    bm = BlockManager(32, P)
+    bm.allocate("a", [1, 2, 3])
+    bm.take_copies()  # the prompt's step
+    assert bm.reserve_tokens(["a"], [5])  # launch 1: tokens 3..7
+    bm.take_copies()
+    assert bm.reserve_tokens(["a"], [4])  # launch 2, launch 1 still running: 8..11
+    assert bm.num_computed_tokens("a") == 3  # the prompt only
+    bm.take_copies()
+    bm.fill_reserved(["a"], [3], [np.arange(10, 16, dtype=np.int32)])  # launch 1's 6
+    assert bm.num_computed_tokens("a") == 9
+    assert bm.reserve_tokens(["a"], [2])  # launch 3: 12, 13
+    assert bm.num_computed_tokens("a") == 9  # 9..11 are launch 2's, not yet filled
+    bm.fill_reserved(["a"], [9], [np.array([16, 17, 18], np.int32)])
+    bm.fill_reserved(["a"], [12], [np.array([19, 20], np.int32)])
+    assert list(bm.token_ids("a")) == [1, 2, 3, *range(10, 21)]
+    assert bm.num_computed_tokens("a") == 14
+    bm.check_invariants()
+
+
+def _advanced_matches_built(bm, prev, rows, advance, reach, scheduled):
+    want = build_batch(bm, scheduled, table_tokens=reach, take_copies=False)
+    got = advance_batch(bm, prev, np.array(rows), np.array(advance), np.array(reach))
+    names = ("positions", "slot_mapping", "page_indices", "kv_lens", "cu_q_lens")
+    for name in (*names, "num_seqs", "logits_indices"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    assert got.seq_ids == want.seq_ids and got.num_tokens == want.num_tokens
+    assert not got.token_ids.any()  # the caller's to fill
+    return got
+
+
+def test_advance_batch_equals_build_batch_of_the_rows_that_go_on():
+    bm = BlockManager(64, P, watermark=0.0)
+    lens = {"a": 5, "b": 8, "c": 3, "d": 14}
+    for i, (sid, n) in enumerate(lens.items()):
+        bm.allocate(sid, list(range(10 * i, 10 * i + n)))
+        bm.mark_computed(sid, n)
+    bm.fork("c", "e")  # shares c's partial last page: its next append copies it
+    bm.take_copies()
+    ids, k = list(lens) + ["e"], [6, 3, 5, 7, 2]
+    assert bm.reserve_tokens(ids, [x - 1 for x in k])
+    start = [bm.num_tokens(s) - x for s, x in zip(ids, k, strict=True)]  # last known token
+    prev = build_batch(
+        bm,
+        [ScheduledSeq(s, a, a + 1) for s, a in zip(ids, start, strict=True)],
+        table_tokens=[a + x for a, x in zip(start, k, strict=True)],
+    )
+    # the next launch: rows 0, 1, 3, 4 go on (c's row is dropped), with 4, 6, 2, 5 steps
+    rows, steps = [0, 1, 3, 4], [4, 6, 2, 5]
+    go_on = [ids[r] for r in rows]
+    assert bm.reserve_tokens(go_on, steps)
+    pos = [start[r] + k[r] for r in rows]
+    reach = [p + s for p, s in zip(pos, steps, strict=True)]
+    got = _advanced_matches_built(
+        bm,
+        prev,
+        rows,
+        [k[r] for r in rows],
+        reach,
+        [ScheduledSeq(s, p, p + 1) for s, p in zip(go_on, pos, strict=True)],
+    )
+    assert list(got.positions[:4]) == pos and not got.copy_src.any()  # prev took e's copy
+    bm.check_invariants()
+
+
+def test_advance_batch_reads_a_copied_last_page_and_a_windowed_table_again():
+    bm = BlockManager(64, P, watermark=0.0)
+    bm.allocate("a", [1, 2, 3, 4, 5, 6], sliding_window=6)
+    bm.take_copies()
+    prev = build_batch(bm, [ScheduledSeq("a", 5, 6)])
+    assert bm.reserve_tokens(["a"], [1])
+    bm.fill_reserved(["a"], [6], [np.array([7], np.int32)])
+    assert bm.reserve_tokens(["a"], [8])  # 15 tokens: page 0 is dropped on a fill
+    bm.fill_reserved(["a"], [7], [np.arange(8, dtype=np.int32)])
+    assert bm.block_table("a")[0] == 0  # dropped (the null page)
+    _advanced_matches_built(bm, prev, [0], [9], [15], [ScheduledSeq("a", 14, 15)])
+    # a copy-on-write of prev's last page
+    bm.allocate("c", [1, 2, 3, 4, 5, 6])  # page 1 holds 2 of 4 tokens
+    bm.mark_computed("c", 6)
+    bm.fork("c", "d")  # d's shared partial last page is copied at its first append
+    prev_d = build_batch(bm, [ScheduledSeq("d", 5, 6)])
+    assert bm.reserve_tokens(["d"], [3])
+    got = _advanced_matches_built(bm, prev_d, [0], [3], [9], [ScheduledSeq("d", 8, 9)])
+    old, new = prev_d.page_indices[0, 1], got.page_indices[0, 1]  # c's page, d's copy
+    assert new != old and (got.copy_src[0], got.copy_dst[0]) == (old, new)  # taken
+    bm.check_invariants()

@@ -20,14 +20,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from paged_jax import linear as paged_linear
 from paged_jax._validation import validate_batch
-from paged_jax.batch import ScheduledSeq, bucket, build_batch, concat_batches
+from paged_jax.batch import ScheduledSeq, advance_batch, bucket, build_batch, concat_batches
 from paged_jax.block_manager import BlockManager, HybridBlockManager, prefix_root_key
 from paged_jax.engine import compile_cache
 from paged_jax.engine._signals import DeferSignals
 from paged_jax.engine.multistep import decode_loop
 from paged_jax.engine.protocol import check_model
 from paged_jax.engine.sampling import Penalties, SamplingParams, beam_candidates, sample_rows
-from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status
+from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status, Work
 from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata
 from paged_jax.sharding import (
@@ -449,6 +449,7 @@ class LLM:
         self._undelivered: list[RequestOutput] = []  # finished, not yet returned
         self._step_groups: list[Group] = []  # the running step's groups
         self._inflight: _Launched | None = None  # a step left running (async_scheduling)
+        self._accounted = 0  # step calls accounted (metrics)
         self._suspects: list[Group] = []  # groups of a failed step, not yet cleared
         self._cleared: set[int] = set()  # arrivals of suspects that since sampled a token
         from flax import nnx
@@ -667,15 +668,27 @@ class LLM:
         next step is scheduled and dispatched while that one runs on the device, each of
         its sampling sequences ending in a placeholder for the token it will get (read on
         the device from the running step's output, ``_merge_tokens``); then the running
-        step's tokens are read and applied. A step is left running for the next call
-        only when nothing in its results can change what the following step computes
-        (``_may_overlap``); otherwise it completes in this call.
+        step's tokens are read and applied. A multi-step launch left running is followed
+        by the launch that goes on from it (``_continue``: its rows, each decoding its
+        last sample), built from its batch while it runs, when nothing waits to be
+        admitted; otherwise it completes first and the next step is scheduled. A step is
+        left running for the next call only when nothing in its results can change what
+        the following step computes (``_may_overlap``); otherwise it completes in this
+        call.
         """
         t0 = time.perf_counter()
         prev, self._inflight = self._inflight, None
         done: list[_Launched] = []
         finished: list[RequestOutput] = []
-        if prev is not None:
+        overlapped = prev is not None
+        if prev is not None and prev.steps is not None:  # a multi-step launch
+            nxt = self._continue(prev)
+            finished += self._complete(prev)
+            done.append(prev)
+            if nxt is None:
+                overlapped = False
+                nxt = self._launch(None)
+        elif prev is not None:
             placed = self._place(prev)
             try:
                 nxt = self._launch(prev)
@@ -689,7 +702,7 @@ class LLM:
         if nxt is not None:
             self.metrics.overlap_stalls += nxt.stalled
             self.metrics.multi_step_launches += nxt.steps is not None
-            self.metrics.overlapped_steps += prev is not None
+            self.metrics.overlapped_steps += overlapped
             if self._may_overlap(nxt):
                 self._inflight = nxt
             else:
@@ -722,17 +735,38 @@ class LLM:
         if not work:
             return None
         steps = self._multi_steps(scheds, prev)  # None: one step
-        K = 1 if steps is None else self.num_scheduler_steps
+        return self._dispatch(
+            [sched.work for sched in scheds], steps, prev, any(sched.stalled for sched in scheds)
+        )
+
+    def _dispatch(
+        self,
+        works: list[list[Work]],
+        steps: list[int] | None,
+        prev: _Launched | None,
+        stalled,
+        advanced: tuple | None = None,
+    ) -> _Launched:
+        """Builds the batch of ``works`` (each scheduler's, in order) and dispatches it:
+        one step, or with ``steps`` (one per row) a multi-step launch. ``prev``: the
+        launch still running, whose samples some rows decode (placeholders in the
+        batch); ``stalled``: the schedule stopped short of a preemption. ``advanced``:
+        ``(batch, rows, advance)``, the batch already built from multi-step launch
+        ``prev``'s (``_continue``): row i goes on from ``prev``'s row ``rows[i]``,
+        ``advance[i]`` tokens on, decoding its last sample."""
+        work = [w for ws in works for w in ws]
+        if advanced is not None:
+            return self._run_batch(work, steps, prev, stalled, *advanced)
         batches, pending = [], 0
-        for sc, sched in zip(self.schedulers, scheds, strict=True):
+        for sc, ws in zip(self.schedulers, works, strict=True):
             b = build_batch(
                 sc.bm,
-                [ScheduledSeq(w.seq.seq_id, w.start, w.stop) for w in sched.work],
+                [ScheduledSeq(w.seq.seq_id, w.start, w.stop) for w in ws],
                 min_tokens=MIN_STEP_TOKENS,
-                min_seqs=self._min_seqs(sum(w.stop - w.start for w in sched.work)),
+                min_seqs=self._min_seqs(sum(w.stop - w.start for w in ws)),
                 table_tokens=None
                 if steps is None
-                else [w.stop + k - 1 for w, k in zip(sched.work, steps, strict=True)],
+                else [w.stop + k - 1 for w, k in zip(ws, steps, strict=True)],
             )
             if prev is not None:  # placeholders: filled on the device (0 until then)
                 mask = b.token_ids == _PENDING
@@ -751,9 +785,7 @@ class LLM:
         batch = concat_batches(batches)
         S_b = batch.kv_lens.shape[0]
         S_r = S_b // len(batches)
-        placed = [
-            (r * S_r + i, w) for r, sched in enumerate(scheds) for i, w in enumerate(sched.work)
-        ]
+        placed = [(r * S_r + i, w) for r, ws in enumerate(works) for i, w in enumerate(ws)]
         rows, num_samples, num_cand = self._sampling_rows(placed)
         temp = np.zeros(S_b, np.float32)
         top_k = np.zeros(S_b, np.int32)
@@ -775,18 +807,61 @@ class LLM:
             else:
                 for i, (_, seed_row, _) in rows.items():
                     seeds[i, : len(seed_row)] = seed_row
+        sampling = (temp, top_k, top_p, min_p, seeds, out_pos)
+        penalties = self._penalties(placed, rows, S_b)
+        with _mesh_context(self.mesh):
+            tokens = self._tokens(batch, placed, prev, pending)
+        return self._send(
+            work, placed, steps, stalled, batch, tokens, sampling, penalties, num_cand, len(batches)
+        )
+
+    def _run_batch(self, work, steps, prev: _Launched, stalled, batch, rows, advance) -> _Launched:
+        """``_dispatch`` of a batch ``advance_batch`` built from multi-step launch
+        ``prev``'s: the sampling inputs are ``prev``'s rows ``rows``, each output position
+        ``advance`` further, and every row's input token is ``prev``'s last sample."""
+        if self.checked:
+            validate_batch(
+                batch,
+                num_pages=self.bm.num_pages,
+                page_size=self.page_size,
+                vocab_size=self.model.config.vocab_size,
+            )
+        S, S_b, T_b = len(rows), batch.kv_lens.shape[0], batch.token_ids.shape[0]
+        sampling = []
+        for old, pad in zip(prev.sampling, (0, 0, 1, 0, 0, 0), strict=True):
+            new = np.full((S_b, *old.shape[1:]), pad, old.dtype)
+            new[:S] = old[rows]
+            sampling.append(new)
+        sampling[5][:S] += np.asarray(advance, np.int32)  # out_pos
+        src = np.full(T_b, -1, np.int32)  # decode rows: token i is row i's
+        col = np.zeros(T_b, np.int32)
+        src[:S] = rows
+        col[:S] = np.asarray(advance, np.int32) - 1
+        with _mesh_context(self.mesh):
+            tokens = _merge_tokens(prev.outputs[0], src, col, batch.token_ids)
+        placed = list(enumerate(work))
+        return self._send(work, placed, steps, stalled, batch, tokens, tuple(sampling), None, 0, 1)
+
+    def _send(
+        self, work, placed, steps, stalled, batch, tokens, sampling, penalties, num_cand, replicas
+    ) -> _Launched:
+        """Dispatches the jitted step (or multi-step launch, with ``steps``) on ``batch``
+        with input ``tokens`` and the rows' ``sampling`` arrays (temperature, top-k,
+        top-p, min-p, seeds, output positions); returns it running."""
+        K = 1 if steps is None else self.num_scheduler_steps
+        S_b = batch.kv_lens.shape[0]
+        temp = sampling[0]
         shape = (batch.token_ids.shape[0], S_b, batch.page_indices.shape[-1], num_cand, K)
         if self._announce is not None and shape not in self._shapes_seen:
             self._announce(
                 f"{shape[0]} tokens x {S_b} sequences x {shape[2]} pages (once per shape)"
-                + (f", {len(batches)} replicas" if len(batches) > 1 else "")
+                + (f", {replicas} replicas" if replicas > 1 else "")
                 + (f", {K} steps a launch" if K > 1 else "")
             )
         self._shapes_seen.add(shape)
         compiled_before = self._run._cache_size()
         t1 = time.perf_counter()
         with _mesh_context(self.mesh):
-            tokens = self._tokens(batch, placed, prev, pending)
             # Host arrays go as they are: the jitted call moves them (cheaper than a
             # transfer each).
             toks, lps, cand_v, cand_i, self.cache = self._run(
@@ -797,13 +872,8 @@ class LLM:
                 AttentionMetadata.from_batch(
                     batch, batch_invariant=self.deterministic, on_device=False
                 ),
-                temp,
-                top_k,
-                top_p,
-                min_p,
-                seeds,
-                out_pos,
-                self._penalties(placed, rows, S_b),
+                *sampling,
+                penalties,
                 None if steps is None else np.pad(np.array(steps, np.int32), (0, S_b - len(steps))),
                 num_candidates=num_cand,
                 num_steps=K,
@@ -824,8 +894,10 @@ class LLM:
             num_tokens=batch.num_tokens if steps is None else sum(steps),
             outputs=(toks, lps, cand_v, cand_i),
             dispatch_s=0.0 if compiled else dispatch_s,
-            stalled=any(sched.stalled for sched in scheds),
+            stalled=stalled,
             steps=steps,
+            batch=batch if steps is not None else None,
+            sampling=sampling if steps is not None else None,
         )
 
     def _multi_step_ready(self) -> bool:
@@ -866,17 +938,68 @@ class LLM:
             return None
         return steps
 
+    def _continue(self, f: _Launched) -> _Launched | None:
+        """The multi-step launch that goes on from running launch ``f`` before its tokens
+        are known (overlapped steps), or None. Each row of ``f`` that has tokens left to
+        sample decodes ``f``'s last sample (read on the device) and up to K - 1 more; the
+        slots for all of them are reserved, and ``f``'s last samples are filled in with its
+        other tokens (``f.carried``). Only while multi-step decoding may run
+        (``_multi_step_ready``: nothing waits to be admitted) and ``f`` ran every running
+        sequence; None also when the pages are not free (the next step is scheduled once
+        ``f``'s tokens are known)."""
+        if not self.async_scheduling or not self._multi_step_ready():
+            return None
+        self._phase = "schedule"
+        sc, K = self.schedulers[0], self.num_scheduler_steps
+        live = sum(w.seq.finish_reason is None for w in f.work)
+        if live != sum(len(g.seqs) for g in sc.running):
+            return None  # a request was aborted or a sequence not run: schedule afresh
+        work, steps, rows, advance, reach = [], [], [], [], []
+        for (i, w), k in zip(f.placed, f.steps, strict=True):
+            if w.seq.finish_reason is not None:
+                continue
+            n = w.stop + k  # the sequence's length once f's tokens are in
+            left = min(K, w.group.max_len - n)
+            if left > 0:
+                work.append(Work(w.group, w.seq, n - 1, n, True))
+                steps.append(left)
+                rows.append(i)
+                advance.append(k)
+                reach.append(n + left - 1)
+        if not work:
+            return None
+        ids = [w.seq.seq_id for w in work]
+        if not sc.bm.reserve_tokens(ids, steps):
+            return None
+        f.carried = frozenset(ids)
+        self._step_groups = list({id(w.group): w.group for w in work}.values())
+        num_tokens = len(work)
+        batch = advance_batch(
+            sc.bm,
+            f.batch,
+            np.array(rows),
+            np.array(advance),
+            np.array(reach),
+            min_tokens=MIN_STEP_TOKENS,
+            min_seqs=self._min_seqs(num_tokens),
+        )
+        return self._dispatch([work], steps, f, stalled=False, advanced=(batch, rows, advance))
+
     def _tokens(self, batch, placed, prev: _Launched | None, pending: int):
         """The step's input tokens: the batch's (host), or on the device with each of its
-        ``pending`` placeholders (a token ``prev`` is sampling) taken from ``prev``'s
-        output."""
+        ``pending`` placeholders (a token ``prev`` is sampling: its last, for a
+        multi-step ``prev``) taken from ``prev``'s output."""
         if prev is None:
             return batch.token_ids
         src = np.full(batch.token_ids.shape[0], -1, np.int32)
+        col = np.zeros_like(src)
+        rows, multi = prev.rows, prev.steps is not None
         for i, w in placed:
-            row = prev.rows.get(id(w.seq))
-            if row is not None and w.stop == len(w.seq.tokens):  # decodes the placeholder
-                src[batch.logits_indices[i]] = row
+            at = rows.get(id(w.seq))
+            # decodes the placeholder (a continued multi-step launch: each row does)
+            if at is not None and (multi or w.stop == len(w.seq.tokens)):
+                t = batch.logits_indices[i]
+                src[t], col[t] = at
         found = int((src >= 0).sum())
         if found != pending:  # a placeholder anywhere else would compute a wrong token
             raise RuntimeError(
@@ -885,7 +1008,7 @@ class LLM:
             )
         if not found:
             return batch.token_ids
-        return _merge_tokens(prev.outputs[0], src, batch.token_ids)
+        return _merge_tokens(prev.outputs[0], src, col, batch.token_ids)
 
     def _place(self, f: _Launched) -> list[Seq]:
         """Readies the schedule that overlaps running step ``f``: each of its sampling
@@ -911,8 +1034,12 @@ class LLM:
         penalties, which count the tokens so far). Never for a multi-step launch, nor
         when the next step could be one (``_multi_step_ready``): a launch starts from
         known tokens."""
-        if not self.async_scheduling or self._suspects or f.stalled or f.steps is not None:
+        if not self.async_scheduling or self._suspects or f.stalled:
             return False
+        if f.steps is not None:  # some row goes on after it (``_continue``)
+            return any(
+                w.stop + k < w.group.max_len for (_, w), k in zip(f.placed, f.steps, strict=True)
+            )
         if self._multi_step_ready():
             return False  # the next launch may decode several steps: it needs every token
         for w in f.work:
@@ -1142,7 +1269,7 @@ class LLM:
             if not w.sample:
                 continue
             g, s, p = w.group, w.seq, w.group.params
-            pos = len(s.tokens) - s.prompt_len  # output position of the token sampled
+            pos = w.stop - s.prompt_len  # output position of the token sampled
             if p.use_beam_search:
                 num_cand = max(num_cand, bucket(2 * p.beam_width, 2))
                 rows[i] = (p, [g.seed + s.sample_index], pos)
@@ -1234,10 +1361,11 @@ class LLM:
             for (i, w), k in zip(f.placed, f.steps, strict=True)
             if w.seq.finish_reason is None
         ]
+        carried = f.carried  # their last sample is reserved too: the next launch decodes it
         self.schedulers[0].bm.fill_reserved(
             [w.seq.seq_id for _, w, _ in live],
             [w.stop for _, w, _ in live],
-            [toks[i, : k - 1] for i, _, k in live],
+            [toks[i, : k - (w.seq.seq_id not in carried)] for i, w, k in live],
         )
         self._phase = "apply"
         # Running sums of each row's log-probs from its sequence's, in float64 one at a
@@ -1674,9 +1802,10 @@ class LLM:
         bms = self.block_managers
         used = sum(bm.num_pages - 1 - bm.num_free_pages for bm in bms)
         m.max_pages_used = max(m.max_pages_used, used)
-        # The full recount walks every page of every sequence: sample it (every step while
-        # there are few sequences, every 8th step beyond), it is statistics, not control.
-        if sum(len(bm.seq_ids) for bm in bms) <= 16 or m.steps % 8 == 1:
+        # The full recount walks every page of every sequence: sample it (every call while
+        # there are few sequences, every 8th beyond), it is statistics, not control.
+        self._accounted += 1
+        if sum(len(bm.seq_ids) for bm in bms) <= 16 or self._accounted % 8 == 1:
             stats = [bm.stats() for bm in bms]
             total = {k: sum(st[k] for st in stats) for k in stats[0]}
             pages = total["pages_used"] * self.page_size
@@ -2018,12 +2147,23 @@ class _Launched:
     dispatch_s: float  # the dispatch call's time (0 when it compiled)
     stalled: bool  # its speculative schedule stopped short of a preemption
     # Multi-step decoding: the steps each placed row runs (outputs then [S_b, K]); None:
-    # one step.
+    # one step. Then also its batch and sampling arrays, from which the next launch is
+    # built (``advance_batch``).
     steps: list[int] | None = None
-    rows: dict = dataclasses.field(init=False)  # id(Seq) -> batch row of its sample
+    batch: Any = None
+    sampling: tuple | None = None
+    rows: dict = dataclasses.field(init=False)  # id(Seq) -> (batch row, column) of its sample
+    # Multi-step: the sequences whose last sample a launch dispatched meanwhile decodes
+    # (``LLM._continue``): reserved in the block manager, filled with the others.
+    carried: frozenset = frozenset()
 
     def __post_init__(self):
-        self.rows = {id(w.seq): i for i, w in self.placed if w.sample}
+        if self.steps is None:
+            self.rows = {id(w.seq): (i, 0) for i, w in self.placed if w.sample}
+        else:  # its last sample
+            self.rows = {
+                id(w.seq): (i, k - 1) for (i, w), k in zip(self.placed, self.steps, strict=True)
+            }
 
     @property
     def iterations(self) -> int:
@@ -2033,10 +2173,10 @@ class _Launched:
 
 
 @jax.jit
-def _merge_tokens(prev_tokens, src, tokens):
-    """``i32[T]``: ``tokens``, with token t taken from ``prev_tokens[src[t], 0]`` (the
-    running step's samples, ``i32[S, J]``) where ``src[t] >= 0``."""
-    return jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0), 0], tokens)
+def _merge_tokens(prev_tokens, src, col, tokens):
+    """``i32[T]``: ``tokens``, with token t taken from ``prev_tokens[src[t], col[t]]``
+    (the running launch's samples, ``i32[S, J]``) where ``src[t] >= 0``."""
+    return jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0), col], tokens)
 
 
 # Swap copies, each replica's pages in its own pool (``per_replica``; as they are without

@@ -34,7 +34,10 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclasses.dataclass
+# eq=False: identity, as for any entity with a lifetime. (Field-wise equality made every
+# ``group in queue`` and ``queue.remove(group)`` compare fields: 14 ms to remove 256
+# finished groups from a running queue, newest first.)
+@dataclasses.dataclass(eq=False)
 class Seq:
     """One sequence: a sample or a beam. ``tokens`` = prompt + generated tokens."""
 
@@ -52,7 +55,7 @@ class Seq:
         return self.tokens[self.prompt_len :]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Group:
     """A request: its sequences, queue state and timings."""
 
