@@ -20,7 +20,7 @@ class ByteTokenizer:
         return [self.bos_id, *ids] if add_bos else ids
 
     def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+        return bytes([i for i in ids if 0 <= i < 256]).decode("utf-8", errors="replace")
 
 
 class TextTokenizer:
