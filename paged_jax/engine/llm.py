@@ -651,12 +651,13 @@ class LLM:
         held = DeferSignals()
         with held:
             try:
-                finished = self._step()
+                # kept before the handlers come back: a signal landing as they do (in
+                # __exit__) must not lose the step's outputs
+                self._undelivered += self._step()
             except BaseException as e:
                 held.restore()
                 self._on_fault(e)
                 raise
-        self._undelivered += finished
         held.release()  # may raise (KeyboardInterrupt): the outputs wait in _undelivered
         out, self._undelivered = self._undelivered, []
         return out
