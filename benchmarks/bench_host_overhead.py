@@ -90,6 +90,9 @@ def _timed(llm: LLM, prompts, params) -> dict:
 
 
 def _share(part: dict) -> float:
+    """The host's share of ``part``; NaN when it has no device step (none in it)."""
+    if not part["steps"]:
+        return float("nan")
     return part["host"] / max(part["host"] + part["device"], 1e-12)
 
 
@@ -114,8 +117,10 @@ def measure(model_name: str, num_seqs: int, steps: int, repeats: int, K: int) ->
         assert a["tokens"] == b["tokens"] == c["tokens"] == d["tokens"] == num_seqs * steps
 
         def beyond(part, c=c, d=d):  # the overlapped multi-step run's share beyond
-            dev = c[part]["device"] / max(c[part]["steps"], 1)  # the device's (without
-            wall = d[part]["wall"] / max(d[part]["steps"], 1)  # overlap)
+            if not (c[part]["steps"] and d[part]["steps"]):  # the device's (without
+                return float("nan")  # overlap); NaN: no such step
+            dev = c[part]["device"] / c[part]["steps"]
+            wall = d[part]["wall"] / d[part]["steps"]
             return max(wall - dev, 0.0) / max(wall, 1e-12)
 
         runs.append(
@@ -151,8 +156,10 @@ def measure(model_name: str, num_seqs: int, steps: int, repeats: int, K: int) ->
             )
         )
 
-    def stats(key):
-        xs = [r[key] for r in runs]
+    def stats(key):  # None: the part had no step in any run (NaN shares are left out)
+        xs = [r[key] for r in runs if r[key] == r[key]]
+        if not xs:
+            return dict(min=None, median=None, max=None)
         return dict(min=min(xs), median=statistics.median(xs), max=max(xs))
 
     return dict(
@@ -183,6 +190,8 @@ def main(argv=None) -> int:
             bar.advance()
 
     def mmm(d, scale=1.0, fmt="{:.1f}"):
+        if d["median"] is None:
+            return "n/a"
         return "/".join(fmt.format(scale * d[k]) for k in ("min", "median", "max"))
 
     shown = [
@@ -227,7 +236,7 @@ def main(argv=None) -> int:
         ("multi-step, steady decode", "multi_steady_host_share"),
         ("multi-step overlapped, steady decode", "multi_overlapped_steady_host_share"),
     ):
-        if at256:
+        if at256 and at256[0][key]["median"] is not None:
             share = at256[0][key]["median"]
             print(
                 f"goal host <= 5% of step time at 256 sequences ({mode}, median): "
