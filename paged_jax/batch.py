@@ -163,14 +163,9 @@ def build_batch(
         slot_mapping[..., :num_tokens] = page_indices[..., row, pos // P] * P + pos % P
 
     if take_copies:
-        src, dst = manager.take_copies()
+        copy_src, copy_dst = _copies(manager, min_copies)
     else:
-        src = dst = np.zeros(0, np.int32)
-    C_b = bucket(len(src), min_copies)
-    copy_src = np.zeros(C_b, np.int32)
-    copy_dst = np.zeros(C_b, np.int32)
-    copy_src[: len(src)] = src
-    copy_dst[: len(dst)] = dst
+        copy_src = copy_dst = np.zeros(bucket(0, min_copies), np.int32)
     return StepBatch(
         token_ids=token_ids,
         positions=positions,
@@ -185,6 +180,18 @@ def build_batch(
         seq_ids=tuple(s.seq_id for s in scheduled),
         num_tokens=num_tokens,
     )
+
+
+def _copies(manager: BlockManager, min_copies: int) -> tuple[np.ndarray, np.ndarray]:
+    """The manager's pending copy-on-write copies, taken (a step boundary), as
+    ``(copy_src, copy_dst)``, each ``i32[C_b]`` (padding copies page 0 onto itself)."""
+    src, dst = manager.take_copies()
+    C_b = bucket(len(src), min_copies)
+    copy_src = np.zeros(C_b, np.int32)
+    copy_dst = np.zeros(C_b, np.int32)
+    copy_src[: len(src)] = src
+    copy_dst[: len(dst)] = dst
+    return copy_src, copy_dst
 
 
 def advance_batch(
@@ -253,12 +260,7 @@ def advance_batch(
     kv_lens[:num_seqs] = start + 1
     logits_indices = np.zeros(S_b, np.int32)
     logits_indices[:num_seqs] = np.arange(num_seqs)
-    src, dst = manager.take_copies()
-    C_b = bucket(len(src), min_copies)
-    copy_src = np.zeros(C_b, np.int32)
-    copy_dst = np.zeros(C_b, np.int32)
-    copy_src[: len(src)] = src
-    copy_dst[: len(dst)] = dst
+    copy_src, copy_dst = _copies(manager, min_copies)
     return StepBatch(
         token_ids=token_ids,
         positions=positions,

@@ -153,6 +153,10 @@ class _Seq:
     def pages_changed(self) -> None:
         self._pages_np = None
 
+    def filled(self) -> int:
+        """Tokens before the first reserved one not yet filled (all of them if none)."""
+        return self.tokens.n if self.reserved is None else self.reserved
+
 
 def _as_tokens(token_ids, name: str = "token_ids") -> np.ndarray:
     arr = np.asarray(token_ids)
@@ -557,7 +561,7 @@ class BlockManager:
         by an earlier step (tokens appended within this step are not)."""
         if seq.last_append_step != self._step:
             seq.last_append_step = self._step
-            done = seq.tokens.n if seq.reserved is None else seq.reserved
+            done = seq.filled()
             if done > seq.num_computed:
                 self._mark_computed(seq, done)
 
@@ -635,7 +639,7 @@ class BlockManager:
         table, seqs, need = self._seqs, [], 0
         ks = []
         for seq_id, k in zip(seq_ids, counts, strict=True):
-            if type(k) is not int or k < 0:  # (the common case in one test)
+            if type(k) is not int or k < 0:  # a plain int >= 0 passes on one check
                 if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
                     raise ValueError(f"counts: expected ints >= 0, got {k!r} for {seq_id!r}")
                 k = int(k)
@@ -693,7 +697,7 @@ class BlockManager:
 
     def _sync_computed(self, seq: _Seq) -> None:
         """Tokens appended in earlier steps are computed once a step boundary passed."""
-        done = seq.tokens.n if seq.reserved is None else seq.reserved
+        done = seq.filled()
         if 0 <= seq.last_append_step < self._step and seq.num_computed < done:
             self._mark_computed(seq, done)
 

@@ -746,18 +746,12 @@ class LLM:
         steps: list[int] | None,
         prev: _Launched | None,
         stalled,
-        advanced: tuple | None = None,
     ) -> _Launched:
         """Builds the batch of ``works`` (each scheduler's, in order) and dispatches it:
         one step, or with ``steps`` (one per row) a multi-step launch. ``prev``: the
-        launch still running, whose samples some rows decode (placeholders in the
-        batch); ``stalled``: the schedule stopped short of a preemption. ``advanced``:
-        ``(batch, rows, advance)``, the batch already built from multi-step launch
-        ``prev``'s (``_continue``): row i goes on from ``prev``'s row ``rows[i]``,
-        ``advance[i]`` tokens on, decoding its last sample."""
+        step still running, whose samples some rows decode (placeholders in the batch);
+        ``stalled``: the schedule stopped short of a preemption."""
         work = [w for ws in works for w in ws]
-        if advanced is not None:
-            return self._run_batch(work, steps, prev, stalled, *advanced)
         batches, pending = [], 0
         for sc, ws in zip(self.schedulers, works, strict=True):
             b = build_batch(
@@ -816,10 +810,11 @@ class LLM:
             work, placed, steps, stalled, batch, tokens, sampling, penalties, num_cand, len(batches)
         )
 
-    def _run_batch(self, work, steps, prev: _Launched, stalled, batch, rows, advance) -> _Launched:
+    def _run_batch(self, work, steps, prev: _Launched, batch, rows, advance) -> _Launched:
         """``_dispatch`` of a batch ``advance_batch`` built from multi-step launch
-        ``prev``'s: the sampling inputs are ``prev``'s rows ``rows``, each output position
-        ``advance`` further, and every row's input token is ``prev``'s last sample."""
+        ``prev``'s: row i goes on from ``prev``'s row ``rows[i]``, ``advance[i]`` tokens
+        on, its sampling inputs that row's (the output position ``advance[i]`` further)
+        and its input token ``prev``'s last sample of the row."""
         if self.checked:
             validate_batch(
                 batch,
@@ -841,7 +836,7 @@ class LLM:
         with _mesh_context(self.mesh):
             tokens = _merge_tokens(prev.outputs[0], src, col, batch.token_ids)
         placed = list(enumerate(work))
-        return self._send(work, placed, steps, stalled, batch, tokens, tuple(sampling), None, 0, 1)
+        return self._send(work, placed, steps, False, batch, tokens, tuple(sampling), None, 0, 1)
 
     def _send(
         self, work, placed, steps, stalled, batch, tokens, sampling, penalties, num_cand, replicas
@@ -984,23 +979,19 @@ class LLM:
             min_tokens=MIN_STEP_TOKENS,
             min_seqs=self._min_seqs(num_tokens),
         )
-        return self._dispatch([work], steps, f, stalled=False, advanced=(batch, rows, advance))
+        return self._run_batch(work, steps, f, batch, rows, advance)
 
     def _tokens(self, batch, placed, prev: _Launched | None, pending: int):
         """The step's input tokens: the batch's (host), or on the device with each of its
-        ``pending`` placeholders (a token ``prev`` is sampling: its last, for a
-        multi-step ``prev``) taken from ``prev``'s output."""
+        ``pending`` placeholders (a token ``prev``, a single step, is sampling) taken from
+        ``prev``'s output."""
         if prev is None:
             return batch.token_ids
         src = np.full(batch.token_ids.shape[0], -1, np.int32)
-        col = np.zeros_like(src)
-        rows, multi = prev.rows, prev.steps is not None
         for i, w in placed:
-            at = rows.get(id(w.seq))
-            # decodes the placeholder (a continued multi-step launch: each row does)
-            if at is not None and (multi or w.stop == len(w.seq.tokens)):
-                t = batch.logits_indices[i]
-                src[t], col[t] = at
+            row = prev.rows.get(id(w.seq))
+            if row is not None and w.stop == len(w.seq.tokens):  # decodes the placeholder
+                src[batch.logits_indices[i]] = row
         found = int((src >= 0).sum())
         if found != pending:  # a placeholder anywhere else would compute a wrong token
             raise RuntimeError(
@@ -1009,7 +1000,7 @@ class LLM:
             )
         if not found:
             return batch.token_ids
-        return _merge_tokens(prev.outputs[0], src, col, batch.token_ids)
+        return _merge_tokens(prev.outputs[0], src, np.zeros_like(src), batch.token_ids)
 
     def _place(self, f: _Launched) -> list[Seq]:
         """Readies the schedule that overlaps running step ``f``: each of its sampling
@@ -1032,9 +1023,10 @@ class LLM:
         is on, no request is isolated as a suspect, ``f``'s schedule did not stop short
         of a preemption (the next one makes it, from known tokens), and each sampling row
         only appends its token (no beam search, no first token of n samples to fork, no
-        penalties, which count the tokens so far). Never for a multi-step launch, nor
-        when the next step could be one (``_multi_step_ready``): a launch starts from
-        known tokens."""
+        penalties, which count the tokens so far). A multi-step launch, when one of its
+        rows has tokens left after it (the next launch goes on from it, ``_continue``); a
+        single step never when the next could be a launch (``_multi_step_ready``), which
+        starts from known tokens."""
         if not self.async_scheduling or self._suspects or f.stalled:
             return False
         if f.steps is not None:  # some row goes on after it (``_continue``)
@@ -2153,18 +2145,13 @@ class _Launched:
     steps: list[int] | None = None
     batch: Any = None
     sampling: tuple | None = None
-    rows: dict = dataclasses.field(init=False)  # id(Seq) -> (batch row, column) of its sample
+    rows: dict = dataclasses.field(init=False)  # id(Seq) -> batch row of its sample
     # Multi-step: the sequences whose last sample a launch dispatched meanwhile decodes
     # (``LLM._continue``): reserved in the block manager, filled with the others.
     carried: frozenset = frozenset()
 
     def __post_init__(self):
-        if self.steps is None:
-            self.rows = {id(w.seq): (i, 0) for i, w in self.placed if w.sample}
-        else:  # its last sample
-            self.rows = {
-                id(w.seq): (i, k - 1) for (i, w), k in zip(self.placed, self.steps, strict=True)
-            }
+        self.rows = {id(w.seq): i for i, w in self.placed if w.sample}
 
     @property
     def iterations(self) -> int:
