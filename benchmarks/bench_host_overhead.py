@@ -5,7 +5,8 @@ at a time, overlapped steps (``async_scheduling``, the default), multi-step deco
 (each built and dispatched while the one before runs).
 
 ``python -m benchmarks host_overhead [--seqs 64 256 1024] [--steps N] [--repeats R]
-[--scheduler-steps K] [--model tiny-llama|NAME]``
+[--scheduler-steps K] [--model tiny-llama|NAME]``, written to ``host_overhead.json``
+(tiny-llama) or ``host_overhead_NAME.json``.
 
 The engine runs N sequences of a 16-token prompt each (``ignore_eos``, every one to
 ``--steps`` tokens) for a warm-up pass (compiles every shape), then ``R`` timed passes of
@@ -37,6 +38,12 @@ import time
 from benchmarks.common import environment, positive_int, progress, table, write_result
 from paged_jax import models
 from paged_jax.engine import LLM, SamplingParams
+
+
+def result_name(model: str) -> str:
+    """The results file's name for ``model``: ``host_overhead`` for the default tiny-llama,
+    ``host_overhead_<model>`` for another (so that a real model's record sits beside it)."""
+    return "host_overhead" if model == "tiny-llama" else f"host_overhead_{model}"
 
 
 def _engine(model, tokenizer, num_seqs: int, steps: int, overlapped: bool, K: int = 1) -> LLM:
@@ -243,7 +250,7 @@ def main(argv=None) -> int:
                 f"{100 * share:.1f}%, {'met' if share <= 0.05 else 'NOT met'}"
             )
     path = write_result(
-        "host_overhead",
+        result_name(args.model),
         {
             "benchmark": "host_overhead",
             "environment": environment(with_jax=True),

@@ -349,3 +349,10 @@ def test_host_overhead_benchmark_runs_every_mode_and_writes_where_told(tmp_path,
     assert row["steps_multi"] == row["steps_plain"] == row["steps_multi_overlapped"] == 9
     # the first launch finishes nothing: steady; the second finishes every request
     assert row["steady_steps_multi"] == 4
+
+
+def test_host_overhead_records_another_model_beside_tiny_llama():
+    from benchmarks.bench_host_overhead import result_name
+
+    assert result_name("tiny-llama") == "host_overhead"
+    assert result_name("smollm2-135m-instruct") == "host_overhead_smollm2-135m-instruct"
