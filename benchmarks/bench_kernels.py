@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import environment, positive_int, progress, table, time_samples, write_result
+from paged_jax._hugepages import thp_mode, use_huge_pages
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = jnp.bfloat16
@@ -79,13 +80,21 @@ def copy_bandwidth(repeats: int) -> float:
     On CPU the copy is in place (the input donated): XLA:CPU allocates a fresh output for
     every call, and first touching its pages cost more than the copy (5.6-6.4 GB/s at
     64-512 MiB against 34-39 GB/s in place, 2-core AMD EPYC, 2026-11-23), which made this
-    ceiling a page-fault rate, not the memory's."""
+    ceiling a page-fault rate, not the memory's. Its buffer is backed as the pools are
+    (2 MiB pages where the kernel allows, ``cpu_buffer``), so both read the same kind of
+    memory."""
     on_cpu = jax.default_backend() == "cpu"
     nbytes = (1 << 28) if on_cpu else (1 << 31)
-    x = jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32)
     if not on_cpu:
+        x = jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32)
         f = jax.jit(lambda a: a * 1.0001)  # reads and writes every byte once
         return 2 * nbytes / statistics.median(time_samples(f, x, repeats=repeats))
+    x = cpu_buffer(
+        (nbytes // 4,),
+        jnp.float32,
+        lambda key: jax.random.normal(key, (nbytes // 4,), jnp.float32),
+        jax.random.key(0),
+    )
     f = jax.jit(lambda a: a * 1.0001, donate_argnums=0)
     state = [x]
 
@@ -105,12 +114,29 @@ def matmul_rate(repeats: int) -> float:
     return 2 * n**3 / statistics.median(time_samples(f, a, b, repeats=repeats))
 
 
+def cpu_buffer(shape, dtype, fill, *args):
+    """``fill(*args)`` (a ``shape`` ``dtype`` array; ``args``: arrays) written in place into
+    a CPU buffer backed as the engine backs its pool: zeros first, given 2 MiB pages where
+    the kernel allows (``paged_jax._hugepages.use_huge_pages``), then filled by a donated
+    call (XLA writes into the same buffer)."""
+    buf = jnp.zeros(shape, dtype)
+    use_huge_pages(buf)
+    return jax.jit(lambda buf, *a: buf.at[...].set(fill(*a)), donate_argnums=0)(buf, *args)
+
+
 def random_pool(num_pages: int, seed: int = 0, dtype=DTYPE):
     """``[num_pages, PAGE, 2 * HKV, D]`` random values: at most 4096 random pages repeated to
-    size by one gather, so pools of tens of GiB never need a temporary of their size."""
+    size by one gather, so pools of tens of GiB never need a temporary of their size. On a
+    CPU the pool's memory is backed as the engine's pool is (``cpu_buffer``)."""
     base_pages = min(num_pages, 4096)
     base = jax.random.normal(jax.random.key(seed), (base_pages, PAGE, 2 * HKV, D), dtype)
-    return jnp.take(base, jnp.arange(num_pages) % base_pages, axis=0)
+
+    def pool(base):
+        return jnp.take(base, jnp.arange(num_pages) % base_pages, axis=0)
+
+    if jax.default_backend() == "cpu":
+        return cpu_buffer((num_pages, PAGE, 2 * HKV, D), dtype, pool, base)
+    return pool(base)
 
 
 def make_inputs(seqs: int, kv_len: int, q_len: int = 1, seed: int = 0):
@@ -411,6 +437,9 @@ def main(argv=None) -> int:
                 "benchmark": "kernels",
                 "environment": env,
                 "copy_bandwidth_gbps": bw / 1e9,
+                # the kernel's transparent huge page mode (CPU pools use 2 MiB pages with
+                # "madvise" or "always"); None off Linux
+                "thp_mode": thp_mode() if on_cpu else None,
                 "matmul_bf16_tflops": None if mm is None else mm / 1e12,
                 "peaks": peaks,
                 "parameters": dict(

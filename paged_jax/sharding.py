@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from paged_jax._hugepages import use_huge_pages
 from paged_jax.cache import PagedKVCache
 
 TENSOR_AXIS = "tp"
@@ -181,7 +182,9 @@ def create_cache(make: Callable[[], PagedKVCache], mesh: Mesh) -> PagedKVCache:
         return replicate_kv_heads(cache, kv_head_replicas(cache.num_kv_heads, tp))
 
     _check_pages(jax.eval_shape(make).num_pages, data_parallel_size(mesh))
-    return jax.jit(build, out_shardings=cache_shardings(jax.eval_shape(build), mesh))()
+    cache = jax.jit(build, out_shardings=cache_shardings(jax.eval_shape(build), mesh))()
+    use_huge_pages(cache.kv_pages)  # on CPU devices: 2 MiB pages for each shard
+    return cache
 
 
 def _check_pages(num_pages: int, dp: int) -> None:
