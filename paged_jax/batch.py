@@ -126,23 +126,12 @@ def build_batch(
     logits_indices[:num_seqs] = cu[1 : num_seqs + 1] - 1
 
     if G is None and num_tokens == num_seqs:  # decode only: one token a row, no per-row arrays
-        toks, slots, tables, used = [], [], [], []
-        for seq, pos, cover in zip(seqs, starts, reach, strict=True):
-            pages = seq.pages
-            toks.append(seq.tokens.buf[pos])
-            slots.append(pages[pos // P] * P + pos % P)
-            k = -(-cover // P)
-            used.append(k)
-            table = seq.pages_np()
-            tables.append(table if k == len(table) else table[:k])
         if num_seqs:
-            positions[:num_seqs] = starts
-            token_ids[:num_seqs] = toks
-            slot_mapping[:num_seqs] = slots
-            # row-major order of the mask = the tables one after the other
-            page_indices[:num_seqs][np.arange(M_b) < np.array(used)[:, None]] = np.concatenate(
-                tables
-            )
+            _gather_tables(manager, [seq.row for seq in seqs], reach, page_indices)
+            pos = np.asarray(starts, np.int64)
+            positions[:num_seqs] = pos
+            token_ids[:num_seqs] = [seq.tokens.buf[p] for seq, p in zip(seqs, starts, strict=True)]
+            slot_mapping[:num_seqs] = page_indices[np.arange(num_seqs), pos // P] * P + pos % P
     elif num_seqs:  # whole arrays at once: per row only its table and tokens are read
         tables, toks = [], []
         used = [-(-r // P) for r in reach]
@@ -182,6 +171,19 @@ def build_batch(
     )
 
 
+def _gather_tables(manager: BlockManager, rows, reach, page_indices: np.ndarray) -> None:
+    """Writes into ``page_indices[:S]`` (``i32[S_b, M_b]``, zeros) the block tables of the
+    S sequences at ``rows`` of ``manager.tables()``, each up to the page of its token
+    ``reach[i] - 1`` (``reach``: ``int[S]``, within the sequence's tokens), by one gather."""
+    P = manager.page_size
+    table = manager.tables()
+    S = len(rows)
+    used = -(-np.asarray(reach, np.int64) // P)  # [S] entries each row reads
+    cols = min(page_indices.shape[-1], table.shape[1])
+    got = table[rows, :cols]
+    page_indices[:S, :cols] = np.where(np.arange(cols) < used[:, None], got, 0)
+
+
 def _copies(manager: BlockManager, min_copies: int) -> tuple[np.ndarray, np.ndarray]:
     """The manager's pending copy-on-write copies, taken (a step boundary), as
     ``(copy_src, copy_dst)``, each ``i32[C_b]`` (padding copies page 0 onto itself)."""
@@ -207,18 +209,16 @@ def advance_batch(
     min_copies: int = 8,
 ) -> StepBatch:
     """The decode batch that goes on from decode batch ``prev`` (one token a row) without
-    reading every block table again: the engine's next multi-step launch, built while
-    the one before runs.
+    scheduling again: the engine's next multi-step launch, built while the one before
+    runs.
 
     Row i decodes the token at ``prev.positions[rows[i]] + advance[i]`` of the sequence
     of ``prev``'s row ``rows[i]`` (``rows``, ``advance``: ``int[S]``), its block table
-    covering ``table_tokens[i]`` tokens (``int[S]``); token ids are 0 (the caller puts
-    the tokens there). The same arrays as ``build_batch`` of those rows with these
-    ``table_tokens`` (and the same buckets), given that each sequence only grew since
-    ``prev`` was built: of each table only the entries from ``prev``'s last one on are
-    read (that one may have been replaced by a copy-on-write), the whole table for a
-    sequence with a sliding window (whose leading pages are dropped). The manager's
-    pending copies are taken. A plain ``BlockManager`` only.
+    covering ``table_tokens[i]`` tokens (``int[S]``, at most the sequence's tokens);
+    token ids are 0 (the caller puts the tokens there). The same arrays as
+    ``build_batch`` of those rows with these ``table_tokens`` (and the same buckets);
+    the tables come from the manager's ``tables()`` in one gather. The manager's pending
+    copies are taken. A plain ``BlockManager`` only.
     """
     P = manager.page_size
     rows = np.asarray(rows, np.int64)
@@ -226,27 +226,23 @@ def advance_batch(
     ids = [prev.seq_ids[r] for r in rows.tolist()]
     start = prev.positions[rows].astype(np.int64) + advance
     reach = np.maximum(np.asarray(table_tokens, np.int64), start + 1)
-    used = -(-reach // P)
-    # prev's table entries of each row (its real pages are never the null page 0)
-    had = np.minimum(np.count_nonzero(prev.page_indices[rows], axis=1), used)
+    find = manager._device_seq  # noqa: SLF001
+    found = np.array(
+        [(s.row, s.tokens.n) for s in (find(i, "advance_batch") for i in ids)], np.int64
+    ).reshape(num_seqs, 2)  # [S, (row of tables(), tokens)]
+    over = np.flatnonzero(reach > found[:, 1])
+    if len(over):
+        i = int(over[0])
+        raise ValueError(
+            f"table_tokens[{i}]: expected <= num_tokens={found[i, 1]} for seq_id "
+            f"{ids[i]!r}, got {int(reach[i])}"
+        )
     T_b = bucket(num_seqs, min_tokens)
     S_b = bucket(num_seqs, min_seqs)
-    M_b = bucket(int(used.max()) if num_seqs else 1, min_pages)
+    M_b = bucket(-(-int(reach.max()) // P) if num_seqs else 1, min_pages)
     page_indices = np.zeros((S_b, M_b), np.int32)
-    keep = min(M_b, prev.page_indices.shape[1])
-    page_indices[:num_seqs, :keep] = prev.page_indices[rows, :keep]
-    # each row's entries [first, used) read again: from prev's last one on
-    first, fresh = (had - 1).tolist(), []
-    for i, (seq_id, b) in enumerate(zip(ids, used.tolist(), strict=True)):
-        seq = manager._device_seq(seq_id, "advance_batch")  # noqa: SLF001
-        a = first[i]
-        if not 0 <= a < b <= len(seq.pages) or seq.window is not None:
-            a = first[i] = 0
-        fresh += seq.pages[a:b]
-    if num_seqs:  # row-major order of the mask = the rows' entries one after the other
-        cols = np.arange(M_b)
-        within = (cols >= np.array(first)[:, None]) & (cols < used[:, None])
-        page_indices[:num_seqs][within] = fresh
+    if num_seqs:
+        _gather_tables(manager, found[:, 0], reach, page_indices)
     token_ids = np.zeros(T_b, np.int32)
     positions = np.zeros(T_b, np.int32)
     positions[:num_seqs] = start

@@ -125,6 +125,7 @@ class _Seq:
         "window",
         "dropped",
         "_pages_np",
+        "row",
     )
 
     def __init__(self, pages: list[int], tokens: _Tokens, root: bytes, window: int | None):
@@ -144,6 +145,7 @@ class _Seq:
         self.window = window  # keys each token attends to (None: all)
         self.dropped = 0
         self._pages_np: np.ndarray | None = None
+        self.row = -1  # its row of BlockManager.tables() (-1: none)
 
     def pages_np(self) -> np.ndarray:
         if self._pages_np is None or len(self._pages_np) != len(self.pages):
@@ -216,6 +218,12 @@ class BlockManager:
         # most recently freed page.
         self._free = list(range(self.num_pages - 1, 0, -1))
         self._seqs: dict[Hashable, _Seq] = {}
+        # Every sequence's block table is also a row of one array (_Seq.row), kept equal
+        # to its pages (zeros after them) as they change: a step's tables are one gather
+        # (build_batch, advance_batch), not one list per sequence. Rows and columns double
+        # when a sequence or a table needs more.
+        self._table = np.zeros((8, 8), np.int32)
+        self._free_rows = list(range(7, -1, -1))
         # Prefix cache: key -> page, page -> key, page -> its token bytes (for checking).
         self._cached: dict[bytes, int] = {}
         self._page_key: dict[int, bytes] = {}
@@ -326,6 +334,42 @@ class BlockManager:
     def pages_np(self, seq_id: Hashable) -> np.ndarray:
         """``i32[num_pages_of_seq]``: the block table as an array (cached; do not modify)."""
         return self._device_seq(seq_id, "pages_np").pages_np()
+
+    def tables(self) -> np.ndarray:
+        """``i32[R, C]``: every sequence's block table as row ``_Seq.row`` (its pages,
+        host slots while swapped out, then zeros); rows of no sequence are zeros. Updated
+        in place as tables change, and replaced by a larger array when a table grows past
+        ``C`` entries or more than ``R`` sequences exist: read it again after changing
+        the manager, and never modify it."""
+        return self._table
+
+    def _add_row(self, seq: _Seq) -> None:
+        """Gives a new sequence its row of ``tables()`` and writes its pages there."""
+        if not self._free_rows:
+            rows = self._table.shape[0]
+            self._table = np.pad(self._table, ((0, rows), (0, 0)))
+            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
+        seq.row = self._free_rows.pop()
+        self._pages_changed(seq)
+
+    def _drop_row(self, seq: _Seq) -> None:
+        self._table[seq.row, : len(seq.pages)] = 0
+        self._free_rows.append(seq.row)
+        seq.row = -1
+
+    def _pages_changed(self, seq: _Seq, start: int = 0) -> None:
+        """``seq.pages`` changed from entry ``start`` on (grew, or entries replaced): its
+        cached array is dropped and its row of ``tables()`` follows."""
+        seq._pages_np = None
+        pages = seq.pages
+        n = len(pages)
+        if n > self._table.shape[1]:
+            width = 1 << (n - 1).bit_length()
+            self._table = np.pad(self._table, ((0, 0), (0, width - self._table.shape[1])))
+        if n - start == 1:  # the common change, one new page: a scalar write is 5x faster
+            self._table[seq.row, start] = pages[start]
+        elif start < n:
+            self._table[seq.row, start:n] = pages[start:]
 
     # ------------------------------------------------------------------ admission checks
     def pages_needed(self, num_tokens: int) -> int:
@@ -511,6 +555,7 @@ class BlockManager:
         seq.num_hashed = len(hits)
         seq.last_key = key
         self._seqs[seq_id] = seq
+        self._add_row(seq)
         self._drop_out_of_window(seq)  # hits no prompt token reads
         return len(hits) * P
 
@@ -572,6 +617,7 @@ class BlockManager:
         them."""
         pages, n = seq.pages, seq.tokens.n
         num_new = tokens if isinstance(tokens, int) else len(tokens)
+        start = len(pages)  # the first entry that changes
         if n % self.page_size and num_new and self._refcount[pages[-1]] > 1:
             old = pages[-1]
             new = self._take_page()
@@ -581,9 +627,10 @@ class BlockManager:
             self._pending_src[old] = self._pending_src.get(old, 0) + 1
             self._unref(old)
             pages[-1] = new
+            start -= 1
         for _ in range(self.pages_needed(n + num_new) - len(pages)):
             pages.append(self._take_page())
-        seq.pages_changed()
+        self._pages_changed(seq, start)
         seq.tokens.extend(tokens)
 
     def append_tokens(self, seq_ids: Sequence[Hashable], tokens: Sequence[int]) -> bool:
@@ -716,12 +763,12 @@ class BlockManager:
         dead = (seq.num_computed - seq.window + 1) // self.page_size
         if dead <= seq.dropped:
             return
-        pages = seq.pages
-        for i in range(seq.dropped, dead):
+        pages, start = seq.pages, seq.dropped
+        for i in range(start, dead):
             page, pages[i] = pages[i], NULL_PAGE
             self._unref(page)
         seq.dropped = dead
-        seq.pages_changed()
+        self._pages_changed(seq, start)
 
     def _register(self, seq: _Seq, num_tokens: int) -> None:
         """Enters the sequence's full computed pages in the prefix cache."""
@@ -775,6 +822,7 @@ class BlockManager:
         child.last_append_step = parent.last_append_step
         child.reserved = parent.reserved
         self._seqs[child_id] = child
+        self._add_row(child)
 
     def free(self, seq_id: Hashable) -> None:
         """Releases the sequence's pages (device or host). Full cached pages stay cached.
@@ -783,6 +831,7 @@ class BlockManager:
         """
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
+        self._drop_row(seq)
         if seq.swapped:
             for slot in seq.pages[seq.dropped :]:
                 self._host_refcount[slot] -= 1
@@ -861,7 +910,7 @@ class BlockManager:
                 self._host_refcount[to_host[page]] += 1
             seq.pages = [to_host[p] for p in seq.pages]
             seq.swapped = True
-            seq.pages_changed()
+            self._pages_changed(seq)
             for page in reversed(live):
                 self._unref(page)
         return plan
@@ -894,7 +943,7 @@ class BlockManager:
                     self._host_free.append(slot)
             seq.pages = [to_device[s] for s in seq.pages]
             seq.swapped = False
-            seq.pages_changed()
+            self._pages_changed(seq)
             # Re-register the restored full pages (their old device copies may be gone).
             seq.last_key, seq.num_hashed = seq.root, 0
             self._register(seq, seq.num_computed)
@@ -967,8 +1016,14 @@ class BlockManager:
                 for p in seq.pages[seq.dropped :]:
                     counts[p] += 1
             assert len(seq.pages) == self.pages_needed(seq.tokens.n), "table length drift"
+            row = self._table[seq.row]
+            assert row[: len(seq.pages)].tolist() == seq.pages, "tables() row drift"
+            assert not row[len(seq.pages) :].any(), "tables() row tail not zero"
             assert seq.num_computed <= seq.tokens.n
         assert counts == self._refcount, "refcount != block-table references"
+        rows = [seq.row for seq in self._seqs.values()]
+        assert sorted(rows + self._free_rows) == list(range(self._table.shape[0])), "row drift"
+        assert not self._table[self._free_rows].any(), "a free row of tables() not zero"
         assert host_counts == self._host_refcount, "host refcount drift"
         assert counts[NULL_PAGE] == 0 and NULL_PAGE not in self._free, "null page handed out"
         free = set(self._free)

@@ -761,3 +761,48 @@ def test_build_batch_shapes_depend_only_on_buckets(specs):
     assert np.all(q_lens <= b.kv_lens[: len(specs)])
     slots = b.slot_mapping[:T]
     assert len(set(slots.tolist())) == T and np.all(slots >= 8)
+
+
+def test_tables_rows_follow_every_block_table_change():
+    """tables(): one row per sequence equal to its block table (zeros after it), through
+    appends, a copy-on-write, forks, swaps, a sliding window and frees, and while the
+    array grows past its first 8 rows and 8 columns."""
+    bm = BlockManager(96, P, watermark=0.0, num_host_pages=48)
+
+    def check():
+        bm.check_invariants()  # includes the rows
+        t = bm.tables()
+        for sid in bm.seq_ids:
+            row = t[bm._device_seq(sid, "test").row] if not bm.is_swapped(sid) else None
+            if row is not None:
+                n = len(bm.block_table(sid))
+                assert row[:n].tolist() == bm.block_table(sid) and not row[n:].any()
+
+    for i in range(10):  # > 8 rows
+        bm.allocate(i, list(range(3 + i)))
+        bm.mark_computed(i, 3 + i)
+    check()
+    assert bm.append_tokens(list(range(10)), [7] * 10)
+    bm.take_copies()
+    bm.fork(3, "3b")  # shares 3's partial last page
+    bm.append_slots("3b", [1])  # copy-on-write: its last entry changes
+    assert bm.block_table("3b")[-1] != bm.block_table(3)[-1]
+    check()
+    bm.take_copies()
+    bm.append_slots(0, list(range(40)))  # 44 tokens: 11 pages > 8 columns
+    assert bm.tables().shape[1] >= 11
+    check()
+    bm.take_copies()
+    bm.mark_computed(0, bm.num_tokens(0))
+    bm.swap_out([5])
+    check()
+    bm.swap_in([5])
+    check()
+    bm.allocate("w", list(range(20)), sliding_window=6)
+    bm.mark_computed("w", 20)  # leading pages dropped: their entries become 0
+    assert bm.block_table("w")[0] == 0
+    check()
+    for sid in [0, "3b", "w", 7]:
+        bm.free(sid)
+    check()
+    assert not bm.tables()[bm._free_rows].any()  # freed rows are zeros again
