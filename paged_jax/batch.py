@@ -137,7 +137,7 @@ def build_batch(
         used = [-(-r // P) for r in reach]
         for i, s in enumerate(scheduled):
             if G is None:
-                pages, buf = seqs[i].pages_np(), seqs[i].tokens.buf
+                pages, buf = manager.tables()[seqs[i].row], seqs[i].tokens.buf
             else:
                 pages = manager.pages_np(s.seq_id)  # [G, pages]
                 buf = manager.token_buffer(s.seq_id)

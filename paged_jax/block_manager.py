@@ -124,7 +124,6 @@ class _Seq:
         "reserved",
         "window",
         "dropped",
-        "_pages_np",
         "row",
     )
 
@@ -144,16 +143,7 @@ class _Seq:
         self.reserved: int | None = None
         self.window = window  # keys each token attends to (None: all)
         self.dropped = 0
-        self._pages_np: np.ndarray | None = None
         self.row = -1  # its row of BlockManager.tables() (-1: none)
-
-    def pages_np(self) -> np.ndarray:
-        if self._pages_np is None or len(self._pages_np) != len(self.pages):
-            self._pages_np = np.asarray(self.pages, np.int32)
-        return self._pages_np
-
-    def pages_changed(self) -> None:
-        self._pages_np = None
 
     def filled(self) -> int:
         """Tokens before the first reserved one not yet filled (all of them if none)."""
@@ -329,11 +319,14 @@ class BlockManager:
                 f"start={start}, stop={stop}"
             )
         pos = np.arange(start, stop, dtype=np.int32)
-        return seq.pages_np()[pos // self.page_size] * self.page_size + pos % self.page_size
+        table = self._table[seq.row, : len(seq.pages)]
+        return table[pos // self.page_size] * self.page_size + pos % self.page_size
 
     def pages_np(self, seq_id: Hashable) -> np.ndarray:
-        """``i32[num_pages_of_seq]``: the block table as an array (cached; do not modify)."""
-        return self._device_seq(seq_id, "pages_np").pages_np()
+        """``i32[num_pages_of_seq]``: the block table as an array, a view of its row of
+        ``tables()`` (do not modify it; it follows the table until the array grows)."""
+        seq = self._device_seq(seq_id, "pages_np")
+        return self._table[seq.row, : len(seq.pages)]
 
     def tables(self) -> np.ndarray:
         """``i32[R, C]``: every sequence's block table as row ``_Seq.row`` (its pages,
@@ -359,8 +352,7 @@ class BlockManager:
 
     def _pages_changed(self, seq: _Seq, start: int = 0) -> None:
         """``seq.pages`` changed from entry ``start`` on (grew, or entries replaced): its
-        cached array is dropped and its row of ``tables()`` follows."""
-        seq._pages_np = None
+        row of ``tables()`` follows."""
         pages = seq.pages
         n = len(pages)
         if n > self._table.shape[1]:
