@@ -23,7 +23,10 @@ phase's shares cover only the steps that start with every request admitted: N se
 running, each decoding; the steady decode's, only those of them that finish no request
 and complete a device step. For the overlapped multi-step runs these shares are the wall
 clock's beyond the device time a step of the same part of the multi-step run without
-overlap. Goal: host <= 5% of step time at 256 sequences. On CPU a tiny model's device
+overlap. The goal lines say how many multi-step launches a pass gives each decode-phase
+and steady share: with the default 48 tokens and K = 16, one launch is steady decode, a
+single sample that the machine's noise decides; ``--steps 192`` gives a dozen. Goal:
+host <= 5% of step time at 256 sequences. On CPU a tiny model's device
 step is itself cheap, and the host's Python shares the cores with XLA's threads, so this
 is the hardest setting for the goal; on an accelerator the device step is far longer
 while the host work is the same.
@@ -177,6 +180,25 @@ def measure(model_name: str, num_seqs: int, steps: int, repeats: int, K: int) ->
     )
 
 
+# The device steps (of a pass) that a decode-phase or steady share rests on.
+_SAMPLE = {
+    "multi_decode_host_share": "decode_steps_multi",
+    "multi_overlapped_decode_host_share": "decode_steps_multi_overlapped",
+    "multi_steady_host_share": "steady_steps_multi",
+    "multi_overlapped_steady_host_share": "steady_steps_multi_overlapped",
+}
+
+
+def _sample(row: dict, key: str, K: int) -> str:
+    """How many multi-step launches a pass gives the share ``key`` (empty for a share of
+    the whole run), with a warning below 4: a share from one or two launches is noise."""
+    if key not in _SAMPLE:
+        return ""
+    launches = -(-row[_SAMPLE[key]] // K)
+    few = " (few: more --steps gives more)" if launches < 4 else ""
+    return f", from {launches} launch{'es' if launches != 1 else ''} a pass{few}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", type=positive_int, nargs="+", default=[64, 256, 1024])
@@ -248,6 +270,7 @@ def main(argv=None) -> int:
             print(
                 f"goal host <= 5% of step time at 256 sequences ({mode}, median): "
                 f"{100 * share:.1f}%, {'met' if share <= 0.05 else 'NOT met'}"
+                + _sample(at256[0], key, args.scheduler_steps)
             )
     path = write_result(
         result_name(args.model),
