@@ -7,6 +7,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # (a rerun then starts warm), not into the user's cache directory.
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("PAGED_JAX_COMPILATION_CACHE", os.path.join(_REPO, ".pytest_cache", "xla"))
+# The suite compiles hundreds of small XLA:CPU programs, and LLVM's optimization of their
+# machine code is a large part of that: without it a fresh clone's run took 6:00 on 2
+# cores instead of 7:31 (2026-11-24), every test passing as before. XLA builds the same
+# programs (HLO); their code runs slower, which these small shapes hardly notice. On CPU
+# only, and only where XLA_FLAGS names no level itself (name one to test at another).
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ.get(
+    "XLA_FLAGS", ""
+):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
 import ctypes  # noqa: E402
 import gc  # noqa: E402

@@ -18,6 +18,7 @@ from paged_jax import models
 from paged_jax.engine import compile_cache
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+FAST_COMPILE = "--xla_backend_optimization_level=0"  # conftest's test-only XLA flag
 
 
 def test_resolve_follows_argument_then_environment(monkeypatch, tmp_path):
@@ -66,6 +67,9 @@ def test_second_process_loads_compiled_steps(tmp_path):
     cache = tmp_path / "xla"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop(compile_cache.CACHE_ENV, None)
+    # compiled as users compile (conftest's faster, unoptimized code generation compiles
+    # this tiny model under the cache's 0.2 s threshold, so nothing would be written)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip()
 
     def child():
         r = subprocess.run(
