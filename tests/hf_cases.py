@@ -107,13 +107,18 @@ def hf_config(transformers, name: str):
 def hf_greedy(hf, prompt, n):
     """``n`` argmax tokens after ``prompt`` with transformers' own forward and KV cache (no
     generate() logits processors: min_new_tokens, for one, would forbid the EOS token)."""
+    import inspect
+
     import torch
 
+    # transformers 5.x renamed the KV cache argument and output from ``past_key_values`` to
+    # ``cache`` (the old name warns, and goes in 5.40); older releases know only the old one.
+    key = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     out, past, inp = [], None, torch.tensor([prompt])
     with torch.no_grad():
         for _ in range(n):
-            r = hf(inp, past_key_values=past, use_cache=True)
-            past = r.past_key_values
+            r = hf(inp, use_cache=True, **{key: past})
+            past = getattr(r, key)
             out.append(int(r.logits[0, -1].argmax()))
             inp = torch.tensor([[out[-1]]])
     return out

@@ -26,6 +26,8 @@ PROMPTS = [
 def both():
     transformers = pytest.importorskip("transformers", reason="pytest -m hf needs transformers")
     torch = pytest.importorskip("torch", reason="pytest -m hf needs torch (a CPU build)")
+    # transformers 5.x loads a GGUF file only with accelerate installed.
+    pytest.importorskip("accelerate", reason="transformers' GGUF loader needs accelerate")
     path = fetch("smollm2-135m-instruct")
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
