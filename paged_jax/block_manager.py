@@ -676,7 +676,10 @@ class BlockManager:
                 f"counts: expected one per sequence ({len(seq_ids)}), got {len(counts)}"
             )
         table, seqs, need = self._seqs, [], 0
+        P, refcount = self.page_size, self._refcount
         ks = []
+        # Runs for every row of every multi-step launch: _pages_for_append and _grow
+        # inlined for the common row, whose last page is its own or full.
         for seq_id, k in zip(seq_ids, counts, strict=True):
             if type(k) is not int or k < 0:  # a plain int >= 0 passes on one check
                 if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
@@ -687,15 +690,34 @@ class BlockManager:
                 seq = self._device_seq(seq_id, "reserve_tokens")  # raises the typed error
             seqs.append(seq)
             ks.append(k)
-            need += self._pages_for_append(seq, k)
+            n = seq.tokens.n
+            if n % P and k and refcount[seq.pages[-1]] > 1:
+                need += self._pages_for_append(seq, k)  # a copy-on-write too
+            else:
+                need += max(-(-(n + k) // P) - len(seq.pages), 0)
         if need > self.num_free_pages:
             return False
+        step = self._step
         for seq, k in zip(seqs, ks, strict=True):
-            if k:
+            if not k:
+                continue
+            if seq.last_append_step != step:
                 self._first_append(seq)
-                if seq.reserved is None:
-                    seq.reserved = seq.tokens.n
-                self._grow(seq, k)
+            toks, pages = seq.tokens, seq.pages
+            n = toks.n
+            if seq.reserved is None:
+                seq.reserved = n
+            if (n % P and refcount[pages[-1]] > 1) or n + k > len(toks.buf):
+                self._grow(seq, k)  # a copy-on-write, or a larger token buffer
+                continue
+            start = len(pages)
+            new = -(-(n + k) // P) - start
+            if new > 0:
+                for _ in range(new):
+                    pages.append(self._take_page())
+                self._pages_changed(seq, start)
+            toks.buf[n : n + k] = -1
+            toks.n = n + k
         return True
 
     def fill_reserved(

@@ -485,6 +485,39 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.pending_writes.append((slots, [tok]))
         self._step()
 
+    @rule(data=st.data())
+    def multi_step_launch(self, data):
+        """A multi-step launch: placeholders reserved for several sequences at once (all
+        or none, each in pages it owns alone), the device writes their tokens, then
+        ``fill_reserved`` gives them their values and marks them computed."""
+        live = sorted(s for s in self.tokens if not self.bm.is_swapped(s))
+        if not live:
+            return
+        group = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=4, unique=True))
+        counts = data.draw(
+            st.lists(st.integers(0, 2 * P + 1), min_size=len(group), max_size=len(group))
+        )
+        before = (self.bm.stats(), {s: self.bm.block_table(s) for s in group})
+        lens = [self.bm.num_tokens(s) for s in group]
+        if not self.bm.reserve_tokens(group, counts):
+            assert (self.bm.stats(), {s: self.bm.block_table(s) for s in group}) == before
+            return
+        sampled = []
+        for sid, k, n in zip(group, counts, lens, strict=True):
+            assert self.bm.num_tokens(sid) == n + k
+            slots = self.bm.slots(sid, n, n + k)
+            for page in set((slots // P).tolist()):
+                assert self.bm.refcount(page) == 1, f"reserve_tokens left page {page} shared"
+            toks = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=k, max_size=k))
+            self.pending_writes.append((slots, toks))
+            sampled.append(toks)
+        self._step()
+        self.bm.fill_reserved(group, lens, [np.array(t, np.int32) for t in sampled])
+        for sid, toks in zip(group, sampled, strict=True):
+            self.tokens[sid] += toks
+            assert self.bm.num_computed_tokens(sid) == len(self.tokens[sid])
+            assert list(self.bm.token_ids(sid)) == self.tokens[sid]
+
     @rule(sid=consumes(seqs))
     def free(self, sid):
         if sid in self.tokens:

@@ -111,6 +111,25 @@ def test_generated_pages_enter_the_prefix_cache_with_their_real_tokens():
     llm.bm.check_invariants()
 
 
+def test_every_dispatch_after_the_first_overlaps_the_one_before(monkeypatch):
+    """With overlapped steps nothing waits for known tokens: the prompts' single steps,
+    the first launch (dispatched while the last single step runs, from its placeholders)
+    and the launches after it are each dispatched while the one before runs."""
+    prompts = _prompts()
+    p = pj.SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = _engine(1, async_scheduling=False).generate(prompts, p, progress=False)
+    llm = _engine(8)
+    sent = []
+    send = llm._send
+    monkeypatch.setattr(llm, "_send", lambda *a: sent.append(a[2]) or send(*a))
+    assert _summary(llm.generate(prompts, p, progress=False)) == _summary(ref)
+    m = llm.metrics
+    assert sent[0] is None and sent[-1] is not None  # a single step first, launches last
+    assert m.multi_step_launches == sum(steps is not None for steps in sent) >= 2
+    assert m.overlapped_steps == len(sent) - 1
+    llm.bm.check_invariants()
+
+
 def test_a_waiting_request_gets_single_steps_and_the_same_tokens():
     """Requests that do not fit at once: while one waits, steps are single (its prompt
     runs as soon as pages free); outputs as with single steps throughout."""

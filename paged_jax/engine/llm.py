@@ -907,13 +907,15 @@ class LLM:
     def _multi_steps(self, scheds, prev: _Launched | None) -> list[int] | None:
         """The steps each sequence of the schedule runs in a multi-step launch, its slots
         reserved (``BlockManager.reserve_tokens``), or None for one step: multi-step
-        decoding is off, or the schedule overlaps a running step, swaps, preempts or
-        stalled, a request waits to be admitted, a suspect is isolated, there are
-        several replicas or a hybrid pool, a row is not a plain decode row, or the
-        reserved tokens' pages are not free. A row runs at most as many steps as it has
-        tokens left to sample (``Group.max_len``)."""
+        decoding is off, or the schedule swaps, preempts or stalled, a request waits to be
+        admitted, a suspect is isolated, there are several replicas or a hybrid pool, a
+        row is not a plain decode row, or the reserved tokens' pages are not free. A row
+        runs at most as many steps as it has tokens left to sample (``Group.max_len``).
+        With ``prev`` (a single step still running) a row's input token may be the
+        placeholder for ``prev``'s sample (read on the device, ``_tokens``), its
+        reserved tokens after it."""
         K = self.num_scheduler_steps
-        if prev is not None or not self._multi_step_ready():
+        if not self._multi_step_ready():
             return None
         sched, sc = scheds[0], self.schedulers[0]
         if sched.swap_in or sched.swap_out or sched.preempted or sched.stalled:
@@ -1024,17 +1026,15 @@ class LLM:
         of a preemption (the next one makes it, from known tokens), and each sampling row
         only appends its token (no beam search, no first token of n samples to fork, no
         penalties, which count the tokens so far). A multi-step launch, when one of its
-        rows has tokens left after it (the next launch goes on from it, ``_continue``); a
-        single step never when the next could be a launch (``_multi_step_ready``), which
-        starts from known tokens."""
+        rows has tokens left after it (the next launch goes on from it, ``_continue``);
+        the launch that follows a single step may start from its placeholders
+        (``_multi_steps``)."""
         if not self.async_scheduling or self._suspects or f.stalled:
             return False
         if f.steps is not None:  # some row goes on after it (``_continue``)
             return any(
                 w.stop + k < w.group.max_len for (_, w), k in zip(f.placed, f.steps, strict=True)
             )
-        if self._multi_step_ready():
-            return False  # the next launch may decode several steps: it needs every token
         for w in f.work:
             if w.sample:
                 p = w.group.params
@@ -1348,12 +1348,18 @@ class LLM:
     def _apply_steps(self, f: _Launched, toks, lps, now: float) -> list[RequestOutput]:
         """Applies a multi-step launch (``toks``, ``lps``: ``[S_b, K]``): each row's
         reserved tokens get their sampled values and count as computed, then its samples
-        are appended, up to the first that stops it (the rest are dropped)."""
+        are appended, up to the first that stops it (the rest are dropped).
+
+        The rows are checked as a whole first: a row with no stop token among its samples
+        and no stop string or log-probs to keep (the common case) only has its samples
+        appended and its log-prob sum set; the others go through ``_extend``."""
         live = [
             (i, w, k)
             for (i, w), k in zip(f.placed, f.steps, strict=True)
             if w.seq.finish_reason is None
         ]
+        if not live:
+            return []
         carried = f.carried  # their last sample is reserved too: the next launch decodes it
         self.schedulers[0].bm.fill_reserved(
             [w.seq.seq_id for _, w, _ in live],
@@ -1361,30 +1367,56 @@ class LLM:
             [toks[i, : k - (w.seq.seq_id not in carried)] for i, w, k in live],
         )
         self._phase = "apply"
+        L, K = len(live), toks.shape[1]
+        at = np.fromiter((i for i, _, _ in live), np.intp, L)
+        ks = np.fromiter((k for _, _, k in live), np.intp, L)
+        seqs = [w.seq for _, w, _ in live]
+        groups = [w.group for _, w, _ in live]
+        row_toks, row_lps = toks[at], lps[at]
         # Running sums of each row's log-probs from its sequence's, in float64 one at a
         # time (as _append adds them): column c is the sum after c tokens.
-        at = [i for i, _, _ in live]
-        sums = np.zeros((toks.shape[0], toks.shape[1] + 1))
-        sums[at, 0] = [w.seq.cum_logprob for _, w, _ in live]
-        sums[:, 1:] = lps
+        sums = np.empty((L, K + 1))
+        sums[:, 0] = [s.cum_logprob for s in seqs]
+        sums[:, 1:] = row_lps
         sums = np.cumsum(sums, axis=1)
-        rows_t = toks.tolist()
-        finished = []
+        # Rows that need _extend: a token that may stop them among their samples (any
+        # request's stop ids, a superset of each row's), or a stop string or log-probs.
         stop_ids: dict[int, set] = {}  # by params: the token ids that stop a sequence
+        exact = set()
+        for p in {id(g.params): g.params for g in groups}.values():
+            stop_ids[id(p)] = set(p.stop_token_ids) | (
+                set() if p.ignore_eos else self.eos_token_ids
+            )
+            if p.stop or p.logprobs:
+                exact.update(j for j, g in enumerate(groups) if g.params is p)
+        union = set().union(*stop_ids.values())
+        if union:
+            hit = np.isin(row_toks, list(union)) & (np.arange(K) < ks[:, None])
+            exact.update(np.flatnonzero(hit.any(axis=1)).tolist())
+        rows_t = row_toks.tolist()
+        ends = sums[np.arange(L), ks].tolist()
+        ks_l = ks.tolist()
+        max_model_len = self.max_model_len
+        finished = []
+        generated = 0
         # A group's rows are consecutive (the scheduler takes its sequences together):
         # it is finished, if at all, after its last row.
-        for j, (i, w, k) in enumerate(live):
-            g, p = w.group, w.group.params
+        for j, (s, g) in enumerate(zip(seqs, groups, strict=True)):
             if g.first_token_time is None:
                 g.first_token_time = now
-            stops = stop_ids.get(id(p))
-            if stops is None:
-                stops = stop_ids[id(p)] = set(p.stop_token_ids) | (
-                    set() if p.ignore_eos else self.eos_token_ids
-                )
-            self._extend(g, w.seq, rows_t[i][:k], lps[i], sums[i], stops)
-            if not g.seqs and (j + 1 == len(live) or live[j + 1][1].group is not g):
+            k = ks_l[j]
+            if j in exact:
+                self._extend(g, s, rows_t[j][:k], row_lps[j], sums[j], stop_ids[id(g.params)])
+            else:
+                s.tokens += rows_t[j] if k == K else rows_t[j][:k]
+                s.cum_logprob = ends[j]
+                generated += k
+                n = len(s.tokens)
+                if n - s.prompt_len >= g.params.max_tokens or n >= max_model_len:
+                    self._end(g, s, "length")
+            if not g.seqs and (j + 1 == L or groups[j + 1] is not g):
                 finished.append(self._finish(g))
+        self.metrics.tokens_generated += generated
         return finished
 
     def _extend(
