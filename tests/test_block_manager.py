@@ -575,6 +575,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert s["pages_used"] == sum(r > 0 for r in rc)
         assert s["pages_shared"] == sum(r > 1 for r in rc)
         assert s["pages_used"] + self.bm.num_free_pages == self.bm.num_pages - 1
+        # tokens stored: each page's most tokens written by any sequence holding it
+        fill: dict[int, int] = {}
+        for sid, toks in self.tokens.items():
+            if not self.bm.is_swapped(sid):
+                for i, page in enumerate(self.bm.block_table(sid)):
+                    fill[page] = max(fill.get(page, 0), min(P, len(toks) - i * P))
+        assert s["tokens_stored"] == sum(fill.values())
+        assert s["pages_referenced"] == sum(
+            len(self.bm.block_table(sid)) for sid in self.tokens if not self.bm.is_swapped(sid)
+        )
 
     @precondition(lambda self: len(self.tokens) > 0)
     @rule()
