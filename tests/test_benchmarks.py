@@ -339,12 +339,14 @@ def test_host_overhead_benchmark_runs_every_mode_and_writes_where_told(tmp_path,
         "multi_overlapped_host_share",
         "multi_overlapped_decode_host_share",
         "multi_steady_host_share",
+        "multi_overlapped_decode_cpu_share",
     ):
         assert 0.0 <= row[key]["median"] <= 1.0, key
     # overlapped, the launch that finishes nothing completes in the call that finishes
     # every request: no steady step, no share
     assert row["steady_steps_multi_overlapped"] == 0
     assert row["multi_overlapped_steady_host_share"]["median"] is None
+    assert row["multi_overlapped_steady_cpu_share"]["median"] is None
     # 1 prompt step + 8 decode steps in each (two launches of 4 in the multi-step runs)
     assert row["steps_multi"] == row["steps_plain"] == row["steps_multi_overlapped"] == 9
     # the first launch finishes nothing: steady; the second finishes every request
