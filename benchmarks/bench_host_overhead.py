@@ -27,10 +27,10 @@ multi-step runs these shares are the wall clock's beyond the device time a step 
 same part of the multi-step run without overlap. Those shares difference two runs, so
 the machine's noise enters twice; the host CPU shares do not: the engine thread's CPU
 time over the wall time of the same steps of the overlapped multi-step run (its decode
-phase, its steady decode). That is the most the host's work can add to the wall clock,
-and on a CPU about what it does add: XLA splits each operation over every core, so a
-core the host's Python holds stalls the operation (here overlapped launches ran no
-faster than launches one at a time). The goal lines say how
+phase, its steady decode). That is the most the host's work can add to the wall clock;
+how much of it overlapping hides on a CPU, where XLA's threads want the same cores, the
+differenced shares tell, and on a 2-core machine they ranged from none of it to nearly
+all in runs of the same code. The goal lines say how
 many multi-step launches a pass gives each decode-phase and steady share: with the
 default 48 tokens and K = 16, one launch is steady decode, a single sample that the
 machine's noise decides; ``--steps 192`` gives a dozen. Goal: host <= 5% of step time
