@@ -19,10 +19,10 @@ the multi-step runs. With overlap the host works while the device runs, so its s
 what the wall clock shows beyond the device: ``(overlapped wall - device time of the
 one-at-a-time run) / overlapped wall`` (never below 0). These shares cover the whole
 run: the prompts' steps, admitting and finishing the N requests included. The decode
-phase's shares cover only the steps that start with every request admitted: N sequences
-running, each decoding; the steady decode's, only those of them that finish no request
-and complete a multi-step launch (more than one device step: not the call that completes
-the last single step while it dispatches the first launch). For the overlapped
+phase's shares cover only the engine calls that complete steps scheduled with every
+request admitted (N sequences running, each decoding; with overlap a call completes the
+step the call before scheduled); the steady decode's, only those of them that finish no
+request and complete a multi-step launch (more than one device step). For the overlapped
 multi-step runs these shares are the wall clock's beyond the device time a step of the
 same part of the multi-step run without overlap. Those shares difference two runs, so
 the machine's noise enters twice; the host CPU shares do not: the engine thread's CPU
@@ -73,7 +73,8 @@ def _engine(model, tokenizer, num_seqs: int, steps: int, overlapped: bool, K: in
 
 def _timed(llm: LLM, prompts, params) -> dict:
     """One pass: wall, device steps, host and device seconds of the whole run, and of
-    its decode phase (the steps that start with every request admitted)."""
+    its decode phase (the calls that complete steps scheduled with every request
+    admitted) and steady decode."""
     m0 = dict(vars(llm.metrics))
     # cpu: the engine thread's CPU time (step() runs in this thread)
     phase = dict(host=0.0, device=0.0, wall=0.0, steps=0, cpu=0.0)
@@ -81,13 +82,19 @@ def _timed(llm: LLM, prompts, params) -> dict:
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
         llm.add_request(i, prompt, params)
+    was_admitted = False
     while llm.has_unfinished():
         admitted = not any(sc.waiting for sc in llm.schedulers)
+        # A call completes the steps it scheduled, or with overlapped steps the one the
+        # call before scheduled: the last prompts' step completes in the first call with
+        # every request admitted, and is not decode.
+        decode = was_admitted if llm.async_scheduling else admitted
+        was_admitted = admitted
         m = llm.metrics
         h, d, n = m.host_s, m.step_s, m.steps
         t, c = time.perf_counter(), time.thread_time()
         finished = llm.step()
-        if admitted:
+        if decode:
             parts = [phase] if finished or m.steps - n < 2 else [phase, steady]
             for part in parts:
                 part["wall"] += time.perf_counter() - t

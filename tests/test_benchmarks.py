@@ -351,6 +351,9 @@ def test_host_overhead_benchmark_runs_every_mode_and_writes_where_told(tmp_path,
     assert row["steps_multi"] == row["steps_plain"] == row["steps_multi_overlapped"] == 9
     # the first launch finishes nothing: steady; the second finishes every request
     assert row["steady_steps_multi"] == 4
+    # the decode phase is the launches in both: overlapped, the prompts' step completes in
+    # the first call with every request admitted, and is left out
+    assert row["decode_steps_multi"] == row["decode_steps_multi_overlapped"] == 8
 
 
 def test_host_overhead_records_another_model_beside_tiny_llama():
