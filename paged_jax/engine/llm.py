@@ -949,28 +949,36 @@ class LLM:
             return None
         self._phase = "schedule"
         sc, K = self.schedulers[0], self.num_scheduler_steps
-        live = sum(w.seq.finish_reason is None for w in f.work)
-        if live != sum(len(g.seqs) for g in sc.running):
-            return None  # a request was aborted or a sequence not run: schedule afresh
         work, steps, rows, advance, reach = [], [], [], [], []
+        live = 0
+        new = tuple.__new__  # a Work without its Python-level __new__: one a row a launch
         for (i, w), k in zip(f.placed, f.steps, strict=True):
-            if w.seq.finish_reason is not None:
+            s = w.seq
+            if s.finish_reason is not None:
                 continue
+            live += 1
+            g = w.group
             n = w.stop + k  # the sequence's length once f's tokens are in
-            left = min(K, w.group.max_len - n)
+            left = min(K, g.max_len - n)
             if left > 0:
-                work.append(Work(w.group, w.seq, n - 1, n, True))
+                work.append(new(Work, (g, s, n - 1, n, True)))
                 steps.append(left)
                 rows.append(i)
                 advance.append(k)
                 reach.append(n + left - 1)
+        if live != sum(len(g.seqs) for g in sc.running):
+            return None  # a request was aborted or a sequence not run: schedule afresh
         if not work:
             return None
         ids = [w.seq.seq_id for w in work]
         if not sc.bm.reserve_tokens(ids, steps):
             return None
         f.carried = frozenset(ids)
-        self._step_groups = list({id(w.group): w.group for w in work}.values())
+        self._step_groups = (  # every row going on: f's groups
+            f.groups
+            if len(work) == len(f.placed)
+            else list({id(w.group): w.group for w in work}.values())
+        )
         num_tokens = len(work)
         batch = advance_batch(
             sc.bm,
@@ -2183,7 +2191,9 @@ class _Launched:
     carried: frozenset = frozenset()
 
     def __post_init__(self):
-        self.rows = {id(w.seq): i for i, w in self.placed if w.sample}
+        # read only for a single step (``LLM._tokens``): a launch is followed by
+        # ``LLM._continue``, or completes before the next step is scheduled
+        self.rows = {id(w.seq): i for i, w in self.placed if w.sample} if self.steps is None else {}
 
     @property
     def iterations(self) -> int:
