@@ -598,12 +598,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.stats()["pages_used"] == 0
 
 
+class UncachedBlockManagerMachine(BlockManagerMachine):
+    """The same interleavings with prefix caching off (the manager's shorter paths: no
+    page keys to register when tokens become computed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(24, P, watermark=0.0, num_host_pages=12, enable_prefix_caching=False)
+
+
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestUncachedBlockManagerMachine = UncachedBlockManagerMachine.TestCase
 # Each example is cheap (pure Python): run more, longer interleavings than the suite default.
 TestBlockManagerMachine.settings = settings(
     settings.default,
     max_examples=max(150, settings.default.max_examples),
     stateful_step_count=60,
+)
+TestUncachedBlockManagerMachine.settings = settings(
+    settings.default, max_examples=max(60, settings.default.max_examples), stateful_step_count=60
 )
 
 
