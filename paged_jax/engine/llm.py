@@ -1390,13 +1390,11 @@ class LLM:
         # Rows that need _extend: a token that may stop them among their samples (any
         # request's stop ids, a superset of each row's), or a stop string or log-probs.
         stop_ids: dict[int, set] = {}  # by params: the token ids that stop a sequence
-        exact = set()
         for p in {id(g.params): g.params for g in groups}.values():
             stop_ids[id(p)] = set(p.stop_token_ids) | (
                 set() if p.ignore_eos else self.eos_token_ids
             )
-            if p.stop or p.logprobs:
-                exact.update(j for j, g in enumerate(groups) if g.params is p)
+        exact = {j for j, g in enumerate(groups) if g.params.stop or g.params.logprobs}
         union = set().union(*stop_ids.values())
         if union:
             hit = np.isin(row_toks, list(union)) & (np.arange(K) < ks[:, None])
