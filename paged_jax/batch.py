@@ -226,15 +226,17 @@ def advance_batch(
     ids = [prev.seq_ids[r] for r in rows.tolist()]
     start = prev.positions[rows].astype(np.int64) + advance
     reach = np.maximum(np.asarray(table_tokens, np.int64), start + 1)
-    find = manager._device_seq  # noqa: SLF001
-    found = np.array(
-        [(s.row, s.tokens.n) for s in (find(i, "advance_batch") for i in ids)], np.int64
-    ).reshape(num_seqs, 2)  # [S, (row of tables(), tokens)]
-    over = np.flatnonzero(reach > found[:, 1])
+    table = manager._seqs  # noqa: SLF001 (one lookup a row: this runs for every launch)
+    seqs = [table.get(i) for i in ids]
+    if None in seqs or any(s.swapped for s in seqs):
+        seqs = [manager._device_seq(i, "advance_batch") for i in ids]  # noqa: SLF001 (raises)
+    table_rows = np.fromiter((s.row for s in seqs), np.int64, num_seqs)
+    lengths = np.fromiter((s.tokens.n for s in seqs), np.int64, num_seqs)
+    over = np.flatnonzero(reach > lengths)
     if len(over):
         i = int(over[0])
         raise ValueError(
-            f"table_tokens[{i}]: expected <= num_tokens={found[i, 1]} for seq_id "
+            f"table_tokens[{i}]: expected <= num_tokens={lengths[i]} for seq_id "
             f"{ids[i]!r}, got {int(reach[i])}"
         )
     T_b = bucket(num_seqs, min_tokens)
@@ -242,7 +244,7 @@ def advance_batch(
     M_b = bucket(-(-int(reach.max()) // P) if num_seqs else 1, min_pages)
     page_indices = np.zeros((S_b, M_b), np.int32)
     if num_seqs:
-        _gather_tables(manager, found[:, 0], reach, page_indices)
+        _gather_tables(manager, table_rows, reach, page_indices)
     token_ids = np.zeros(T_b, np.int32)
     positions = np.zeros(T_b, np.int32)
     positions[:num_seqs] = start

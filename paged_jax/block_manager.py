@@ -678,8 +678,9 @@ class BlockManager:
         table, seqs, need = self._seqs, [], 0
         P, refcount = self.page_size, self._refcount
         ks = []
-        # Runs for every row of every multi-step launch: _pages_for_append and _grow
-        # inlined for the common row, whose last page is its own or full.
+        # Runs for every row of every multi-step launch: _pages_for_append, _first_append
+        # and _grow inlined for the common row, whose last page is its own or full, and the
+        # new table entries written in one go at the end.
         for seq_id, k in zip(seq_ids, counts, strict=True):
             if type(k) is not int or k < 0:  # a plain int >= 0 passes on one check
                 if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
@@ -694,54 +695,97 @@ class BlockManager:
             if n % P and k and refcount[seq.pages[-1]] > 1:
                 need += self._pages_for_append(seq, k)  # a copy-on-write too
             else:
-                need += max(-(-(n + k) // P) - len(seq.pages), 0)
+                more = -(-(n + k) // P) - len(seq.pages)
+                if more > 0:
+                    need += more
         if need > self.num_free_pages:
             return False
-        step = self._step
+        step, free = self._step, self._free
+        at_row, at_col, new_pages = [], [], []  # table entries of the common rows' new pages
         for seq, k in zip(seqs, ks, strict=True):
             if not k:
                 continue
-            if seq.last_append_step != step:
-                self._first_append(seq)
             toks, pages = seq.tokens, seq.pages
             n = toks.n
+            if seq.last_append_step != step:  # _first_append
+                seq.last_append_step = step
+                done = n if seq.reserved is None else seq.reserved
+                if done > seq.num_computed:
+                    self._mark_computed(seq, done)
             if seq.reserved is None:
                 seq.reserved = n
             if (n % P and refcount[pages[-1]] > 1) or n + k > len(toks.buf):
                 self._grow(seq, k)  # a copy-on-write, or a larger token buffer
                 continue
             start = len(pages)
-            new = -(-(n + k) // P) - start
-            if new > 0:
-                for _ in range(new):
-                    pages.append(self._take_page())
-                self._pages_changed(seq, start)
+            for col in range(start, -(-(n + k) // P)):
+                page = free.pop() if free else self._take_page()
+                refcount[page] = 1
+                pages.append(page)
+                at_row.append(seq.row)
+                at_col.append(col)
+                new_pages.append(page)
             toks.buf[n : n + k] = -1
             toks.n = n + k
+        if new_pages:
+            width = max(at_col) + 1
+            if width > self._table.shape[1]:  # as _pages_changed grows it
+                grown = 1 << (width - 1).bit_length()
+                self._table = np.pad(self._table, ((0, 0), (0, grown - self._table.shape[1])))
+            self._table[at_row, at_col] = new_pages
         return True
 
     def fill_reserved(
-        self, seq_ids: Sequence[Hashable], starts: Sequence[int], tokens: Sequence[np.ndarray]
+        self,
+        seq_ids: Sequence[Hashable],
+        starts: Sequence[int],
+        tokens: Sequence[np.ndarray] | np.ndarray,
+        *,
+        counts: Sequence[int] | None = None,
     ) -> None:
-        """For each sequence, tokens ``[starts[i], starts[i] + len(tokens[i]))`` (none of
-        them computed yet) replaced by ``tokens[i]`` (``set_token`` for each), then every
-        token up to them marked computed (``mark_computed``): a multi-step launch's
-        reserved tokens (``reserve_tokens``), once it returned."""
+        """For each sequence, tokens ``[starts[i], starts[i] + c)`` (none of them computed
+        yet) replaced by the first ``c = counts[i]`` of ``tokens[i]`` (all of them when
+        ``counts`` is None; ``set_token`` for each), then every token up to them marked
+        computed (``mark_computed``): a multi-step launch's reserved tokens
+        (``reserve_tokens``), once it returned. ``tokens``: an int array per sequence, or
+        ``i32[S, J]`` (row i sequence i's)."""
+        if len(starts) != len(seq_ids) or len(tokens) != len(seq_ids):
+            raise ValueError(
+                f"starts, tokens: expected one per sequence ({len(seq_ids)}), got "
+                f"{len(starts)} and {len(tokens)}"
+            )
+        if counts is None:
+            counts = [len(t) for t in tokens]
+        elif len(counts) != len(seq_ids):
+            raise ValueError(
+                f"counts: expected one per sequence ({len(seq_ids)}), got {len(counts)}"
+            )
         table = self._seqs
-        for seq_id, start, toks in zip(seq_ids, starts, tokens, strict=True):
+        plain = not self.enable_prefix_caching  # _mark_computed is only the count then
+        for seq_id, start, row, c in zip(seq_ids, starts, tokens, counts, strict=True):
             seq = table.get(seq_id)
             if seq is None or seq.swapped:
                 seq = self._device_seq(seq_id, "fill_reserved")  # raises the typed error
-            stop = start + len(toks)
-            if not seq.num_computed <= start <= stop <= seq.tokens.n:
+            stop = start + c
+            toks = seq.tokens
+            if not seq.num_computed <= start <= stop <= toks.n or not 0 <= c <= len(row):
+                if not 0 <= c <= len(row):
+                    raise ValueError(
+                        f"counts: expected 0 to {len(row)} (the tokens given) for "
+                        f"{seq_id!r}, got {c}"
+                    )
                 raise ValueError(
                     f"starts: expected tokens not yet computed, within [{seq.num_computed}, "
-                    f"{seq.tokens.n}) for {seq_id!r}, got [{start}, {stop})"
+                    f"{toks.n}) for {seq_id!r}, got [{start}, {stop})"
                 )
-            seq.tokens.buf[start:stop] = toks
+            toks.buf[start:stop] = row[:c]
             if seq.reserved is not None and stop > seq.reserved:
-                seq.reserved = stop if stop < seq.tokens.n else None
-            self._mark_computed(seq, stop)
+                seq.reserved = stop if stop < toks.n else None
+            if plain and seq.window is None:
+                if stop > seq.num_computed:
+                    seq.num_computed = stop
+            else:
+                self._mark_computed(seq, stop)
 
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
         """Declares the K/V of the sequence's first ``num_tokens`` tokens written.

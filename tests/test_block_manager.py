@@ -512,7 +512,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.pending_writes.append((slots, toks))
             sampled.append(toks)
         self._step()
-        self.bm.fill_reserved(group, lens, [np.array(t, np.int32) for t in sampled])
+        if data.draw(st.booleans(), label="as one array"):  # as the engine: i32[S, J], counts
+            width = max(counts) + data.draw(st.integers(0, 2))
+            rows = np.full((len(group), width), -7, np.int32)  # -7: never read
+            for i, t in enumerate(sampled):
+                rows[i, : len(t)] = t
+            self.bm.fill_reserved(group, lens, rows, counts=counts)
+        else:
+            self.bm.fill_reserved(group, lens, [np.array(t, np.int32) for t in sampled])
         for sid, toks in zip(group, sampled, strict=True):
             self.tokens[sid] += toks
             assert self.bm.num_computed_tokens(sid) == len(self.tokens[sid])

@@ -121,7 +121,7 @@ def test_every_dispatch_after_the_first_overlaps_the_one_before(monkeypatch):
     llm = _engine(8)
     sent = []
     send = llm._send
-    monkeypatch.setattr(llm, "_send", lambda *a: sent.append(a[2]) or send(*a))
+    monkeypatch.setattr(llm, "_send", lambda *a, **kw: sent.append(a[2]) or send(*a, **kw))
     assert _summary(llm.generate(prompts, p, progress=False)) == _summary(ref)
     m = llm.metrics
     assert sent[0] is None and sent[-1] is not None  # a single step first, launches last
@@ -251,6 +251,15 @@ def test_reserve_tokens_is_all_or_nothing_and_fill_reserved_sets_and_computes():
     assert bm.num_computed_tokens("a") == 8
     with pytest.raises(ValueError, match="starts: expected tokens not yet computed"):
         bm.fill_reserved(["a"], [7], [np.array([0], np.int32)])  # token 7 is computed
+    with pytest.raises(ValueError, match=r"counts: expected 0 to 1 \(the tokens given\)"):
+        bm.fill_reserved(["a"], [8], np.array([[12]], np.int32), counts=[2])
+    with pytest.raises(ValueError, match="counts: expected one per sequence"):
+        bm.fill_reserved(["a"], [8], np.array([[12]], np.int32), counts=[1, 1])
+    with pytest.raises(ValueError, match="starts, tokens: expected one per sequence"):
+        bm.fill_reserved(["a", "b"], [8], np.array([[12]], np.int32))
+    bm.fill_reserved(["a"], [8], np.array([[12, 99]], np.int32), counts=[1])  # row's first
+    assert list(bm.token_ids("a")) == [1, 2, 3, 4, 5, 9, 10, 11, 12]
+    assert bm.num_computed_tokens("a") == 9
     with pytest.raises(ValueError, match="counts: expected ints >= 0"):
         bm.reserve_tokens(["a"], [-1])
     with pytest.raises(ValueError, match="counts: expected one per sequence"):

@@ -712,7 +712,7 @@ class LLM:
         self._phase = None
         self._consecutive_faults = 0
         if self._suspects and any(
-            w.sample and w.group is self._suspects[0] for f in done for w in f.work
+            w.sample and w.group is self._suspects[0] for f in done for w in f.all_work()
         ):
             cleared = self._suspects.pop(0)
             cleared.strikes = 0
@@ -806,15 +806,26 @@ class LLM:
         penalties = self._penalties(placed, rows, S_b)
         with _mesh_context(self.mesh):
             tokens = self._tokens(batch, placed, prev, pending)
+        lane = None if steps is None else _Lane.of(work, steps, self.eos_token_ids)
         return self._send(
-            work, placed, steps, stalled, batch, tokens, sampling, penalties, num_cand, len(batches)
+            work,
+            placed,
+            steps,
+            stalled,
+            batch,
+            tokens,
+            sampling,
+            penalties,
+            num_cand,
+            len(batches),
+            lane=lane,
         )
 
-    def _run_batch(self, work, steps, prev: _Launched, batch, rows, advance) -> _Launched:
+    def _run_batch(self, lane: _Lane, prev: _Launched, batch, rows, advance) -> _Launched:
         """``_dispatch`` of a batch ``advance_batch`` built from multi-step launch
-        ``prev``'s: row i goes on from ``prev``'s row ``rows[i]``, ``advance[i]`` tokens
-        on, its sampling inputs that row's (the output position ``advance[i]`` further)
-        and its input token ``prev``'s last sample of the row."""
+        ``prev``'s: row i (``lane``'s row i) goes on from ``prev``'s row ``rows[i]``,
+        ``advance[i]`` tokens on, its sampling inputs that row's (the output position
+        ``advance[i]`` further) and its input token ``prev``'s last sample of the row."""
         if self.checked:
             validate_batch(
                 batch,
@@ -828,22 +839,36 @@ class LLM:
             new = np.full((S_b, *old.shape[1:]), pad, old.dtype)
             new[:S] = old[rows]
             sampling.append(new)
-        sampling[5][:S] += np.asarray(advance, np.int32)  # out_pos
+        sampling[5][:S] += advance.astype(np.int32)  # out_pos
         src = np.full(T_b, -1, np.int32)  # decode rows: token i is row i's
         col = np.zeros(T_b, np.int32)
         src[:S] = rows
-        col[:S] = np.asarray(advance, np.int32) - 1
+        col[:S] = advance - 1
         with _mesh_context(self.mesh):
             tokens = _merge_tokens(prev.outputs[0], src, col, batch.token_ids)
-        placed = list(enumerate(work))
-        return self._send(work, placed, steps, False, batch, tokens, tuple(sampling), None, 0, 1)
+        steps = lane.steps.tolist()
+        return self._send(
+            None, None, steps, False, batch, tokens, tuple(sampling), None, 0, 1, lane=lane
+        )
 
     def _send(
-        self, work, placed, steps, stalled, batch, tokens, sampling, penalties, num_cand, replicas
+        self,
+        work,
+        placed,
+        steps,
+        stalled,
+        batch,
+        tokens,
+        sampling,
+        penalties,
+        num_cand,
+        replicas,
+        *,
+        lane: _Lane | None = None,
     ) -> _Launched:
-        """Dispatches the jitted step (or multi-step launch, with ``steps``) on ``batch``
-        with input ``tokens`` and the rows' ``sampling`` arrays (temperature, top-k,
-        top-p, min-p, seeds, output positions); returns it running."""
+        """Dispatches the jitted step (or multi-step launch, with ``steps`` and its rows'
+        ``lane``) on ``batch`` with input ``tokens`` and the rows' ``sampling`` arrays
+        (temperature, top-k, top-p, min-p, seeds, output positions); returns it running."""
         K = 1 if steps is None else self.num_scheduler_steps
         S_b = batch.kv_lens.shape[0]
         temp = sampling[0]
@@ -884,14 +909,15 @@ class LLM:
             self.metrics.compilations += 1
             self._compiled(batch, num_cand, dispatch_s, K)
         return _Launched(
-            work=work,
-            placed=placed,
+            work=work if lane is None else None,
+            placed=placed if lane is None else None,
             groups=self._step_groups,
             num_tokens=batch.num_tokens if steps is None else sum(steps),
             outputs=(toks, lps, cand_v, cand_i),
             dispatch_s=0.0 if compiled else dispatch_s,
             stalled=stalled,
             steps=steps,
+            lane=lane,
             batch=batch if steps is not None else None,
             sampling=sampling if steps is not None else None,
         )
@@ -944,52 +970,47 @@ class LLM:
         other tokens (``f.carried``). Only while multi-step decoding may run
         (``_multi_step_ready``: nothing waits to be admitted) and ``f`` ran every running
         sequence; None also when the pages are not free (the next step is scheduled once
-        ``f``'s tokens are known)."""
+        ``f``'s tokens are known). Runs for every launch of a steady decode: the rows are
+        handled as whole arrays (``_Lane``)."""
         if not self.async_scheduling or not self._multi_step_ready():
             return None
         self._phase = "schedule"
         sc, K = self.schedulers[0], self.num_scheduler_steps
-        work, steps, rows, advance, reach = [], [], [], [], []
-        live = 0
-        new = tuple.__new__  # a Work without its Python-level __new__: one a row a launch
-        for (i, w), k in zip(f.placed, f.steps, strict=True):
-            s = w.seq
-            if s.finish_reason is not None:
-                continue
-            live += 1
-            g = w.group
-            n = w.stop + k  # the sequence's length once f's tokens are in
-            left = min(K, g.max_len - n)
-            if left > 0:
-                work.append(new(Work, (g, s, n - 1, n, True)))
-                steps.append(left)
-                rows.append(i)
-                advance.append(k)
-                reach.append(n + left - 1)
+        lane = f.lane
+        alive = [s.finish_reason is None for s in lane.seqs]
+        live = sum(alive)
         if live != sum(len(g.seqs) for g in sc.running):
             return None  # a request was aborted or a sequence not run: schedule afresh
-        if not work:
+        n = lane.stops + lane.steps  # the sequences' lengths once f's tokens are in
+        left = np.minimum(K, lane.max_len - n)
+        go = left > 0
+        if live < len(alive):
+            go &= np.array(alive)
+        every = bool(go.all())
+        if not every and not go.any():
             return None
-        ids = [w.seq.seq_id for w in work]
-        if not sc.bm.reserve_tokens(ids, steps):
+        keep = None if every else go
+        rows = lane.at if every else lane.at[go]
+        advance = lane.steps if every else lane.steps[go]
+        if not every:
+            n, left = n[go], left[go]
+        nxt = lane.take(keep, at=np.arange(len(rows), dtype=np.intp), stops=n, steps=left)
+        if not sc.bm.reserve_tokens(nxt.ids, left.tolist()):
             return None
-        f.carried = frozenset(ids)
+        f.carried = go
         self._step_groups = (  # every row going on: f's groups
-            f.groups
-            if len(work) == len(f.placed)
-            else list({id(w.group): w.group for w in work}.values())
+            f.groups if every else list({id(g): g for g in nxt.groups}.values())
         )
-        num_tokens = len(work)
         batch = advance_batch(
             sc.bm,
             f.batch,
-            np.array(rows),
-            np.array(advance),
-            np.array(reach),
+            rows,
+            advance,
+            n + left - 1,
             min_tokens=MIN_STEP_TOKENS,
-            min_seqs=self._min_seqs(num_tokens),
+            min_seqs=self._min_seqs(len(rows)),
         )
-        return self._run_batch(work, steps, f, batch, rows, advance)
+        return self._run_batch(nxt, f, batch, rows, advance)
 
     def _tokens(self, batch, placed, prev: _Launched | None, pending: int):
         """The step's input tokens: the batch's (host), or on the device with each of its
@@ -1039,10 +1060,9 @@ class LLM:
         (``_multi_steps``)."""
         if not self.async_scheduling or self._suspects or f.stalled:
             return False
-        if f.steps is not None:  # some row goes on after it (``_continue``)
-            return any(
-                w.stop + k < w.group.max_len for (_, w), k in zip(f.placed, f.steps, strict=True)
-            )
+        if f.lane is not None:  # some row goes on after it (``_continue``)
+            lane = f.lane
+            return bool((lane.stops + lane.steps < lane.max_len).any())
         for w in f.work:
             if w.sample:
                 p = w.group.params
@@ -1358,29 +1378,30 @@ class LLM:
         reserved tokens get their sampled values and count as computed, then its samples
         are appended, up to the first that stops it (the rest are dropped).
 
-        The rows are checked as a whole first: a row with no stop token among its samples
-        and no stop string or log-probs to keep (the common case) only has its samples
-        appended and its log-prob sum set; the others go through ``_extend``."""
-        live = [
-            (i, w, k)
-            for (i, w), k in zip(f.placed, f.steps, strict=True)
-            if w.seq.finish_reason is None
-        ]
-        if not live:
+        The rows are checked as whole arrays (``f.lane``): a row with no stop token among
+        its samples and no stop string or log-probs to keep (the common case) only has its
+        samples appended and its log-prob sum set, and ends if it reached its length; the
+        others go through ``_extend``."""
+        lane = f.lane
+        alive = [s.finish_reason is None for s in lane.seqs]
+        if not any(alive):
             return []
         carried = f.carried  # their last sample is reserved too: the next launch decodes it
+        if not all(alive):
+            keep = np.array(alive)
+            lane = lane.take(keep)
+            if carried is not None:
+                carried = carried[keep]
+        seqs, groups, at, ks = lane.seqs, lane.groups, lane.at, lane.steps
+        L, K = len(seqs), toks.shape[1]
+        row_toks, row_lps = toks[at], lps[at]
         self.schedulers[0].bm.fill_reserved(
-            [w.seq.seq_id for _, w, _ in live],
-            [w.stop for _, w, _ in live],
-            [toks[i, : k - (w.seq.seq_id not in carried)] for i, w, k in live],
+            lane.ids,
+            lane.stops.tolist(),
+            row_toks,
+            counts=(ks - 1 if carried is None else ks - 1 + carried).tolist(),
         )
         self._phase = "apply"
-        L, K = len(live), toks.shape[1]
-        at = np.fromiter((i for i, _, _ in live), np.intp, L)
-        ks = np.fromiter((k for _, _, k in live), np.intp, L)
-        seqs = [w.seq for _, w, _ in live]
-        groups = [w.group for _, w, _ in live]
-        row_toks, row_lps = toks[at], lps[at]
         # Running sums of each row's log-probs from its sequence's, in float64 one at a
         # time (as _append adds them): column c is the sum after c tokens.
         sums = np.empty((L, K + 1))
@@ -1389,40 +1410,46 @@ class LLM:
         sums = np.cumsum(sums, axis=1)
         # Rows that need _extend: a token that may stop them among their samples (any
         # request's stop ids, a superset of each row's), or a stop string or log-probs.
-        stop_ids: dict[int, set] = {}  # by params: the token ids that stop a sequence
-        for p in {id(g.params): g.params for g in groups}.values():
-            stop_ids[id(p)] = set(p.stop_token_ids) | (
-                set() if p.ignore_eos else self.eos_token_ids
-            )
-        exact = {j for j, g in enumerate(groups) if g.params.stop or g.params.logprobs}
-        union = set().union(*stop_ids.values())
-        if union:
-            hit = np.isin(row_toks, list(union)) & (np.arange(K) < ks[:, None])
-            exact.update(np.flatnonzero(hit.any(axis=1)).tolist())
-        rows_t = row_toks.tolist()
+        exact = lane.exact
+        if lane.stop_union:
+            hit = np.isin(row_toks, lane.stop_union) & (np.arange(K) < ks[:, None])
+            exact = exact | hit.any(axis=1)
         ends = sums[np.arange(L), ks].tolist()
-        ks_l = ks.tolist()
-        max_model_len = self.max_model_len
-        finished = []
-        generated = 0
-        # A group's rows are consecutive (the scheduler takes its sequences together):
-        # it is finished, if at all, after its last row.
-        for j, (s, g) in enumerate(zip(seqs, groups, strict=True)):
-            if g.first_token_time is None:
-                g.first_token_time = now
-            k = ks_l[j]
-            if j in exact:
-                self._extend(g, s, rows_t[j][:k], row_lps[j], sums[j], stop_ids[id(g.params)])
-            else:
-                s.tokens += rows_t[j] if k == K else rows_t[j][:k]
+        full = ks == K
+        rows_t = (
+            row_toks.tolist()
+            if full.all()
+            else [
+                r if k == K else r[:k] for r, k in zip(row_toks.tolist(), ks.tolist(), strict=True)
+            ]
+        )
+        for g in {id(g): g for g in groups if g.first_token_time is None}.values():
+            g.first_token_time = now
+        plain = ~exact
+        if plain.all():
+            for s, r, e in zip(seqs, rows_t, ends, strict=True):
+                s.tokens += r
+                s.cum_logprob = e
+        else:
+            stop_ids = lane.stop_ids
+            for j in np.flatnonzero(exact).tolist():
+                g = groups[j]
+                self._extend(g, seqs[j], rows_t[j], row_lps[j], sums[j], stop_ids[id(g.params)])
+            for j in np.flatnonzero(plain).tolist():
+                s = seqs[j]
+                s.tokens += rows_t[j]
                 s.cum_logprob = ends[j]
-                generated += k
-                n = len(s.tokens)
-                if n - s.prompt_len >= g.params.max_tokens or n >= max_model_len:
-                    self._end(g, s, "length")
-            if not g.seqs and (j + 1 == L or groups[j + 1] is not g):
-                finished.append(self._finish(g))
-        self.metrics.tokens_generated += generated
+        self.metrics.tokens_generated += int(ks[plain].sum())
+        # Rows that reached their length (Group.max_len: the prompt plus max_tokens, at
+        # most the model's), then the groups with no sequence left, in row order.
+        ended = plain & (lane.stops + ks >= lane.max_len)
+        for j in np.flatnonzero(ended).tolist():
+            self._end(groups[j], seqs[j], "length")
+        finished = []
+        if ended.any() or exact.any():
+            for g in {id(g): g for g in groups}.values():
+                if not g.seqs:
+                    finished.append(self._finish(g))
         return finished
 
     def _extend(
@@ -2167,31 +2194,100 @@ _PENDING = -1  # a token the running step is sampling (overlapped steps)
 
 
 @dataclasses.dataclass
+class _Lane:
+    """A multi-step launch's rows as columns: row j is batch row ``at[j]``, sequence
+    ``seqs[j]`` of ``groups[j]`` (its id ``ids[j]``), whose input is its token
+    ``stops[j] - 1`` and which samples ``steps[j]`` tokens. Built once for the first
+    launch of a run and carried from launch to launch (``LLM._continue``), so a steady
+    launch makes no per-row objects and checks its rows with whole-array operations."""
+
+    seqs: list  # [Seq]
+    groups: list  # [Group]
+    ids: list  # [seq id]
+    at: np.ndarray  # intp[L]: batch rows
+    stops: np.ndarray  # int64[L]: the sequence's tokens with the row's input (Work.stop)
+    steps: np.ndarray  # int64[L]
+    max_len: np.ndarray  # int64[L]: Group.max_len
+    exact: np.ndarray  # bool[L]: a stop string or log-probs to keep (LLM._extend)
+    stop_ids: dict  # id(SamplingParams) -> set of token ids that stop its sequences
+    stop_union: list  # every token id in stop_ids (a superset of each row's)
+
+    @classmethod
+    def of(cls, work: list, steps: list[int], eos_token_ids: set) -> _Lane:
+        """The lane of a launch scheduled as ``work`` (row i: ``work[i]``), ``steps`` each."""
+        seqs = [w.seq for w in work]
+        groups = [w.group for w in work]
+        L = len(work)
+        stop_ids = {}
+        for p in {id(g.params): g.params for g in groups}.values():
+            stop_ids[id(p)] = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
+        return cls(
+            seqs=seqs,
+            groups=groups,
+            ids=[s.seq_id for s in seqs],
+            at=np.arange(L, dtype=np.intp),
+            stops=np.fromiter((w.stop for w in work), np.int64, L),
+            steps=np.asarray(steps, np.int64),
+            max_len=np.fromiter((g.max_len for g in groups), np.int64, L),
+            exact=np.fromiter((bool(g.params.stop or g.params.logprobs) for g in groups), bool, L),
+            stop_ids=stop_ids,
+            stop_union=sorted(set().union(*stop_ids.values())),
+        )
+
+    def take(self, keep: np.ndarray | None, **columns) -> _Lane:
+        """The lane of rows ``keep`` (a bool mask; None: all), with ``columns`` replaced
+        (arrays over the kept rows)."""
+        if keep is None:
+            fields = {"seqs": self.seqs, "groups": self.groups, "ids": self.ids}
+            fields.update(at=self.at, stops=self.stops, steps=self.steps)
+            fields.update(max_len=self.max_len, exact=self.exact)
+        else:
+            idx = np.flatnonzero(keep).tolist()
+            fields = {k: [getattr(self, k)[j] for j in idx] for k in ("seqs", "groups", "ids")}
+            for k in ("at", "stops", "steps", "max_len", "exact"):
+                fields[k] = getattr(self, k)[keep]
+        fields.update(columns)
+        return _Lane(**fields, stop_ids=self.stop_ids, stop_union=self.stop_union)
+
+    def work(self) -> list:
+        """Its rows as ``Work``, in order."""
+        return [
+            Work(g, s, n - 1, n, True)
+            for g, s, n in zip(self.groups, self.seqs, self.stops.tolist(), strict=True)
+        ]
+
+
+@dataclasses.dataclass
 class _Launched:
     """A dispatched step: its work, batch rows and device outputs (not waited for)."""
 
-    work: list  # [Work]
-    placed: list  # [(batch row, Work)]
+    work: list | None  # [Work] (None for a multi-step launch: its ``lane``)
+    placed: list | None  # [(batch row, Work)] (None for a multi-step launch)
     groups: list  # [Group] the step runs
     num_tokens: int  # live tokens
     outputs: tuple  # (tokens i32[S_b, J], log-probs f32[S_b, J], candidates or None x 2)
     dispatch_s: float  # the dispatch call's time (0 when it compiled)
     stalled: bool  # its speculative schedule stopped short of a preemption
-    # Multi-step decoding: the steps each placed row runs (outputs then [S_b, K]); None:
-    # one step. Then also its batch and sampling arrays, from which the next launch is
-    # built (``advance_batch``).
+    # Multi-step decoding: the steps each row runs (outputs then [S_b, K]); None: one
+    # step. Then also its rows as a lane, and its batch and sampling arrays, from which
+    # the next launch is built (``advance_batch``).
     steps: list[int] | None = None
+    lane: _Lane | None = None
     batch: Any = None
     sampling: tuple | None = None
     rows: dict = dataclasses.field(init=False)  # id(Seq) -> batch row of its sample
-    # Multi-step: the sequences whose last sample a launch dispatched meanwhile decodes
+    # Multi-step: the lane's rows whose last sample a launch dispatched meanwhile decodes
     # (``LLM._continue``): reserved in the block manager, filled with the others.
-    carried: frozenset = frozenset()
+    carried: np.ndarray | None = None  # bool[L]; None: none
 
     def __post_init__(self):
         # read only for a single step (``LLM._tokens``): a launch is followed by
         # ``LLM._continue``, or completes before the next step is scheduled
         self.rows = {id(w.seq): i for i, w in self.placed if w.sample} if self.steps is None else {}
+
+    def all_work(self) -> list:
+        """Its ``Work``, in row order (a multi-step launch's made from its lane)."""
+        return self.work if self.lane is None else self.lane.work()
 
     @property
     def iterations(self) -> int:
