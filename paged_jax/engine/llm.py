@@ -987,14 +987,14 @@ class LLM:
         if live < len(alive):
             go &= np.array(alive)
         every = bool(go.all())
-        if not every and not go.any():
-            return None
-        keep = None if every else go
-        rows = lane.at if every else lane.at[go]
-        advance = lane.steps if every else lane.steps[go]
+        rows, advance = lane.at, lane.steps  # of f's rows that go on, and their steps in f
         if not every:
-            n, left = n[go], left[go]
-        nxt = lane.take(keep, at=np.arange(len(rows), dtype=np.intp), stops=n, steps=left)
+            if not go.any():
+                return None
+            rows, advance, n, left = rows[go], advance[go], n[go], left[go]
+        nxt = lane.take(
+            None if every else go, at=np.arange(len(rows), dtype=np.intp), stops=n, steps=left
+        )
         if not sc.bm.reserve_tokens(nxt.ids, left.tolist()):
             return None
         f.carried = go
