@@ -761,7 +761,6 @@ class BlockManager:
                 f"counts: expected one per sequence ({len(seq_ids)}), got {len(counts)}"
             )
         table = self._seqs
-        plain = not self.enable_prefix_caching  # _mark_computed is only the count then
         for seq_id, start, row, c in zip(seq_ids, starts, tokens, counts, strict=True):
             seq = table.get(seq_id)
             if seq is None or seq.swapped:
@@ -781,11 +780,7 @@ class BlockManager:
             toks.buf[start:stop] = row[:c]
             if seq.reserved is not None and stop > seq.reserved:
                 seq.reserved = stop if stop < toks.n else None
-            if plain and seq.window is None:
-                if stop > seq.num_computed:
-                    seq.num_computed = stop
-            else:
-                self._mark_computed(seq, stop)
+            self._mark_computed(seq, stop)
 
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
         """Declares the K/V of the sequence's first ``num_tokens`` tokens written.

@@ -807,18 +807,9 @@ class LLM:
         with _mesh_context(self.mesh):
             tokens = self._tokens(batch, placed, prev, pending)
         lane = None if steps is None else _Lane.of(work, steps, self.eos_token_ids)
+        replicas = len(batches)
         return self._send(
-            work,
-            placed,
-            steps,
-            stalled,
-            batch,
-            tokens,
-            sampling,
-            penalties,
-            num_cand,
-            len(batches),
-            lane=lane,
+            work, placed, stalled, batch, tokens, sampling, penalties, num_cand, replicas, lane
         )
 
     def _run_batch(self, lane: _Lane, prev: _Launched, batch, rows, advance) -> _Launched:
@@ -846,29 +837,15 @@ class LLM:
         col[:S] = advance - 1
         with _mesh_context(self.mesh):
             tokens = _merge_tokens(prev.outputs[0], src, col, batch.token_ids)
-        steps = lane.steps.tolist()
-        return self._send(
-            None, None, steps, False, batch, tokens, tuple(sampling), None, 0, 1, lane=lane
-        )
+        return self._send(None, None, False, batch, tokens, tuple(sampling), None, 0, 1, lane)
 
     def _send(
-        self,
-        work,
-        placed,
-        steps,
-        stalled,
-        batch,
-        tokens,
-        sampling,
-        penalties,
-        num_cand,
-        replicas,
-        *,
-        lane: _Lane | None = None,
+        self, work, placed, stalled, batch, tokens, sampling, penalties, num_cand, replicas, lane
     ) -> _Launched:
-        """Dispatches the jitted step (or multi-step launch, with ``steps`` and its rows'
-        ``lane``) on ``batch`` with input ``tokens`` and the rows' ``sampling`` arrays
-        (temperature, top-k, top-p, min-p, seeds, output positions); returns it running."""
+        """Dispatches the jitted step (or, with its rows' ``lane``, a multi-step launch) on
+        ``batch`` with input ``tokens`` and the rows' ``sampling`` arrays (temperature,
+        top-k, top-p, min-p, seeds, output positions); returns it running."""
+        steps = None if lane is None else lane.steps.tolist()
         K = 1 if steps is None else self.num_scheduler_steps
         S_b = batch.kv_lens.shape[0]
         temp = sampling[0]
