@@ -78,11 +78,11 @@ def build_batch(
     P = manager.page_size
     G = getattr(manager, "num_groups", None)  # None: a plain BlockManager
     num_seqs = len(scheduled)
-    if G is None:  # the hot path: each sequence's record looked up once
-        seqs = [manager._device_seq(s.seq_id, "build_batch") for s in scheduled]  # noqa: SLF001
-        lens = [seq.tokens.n for seq in seqs]
+    if G is None:  # the hot path: the sequences' rows of the manager's arrays
+        rows = manager._device_rows([s.seq_id for s in scheduled], "build_batch")  # noqa: SLF001
+        lens = manager._ntok[rows].tolist()  # noqa: SLF001
     else:
-        seqs = None
+        rows = None
         lens = [manager.num_tokens(s.seq_id) for s in scheduled]
     starts = [s.start for s in scheduled]
     stops = [s.stop for s in scheduled]
@@ -127,17 +127,17 @@ def build_batch(
 
     if G is None and num_tokens == num_seqs:  # decode only: one token a row, no per-row arrays
         if num_seqs:
-            _gather_tables(manager, [seq.row for seq in seqs], reach, page_indices)
+            _gather_tables(manager, rows, reach, page_indices)
             pos = np.asarray(starts, np.int64)
             positions[:num_seqs] = pos
-            token_ids[:num_seqs] = [seq.tokens.buf[p] for seq, p in zip(seqs, starts, strict=True)]
+            token_ids[:num_seqs] = manager._tok[rows, pos]  # noqa: SLF001
             slot_mapping[:num_seqs] = page_indices[np.arange(num_seqs), pos // P] * P + pos % P
     elif num_seqs:  # whole arrays at once: per row only its table and tokens are read
         tables, toks = [], []
         used = [-(-r // P) for r in reach]
         for i, s in enumerate(scheduled):
             if G is None:
-                pages, buf = manager.tables()[seqs[i].row], seqs[i].tokens.buf
+                pages, buf = manager.tables()[rows[i]], manager._tok[rows[i]]  # noqa: SLF001
             else:
                 pages = manager.pages_np(s.seq_id)  # [G, pages]
                 buf = manager.token_buffer(s.seq_id)
@@ -226,12 +226,8 @@ def advance_batch(
     ids = [prev.seq_ids[r] for r in rows.tolist()]
     start = prev.positions[rows].astype(np.int64) + advance
     reach = np.maximum(np.asarray(table_tokens, np.int64), start + 1)
-    table = manager._seqs  # noqa: SLF001 (one lookup a row: this runs for every launch)
-    seqs = [table.get(i) for i in ids]
-    if None in seqs or any(s.swapped for s in seqs):
-        seqs = [manager._device_seq(i, "advance_batch") for i in ids]  # noqa: SLF001 (raises)
-    table_rows = np.fromiter((s.row for s in seqs), np.int64, num_seqs)
-    lengths = np.fromiter((s.tokens.n for s in seqs), np.int64, num_seqs)
+    table_rows = manager._device_rows(ids, "advance_batch")  # noqa: SLF001
+    lengths = manager._ntok[table_rows]  # noqa: SLF001
     over = np.flatnonzero(reach > lengths)
     if len(over):
         i = int(over[0])

@@ -87,69 +87,6 @@ def page_key(parent: bytes, page_tokens: bytes) -> bytes:
     return hashlib.blake2b(parent + page_tokens, digest_size=_DIGEST_BYTES).digest()
 
 
-class _Tokens:
-    """A growable int32 buffer of a sequence's token ids."""
-
-    __slots__ = ("buf", "n")
-
-    def __init__(self, tokens: np.ndarray):
-        self.n = len(tokens)
-        self.buf = np.empty(max(16, 2 * self.n), np.int32)
-        self.buf[: self.n] = tokens
-
-    def extend(self, tokens: np.ndarray | int) -> None:
-        """Appends ``tokens``, or that many placeholders (-1) for an int."""
-        m = self.n + (tokens if isinstance(tokens, int) else len(tokens))
-        if m > len(self.buf):
-            new = np.empty(2 * m, np.int32)
-            new[: self.n] = self.buf[: self.n]
-            self.buf = new
-        self.buf[self.n : m] = -1 if isinstance(tokens, int) else tokens
-        self.n = m
-
-    def copy(self) -> _Tokens:
-        return _Tokens(self.buf[: self.n])
-
-
-class _Seq:
-    __slots__ = (
-        "pages",
-        "tokens",
-        "num_computed",
-        "root",
-        "last_key",
-        "num_hashed",
-        "swapped",
-        "last_append_step",
-        "reserved",
-        "window",
-        "dropped",
-        "row",
-    )
-
-    def __init__(self, pages: list[int], tokens: _Tokens, root: bytes, window: int | None):
-        # device pages, or host slots while swapped; the first `dropped` entries are
-        # NULL_PAGE (host: _DROPPED_SLOT), pages no future token reads (sliding window)
-        self.pages = pages
-        self.tokens = tokens
-        self.num_computed = 0  # leading tokens whose K/V are on the device
-        self.root = root
-        self.last_key = root  # key of page num_hashed - 1 (root when none)
-        self.num_hashed = 0  # leading full pages whose keys are known
-        self.swapped = False
-        self.last_append_step = -1  # step of the latest append_slots (-1: never)
-        # first reserved token not yet filled (reserve_tokens), or None: it and every
-        # token after it are not computed, whatever step boundaries passed
-        self.reserved: int | None = None
-        self.window = window  # keys each token attends to (None: all)
-        self.dropped = 0
-        self.row = -1  # its row of BlockManager.tables() (-1: none)
-
-    def filled(self) -> int:
-        """Tokens before the first reserved one not yet filled (all of them if none)."""
-        return self.tokens.n if self.reserved is None else self.reserved
-
-
 def _as_tokens(token_ids, name: str = "token_ids") -> np.ndarray:
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
@@ -157,6 +94,28 @@ def _as_tokens(token_ids, name: str = "token_ids") -> np.ndarray:
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name}: expected integer token ids, got dtype {arr.dtype}")
     return arr.astype(np.int32, copy=False)
+
+
+def _ragged(counts: np.ndarray) -> np.ndarray:
+    """``int[sum(counts)]``: ``0 .. counts[i] - 1`` for each i in turn (each element's
+    place within its row, for writing rows of different lengths in one assignment)."""
+    ends = np.cumsum(counts)
+    return np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - counts, counts)
+
+
+# Per-sequence state kept in rows of arrays (BlockManager._rows_grow doubles them all).
+_ROW_ARRAYS = (
+    "_table",
+    "_tok",
+    "_ntok",
+    "_ncomp",
+    "_resv",
+    "_last",
+    "_nhash",
+    "_win",
+    "_dropped",
+    "_swapped",
+)
 
 
 class BlockManager:
@@ -174,6 +133,11 @@ class BlockManager:
     (refcount = number of block-table references), or *cached* (refcount 0 but holding a
     full page of a known prefix; reusable by a prefix hit until evicted, LRU, when no
     free page is left). ``num_free_pages`` counts free + cached.
+
+    Each sequence owns one row of a few arrays (its block table, token ids, token and
+    computed counts, ...), so that the calls made for every sequence of every step
+    (``append_tokens``, ``reserve_tokens``, ``fill_reserved``) are array operations over
+    the sequences' rows, not a pass over one Python object per sequence.
     """
 
     def __init__(
@@ -207,13 +171,29 @@ class BlockManager:
         # Stack of free pages: pop() takes the lowest id first on a fresh pool, then the
         # most recently freed page.
         self._free = list(range(self.num_pages - 1, 0, -1))
-        self._seqs: dict[Hashable, _Seq] = {}
-        # Every sequence's block table is also a row of one array (_Seq.row), kept equal
-        # to its pages (zeros after them) as they change: a step's tables are one gather
-        # (build_batch, advance_batch), not one list per sequence. Rows and columns double
-        # when a sequence or a table needs more.
-        self._table = np.zeros((8, 8), np.int32)
-        self._free_rows = list(range(7, -1, -1))
+        self._seqs: dict[Hashable, int] = {}  # seq_id -> its row of the arrays below
+        # A sequence's state is row `row` of these arrays (rows double when more sequences
+        # exist; the table's and the token ids' columns double as they need more). Its
+        # block table has pages_needed(_ntok[row]) entries, then zeros: a step's tables
+        # are one gather (build_batch, advance_batch). Rows of no sequence are zeros.
+        rows = 8
+        self._table = np.zeros((rows, 8), np.int32)  # pages (host slots while swapped)
+        self._tok = np.zeros((rows, 16), np.int32)  # token ids (-1: reserved, not known yet)
+        self._ntok = np.zeros(rows, np.int64)  # tokens with slots (prompt plus appended)
+        self._ncomp = np.zeros(rows, np.int64)  # leading tokens whose K/V are on the device
+        # First reserved token not yet filled (reserve_tokens), or -1: it and every token
+        # after it are not computed, whatever step boundaries passed.
+        self._resv = np.zeros(rows, np.int64)
+        self._last = np.zeros(rows, np.int64)  # step of the latest append (-1: never)
+        self._nhash = np.zeros(rows, np.int64)  # leading full pages whose keys are known
+        self._win = np.zeros(rows, np.int64)  # keys each token attends to (0: all)
+        # The first _dropped[row] entries are NULL_PAGE (host: _DROPPED_SLOT): pages no
+        # future token reads (sliding window).
+        self._dropped = np.zeros(rows, np.int64)
+        self._swapped = np.zeros(rows, bool)
+        self._root: list[bytes] = [b""] * rows  # prefix-cache root key
+        self._key: list[bytes] = [b""] * rows  # key of page _nhash - 1 (root when none)
+        self._free_rows = list(range(rows - 1, -1, -1))
         # Prefix cache: key -> page, page -> key, page -> its token bytes (for checking).
         self._cached: dict[bytes, int] = {}
         self._page_key: dict[int, bytes] = {}
@@ -248,7 +228,7 @@ class BlockManager:
     def seq_ids(self) -> list:
         return list(self._seqs)
 
-    def _seq(self, seq_id: Hashable) -> _Seq:
+    def _row(self, seq_id: Hashable) -> int:
         try:
             return self._seqs[seq_id]
         except KeyError:
@@ -256,24 +236,52 @@ class BlockManager:
                 f"seq_id {seq_id!r}: unknown (never allocated, or already freed)"
             ) from None
 
-    def _device_seq(self, seq_id: Hashable, op: str) -> _Seq:
-        seq = self._seq(seq_id)
-        if seq.swapped:
+    def _device_row(self, seq_id: Hashable, op: str) -> int:
+        row = self._row(seq_id)
+        if self._swapped[row]:
             raise InvalidSequenceState(f"{op}: seq_id {seq_id!r} is swapped out; swap_in first")
-        return seq
+        return row
+
+    def _device_rows(self, seq_ids: Sequence[Hashable], op: str) -> np.ndarray:
+        """``intp[S]``: the rows of distinct sequences on the device (errors as
+        ``_device_row``, and ``ValueError`` for a sequence given twice)."""
+        get = self._seqs.get
+        found = [get(s) for s in seq_ids]
+        rows = np.array(found, np.intp) if None not in found else None
+        if rows is None or self._swapped[rows].any():
+            rows = np.array([self._device_row(s, op) for s in seq_ids], np.intp)  # raises
+        if len(set(found)) < len(found):
+            seen: set = set()
+            twice = next(s for s in seq_ids if s in seen or seen.add(s))
+            raise ValueError(f"seq_ids: expected distinct sequences, got {twice!r} twice")
+        return rows
+
+    def _npages(self, row: int) -> int:
+        """Entries of the row's block table (pages of its tokens, dropped ones included)."""
+        return -(-int(self._ntok[row]) // self.page_size)
+
+    def _filled(self, row: int) -> int:
+        """Tokens before the first reserved one not yet filled (all of them if none)."""
+        r = int(self._resv[row])
+        return int(self._ntok[row]) if r < 0 else r
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """Tokens of the sequence that have slots (prompt plus appended tokens)."""
-        return self._seq(seq_id).tokens.n
+        return int(self._ntok[self._row(seq_id)])
 
     def num_computed_tokens(self, seq_id: Hashable) -> int:
         """Leading tokens whose K/V are on the device (cached or marked computed)."""
-        return self._seq(seq_id).num_computed
+        return int(self._ncomp[self._row(seq_id)])
 
     def token_ids(self, seq_id: Hashable) -> np.ndarray:
         """``i32[num_tokens]``: a copy of the sequence's token ids."""
-        seq = self._seq(seq_id)
-        return seq.tokens.buf[: seq.tokens.n].copy()
+        row = self._row(seq_id)
+        return self._tok[row, : self._ntok[row]].copy()
+
+    def token_buffer(self, seq_id: Hashable) -> np.ndarray:
+        """The sequence's token ids as a view of its row (its first ``num_tokens``
+        entries; do not modify it; valid until the manager next changes)."""
+        return self._tok[self._row(seq_id)]
 
     def set_token(self, seq_id: Hashable, index: int, token: int) -> None:
         """Replaces token ``index`` of the sequence, one whose K/V is not computed yet.
@@ -283,25 +291,28 @@ class BlockManager:
         in the prefix cache until the token is marked computed, so the value it is
         hashed with is this one. Raises ``ValueError`` for a computed or absent index.
         """
-        seq = self._seq(seq_id)
-        if not seq.num_computed <= index < seq.tokens.n:
+        row = self._row(seq_id)
+        done, n = int(self._ncomp[row]), int(self._ntok[row])
+        if not done <= index < n:
             raise ValueError(
-                f"index: expected a token not yet computed, in [{seq.num_computed}, "
-                f"{seq.tokens.n}), got {index}"
+                f"index: expected a token not yet computed, in [{done}, {n}), got {index}"
             )
-        seq.tokens.buf[index] = token
+        self._tok[row, index] = token
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         """The sequence's pages in order (host slots while it is swapped out)."""
-        return list(self._seq(seq_id).pages)
+        row = self._row(seq_id)
+        return self._table[row, : self._npages(row)].tolist()
 
     def is_swapped(self, seq_id: Hashable) -> bool:
-        return self._seq(seq_id).swapped
+        return bool(self._swapped[self._row(seq_id)])
 
     def host_slots(self, seq_id: Hashable) -> list[int]:
         """The host slots a swapped-out sequence holds (none while it is on the device)."""
-        seq = self._seq(seq_id)
-        return list(seq.pages[seq.dropped :]) if seq.swapped else []
+        row = self._row(seq_id)
+        if not self._swapped[row]:
+            return []
+        return self._table[row, self._dropped[row] : self._npages(row)].tolist()
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]
@@ -312,56 +323,78 @@ class BlockManager:
 
     def slots(self, seq_id: Hashable, start: int, stop: int) -> np.ndarray:
         """``i32[stop - start]``: slots (page * page_size + offset) of tokens [start, stop)."""
-        seq = self._device_seq(seq_id, "slots")
-        if not 0 <= start <= stop <= seq.tokens.n:
+        row = self._device_row(seq_id, "slots")
+        n = int(self._ntok[row])
+        if not 0 <= start <= stop <= n:
             raise ValueError(
-                f"slots: expected 0 <= start <= stop <= num_tokens={seq.tokens.n}, got "
+                f"slots: expected 0 <= start <= stop <= num_tokens={n}, got "
                 f"start={start}, stop={stop}"
             )
         pos = np.arange(start, stop, dtype=np.int32)
-        table = self._table[seq.row, : len(seq.pages)]
+        table = self._table[row, : self._npages(row)]
         return table[pos // self.page_size] * self.page_size + pos % self.page_size
 
     def pages_np(self, seq_id: Hashable) -> np.ndarray:
         """``i32[num_pages_of_seq]``: the block table as an array, a view of its row of
         ``tables()`` (do not modify it; it follows the table until the array grows)."""
-        seq = self._device_seq(seq_id, "pages_np")
-        return self._table[seq.row, : len(seq.pages)]
+        row = self._device_row(seq_id, "pages_np")
+        return self._table[row, : self._npages(row)]
 
     def tables(self) -> np.ndarray:
-        """``i32[R, C]``: every sequence's block table as row ``_Seq.row`` (its pages,
-        host slots while swapped out, then zeros); rows of no sequence are zeros. Updated
-        in place as tables change, and replaced by a larger array when a table grows past
-        ``C`` entries or more than ``R`` sequences exist: read it again after changing
-        the manager, and never modify it."""
+        """``i32[R, C]``: every sequence's block table as a row (its pages, host slots
+        while swapped out, then zeros); rows of no sequence are zeros. Updated in place as
+        tables change, and replaced by a larger array when a table grows past ``C``
+        entries or more than ``R`` sequences exist: read it again after changing the
+        manager, and never modify it."""
         return self._table
 
-    def _add_row(self, seq: _Seq) -> None:
-        """Gives a new sequence its row of ``tables()`` and writes its pages there."""
+    def table_row(self, seq_id: Hashable) -> int:
+        """The sequence's row of ``tables()`` (fixed from its allocation to its ``free``)."""
+        return self._row(seq_id)
+
+    def _add_row(
+        self, seq_id: Hashable, tokens: np.ndarray, pages: Sequence[int], root: bytes, window: int
+    ) -> int:
+        """A new sequence's row, holding ``tokens`` and ``pages``, nothing computed."""
         if not self._free_rows:
             rows = self._table.shape[0]
-            self._table = np.pad(self._table, ((0, rows), (0, 0)))
+            for name in _ROW_ARRAYS:
+                a = getattr(self, name)
+                setattr(self, name, np.pad(a, ((0, rows),) + ((0, 0),) * (a.ndim - 1)))
+            self._root += [b""] * rows
+            self._key += [b""] * rows
             self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
-        seq.row = self._free_rows.pop()
-        self._pages_changed(seq)
+        row = self._free_rows.pop()
+        n = len(tokens)
+        self._fit(len(pages), n)
+        self._table[row, : len(pages)] = pages
+        self._tok[row, :n] = tokens
+        self._ntok[row] = n
+        self._ncomp[row] = 0
+        self._resv[row] = -1
+        self._last[row] = -1
+        self._nhash[row] = 0
+        self._win[row] = window
+        self._dropped[row] = 0
+        self._swapped[row] = False
+        self._root[row] = self._key[row] = root
+        self._seqs[seq_id] = row
+        return row
 
-    def _drop_row(self, seq: _Seq) -> None:
-        self._table[seq.row, : len(seq.pages)] = 0
-        self._free_rows.append(seq.row)
-        seq.row = -1
+    def _drop_row(self, seq_id: Hashable, row: int) -> None:
+        del self._seqs[seq_id]
+        self._table[row] = 0
+        self._free_rows.append(row)
 
-    def _pages_changed(self, seq: _Seq, start: int = 0) -> None:
-        """``seq.pages`` changed from entry ``start`` on (grew, or entries replaced): its
-        row of ``tables()`` follows."""
-        pages = seq.pages
-        n = len(pages)
-        if n > self._table.shape[1]:
-            width = 1 << (n - 1).bit_length()
+    def _fit(self, pages: int, tokens: int) -> None:
+        """Widens the table to ``pages`` columns and the token ids to ``tokens``, if
+        they are narrower (to the next power of two, so widening is rare)."""
+        if pages > self._table.shape[1]:
+            width = 1 << (pages - 1).bit_length()
             self._table = np.pad(self._table, ((0, 0), (0, width - self._table.shape[1])))
-        if n - start == 1:  # the common change, one new page: a scalar write is 5x faster
-            self._table[seq.row, start] = pages[start]
-        elif start < n:
-            self._table[seq.row, start:n] = pages[start:]
+        if tokens > self._tok.shape[1]:
+            width = 1 << (tokens - 1).bit_length()
+            self._tok = np.pad(self._tok, ((0, 0), (0, width - self._tok.shape[1])))
 
     # ------------------------------------------------------------------ admission checks
     def pages_needed(self, num_tokens: int) -> int:
@@ -385,14 +418,14 @@ class BlockManager:
     def _append_need(self, seq_ids: Iterable[Hashable], num_tokens: int) -> int:
         need = 0
         for seq_id in seq_ids:
-            need += self._pages_for_append(self._device_seq(seq_id, "can_append"), num_tokens)
+            need += self._pages_for_append(self._device_row(seq_id, "can_append"), num_tokens)
         return need
 
-    def _pages_for_append(self, seq: _Seq, num_new: int) -> int:
-        n, P = seq.tokens.n, self.page_size
-        fill = n % P
-        need = self.pages_needed(n + num_new) - len(seq.pages)
-        if fill and num_new and self._refcount[seq.pages[-1]] > 1:
+    def _pages_for_append(self, row: int, num_new: int) -> int:
+        n, P = int(self._ntok[row]), self.page_size
+        have = -(-n // P)
+        need = self.pages_needed(n + num_new) - have
+        if n % P and num_new and self._refcount[self._table[row, have - 1]] > 1:
             need += 1  # copy-on-write of the shared partial last page
         return max(need, 0)
 
@@ -540,15 +573,11 @@ class BlockManager:
                 del evictable[page]
             refcount[page] += 1
         pages = hits + [self._take_page() for _ in range(fresh)]
-        seq = _Seq(
-            pages, _Tokens(tokens), root, None if sliding_window is None else int(sliding_window)
-        )
-        seq.num_computed = len(hits) * P
-        seq.num_hashed = len(hits)
-        seq.last_key = key
-        self._seqs[seq_id] = seq
-        self._add_row(seq)
-        self._drop_out_of_window(seq)  # hits no prompt token reads
+        row = self._add_row(seq_id, tokens, pages, root, sliding_window or 0)
+        self._ncomp[row] = len(hits) * P
+        self._nhash[row] = len(hits)
+        self._key[row] = key
+        self._drop_out_of_window(row)  # hits no prompt token reads
         return len(hits) * P
 
     def append_slots(self, seq_id: Hashable, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -562,72 +591,133 @@ class BlockManager:
         the new tokens' K/V must be written by the step that follows (see ``take_copies``).
         Raises ``OutOfPages`` (changing nothing) when pages run out.
         """
-        seq = self._device_seq(seq_id, "append_slots")
+        row = self._device_row(seq_id, "append_slots")
         P = self.page_size
-        toks = seq.tokens
-        n = toks.n
-        self._first_append(seq)
-        pages = seq.pages
+        n = int(self._ntok[row])
+        self._first_append(row)
         fill = n % P
         # Fast path (a decode step): one token into an exclusively owned, partially
-        # filled page that has room in the token buffer.
+        # filled page that has room in the token ids' row.
         if (
             fill
             and type(token_ids) in (list, tuple)
             and len(token_ids) == 1
             and type(token_ids[0]) is int
-            and n < len(toks.buf)
-            and self._refcount[pages[-1]] == 1
+            and n < self._tok.shape[1]
         ):
-            toks.buf[n] = token_ids[0]
-            toks.n = n + 1
-            return np.array([pages[-1] * P + fill], np.int32)
+            page = int(self._table[row, n // P])
+            if self._refcount[page] == 1:
+                self._tok[row, n] = token_ids[0]
+                self._ntok[row] = n + 1
+                return np.array([page * P + fill], np.int32)
         tokens = _as_tokens(token_ids)
         num_new = len(tokens)
-        need = self._pages_for_append(seq, num_new)
+        need = self._pages_for_append(row, num_new)
         if need > self.num_free_pages:
             raise OutOfPages(
                 f"append_slots: seq_id {seq_id!r} needs {need} pages for {num_new} tokens, "
                 f"{self.num_free_pages} available"
             )
-        self._grow(seq, tokens)
+        self._grow(row, tokens)
         return self.slots(seq_id, n, n + num_new)
 
-    def _first_append(self, seq: _Seq) -> None:
+    def _first_append(self, row: int) -> None:
         """At a sequence's first append of a step, every token it had before was computed
         by an earlier step (tokens appended within this step are not)."""
-        if seq.last_append_step != self._step:
-            seq.last_append_step = self._step
-            done = seq.filled()
-            if done > seq.num_computed:
-                self._mark_computed(seq, done)
+        if self._last[row] != self._step:
+            self._last[row] = self._step
+            done = self._filled(row)
+            if done > self._ncomp[row]:
+                self._mark_computed(row, done)
 
-    def _grow(self, seq: _Seq, tokens: np.ndarray | int) -> None:
-        """Appends ``tokens`` (an int: that many placeholders, -1) to ``seq``, whose pages
-        for them were counted free: a shared partially filled last page is first replaced
-        by a private copy (copy-on-write), then new pages are taken as the tokens need
-        them."""
-        pages, n = seq.pages, seq.tokens.n
+    def _first_appends(self, rows: np.ndarray) -> None:
+        """``_first_append`` of each of ``rows`` (distinct)."""
+        stale = rows[self._last[rows] != self._step]
+        if len(stale):
+            self._last[stale] = self._step
+            r = self._resv[stale]
+            self._mark_rows(stale, np.where(r < 0, self._ntok[stale], r))
+
+    def _grow(self, row: int, tokens: np.ndarray | int) -> None:
+        """Appends ``tokens`` (an int: that many placeholders, -1) to the row's sequence,
+        whose pages for them were counted free: a shared partially filled last page is
+        first replaced by a private copy (copy-on-write), then new pages are taken as the
+        tokens need them."""
+        P, n = self.page_size, int(self._ntok[row])
         num_new = tokens if isinstance(tokens, int) else len(tokens)
-        start = len(pages)  # the first entry that changes
-        if n % self.page_size and num_new and self._refcount[pages[-1]] > 1:
-            old = pages[-1]
+        have = -(-n // P)
+        m = n + num_new
+        self._fit(self.pages_needed(m), m)
+        if n % P and num_new and self._refcount[self._table[row, have - 1]] > 1:
+            old = int(self._table[row, have - 1])
             new = self._take_page()
             # `old` holds only K/V of earlier steps: fork refuses parents with unwritten
             # K/V, so a page written this step is never shared, and copies never chain.
             self._pending[new] = old
             self._pending_src[old] = self._pending_src.get(old, 0) + 1
             self._unref(old)
-            pages[-1] = new
-            start -= 1
-        for _ in range(self.pages_needed(n + num_new) - len(pages)):
-            pages.append(self._take_page())
-        self._pages_changed(seq, start)
-        seq.tokens.extend(tokens)
+            self._table[row, have - 1] = new
+        for col in range(have, self.pages_needed(m)):
+            self._table[row, col] = self._take_page()
+        self._tok[row, n:m] = -1 if isinstance(tokens, int) else tokens
+        self._ntok[row] = m
+
+    def _append(self, rows: np.ndarray, counts: np.ndarray, values: np.ndarray | None) -> bool:
+        """Appends ``counts[i]`` tokens to the sequence of row ``rows[i]`` (distinct rows,
+        counts >= 1): ``values[i]`` (one token each), or placeholders (-1) for None. All or
+        none: False, changing nothing, when the pages they need together are not free.
+
+        For every row of every step: the new pages are taken in row order and written
+        to the table in one assignment, and so are the tokens; only a row whose shared
+        last page needs a copy first (copy-on-write) goes through ``_grow``."""
+        if not len(rows):
+            return True
+        P = self.page_size
+        n = self._ntok[rows]
+        m = n + counts
+        have, want = -(-n // P), -(-m // P)
+        cow = np.zeros(len(rows), bool)
+        part = np.flatnonzero(n % P)
+        if len(part):
+            refcount = self._refcount
+            last = self._table[rows[part], have[part] - 1].tolist()
+            cow[part] = [refcount[p] > 1 for p in last]
+        more = want - have
+        if int(more.sum()) + int(cow.sum()) > self.num_free_pages:
+            return False
+        self._first_appends(rows)
+        if cow.any():
+            for j in np.flatnonzero(cow).tolist():
+                self._grow(int(rows[j]), int(counts[j]) if values is None else values[j : j + 1])
+            keep = ~cow
+            rows, counts, n, m, have, more = (a[keep] for a in (rows, counts, n, m, have, more))
+            values = None if values is None else values[keep]
+            if not len(rows):
+                return True
+        self._fit(int(want.max()), int(m.max()))
+        total = int(more.sum())
+        if total:
+            free = self._free
+            if len(free) >= total:  # pop() order, in one slice
+                taken = free[: -total - 1 : -1]
+                del free[-total:]
+                refcount = self._refcount
+                for page in taken:
+                    refcount[page] = 1
+            else:  # the prefix cache gives up pages too
+                taken = [self._take_page() for _ in range(total)]
+            self._table[np.repeat(rows, more), np.repeat(have, more) + _ragged(more)] = taken
+        if values is None:
+            self._tok[np.repeat(rows, counts), np.repeat(n, counts) + _ragged(counts)] = -1
+        else:
+            self._tok[rows, n] = values
+        self._ntok[rows] = m
+        return True
 
     def append_tokens(self, seq_ids: Sequence[Hashable], tokens: Sequence[int]) -> bool:
-        """Appends ``tokens[i]`` to sequence ``seq_ids[i]``, all of them or none: returns
-        False, changing nothing, when the pages they need together are not free.
+        """Appends ``tokens[i]`` to sequence ``seq_ids[i]`` (distinct sequences), all of
+        them or none: returns False, changing nothing, when the pages they need together
+        are not free.
 
         A decode step's appends in one call (``can_append`` and ``append_slots`` of one
         token each, without the slot arrays): the engine's scheduler runs this for every
@@ -637,32 +727,14 @@ class BlockManager:
             raise ValueError(
                 f"tokens: expected one per sequence ({len(seq_ids)}), got {len(tokens)}"
             )
-        table, P, refcount = self._seqs, self.page_size, self._refcount
-        seqs, need = [], 0
-        for seq_id in seq_ids:
-            seq = table.get(seq_id)
-            if seq is None or seq.swapped:
-                seq = self._device_seq(seq_id, "append_tokens")  # raises the typed error
-            seqs.append(seq)
-            if not seq.tokens.n % P or refcount[seq.pages[-1]] > 1:  # a new page, or CoW
-                need += self._pages_for_append(seq, 1)
-        if need > self.num_free_pages:
-            return False
-        for seq, token in zip(seqs, tokens, strict=True):
-            self._first_append(seq)
-            toks = seq.tokens
-            n = toks.n
-            if n % P and n < len(toks.buf) and refcount[seq.pages[-1]] == 1:
-                toks.buf[n] = token  # the common case: room in an exclusively owned page
-                toks.n = n + 1
-            else:  # a new page, or a private copy of a shared last page
-                self._grow(seq, np.array([token], np.int32))
-        return True
+        values = _as_tokens(tokens, "tokens")
+        rows = self._device_rows(seq_ids, "append_tokens")
+        return self._append(rows, np.ones(len(rows), np.int64), values)
 
     def reserve_tokens(self, seq_ids: Sequence[Hashable], counts: Sequence[int]) -> bool:
-        """Appends ``counts[i]`` placeholder tokens (-1) to sequence ``seq_ids[i]``, all of
-        them or none: returns False, changing nothing, when the pages they need together
-        are not free.
+        """Appends ``counts[i]`` placeholder tokens (-1) to sequence ``seq_ids[i]``
+        (distinct sequences), all of them or none: returns False, changing nothing, when
+        the pages they need together are not free.
 
         For tokens the device will sample within the step that follows (the engine's
         multi-step decoding computes several tokens of a sequence in one launch): give
@@ -675,64 +747,21 @@ class BlockManager:
             raise ValueError(
                 f"counts: expected one per sequence ({len(seq_ids)}), got {len(counts)}"
             )
-        table, seqs, need = self._seqs, [], 0
-        P, refcount = self.page_size, self._refcount
-        ks = []
-        # Runs for every row of every multi-step launch: _pages_for_append, _first_append
-        # and _grow inlined for the common row, whose last page is its own or full, and the
-        # new table entries written in one go at the end.
-        for seq_id, k in zip(seq_ids, counts, strict=True):
-            if type(k) is not int or k < 0:  # a plain int >= 0 passes on one check
+        ks = np.asarray(counts)
+        if ks.dtype.kind not in "iu" or (ks < 0).any():
+            for seq_id, k in zip(seq_ids, counts, strict=True):
                 if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
                     raise ValueError(f"counts: expected ints >= 0, got {k!r} for {seq_id!r}")
-                k = int(k)
-            seq = table.get(seq_id)
-            if seq is None or seq.swapped:
-                seq = self._device_seq(seq_id, "reserve_tokens")  # raises the typed error
-            seqs.append(seq)
-            ks.append(k)
-            n = seq.tokens.n
-            if n % P and k and refcount[seq.pages[-1]] > 1:
-                need += self._pages_for_append(seq, k)  # a copy-on-write too
-            else:
-                more = -(-(n + k) // P) - len(seq.pages)
-                if more > 0:
-                    need += more
-        if need > self.num_free_pages:
+        rows = self._device_rows(seq_ids, "reserve_tokens")
+        ks = ks.astype(np.int64, copy=False)
+        some = ks > 0
+        if not some.all():
+            rows, ks = rows[some], ks[some]
+        before = self._ntok[rows]
+        if not self._append(rows, ks, None):
             return False
-        step, free = self._step, self._free
-        at_row, at_col, new_pages = [], [], []  # table entries of the common rows' new pages
-        for seq, k in zip(seqs, ks, strict=True):
-            if not k:
-                continue
-            toks, pages = seq.tokens, seq.pages
-            n = toks.n
-            if seq.last_append_step != step:  # _first_append
-                seq.last_append_step = step
-                done = n if seq.reserved is None else seq.reserved
-                if done > seq.num_computed:
-                    self._mark_computed(seq, done)
-            if seq.reserved is None:
-                seq.reserved = n
-            if (n % P and refcount[pages[-1]] > 1) or n + k > len(toks.buf):
-                self._grow(seq, k)  # a copy-on-write, or a larger token buffer
-                continue
-            start = len(pages)
-            for col in range(start, -(-(n + k) // P)):
-                page = free.pop() if free else self._take_page()
-                refcount[page] = 1
-                pages.append(page)
-                at_row.append(seq.row)
-                at_col.append(col)
-                new_pages.append(page)
-            toks.buf[n : n + k] = -1
-            toks.n = n + k
-        if new_pages:
-            width = max(at_col) + 1
-            if width > self._table.shape[1]:  # as _pages_changed grows it
-                grown = 1 << (width - 1).bit_length()
-                self._table = np.pad(self._table, ((0, 0), (0, grown - self._table.shape[1])))
-            self._table[at_row, at_col] = new_pages
+        r = self._resv[rows]
+        self._resv[rows] = np.where(r < 0, before, r)
         return True
 
     def fill_reserved(
@@ -743,44 +772,56 @@ class BlockManager:
         *,
         counts: Sequence[int] | None = None,
     ) -> None:
-        """For each sequence, tokens ``[starts[i], starts[i] + c)`` (none of them computed
-        yet) replaced by the first ``c = counts[i]`` of ``tokens[i]`` (all of them when
-        ``counts`` is None; ``set_token`` for each), then every token up to them marked
-        computed (``mark_computed``): a multi-step launch's reserved tokens
+        """For each sequence (distinct), tokens ``[starts[i], starts[i] + c)`` (none of them
+        computed yet) replaced by the first ``c = counts[i]`` of ``tokens[i]`` (all of them
+        when ``counts`` is None; ``set_token`` for each), then every token up to them
+        marked computed (``mark_computed``): a multi-step launch's reserved tokens
         (``reserve_tokens``), once it returned. ``tokens``: an int array per sequence, or
         ``i32[S, J]`` (row i sequence i's)."""
-        if len(starts) != len(seq_ids) or len(tokens) != len(seq_ids):
+        S = len(seq_ids)
+        if len(starts) != S or len(tokens) != S:
             raise ValueError(
-                f"starts, tokens: expected one per sequence ({len(seq_ids)}), got "
+                f"starts, tokens: expected one per sequence ({S}), got "
                 f"{len(starts)} and {len(tokens)}"
             )
         if counts is None:
-            counts = [len(t) for t in tokens]
-        elif len(counts) != len(seq_ids):
-            raise ValueError(
-                f"counts: expected one per sequence ({len(seq_ids)}), got {len(counts)}"
+            cs = np.fromiter((len(t) for t in tokens), np.int64, S)
+            values = (
+                np.concatenate([np.asarray(t, np.int32).reshape(-1) for t in tokens])
+                if S
+                else np.zeros(0, np.int32)
             )
-        table = self._seqs
-        for seq_id, start, row, c in zip(seq_ids, starts, tokens, counts, strict=True):
-            seq = table.get(seq_id)
-            if seq is None or seq.swapped:
-                seq = self._device_seq(seq_id, "fill_reserved")  # raises the typed error
-            stop = start + c
-            toks = seq.tokens
-            if not seq.num_computed <= start <= stop <= toks.n or not 0 <= c <= len(row):
-                if not 0 <= c <= len(row):
-                    raise ValueError(
-                        f"counts: expected 0 to {len(row)} (the tokens given) for "
-                        f"{seq_id!r}, got {c}"
-                    )
+        else:
+            if len(counts) != S:
+                raise ValueError(f"counts: expected one per sequence ({S}), got {len(counts)}")
+            cs = np.asarray(counts, np.int64)
+            tokens = np.asarray(tokens)
+            width = tokens.shape[1] if tokens.ndim == 2 else 0
+            bad = np.flatnonzero((cs < 0) | (cs > width))
+            if len(bad):
+                i = int(bad[0])
                 raise ValueError(
-                    f"starts: expected tokens not yet computed, within [{seq.num_computed}, "
-                    f"{toks.n}) for {seq_id!r}, got [{start}, {stop})"
+                    f"counts: expected 0 to {width} (the tokens given) for {seq_ids[i]!r}, "
+                    f"got {int(cs[i])}"
                 )
-            toks.buf[start:stop] = row[:c]
-            if seq.reserved is not None and stop > seq.reserved:
-                seq.reserved = stop if stop < toks.n else None
-            self._mark_computed(seq, stop)
+            values = tokens[np.repeat(np.arange(S), cs), _ragged(cs)]
+        rows = self._device_rows(seq_ids, "fill_reserved")
+        starts = np.asarray(starts, np.int64).reshape(S)
+        stops = starts + cs
+        done, n = self._ncomp[rows], self._ntok[rows]
+        bad = np.flatnonzero((starts < done) | (stops > n))
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(
+                f"starts: expected tokens not yet computed, within [{int(done[i])}, "
+                f"{int(n[i])}) for {seq_ids[i]!r}, got [{int(starts[i])}, {int(stops[i])})"
+            )
+        self._tok[np.repeat(rows, cs), np.repeat(starts, cs) + _ragged(cs)] = values
+        r = self._resv[rows]
+        past = (r >= 0) & (stops > r)
+        if past.any():
+            self._resv[rows[past]] = np.where(stops < n, stops, -1)[past]
+        self._mark_rows(rows, stops)
 
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
         """Declares the K/V of the sequence's first ``num_tokens`` tokens written.
@@ -788,64 +829,86 @@ class BlockManager:
         Call after each prefill chunk; their full pages become prefix-cache entries that
         later prompts can share. (``append_slots`` does this for all earlier tokens.)
         """
-        seq = self._device_seq(seq_id, "mark_computed")
-        if not 0 <= num_tokens <= seq.tokens.n:
-            raise ValueError(
-                f"num_tokens: expected 0 <= num_tokens <= {seq.tokens.n}, got {num_tokens}"
-            )
-        self._mark_computed(seq, num_tokens)
+        row = self._device_row(seq_id, "mark_computed")
+        n = int(self._ntok[row])
+        if not 0 <= num_tokens <= n:
+            raise ValueError(f"num_tokens: expected 0 <= num_tokens <= {n}, got {num_tokens}")
+        self._mark_computed(row, num_tokens)
 
-    def _sync_computed(self, seq: _Seq) -> None:
+    def _sync_computed(self, row: int) -> None:
         """Tokens appended in earlier steps are computed once a step boundary passed."""
-        done = seq.filled()
-        if 0 <= seq.last_append_step < self._step and seq.num_computed < done:
-            self._mark_computed(seq, done)
+        done = self._filled(row)
+        if 0 <= self._last[row] < self._step and self._ncomp[row] < done:
+            self._mark_computed(row, done)
 
-    def _mark_computed(self, seq: _Seq, num_tokens: int) -> None:
-        if num_tokens <= seq.num_computed:
+    def _mark_computed(self, row: int, num_tokens: int) -> None:
+        if num_tokens <= self._ncomp[row]:
             return
-        seq.num_computed = num_tokens
-        self._register(seq, num_tokens)
-        self._drop_out_of_window(seq)
+        self._ncomp[row] = num_tokens
+        self._register(row, num_tokens)
+        self._drop_out_of_window(row)
 
-    def _drop_out_of_window(self, seq: _Seq) -> None:
-        """Releases the leading pages no token from ``num_computed`` on can read: page i's
-        last key ``(i + 1) P - 1`` lies before the window of position ``num_computed``."""
-        if seq.window is None:
+    def _mark_rows(self, rows: np.ndarray, num_tokens: np.ndarray) -> None:
+        """``_mark_computed`` of each of ``rows`` (distinct): the counts as one
+        assignment, then the prefix cache and the window for the rows that need them."""
+        up = num_tokens > self._ncomp[rows]
+        if not up.all():
+            rows, num_tokens = rows[up], num_tokens[up]
+        if not len(rows):
             return
-        dead = (seq.num_computed - seq.window + 1) // self.page_size
-        if dead <= seq.dropped:
+        self._ncomp[rows] = num_tokens
+        if self.enable_prefix_caching:
+            new = num_tokens // self.page_size > self._nhash[rows]
+            for row, k in zip(rows[new].tolist(), num_tokens[new].tolist(), strict=True):
+                self._register(row, k)
+        w = self._win[rows]
+        if w.any():
+            dead = (num_tokens - w + 1) // self.page_size
+            for row in rows[(w > 0) & (dead > self._dropped[rows])].tolist():
+                self._drop_out_of_window(row)
+
+    def _drop_out_of_window(self, row: int) -> None:
+        """Releases the leading pages no token from the computed count on can read: page
+        i's last key ``(i + 1) P - 1`` lies before the window of position ``_ncomp``."""
+        w = int(self._win[row])
+        if not w:
             return
-        pages, start = seq.pages, seq.dropped
+        dead = (int(self._ncomp[row]) - w + 1) // self.page_size
+        start = int(self._dropped[row])
+        if dead <= start:
+            return
+        table = self._table
         for i in range(start, dead):
-            page, pages[i] = pages[i], NULL_PAGE
+            page = int(table[row, i])
+            table[row, i] = NULL_PAGE
             self._unref(page)
-        seq.dropped = dead
-        self._pages_changed(seq, start)
+        self._dropped[row] = dead
 
-    def _register(self, seq: _Seq, num_tokens: int) -> None:
+    def _register(self, row: int, num_tokens: int) -> None:
         """Enters the sequence's full computed pages in the prefix cache."""
         if not self.enable_prefix_caching:
             return
         P = self.page_size
         full = num_tokens // P
-        if seq.num_hashed >= full:
+        first = int(self._nhash[row])
+        if first >= full:
             return
-        buf = seq.tokens.buf
-        key = seq.last_key
-        for i in range(seq.num_hashed, full):
-            chunk = buf[i * P : (i + 1) * P].tobytes()
+        chunks = self._tok[row, first * P : full * P].tobytes()
+        pages = self._table[row, first:full].tolist()
+        key = self._key[row]
+        cached, page_key_of = self._cached, self._page_key
+        for i, page in enumerate(pages):
+            chunk = chunks[i * 4 * P : (i + 1) * 4 * P]
             key = page_key(key, chunk)
-            page = seq.pages[i]
             if page == NULL_PAGE:  # dropped outside the window (the chain goes on)
                 continue
-            if key not in self._cached and page not in self._page_key:
-                self._cached[key] = page
-                self._page_key[page] = key
+            if key not in cached and page not in page_key_of:
+                cached[key] = page
+                page_key_of[page] = key
                 self._page_tokens[page] = chunk
             # else: an identical page is cached already (or this page is a hit); keep one.
-        seq.last_key = key
-        seq.num_hashed = full
+        self._key[row] = key
+        self._nhash[row] = full
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """The child shares every page of the parent (reference counts only, no copy).
@@ -853,45 +916,45 @@ class BlockManager:
         The parent's K/V must all be written: fork after the step that computed its
         tokens (a prompt: after ``mark_computed``), before appending this step's token.
         """
-        parent = self._device_seq(parent_id, "fork")
+        prow = self._device_row(parent_id, "fork")
         self._check_new_id(child_id, "fork")
-        self._sync_computed(parent)
-        if parent.num_computed < parent.tokens.n:
+        self._sync_computed(prow)
+        n, done = int(self._ntok[prow]), int(self._ncomp[prow])
+        if done < n:
             # A later copy-on-write of a shared page would copy it as it was before the
             # step, without the K/V this step is about to write: refuse instead.
             raise InvalidSequenceState(
-                f"fork: seq_id {parent_id!r} has {parent.tokens.n - parent.num_computed} "
-                f"tokens whose K/V are not written yet ({parent.num_computed} of "
-                f"{parent.tokens.n} computed); fork before appending, or after the step "
-                "that computes them (mark_computed for a prompt)"
+                f"fork: seq_id {parent_id!r} has {n - done} tokens whose K/V are not "
+                f"written yet ({done} of {n} computed); fork before appending, or after "
+                "the step that computes them (mark_computed for a prompt)"
             )
-        for page in parent.pages[parent.dropped :]:
+        dropped = int(self._dropped[prow])
+        pages = self._table[prow, : self._npages(prow)].tolist()
+        for page in pages[dropped:]:
             self._ref(page)
-        child = _Seq(list(parent.pages), parent.tokens.copy(), parent.root, parent.window)
-        child.dropped = parent.dropped
-        child.num_computed = parent.num_computed
-        child.last_key = parent.last_key
-        child.num_hashed = parent.num_hashed
-        child.last_append_step = parent.last_append_step
-        child.reserved = parent.reserved
-        self._seqs[child_id] = child
-        self._add_row(child)
+        tokens = self._tok[prow, :n].copy()
+        row = self._add_row(child_id, tokens, pages, self._root[prow], int(self._win[prow]))
+        for name in ("_ncomp", "_resv", "_last", "_nhash", "_dropped"):
+            a = getattr(self, name)
+            a[row] = a[prow]
+        self._key[row] = self._key[prow]
 
     def free(self, seq_id: Hashable) -> None:
         """Releases the sequence's pages (device or host). Full cached pages stay cached.
 
         Pages are released last first, so a chain's tail is evicted before its head.
         """
-        seq = self._seq(seq_id)
-        del self._seqs[seq_id]
-        self._drop_row(seq)
-        if seq.swapped:
-            for slot in seq.pages[seq.dropped :]:
+        row = self._row(seq_id)
+        live = self._table[row, self._dropped[row] : self._npages(row)].tolist()
+        swapped = bool(self._swapped[row])
+        self._drop_row(seq_id, row)
+        if swapped:
+            for slot in live:
                 self._host_refcount[slot] -= 1
                 if self._host_refcount[slot] == 0:
                     self._host_free.append(slot)
             return
-        for page in reversed(seq.pages[seq.dropped :]):
+        for page in reversed(live):
             self._unref(page)
 
     def take_copies(self) -> tuple[np.ndarray, np.ndarray]:
@@ -913,22 +976,27 @@ class BlockManager:
         return src, dst
 
     # ------------------------------------------------------------------ swapping
-    def _group(self, seq_ids: Iterable[Hashable], swapped: bool, op: str) -> list[_Seq]:
-        ids = list(dict.fromkeys(seq_ids))
-        seqs = [self._seq(s) for s in ids]
-        for s, seq in zip(ids, seqs, strict=True):
-            if seq.swapped != swapped:
-                where = "swapped out" if seq.swapped else "on the device"
+    def _group(self, seq_ids: Iterable[Hashable], swapped: bool, op: str) -> dict[Hashable, int]:
+        """The group's distinct sequences and their rows, all on the device (``swapped``
+        False) or all swapped out."""
+        rows = {s: self._row(s) for s in dict.fromkeys(seq_ids)}
+        for s, row in rows.items():
+            if self._swapped[row] != swapped:
+                where = "swapped out" if self._swapped[row] else "on the device"
                 raise InvalidSequenceState(f"{op}: seq_id {s!r} is {where}")
-        return seqs
+        return rows
+
+    def _live(self, row: int) -> list[int]:
+        """The row's table entries not dropped outside the window."""
+        return self._table[row, self._dropped[row] : self._npages(row)].tolist()
 
     def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
-        seqs = self._group(seq_ids, False, "can_swap_out")
-        return len({p for seq in seqs for p in seq.pages[seq.dropped :]}) <= len(self._host_free)
+        rows = self._group(seq_ids, False, "can_swap_out").values()
+        return len({p for row in rows for p in self._live(row)}) <= len(self._host_free)
 
     def can_swap_in(self, seq_ids: Iterable[Hashable]) -> bool:
-        seqs = self._group(seq_ids, True, "can_swap_in")
-        return len({p for seq in seqs for p in seq.pages[seq.dropped :]}) <= self.num_free_pages
+        rows = self._group(seq_ids, True, "can_swap_in").values()
+        return len({p for row in rows for p in self._live(row)}) <= self.num_free_pages
 
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Moves a group of sequences to host slots, all or nothing.
@@ -938,14 +1006,14 @@ class BlockManager:
         A page shared inside the group goes to one host slot and comes back as one page.
         Raises ``OutOfPages`` when the host has too few free slots (nothing changes).
         """
-        seqs = self._group(seq_ids, False, "swap_out")
-        for seq_id, seq in zip(dict.fromkeys(seq_ids), seqs, strict=True):
-            if seq.last_append_step == self._step:
+        group = self._group(seq_ids, False, "swap_out")
+        for seq_id, row in group.items():
+            if self._last[row] == self._step:
                 raise InvalidSequenceState(
                     f"swap_out: seq_id {seq_id!r} appended tokens this step whose K/V are "
                     "not written yet; preempt a sequence before appending to it"
                 )
-        distinct = list(dict.fromkeys(p for seq in seqs for p in seq.pages[seq.dropped :]))
+        distinct = list(dict.fromkeys(p for row in group.values() for p in self._live(row)))
         if len(distinct) > len(self._host_free):
             raise OutOfPages(
                 f"swap_out: {len(distinct)} host slots needed, {len(self._host_free)} free"
@@ -957,13 +1025,13 @@ class BlockManager:
             to_host[page] = slot
             plan.append((page, slot))
         to_host[NULL_PAGE] = _DROPPED_SLOT
-        for seq in seqs:
-            live = seq.pages[seq.dropped :]
+        for row in group.values():
+            live = self._live(row)
             for page in live:
                 self._host_refcount[to_host[page]] += 1
-            seq.pages = [to_host[p] for p in seq.pages]
-            seq.swapped = True
-            self._pages_changed(seq)
+            entries = self._table[row, : self._npages(row)]
+            entries[:] = [to_host[p] for p in entries.tolist()]
+            self._swapped[row] = True
             for page in reversed(live):
                 self._unref(page)
         return plan
@@ -974,8 +1042,8 @@ class BlockManager:
         Write each host slot's data into its device page (``PagedKVCache.write_pages``)
         before the step's model writes. Raises ``OutOfPages`` when the device lacks pages.
         """
-        seqs = self._group(seq_ids, True, "swap_in")
-        distinct = list(dict.fromkeys(s for seq in seqs for s in seq.pages[seq.dropped :]))
+        group = self._group(seq_ids, True, "swap_in")
+        distinct = list(dict.fromkeys(s for row in group.values() for s in self._live(row)))
         if len(distinct) > self.num_free_pages:
             raise OutOfPages(
                 f"swap_in: {len(distinct)} device pages needed, {self.num_free_pages} available"
@@ -988,18 +1056,18 @@ class BlockManager:
             to_device[slot] = page
             plan.append((slot, page))
         to_device[_DROPPED_SLOT] = NULL_PAGE
-        for seq in seqs:
-            for slot in seq.pages[seq.dropped :]:
+        for row in group.values():
+            for slot in self._live(row):
                 self._refcount[to_device[slot]] += 1
                 self._host_refcount[slot] -= 1
                 if self._host_refcount[slot] == 0:
                     self._host_free.append(slot)
-            seq.pages = [to_device[s] for s in seq.pages]
-            seq.swapped = False
-            self._pages_changed(seq)
+            entries = self._table[row, : self._npages(row)]
+            entries[:] = [to_device[s] for s in entries.tolist()]
+            self._swapped[row] = False
             # Re-register the restored full pages (their old device copies may be gone).
-            seq.last_key, seq.num_hashed = seq.root, 0
-            self._register(seq, seq.num_computed)
+            self._key[row], self._nhash[row] = self._root[row], 0
+            self._register(row, int(self._ncomp[row]))
         return plan
 
     # ------------------------------------------------------------------ statistics
@@ -1010,18 +1078,18 @@ class BlockManager:
         tokens counted once.
         """
         P = self.page_size
-        # From the block-table array, not page by page in Python (the engine samples these
-        # every few steps; 256 sequences of 1k tokens hold 16k pages). A page's tokens are
-        # the most any sequence holding it has written there.
-        live = [seq for seq in self._seqs.values() if not seq.swapped]
-        referenced = sum(len(seq.pages) - seq.dropped for seq in live)
+        # From the row arrays, not page by page in Python (the engine samples these every
+        # few steps; 256 sequences of 1k tokens hold 16k pages). A page's tokens are the
+        # most any sequence holding it has written there.
+        rows = np.fromiter(self._seqs.values(), np.intp, len(self._seqs))
+        live = rows[~self._swapped[rows]]
+        ns = self._ntok[live]
+        widths = -(-ns // P)
+        referenced = int((widths - self._dropped[live]).sum())
         stored = 0
-        if live:
-            rows = np.fromiter((seq.row for seq in live), np.intp, len(live))
-            ns = np.fromiter((seq.tokens.n for seq in live), np.int64, len(live))
-            widths = np.fromiter((len(seq.pages) for seq in live), np.int64, len(live))
+        if len(live):
             cols = np.arange(int(widths.max()))
-            pages = self._table[rows, : len(cols)]
+            pages = self._table[live, : len(cols)]
             fills = np.minimum(P, ns[:, None] - cols * P)
             held = (cols < widths[:, None]) & (pages != NULL_PAGE) & (fills > 0)
             most = np.zeros(self.num_pages, np.int64)
@@ -1058,28 +1126,30 @@ class BlockManager:
         """
         counts = [0] * self.num_pages
         host_counts = [0] * self.num_host_pages
-        for seq in self._seqs.values():
-            gone = NULL_PAGE if not seq.swapped else _DROPPED_SLOT
-            assert all(p == gone for p in seq.pages[: seq.dropped]), "dropped entry reused"
-            assert gone not in seq.pages[seq.dropped :], "live entry dropped"
-            if seq.window is not None:
-                dead = (seq.num_computed - seq.window + 1) // self.page_size
-                assert seq.dropped == max(dead, 0), "window drop drift"
+        for row in self._seqs.values():
+            n, dropped = int(self._ntok[row]), int(self._dropped[row])
+            pages = self._table[row, : self._npages(row)].tolist()
+            swapped = bool(self._swapped[row])
+            gone = NULL_PAGE if not swapped else _DROPPED_SLOT
+            assert all(p == gone for p in pages[:dropped]), "dropped entry reused"
+            assert gone not in pages[dropped:], "live entry dropped"
+            w = int(self._win[row])
+            if w:
+                dead = (int(self._ncomp[row]) - w + 1) // self.page_size
+                assert dropped == max(dead, 0), "window drop drift"
             else:
-                assert seq.dropped == 0
-            if seq.swapped:
-                for s in seq.pages[seq.dropped :]:
-                    host_counts[s] += 1
-            else:
-                for p in seq.pages[seq.dropped :]:
+                assert dropped == 0
+            for p in pages[dropped:]:
+                if swapped:
+                    host_counts[p] += 1
+                else:
                     counts[p] += 1
-            assert len(seq.pages) == self.pages_needed(seq.tokens.n), "table length drift"
-            row = self._table[seq.row]
-            assert row[: len(seq.pages)].tolist() == seq.pages, "tables() row drift"
-            assert not row[len(seq.pages) :].any(), "tables() row tail not zero"
-            assert seq.num_computed <= seq.tokens.n
+            assert not self._table[row, len(pages) :].any(), "tables() row tail not zero"
+            assert self._ncomp[row] <= n <= self._tok.shape[1]
+            assert self._resv[row] < n, "reserved mark past the tokens"
+            assert self._nhash[row] <= self._ncomp[row] // self.page_size, "hashed drift"
         assert counts == self._refcount, "refcount != block-table references"
-        rows = [seq.row for seq in self._seqs.values()]
+        rows = list(self._seqs.values())
         assert sorted(rows + self._free_rows) == list(range(self._table.shape[0])), "row drift"
         assert not self._table[self._free_rows].any(), "a free row of tables() not zero"
         assert host_counts == self._host_refcount, "host refcount drift"
@@ -1229,7 +1299,7 @@ class HybridBlockManager:
 
     def token_buffer(self, seq_id: Hashable) -> np.ndarray:
         """The sequence's token buffer (its first ``num_tokens`` entries; do not modify)."""
-        return self.inner._seqs[(seq_id, 0)].tokens.buf
+        return self.inner.token_buffer((seq_id, 0))
 
     def set_token(self, seq_id: Hashable, index: int, token: int) -> None:
         """``BlockManager.set_token`` in every group."""

@@ -826,6 +826,44 @@ def test_build_batch_shapes_depend_only_on_buckets(specs):
     assert len(set(slots.tolist())) == T and np.all(slots >= 8)
 
 
+def test_batched_calls_keep_every_row_apart_as_the_arrays_grow():
+    """append_tokens, reserve_tokens and fill_reserved write many sequences' rows in one
+    go: each row gets its own tokens while the rows double past 8 and the token ids widen
+    past 16 columns; a sequence named twice is refused before anything changes."""
+    bm = BlockManager(200, P, watermark=0.0)
+    want = {}
+    for i in range(10):  # > 8 rows
+        want[i] = list(range(100 * i, 100 * i + 3 + i))
+        bm.allocate(i, want[i])
+        bm.mark_computed(i, len(want[i]))
+    ids = list(range(10))
+    assert bm.append_tokens(ids, [1000 + i for i in ids])
+    bm.take_copies()
+    counts = [i % 4 for i in ids]
+    starts = [bm.num_tokens(i) for i in ids]
+    assert bm.reserve_tokens(ids, counts)
+    bm.take_copies()
+    sampled = np.arange(10 * 4, dtype=np.int32).reshape(10, 4) + 2000
+    bm.fill_reserved(ids, starts, sampled, counts=counts)
+    for i in ids:
+        want[i] += [1000 + i] + sampled[i, : counts[i]].tolist()
+    bm.append_slots(3, list(range(40)))  # row 3 alone widens the token ids past 16
+    want[3] += list(range(40))
+    for i in ids:
+        assert bm.token_ids(i).tolist() == want[i], i
+        assert bm.num_computed_tokens(i) >= len(want[i]) - (40 if i == 3 else 1)
+    bm.check_invariants()
+    before = (bm.stats(), [bm.token_ids(i).tolist() for i in ids])
+    for call in (
+        lambda: bm.append_tokens([1, 2, 1], [5, 6, 7]),
+        lambda: bm.reserve_tokens([4, 4], [1, 1]),
+        lambda: bm.fill_reserved([5, 5], [0, 0], np.zeros((2, 1), np.int32), counts=[0, 0]),
+    ):
+        with pytest.raises(ValueError, match="expected distinct sequences, got [0-9]+ twice"):
+            call()
+    assert (bm.stats(), [bm.token_ids(i).tolist() for i in ids]) == before
+
+
 def test_tables_rows_follow_every_block_table_change():
     """tables(): one row per sequence equal to its block table (zeros after it), through
     appends, a copy-on-write, forks, swaps, a sliding window and frees, and while the
@@ -836,7 +874,7 @@ def test_tables_rows_follow_every_block_table_change():
         bm.check_invariants()  # includes the rows
         t = bm.tables()
         for sid in bm.seq_ids:
-            row = t[bm._device_seq(sid, "test").row] if not bm.is_swapped(sid) else None
+            row = t[bm.table_row(sid)] if not bm.is_swapped(sid) else None
             if row is not None:
                 n = len(bm.block_table(sid))
                 assert row[:n].tolist() == bm.block_table(sid) and not row[n:].any()
