@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from paged_jax.block_manager import BlockManager
+from paged_jax.block_manager import BlockManager, SeqRows
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -207,6 +207,7 @@ def advance_batch(
     min_seqs: int = 8,
     min_pages: int = 4,
     min_copies: int = 8,
+    seqs: SeqRows | None = None,
 ) -> StepBatch:
     """The decode batch that goes on from decode batch ``prev`` (one token a row) without
     scheduling again: the engine's next multi-step launch, built while the one before
@@ -218,15 +219,18 @@ def advance_batch(
     token ids are 0 (the caller puts the tokens there). The same arrays as
     ``build_batch`` of those rows with these ``table_tokens`` (and the same buckets);
     the tables come from the manager's ``tables()`` in one gather. The manager's pending
-    copies are taken. A plain ``BlockManager`` only.
+    copies are taken. A plain ``BlockManager`` only. ``seqs``: those rows' sequences
+    from the manager's ``seq_rows`` (checked, not looked up again), or None.
     """
     P = manager.page_size
     rows = np.asarray(rows, np.int64)
     num_seqs = len(rows)
-    ids = [prev.seq_ids[r] for r in rows.tolist()]
+    ids = [prev.seq_ids[r] for r in rows.tolist()] if seqs is None else seqs.ids
+    if len(ids) != num_seqs:
+        raise ValueError(f"seqs: expected one per row ({num_seqs}), got {len(ids)}")
     start = prev.positions[rows].astype(np.int64) + advance
     reach = np.maximum(np.asarray(table_tokens, np.int64), start + 1)
-    table_rows = manager._device_rows(ids, "advance_batch")  # noqa: SLF001
+    table_rows = manager._device_rows(ids if seqs is None else seqs, "advance_batch")  # noqa: SLF001
     lengths = manager._ntok[table_rows]  # noqa: SLF001
     over = np.flatnonzero(reach > lengths)
     if len(over):

@@ -18,6 +18,7 @@ model's K/V writes. Copies read pages as they were before the step.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
@@ -103,8 +104,44 @@ def _ragged(counts: np.ndarray) -> np.ndarray:
     return np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - counts, counts)
 
 
-# Per-sequence state kept in rows of arrays (BlockManager._rows_grow doubles them all).
+@dataclasses.dataclass(frozen=True, eq=False)
+class SeqRows:
+    """Distinct sequences of one ``BlockManager`` with their rows, as ``seq_rows`` gave
+    them: pass it where a batched call (``append_tokens``, ``reserve_tokens``,
+    ``fill_reserved``, ``paged_jax.advance_batch``) takes ``seq_ids``, and the manager
+    checks it with two array comparisons instead of looking each sequence up (a
+    multi-step launch's rows, reused launch after launch). A sequence freed since then
+    (its row given to another) or swapped out is caught, and the call then looks the ids
+    up as if they had been given.
+
+    Attributes:
+      ids: the sequence ids, in order.
+      rows: ``intp[S]`` their rows of ``tables()``.
+      serials: ``int64[S]`` the allocation each row held when taken.
+    """
+
+    ids: list
+    rows: np.ndarray
+    serials: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> Hashable:
+        return self.ids[i]
+
+    def __iter__(self):
+        return iter(self.ids)
+
+    def take(self, keep: np.ndarray) -> SeqRows:
+        """The sequences at ``keep`` (a bool mask or ``intp`` indices), in order."""
+        idx = np.flatnonzero(keep) if keep.dtype == bool else keep
+        return SeqRows([self.ids[i] for i in idx.tolist()], self.rows[idx], self.serials[idx])
+
+
+# Per-sequence state kept in rows of arrays (BlockManager._add_row doubles them all).
 _ROW_ARRAYS = (
+    "_serial",
     "_table",
     "_tok",
     "_ntok",
@@ -177,6 +214,8 @@ class BlockManager:
         # block table has pages_needed(_ntok[row]) entries, then zeros: a step's tables
         # are one gather (build_batch, advance_batch). Rows of no sequence are zeros.
         rows = 8
+        self._serial = np.zeros(rows, np.int64)  # allocation count when the row was taken
+        self._serials = 0  # rows taken so far
         self._table = np.zeros((rows, 8), np.int32)  # pages (host slots while swapped)
         self._tok = np.zeros((rows, 16), np.int32)  # token ids (-1: reserved, not known yet)
         self._ntok = np.zeros(rows, np.int64)  # tokens with slots (prompt plus appended)
@@ -242,9 +281,20 @@ class BlockManager:
             raise InvalidSequenceState(f"{op}: seq_id {seq_id!r} is swapped out; swap_in first")
         return row
 
-    def _device_rows(self, seq_ids: Sequence[Hashable], op: str) -> np.ndarray:
+    def seq_rows(self, seq_ids: Sequence[Hashable]) -> SeqRows:
+        """Distinct sequences on the device with their rows, for batched calls made again
+        and again for the same sequences (``SeqRows``). Raises as ``append_tokens``."""
+        rows = self._device_rows(seq_ids, "seq_rows")
+        return SeqRows(list(seq_ids), rows, self._serial[rows])
+
+    def _device_rows(self, seq_ids: Sequence[Hashable] | SeqRows, op: str) -> np.ndarray:
         """``intp[S]``: the rows of distinct sequences on the device (errors as
         ``_device_row``, and ``ValueError`` for a sequence given twice)."""
+        if isinstance(seq_ids, SeqRows):
+            rows = seq_ids.rows
+            if (self._serial[rows] == seq_ids.serials).all() and not self._swapped[rows].any():
+                return rows
+            seq_ids = seq_ids.ids  # a row changed hands, or was swapped out
         get = self._seqs.get
         found = [get(s) for s in seq_ids]
         rows = np.array(found, np.intp) if None not in found else None
@@ -365,6 +415,8 @@ class BlockManager:
             self._key += [b""] * rows
             self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
         row = self._free_rows.pop()
+        self._serials += 1
+        self._serial[row] = self._serials
         n = len(tokens)
         self._fit(len(pages), n)
         self._table[row, : len(pages)] = pages
@@ -714,7 +766,7 @@ class BlockManager:
         self._ntok[rows] = m
         return True
 
-    def append_tokens(self, seq_ids: Sequence[Hashable], tokens: Sequence[int]) -> bool:
+    def append_tokens(self, seq_ids: Sequence[Hashable] | SeqRows, tokens: Sequence[int]) -> bool:
         """Appends ``tokens[i]`` to sequence ``seq_ids[i]`` (distinct sequences), all of
         them or none: returns False, changing nothing, when the pages they need together
         are not free.
@@ -731,7 +783,7 @@ class BlockManager:
         rows = self._device_rows(seq_ids, "append_tokens")
         return self._append(rows, np.ones(len(rows), np.int64), values)
 
-    def reserve_tokens(self, seq_ids: Sequence[Hashable], counts: Sequence[int]) -> bool:
+    def reserve_tokens(self, seq_ids: Sequence[Hashable] | SeqRows, counts: Sequence[int]) -> bool:
         """Appends ``counts[i]`` placeholder tokens (-1) to sequence ``seq_ids[i]``
         (distinct sequences), all of them or none: returns False, changing nothing, when
         the pages they need together are not free.
@@ -766,7 +818,7 @@ class BlockManager:
 
     def fill_reserved(
         self,
-        seq_ids: Sequence[Hashable],
+        seq_ids: Sequence[Hashable] | SeqRows,
         starts: Sequence[int],
         tokens: Sequence[np.ndarray] | np.ndarray,
         *,
@@ -1397,7 +1449,7 @@ class HybridBlockManager:
             )
         return np.stack([self.inner.append_slots(i, token_ids) for i in ids])
 
-    def append_tokens(self, seq_ids: Sequence[Hashable], tokens: Sequence[int]) -> bool:
+    def append_tokens(self, seq_ids: Sequence[Hashable] | SeqRows, tokens: Sequence[int]) -> bool:
         """``BlockManager.append_tokens`` in every group: all of them or none."""
         if len(seq_ids) != len(tokens):
             raise ValueError(

@@ -62,10 +62,9 @@ class AttentionMetadata:
             for f in dataclasses.fields(cls)
             if f.name not in static
         }
-        decode_only = len(batch.seq_ids) > 0 and batch.num_tokens == len(batch.seq_ids)
         return cls(
             **arrays,
-            decode_only=decode_only and not batch_invariant,
+            decode_only=decode_only(batch) and not batch_invariant,
             batch_invariant=batch_invariant,
         )
 
@@ -85,3 +84,9 @@ class AttentionMetadata:
             copy_src=jnp.zeros(1, jnp.int32),
             copy_dst=jnp.zeros(1, jnp.int32),
         )
+
+
+def decode_only(batch) -> bool:
+    """Whether every scheduled sequence of a ``paged_jax.StepBatch`` computes one token
+    (``AttentionMetadata.decode_only``, unless the step is batch-invariant)."""
+    return len(batch.seq_ids) > 0 and batch.num_tokens == len(batch.seq_ids)

@@ -864,6 +864,37 @@ def test_batched_calls_keep_every_row_apart_as_the_arrays_grow():
     assert (bm.stats(), [bm.token_ids(i).tolist() for i in ids]) == before
 
 
+def test_seq_rows_stand_for_their_sequences_until_a_row_changes_hands():
+    """A SeqRows handle works in place of its ids while its rows hold the same
+    sequences; once one is freed (its row reused) or swapped out, the call looks the ids
+    up and raises the same errors as with plain ids."""
+    bm = BlockManager(64, P, watermark=0.0, num_host_pages=16)
+    for i in range(4):
+        bm.allocate(i, [i] * 3)
+        bm.mark_computed(i, 3)
+    handle = bm.seq_rows([2, 0, 3])
+    assert handle.rows.tolist() == [bm.table_row(i) for i in (2, 0, 3)]
+    assert bm.append_tokens(handle, [7, 8, 9])
+    assert [bm.token_ids(i)[-1] for i in (2, 0, 3)] == [7, 8, 9]
+    part = handle.take(np.array([True, False, True]))
+    assert list(part) == [2, 3] and bm.reserve_tokens(part, [2, 1])
+    bm.take_copies()
+    bm.fill_reserved(part, [4, 4], np.array([[5, 6], [4, 0]], np.int32), counts=[2, 1])
+    assert bm.token_ids(2).tolist() == [2, 2, 2, 7, 5, 6]
+    bm.free(0)
+    bm.allocate("new", [1, 2])  # takes row 0's place
+    assert bm.table_row("new") == handle.rows[1]
+    with pytest.raises(UnknownSequence, match="seq_id 0: unknown"):
+        bm.append_tokens(handle, [1, 1, 1])
+    bm.take_copies()
+    bm.swap_out([3])
+    with pytest.raises(InvalidSequenceState, match="seq_id 3 is swapped out"):
+        bm.reserve_tokens(part, [1, 1])
+    with pytest.raises(ValueError, match="expected distinct sequences, got 1 twice"):
+        bm.seq_rows([1, 1])
+    bm.check_invariants()
+
+
 def test_tables_rows_follow_every_block_table_change():
     """tables(): one row per sequence equal to its block table (zeros after it), through
     appends, a copy-on-write, forks, swaps, a sliding window and frees, and while the

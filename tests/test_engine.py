@@ -397,3 +397,44 @@ def test_small_steps_take_their_cpu_compile_options_and_change_no_token(monkeypa
     for g, w in zip(got, want, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         np.testing.assert_allclose(g.outputs[0].logprobs, w.outputs[0].logprobs, atol=1e-5)
+
+
+def test_step_inputs_pack_into_two_buffers_and_come_back_bit_for_bit():
+    """The engine sends a step's host arrays as one int32 and one float32 buffer; inside
+    the jitted step each comes back with its shape, dtype and values (uint32 seeds above
+    2**31 included)."""
+    import jax
+
+    from paged_jax.batch import ScheduledSeq, build_batch
+    from paged_jax.block_manager import BlockManager
+    from paged_jax.engine.llm import _SAMPLING, _pack_inputs, _unpack_inputs
+
+    bm = BlockManager(32, 4, watermark=0.0)
+    bm.allocate("a", [1, 2, 3, 4, 5])
+    bm.allocate("b", [6, 7])
+    batch = build_batch(bm, [ScheduledSeq("a", 0, 5), ScheduledSeq("b", 0, 2)])
+    S_b = batch.kv_lens.shape[0]
+    rng = np.random.default_rng(0)
+    sampling = (
+        rng.random(S_b, np.float32),
+        rng.integers(0, 50, S_b).astype(np.int32),
+        rng.random(S_b, np.float32),
+        rng.random(S_b, np.float32),
+        np.array([[2**32 - 1, 2**31]] * S_b, np.uint32),
+        rng.integers(0, 9, S_b).astype(np.int32),
+    )
+    steps = np.arange(S_b, dtype=np.int32)
+    ints, floats, layout = _pack_inputs(batch, sampling, steps)
+    assert ints.dtype == np.int32 and floats.dtype == np.float32
+    got = jax.jit(_unpack_inputs, static_argnums=2)(ints, floats, layout)
+    want = {
+        "positions": batch.positions,
+        "steps": steps,
+        **dict(zip(_SAMPLING, sampling, strict=True)),
+    }
+    want.update((k, getattr(batch, k)) for k in ("slot_mapping", "page_indices", "copy_dst"))
+    for name, a in want.items():
+        b = np.asarray(got[name])
+        assert b.dtype == a.dtype and b.shape == a.shape, name
+        np.testing.assert_array_equal(b, a, err_msg=name)
+    assert "steps" not in [name for name, _, _ in _pack_inputs(batch, sampling, None)[2]]

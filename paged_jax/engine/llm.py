@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from paged_jax import linear as paged_linear
 from paged_jax._validation import validate_batch
 from paged_jax.batch import ScheduledSeq, advance_batch, bucket, build_batch, concat_batches
-from paged_jax.block_manager import BlockManager, HybridBlockManager, prefix_root_key
+from paged_jax.block_manager import BlockManager, HybridBlockManager, SeqRows, prefix_root_key
 from paged_jax.engine import compile_cache
 from paged_jax.engine._signals import DeferSignals
 from paged_jax.engine.multistep import decode_loop
@@ -29,7 +29,7 @@ from paged_jax.engine.protocol import check_model
 from paged_jax.engine.sampling import Penalties, SamplingParams, beam_candidates, sample_rows
 from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status, Work
 from paged_jax.invariant import rowwise
-from paged_jax.metadata import AttentionMetadata
+from paged_jax.metadata import AttentionMetadata, decode_only
 from paged_jax.sharding import (
     DATA_AXIS,
     TENSOR_AXIS,
@@ -806,7 +806,7 @@ class LLM:
         penalties = self._penalties(placed, rows, S_b)
         with _mesh_context(self.mesh):
             tokens = self._tokens(batch, placed, prev, pending)
-        lane = None if steps is None else _Lane.of(work, steps, self.eos_token_ids)
+        lane = None if steps is None else _Lane.of(work, steps, self.eos_token_ids, self.bm)
         replicas = len(batches)
         return self._send(
             work, placed, stalled, batch, tokens, sampling, penalties, num_cand, replicas, lane
@@ -859,20 +859,22 @@ class LLM:
         self._shapes_seen.add(shape)
         compiled_before = self._run._cache_size()
         t1 = time.perf_counter()
+        ints, floats, layout = _pack_inputs(
+            batch,
+            sampling,
+            None if steps is None else np.pad(np.array(steps, np.int32), (0, S_b - len(steps))),
+        )
         with _mesh_context(self.mesh):
-            # Host arrays go as they are: the jitted call moves them (cheaper than a
-            # transfer each).
             toks, lps, cand_v, cand_i, self.cache = self._run(
                 self._state,
                 tokens,
-                batch.positions,
+                ints,
                 self.cache,
-                AttentionMetadata.from_batch(
-                    batch, batch_invariant=self.deterministic, on_device=False
-                ),
-                *sampling,
+                floats,
                 penalties,
-                None if steps is None else np.pad(np.array(steps, np.int32), (0, S_b - len(steps))),
+                layout=layout,
+                decode_only=decode_only(batch) and not self.deterministic,
+                batch_invariant=self.deterministic,
                 num_candidates=num_cand,
                 num_steps=K,
                 # No row samples: an argmax is all (deterministic mode: one path for
@@ -986,6 +988,7 @@ class LLM:
             n + left - 1,
             min_tokens=MIN_STEP_TOKENS,
             min_seqs=self._min_seqs(len(rows)),
+            seqs=nxt.ids,
         )
         return self._run_batch(nxt, f, batch, rows, advance)
 
@@ -2108,28 +2111,41 @@ def _make_run(graphdef, mesh, compiler_options: tuple | None = None):
     @functools.partial(
         jax.jit,
         donate_argnums=(3,),
-        static_argnames=("num_candidates", "greedy_only", "num_steps"),
+        static_argnames=(
+            "layout",
+            "decode_only",
+            "batch_invariant",
+            "num_candidates",
+            "greedy_only",
+            "num_steps",
+        ),
         compiler_options=None if compiler_options is None else dict(compiler_options),
     )
     def run(
         state,
         tokens,
-        positions,
+        ints,
         cache,
-        md,
-        temp,
-        top_k,
-        top_p,
-        min_p,
-        seeds,
-        out_pos,
+        floats,
         penalties,
-        steps=None,
         *,
+        layout,
+        decode_only,
+        batch_invariant,
         num_candidates,
         greedy_only,
         num_steps=1,
     ):
+        x = _unpack_inputs(ints, floats, layout)
+        positions, out_pos, steps = x["positions"], x["out_pos"], x.get("steps")
+        temp, top_k, top_p, min_p, seeds = (
+            x[k] for k in ("temp", "top_k", "top_p", "min_p", "seeds")
+        )
+        md = AttentionMetadata(
+            **{k: x[k] for k in _MD_ARRAYS},
+            decode_only=decode_only,
+            batch_invariant=batch_invariant,
+        )
         model = nnx.merge(graphdef, state)
         if mesh is not None and data_parallel_size_of(mesh) > 1:  # each replica its rows
             rows = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
@@ -2169,6 +2185,50 @@ def _make_run(graphdef, mesh, compiler_options: tuple | None = None):
 
 _PENDING = -1  # a token the running step is sampling (overlapped steps)
 
+# The step's host inputs travel to the device as two flat buffers, int32 and float32:
+# as jit arguments, each numpy array costs a host-to-device buffer of its own (about
+# 3 us warm on CPU), and a step has 16 of them.
+_MD_ARRAYS = tuple(
+    f.name for f in dataclasses.fields(AttentionMetadata) if not f.metadata.get("static")
+)
+_SAMPLING = ("temp", "top_k", "top_p", "min_p", "seeds", "out_pos")  # LLM._dispatch's order
+
+
+def _pack_inputs(batch, sampling, steps) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """``(ints i32[N], floats f32[F], layout)``: the batch's positions and metadata, the
+    sampling columns (``_SAMPLING``) and ``steps`` (``i32[S_b]`` or None) packed, and
+    the layout ``_unpack_inputs`` reads them back with (static: their names, buffers
+    and shapes, which the batch's buckets fix)."""
+    arrays = {"positions": batch.positions}
+    arrays.update((k, getattr(batch, k)) for k in _MD_ARRAYS)
+    arrays.update(zip(_SAMPLING, sampling, strict=True))
+    if steps is not None:
+        arrays["steps"] = steps
+    ints, floats, layout = [], [], []
+    for name, a in arrays.items():
+        kind = a.dtype.kind  # "i" int32, "u" uint32 (seeds, as their bits), "f" float32
+        (floats if kind == "f" else ints).append(
+            a.reshape(-1).view(np.int32) if kind == "u" else a.reshape(-1)
+        )
+        layout.append((name, kind, a.shape))
+    return (
+        np.concatenate(ints, dtype=np.int32),
+        np.concatenate(floats, dtype=np.float32),
+        tuple(layout),
+    )
+
+
+def _unpack_inputs(ints: jax.Array, floats: jax.Array, layout: tuple) -> dict[str, jax.Array]:
+    """The arrays ``_pack_inputs`` packed, by name (in a jitted function: slices)."""
+    out, at = {}, {"i": 0, "f": 0}
+    for name, kind, shape in layout:
+        buf, key = (floats, "f") if kind == "f" else (ints, "i")
+        n = int(np.prod(shape))
+        x = buf[at[key] : at[key] + n].reshape(shape)
+        at[key] += n
+        out[name] = jax.lax.bitcast_convert_type(x, jnp.uint32) if kind == "u" else x
+    return out
+
 
 @dataclasses.dataclass
 class _Lane:
@@ -2180,7 +2240,7 @@ class _Lane:
 
     seqs: list  # [Seq]
     groups: list  # [Group]
-    ids: list  # [seq id]
+    ids: SeqRows  # the sequences' ids and block-manager rows
     at: np.ndarray  # intp[L]: batch rows
     stops: np.ndarray  # int64[L]: the sequence's tokens with the row's input (Work.stop)
     steps: np.ndarray  # int64[L]
@@ -2190,8 +2250,9 @@ class _Lane:
     stop_union: list  # every token id in stop_ids (a superset of each row's)
 
     @classmethod
-    def of(cls, work: list, steps: list[int], eos_token_ids: set) -> _Lane:
-        """The lane of a launch scheduled as ``work`` (row i: ``work[i]``), ``steps`` each."""
+    def of(cls, work: list, steps: list[int], eos_token_ids: set, bm: BlockManager) -> _Lane:
+        """The lane of a launch scheduled as ``work`` (row i: ``work[i]``), ``steps`` each,
+        its sequences in ``bm``."""
         seqs = [w.seq for w in work]
         groups = [w.group for w in work]
         L = len(work)
@@ -2201,7 +2262,7 @@ class _Lane:
         return cls(
             seqs=seqs,
             groups=groups,
-            ids=[s.seq_id for s in seqs],
+            ids=bm.seq_rows([s.seq_id for s in seqs]),
             at=np.arange(L, dtype=np.intp),
             stops=np.fromiter((w.stop for w in work), np.int64, L),
             steps=np.asarray(steps, np.int64),
@@ -2220,7 +2281,8 @@ class _Lane:
             fields.update(max_len=self.max_len, exact=self.exact)
         else:
             idx = np.flatnonzero(keep).tolist()
-            fields = {k: [getattr(self, k)[j] for j in idx] for k in ("seqs", "groups", "ids")}
+            fields = {k: [getattr(self, k)[j] for j in idx] for k in ("seqs", "groups")}
+            fields["ids"] = self.ids.take(keep)
             for k in ("at", "stops", "steps", "max_len", "exact"):
                 fields[k] = getattr(self, k)[keep]
         fields.update(columns)
