@@ -97,6 +97,16 @@ def _as_tokens(token_ids, name: str = "token_ids") -> np.ndarray:
     return arr.astype(np.int32, copy=False)
 
 
+def _spans(rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> tuple:
+    """Index arrays of the cells ``[rows[i], starts[i] : starts[i] + counts[i]]`` of a
+    2-D array, row after row: for reading or writing them in one operation. When every
+    count is the same (a steady launch), ``[S, c]`` arrays, else flat ones."""
+    if len(counts) and counts.min() == counts.max():
+        cols = starts[:, None] + np.arange(int(counts[0]))
+        return rows[:, None], cols
+    return np.repeat(rows, counts), np.repeat(starts, counts) + _ragged(counts)
+
+
 def _ragged(counts: np.ndarray) -> np.ndarray:
     """``int[sum(counts)]``: ``0 .. counts[i] - 1`` for each i in turn (each element's
     place within its row, for writing rows of different lengths in one assignment)."""
@@ -760,7 +770,7 @@ class BlockManager:
                 taken = [self._take_page() for _ in range(total)]
             self._table[np.repeat(rows, more), np.repeat(have, more) + _ragged(more)] = taken
         if values is None:
-            self._tok[np.repeat(rows, counts), np.repeat(n, counts) + _ragged(counts)] = -1
+            self._tok[_spans(rows, n, counts)] = -1
         else:
             self._tok[rows, n] = values
         self._ntok[rows] = m
@@ -856,7 +866,7 @@ class BlockManager:
                     f"counts: expected 0 to {width} (the tokens given) for {seq_ids[i]!r}, "
                     f"got {int(cs[i])}"
                 )
-            values = tokens[np.repeat(np.arange(S), cs), _ragged(cs)]
+            values = tokens[_spans(np.arange(S), np.zeros(S, np.int64), cs)]
         rows = self._device_rows(seq_ids, "fill_reserved")
         starts = np.asarray(starts, np.int64).reshape(S)
         stops = starts + cs
@@ -868,7 +878,8 @@ class BlockManager:
                 f"starts: expected tokens not yet computed, within [{int(done[i])}, "
                 f"{int(n[i])}) for {seq_ids[i]!r}, got [{int(starts[i])}, {int(stops[i])})"
             )
-        self._tok[np.repeat(rows, cs), np.repeat(starts, cs) + _ragged(cs)] = values
+        at = _spans(rows, starts, cs)
+        self._tok[at] = values.reshape(at[1].shape) if counts is None else values
         r = self._resv[rows]
         past = (r >= 0) & (stops > r)
         if past.any():

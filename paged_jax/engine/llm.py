@@ -451,6 +451,7 @@ class LLM:
         self._inflight: _Launched | None = None  # a step left running (async_scheduling)
         self._accounted = 0  # step calls accounted (metrics)
         self._suspects: list[Group] = []  # groups of a failed step, not yet cleared
+        self._ended = 0  # sequences given a finish reason so far (_Lane.ended)
         self._cleared: set[int] = set()  # arrivals of suspects that since sampled a token
         from flax import nnx
 
@@ -625,6 +626,7 @@ class LLM:
                     if bm.host_refcount(slot) == 0:
                         self._host.pop((g.replica, slot), None)
             s.finish_reason = "abort"
+            self._ended += 1
             g.done.append(s)
         g.seqs.clear()
         return self._finish(g)
@@ -806,7 +808,11 @@ class LLM:
         penalties = self._penalties(placed, rows, S_b)
         with _mesh_context(self.mesh):
             tokens = self._tokens(batch, placed, prev, pending)
-        lane = None if steps is None else _Lane.of(work, steps, self.eos_token_ids, self.bm)
+        lane = (
+            None
+            if steps is None
+            else _Lane.of(work, steps, self.eos_token_ids, self.bm, self._ended)
+        )
         replicas = len(batches)
         return self._send(
             work, placed, stalled, batch, tokens, sampling, penalties, num_cand, replicas, lane
@@ -825,6 +831,17 @@ class LLM:
                 vocab_size=self.model.config.vocab_size,
             )
         S, S_b, T_b = len(rows), batch.kv_lens.shape[0], batch.token_ids.shape[0]
+        if (
+            S == len(prev.lane.seqs)
+            and S_b == prev.batch.kv_lens.shape[0]
+            and T_b == prev.batch.token_ids.shape[0]
+        ):  # every row goes on in place (a steady launch): prev's inputs, its last samples
+            sampling = list(prev.sampling)
+            sampling[5] = sampling[5].copy()
+            sampling[5][:S] += advance.astype(np.int32)  # out_pos
+            return self._send(
+                None, None, False, batch, prev.last, tuple(sampling), None, 0, 1, lane
+            )
         sampling = []
         for old, pad in zip(prev.sampling, (0, 0, 1, 0, 0, 0), strict=True):
             new = np.full((S_b, *old.shape[1:]), pad, old.dtype)
@@ -865,7 +882,7 @@ class LLM:
             None if steps is None else np.pad(np.array(steps, np.int32), (0, S_b - len(steps))),
         )
         with _mesh_context(self.mesh):
-            toks, lps, cand_v, cand_i, self.cache = self._run(
+            toks, lps, cand_v, cand_i, last, self.cache = self._run(
                 self._state,
                 tokens,
                 ints,
@@ -893,6 +910,7 @@ class LLM:
             groups=self._step_groups,
             num_tokens=batch.num_tokens if steps is None else sum(steps),
             outputs=(toks, lps, cand_v, cand_i),
+            last=last,
             dispatch_s=0.0 if compiled else dispatch_s,
             stalled=stalled,
             steps=steps,
@@ -956,15 +974,15 @@ class LLM:
         self._phase = "schedule"
         sc, K = self.schedulers[0], self.num_scheduler_steps
         lane = f.lane
-        alive = [s.finish_reason is None for s in lane.seqs]
-        live = sum(alive)
+        alive = self._alive(lane)
+        live = len(lane.seqs) if alive is None else int(alive.sum())
         if live != sum(len(g.seqs) for g in sc.running):
             return None  # a request was aborted or a sequence not run: schedule afresh
         n = lane.stops + lane.steps  # the sequences' lengths once f's tokens are in
         left = np.minimum(K, lane.max_len - n)
         go = left > 0
-        if live < len(alive):
-            go &= np.array(alive)
+        if alive is not None:
+            go &= alive
         every = bool(go.all())
         rows, advance = lane.at, lane.steps  # of f's rows that go on, and their steps in f
         if not every:
@@ -972,9 +990,14 @@ class LLM:
                 return None
             rows, advance, n, left = rows[go], advance[go], n[go], left[go]
         nxt = lane.take(
-            None if every else go, at=np.arange(len(rows), dtype=np.intp), stops=n, steps=left
+            None if every else go,
+            at=np.arange(len(rows), dtype=np.intp),
+            stops=n,
+            steps=left,
+            ended=self._ended,
+            continued=True,
         )
-        if not sc.bm.reserve_tokens(nxt.ids, left.tolist()):
+        if not sc.bm.reserve_tokens(nxt.ids, left):
             return None
         f.carried = go
         self._step_groups = (  # every row going on: f's groups
@@ -1221,6 +1244,7 @@ class LLM:
         g.error = f"{type(error).__name__}: {error}"
         for s in g.seqs:
             s.finish_reason = "error"
+            self._ended += 1
             g.done.append(s)
         g.seqs.clear()
         self._undelivered.append(self._finish(g))
@@ -1349,9 +1373,17 @@ class LLM:
 
     def _end(self, g: Group, s: Seq, reason: str) -> None:
         s.finish_reason = reason
+        self._ended += 1
         self._bm(g).free(s.seq_id)
         g.seqs.remove(s)
         g.done.append(s)
+
+    def _alive(self, lane: _Lane) -> np.ndarray | None:
+        """``bool[L]``: which of the lane's rows have not finished, or None when none has
+        (no sequence got a finish reason since the lane was built: ``_Lane.ended``)."""
+        if lane.ended == self._ended:
+            return None
+        return np.fromiter((s.finish_reason is None for s in lane.seqs), bool, len(lane.seqs))
 
     def _apply_steps(self, f: _Launched, toks, lps, now: float) -> list[RequestOutput]:
         """Applies a multi-step launch (``toks``, ``lps``: ``[S_b, K]``): each row's
@@ -1363,23 +1395,19 @@ class LLM:
         samples appended and its log-prob sum set, and ends if it reached its length; the
         others go through ``_extend``."""
         lane = f.lane
-        alive = [s.finish_reason is None for s in lane.seqs]
-        if not any(alive):
-            return []
+        alive = self._alive(lane)
         carried = f.carried  # their last sample is reserved too: the next launch decodes it
-        if not all(alive):
-            keep = np.array(alive)
-            lane = lane.take(keep)
+        if alive is not None and not alive.all():
+            if not alive.any():
+                return []
+            lane = lane.take(alive)
             if carried is not None:
-                carried = carried[keep]
+                carried = carried[alive]
         seqs, groups, at, ks = lane.seqs, lane.groups, lane.at, lane.steps
         L, K = len(seqs), toks.shape[1]
         row_toks, row_lps = toks[at], lps[at]
         self.schedulers[0].bm.fill_reserved(
-            lane.ids,
-            lane.stops.tolist(),
-            row_toks,
-            counts=(ks - 1 if carried is None else ks - 1 + carried).tolist(),
+            lane.ids, lane.stops, row_toks, counts=ks - 1 if carried is None else ks - 1 + carried
         )
         self._phase = "apply"
         # Running sums of each row's log-probs from its sequence's, in float64 one at a
@@ -1403,8 +1431,9 @@ class LLM:
                 r if k == K else r[:k] for r, k in zip(row_toks.tolist(), ks.tolist(), strict=True)
             ]
         )
-        for g in {id(g): g for g in groups if g.first_token_time is None}.values():
-            g.first_token_time = now
+        if not lane.continued:  # a continued lane's groups had their first tokens
+            for g in {id(g): g for g in groups if g.first_token_time is None}.values():
+                g.first_token_time = now
         plain = ~exact
         if plain.all():
             for s, r, e in zip(seqs, rows_t, ends, strict=True):
@@ -1557,6 +1586,7 @@ class LLM:
         self.metrics.tokens_generated += 1
         if len(s.output) >= g.params.max_tokens or len(s.tokens) >= self.max_model_len:
             s.finish_reason = "length"
+            self._ended += 1
             self._bm(g).free(s.seq_id)
             g.seqs.remove(s)
             g.done.append(s)
@@ -2171,14 +2201,20 @@ def _make_run(graphdef, mesh, compiler_options: tuple | None = None):
             toks, lps, cache = decode_loop(
                 model, sample, tokens, positions, cache, md, steps, out_pos, num_steps
             )
-            return replicated(toks), replicated(lps), None, None, cache
+            # Each row's last sample as a token row of the same shape as `tokens`: the
+            # input of the launch that goes on from this one with the same rows.
+            T, S_b = tokens.shape[0], toks.shape[0]
+            k = jnp.zeros(T, jnp.int32).at[: min(T, S_b)].set(steps[: min(T, S_b)])
+            row = jnp.minimum(jnp.arange(T), S_b - 1)
+            last = jnp.where(k > 0, toks[row, jnp.maximum(k - 1, 0)], 0).astype(tokens.dtype)
+            return replicated(toks), replicated(lps), None, None, replicated(last), cache
         logits, cache = model(tokens, positions, cache, md)
         toks, lps = sample(logits, out_pos)
         if num_candidates:
             cv, ci = beam_candidates(logits, num_candidates)
         else:
             cv = ci = None
-        return replicated(toks), replicated(lps), replicated(cv), replicated(ci), cache
+        return replicated(toks), replicated(lps), replicated(cv), replicated(ci), None, cache
 
     return run
 
@@ -2248,11 +2284,15 @@ class _Lane:
     exact: np.ndarray  # bool[L]: a stop string or log-probs to keep (LLM._extend)
     stop_ids: dict  # id(SamplingParams) -> set of token ids that stop its sequences
     stop_union: list  # every token id in stop_ids (a superset of each row's)
+    ended: int  # LLM._ended when every row was known to run (none finished since: all do)
+    continued: bool  # built by LLM._continue (its groups have their first token times)
 
     @classmethod
-    def of(cls, work: list, steps: list[int], eos_token_ids: set, bm: BlockManager) -> _Lane:
+    def of(
+        cls, work: list, steps: list[int], eos_token_ids: set, bm: BlockManager, ended: int
+    ) -> _Lane:
         """The lane of a launch scheduled as ``work`` (row i: ``work[i]``), ``steps`` each,
-        its sequences in ``bm``."""
+        its sequences in ``bm``; ``ended``: ``LLM._ended`` now."""
         seqs = [w.seq for w in work]
         groups = [w.group for w in work]
         L = len(work)
@@ -2270,6 +2310,8 @@ class _Lane:
             exact=np.fromiter((bool(g.params.stop or g.params.logprobs) for g in groups), bool, L),
             stop_ids=stop_ids,
             stop_union=sorted(set().union(*stop_ids.values())),
+            ended=ended,
+            continued=False,
         )
 
     def take(self, keep: np.ndarray | None, **columns) -> _Lane:
@@ -2285,6 +2327,7 @@ class _Lane:
             fields["ids"] = self.ids.take(keep)
             for k in ("at", "stops", "steps", "max_len", "exact"):
                 fields[k] = getattr(self, k)[keep]
+        fields.update(ended=self.ended, continued=self.continued)
         fields.update(columns)
         return _Lane(**fields, stop_ids=self.stop_ids, stop_union=self.stop_union)
 
@@ -2311,6 +2354,7 @@ class _Launched:
     # step. Then also its rows as a lane, and its batch and sampling arrays, from which
     # the next launch is built (``advance_batch``).
     steps: list[int] | None = None
+    last: Any = None  # i32[T_b] row r's last sample (0: padding), the next launch's input
     lane: _Lane | None = None
     batch: Any = None
     sampling: tuple | None = None
