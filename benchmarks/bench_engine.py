@@ -290,6 +290,7 @@ def decode_split(llm, name, backend, c, context) -> dict:
     from paged_jax import AttentionMetadata
     from paged_jax.batch import ScheduledSeq, build_batch
     from paged_jax.block_manager import BlockManager
+    from paged_jax.engine.llm import _pack_inputs
     from paged_jax.engine.sampling import sample_rows
 
     cfg = llm.model.config
@@ -301,7 +302,7 @@ def decode_split(llm, name, backend, c, context) -> dict:
         bm.append_slots(i, [1])
     batch = build_batch(bm, [ScheduledSeq(i, context - 1, context) for i in range(c)])
     md = AttentionMetadata.from_batch(batch)
-    tokens, positions = jnp.asarray(batch.token_ids), jnp.asarray(batch.positions)
+    tokens = jnp.asarray(batch.token_ids)
     S = batch.kv_lens.shape[0]
     greedy = (
         jnp.zeros(S, jnp.float32),
@@ -312,15 +313,21 @@ def decode_split(llm, name, backend, c, context) -> dict:
         jnp.zeros(S, jnp.int32),
     )
 
+    # the step's host inputs as the engine sends them (two buffers), here on the device
+    ints, floats, layout = _pack_inputs(batch, tuple(np.asarray(a) for a in greedy), None)
+    ints, floats = jnp.asarray(ints), jnp.asarray(floats)
+
     def whole():  # the engine's jitted step: copies, model, sampler (cache donated)
         out = llm._run(
             llm._state,
             tokens,
-            positions,
+            ints,
             llm.cache,
-            md,
-            *greedy,
+            floats,
             None,
+            layout=layout,
+            decode_only=md.decode_only,
+            batch_invariant=False,
             num_candidates=0,
             greedy_only=True,
         )

@@ -2228,41 +2228,37 @@ _MD_ARRAYS = tuple(
     f.name for f in dataclasses.fields(AttentionMetadata) if not f.metadata.get("static")
 )
 _SAMPLING = ("temp", "top_k", "top_p", "min_p", "seeds", "out_pos")  # LLM._dispatch's order
+# In the int32 buffer, in order (then "steps" for a multi-step launch); seeds (uint32) go
+# as their bits. The float32 buffer: temp, top_p, min_p.
+_INTS = ("positions", *_MD_ARRAYS, "top_k", "seeds", "out_pos")
+_FLOATS = ("temp", "top_p", "min_p")
 
 
 def _pack_inputs(batch, sampling, steps) -> tuple[np.ndarray, np.ndarray, tuple]:
     """``(ints i32[N], floats f32[F], layout)``: the batch's positions and metadata, the
     sampling columns (``_SAMPLING``) and ``steps`` (``i32[S_b]`` or None) packed, and
-    the layout ``_unpack_inputs`` reads them back with (static: their names, buffers
-    and shapes, which the batch's buckets fix)."""
-    arrays = {"positions": batch.positions}
-    arrays.update((k, getattr(batch, k)) for k in _MD_ARRAYS)
-    arrays.update(zip(_SAMPLING, sampling, strict=True))
+    the layout ``_unpack_inputs`` reads them back with (static: the arrays' shapes, which
+    the batch's buckets fix)."""
+    temp, top_k, top_p, min_p, seeds, out_pos = sampling
+    ints = [batch.positions, *(getattr(batch, k) for k in _MD_ARRAYS)]
+    ints += (top_k, seeds.view(np.int32), out_pos)
     if steps is not None:
-        arrays["steps"] = steps
-    ints, floats, layout = [], [], []
-    for name, a in arrays.items():
-        kind = a.dtype.kind  # "i" int32, "u" uint32 (seeds, as their bits), "f" float32
-        (floats if kind == "f" else ints).append(
-            a.reshape(-1).view(np.int32) if kind == "u" else a.reshape(-1)
-        )
-        layout.append((name, kind, a.shape))
-    return (
-        np.concatenate(ints, dtype=np.int32),
-        np.concatenate(floats, dtype=np.float32),
-        tuple(layout),
-    )
+        ints.append(steps)
+    floats = (temp, top_p, min_p)
+    layout = (tuple(a.shape for a in ints), tuple(a.shape for a in floats))
+    return np.concatenate(ints, axis=None), np.concatenate(floats, axis=None), layout
 
 
 def _unpack_inputs(ints: jax.Array, floats: jax.Array, layout: tuple) -> dict[str, jax.Array]:
     """The arrays ``_pack_inputs`` packed, by name (in a jitted function: slices)."""
-    out, at = {}, {"i": 0, "f": 0}
-    for name, kind, shape in layout:
-        buf, key = (floats, "f") if kind == "f" else (ints, "i")
-        n = int(np.prod(shape))
-        x = buf[at[key] : at[key] + n].reshape(shape)
-        at[key] += n
-        out[name] = jax.lax.bitcast_convert_type(x, jnp.uint32) if kind == "u" else x
+    out = {}
+    for buf, names, shapes in ((ints, _INTS + ("steps",), layout[0]), (floats, _FLOATS, layout[1])):
+        at = 0
+        for name, shape in zip(names, shapes, strict=False):
+            n = int(np.prod(shape))
+            out[name] = buf[at : at + n].reshape(shape)
+            at += n
+    out["seeds"] = jax.lax.bitcast_convert_type(out["seeds"], jnp.uint32)
     return out
 
 
