@@ -46,6 +46,10 @@ GEMMA3 = pathlib.Path(__file__).resolve().parent / "golden" / "hf" / "gemma3"
 GQA_2 = gqa_config(2)
 
 
+# The engine step's static keyword arguments (``paged_jax.engine.llm._make_run``).
+_STATIC = ("layout", "decode_only", "batch_invariant", "num_candidates", "greedy_only", "num_steps")
+
+
 def workload():
     """Greedy, seeded-sampled and n=2 requests (the samples fork the prompt's last page:
     copy-on-write), long enough that a 14-page pool must preempt (swap)."""
@@ -114,13 +118,16 @@ def run(spec: str) -> dict:
     hlo = compiled.as_text()
     pages = llm.cache.kv_pages
     # what the compiled step takes per device, less every argument but the pool: the
-    # pool's bytes per device as XLA sees them
+    # pool's bytes per device as XLA sees them (each argument's share as the compiled
+    # step takes it: XLA may split a host array, such as the packed step inputs, over
+    # the replicas that read it)
+    dynamic = {k: v for k, v in kw.items() if k not in _STATIC}
+    leaves = jax.tree.leaves((args, dynamic))
+    shardings = jax.tree.leaves(compiled.input_shardings)
     others = sum(
-        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-        if isinstance(x, jax.Array)
-        else x.nbytes
-        for x in jax.tree.leaves((args, kw))
-        if hasattr(x, "nbytes") and (x.shape, x.dtype) != (pages.shape, pages.dtype)
+        math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
+        for x, sh in zip(leaves, shardings, strict=True)
+        if (x.shape, x.dtype) != (pages.shape, pages.dtype)
     )
     compiled_cache_bytes = compiled.memory_analysis().argument_size_in_bytes - others
     m = llm.metrics
