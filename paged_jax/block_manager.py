@@ -370,9 +370,7 @@ class BlockManager:
     def host_slots(self, seq_id: Hashable) -> list[int]:
         """The host slots a swapped-out sequence holds (none while it is on the device)."""
         row = self._row(seq_id)
-        if not self._swapped[row]:
-            return []
-        return self._table[row, self._dropped[row] : self._npages(row)].tolist()
+        return self._live(row) if self._swapped[row] else []
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]
@@ -656,7 +654,7 @@ class BlockManager:
         row = self._device_row(seq_id, "append_slots")
         P = self.page_size
         n = int(self._ntok[row])
-        self._first_append(row)
+        self._first_appends(np.array([row], np.intp))
         fill = n % P
         # Fast path (a decode step): one token into an exclusively owned, partially
         # filled page that has room in the token ids' row.
@@ -683,17 +681,10 @@ class BlockManager:
         self._grow(row, tokens)
         return self.slots(seq_id, n, n + num_new)
 
-    def _first_append(self, row: int) -> None:
-        """At a sequence's first append of a step, every token it had before was computed
-        by an earlier step (tokens appended within this step are not)."""
-        if self._last[row] != self._step:
-            self._last[row] = self._step
-            done = self._filled(row)
-            if done > self._ncomp[row]:
-                self._mark_computed(row, done)
-
     def _first_appends(self, rows: np.ndarray) -> None:
-        """``_first_append`` of each of ``rows`` (distinct)."""
+        """At a sequence's first append of a step, every token it had before was computed
+        by an earlier step (tokens appended within this step are not): for each of
+        ``rows`` (distinct) about to append."""
         stale = rows[self._last[rows] != self._step]
         if len(stale):
             self._last[stale] = self._step
@@ -1008,7 +999,7 @@ class BlockManager:
         Pages are released last first, so a chain's tail is evicted before its head.
         """
         row = self._row(seq_id)
-        live = self._table[row, self._dropped[row] : self._npages(row)].tolist()
+        live = self._live(row)
         swapped = bool(self._swapped[row])
         self._drop_row(seq_id, row)
         if swapped:

@@ -46,19 +46,15 @@ class AttentionMetadata:
     batch_invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @classmethod
-    def from_batch(
-        cls, batch, *, batch_invariant: bool = False, on_device: bool = True
-    ) -> AttentionMetadata:
-        """From a ``paged_jax.StepBatch`` (host numpy arrays, moved to the device unless
-        ``on_device=False``: as arguments of a jitted function, numpy arrays are moved by
-        the call itself, for less host time than one transfer each); ``decode_only`` when
+    def from_batch(cls, batch, *, batch_invariant: bool = False) -> AttentionMetadata:
+        """From a ``paged_jax.StepBatch`` (host numpy arrays, moved to the device; the
+        engine sends them packed instead, ``_pack_inputs``); ``decode_only`` when
         every scheduled sequence computes one token (unless ``batch_invariant``: the
         decode kernel's reduction order differs from the ragged one's, so a row's result
         would depend on its step's other rows)."""
         static = ("decode_only", "batch_invariant")
-        put = jnp.asarray if on_device else np.asarray
         arrays = {
-            f.name: put(getattr(batch, f.name))
+            f.name: jnp.asarray(getattr(batch, f.name))
             for f in dataclasses.fields(cls)
             if f.name not in static
         }

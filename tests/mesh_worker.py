@@ -39,15 +39,12 @@ from model_helpers import gqa_config, pool_collectives  # noqa: E402
 
 import paged_jax as pj  # noqa: E402
 from paged_jax import models  # noqa: E402
+from paged_jax.engine.llm import STEP_STATIC_ARGS  # noqa: E402
 
 PAGE = 8
 GEMMA3 = pathlib.Path(__file__).resolve().parent / "golden" / "hf" / "gemma3"
 # 8 query heads, 2 KV heads: tensor-parallel 4 and 8 repeat each KV head 2 and 4 times
 GQA_2 = gqa_config(2)
-
-
-# The engine step's static keyword arguments (``paged_jax.engine.llm._make_run``).
-_STATIC = ("layout", "decode_only", "batch_invariant", "num_candidates", "greedy_only", "num_steps")
 
 
 def workload():
@@ -121,7 +118,7 @@ def run(spec: str) -> dict:
     # pool's bytes per device as XLA sees them (each argument's share as the compiled
     # step takes it: XLA may split a host array, such as the packed step inputs, over
     # the replicas that read it)
-    dynamic = {k: v for k, v in kw.items() if k not in _STATIC}
+    dynamic = {k: v for k, v in kw.items() if k not in STEP_STATIC_ARGS}
     leaves = jax.tree.leaves((args, dynamic))
     shardings = jax.tree.leaves(compiled.input_shardings)
     others = sum(

@@ -831,29 +831,32 @@ class LLM:
                 vocab_size=self.model.config.vocab_size,
             )
         S, S_b, T_b = len(rows), batch.kv_lens.shape[0], batch.token_ids.shape[0]
-        if (
+        # Every row goes on in place (a steady launch): prev's sampling rows as they are,
+        # and its rows' last samples (prev.last) as the input tokens.
+        in_place = (
             S == len(prev.lane.seqs)
             and S_b == prev.batch.kv_lens.shape[0]
             and T_b == prev.batch.token_ids.shape[0]
-        ):  # every row goes on in place (a steady launch): prev's inputs, its last samples
+        )
+        if in_place:
             sampling = list(prev.sampling)
             sampling[5] = sampling[5].copy()
-            sampling[5][:S] += advance.astype(np.int32)  # out_pos
-            return self._send(
-                None, None, False, batch, prev.last, tuple(sampling), None, 0, 1, lane
-            )
-        sampling = []
-        for old, pad in zip(prev.sampling, (0, 0, 1, 0, 0, 0), strict=True):
-            new = np.full((S_b, *old.shape[1:]), pad, old.dtype)
-            new[:S] = old[rows]
-            sampling.append(new)
+        else:
+            sampling = []
+            for old, pad in zip(prev.sampling, (0, 0, 1, 0, 0, 0), strict=True):
+                new = np.full((S_b, *old.shape[1:]), pad, old.dtype)
+                new[:S] = old[rows]
+                sampling.append(new)
         sampling[5][:S] += advance.astype(np.int32)  # out_pos
-        src = np.full(T_b, -1, np.int32)  # decode rows: token i is row i's
-        col = np.zeros(T_b, np.int32)
-        src[:S] = rows
-        col[:S] = advance - 1
-        with _mesh_context(self.mesh):
-            tokens = _merge_tokens(prev.outputs[0], src, col, batch.token_ids)
+        if in_place:
+            tokens = prev.last
+        else:
+            src = np.full(T_b, -1, np.int32)  # decode rows: token i is row i's
+            col = np.zeros(T_b, np.int32)
+            src[:S] = rows
+            col[:S] = advance - 1
+            with _mesh_context(self.mesh):
+                tokens = _merge_tokens(prev.outputs[0], src, col, batch.token_ids)
         return self._send(None, None, False, batch, tokens, tuple(sampling), None, 0, 1, lane)
 
     def _send(
@@ -2120,6 +2123,17 @@ class _Step:
         return self.default._cache_size() + (0 if self.small is None else self.small._cache_size())
 
 
+# The step's static keyword arguments (the jit cache key, with the arrays' shapes).
+STEP_STATIC_ARGS = (
+    "layout",
+    "decode_only",
+    "batch_invariant",
+    "num_candidates",
+    "greedy_only",
+    "num_steps",
+)
+
+
 @functools.lru_cache(maxsize=8)
 def _make_run(graphdef, mesh, compiler_options: tuple | None = None):
     """The engine's jitted step for one model structure on one mesh (or None), compiled
@@ -2141,14 +2155,7 @@ def _make_run(graphdef, mesh, compiler_options: tuple | None = None):
     @functools.partial(
         jax.jit,
         donate_argnums=(3,),
-        static_argnames=(
-            "layout",
-            "decode_only",
-            "batch_invariant",
-            "num_candidates",
-            "greedy_only",
-            "num_steps",
-        ),
+        static_argnames=STEP_STATIC_ARGS,
         compiler_options=None if compiler_options is None else dict(compiler_options),
     )
     def run(
