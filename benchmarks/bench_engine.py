@@ -313,17 +313,16 @@ def decode_split(llm, name, backend, c, context) -> dict:
         jnp.zeros(S, jnp.int32),
     )
 
-    # the step's host inputs as the engine sends them (two buffers), here on the device
-    ints, floats, layout = _pack_inputs(batch, tuple(np.asarray(a) for a in greedy), None)
-    ints, floats = jnp.asarray(ints), jnp.asarray(floats)
+    # the step's host inputs as the engine sends them (one buffer), here on the device
+    inputs, layout = _pack_inputs(batch, tuple(np.asarray(a) for a in greedy), None)
+    inputs = jnp.asarray(inputs)
 
     def whole():  # the engine's jitted step: copies, model, sampler (cache donated)
         out = llm._run(
-            llm._state,
+            llm._weights,
             tokens,
-            ints,
+            inputs,
             llm.cache,
-            floats,
             None,
             layout=layout,
             decode_only=md.decode_only,

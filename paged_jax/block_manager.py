@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections import OrderedDict
+import itertools
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
@@ -227,7 +228,9 @@ class BlockManager:
         self._serial = np.zeros(rows, np.int64)  # allocation count when the row was taken
         self._serials = 0  # rows taken so far
         self._table = np.zeros((rows, 8), np.int32)  # pages (host slots while swapped)
-        self._tok = np.zeros((rows, 16), np.int32)  # token ids (-1: reserved, not known yet)
+        # token ids (-1: reserved, not known yet); every cell past a row's count is -1, so
+        # reserving tokens writes nothing there
+        self._tok = np.full((rows, 16), -1, np.int32)
         self._ntok = np.zeros(rows, np.int64)  # tokens with slots (prompt plus appended)
         self._ncomp = np.zeros(rows, np.int64)  # leading tokens whose K/V are on the device
         # First reserved token not yet filled (reserve_tokens), or -1: it and every token
@@ -276,6 +279,11 @@ class BlockManager:
     @property
     def seq_ids(self) -> list:
         return list(self._seqs)
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences held (``len(seq_ids)`` without the list)."""
+        return len(self._seqs)
 
     def _row(self, seq_id: Hashable) -> int:
         try:
@@ -418,7 +426,9 @@ class BlockManager:
             rows = self._table.shape[0]
             for name in _ROW_ARRAYS:
                 a = getattr(self, name)
-                setattr(self, name, np.pad(a, ((0, rows),) + ((0, 0),) * (a.ndim - 1)))
+                fill = -1 if name == "_tok" else 0
+                pad = ((0, rows),) + ((0, 0),) * (a.ndim - 1)
+                setattr(self, name, np.pad(a, pad, constant_values=fill))
             self._root += [b""] * rows
             self._key += [b""] * rows
             self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
@@ -444,6 +454,8 @@ class BlockManager:
     def _drop_row(self, seq_id: Hashable, row: int) -> None:
         del self._seqs[seq_id]
         self._table[row] = 0
+        self._tok[row, : self._ntok[row]] = -1
+        self._ntok[row] = 0
         self._free_rows.append(row)
 
     def _fit(self, pages: int, tokens: int) -> None:
@@ -454,7 +466,8 @@ class BlockManager:
             self._table = np.pad(self._table, ((0, 0), (0, width - self._table.shape[1])))
         if tokens > self._tok.shape[1]:
             width = 1 << (tokens - 1).bit_length()
-            self._tok = np.pad(self._tok, ((0, 0), (0, width - self._tok.shape[1])))
+            pad = ((0, 0), (0, width - self._tok.shape[1]))
+            self._tok = np.pad(self._tok, pad, constant_values=-1)
 
     # ------------------------------------------------------------------ admission checks
     def pages_needed(self, num_tokens: int) -> int:
@@ -712,7 +725,8 @@ class BlockManager:
             self._table[row, have - 1] = new
         for col in range(have, self.pages_needed(m)):
             self._table[row, col] = self._take_page()
-        self._tok[row, n:m] = -1 if isinstance(tokens, int) else tokens
+        if not isinstance(tokens, int):  # (placeholders: the cells past n are -1)
+            self._tok[row, n:m] = tokens
         self._ntok[row] = m
 
     def _append(self, rows: np.ndarray, counts: np.ndarray, values: np.ndarray | None) -> bool:
@@ -732,9 +746,10 @@ class BlockManager:
         cow = np.zeros(len(rows), bool)
         part = np.flatnonzero(n % P)
         if len(part):
-            refcount = self._refcount
+            get = self._refcount.__getitem__
             last = self._table[rows[part], have[part] - 1].tolist()
-            cow[part] = [refcount[p] > 1 for p in last]
+            if max(map(get, last)) > 1:  # some last page is shared
+                cow[part] = [get(p) > 1 for p in last]
         more = want - have
         if int(more.sum()) + int(cow.sum()) > self.num_free_pages:
             return False
@@ -754,15 +769,16 @@ class BlockManager:
             if len(free) >= total:  # pop() order, in one slice
                 taken = free[: -total - 1 : -1]
                 del free[-total:]
-                refcount = self._refcount
-                for page in taken:
-                    refcount[page] = 1
+                # refcount[page] = 1 for each, the loop run in C (deque drops the Nones)
+                deque(map(self._refcount.__setitem__, taken, itertools.repeat(1)), maxlen=0)
             else:  # the prefix cache gives up pages too
                 taken = [self._take_page() for _ in range(total)]
-            self._table[np.repeat(rows, more), np.repeat(have, more) + _ragged(more)] = taken
-        if values is None:
-            self._tok[_spans(rows, n, counts)] = -1
-        else:
+            if total == int(np.count_nonzero(more)):  # one new page a row at most
+                got = more > 0
+                self._table[rows[got], have[got]] = taken
+            else:
+                self._table[np.repeat(rows, more), np.repeat(have, more) + _ragged(more)] = taken
+        if values is not None:  # (placeholders: the cells past n are -1)
             self._tok[rows, n] = values
         self._ntok[rows] = m
         return True
@@ -857,7 +873,7 @@ class BlockManager:
                     f"counts: expected 0 to {width} (the tokens given) for {seq_ids[i]!r}, "
                     f"got {int(cs[i])}"
                 )
-            values = tokens[_spans(np.arange(S), np.zeros(S, np.int64), cs)]
+            values = None  # read below, in the shape the cells take
         rows = self._device_rows(seq_ids, "fill_reserved")
         starts = np.asarray(starts, np.int64).reshape(S)
         stops = starts + cs
@@ -870,7 +886,13 @@ class BlockManager:
                 f"{int(n[i])}) for {seq_ids[i]!r}, got [{int(starts[i])}, {int(stops[i])})"
             )
         at = _spans(rows, starts, cs)
-        self._tok[at] = values.reshape(at[1].shape) if counts is None else values
+        if values is not None:
+            values = values.reshape(at[1].shape)
+        elif at[1].ndim == 2:  # the same count c for every row: tokens[:, :c]
+            values = tokens[:, : at[1].shape[1]]
+        else:
+            values = tokens[_spans(np.arange(S), np.zeros(S, np.int64), cs)]
+        self._tok[at] = values
         r = self._resv[rows]
         past = (r >= 0) & (stops > r)
         if past.any():
@@ -1200,12 +1222,14 @@ class BlockManager:
                     counts[p] += 1
             assert not self._table[row, len(pages) :].any(), "tables() row tail not zero"
             assert self._ncomp[row] <= n <= self._tok.shape[1]
+            assert (self._tok[row, n:] == -1).all(), "a cell past the tokens not -1"
             assert self._resv[row] < n, "reserved mark past the tokens"
             assert self._nhash[row] <= self._ncomp[row] // self.page_size, "hashed drift"
         assert counts == self._refcount, "refcount != block-table references"
         rows = list(self._seqs.values())
         assert sorted(rows + self._free_rows) == list(range(self._table.shape[0])), "row drift"
         assert not self._table[self._free_rows].any(), "a free row of tables() not zero"
+        assert (self._tok[self._free_rows] == -1).all(), "a free row's token ids not -1"
         assert host_counts == self._host_refcount, "host refcount drift"
         assert counts[NULL_PAGE] == 0 and NULL_PAGE not in self._free, "null page handed out"
         free = set(self._free)
@@ -1341,6 +1365,10 @@ class HybridBlockManager:
     @property
     def seq_ids(self) -> list:
         return list(self._ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self._ids)
 
     def num_tokens(self, seq_id: Hashable) -> int:
         return self.inner.num_tokens(self._each(seq_id)[0])

@@ -79,7 +79,7 @@ def test_multi_step_launches_change_no_token(requests, K, overlapped):
     prompts, params = requests
     single = _engine(1)
     ref = single.generate(prompts, params, progress=False)
-    llm = _engine(K, async_scheduling=overlapped)
+    llm = _engine(K, async_scheduling=overlapped, checked=True)  # checks lane.cum too
     went_on, go_on = [], llm._continue
     llm._continue = lambda f: went_on.append(go_on(f)) or went_on[-1]
     outs = llm.generate(prompts, params, progress=False)
@@ -264,6 +264,37 @@ def test_reserve_tokens_is_all_or_nothing_and_fill_reserved_sets_and_computes():
         bm.reserve_tokens(["a"], [-1])
     with pytest.raises(ValueError, match="counts: expected one per sequence"):
         bm.reserve_tokens(["a", "b"], [1])
+    bm.check_invariants()
+
+
+def test_reserved_placeholders_read_minus_one_in_a_reused_row_and_fill_keeps_rows_apart():
+    """Reserving writes nothing (every cell past a sequence's tokens is -1 already): a row
+    freed and handed to another sequence shows placeholders, not its old tokens. Rows that
+    take one new page each, or several, get them in row order; filling rows with the same
+    count or different counts writes each row's own tokens."""
+    bm = BlockManager(32, P, watermark=0.0)
+    bm.allocate("old", list(range(1, 4 * P)))  # a long sequence, then gone
+    bm.free("old")
+    bm.allocate("a", [7, 8])  # takes the freed row
+    bm.allocate("b", [5] * (P - 1))
+    bm.allocate("c", [6] * P)
+    for s in "abc":
+        bm.mark_computed(s, bm.num_tokens(s))
+    assert bm.reserve_tokens(["c", "a", "b"], [P, 3, 2 * P])  # 1, 1 and 2 new pages
+    assert list(bm.token_ids("a")) == [7, 8, -1, -1, -1]
+    assert list(bm.token_ids("b")[P - 1 :]) == [-1] * (2 * P)
+    assert [len(bm.block_table(s)) for s in "abc"] == [2, 3, 2]
+    bm.check_invariants()
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 1000, (3, 2 * P)).astype(np.int32)
+    bm.fill_reserved(["b", "c", "a"], [P - 1, P, 2], toks, counts=[P, P, 2])  # different
+    assert list(bm.token_ids("a")) == [7, 8, *toks[2, :2], -1]
+    assert list(bm.token_ids("b")[P - 1 :]) == [*toks[0, :P], *[-1] * P]
+    assert list(bm.token_ids("c")[P:]) == list(toks[1, :P])
+    bm.fill_reserved(["a", "b"], [4, 2 * P - 1], toks[:2], counts=[1, 1])  # the same
+    assert list(bm.token_ids("a")) == [7, 8, *toks[2, :2], toks[0, 0]]
+    assert bm.token_ids("b")[2 * P - 1] == toks[1, 0]
+    assert [bm.num_computed_tokens(s) for s in "abc"] == [5, 2 * P, 2 * P]
     bm.check_invariants()
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import operator
 import os
 import time
 from collections.abc import Hashable, Iterator, Mapping, Sequence
@@ -455,14 +456,21 @@ class LLM:
         self._cleared: set[int] = set()  # arrivals of suspects that since sampled a token
         from flax import nnx
 
-        self._graphdef, self._state = nnx.split(self.model)
+        self._graphdef, state = nnx.split(self.model)
+        # The weights as a flat tuple of arrays: the jitted step takes them so, since
+        # flattening an nnx.State in Python at every call cost 50-70 us of a 2-core
+        # CPU's time per launch (tiny-llama, 256 sequences, multi-step launches).
+        weights, self._state_def = jax.tree.flatten(state)
+        self._weights = tuple(weights)
         # Small steps (decode at light load) on CPU compile with XLA's own dots instead
         # of YNNPACK's fusions (see _small_step_options); not in deterministic mode,
         # where every bucket must take the same path.
         options = None if deterministic else _small_step_options()
         self._run = _Step(
-            _make_run(self._graphdef, self.mesh),
-            None if options is None else _make_run(self._graphdef, self.mesh, options),
+            _make_run(self._graphdef, self._state_def, self.mesh),
+            None
+            if options is None
+            else _make_run(self._graphdef, self._state_def, self.mesh, options),
         )
 
     @property
@@ -855,7 +863,7 @@ class LLM:
             col = np.zeros(T_b, np.int32)
             src[:S] = rows
             col[:S] = advance - 1
-            with _mesh_context(self.mesh):
+            with _mesh_context(self.mesh):  # (columns < K of prev's output: its tokens)
                 tokens = _merge_tokens(prev.outputs[0], src, col, batch.token_ids)
         return self._send(None, None, False, batch, tokens, tuple(sampling), None, 0, 1, lane)
 
@@ -879,18 +887,17 @@ class LLM:
         self._shapes_seen.add(shape)
         compiled_before = self._run._cache_size()
         t1 = time.perf_counter()
-        ints, floats, layout = _pack_inputs(
+        inputs, layout = _pack_inputs(
             batch,
             sampling,
-            None if steps is None else np.pad(np.array(steps, np.int32), (0, S_b - len(steps))),
+            None if lane is None else _padded(lane.steps, S_b),
         )
         with _mesh_context(self.mesh):
             toks, lps, cand_v, cand_i, last, self.cache = self._run(
-                self._state,
+                self._weights,
                 tokens,
-                ints,
+                inputs,
                 self.cache,
-                floats,
                 penalties,
                 layout=layout,
                 decode_only=decode_only(batch) and not self.deterministic,
@@ -979,7 +986,7 @@ class LLM:
         lane = f.lane
         alive = self._alive(lane)
         live = len(lane.seqs) if alive is None else int(alive.sum())
-        if live != sum(len(g.seqs) for g in sc.running):
+        if live != sum(map(len, map(_SEQS, sc.running))):  # (in C: 256 groups, 5 us)
             return None  # a request was aborted or a sequence not run: schedule afresh
         n = lane.stops + lane.steps  # the sequences' lengths once f's tokens are in
         left = np.minimum(K, lane.max_len - n)
@@ -1003,6 +1010,7 @@ class LLM:
         if not sc.bm.reserve_tokens(nxt.ids, left):
             return None
         f.carried = go
+        f.next = nxt
         self._step_groups = (  # every row going on: f's groups
             f.groups if every else list({id(g): g for g in nxt.groups}.values())
         )
@@ -1085,7 +1093,12 @@ class LLM:
         self._step_groups = f.groups
         t1 = time.perf_counter()
         toks, lps, cand_v, cand_i = f.outputs
-        toks, lps = np.asarray(toks), np.asarray(lps)
+        if f.steps is not None:  # i32[S_b, 2 K]: the tokens, then the log-probs' bits
+            both = np.asarray(toks)
+            K = both.shape[1] // 2
+            toks, lps = both[:, :K], both[:, K:].view(np.float32)
+        else:
+            toks, lps = np.asarray(toks), np.asarray(lps)
         cand = None if cand_v is None else (np.asarray(cand_v), np.asarray(cand_i))
         t2 = time.perf_counter()
         self.metrics.step_s += f.dispatch_s + t2 - t1
@@ -1403,12 +1416,15 @@ class LLM:
         if alive is not None and not alive.all():
             if not alive.any():
                 return []
-            lane = lane.take(alive)
+            lane = lane.take(alive, cum=None if lane.cum is None else lane.cum[alive])
             if carried is not None:
                 carried = carried[alive]
         seqs, groups, at, ks = lane.seqs, lane.groups, lane.at, lane.steps
         L, K = len(seqs), toks.shape[1]
-        row_toks, row_lps = toks[at], lps[at]
+        if L and at[-1] == L - 1:  # rows 0 .. L - 1 (at is increasing): slices, not copies
+            row_toks, row_lps = toks[:L], lps[:L]
+        else:
+            row_toks, row_lps = toks[at], lps[at]
         self.schedulers[0].bm.fill_reserved(
             lane.ids, lane.stops, row_toks, counts=ks - 1 if carried is None else ks - 1 + carried
         )
@@ -1416,7 +1432,12 @@ class LLM:
         # Running sums of each row's log-probs from its sequence's, in float64 one at a
         # time (as _append adds them): column c is the sum after c tokens.
         sums = np.empty((L, K + 1))
-        sums[:, 0] = [s.cum_logprob for s in seqs]
+        if lane.cum is None:
+            sums[:, 0] = np.fromiter(map(_CUM_LOGPROB, seqs), np.float64, L)
+        else:  # the launch before computed them (reading 256 sequences' cost 50-90 us)
+            sums[:, 0] = lane.cum
+            if self.checked:
+                assert lane.cum.tolist() == list(map(_CUM_LOGPROB, seqs)), "lane.cum drift"
         sums[:, 1:] = row_lps
         sums = np.cumsum(sums, axis=1)
         # Rows that need _extend: a token that may stop them among their samples (any
@@ -1425,11 +1446,15 @@ class LLM:
         if lane.stop_union:
             hit = np.isin(row_toks, lane.stop_union) & (np.arange(K) < ks[:, None])
             exact = exact | hit.any(axis=1)
-        ends = sums[np.arange(L), ks].tolist()
         full = ks == K
+        every = bool(full.all())
+        last = sums[:, K] if every else sums[np.arange(L), ks]
+        if f.next is not None:  # the launch going on from this one: its rows' sums
+            f.next.cum = last if carried is None else last[carried]
+        ends = last.tolist()
         rows_t = (
             row_toks.tolist()
-            if full.all()
+            if every
             else [
                 r if k == K else r[:k] for r, k in zip(row_toks.tolist(), ks.tolist(), strict=True)
             ]
@@ -1876,7 +1901,7 @@ class LLM:
         # The full recount walks every page of every sequence: sample it (every call while
         # there are few sequences, every 8th beyond), it is statistics, not control.
         self._accounted += 1
-        if sum(len(bm.seq_ids) for bm in bms) <= 16 or self._accounted % 8 == 1:
+        if sum(bm.num_seqs for bm in bms) <= 16 or self._accounted % 8 == 1:
             stats = [bm.stats() for bm in bms]
             total = {k: sum(st[k] for st in stats) for k in stats[0]}
             pages = total["pages_used"] * self.page_size
@@ -2135,9 +2160,11 @@ STEP_STATIC_ARGS = (
 
 
 @functools.lru_cache(maxsize=8)
-def _make_run(graphdef, mesh, compiler_options: tuple | None = None):
-    """The engine's jitted step for one model structure on one mesh (or None), compiled
-    with ``compiler_options`` (XLA option name-value pairs; None: the defaults). Cached,
+def _make_run(graphdef, state_def, mesh, compiler_options: tuple | None = None):
+    """The engine's jitted step for one model structure (``graphdef``; its weights, the
+    step's first argument, a tuple of arrays ``state_def`` unflattens into its
+    ``nnx.State``) on one mesh (or None), compiled with ``compiler_options`` (XLA option
+    name-value pairs; None: the defaults). Cached,
     so engines of the same model (and config) in one process share compiled shape
     buckets. On a mesh, the step's outputs other than the cache are replicated (every
     process reads them whole)."""
@@ -2159,11 +2186,10 @@ def _make_run(graphdef, mesh, compiler_options: tuple | None = None):
         compiler_options=None if compiler_options is None else dict(compiler_options),
     )
     def run(
-        state,
+        weights,
         tokens,
-        ints,
+        inputs,
         cache,
-        floats,
         penalties,
         *,
         layout,
@@ -2173,7 +2199,7 @@ def _make_run(graphdef, mesh, compiler_options: tuple | None = None):
         greedy_only,
         num_steps=1,
     ):
-        x = _unpack_inputs(ints, floats, layout)
+        x = _unpack_inputs(inputs, layout)
         positions, out_pos, steps = x["positions"], x["out_pos"], x.get("steps")
         temp, top_k, top_p, min_p, seeds = (
             x[k] for k in ("temp", "top_k", "top_p", "min_p", "seeds")
@@ -2183,7 +2209,7 @@ def _make_run(graphdef, mesh, compiler_options: tuple | None = None):
             decode_only=decode_only,
             batch_invariant=batch_invariant,
         )
-        model = nnx.merge(graphdef, state)
+        model = nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
         if mesh is not None and data_parallel_size_of(mesh) > 1:  # each replica its rows
             rows = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
             tokens = jax.lax.with_sharding_constraint(tokens, rows)
@@ -2214,7 +2240,12 @@ def _make_run(graphdef, mesh, compiler_options: tuple | None = None):
             k = jnp.zeros(T, jnp.int32).at[: min(T, S_b)].set(steps[: min(T, S_b)])
             row = jnp.minimum(jnp.arange(T), S_b - 1)
             last = jnp.where(k > 0, toks[row, jnp.maximum(k - 1, 0)], 0).astype(tokens.dtype)
-            return replicated(toks), replicated(lps), None, None, replicated(last), cache
+            # The tokens and the log-probs' bits in one i32[S, 2 K] array: one transfer to
+            # the host instead of two (LLM._complete splits them).
+            both = jnp.concatenate(
+                [toks.astype(jnp.int32), jax.lax.bitcast_convert_type(lps, jnp.int32)], axis=1
+            )
+            return replicated(both), None, None, None, replicated(last), cache
         logits, cache = model(tokens, positions, cache, md)
         toks, lps = sample(logits, out_pos)
         if num_candidates:
@@ -2227,25 +2258,34 @@ def _make_run(graphdef, mesh, compiler_options: tuple | None = None):
 
 
 _PENDING = -1  # a token the running step is sampling (overlapped steps)
+_SEQS = operator.attrgetter("seqs")
+_CUM_LOGPROB = operator.attrgetter("cum_logprob")
 
-# The step's host inputs travel to the device as two flat buffers, int32 and float32:
-# as jit arguments, each numpy array costs a host-to-device buffer of its own (about
-# 3 us warm on CPU), and a step has 16 of them.
+# The step's host inputs travel to the device as one flat int32 buffer: as jit
+# arguments, each numpy array costs a host-to-device buffer of its own (about 3 us warm on
+# CPU, 25 us in the engine's loop), and a step has 16 of them.
 _MD_ARRAYS = tuple(
     f.name for f in dataclasses.fields(AttentionMetadata) if not f.metadata.get("static")
 )
 _SAMPLING = ("temp", "top_k", "top_p", "min_p", "seeds", "out_pos")  # LLM._dispatch's order
-# In the int32 buffer, in order (then "steps" for a multi-step launch); seeds (uint32) go
-# as their bits. The float32 buffer: temp, top_p, min_p.
+# In the buffer, in order (then "steps" for a multi-step launch); seeds (uint32) go as
+# their bits. Then the float32 arrays, as their bits too: temp, top_p, min_p.
 _INTS = ("positions", *_MD_ARRAYS, "top_k", "seeds", "out_pos")
 _FLOATS = ("temp", "top_p", "min_p")
 
 
-def _pack_inputs(batch, sampling, steps) -> tuple[np.ndarray, np.ndarray, tuple]:
-    """``(ints i32[N], floats f32[F], layout)``: the batch's positions and metadata, the
-    sampling columns (``_SAMPLING``) and ``steps`` (``i32[S_b]`` or None) packed, and
-    the layout ``_unpack_inputs`` reads them back with (static: the arrays' shapes, which
-    the batch's buckets fix)."""
+def _padded(a: np.ndarray, n: int) -> np.ndarray:
+    """``i32[n]``: ``a`` then zeros (``np.pad`` costs several times more)."""
+    out = np.zeros(n, np.int32)
+    out[: len(a)] = a
+    return out
+
+
+def _pack_inputs(batch, sampling, steps) -> tuple[np.ndarray, tuple]:
+    """``(inputs i32[N], layout)``: the batch's positions and metadata, the sampling
+    columns (``_SAMPLING``) and ``steps`` (``i32[S_b]`` or None) packed into one buffer
+    (uint32 and float32 arrays as their bits), and the layout ``_unpack_inputs`` reads
+    them back with (static: the arrays' shapes, which the batch's buckets fix)."""
     temp, top_k, top_p, min_p, seeds, out_pos = sampling
     ints = [batch.positions, *(getattr(batch, k) for k in _MD_ARRAYS)]
     ints += (top_k, seeds.view(np.int32), out_pos)
@@ -2253,19 +2293,22 @@ def _pack_inputs(batch, sampling, steps) -> tuple[np.ndarray, np.ndarray, tuple]
         ints.append(steps)
     floats = (temp, top_p, min_p)
     layout = (tuple(a.shape for a in ints), tuple(a.shape for a in floats))
-    return np.concatenate(ints, axis=None), np.concatenate(floats, axis=None), layout
+    parts = ints + [np.asarray(a, np.float32).view(np.int32) for a in floats]
+    return np.concatenate(parts, axis=None), layout
 
 
-def _unpack_inputs(ints: jax.Array, floats: jax.Array, layout: tuple) -> dict[str, jax.Array]:
+def _unpack_inputs(inputs: jax.Array, layout: tuple) -> dict[str, jax.Array]:
     """The arrays ``_pack_inputs`` packed, by name (in a jitted function: slices)."""
     out = {}
-    for buf, names, shapes in ((ints, _INTS + ("steps",), layout[0]), (floats, _FLOATS, layout[1])):
-        at = 0
+    at = 0
+    for names, shapes in ((_INTS + ("steps",), layout[0]), (_FLOATS, layout[1])):
         for name, shape in zip(names, shapes, strict=False):
             n = int(np.prod(shape))
-            out[name] = buf[at : at + n].reshape(shape)
+            out[name] = inputs[at : at + n].reshape(shape)
             at += n
     out["seeds"] = jax.lax.bitcast_convert_type(out["seeds"], jnp.uint32)
+    for name in _FLOATS:
+        out[name] = jax.lax.bitcast_convert_type(out[name], jnp.float32)
     return out
 
 
@@ -2289,6 +2332,9 @@ class _Lane:
     stop_union: list  # every token id in stop_ids (a superset of each row's)
     ended: int  # LLM._ended when every row was known to run (none finished since: all do)
     continued: bool  # built by LLM._continue (its groups have their first token times)
+    # float64[L]: the sequences' cum_logprob as the launch starts, set by the launch before
+    # as it is applied (None: read them from the sequences)
+    cum: np.ndarray | None = None
 
     @classmethod
     def of(
@@ -2331,7 +2377,8 @@ class _Lane:
             for k in ("at", "stops", "steps", "max_len", "exact"):
                 fields[k] = getattr(self, k)[keep]
         fields.update(ended=self.ended, continued=self.continued)
-        fields.update(columns)
+        fields.update(columns)  # (cum is not carried: a lane taken for the next launch
+        # starts from sums the launch before has not computed yet)
         return _Lane(**fields, stop_ids=self.stop_ids, stop_union=self.stop_union)
 
     def work(self) -> list:
@@ -2350,10 +2397,12 @@ class _Launched:
     placed: list | None  # [(batch row, Work)] (None for a multi-step launch)
     groups: list  # [Group] the step runs
     num_tokens: int  # live tokens
-    outputs: tuple  # (tokens i32[S_b, J], log-probs f32[S_b, J], candidates or None x 2)
+    # (tokens i32[S_b, 1], log-probs f32[S_b, 1], candidates or None x 2); a multi-step
+    # launch's: (i32[S_b, 2 K] its tokens then its log-probs' bits, None, None, None)
+    outputs: tuple
     dispatch_s: float  # the dispatch call's time (0 when it compiled)
     stalled: bool  # its speculative schedule stopped short of a preemption
-    # Multi-step decoding: the steps each row runs (outputs then [S_b, K]); None: one
+    # Multi-step decoding: the steps each row runs; None: one
     # step. Then also its rows as a lane, and its batch and sampling arrays, from which
     # the next launch is built (``advance_batch``).
     steps: list[int] | None = None
@@ -2365,6 +2414,7 @@ class _Launched:
     # Multi-step: the lane's rows whose last sample a launch dispatched meanwhile decodes
     # (``LLM._continue``): reserved in the block manager, filled with the others.
     carried: np.ndarray | None = None  # bool[L]; None: none
+    next: _Lane | None = None  # the lane of the launch that goes on from this one
 
     def __post_init__(self):
         # read only for a single step (``LLM._tokens``): a launch is followed by

@@ -37,7 +37,7 @@ class Status(enum.Enum):
 # eq=False: identity, as for any entity with a lifetime. (Field-wise equality made every
 # ``group in queue`` and ``queue.remove(group)`` compare fields: 14 ms to remove 256
 # finished groups from a running queue, newest first.)
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Seq:
     """One sequence: a sample or a beam. ``tokens`` = prompt + generated tokens."""
 
