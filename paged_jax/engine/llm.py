@@ -28,7 +28,7 @@ from paged_jax.engine._signals import DeferSignals
 from paged_jax.engine.multistep import decode_loop
 from paged_jax.engine.protocol import check_model
 from paged_jax.engine.sampling import Penalties, SamplingParams, beam_candidates, sample_rows
-from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status, Work
+from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status, TokenLog, Work
 from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata, decode_only
 from paged_jax.sharding import (
@@ -985,9 +985,14 @@ class LLM:
         sc, K = self.schedulers[0], self.num_scheduler_steps
         lane = f.lane
         alive = self._alive(lane)
-        live = len(lane.seqs) if alive is None else int(alive.sum())
-        if live != sum(map(len, map(_SEQS, sc.running))):  # (in C: 256 groups, 5 us)
-            return None  # a request was aborted or a sequence not run: schedule afresh
+        # Every running sequence must be a live row of f. A lane built here passed this
+        # check, and while no sequence ends (alive is None) none joins the running ones
+        # either: admitting, swapping in, preempting and forking all happen in schedules
+        # of single steps, which a launch built here follows none of.
+        if alive is not None or not lane.continued:
+            live = len(lane.seqs) if alive is None else int(alive.sum())
+            if live != sum(map(len, map(_SEQS, sc.running))):
+                return None  # a request was aborted or a sequence not run: schedule afresh
         n = lane.stops + lane.steps  # the sequences' lengths once f's tokens are in
         left = np.minimum(K, lane.max_len - n)
         go = left > 0
@@ -1446,36 +1451,25 @@ class LLM:
         if lane.stop_union:
             hit = np.isin(row_toks, lane.stop_union) & (np.arange(K) < ks[:, None])
             exact = exact | hit.any(axis=1)
-        full = ks == K
-        every = bool(full.all())
-        last = sums[:, K] if every else sums[np.arange(L), ks]
+        # each row's sum after its samples
+        last = sums[:, K] if bool((ks == K).all()) else sums[np.arange(L), ks]
         if f.next is not None:  # the launch going on from this one: its rows' sums
             f.next.cum = last if carried is None else last[carried]
-        ends = last.tolist()
-        rows_t = (
-            row_toks.tolist()
-            if every
-            else [
-                r if k == K else r[:k] for r, k in zip(row_toks.tolist(), ks.tolist(), strict=True)
-            ]
-        )
         if not lane.continued:  # a continued lane's groups had their first tokens
             for g in {id(g): g for g in groups if g.first_token_time is None}.values():
                 g.first_token_time = now
+        # The plain rows' samples and sums go to the lane's log (read from it when their
+        # sequences are: Seq.tokens); the others, one by one through _extend.
         plain = ~exact
         if plain.all():
-            for s, r, e in zip(seqs, rows_t, ends, strict=True):
-                s.tokens += r
-                s.cum_logprob = e
+            lane.log.add(lane.li, row_toks, ks, last)
         else:
             stop_ids = lane.stop_ids
             for j in np.flatnonzero(exact).tolist():
                 g = groups[j]
-                self._extend(g, seqs[j], rows_t[j], row_lps[j], sums[j], stop_ids[id(g.params)])
-            for j in np.flatnonzero(plain).tolist():
-                s = seqs[j]
-                s.tokens += rows_t[j]
-                s.cum_logprob = ends[j]
+                row = row_toks[j, : ks[j]].tolist()
+                self._extend(g, seqs[j], row, row_lps[j], sums[j], stop_ids[id(g.params)])
+            lane.log.add(lane.li[plain], row_toks[plain], ks[plain], last[plain])
         self.metrics.tokens_generated += int(ks[plain].sum())
         # Rows that reached their length (Group.max_len: the prompt plus max_tokens, at
         # most the model's), then the groups with no sequence left, in row order.
@@ -2332,6 +2326,8 @@ class _Lane:
     stop_union: list  # every token id in stop_ids (a superset of each row's)
     ended: int  # LLM._ended when every row was known to run (none finished since: all do)
     continued: bool  # built by LLM._continue (its groups have their first token times)
+    log: TokenLog  # where the rows' samples wait until read (Seq.attach)
+    li: np.ndarray  # intp[L]: each row's row in log
     # float64[L]: the sequences' cum_logprob as the launch starts, set by the launch before
     # as it is applied (None: read them from the sequences)
     cum: np.ndarray | None = None
@@ -2348,6 +2344,9 @@ class _Lane:
         stop_ids = {}
         for p in {id(g.params): g.params for g in groups}.values():
             stop_ids[id(p)] = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
+        log = TokenLog(L)
+        for i, s in enumerate(seqs):
+            s.attach(log, i)
         return cls(
             seqs=seqs,
             groups=groups,
@@ -2361,6 +2360,8 @@ class _Lane:
             stop_union=sorted(set().union(*stop_ids.values())),
             ended=ended,
             continued=False,
+            log=log,
+            li=np.arange(L, dtype=np.intp),
         )
 
     def take(self, keep: np.ndarray | None, **columns) -> _Lane:
@@ -2369,14 +2370,14 @@ class _Lane:
         if keep is None:
             fields = {"seqs": self.seqs, "groups": self.groups, "ids": self.ids}
             fields.update(at=self.at, stops=self.stops, steps=self.steps)
-            fields.update(max_len=self.max_len, exact=self.exact)
+            fields.update(max_len=self.max_len, exact=self.exact, li=self.li)
         else:
             idx = np.flatnonzero(keep).tolist()
             fields = {k: [getattr(self, k)[j] for j in idx] for k in ("seqs", "groups")}
             fields["ids"] = self.ids.take(keep)
-            for k in ("at", "stops", "steps", "max_len", "exact"):
+            for k in ("at", "stops", "steps", "max_len", "exact", "li"):
                 fields[k] = getattr(self, k)[keep]
-        fields.update(ended=self.ended, continued=self.continued)
+        fields.update(ended=self.ended, continued=self.continued, log=self.log)
         fields.update(columns)  # (cum is not carried: a lane taken for the next launch
         # starts from sums the launch before has not computed yet)
         return _Lane(**fields, stop_ids=self.stop_ids, stop_union=self.stop_union)
