@@ -95,3 +95,45 @@ def test_the_one_pass_decode_takes_the_decoders_ahead_of_a_new_prompt(monkeypatc
     monkeypatch.setattr(Scheduler, "_decode_prefix", decode_prefix)
     llm.step()
     assert seen == [(2, 64 - 2, 8 - 2, False), [("a", 1), ("b", 1), ("c", 30)]]
+
+
+def test_token_log_rows_reach_their_sequences_in_order_when_read():
+    """A TokenLog holds several launches' samples for its rows; a sequence reads its own
+    (and its log-prob sum) when its tokens are read, in order with tokens appended to it
+    directly between launches, and moves them over before it joins another log."""
+    import numpy as np
+
+    from paged_jax.engine.scheduler import Seq, TokenLog
+
+    rng = np.random.default_rng(0)
+    seqs = [Seq(f"s{i}", [i] * 3, 3, 0) for i in range(5)]
+    log = TokenLog(5)
+    for i, s in enumerate(seqs):
+        s.attach(log, i)
+    want = [list(s.tokens) for s in seqs]
+    a = rng.integers(0, 1000, (5, 4)).astype(np.int32)
+    log.add(np.arange(5), a, np.full(5, 4), np.arange(5, dtype=np.float64))
+    for i in range(5):
+        want[i] += a[i].tolist()
+    seqs[2].tokens.append(77)  # a token appended directly (the per-row path)
+    want[2].append(77)
+    b = rng.integers(0, 1000, (3, 12)).astype(np.int32)  # rows 4, 0, 2: other counts
+    log.add(np.array([4, 0, 2]), b, np.array([12, 1, 7]), np.array([-1.0, -2.0, -3.0]))
+    for i, k, row in ((4, 12, 0), (0, 1, 1), (2, 7, 2)):
+        want[i] += b[row, :k].tolist()
+    assert log.toks.shape[1] == 16 and log.count.tolist() == [5, 4, 11, 4, 16]
+    c = rng.integers(0, 1000, (1, 3)).astype(np.int32)
+    log.add(np.array([4]), c, np.array([3]), np.array([-9.0]))  # past 16 columns: widens
+    want[4] += c[0].tolist()
+    assert [s.tokens for s in seqs] == want
+    assert [s.cum_logprob for s in seqs] == [-2.0, 1.0, -3.0, 3.0, -9.0]
+    assert seqs[3].output == a[3].tolist()
+    other = TokenLog(1)
+    d = np.array([[5, 6]], np.int32)
+    log.add(np.array([1]), d, np.array([2]), np.array([0.5]))
+    seqs[1].attach(other, 0)  # row 1's waiting tokens move over first
+    other.add(np.array([0]), d[:, ::-1].copy(), np.array([2]), np.array([0.25]))
+    assert seqs[1].tokens == want[1] + [5, 6, 6, 5] and seqs[1].cum_logprob == 0.25
+    seqs[0].cum_logprob = 4.0  # set directly: kept until the log adds to its row
+    log.add(np.array([3]), d, np.array([1]), np.array([7.0]))
+    assert seqs[0].cum_logprob == 4.0 and seqs[3].cum_logprob == 7.0

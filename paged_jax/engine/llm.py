@@ -1632,17 +1632,19 @@ class LLM:
             seqs = seqs[: p.n]
         else:
             seqs.sort(key=lambda s: s.sample_index)
-        outs = [
-            CompletionOutput(
-                index=k,
-                token_ids=list(s.output),
-                text=s.stop_text if s.stop_text is not None else self.decode(s.output),
-                finish_reason=s.finish_reason,
-                cumulative_logprob=s.cum_logprob,
-                logprobs=list(s.logprobs) if p.logprobs else None,
+        outs = []
+        for k, s in enumerate(seqs):
+            ids = s.output  # a new list (a slice of the sequence's tokens)
+            outs.append(
+                CompletionOutput(
+                    index=k,
+                    token_ids=ids,
+                    text=s.stop_text if s.stop_text is not None else self.decode(ids),
+                    finish_reason=s.finish_reason,
+                    cumulative_logprob=s.cum_logprob,
+                    logprobs=list(s.logprobs) if p.logprobs else None,
+                )
             )
-            for k, s in enumerate(seqs)
-        ]
         m = RequestMetrics(
             g.arrival_time,
             g.first_token_time,
