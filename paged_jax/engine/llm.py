@@ -1413,8 +1413,9 @@ class LLM:
 
         The rows are checked as whole arrays (``f.lane``): a row with no stop token among
         its samples and no stop string or log-probs to keep (the common case) only has its
-        samples appended and its log-prob sum set, and ends if it reached its length; the
-        others go through ``_extend``."""
+        samples and log-prob sum added to the lane's ``TokenLog`` (its sequence reads them
+        when its tokens are read), and ends if it reached its length; the others go
+        through ``_extend``."""
         lane = f.lane
         alive = self._alive(lane)
         carried = f.carried  # their last sample is reserved too: the next launch decodes it
