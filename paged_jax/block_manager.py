@@ -108,6 +108,20 @@ def _spans(rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> tuple:
     return np.repeat(rows, counts), np.repeat(starts, counts) + _ragged(counts)
 
 
+def write_spans(
+    dest: np.ndarray, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, values
+) -> None:
+    """``dest[rows[i], starts[i] : starts[i] + counts[i]] = values[i, :counts[i]]`` for
+    every i, in one assignment (``values``: ``[S, J]`` with ``counts <= J``; distinct
+    rows). A slice of ``values`` when every count is the same, else a gather."""
+    at = _spans(rows, starts, counts)
+    if at[1].ndim == 2:
+        dest[at] = values[:, : at[1].shape[1]]
+    else:
+        S = len(rows)
+        dest[at] = values[_spans(np.arange(S), np.zeros(S, np.int64), counts)]
+
+
 def _ragged(counts: np.ndarray) -> np.ndarray:
     """``int[sum(counts)]``: ``0 .. counts[i] - 1`` for each i in turn (each element's
     place within its row, for writing rows of different lengths in one assignment)."""
@@ -873,7 +887,7 @@ class BlockManager:
                     f"counts: expected 0 to {width} (the tokens given) for {seq_ids[i]!r}, "
                     f"got {int(cs[i])}"
                 )
-            values = None  # read below, in the shape the cells take
+            values = None  # written below (write_spans)
         rows = self._device_rows(seq_ids, "fill_reserved")
         starts = np.asarray(starts, np.int64).reshape(S)
         stops = starts + cs
@@ -885,14 +899,11 @@ class BlockManager:
                 f"starts: expected tokens not yet computed, within [{int(done[i])}, "
                 f"{int(n[i])}) for {seq_ids[i]!r}, got [{int(starts[i])}, {int(stops[i])})"
             )
-        at = _spans(rows, starts, cs)
-        if values is not None:
-            values = values.reshape(at[1].shape)
-        elif at[1].ndim == 2:  # the same count c for every row: tokens[:, :c]
-            values = tokens[:, : at[1].shape[1]]
+        if values is None:
+            write_spans(self._tok, rows, starts, cs, tokens)
         else:
-            values = tokens[_spans(np.arange(S), np.zeros(S, np.int64), cs)]
-        self._tok[at] = values
+            at = _spans(rows, starts, cs)
+            self._tok[at] = values.reshape(at[1].shape)
         r = self._resv[rows]
         past = (r >= 0) & (stops > r)
         if past.any():

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from paged_jax.block_manager import BlockManager, OutOfPages
+from paged_jax.block_manager import BlockManager, OutOfPages, write_spans
 from paged_jax.engine.sampling import SamplingParams
 
 
@@ -68,13 +68,7 @@ class TokenLog:
         if width > self.toks.shape[1]:
             pad = (1 << (width - 1).bit_length()) - self.toks.shape[1]
             self.toks = np.pad(self.toks, ((0, 0), (0, pad)))
-        K = toks.shape[1]
-        cols = n[:, None] + np.arange(K)
-        if int(counts.min()) == K:  # every row its K tokens
-            self.toks[rows[:, None], cols] = toks
-        else:
-            keep = np.arange(K) < counts[:, None]
-            self.toks[np.broadcast_to(rows[:, None], keep.shape)[keep], cols[keep]] = toks[keep]
+        write_spans(self.toks, rows, n, counts, toks)
         self.count[rows] = m
         self.cum[rows] = cums
         self.version += 1
