@@ -178,6 +178,14 @@ def _keys(seeds, positions):
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
 
 
+def _uniforms(seeds, positions):
+    """``f32[R, J]``: the uniform in [0, 1) of each sample, keyed by its column's seed
+    (``seeds`` u32[R, J]) and its row's output position (``positions`` i32[R])."""
+    R, J = seeds.shape
+    keys = _keys(seeds.reshape(-1), jnp.repeat(positions, J))
+    return jax.vmap(jax.random.uniform)(keys).reshape(R, J)
+
+
 # Candidates a restricted row (top-k, top-p or min-p) draws from: the row's largest logits,
 # found with lax.top_k instead of sorting the vocabulary. A row whose kept set could reach
 # past them is drawn from a full sort instead (exact either way).
@@ -270,33 +278,47 @@ def sample_rows(
     (the same kept prefix and draw). A row's token depends only on its own inputs.
     ``penalties`` (``apply_penalties``) change the logits first, greedy rows included.
     Log-probabilities are those of the model's raw distribution. ``cpu_kernel`` (static;
-    the engine sets it on CPU where the kernels built, without a mesh): a greedy-only
-    step without penalties takes its tokens and log-sum-exps from the C kernel
-    (``paged_jax.kernels.cpu.greedy_rows``: 0.36 against 0.87 ms for SmolLM2's 32 x
-    49,152 logits on a 2-core CPU; the same tokens, log-probs within a few ulps).
-    Traceable.
+    the engine sets it on CPU where the kernels built, without a mesh): the C kernels pick
+    the tokens, ``paged_jax.kernels.cpu.greedy_rows`` for a greedy-only step and
+    ``cpu.sample_tokens`` otherwise, from the same uniforms and by the same definition,
+    without sorting the vocabulary even where the candidates above would fall back to a
+    full sort (SmolLM2's 32 x 49,152 logits on a 2-core CPU: 0.3 ms greedy, 0.8-1.4 ms
+    top-p 0.9, against 1.3 and 5-300 ms here); tokens may differ from this path's only
+    where a decision falls within rounding. Traceable.
     """
     raw = logits.astype(jnp.float32)
     R, vocab = raw.shape
     J = seeds.shape[1]
-    if greedy_only and cpu_kernel and penalties is None:
+    if min_p is None:
+        min_p = jnp.zeros(R, jnp.float32)
+    if cpu_kernel:
         from paged_jax.kernels import cpu
 
-        token, lse = cpu.greedy_rows(raw)
-        greedy = jnp.broadcast_to(token[:, None], (R, J))
-        return greedy, jnp.take_along_axis(raw, greedy, axis=-1) - lse[:, None]
+        logits = raw if penalties is None else apply_penalties(raw, penalties)
+        if greedy_only:
+            token, lse = cpu.greedy_rows(logits)
+            tokens = jnp.broadcast_to(token[:, None], (R, J))
+        else:
+            tokens, lse = cpu.sample_tokens(
+                logits,
+                temperature.astype(jnp.float32),
+                top_k.astype(jnp.int32),
+                top_p.astype(jnp.float32),
+                min_p.astype(jnp.float32),
+                _uniforms(seeds, positions),
+            )
+        if penalties is not None:  # log-probs under the model's own distribution, summed
+            lse = cpu.greedy_rows(raw)[1]  # as the kernels sum an unpenalized row
+        return tokens, jnp.take_along_axis(raw, tokens, axis=-1) - lse[:, None]
     lse_raw = jax.nn.logsumexp(raw, axis=-1, keepdims=True)
     logits = raw if penalties is None else apply_penalties(raw, penalties)
     greedy = jnp.broadcast_to(argmax_rows(logits)[:, None], (R, J))
     if greedy_only:
         return greedy, jnp.take_along_axis(raw, greedy, axis=-1) - lse_raw
-    if min_p is None:
-        min_p = jnp.zeros(R, jnp.float32)
     t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
     scaled = logits / t
     lse = jax.nn.logsumexp(scaled, axis=-1)
-    keys = _keys(seeds.reshape(-1), jnp.repeat(positions, J))
-    u = jax.vmap(jax.random.uniform)(keys).reshape(R, J)
+    u = _uniforms(seeds, positions)
 
     sampled_row = temperature > 0
     restricted = (top_k > 0) | (top_p < 1.0) | (min_p > 0)

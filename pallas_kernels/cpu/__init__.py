@@ -17,6 +17,8 @@ compiler, or a failed build, leaves ``available()`` False and "auto" on the XLA 
 * ``pack_weight``, ``unpack_weight``, ``linear``, ``panel_width``: matrix products
   against weights packed once in column panels (``linear.c``; ``paged_jax.linear``).
 * ``greedy_rows``: each row's argmax and log-sum-exp (``sample.c``), for greedy steps.
+* ``sample_tokens``: the whole sampler (temperature, top-k, top-p, min-p, the draw) without
+  sorting the vocabulary (``sample.c``), for steps with sampled rows.
 * ``available()``, ``unavailable_reason()``: whether the kernels built here, and why not.
 """
 
@@ -41,6 +43,7 @@ TARGET = "paged_jax_cpu_decode_attention"
 RAGGED_TARGET = "paged_jax_cpu_ragged_attention"
 LINEAR_TARGET = "paged_jax_cpu_linear"
 GREEDY_TARGET = "paged_jax_cpu_greedy_rows"
+SAMPLE_TARGET = "paged_jax_cpu_sample_rows"
 _HERE = pathlib.Path(__file__).parent
 _SOURCES = (_HERE / "decode.c", _HERE / "linear.c", _HERE / "sample.c")  # one library
 _HEADERS = (_HERE / "pool.h", _HERE / "vec.h")
@@ -114,6 +117,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         handler, linear_handler = lib.PagedJaxDecodeAttention, lib.PagedJaxLinear
         ragged_handler = lib.PagedJaxRaggedAttention
         greedy_handler = lib.PagedJaxGreedyRows
+        sample_handler = lib.PagedJaxSampleRows
         _state["panel_width"] = int(lib.paged_jax_linear_panel_width())
     except (OSError, AttributeError) as e:
         return None, f"loading {lib_path} failed: {e}"
@@ -121,6 +125,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     jax.ffi.register_ffi_target(RAGGED_TARGET, jax.ffi.pycapsule(ragged_handler), platform="cpu")
     jax.ffi.register_ffi_target(LINEAR_TARGET, jax.ffi.pycapsule(linear_handler), platform="cpu")
     jax.ffi.register_ffi_target(GREEDY_TARGET, jax.ffi.pycapsule(greedy_handler), platform="cpu")
+    jax.ffi.register_ffi_target(SAMPLE_TARGET, jax.ffi.pycapsule(sample_handler), platform="cpu")
     return lib, ""
 
 
@@ -358,6 +363,56 @@ def greedy_rows(
     return token, lse
 
 
+def sample_tokens(
+    x: jax.Array,  # f32[R, V]
+    temperature: jax.Array,  # f32[R]  0 = greedy
+    top_k: jax.Array,  # i32[R]  0 = off
+    top_p: jax.Array,  # f32[R]  1 = off
+    min_p: jax.Array,  # f32[R]  0 = off
+    u: jax.Array,  # f32[R, J] uniforms in [0, 1), one per sample
+    *,
+    threads: int | None = None,
+) -> tuple[jax.Array, jax.Array]:  # (i32[R, J] token, f32[R] lse)
+    """``J`` tokens per row, drawn as ``paged_jax.engine.sampling.sample_rows`` defines
+    them, with uniform ``u[r, j]`` for column j, and each row's ``jax.nn.logsumexp``.
+
+    Greedy rows (temperature 0) and rows whose largest logit (or its quotient by the
+    temperature) is not finite take the argmax (``jnp.argmax``: the first NaN wins).
+    Unrestricted sampled rows draw from ``softmax(x / temperature)`` in vocabulary order;
+    rows with top-k, top-p or min-p draw from the kept prefix of their tokens in
+    descending order of ``x / temperature`` (ties: the lower index first). ``sample.c``
+    does this without sorting the vocabulary (it sorts the few tokens that can be kept),
+    so the token equals the full-sort definition's except where a keep decision or the
+    draw falls within rounding of a boundary. A row's result does not depend on the others
+    or on ``threads`` (default: the cores this process may use). Raises ``ValueError``
+    for arguments of other dtypes or shapes, and when the kernels are not available."""
+    if x.dtype != jnp.float32 or x.ndim != 2 or x.shape[1] < 1:
+        raise ValueError(f"x: expected f32[R, V] with V >= 1, got {x.dtype}{list(x.shape)}")
+    r = x.shape[0]
+    for name, a, dtype in (
+        ("temperature", temperature, jnp.float32),
+        ("top_k", top_k, jnp.int32),
+        ("top_p", top_p, jnp.float32),
+        ("min_p", min_p, jnp.float32),
+    ):
+        if a.dtype != dtype or a.shape != (r,):
+            raise ValueError(
+                f"{name}: expected {jnp.dtype(dtype)}[{r}], got {a.dtype}{list(a.shape)}"
+            )
+    if u.dtype != jnp.float32 or u.ndim != 2 or u.shape[0] != r:
+        raise ValueError(f"u: expected f32[{r}, J], got {u.dtype}{list(u.shape)}")
+    count = _threads(threads)
+    _require()
+    call = jax.ffi.ffi_call(
+        SAMPLE_TARGET,
+        (
+            jax.ShapeDtypeStruct(u.shape, jnp.int32),
+            jax.ShapeDtypeStruct((r,), jnp.float32),
+        ),
+    )
+    return call(x, temperature, top_k, top_p, min_p, u, jnp.asarray([count], jnp.int32))
+
+
 __all__ = [
     "available",
     "greedy_rows",
@@ -365,6 +420,7 @@ __all__ = [
     "linear",
     "pack_weight",
     "panel_width",
+    "sample_tokens",
     "unavailable_reason",
     "unpack_weight",
 ]
