@@ -1,5 +1,6 @@
 """``python -m benchmarks <name> [--out DIR] [args]``: memory, sharing, throughput,
-host_overhead, kernels, engine, block_manager, layer_view, peers, serve, hybrid. ``--out DIR``
+host_overhead, kernels, engine, block_manager, layer_view, peers, serve, hybrid, sampler.
+``--out DIR``
 writes the results there; without it they go to a new ``bench-results/<time>`` directory
 under the current one. The committed results in ``benchmarks/results`` change only with
 ``--out benchmarks/results``."""
@@ -21,6 +22,7 @@ NAMES = (
     "peers",
     "serve",
     "hybrid",
+    "sampler",
 )
 
 if __name__ == "__main__":

@@ -361,3 +361,24 @@ def test_host_overhead_records_another_model_beside_tiny_llama():
 
     assert result_name("tiny-llama") == "host_overhead"
     assert result_name("smollm2-135m-instruct") == "host_overhead_smollm2-135m-instruct"
+
+
+def test_sampler_benchmark_times_every_setting_and_writes_where_told(tmp_path, monkeypatch):
+    # tiny-llama, a few tokens (timings meaningless): every setting has engine steps and
+    # sampler times on the model's own logits, greedy's step ratio to itself is 1.
+    import json
+
+    from benchmarks import bench_sampler
+    from benchmarks.common import OUT_ENV
+
+    monkeypatch.setenv(OUT_ENV, str(tmp_path))
+    argv = ["--model", "tiny-llama", "--seqs", "3", "--steps", "5", "--repeats", "1"]
+    assert bench_sampler.main([*argv, "--batches", "2"]) == 0
+    data = json.loads((tmp_path / "sampler_tiny-llama.json").read_text())
+    assert data["logit_batches"] == 2 and data["vocab"] == 320  # tiny-llama's
+    rows = {r["setting"]: r for r in data["results"]}
+    assert set(rows) == set(bench_sampler.SETTINGS)
+    assert rows["greedy"]["engine_step_over_greedy"] == [1.0]
+    for r in rows.values():
+        assert r["engine_ms_per_step"]["min"] > 0 and r["sampler_ms"] > 0
+        assert r["sampler_xla_ms"] > 0 and r["sampler_share_of_greedy_step"] > 0
