@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import _quant
-from paged_jax._hugepages import use_huge_pages
+from paged_jax._hugepages import lazy_zeros, use_huge_pages
 from paged_jax.block_manager import layer_groups
 
 NULL_PAGE = 0
@@ -131,7 +131,9 @@ class PagedKVCache:
             allowed = ", ".join(str(d) for d in _quant.FLOAT_KV_DTYPES + _quant.QUANT_DTYPES)
             raise TypeError(f"dtype: expected one of {allowed}, got {dtype}")
         shape = (num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim)
-        kv_pages = jnp.zeros(shape, dtype)
+        kv_pages = lazy_zeros(shape, dtype)  # a large pool on CPU: zero pages on first touch
+        if kv_pages is None:
+            kv_pages = jnp.zeros(shape, dtype)
         if not isinstance(kv_pages, jax.core.Tracer):  # created eagerly: on CPU, 2 MiB pages
             use_huge_pages(kv_pages)
         kv_scales = jnp.ones(shape[:4], jnp.float32) if _quant.is_quantized_dtype(dtype) else None

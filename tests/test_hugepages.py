@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_cases import HAS_CC
 
 import paged_jax as pj
 from paged_jax import _hugepages as hp
@@ -113,3 +114,63 @@ def test_cache_create_backs_its_pool_eagerly_only(monkeypatch):
     assert seen == [c.kv_pages.shape]
     jax.eval_shape(lambda: pj.PagedKVCache.create(2, 8, 4, 2, 16, jnp.float32))
     assert seen == [c.kv_pages.shape]  # traced: nothing to advise
+
+
+needs_cc = pytest.mark.skipif(not HAS_CC, reason="no C compiler here: pools are zero-filled by XLA")
+
+
+@linux_only
+@needs_cc
+@pytest.mark.parametrize("anonymous", [True, False])
+def test_lazy_zeros_read_zero_and_take_writes_in_place(monkeypatch, anonymous):
+    # The buffer handed over full of NaN: its whole pages handed back and the partial
+    # ones at either end zeroed (or, outside a private anonymous mapping, all of it
+    # zeroed): every element reads 0, and a donated step writes the same memory.
+    from paged_jax.kernels import cpu
+
+    monkeypatch.setattr(cpu, "uninitialized", lambda shape, dtype: jnp.full(shape, np.nan, dtype))
+    if not anonymous:
+        monkeypatch.setattr(hp, "_private_anonymous", lambda start, stop: False)
+    shape = (3, (17 << 20) // 3 + 5)  # not a whole number of pages
+    z = hp.lazy_zeros(shape, jnp.float32)
+    assert z is not None and z.shape == shape and z.dtype == jnp.float32
+    ptr = z.unsafe_buffer_pointer()
+    assert ptr % mmap.PAGESIZE and not np.asarray(z).any()  # partial pages at the ends
+    out = jax.jit(lambda a: a.at[:, ::1024].set(3.0), donate_argnums=0)(z)
+    assert out.unsafe_buffer_pointer() == ptr
+    got = np.asarray(out)
+    assert got.sum() == 3.0 * got[:, ::1024].size
+
+
+def test_lazy_zeros_only_where_it_can(monkeypatch):
+    small = (hp.LAZY_ZEROS_MIN_BYTES // 4 - 1,)
+    assert hp.lazy_zeros(small, jnp.float32) is None  # small pools: XLA zero-fills
+    big = (hp.LAZY_ZEROS_MIN_BYTES // 2,)
+    assert jax.eval_shape(lambda: hp.lazy_zeros(big, jnp.bfloat16)) is None  # traced
+    monkeypatch.setattr(hp, "_madvise", lambda: None)  # not Linux
+    assert hp.lazy_zeros(big, jnp.bfloat16) is None
+
+
+@linux_only
+@needs_cc
+def test_a_large_pool_is_lazy_and_the_engine_gives_the_same_tokens(monkeypatch):
+    # The engine on a pool taken from lazy_zeros (the threshold lowered to take it) and
+    # on one XLA zero-filled: the same greedy tokens and log-probs.
+    from paged_jax import models
+
+    params = pj.SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True)
+    prompts = [[1, 5, 9, 2, 7], [3, 3, 8]]
+
+    def run():
+        llm = pj.LLM(*models.load("tiny-llama"), num_pages=64, page_size=8)
+        outs = llm.generate(prompts, params, progress=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    taken = []
+    lazy = hp.lazy_zeros
+    monkeypatch.setattr(hp, "LAZY_ZEROS_MIN_BYTES", 1)
+    monkeypatch.setattr(cache_mod, "lazy_zeros", lambda *a: taken.append(a) or lazy(*a))
+    from_lazy_pool = run()
+    monkeypatch.undo()
+    assert taken  # that engine's pool came from lazy_zeros
+    assert from_lazy_pool == run()

@@ -19,6 +19,8 @@ compiler, or a failed build, leaves ``available()`` False and "auto" on the XLA 
 * ``greedy_rows``: each row's argmax and log-sum-exp (``sample.c``), for greedy steps.
 * ``sample_tokens``: the whole sampler (temperature, top-k, top-p, min-p, the draw) without
   sorting the vocabulary (``sample.c``), for steps with sampled rows.
+* ``uninitialized``: an array as XLA allocated it, not written (the KV pool, which
+  ``paged_jax`` then zeroes lazily).
 * ``available()``, ``unavailable_reason()``: whether the kernels built here, and why not.
 """
 
@@ -44,6 +46,7 @@ RAGGED_TARGET = "paged_jax_cpu_ragged_attention"
 LINEAR_TARGET = "paged_jax_cpu_linear"
 GREEDY_TARGET = "paged_jax_cpu_greedy_rows"
 SAMPLE_TARGET = "paged_jax_cpu_sample_rows"
+UNINITIALIZED_TARGET = "paged_jax_cpu_uninitialized"
 _HERE = pathlib.Path(__file__).parent
 _SOURCES = (_HERE / "decode.c", _HERE / "linear.c", _HERE / "sample.c")  # one library
 _HEADERS = (_HERE / "pool.h", _HERE / "vec.h")
@@ -118,6 +121,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         ragged_handler = lib.PagedJaxRaggedAttention
         greedy_handler = lib.PagedJaxGreedyRows
         sample_handler = lib.PagedJaxSampleRows
+        uninitialized_handler = lib.PagedJaxUninitialized
         _state["panel_width"] = int(lib.paged_jax_linear_panel_width())
     except (OSError, AttributeError) as e:
         return None, f"loading {lib_path} failed: {e}"
@@ -126,6 +130,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     jax.ffi.register_ffi_target(LINEAR_TARGET, jax.ffi.pycapsule(linear_handler), platform="cpu")
     jax.ffi.register_ffi_target(GREEDY_TARGET, jax.ffi.pycapsule(greedy_handler), platform="cpu")
     jax.ffi.register_ffi_target(SAMPLE_TARGET, jax.ffi.pycapsule(sample_handler), platform="cpu")
+    jax.ffi.register_ffi_target(
+        UNINITIALIZED_TARGET, jax.ffi.pycapsule(uninitialized_handler), platform="cpu"
+    )
     return lib, ""
 
 
@@ -363,6 +370,15 @@ def greedy_rows(
     return token, lse
 
 
+def uninitialized(shape: tuple[int, ...], dtype) -> jax.Array:
+    """An array of ``shape`` and ``dtype`` whose contents are whatever its freshly
+    allocated memory held: nothing writes it. For a caller that fills it at once (the KV
+    pool: ``paged_jax._hugepages.lazy_zeros``). Under a trace, a tracer. Raises
+    ``ValueError`` when the kernels are not available here."""
+    _require()
+    return jax.ffi.ffi_call(UNINITIALIZED_TARGET, jax.ShapeDtypeStruct(tuple(shape), dtype))()
+
+
 def sample_tokens(
     x: jax.Array,  # f32[R, V]
     temperature: jax.Array,  # f32[R]  0 = greedy
@@ -421,6 +437,7 @@ __all__ = [
     "pack_weight",
     "panel_width",
     "sample_tokens",
+    "uninitialized",
     "unavailable_reason",
     "unpack_weight",
 ]
