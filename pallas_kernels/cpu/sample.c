@@ -77,6 +77,8 @@ static float row_max(const float *x, int64_t V) {
   return m;
 }
 
+static inline int64_t num_blocks(int64_t V) { return (V + BLOCK - 1) / BLOCK; }
+
 /* A row's blocks of BLOCK logits: each one's maximum and sums of exponentials. */
 typedef struct {
   float *bmax; /* [blocks] the block's largest logit */
@@ -85,7 +87,7 @@ typedef struct {
 } Blocks;
 
 static int blocks_alloc(Blocks *k, int64_t V) {
-  const int64_t blocks = (V + BLOCK - 1) / BLOCK;
+  const int64_t blocks = num_blocks(V);
   k->bmax = malloc(blocks * sizeof *k->bmax);
   k->raw = malloc(blocks * sizeof *k->raw);
   k->w = malloc(blocks * sizeof *k->w);
@@ -104,7 +106,7 @@ static void blocks_free(Blocks *k) {
  * +inf as soon as a block holds one (the caller then takes the greedy answer). Greedy and
  * sampled rows sum the same way, so a row's log-sum-exp has the same bits in both. */
 static float block_pass(const float *x, int64_t V, float inv_t, Blocks *k) {
-  const int64_t blocks = (V + BLOCK - 1) / BLOCK;
+  const int64_t blocks = num_blocks(V);
   const int scaled = inv_t != 0.0f && inv_t != 1.0f;
   float m = -INFINITY;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -140,11 +142,18 @@ static float block_pass(const float *x, int64_t V, float inv_t, Blocks *k) {
 
 /* log(sum of exp(x - m)) + m from the blocks' sums (m: the row's finite maximum). */
 static float row_lse(const Blocks *k, int64_t V, float m) {
-  const int64_t blocks = (V + BLOCK - 1) / BLOCK;
+  const int64_t blocks = num_blocks(V);
   double sum = 0.0;
   for (int64_t b = 0; b < blocks; ++b)
     if (k->bmax[b] > -INFINITY) sum += k->raw[b] * exp((double)(k->bmax[b] - m));
   return (float)(log(sum) + m);
+}
+
+/* The first index holding the row's maximum m. */
+static int32_t first_max(const float *x, int64_t V, float m) {
+  int64_t at = 0;
+  while (at < V - 1 && x[at] != m) ++at;
+  return (int32_t)at;
 }
 
 /* One row's argmax and log-sum-exp (the greedy rows). */
@@ -152,15 +161,14 @@ static void greedy_row(const float *x, int64_t V, int32_t *token, float *lse, Bl
   float m = block_pass(x, V, 0.0f, k);
   const int finite = isfinite(m);
   if (!finite) m = row_max(x, V); /* a NaN after a +inf wins */
-  int64_t at = 0;
   if (m != m) { /* the first NaN; the sum is NaN */
+    int64_t at = 0;
     while (at < V && x[at] == x[at]) ++at;
     *token = (int32_t)at;
     *lse = NAN;
     return;
   }
-  while (at < V && x[at] != m) ++at;
-  *token = (int32_t)(at < V ? at : 0);
+  *token = first_max(x, V, m);
   /* +inf: +inf; a row of -inf: -inf (the sum's log of 0) */
   *lse = finite ? row_lse(k, V, m) : m;
 }
@@ -238,21 +246,31 @@ static int grow(Scratch *w, int64_t n) {
   if (n <= w->cap) return 1;
   int64_t cap = w->cap ? w->cap : 1024;
   while (cap < n) cap *= 2;
-  void *p[6] = {realloc(w->idx, cap * 4), NULL, NULL, NULL, NULL, NULL};
-  if (!p[0]) return 0;
-  w->idx = p[0];
-  if (!(p[1] = realloc(w->pos, cap * 4))) return 0;
-  w->pos = p[1];
-  if (!(p[2] = realloc(w->pos2, cap * 4))) return 0;
-  w->pos2 = p[2];
-  if (!(p[3] = realloc(w->e, cap * 4))) return 0;
-  w->e = p[3];
-  if (!(p[4] = realloc(w->key, cap * 4))) return 0;
-  w->key = p[4];
-  if (!(p[5] = realloc(w->key2, cap * 4))) return 0;
-  w->key2 = p[5];
+#define GROW(field)                                      \
+  do {                                                   \
+    void *p = realloc(w->field, cap * sizeof *w->field); \
+    if (!p) return 0;                                    \
+    w->field = p;                                        \
+  } while (0)
+  GROW(idx);
+  GROW(pos);
+  GROW(pos2);
+  GROW(e);
+  GROW(key);
+  GROW(key2);
+#undef GROW
   w->cap = cap;
   return 1;
+}
+
+static void scratch_free(Scratch *w) {
+  blocks_free(&w->k);
+  free(w->idx);
+  free(w->pos);
+  free(w->pos2);
+  free(w->e);
+  free(w->key);
+  free(w->key2);
 }
 
 /* An unsigned key whose ascending order is s's descending order (-0 as +0). */
@@ -310,13 +328,6 @@ static int32_t *sort_positions(uint32_t *key, int32_t *pos, uint32_t *key2, int3
   return pos;
 }
 
-/* The first index holding the row's maximum m. */
-static int32_t first_max(const float *x, int64_t V, float m) {
-  int64_t at = 0;
-  while (at < V - 1 && x[at] != m) ++at;
-  return (int32_t)at;
-}
-
 #if HAVE_LANES
 /* Whether any lane of a comparison's result is set. */
 static inline int any_lane(vi m) {
@@ -345,7 +356,7 @@ static inline void keep(Scratch *w, int64_t *n, int64_t v, float s, float e, dou
  * when out of memory; *mass: their summed weight. */
 static int64_t gather(const float *x, int64_t V, float t, float smax, double c, Scratch *w,
                       double *mass) {
-  const int64_t blocks = (V + BLOCK - 1) / BLOCK;
+  const int64_t blocks = num_blocks(V);
   /* The least float f with f >= c, so that s >= f exactly when s >= c. */
   float cf = (float)c;
   if ((double)cf < c) cf = nextafterf(cf, INFINITY);
@@ -379,7 +390,7 @@ static int64_t gather(const float *x, int64_t V, float t, float smax, double c, 
 static int sample_row(const float *x, int64_t V, float t, int32_t top_k, float top_p,
                       float min_p, const float *u, int64_t J, int32_t *token, float *lse,
                       Scratch *w) {
-  const int64_t blocks = (V + BLOCK - 1) / BLOCK;
+  const int64_t blocks = num_blocks(V);
   const float inv_t = 1.0f / t;
   const float m = block_pass(x, V, inv_t, &w->k);
   const float smax = m / t;
@@ -489,13 +500,7 @@ static void *run_rows_sample(void *arg) {
       j->failed = 1;
     }
   }
-  blocks_free(&w.k);
-  free(w.idx);
-  free(w.pos);
-  free(w.pos2);
-  free(w.e);
-  free(w.key);
-  free(w.key2);
+  scratch_free(&w);
   return NULL;
 }
 
