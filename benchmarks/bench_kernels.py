@@ -8,10 +8,11 @@ each batch x context. Measured in one run on one device:
 
 * copy bandwidth: a large device-to-device copy (read + write bytes / time), and on a GPU
   a large bf16 matrix product (the two ceilings);
-* this project's decode kernel for the platform (Pallas GPU on NVIDIA, Pallas TPU on TPU)
-  on the paged cache, and on the same pool read through a contiguous table (each
-  sequence's pages consecutive: the cost of paging); its ragged kernel on the same decode
-  batch (one query token per sequence: what the engine's step runs);
+* this project's decode kernel for the platform (Pallas GPU on NVIDIA, Pallas TPU on TPU;
+  on a GPU also the Mosaic GPU kernel, ``gpu/decode_mosaic.py``) on the paged cache, and
+  on the same pool read through a contiguous table (each sequence's pages consecutive: the
+  cost of paging); its ragged kernel on the same decode batch (one query token per
+  sequence: what the engine's step runs);
 * JAX's Pallas GPU ``paged_attention`` with its default knobs (GPU only; given K and V in
   its own ``[Hkv, N, P, D]`` layout, built outside the timed call), and the ``"xla"``
   backend;
@@ -30,9 +31,10 @@ Goals (GPU issue): >= 85% of copy bandwidth at batch 64 x 4k and above, >= 2x JA
 paging overhead <= 10%.
 
 ``--tune`` (GPU): also times the Pallas GPU decode kernel over ``TUNE_GRID`` (pages per
-block x warps x stages) at contexts >= 4k, and the ragged kernel over ``RAGGED_TUNE_GRID``
-on the prefill cases, and reports the fastest next to the default, so one run on a lent
-GPU says what ``pallas_kernels/gpu/tuning.py`` should choose.
+block x warps x stages) and the Mosaic GPU one over ``MOSAIC_TUNE_GRID`` at contexts
+>= 4k, and the ragged kernel over ``RAGGED_TUNE_GRID`` on the prefill cases, and reports
+the fastest next to the default, so one run on a lent GPU says what
+``pallas_kernels/gpu/tuning.py`` should choose and which decode kernel is faster.
 """
 
 from __future__ import annotations
@@ -165,6 +167,8 @@ TUNE_GRID = [
     for w in (4, 8)
     for st in (2, 3)
 ]
+# The Mosaic GPU decode kernel (Hopper): tokens per block x K/V blocks in flight.
+MOSAIC_TUNE_GRID = [dict(pages_per_block=bp, num_stages=st) for bp in (4, 8) for st in (1, 2, 3)]
 RAGGED_TUNE_GRID = [
     dict(tokens_per_block=bq, pages_per_block=bp, num_warps=w)
     for bq in (8, 16, 32)
@@ -184,13 +188,15 @@ def _sweep(kernel, grid, args, repeats: int) -> list[dict]:
     return out
 
 
-def tune_decode(inputs, repeats: int) -> list[dict]:
-    """Times the Pallas GPU decode kernel at every ``TUNE_GRID`` point (GPU only)."""
-    from paged_jax.kernels.gpu import decode_paged_attention
+def decode_tunings() -> dict:
+    """Name -> (kernel, grid) of the GPU decode kernels ``--tune`` sweeps: Triton's and
+    Mosaic GPU's."""
+    from paged_jax.kernels.gpu import decode_mosaic, decode_paged_attention
 
-    return _sweep(
-        functools.partial(decode_paged_attention, sm_scale=D**-0.5), TUNE_GRID, inputs, repeats
-    )
+    return {
+        "decode": (decode_paged_attention, TUNE_GRID),
+        "mosaic decode": (decode_mosaic.decode_paged_attention, MOSAIC_TUNE_GRID),
+    }
 
 
 def decode_kernels(platform: str) -> dict:
@@ -217,6 +223,12 @@ def decode_kernels(platform: str) -> dict:
             )
 
         out[f"{mine} ragged"] = ragged
+    if platform == "gpu":  # the Hopper kernel beside the Triton one (not yet a backend)
+        from paged_jax.kernels.gpu import decode_mosaic
+
+        out["pallas_gpu mosaic decode"] = functools.partial(
+            decode_mosaic.decode_paged_attention, sm_scale=scale
+        )
     return out
 
 
@@ -263,19 +275,22 @@ def run_decode(args, platform, bw, peaks, tuned) -> list[dict]:
                 except Exception as e:  # a kernel that cannot run a shape says why
                     row = dict(batch=b, context=c, kernel=name, error=str(e)[:300])
                 rows.append(row)
-            if args.tune and c >= 4096:
-                points = tune_decode((q, kv, lens, paged), args.repeats)
+            for tname, (kernel, grid) in (
+                decode_tunings().items() if args.tune and c >= 4096 else ()
+            ):
+                f = functools.partial(kernel, sm_scale=D**-0.5)
+                points = _sweep(f, grid, (q, kv, lens, paged), args.repeats)
                 timed = [p for p in points if "ms" in p]
                 best = min(timed, key=lambda p: p["ms"]) if timed else None
-                tuned.append(dict(kernel="decode", batch=b, context=c, best=best, points=points))
+                tuned.append(dict(kernel=tname, batch=b, context=c, best=best, points=points))
                 if best:
-                    label = ",".join(f"{k}={best[k]}" for k in TUNE_GRID[0])
+                    label = ",".join(f"{k}={best[k]}" for k in grid[0])
                     rows.append(
                         dict(
                             _row(
                                 b,
                                 c,
-                                f"tuned decode ({label})",
+                                f"tuned {tname} ({label})",
                                 [best["ms"] / 1e3],
                                 kv_bytes,
                                 bw,

@@ -3,8 +3,8 @@
 # as the lease allows:   OUT=DIR bash benchmarks/gpu_session.sh STAGE...
 #
 #   env      versions (driver, CUDA, JAX, jaxlib, triton, flax, torch) and the device
-#   kernels  tests/test_pallas_gpu.py (default and slow grids) and tests/test_kernels_in_model.py,
-#            the kernels compiled for the GPU (interpret=False there)
+#   kernels  tests/test_pallas_gpu.py, tests/test_pallas_mosaic_gpu.py (default and slow grids)
+#            and tests/test_kernels_in_model.py, the kernels compiled for the GPU (interpret=False)
 #   models   model and engine tests with PAGED_JAX_BACKEND=pallas_gpu
 #   bench    python -m benchmarks kernels --tune  (decode + ragged prefill, tuning sweeps)
 #   engine   python -m benchmarks engine --transformers  (SmolLM2-135M / Llama-3-8B shapes)
@@ -50,8 +50,8 @@ EOF
       XLA_PYTHON_CLIENT_PREALLOCATE=false run kernels "$(limit kernels 200)" \
         $PY -m pytest -q -p no:cacheprovider -n 8 -m "${KERNEL_TESTS_MARK:-slow or not slow}" \
         --durations=5 -rf \
-        tests/test_pallas_gpu.py tests/test_kernels_in_model.py tests/test_bad_tables.py \
-        tests/test_batch_invariance.py
+        tests/test_pallas_gpu.py tests/test_pallas_mosaic_gpu.py tests/test_kernels_in_model.py \
+        tests/test_bad_tables.py tests/test_batch_invariance.py
       ;;
     models)
       XLA_PYTHON_CLIENT_PREALLOCATE=false PAGED_JAX_BACKEND=pallas_gpu \

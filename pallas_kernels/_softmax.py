@@ -23,11 +23,17 @@ def fold(
     masked rows keep ``m = -inf``, ``l = 0`` and contribute nothing.
     """
     acc, m, l = carry
+
+    def per_row(x, like):
+        """``x[..., None]`` broadcast to ``like``'s shape in one step: Mosaic GPU has no
+        layout for the ``[R, 1]`` intermediate that indexing would make."""
+        return jax.lax.broadcast_in_dim(x, like.shape, tuple(range(x.ndim)))
+
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(mask, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=-1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp(s - m_safe[..., None])
+    p = jnp.exp(s - per_row(m_safe, s))
     alpha = jnp.exp(m - m_safe)
-    return alpha[..., None] * acc + pv(p), m_new, alpha * l + p.sum(axis=-1)
+    return per_row(alpha, acc) * acc + pv(p), m_new, alpha * l + p.sum(axis=-1)

@@ -3,8 +3,11 @@
 * ``decode_paged_attention``: paged flash-decoding (``decode.py``).
 * ``ragged_paged_attention``: prefill chunks + decode tokens in one launch (``ragged.py``).
 
-A Mosaic GPU (Hopper) decode kernel would sit beside these as ``decode_mosaic.py`` with the
-same signature; ``paged_jax.attention`` finds kernels by these two names.
+* ``decode_mosaic.decode_paged_attention``: the same decode with Mosaic GPU's lowering
+  (Hopper: TMA page loads, wgmma), the Triton one's signature; imported on use, and no
+  backend picks it until a GPU has measured it against the Triton kernel.
+
+``paged_jax.attention`` finds kernels by the two names above.
 """
 
 from .decode import decode_paged_attention
