@@ -32,7 +32,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .._softmax import fold
 from .._table import safe_lens, safe_table
 from ._scales import prepare_scales
-from .decode import NUM_SMS_GUESS, merge_splits
+from .decode import default_num_splits, merge_splits
 
 ROWS = 64  # a wgmma takes 64 rows per warpgroup: the GQA group is padded to it
 _TILE_COLS = {2: 64}  # 128-byte swizzled tiles: 64 columns of a 16-bit dtype
@@ -187,14 +187,6 @@ def _kernel(
     plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[b, h, s])
     plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[b, h, s])
     plgpu.wait_smem_to_gmem(0)
-
-
-def default_num_splits(batch: int, num_kv_heads: int, pages: int, pages_per_block: int) -> int:
-    """Splits so that batch * heads * splits fills ~2 waves of SMs, without empty splits
-    (one program per SM: a 64-row block with a ring of buffers fills most of one)."""
-    blocks = max(1, pages // pages_per_block)
-    want = max(1, (2 * NUM_SMS_GUESS) // max(1, batch * num_kv_heads))
-    return int(min(blocks, 1 << (want.bit_length() - 1)))
 
 
 def check_supported(q_dtype, kv_dtype, head_dim: int, page_size: int, block_tokens: int):
