@@ -60,7 +60,7 @@ EOF
         tests/test_models.py tests/test_engine.py tests/test_kernels_in_model.py
       ;;
     bench)
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 run bench "$(limit bench 280)" \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 run bench "$(limit bench 480)" \
         $PY -m benchmarks kernels --out "$OUT" ${BENCH_ARGS---tune}
       ;;
     engine)
