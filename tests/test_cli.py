@@ -308,12 +308,15 @@ def test_a_real_ctrl_c_at_any_moment_is_one_line_and_exit_code_130(delay):
     import time
 
     proc = subprocess.Popen(
-        [*CLI, "generate", "--max-tokens", "400", "--ignore-eos", "-n", "4", "--temperature", "1"],
+        # 2000 tokens: seconds of stepping after the 3.5 s mark (400 once did; sampled steps
+        # now run at greedy's speed, and 400 tokens could finish before the interrupt).
+        [*CLI, "generate", "--max-tokens", "2000", "--ignore-eos", "-n", "4", "--temperature", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     time.sleep(delay)
+    assert proc.poll() is None, "the run ended before the interrupt: make it longer"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert (proc.returncode, err) == (130, "paged-jax: interrupted\n")
