@@ -58,6 +58,23 @@ def _decode_args(case):
     return q, case.kv_pages, lens, table
 
 
+def _bf16_decode(seed, lens, *, heads=(8, 2), head_dim=64, page_size=16):
+    """A bf16 decode case (one query token per sequence of ``lens`` tokens), no padding
+    rows: ``(case, (q, kv_pages, kv_lens, page_indices))``."""
+    case = make_case(
+        seed,
+        [(1, n) for n in lens],
+        page_size=page_size,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        dtype=jnp.dtype(jnp.bfloat16),
+        pad_seqs=0,
+        pad_tokens=0,
+    )
+    return case, (case.q, case.kv_pages, case.kv_lens, case.page_indices)
+
+
 @runs
 @pytest.mark.parametrize("params", GRID, ids=_id)
 def test_decode_kernel(params):
@@ -83,18 +100,7 @@ def test_decode_kernel(params):
 def test_splits_stages_and_blocks(splits, stages, pages_per_block):
     # More blocks than buffers (the ring refills), splits that end mid-sequence or hold
     # nothing, blocks of 64 and 128 tokens.
-    case = make_case(
-        32,
-        [(1, n) for n in (1, 63, 64, 65, 300)],
-        page_size=16,
-        num_q_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        dtype=jnp.dtype(jnp.bfloat16),
-        pad_seqs=0,
-        pad_tokens=0,
-    )
-    args = (case.q, case.kv_pages, case.kv_lens, case.page_indices)
+    case, args = _bf16_decode(32, (1, 63, 64, 65, 300), heads=(4, 2))
     out = decode_mosaic.decode_paged_attention(
         *args,
         sm_scale=0.125,
@@ -109,18 +115,7 @@ def test_splits_stages_and_blocks(splits, stages, pages_per_block):
 
 @runs
 def test_matches_the_triton_kernel_and_takes_per_tensor_scales():
-    case = make_case(
-        33,
-        [(1, n) for n in (5, 40, 129)],
-        page_size=16,
-        num_q_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
-        dtype=jnp.dtype(jnp.bfloat16),
-        pad_seqs=0,
-        pad_tokens=0,
-    )
-    args = (case.q, case.kv_pages, case.kv_lens, case.page_indices)
+    _, args = _bf16_decode(33, (5, 40, 129))
     kw = dict(sm_scale=0.125, k_scale=0.5, v_scale=2.0)
     out = decode_mosaic.decode_paged_attention(*args, interpret=INTERPRET, **kw)
     tri = triton_decode(*args, interpret=INTERPRET, **kw)
@@ -132,18 +127,9 @@ def test_matches_the_triton_kernel_and_takes_per_tensor_scales():
 
 
 def _lower(**kw):
-    case = make_case(
-        34,
-        [(1, n) for n in (3, 70)],
-        page_size=kw.pop("page_size", 16),
-        num_q_heads=8,
-        num_kv_heads=2,
-        head_dim=kw.pop("head_dim", 128),
-        dtype=jnp.dtype(jnp.bfloat16),
-        pad_seqs=0,
-        pad_tokens=0,
+    _, args = _bf16_decode(
+        34, (3, 70), head_dim=kw.pop("head_dim", 128), page_size=kw.pop("page_size", 16)
     )
-    args = (case.q, case.kv_pages, case.kv_lens, case.page_indices)
 
     def f(*a):
         return decode_mosaic.decode_paged_attention(*a, sm_scale=0.1, **kw)

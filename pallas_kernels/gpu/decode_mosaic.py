@@ -35,7 +35,7 @@ from ._scales import prepare_scales
 from .decode import default_num_splits, merge_splits
 
 ROWS = 64  # a wgmma takes 64 rows per warpgroup: the GQA group is padded to it
-_TILE_COLS = {2: 64}  # 128-byte swizzled tiles: 64 columns of a 16-bit dtype
+TILE_COLS = 64  # 128-byte swizzled tiles: 64 columns of a 16-bit dtype
 BLOCK_TOKENS = (64, 128)
 SMEM_BYTES = 227 * 1024  # the most shared memory one block may have on Hopper
 MAX_STAGES = 3
@@ -196,7 +196,7 @@ def check_supported(q_dtype, kv_dtype, head_dim: int, page_size: int, block_toke
             raise ValueError(f"{name}: the Mosaic GPU kernel takes bf16 or f16, got {dt}")
     if jnp.dtype(q_dtype) != jnp.dtype(kv_dtype):
         raise ValueError(f"q and kv_pages: one dtype expected, got {q_dtype} and {kv_dtype}")
-    if head_dim % _TILE_COLS[2]:
+    if head_dim % TILE_COLS:
         raise ValueError(f"head_dim: expected a multiple of 64, got {head_dim}")
     if page_size % 8:
         raise ValueError(f"page_size: expected a multiple of 8, got {page_size}")
@@ -275,7 +275,7 @@ def decode_paged_attention(
     q_in = (q_in.astype(jnp.float32) * sm_scale).astype(dtype)
     q4 = jnp.pad(q_in.reshape(B, K, G, D), ((0, 0), (0, 0), (0, ROWS - G), (0, 0)))
     block_tokens = bp * P
-    swizzled = (plgpu.TilingTransform((8, _TILE_COLS[2])), plgpu.SwizzleTransform(128))
+    swizzled = (plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(128))
     kernel = functools.partial(
         _kernel,
         soft_cap=soft_cap,
