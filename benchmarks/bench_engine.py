@@ -90,6 +90,142 @@ def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return rng.integers(0, vocab, (n, length)).tolist()
 
 
+def weight_reads(
+    fields: dict,
+    *,
+    dtype="float32",
+    seqs: int = 1,
+    context: int = 8,
+    layers=(2, 4),
+    hold=None,
+) -> dict:
+    """How many times XLA's cost analysis says one compiled decode step reads each byte of
+    the layers' weights, for a model of config ``fields`` held as the engine holds a model
+    off the CPU (``hold_for_accelerator``; or ``hold(model)`` when given, which returns
+    the model), built from shapes alone (nothing allocated).
+
+    The step (``seqs`` sequences at ``context`` tokens, the XLA attention backend, the
+    model's own ``__call__``) is compiled for four models: ``layers[0]`` and ``layers[1]``
+    layers, each at the config's width and 5/4 of it (``hidden_size`` and
+    ``intermediate_size``; the same heads). ``bytes_per_weight_byte`` is the double
+    difference of the bytes accessed over that of the weight bytes: 1.0 when each weight
+    is read once, in place; about 3 when each layer's slice is copied out of a stack; far
+    below 1 when the layers run in a loop whose body the analysis counts once. The
+    differences cancel what the analysis charges that is not a layer's weights: the
+    embedding lookup (a gather is charged its whole table) and the head do not grow
+    with layers, attention and the pool do not grow with the width. The pool is kept
+    small (default: one sequence's page and the null page), because each in-place
+    scatter and gather is charged its whole ``[L, N, ...]`` operand, which grows with
+    layers x layers. Also returns the four ``bytes_accessed`` and ``weight_bytes``
+    (``[narrow, wide]`` per layer count) and the compile seconds."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import paged_jax as pj
+    from paged_jax import models
+
+    dt = jnp.dtype(dtype)
+
+    def one(f):
+        cfg = models.LlamaConfig(**f)
+
+        def make():
+            m = models.LlamaForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt)
+            return m.hold_for_accelerator() if hold is None else hold(m)
+
+        abstract = nnx.eval_shape(make)
+        graphdef, state = nnx.split(abstract)
+        pages = seqs * -(-context // PAGE) + 1
+        cache = jax.eval_shape(lambda: abstract.make_cache(pages, PAGE))
+        bm = pj.BlockManager(pages, PAGE, enable_prefix_caching=False, watermark=0.0)
+        for i in range(seqs):
+            bm.allocate(i, list(range(context - 1)))
+            bm.mark_computed(i, context - 1)
+            bm.append_slots(i, [1])
+        batch = pj.build_batch(bm, [pj.ScheduledSeq(i, context - 1, context) for i in range(seqs)])
+        md = pj.AttentionMetadata.from_batch(batch)
+
+        def step(state, tokens, positions, cache):
+            return nnx.merge(graphdef, state)(tokens, positions, cache, md, backend="xla")
+
+        t = time.perf_counter()
+        compiled = (
+            jax.jit(step, donate_argnums=(3,))
+            .lower(state, jnp.asarray(batch.token_ids), jnp.asarray(batch.positions), cache)
+            .compile()
+        )
+        seconds = time.perf_counter() - t
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+        return cost["bytes accessed"], weights, seconds
+
+    def widths(num_layers):
+        f = dict(fields, num_layers=num_layers)
+        wide = dict(
+            f,
+            hidden_size=f["hidden_size"] * 5 // 4,
+            intermediate_size=f["intermediate_size"] * 5 // 4,
+        )
+        return one(f), one(wide)
+
+    runs = [widths(n) for n in layers]
+    (b00, w00, _), (b01, w01, _) = runs[0]
+    (b10, w10, _), (b11, w11, _) = runs[1]
+    return dict(
+        bytes_per_weight_byte=((b11 - b10) - (b01 - b00)) / ((w11 - w10) - (w01 - w00)),
+        bytes_accessed=[[r[0] for r in pair] for pair in runs],
+        weight_bytes=[[r[1] for r in pair] for pair in runs],
+        compile_s=sum(r[2] for pair in runs for r in pair),
+    )
+
+
+# Dense bf16 peak (FLOP/s) and memory bandwidth (bytes/s) by device kind, from the
+# vendor's data sheets (SXM parts).
+PEAKS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12)}
+
+
+def device_peaks(device_kind: str) -> tuple[float, float] | None:
+    """``(bf16 FLOP/s, bytes/s)`` of a device kind ("NVIDIA H100 80GB HBM3"), or None."""
+    for key, peaks in PEAKS.items():
+        if key in device_kind:
+            return peaks
+    return None
+
+
+def roofline_tokens_per_s(
+    fields: dict, concurrency: int, prompt_len: int, output_len: int, peaks, bytes_per=2
+) -> float:
+    """Output tokens/s of the workload if every step took the larger of its bytes over the
+    bandwidth and its FLOPs over the peak (``peaks``: ``device_peaks``), with 16-bit
+    weights and KV: one prefill step of every prompt (its products, logits for the last
+    token only, causal attention), then ``output_len - 1`` decode steps, step k reading
+    every weight (the embedding table included) and the KV of ``prompt_len + k`` tokens
+    per sequence. (Issue 57's table counted every parameter's two FLOPs for every prompt
+    token; this ideal is a few percent higher, so its fractions a few percent lower.)"""
+    flops_peak, bandwidth = peaks
+    E, F, L, V = (
+        fields[k] for k in ("hidden_size", "intermediate_size", "num_layers", "vocab_size")
+    )
+    H, K, D = fields["num_heads"], fields["num_kv_heads"], fields["head_dim"]
+    layer = 2 * E * H * D + 2 * E * K * D + 3 * E * F
+    products = L * layer + V * E  # the layers and the head
+    tables = 1 if fields.get("tie_word_embeddings") else 2
+    weights = bytes_per * (L * (layer + 2 * E) + E + tables * V * E)
+    kv_per_token = bytes_per * L * 2 * K * D
+    attn = 4 * L * H * D  # QK and PV FLOPs per (query, key) pair
+    C, P = concurrency, prompt_len
+    seconds = C * (2 * L * layer * P + 2 * V * E + attn * P * (P + 1) / 2) / flops_peak
+    for k in range(1, output_len):
+        context = P + k
+        flops = C * (2 * products + attn * context)
+        seconds += max((weights + C * context * kv_per_token) / bandwidth, flops / flops_peak)
+    return C * output_len / seconds
+
+
 # --------------------------------------------------------------------------- transformers
 def transformers_peer(
     name: str, concurrency: list[int], prompt_len: int, output_len: int, repeats: int
@@ -200,28 +336,48 @@ def build_model(name: str):
     return models.init_model(cfg, seed=0, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
 
 
-def engine_runs(model, name, backend, args) -> list[dict]:
+def _held(layout: str):
+    """While active with ``layout="scan"``, ``LLM`` leaves a model off the CPU as loaded
+    (stacked weights, scanned layers) instead of calling its ``hold_for_accelerator``:
+    the engine as it was before, for the side-by-side ratio."""
+    from unittest import mock
+
+    from paged_jax.models import LlamaForCausalLM
+
+    if layout == "scan":
+        return mock.patch.object(LlamaForCausalLM, "hold_for_accelerator", lambda self: self)
+    return contextlib.nullcontext()
+
+
+def engine_runs(model, name, backend, args, layout="per-layer") -> list[dict]:
+    import jax
+
     from paged_jax.engine import LLM, SamplingParams
 
     cfg = model.config
     c_max = max(args.concurrency)
     pages = c_max * -(-(args.prompt_len + args.output_len) // PAGE) + 1
-    llm = LLM(
-        model,
-        num_pages=int(pages * 1.1) + 8,
-        page_size=PAGE,
-        max_num_seqs=c_max,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=False,
-        watermark=0.0,
-    )
+    with _held(layout):
+        llm = LLM(
+            model,
+            num_pages=int(pages * 1.1) + 8,
+            page_size=PAGE,
+            max_num_seqs=c_max,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=False,
+            watermark=0.0,
+            num_scheduler_steps=args.num_scheduler_steps,
+        )
+    peaks = device_peaks(jax.devices()[0].device_kind)
     rows = []
     for c in args.concurrency:
         prompts = _prompts(c, args.prompt_len, cfg.vocab_size, seed=c)
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+        before = dataclasses.replace(llm.metrics)
         t = time.perf_counter()
         llm.generate(prompts, params, progress=False)
         first = time.perf_counter() - t
+        cold = _delta(llm.metrics, before)
         times, m = [], None
         for _ in range(args.repeats):
             before = dataclasses.replace(llm.metrics)
@@ -231,15 +387,27 @@ def engine_runs(model, name, backend, args) -> list[dict]:
             m = _delta(llm.metrics, before)
         assert all(len(r.outputs[0].token_ids) == args.output_len for r in res)
         tps = [c * args.output_len / t for t in times]
+        ideal = (
+            roofline_tokens_per_s(SHAPE_FIELDS[name], c, args.prompt_len, args.output_len, peaks)
+            if peaks and name in SHAPE_FIELDS
+            else None
+        )
         rows.append(
             dict(
                 model=name,
                 system=f"paged-jax ({backend})",
+                layout=layout,
+                num_scheduler_steps=args.num_scheduler_steps,
                 concurrency=c,
                 tokens_per_s=_stats(tps),
                 wall_s=_stats(times),
+                roofline_tokens_per_s=ideal,
+                roofline_fraction=None if ideal is None else _stats([x / ideal for x in tps]),
                 first_run_s=first,
+                first_run_compile_s=cold.compile_s,
+                first_run_compilations=cold.compilations,
                 steps=m.steps,
+                wall_ms_per_step=1e3 * statistics.median(times) / max(m.steps, 1),
                 host_ms_per_step=1e3 * m.host_s / max(m.steps, 1),
                 device_ms_per_step=1e3 * m.step_s / max(m.steps, 1),
                 compile_s_in_timed_runs=m.compile_s,
@@ -272,6 +440,7 @@ def _delta(after, before):
         step_s=after.step_s - before.step_s,
         host_s=after.host_s - before.host_s,
         compile_s=after.compile_s - before.compile_s,
+        compilations=after.compilations - before.compilations,
     )
 
 
@@ -367,6 +536,22 @@ def decode_split(llm, name, backend, c, context) -> dict:
     # full-sort fallback); x8: a peaked distribution, as trained models give.
     peaked = logits * 8.0
 
+    # XLA's bytes accessed for this compiled step, over the bytes it must read: every
+    # weight once and each sequence's KV (the pool is the step's only other large input)
+    step_args = (llm._weights, tokens, inputs, llm.cache, None)
+    compiled = llm._run.lower(
+        *step_args,
+        layout=layout,
+        decode_only=md.decode_only,
+        batch_invariant=False,
+        num_candidates=0,
+        greedy_only=True,
+    ).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    weight_bytes = sum(w.size * w.dtype.itemsize for w in llm._weights)
+    kv_bytes = c * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+    kv_bytes *= llm.cache.dtype.itemsize
     t_whole = _device_time(whole)
     t_attn = _device_time(lambda: jax.block_until_ready(attn(q, llm.cache, md, md.decode_only)))
     t_ragged = _device_time(lambda: jax.block_until_ready(attn(q, llm.cache, md, False)))
@@ -382,6 +567,11 @@ def decode_split(llm, name, backend, c, context) -> dict:
         context=context,
         tokens_bucket=int(T),
         step_ms=1e3 * t_whole,
+        bytes_accessed_gb=cost.get("bytes accessed", float("nan")) / 1e9,
+        weight_gb=weight_bytes / 1e9,
+        kv_read_gb=kv_bytes / 1e9,
+        bytes_accessed_over_needed=cost.get("bytes accessed", float("nan"))
+        / (weight_bytes + kv_bytes),
         decode_only=md.decode_only,
         attention_ms=1e3 * t_attn,
         attention_ragged_kernel_ms=1e3 * t_ragged,
@@ -434,6 +624,17 @@ def main(argv=None) -> int:
         help="decode-only steps on the decode kernel (on), the ragged one (off), or each way",
     )
     ap.add_argument(
+        "--layout",
+        choices=["per-layer", "scan", "both"],
+        default="per-layer",
+        help="off the CPU: the engine's layout (per-layer weights, unrolled layers), the "
+        "scanned stack as loaded (before), or each",
+    )
+    ap.add_argument("--num-scheduler-steps", type=positive_int, default=1)
+    ap.add_argument(
+        "--no-split", action="store_true", help="skip the decode step split (engine runs only)"
+    )
+    ap.add_argument(
         "--transformers",
         action="store_true",
         help="also time transformers generate (needs torch with CUDA)",
@@ -474,39 +675,45 @@ def main(argv=None) -> int:
                     repeats=args.repeats,
                     backends=args.backends,
                     decode_kernel=args.decode_kernel,
+                    layout=args.layout,
+                    num_scheduler_steps=args.num_scheduler_steps,
                 ),
                 "results": rows,
                 "decode_step_split": splits,
             },
         )
 
+    layouts = ["per-layer", "scan"] if args.layout == "both" else [args.layout]
     for name in args.models:
-        model = build_model(name)
-        for backend in args.backends:
-            if backend == "auto":
-                os.environ.pop(BACKEND_ENV, None)
-            else:
-                os.environ[BACKEND_ENV] = backend
-            base = backend if backend != "auto" else f"auto: {_auto()}"
-            ways = {"on": [True], "off": [False], "both": [True, False]}[args.decode_kernel]
-            for on in ways:
-                label = base if on else f"{base}, ragged kernel for decode steps"
-                print(f"{name} / {label} ...", flush=True)
-                try:
-                    with _decode_kernel(on):
-                        runs, llm = engine_runs(model, name, label, args)
-                        rows.extend(runs)
-                        ctx = args.prompt_len + args.output_len // 2
-                        for c in args.concurrency:
-                            splits.append(decode_split(llm, name, label, c, ctx))
-                    del llm
-                except Exception as e:  # out of memory, a compile failure: say so, go on
-                    rows.append(
-                        dict(model=name, system=f"paged-jax ({label})", error=repr(e)[-600:])
-                    )
-                save(rows, splits)  # a run cut short keeps what it measured
-        del model
-        jax.clear_caches()
+        for layout in layouts:
+            model = build_model(name)  # a fresh one: the engine holds it in place
+            for backend in args.backends:
+                if backend == "auto":
+                    os.environ.pop(BACKEND_ENV, None)
+                else:
+                    os.environ[BACKEND_ENV] = backend
+                base = backend if backend != "auto" else f"auto: {_auto()}"
+                if len(layouts) > 1:
+                    base = f"{base}, {layout}"
+                ways = {"on": [True], "off": [False], "both": [True, False]}[args.decode_kernel]
+                for on in ways:
+                    label = base if on else f"{base}, ragged kernel for decode steps"
+                    print(f"{name} / {label} ...", flush=True)
+                    try:
+                        with _decode_kernel(on):
+                            runs, llm = engine_runs(model, name, label, args, layout)
+                            rows.extend(runs)
+                            ctx = args.prompt_len + args.output_len // 2
+                            for c in [] if args.no_split else args.concurrency:
+                                splits.append(decode_split(llm, name, label, c, ctx))
+                        del llm
+                    except Exception as e:  # out of memory, a compile failure: say so, go on
+                        rows.append(
+                            dict(model=name, system=f"paged-jax ({label})", error=repr(e)[-600:])
+                        )
+                    save(rows, splits)  # a run cut short keeps what it measured
+            del model
+            jax.clear_caches()
     os.environ.pop(BACKEND_ENV, None)
     flat = []
     for r in rows:
@@ -521,13 +728,30 @@ def main(argv=None) -> int:
                 tok_s_min=f"{r['tokens_per_s']['min']:.0f}",
                 tok_s=f"{r['tokens_per_s']['median']:.0f}",
                 tok_s_max=f"{r['tokens_per_s']['max']:.0f}",
+                roofline=(
+                    f"{r['roofline_fraction']['median']:.2f}" if r.get("roofline_fraction") else "-"
+                ),
+                wall_ms_step=f"{r.get('wall_ms_per_step', float('nan')):.2f}",
                 host_ms_step=f"{r.get('host_ms_per_step', float('nan')):.2f}",
+                compile_s=f"{r.get('first_run_compile_s', float('nan')):.1f}",
             )
         )
     print(
         table(
             flat,
-            ["model", "system", "C", "tok_s_min", "tok_s", "tok_s_max", "host_ms_step", "error"],
+            [
+                "model",
+                "system",
+                "C",
+                "tok_s_min",
+                "tok_s",
+                "tok_s_max",
+                "roofline",
+                "wall_ms_step",
+                "host_ms_step",
+                "compile_s",
+                "error",
+            ],
         )
     )
     print(
@@ -541,6 +765,7 @@ def main(argv=None) -> int:
                 "backend",
                 "concurrency",
                 "step_ms",
+                "bytes_accessed_over_needed",
                 "attention_ms",
                 "attention_ragged_kernel_ms",
                 "rest_of_model_ms",

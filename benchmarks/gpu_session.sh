@@ -2,12 +2,17 @@
 # What a session with an NVIDIA GPU runs, from the repository root, in as few long commands
 # as the lease allows:   OUT=DIR bash benchmarks/gpu_session.sh STAGE...
 #
+#   install  pip install --no-deps --no-build-isolation -e . (offline: the GPU machines have
+#            no package index; paged_jax.models and paged_jax.kernels exist only once
+#            installed). Every other stage runs it first when `import paged_jax.kernels` fails.
 #   env      versions (driver, CUDA, JAX, jaxlib, triton, flax, torch) and the device
 #   kernels  tests/test_pallas_gpu.py, tests/test_pallas_mosaic_gpu.py (default and slow grids)
 #            and tests/test_kernels_in_model.py, the kernels compiled for the GPU (interpret=False)
-#   models   model and engine tests with PAGED_JAX_BACKEND=pallas_gpu
+#   models   model, engine, fault, kernel and batch-invariance tests with
+#            PAGED_JAX_BACKEND=pallas_gpu (issue 57's list), and the weight-reads test
 #   bench    python -m benchmarks kernels --tune  (decode + ragged prefill, tuning sweeps)
-#   engine   python -m benchmarks engine --transformers  (SmolLM2-135M / Llama-3-8B shapes)
+#   engine   python -m benchmarks engine --layout both  (Llama-3-8B / SmolLM2-135M shapes:
+#            tokens/s and the roofline fraction, the engine's layout beside the scanned one)
 #
 # Logs and result files go to $OUT (default gpu-out/). Every stage has a time limit
 # (seconds, STAGE_LIMIT_<stage> overrides) so a hang cannot eat a lease. KERNEL_TESTS_MARK
@@ -18,6 +23,15 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 PY=${PYTHON:-python3}
+
+install() {
+  $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -n 5
+  $PY -c "import paged_jax.kernels, paged_jax.models" || { echo "install failed" >&2; exit 3; }
+}
+case " $* " in
+  *" install "*) ;;
+  *) $PY -c "import paged_jax.kernels, paged_jax.models" 2>/dev/null || install ;;
+esac
 
 limit() { local v="STAGE_LIMIT_$1"; echo "${!v:-$2}"; }
 run() {  # run NAME LIMIT CMD...: tee to $OUT/NAME.log, report rc and seconds
@@ -31,6 +45,7 @@ run() {  # run NAME LIMIT CMD...: tee to $OUT/NAME.log, report rc and seconds
 
 for stage in "$@"; do
   case $stage in
+    install) install ;;
     env)
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
       $PY - <<'EOF'
@@ -54,10 +69,13 @@ EOF
         tests/test_bad_tables.py tests/test_batch_invariance.py
       ;;
     models)
-      XLA_PYTHON_CLIENT_PREALLOCATE=false PAGED_JAX_BACKEND=pallas_gpu \
+      # (cpu too: tests of the CPU's own layouts pin themselves to CPU devices)
+      JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false PAGED_JAX_BACKEND=pallas_gpu \
         run models "$(limit models 200)" \
         $PY -m pytest -q -p no:cacheprovider -n 8 --durations=5 -rf \
-        tests/test_models.py tests/test_engine.py tests/test_kernels_in_model.py
+        tests/test_models.py tests/test_engine.py tests/test_kernels_in_model.py \
+        tests/test_engine_faults.py tests/test_pallas_gpu.py tests/test_batch_invariance.py \
+        tests/test_weight_reads.py
       ;;
     bench)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 run bench "$(limit bench 480)" \
@@ -65,7 +83,7 @@ EOF
       ;;
     engine)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run engine "$(limit engine 420)" \
-        $PY -m benchmarks engine --transformers --out "$OUT" ${ENGINE_ARGS:-}
+        $PY -m benchmarks engine --out "$OUT" ${ENGINE_ARGS---layout both}
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

@@ -122,6 +122,9 @@ def test_engine_benchmark_runs_a_tiny_shape_and_writes_where_told(tmp_path, monk
     assert split_on["decode_only"] is True and split_off["decode_only"] is False
     assert split_on["step_ms"] > 0 and split_on["attention_ms"] > 0
     assert split_on["attention_ragged_kernel_ms"] > 0
+    assert split_on["bytes_accessed_over_needed"] > 0 and split_on["weight_gb"] > 0
+    assert on["first_run_compilations"] >= 2 and on["compile_s_in_timed_runs"] == 0
+    assert on["roofline_tokens_per_s"] is None  # no peaks known for a CPU
     assert out["parameters"]["max_num_batched_tokens"] == 15
     # The switch is undone afterwards.
     from paged_jax.batch import ScheduledSeq, build_batch
@@ -131,6 +134,29 @@ def test_engine_benchmark_runs_a_tiny_shape_and_writes_where_told(tmp_path, monk
     bm = BlockManager(8, 4, watermark=0.0)
     bm.allocate("a", [1, 2, 3])
     assert AttentionMetadata.from_batch(build_batch(bm, [ScheduledSeq("a", 2, 3)])).decode_only
+
+
+def test_roofline_of_the_engine_workload():
+    from benchmarks.bench_engine import SHAPE_FIELDS, device_peaks, roofline_tokens_per_s
+
+    # Hand-worked: one layer, E=F=D=8, one head, V=16, 2 sequences of 4 prompt tokens,
+    # 3 outputs, infinitely fast FLOPs: only the 2 decode steps' bytes count.
+    f = dict(
+        vocab_size=16, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1,
+        num_kv_heads=1, head_dim=8,
+    )  # fmt: skip
+    # layer products 2*8*8 + 2*8*8 + 3*8*8 = 448, norms 2*8 + 8, two tables 2*16*8 = 256
+    weights = 2 * (448 + 24 + 256)  # bf16 bytes
+    kv = 2 * 1 * 2 * 1 * 8  # bf16 bytes a token: one layer, K and V, one head of 8
+    seconds = sum((weights + 2 * (4 + k) * kv) / 100.0 for k in (1, 2))
+    got = roofline_tokens_per_s(f, 2, 4, 3, (float("inf"), 100.0))
+    assert abs(got - 2 * 3 / seconds) < 1e-9 * got
+    # Llama-3-8B on an H100 at 256 x 128/128: issue 57's table put the ideal at 23,552
+    # tokens/s counting every prompt token's head FLOPs; this ideal counts the last only
+    h100 = device_peaks("NVIDIA H100 80GB HBM3")
+    ideal = roofline_tokens_per_s(SHAPE_FIELDS["llama3-8b"], 256, 128, 128, h100)
+    assert 23_552 < ideal < 1.07 * 23_552, ideal
+    assert device_peaks("cpu") is None
 
 
 def test_benchmarks_main_takes_out_before_the_benchmark_args(tmp_path):

@@ -291,14 +291,15 @@ _needs_kernels = pytest.mark.skipif(
 def test_hold_for_cpu_keeps_the_logits_and_reads_weights_in_place(name, pack):
     # Qwen2: biases on q/k/v; Gemma 3: 5 layers, groups of 3 plus a last partial group;
     # Llama 3: a tied embedding, held [E, V] (xla) or packed with the linear kernels.
-    from paged_jax.models import load_hf
+    # On CPU devices on any machine: what XLA:CPU compiles is the point.
+    with jax.default_device(jax.devices("cpu")[0]):
+        _hold_for_cpu_case(name, pack)
+
+
+def _hold_for_cpu_case(name, pack):
     from paged_jax.models.hf import to_hf_tensors
 
-    if name == "tiny-llama":
-        model = init_model(TINY_LLAMA, seed=3)
-    else:
-        golden = pathlib.Path(__file__).parent / "golden" / "hf" / name
-        model, _ = load_hf(golden, dtype=jnp.float32)
+    model = _held_out_model(name)
     ids = list(range(3, 40))
     before, hlo_before = _prefill_logits(model, ids)
     loaded = nnx.clone(model)  # the layouts as loaded
@@ -344,6 +345,62 @@ def test_hold_for_cpu_keeps_the_logits_and_reads_weights_in_place(name, pack):
     assert calls >= 7 if pack else calls == 0, calls
 
 
+def _held_out_model(name):
+    """tiny-llama at random, or a golden checkpoint (tests/golden/hf) in f32."""
+    from paged_jax.models import load_hf
+
+    if name == "tiny-llama":
+        return init_model(TINY_LLAMA, seed=3)
+    model, _ = load_hf(pathlib.Path(__file__).parent / "golden" / "hf" / name, dtype=jnp.float32)
+    return model
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "qwen2", "gemma3", "llama3"])
+def test_hold_for_accelerator_keeps_the_logits_and_unrolls_the_layers(name):
+    # Qwen2: biases on q/k/v; Gemma 3: 5 layers in groups of 3 (window, RoPE) plus a
+    # partial group; Llama 3: a tied embedding, held [E, V].
+    from paged_jax.models.hf import to_hf_tensors
+
+    model = _held_out_model(name)
+    ids = list(range(3, 40))
+    before, _ = _prefill_logits(model, ids)
+    loaded = nnx.clone(model)
+    layer1 = _layer_weights(model, 1)
+    exported = to_hf_tensors(model)
+    assert model.hold_for_accelerator() is model
+    model.hold_for_accelerator()  # a second call changes nothing
+    L, E = model.config.num_layers, model.config.hidden_size
+    assert model.unrolled
+    kernel = model.layers.mlp.up_proj.kernel.get_value()
+    assert isinstance(kernel, tuple) and len(kernel) == L
+    assert all(k.shape == (E, model.config.intermediate_size) for k in kernel)
+    tied = model.config.tie_word_embeddings
+    assert model.embed_tokens.transposed == tied
+    after, hlo = _prefill_logits(model, ids)
+    np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
+    assert (after.argmax(-1) == before.argmax(-1)).all()
+    # one body per layer: no loop over layers, no switch picking a layer's weights, and
+    # no layer's weights sliced out of a stack
+    assert " while(" not in hlo and " conditional(" not in hlo
+    assert _copied_weights(hlo, loaded, model) == 0
+    # the same weights and export as before
+    assert all(np.array_equal(a, b) for a, b in zip(layer1, _layer_weights(model, 1), strict=True))
+    out = to_hf_tensors(model)
+    assert out.keys() == exported.keys() and all(np.array_equal(out[k], exported[k]) for k in out)
+    # back to the CPU's layouts: the scan again, the same logits
+    model.hold_for_cpu(pack=False)
+    assert not model.unrolled
+    again, _ = _prefill_logits(model, ids)
+    np.testing.assert_allclose(again, before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
+
+
+@pytest.mark.skipif(not paged_linear.available(), reason="the CPU kernels did not build here")
+def test_hold_for_accelerator_refuses_weights_packed_for_the_cpu():
+    model = init_model(TINY_LLAMA, seed=0).hold_for_cpu(pack=True)
+    with pytest.raises(ValueError, match="model: its weights are packed for the CPU kernels"):
+        model.hold_for_accelerator()
+
+
 def test_transposed_embedding_looks_up_the_same_rows():
     emb = Embed(50, 8, rngs=nnx.Rngs(0))
     ids = jnp.asarray([[3, 0, 49], [7, 7, 1]], jnp.int32)  # any leading shape
@@ -367,8 +424,9 @@ def test_transposed_embedding_looks_up_the_same_rows():
 def test_engine_on_cpu_holds_its_weights_for_cpu():
     from paged_jax.engine import LLM
 
-    model = init_model(dataclasses.replace(TINY_LLAMA, tie_word_embeddings=True), seed=0)
-    llm = LLM(model, None, num_pages=64, page_size=8)
+    with jax.default_device(jax.devices("cpu")[0]):  # on a GPU machine too
+        model = init_model(dataclasses.replace(TINY_LLAMA, tie_word_embeddings=True), seed=0)
+        llm = LLM(model, None, num_pages=64, page_size=8)
     q_proj = llm.model.layers.self_attn.q_proj
     # packed for the CPU kernels where they build, else split per layer and the tied
     # table held [E, V]
@@ -376,6 +434,27 @@ def test_engine_on_cpu_holds_its_weights_for_cpu():
     assert isinstance(q_proj.kernel.get_value(), tuple) == (not packed)
     assert q_proj.packed == packed and llm.model.embed_tokens.packed == packed
     assert llm.model.embed_tokens.transposed == (not packed)
+    assert not llm.model.unrolled
+
+
+def test_engine_off_the_cpu_holds_its_weights_per_layer_and_unrolls(monkeypatch):
+    # What LLM does with a model on a GPU or TPU, here on CPU (the engine is told the
+    # weights are elsewhere): hold_for_accelerator, and the same tokens as the CPU layout.
+    from paged_jax.engine import LLM, SamplingParams
+    from paged_jax.engine import llm as llm_module
+
+    cfg = dataclasses.replace(TINY_LLAMA, tie_word_embeddings=True)
+    prompts = [PROMPTS["a"], PROMPTS["b"], PROMPTS["c"]]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = LLM(init_model(cfg, seed=0), num_pages=64, page_size=8).generate(
+        prompts, params, progress=False
+    )
+    monkeypatch.setattr(llm_module, "_on_cpu", lambda model: False)
+    llm = LLM(init_model(cfg, seed=0), num_pages=64, page_size=8)
+    assert llm.model.unrolled and llm.model.embed_tokens.transposed
+    assert isinstance(llm.model.layers.mlp.down_proj.kernel.get_value(), tuple)
+    got = llm.generate(prompts, params, progress=False)
+    assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in want]
 
 
 def test_one_token_step_updates_the_pool_in_place(tiny):

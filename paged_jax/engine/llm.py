@@ -172,7 +172,10 @@ class LLM:
         mesh that has ``hold_for_cpu`` gets it called, in place: its linear weights and
         a tied embedding table packed for the C matrix-product kernel where the CPU
         kernels built (``paged_jax.linear``), else its layers' linear weights held per
-        layer and a tied table ``[E, V]``, the layouts XLA:CPU reads fastest.
+        layer and a tied table ``[E, V]``, the layouts XLA:CPU reads fastest. A model on
+        a GPU or TPU without a mesh that has ``hold_for_accelerator`` gets that called
+        instead: per-layer weights and an unrolled layer loop, each weight read once
+        per step.
       tokenizer: object with ``encode(str)`` / ``decode(ids)``; None: prompts are
         token ids and outputs have no text.
       num_pages: pages in the pool (of all data-parallel replicas together: each has
@@ -348,6 +351,9 @@ class LLM:
         if self.mesh is None and _on_cpu(model) and hasattr(model, "hold_for_cpu"):
             # packed for the C kernels where they built, else XLA:CPU's fastest layouts
             model = model.hold_for_cpu()
+        elif self.mesh is None and not _on_cpu(model) and hasattr(model, "hold_for_accelerator"):
+            # each weight read where it lies, once per step (no copies out of a stack)
+            model = model.hold_for_accelerator()
         self.model = model
         self.tokenizer = tokenizer
         cfg = self.model.config
