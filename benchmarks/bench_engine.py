@@ -3,7 +3,8 @@ decode step split into its parts, and transformers ``generate`` on the same devi
 
 ``python -m benchmarks engine [--out DIR] [--models smollm2-135m llama3-8b]
 [--concurrency 64 256] [--prompt-len 128] [--output-len 128] [--backends pallas_gpu xla]
-[--repeats 3] [--transformers] [--decode-kernel on|off|both]``
+[--repeats 3] [--transformers] [--decode-kernel on|off|both] [--layout per-layer|scan|both]
+[--num-scheduler-steps K] [--no-split]``
 
 Models: SmolLM2-135M-shaped and Llama-3-8B-shaped decoders (``SHAPE_FIELDS``), random weights,
 bf16 weights, activations and KV cache, built on the device (real checkpoints are not needed
@@ -29,6 +30,13 @@ By default every prompt of the largest concurrency is prefilled in one step
 ``--decode-kernel off`` runs the engine with every step on the ragged kernel (decode-only
 steps otherwise use the decode kernel: ``AttentionMetadata.decode_only``), ``both`` runs
 it each way, for the side-by-side ratio.
+
+``--layout scan`` runs the engine with the model's weights as loaded (stacked, the layers
+scanned) instead of ``hold_for_accelerator``'s per-layer weights and unrolled layers;
+``both`` runs each, a fresh model each time, for the side-by-side ratio. On a device
+whose peaks ``PEAKS`` knows (H100, H200), each row also has the workload's roofline
+(``roofline_tokens_per_s``) and the fraction of it reached; every row has the first run's
+compile seconds and the wall time per step beside the host's and the device's.
 
 ``--transformers`` first runs transformers' ``generate`` (greedy, the same shapes, bf16,
 its default attention) in a subprocess that imports no JAX, so the two never share the
@@ -536,22 +544,6 @@ def decode_split(llm, name, backend, c, context) -> dict:
     # full-sort fallback); x8: a peaked distribution, as trained models give.
     peaked = logits * 8.0
 
-    # XLA's bytes accessed for this compiled step, over the bytes it must read: every
-    # weight once and each sequence's KV (the pool is the step's only other large input)
-    step_args = (llm._weights, tokens, inputs, llm.cache, None)
-    compiled = llm._run.lower(
-        *step_args,
-        layout=layout,
-        decode_only=md.decode_only,
-        batch_invariant=False,
-        num_candidates=0,
-        greedy_only=True,
-    ).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    weight_bytes = sum(w.size * w.dtype.itemsize for w in llm._weights)
-    kv_bytes = c * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
-    kv_bytes *= llm.cache.dtype.itemsize
     t_whole = _device_time(whole)
     t_attn = _device_time(lambda: jax.block_until_ready(attn(q, llm.cache, md, md.decode_only)))
     t_ragged = _device_time(lambda: jax.block_until_ready(attn(q, llm.cache, md, False)))
@@ -567,11 +559,6 @@ def decode_split(llm, name, backend, c, context) -> dict:
         context=context,
         tokens_bucket=int(T),
         step_ms=1e3 * t_whole,
-        bytes_accessed_gb=cost.get("bytes accessed", float("nan")) / 1e9,
-        weight_gb=weight_bytes / 1e9,
-        kv_read_gb=kv_bytes / 1e9,
-        bytes_accessed_over_needed=cost.get("bytes accessed", float("nan"))
-        / (weight_bytes + kv_bytes),
         decode_only=md.decode_only,
         attention_ms=1e3 * t_attn,
         attention_ragged_kernel_ms=1e3 * t_ragged,
@@ -765,7 +752,6 @@ def main(argv=None) -> int:
                 "backend",
                 "concurrency",
                 "step_ms",
-                "bytes_accessed_over_needed",
                 "attention_ms",
                 "attention_ragged_kernel_ms",
                 "rest_of_model_ms",

@@ -70,9 +70,19 @@ def backend_of(impl: Callable) -> str:
     return "pallas_tpu"
 
 
+def _default_platform() -> str:
+    """The platform computations go to: that of ``jax.default_device`` where one is set
+    (CPU devices on a GPU machine, say), else JAX's default backend."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.default_backend()
+    return device if isinstance(device, str) else device.platform
+
+
 def available_backends(platform: str | None = None) -> tuple[str, ...]:
-    """Implemented backends for ``platform`` (default: JAX's default backend), best first."""
-    platform = platform or jax.default_backend()
+    """Implemented backends for ``platform`` (default: that of ``jax.default_device`` if
+    set, else JAX's default backend), best first."""
+    platform = platform or _default_platform()
     names = _PREFERENCE.get(platform, ("xla",))
     return tuple(b for b in names if b == "xla" or _pallas_impl(b, "ragged") is not None)
 
@@ -91,11 +101,17 @@ def _auto(platform: str | None = None) -> str:
     return "xla"
 
 
-def _resolve(backend: str, kind: str) -> Callable | None:
+def _resolve(backend: str, kind: str, batch_invariant: bool = False) -> Callable | None:
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         backend = _auto()
+        if batch_invariant and backend == "pallas_gpu" and not os.environ.get(_ENV_OVERRIDE):
+            # Bitwise invariance on a GPU is the XLA path's: on an H100 (2026-11-26) the
+            # engine's deterministic mode gave the same tokens alone and batched either
+            # way, and log-probs bitwise equal with XLA's attention but up to 1e-6 apart
+            # with the Triton kernels' batch-invariant mode.
+            return None
     if backend == "xla":
         return None
     if backend == "cpu":  # an unbuilt kernel is an error when asked for
@@ -172,6 +188,9 @@ def ragged_paged_attention(
         sequences of the call: KV block sizes and order are fixed, never chosen from T, S
         or M (see ``_xla.attend_tokens``). The TPU kernels are so by construction; XLA
         and the GPU kernels fix their blocks. Costs some speed (the XLA path always loops).
+        On an NVIDIA GPU, ``"auto"`` then takes the XLA path: the engine's deterministic
+        mode measured bitwise there, and log-probs up to 1e-6 apart alone and batched
+        with the Triton kernels (asked for by name, they keep their invariant blocks).
 
     Returns ``[T, H, D]`` in q's dtype: new token t attends causally to its sequence's
     keys ``0 .. pos(t)`` where ``pos`` counts from ``kv_len - q_len``. Values (lengths, page
@@ -190,7 +209,7 @@ def ragged_paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    impl = _cpu_or_none(_resolve(backend, "ragged"), q, kv_pages, k_scale, v_scale)
+    impl = _cpu_or_none(_resolve(backend, "ragged", batch_invariant), q, kv_pages, k_scale, v_scale)
     kwargs = dict(
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
@@ -247,7 +266,7 @@ def paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    impl = _cpu_or_none(_resolve(backend, "decode"), q, kv_pages, k_scale, v_scale)
+    impl = _cpu_or_none(_resolve(backend, "decode", batch_invariant), q, kv_pages, k_scale, v_scale)
     kwargs = dict(
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,

@@ -356,3 +356,35 @@ def test_xla_blocked_loop_path_never_copies_an_f32_pool():
     pool_bytes = kv.size * kv.dtype.itemsize
     # One gathered block (the 32 MiB budget) and its K/V views, nothing pool-sized.
     assert temp < 80 * 2**20, f"temp {temp} bytes vs pool {pool_bytes} bytes"
+
+
+def test_auto_follows_the_default_device_not_the_default_backend(monkeypatch):
+    # On a GPU machine, work placed on its CPU devices (jax.default_device) must not get
+    # the GPU's kernels: "auto" picks for the platform computations go to.
+    from paged_jax import attention
+
+    monkeypatch.delenv("PAGED_JAX_BACKEND", raising=False)
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+    assert attention.available_backends()[0] == "pallas_gpu"
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert attention.available_backends() == attention.available_backends("cpu")
+        assert attention._auto() in ("cpu", "xla")
+    with jax.default_device("cpu"):
+        assert attention._auto() in ("cpu", "xla")
+
+
+def test_auto_takes_xla_for_batch_invariant_steps_on_a_gpu(monkeypatch):
+    # Measured on an H100: deterministic mode is bitwise batch invariant with XLA's
+    # attention, not with the Triton kernels. Named explicitly, the kernel is kept.
+    from paged_jax import attention
+
+    monkeypatch.delenv("PAGED_JAX_BACKEND", raising=False)
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+    for kind in ("ragged", "decode"):
+        assert attention._resolve("auto", kind, batch_invariant=True) is None
+        fast = attention._resolve("auto", kind)
+        assert fast is not None and attention.backend_of(fast) == "pallas_gpu"
+        named = attention._resolve("pallas_gpu", kind, batch_invariant=True)
+        assert attention.backend_of(named) == "pallas_gpu"
+    monkeypatch.setenv("PAGED_JAX_BACKEND", "pallas_gpu")  # the override is obeyed
+    assert attention._resolve("auto", "decode", batch_invariant=True) is not None

@@ -122,7 +122,6 @@ def test_engine_benchmark_runs_a_tiny_shape_and_writes_where_told(tmp_path, monk
     assert split_on["decode_only"] is True and split_off["decode_only"] is False
     assert split_on["step_ms"] > 0 and split_on["attention_ms"] > 0
     assert split_on["attention_ragged_kernel_ms"] > 0
-    assert split_on["bytes_accessed_over_needed"] > 0 and split_on["weight_gb"] > 0
     assert on["first_run_compilations"] >= 2 and on["compile_s_in_timed_runs"] == 0
     assert on["roofline_tokens_per_s"] is None  # no peaks known for a CPU
     assert out["parameters"]["max_num_batched_tokens"] == 15

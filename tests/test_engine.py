@@ -356,6 +356,9 @@ def test_parallel_arguments_are_checked():
     assert llm.generate([[1, 2, 3]], pj.SamplingParams(max_tokens=2), progress=False)[0].finished
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu", reason="XLA:CPU's own compile options (a GPU/TPU has none)"
+)
 def test_small_steps_take_their_cpu_compile_options_and_change_no_token(monkeypatch):
     """On CPU, steps of <= SMALL_STEP_TOKENS tokens compile with XLA's own dots (a
     separate jitted function); larger ones, and every step in deterministic mode, with

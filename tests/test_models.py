@@ -288,10 +288,11 @@ _needs_kernels = pytest.mark.skipif(
     "pack", [False, pytest.param(True, marks=_needs_kernels)], ids=["xla", "packed"]
 )
 @pytest.mark.parametrize("name", ["tiny-llama", "qwen2", "gemma3", "llama3"])
-def test_hold_for_cpu_keeps_the_logits_and_reads_weights_in_place(name, pack):
+def test_hold_for_cpu_keeps_the_logits_and_reads_weights_in_place(name, pack, monkeypatch):
     # Qwen2: biases on q/k/v; Gemma 3: 5 layers, groups of 3 plus a last partial group;
     # Llama 3: a tied embedding, held [E, V] (xla) or packed with the linear kernels.
-    # On CPU devices on any machine: what XLA:CPU compiles is the point.
+    # On CPU devices on any machine, with CPU attention: what XLA:CPU compiles is the point.
+    monkeypatch.delenv("PAGED_JAX_BACKEND", raising=False)
     with jax.default_device(jax.devices("cpu")[0]):
         _hold_for_cpu_case(name, pack)
 
@@ -421,8 +422,10 @@ def test_transposed_embedding_looks_up_the_same_rows():
         emb(ids.astype(jnp.float32))
 
 
-def test_engine_on_cpu_holds_its_weights_for_cpu():
+def test_engine_on_cpu_holds_its_weights_for_cpu(monkeypatch):
     from paged_jax.engine import LLM
+
+    monkeypatch.delenv("PAGED_JAX_BACKEND", raising=False)
 
     with jax.default_device(jax.devices("cpu")[0]):  # on a GPU machine too
         model = init_model(dataclasses.replace(TINY_LLAMA, tie_word_embeddings=True), seed=0)
