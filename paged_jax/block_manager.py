@@ -1455,16 +1455,31 @@ class HybridBlockManager:
         cached = min(
             inner.cached_tokens(tokens, extra_key=self._root(extra_key, g)) for g in range(G)
         )
+        # Every group's hits are held before any group takes a fresh page: a fresh page
+        # may come from the LRU of cached pages, and must not be another group's hit
+        # (the groups would then disagree on what is computed, and the engine would skip
+        # K/V one group never had). Held, they no longer count as free below.
+        pinned = [
+            page
+            for g in range(G)
+            for page in inner._lookup(
+                tokens, prefix_root_key(self._root(extra_key, g)), cached // self.page_size
+            )[0]
+        ]
+        revived = len({page for page in pinned if inner.refcount(page) == 0})
         fresh = G * (inner.pages_needed(len(tokens)) - cached // self.page_size)
-        if fresh > inner.num_free_pages:  # revived cached hits are counted as free
+        if fresh > inner.num_free_pages - revived:  # checked before anything changes
             raise OutOfPages(
                 f"allocate: seq_id {seq_id!r} needs {fresh} new pages for {len(tokens)} tokens "
-                f"in {G} layer groups ({cached} tokens cached), {inner.num_free_pages} available"
+                f"in {G} layer groups ({cached} tokens cached), "
+                f"{inner.num_free_pages - revived} available"
             )
+        for page in pinned:
+            inner._ref(page)
         done = []
         try:
             for g, w in enumerate(self.group_windows):
-                inner.allocate(
+                got = inner.allocate(
                     (seq_id, g),
                     tokens,
                     extra_key=self._root(extra_key, g),
@@ -1472,10 +1487,18 @@ class HybridBlockManager:
                     max_cached_tokens=cached,
                 )
                 done.append((seq_id, g))
-        except OutOfPages:  # a revived hit counted twice above: undo the groups done
+                if got != cached:  # cannot happen with the hits held; never skip unwritten K/V
+                    raise RuntimeError(
+                        f"allocate: layer group {g} of seq_id {seq_id!r} found {got} cached "
+                        f"tokens, the others {cached}"
+                    )
+        except BaseException:
             for i in done:
                 inner.free(i)
             raise
+        finally:
+            for page in pinned:
+                inner._unref(page)
         self._ids[seq_id] = None
         return cached
 

@@ -24,6 +24,7 @@ from paged_jax.batch import ScheduledSeq, bucket, build_batch
 from paged_jax.block_manager import (
     BlockManager,
     DuplicateSequence,
+    HybridBlockManager,
     InvalidSequenceState,
     OutOfPages,
     UnknownSequence,
@@ -614,7 +615,136 @@ class UncachedBlockManagerMachine(BlockManagerMachine):
         self.bm = BlockManager(24, P, watermark=0.0, num_host_pages=12, enable_prefix_caching=False)
 
 
+class HybridBlockManagerMachine(RuleBasedStateMachine):
+    """The hybrid manager (a sliding group and a full one over one pool) under random
+    admissions with prefix hits, decode steps, swaps and aborts, against a shadow pool:
+    after every rule each group of each sequence reads back its own tokens through its
+    table (entries a window dropped excepted), and the groups agree on what is computed.
+    A prefix hit one group found and another lost to an eviction wrote nothing where the
+    engine then skipped K/V (issue 56, item 1)."""
+
+    def __init__(self):
+        super().__init__()
+        # a small pool: admissions often take their fresh pages from cached ones
+        self.bm = HybridBlockManager(
+            12, P, group_windows=(6, None), watermark=0.0, num_host_pages=8
+        )
+        self.device = np.full((12, P), -1, np.int64)
+        self.host = np.full((8, P), -1, np.int64)
+        self.tokens: dict[int, list[int]] = {}
+        self.next_id = 0
+
+    def _write(self, slots, toks):
+        """``slots`` i32[G, n]: every group's slots of the tokens ``toks``."""
+        self.bm.take_copies()  # no forks here: never a copy to apply
+        for row in np.asarray(slots):
+            for slot, tok in zip(row.tolist(), toks, strict=True):
+                assert slot // P != 0, "a token slot on the null page"
+                self.device[slot // P, slot % P] = tok
+
+    @rule(
+        # whole pages half the time: computed and freed, every page of them stays cached,
+        # and later admissions take their fresh pages from the cached ones
+        prompt=st.one_of(
+            st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=14),
+            st.sampled_from([P, 2 * P]).flatmap(
+                lambda n: st.lists(st.integers(0, 1), min_size=n, max_size=n)
+            ),
+        ),
+        salt=st.sampled_from([None, "t1"]),
+        computed=st.booleans(),
+    )
+    def allocate(self, prompt, salt, computed):
+        self.next_id += 1
+        sid = self.next_id
+        before = self.bm.stats()
+        try:
+            cached = self.bm.allocate(sid, prompt, extra_key=salt)
+        except OutOfPages:
+            assert self.bm.stats() == before
+            return
+        assert cached % P == 0 and cached < len(prompt)
+        for g, table in enumerate(self.bm.block_table(sid)):
+            assert self.bm.inner.num_computed_tokens((sid, g)) == cached
+            for i, page in enumerate(table[: cached // P]):  # hits hold the prompt already
+                assert page == 0 or list(self.device[page]) == prompt[i * P : (i + 1) * P]
+        self.tokens[sid] = list(prompt)
+        self._write(self.bm.slots(sid, cached, len(prompt)), prompt[cached:])
+        if computed:
+            self.bm.mark_computed(sid, len(prompt))
+
+    @rule(data=st.data())
+    def decode_all(self, data):
+        live = sorted(s for s in self.tokens if not self.bm.is_swapped(s))
+        if not live:
+            return
+        group = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=4, unique=True))
+        toks = data.draw(
+            st.lists(st.integers(0, VOCAB - 1), min_size=len(group), max_size=len(group))
+        )
+        lens = [self.bm.num_tokens(s) for s in group]
+        if not self.bm.append_tokens(group, toks):
+            return
+        for sid, tok, n in zip(group, toks, lens, strict=True):
+            self.tokens[sid].append(tok)
+            self._write(self.bm.slots(sid, n, n + 1), [tok])
+
+    @rule(data=st.data())
+    def abort(self, data):
+        if self.tokens:
+            sid = data.draw(st.sampled_from(sorted(self.tokens)))
+            self.bm.free(sid)
+            del self.tokens[sid]
+
+    @rule(data=st.data())
+    def swap(self, data):
+        live = sorted(s for s in self.tokens if not self.bm.is_swapped(s))
+        swapped = sorted(s for s in self.tokens if self.bm.is_swapped(s))
+        if live and (not swapped or data.draw(st.booleans())):
+            group = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=2, unique=True))
+            try:
+                for dev, slot in self.bm.swap_out(group):
+                    self.host[slot] = self.device[dev]
+            except OutOfPages:
+                pass
+        elif swapped:
+            group = data.draw(
+                st.lists(st.sampled_from(swapped), min_size=1, max_size=2, unique=True)
+            )
+            try:
+                for slot, dev in self.bm.swap_in(group):
+                    self.device[dev] = self.host[slot]
+            except OutOfPages:
+                pass
+
+    @invariant()
+    def groups_read_their_own_tokens(self):
+        self.bm.check_invariants()
+        for sid, toks in self.tokens.items():
+            swapped = self.bm.is_swapped(sid)
+            pool = self.host if swapped else self.device
+            for table in self.bm.block_table(sid):
+                for i, page in enumerate(table):
+                    if page == (-1 if swapped else 0):  # dropped by the sliding window
+                        continue
+                    want = toks[i * P : (i + 1) * P]
+                    assert list(pool[page][: len(want)]) == want, (sid, i, page)
+
+    @precondition(lambda self: len(self.tokens) > 0)
+    @rule()
+    def free_everything_leaks_nothing(self):
+        for sid in list(self.tokens):
+            self.bm.free(sid)
+        self.tokens.clear()
+        assert self.bm.num_free_pages == self.bm.num_pages - 1
+        assert self.bm.num_host_free_pages == self.bm.num_host_pages
+
+
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestHybridBlockManagerMachine = HybridBlockManagerMachine.TestCase
+TestHybridBlockManagerMachine.settings = settings(
+    settings.default, max_examples=max(100, settings.default.max_examples), stateful_step_count=50
+)
 TestUncachedBlockManagerMachine = UncachedBlockManagerMachine.TestCase
 # Each example is cheap (pure Python): run more, longer interleavings than the suite default.
 TestBlockManagerMachine.settings = settings(

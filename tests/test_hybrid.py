@@ -119,6 +119,46 @@ def test_hybrid_manager_keeps_its_groups_in_step():
     bm.check_invariants()
 
 
+@pytest.mark.parametrize("windows", [(None, None), (W, None)])
+def test_hybrid_allocation_never_evicts_what_another_group_matched(windows):
+    # Every page of a freed 8-token prompt is cached; the pool has no free page left, so
+    # a new prompt's fresh pages come from the LRU, whose oldest pages are the last
+    # group's (freed first). Group 0's fresh pages used to evict group 1's hit before
+    # group 1 looked it up: the groups then held 4 and 0 computed tokens, 4 was returned,
+    # and the engine skipped K/V that group 1 never had (issue 56, item 1).
+    bm = HybridBlockManager(9, P, group_windows=windows, watermark=0.0)  # 8 usable pages
+    for sid, prompt in (("a", list(range(1, 9))), ("c", list(range(21, 29)))):
+        bm.allocate(sid, prompt)
+        bm.mark_computed(sid, 8)
+        bm.free(sid)
+    assert bm.num_free_pages == 8 and not bm.inner._free  # all cached, none free
+    prompt = [1, 2, 3, 4, 31, 32, 33, 34, 35]  # a's first page, then new tokens
+    cached = bm.allocate("b", prompt)
+    bm.check_invariants()  # "groups out of step" before
+    assert cached == 4
+    assert [bm.inner.num_computed_tokens(("b", g)) for g in range(2)] == [4, 4]
+    # both groups' first pages hold a's tokens (they are a's cached pages)
+    assert all(bm.inner.token_ids(("b", g))[:4].tolist() == [1, 2, 3, 4] for g in range(2))
+    bm.free("b")
+    assert bm.num_free_pages == 8
+    bm.check_invariants()
+
+
+def test_hybrid_allocation_failing_late_leaves_every_cached_page():
+    # All or nothing with prefix hits: a prompt whose last group cannot get its pages
+    # leaves the pool, the cache and the LRU as they were.
+    bm = HybridBlockManager(9, P, group_windows=(None, None), watermark=0.0)
+    bm.allocate("a", list(range(1, 9)))
+    bm.mark_computed("a", 8)
+    bm.free("a")
+    before = (bm.num_free_pages, list(bm.inner._evictable), dict(bm.inner._cached))
+    with pytest.raises(OutOfPages):
+        bm.allocate("b", list(range(1, 9)) + list(range(40, 60)))
+    assert (bm.num_free_pages, list(bm.inner._evictable), dict(bm.inner._cached)) == before
+    assert "b" not in bm
+    bm.check_invariants()
+
+
 @pytest.fixture(scope="module")
 def gemma3():
     model, _ = load_hf(GOLDEN / "gemma3", dtype=jnp.float32)
@@ -146,6 +186,46 @@ def test_engine_on_a_hybrid_pool_gives_transformers_tokens(gemma3):
         assert live == len(table) if w is None else 1 <= live <= 2 < len(table), table
     with pytest.raises(TypeError, match="hybrid_kv_cache: expected a bool or None, got 'yes'"):
         pj.LLM(gemma3, num_pages=8, hybrid_kv_cache="yes", compilation_cache=False)
+
+
+def test_engine_prefix_hit_on_a_full_hybrid_pool_keeps_its_groups_in_step(gemma3, monkeypatch):
+    # Issue 56, item 1, through the engine: R's pages are cached, then Q's (younger), and
+    # running requests hold every free page. R again hits 4 pages in each of the 5 groups,
+    # and its fresh pages come from the LRU, whose oldest pages are R's last group's.
+    # Before the fix groups 1-4 lost their hits (computed 0) while the engine skipped 32
+    # tokens: K/V nobody wrote.
+    rng = np.random.default_rng(0)
+    R, Q = rng.integers(1, 64, 33).tolist(), rng.integers(1, 64, 16).tolist()
+    g = pj.SamplingParams(max_tokens=6, ignore_eos=True)
+    kw = dict(page_size=8, compilation_cache=False, watermark=0.0, async_scheduling=False)
+    want = pj.LLM(gemma3, num_pages=64, **kw).generate([R], g, progress=False)
+    llm = pj.LLM(gemma3, num_pages=41, **kw)
+    assert llm.generate([R], g, progress=False)[0].outputs == want[0].outputs
+    llm.generate([Q], pj.SamplingParams(max_tokens=8, ignore_eos=True), progress=False)
+    bm = llm.bm
+    assert (len(bm.inner._free), len(bm.inner._evictable)) == (10, 30)
+    for j in range(2):  # 1 page in each of 5 groups each: the free list empties
+        llm.add_request(f"f{j}", [1 + j, 2, 3], pj.SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.step()
+    assert not bm.inner._free
+    admitted = []  # (cached tokens the engine skips, each group's computed tokens)
+    allocate = bm.allocate
+
+    def spy(seq_id, tokens, **kw):
+        cached = allocate(seq_id, tokens, **kw)
+        groups = range(bm.num_groups)
+        admitted.append((cached, [bm.inner.num_computed_tokens((seq_id, k)) for k in groups]))
+        return cached
+
+    monkeypatch.setattr(bm, "allocate", spy)
+    llm.add_request("R", R, g)
+    outs = llm.step()
+    assert admitted == [(32, [32] * 5)]  # [32, 0, 0, 0, 0] before
+    bm.check_invariants()
+    while not any(o.request_id == "R" and o.finished for o in outs):
+        outs = llm.step()
+    got = next(o for o in outs if o.request_id == "R")
+    assert got.outputs[0].token_ids == want[0].outputs[0].token_ids
 
 
 @pytest.mark.slow  # 42 s; the default suite runs the test above
