@@ -157,6 +157,13 @@ def _parser() -> argparse.ArgumentParser:
         help="requests that may wait beyond those running; more are answered 429",
     )
     s.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="larger request bodies are answered 413 (default: 64 bytes per token of the "
+        "model's context, at least 1 MiB)",
+    )
+    s.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -517,6 +524,10 @@ def _serve(args) -> int:
         raise UsageError(f"--port: expected an int in [0, 65535], got {args.port}")
     if args.max_waiting < 0:
         raise UsageError(f"--max-waiting: expected an int >= 0, got {args.max_waiting}")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1024:
+        raise UsageError(
+            f"--max-request-bytes: expected an int >= 1024, got {args.max_request_bytes}"
+        )
     _start_jax(args)
     from paged_jax.engine import LLM
 
@@ -557,6 +568,7 @@ def _serve(args) -> int:
         port=args.port,
         api_key=args.api_key,
         max_waiting=args.max_waiting,
+        max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
         on_ready=ready,

@@ -241,3 +241,151 @@ def test_serve_flags_are_checked(capsys):
 
     assert cli.main(["serve", "--port", "70000"]) == 2
     assert "--port: expected an int in [0, 65535], got 70000" in capsys.readouterr().err
+
+
+def test_a_step_that_stops_the_engine_fails_its_requests_and_the_server_goes_on(monkeypatch):
+    """Issue 56, item 2: a fault while a step's results are applied stops the engine. Its
+    requests get a 500, the engine is reset, and requests arriving meanwhile and afterwards
+    are served (the engine thread used to die on the next add_request, EngineFailedError,
+    and the server then accepted requests it never answered)."""
+    import queue
+
+    from paged_jax import models
+    from paged_jax.server.loop import EngineLoop
+
+    model, tokenizer = models.load("tiny-llama")
+    llm = pj.LLM(model, tokenizer, num_pages=64, compilation_cache=False)
+    real, faults = llm._process, [RuntimeError("while applying")]
+    events = {rid: queue.Queue() for rid in ("a", "b", "c", "d")}
+    params = pj.SamplingParams(max_tokens=3, ignore_eos=True)
+
+    def process(*a, **k):
+        if faults:  # while the step fails, a request and an abort arrive
+            loop.submit("b", [4, 5, 6], params, events["b"].put)
+            loop.abort("a")
+            raise faults.pop()
+        return real(*a, **k)
+
+    monkeypatch.setattr(llm, "_process", process)
+    loop = EngineLoop(llm)
+    loop.start()
+    try:
+        loop.submit("a", [1, 2, 3], params, events["a"].put)
+        event = events["a"].get(timeout=60)  # running when the engine stopped: told so
+        assert (event.kind, event.status) == ("error", 500), event
+        assert "the engine failed" in event.message and "while applying" in event.message
+        # "b", which arrived while the step failed, reaches the reset engine: served
+        done = events["b"].get(timeout=60)
+        assert done.kind == "done" and len(done.output.outputs[0].token_ids) == 3, done
+        for rid in ("c", "d"):  # later ones too, an abort too
+            loop.submit(rid, [4, 5, 6], params, events[rid].put)
+        loop.abort("d")
+        done = events["c"].get(timeout=60)
+        assert done.kind == "done" and len(done.output.outputs[0].token_ids) == 3, done
+        assert loop.alive and loop.in_flight == 0
+    finally:
+        loop.stop()
+
+
+def _in_process(max_request_bytes=None):
+    """A Server on tiny-llama with its engine thread started (no HTTP socket)."""
+    from paged_jax import models
+    from paged_jax.server.api import Server
+
+    model, tokenizer = models.load("tiny-llama")
+    llm = pj.LLM(model, tokenizer, num_pages=64, compilation_cache=False)
+    app = Server(llm, model_name="t", max_request_bytes=max_request_bytes)
+    app.loop.start()
+    return app
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read_whole():
+    """Issue 56, item 3: bodies were read whole, whatever their size."""
+    app = _in_process(max_request_bytes=4096)
+
+    async def go():
+        transport = httpx.ASGITransport(app=app.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            big = dict(model="t", prompt="x" * 5000, max_tokens=2)
+            declared = await client.post("/v1/completions", json=big)
+
+            async def chunks():  # no Content-Length: counted as it arrives
+                for _ in range(10):
+                    yield b" " * 1000
+
+            streamed = await client.post(
+                "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+            )
+            small = await client.post(
+                "/v1/completions", json=dict(model="t", prompt="hi", max_tokens=2)
+            )
+            return declared, streamed, small
+
+    try:
+        declared, streamed, small = asyncio.run(go())
+    finally:
+        app.loop.stop()
+    for r in (declared, streamed):
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["message"] == (
+            "body: larger than this server's limit of 4096 bytes (--max-request-bytes)"
+        )
+    assert small.status_code == 200, small.text
+    with pytest.raises(ValueError, match="max_request_bytes: expected an int >= 1024, got 10"):
+        from paged_jax.server.api import Server
+
+        Server(app.llm, model_name="t", max_request_bytes=10)
+
+
+def test_tokenizing_a_prompt_does_not_hold_up_other_routes(monkeypatch):
+    """Issue 56, item 3: prompts were tokenized (and chat templates rendered) on the event
+    loop, so a large one froze every route; /health now answers while one is tokenized."""
+    import threading
+
+    app = _in_process()
+    encode, started, began = app.llm.encode, threading.Event(), []
+
+    def slow_encode(prompt):
+        began.append(time.perf_counter())
+        started.set()
+        time.sleep(1.5)
+        return encode(prompt)
+
+    monkeypatch.setattr(app.llm, "encode", slow_encode)
+
+    async def go():
+        transport = httpx.ASGITransport(app=app.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            body = dict(model="t", prompt="a slow prompt", max_tokens=2)
+            completion = asyncio.create_task(client.post("/v1/completions", json=body))
+            while not started.is_set():
+                await asyncio.sleep(0.01)
+            health = await client.get("/health")
+            waited = time.perf_counter() - began[0]  # from the tokenizing's start
+            return health, waited, await completion
+
+    try:
+        health, waited, completion = asyncio.run(go())
+    finally:
+        app.loop.stop()
+    assert health.status_code == 200 and waited < 0.75, waited  # over 1.5 s on the loop before
+    assert completion.status_code == 200, completion.text
+
+
+def test_requests_are_refused_while_the_engine_thread_is_not_running():
+    # /health says 503 then; /v1 answered nothing and waited for 429 before (item 2)
+    import threading
+
+    from starlette.testclient import TestClient
+
+    from paged_jax import models
+    from paged_jax.server.api import Server
+
+    model, tokenizer = models.load("tiny-llama")
+    app = Server(pj.LLM(model, tokenizer, num_pages=64, compilation_cache=False), model_name="t")
+    app.loop._thread = threading.Thread(target=lambda: None)  # an engine thread that ends
+    with TestClient(app.app) as client:
+        app.loop._thread.join(10)
+        r = client.post("/v1/completions", json=dict(model="t", prompt="hi", max_tokens=2))
+        assert r.status_code == 503 and "engine thread is not running" in r.text, r.text
+        assert client.get("/health").status_code == 503

@@ -1294,6 +1294,12 @@ class LLM:
         if any(x.is_deleted() for x in jax.tree.leaves(self.cache)):
             self.cache = self._make_cache(self._bm_args["num_pages"] * len(self.schedulers))
 
+    @property
+    def failure(self) -> BaseException | None:
+        """The error of a step that could not be undone, while the engine is stopped by it
+        (every call but ``reset()`` then raises ``EngineFailedError``); None otherwise."""
+        return self._failed
+
     def _check_usable(self) -> None:
         if self._failed is not None:
             e = self._failed

@@ -23,20 +23,27 @@ def serve(
     port: int = 8000,
     api_key: str | None = None,
     max_waiting: int = 256,
+    max_request_bytes: int | None = None,
     shutdown_timeout: float = 30.0,
     log_level: str = "info",
     on_ready: Any = None,
 ) -> None:
     """Serves ``llm`` until SIGINT / SIGTERM, then lets requests in flight finish for up
     to ``shutdown_timeout`` seconds, aborts the rest and returns. ``on_ready()`` is
-    called once the socket listens."""
+    called once the socket listens. ``max_request_bytes``: see ``Server``."""
     import asyncio
 
     import uvicorn
 
     from paged_jax.server.api import Server
 
-    server = Server(llm, model_name=model_name, api_key=api_key, max_waiting=max_waiting)
+    server = Server(
+        llm,
+        model_name=model_name,
+        api_key=api_key,
+        max_waiting=max_waiting,
+        max_request_bytes=max_request_bytes,
+    )
     config = uvicorn.Config(
         server.app,
         host=host,

@@ -28,6 +28,7 @@ _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    413: "request_too_large",
     429: "rate_limit_error",
     500: "internal_error",
     503: "service_unavailable",
@@ -84,8 +85,20 @@ def _param_of(message: str) -> str | None:
     return field.split("[")[0].split(".")[-1] if sep and " " not in field else None
 
 
+def default_max_request_bytes(max_model_len: int) -> int:
+    """The largest request body the server reads by default: 64 bytes per token of the
+    model's context (a prompt's text, JSON-escaped, or its token ids), at least 1 MiB."""
+    return max(2**20, 64 * max_model_len)
+
+
 class Server:
-    """The routes of one served model; ``app`` is the ASGI application."""
+    """The routes of one served model; ``app`` is the ASGI application.
+
+    ``max_request_bytes``: larger bodies are refused (413) before they are read whole
+    (default ``default_max_request_bytes``). Request bodies are decoded, tokenized and
+    their chat templates rendered on worker threads, never on the event loop, so one
+    large request does not hold up the others' routes.
+    """
 
     def __init__(
         self,
@@ -94,9 +107,21 @@ class Server:
         model_name: str,
         api_key: str | None = None,
         max_waiting: int = 256,
+        max_request_bytes: int | None = None,
     ):
         if llm.tokenizer is None:
             raise ValueError("llm: the server needs a model with a tokenizer (it serves text)")
+        if max_request_bytes is None:
+            max_request_bytes = default_max_request_bytes(llm.max_model_len)
+        if (
+            isinstance(max_request_bytes, bool)
+            or not isinstance(max_request_bytes, int)
+            or max_request_bytes < 1024
+        ):
+            raise ValueError(
+                f"max_request_bytes: expected an int >= 1024, got {max_request_bytes!r}"
+            )
+        self.max_request_bytes = max_request_bytes
         self.llm = llm
         self.model_name = model_name
         self.api_key = api_key
@@ -174,12 +199,9 @@ class Server:
             self.metrics.request(endpoint, 401)
             return denied
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            self.metrics.request(endpoint, 400)
-            return error_response(400, "body: expected a JSON object")
-        try:
-            job = self._parse(body, chat)
+            raw = await self._read_body(request)
+            # decoding, tokenizing and chat templates off the event loop
+            job = await asyncio.to_thread(self._decode_and_parse, raw, chat)
         except ApiError as e:
             self.metrics.request(endpoint, e.status)
             return error_response(e.status, e.message, e.param)
@@ -204,6 +226,34 @@ class Server:
                 self._stream(job, rids, queue, endpoint), media_type="text/event-stream"
             )
         return await self._collect(request, job, rids, queue, endpoint)
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused (413) once it passes ``max_request_bytes``: by its declared
+        length before reading, else as it arrives."""
+        limit = self.max_request_bytes
+        too_large = ApiError(
+            413,
+            f"body: larger than this server's limit of {limit} bytes (--max-request-bytes)",
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _decode_and_parse(self, raw: bytes, chat: bool) -> dict:
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "body: expected a JSON object") from None
+        except RecursionError:
+            raise ApiError(400, "body: nested too deeply") from None
+        return self._parse(body, chat)
 
     def _parse(self, body: Any, chat: bool) -> dict:
         if not isinstance(body, Mapping):

@@ -121,6 +121,8 @@ class EngineLoop:
         with self._lock:
             if self._stopping.is_set():
                 raise RuntimeError("the server is shutting down")
+            if self._thread.ident is not None and not self._thread.is_alive():
+                raise RuntimeError("the engine thread is not running")
             if self._in_flight >= self.capacity:
                 raise Overloaded(
                     f"{self._in_flight} requests in flight, the limit is {self.capacity}"
@@ -144,11 +146,13 @@ class EngineLoop:
             live.notify(event)
 
     def _take(self, block: bool) -> None:
-        """Applies queued commands; waits for one first when ``block``."""
+        """Applies queued commands; waits for one first when ``block``. A stopped engine is
+        recovered first, so commands that arrived while its step failed reach a reset one."""
         try:
             cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
+        self._recover_if_stopped()
         while True:
             if cmd[0] == "add":
                 _, rid, prompt, params, notify, stream = cmd
@@ -168,25 +172,36 @@ class EngineLoop:
         if self._on_step is not None:  # aborts free pages without a step
             self._on_step(self.llm)
 
-    def _run(self) -> None:
-        from paged_jax.engine import EngineFailedError
+    def _recover_if_stopped(self) -> None:
+        """When a step could not be undone (``LLM.failure``), every request in flight gets a
+        500 and the engine is reset: the server goes on with the same compiled model."""
+        error = self.llm.failure
+        if error is not None:
+            log.error("the engine stopped (%s: %s); it is reset", type(error).__name__, error)
+            self._fail_all(500, f"the engine failed: {type(error).__name__}: {error}")
+            self.llm.reset()
 
+    def _run(self) -> None:
         while not self._stopping.is_set():
-            self._take(block=not self.llm.has_unfinished())
-            if self._stopping.is_set() or not self.llm.has_unfinished():
-                continue
             try:
+                self._recover_if_stopped()
+                self._take(block=not self.llm.has_unfinished())
+                if self._stopping.is_set() or not self.llm.has_unfinished():
+                    continue
                 outs = self.llm.step()
-            except EngineFailedError as e:  # a step could not be undone: fail everyone
-                self._fail_all(500, f"the engine failed: {e}")
-                self.llm.reset()
-                continue
-            except Exception as e:  # noqa: BLE001 (undone and requeued by the engine)
+                self._deliver(outs)
+                if self._on_step is not None:
+                    self._on_step(self.llm)
+            except Exception as e:  # noqa: BLE001 (the thread must outlive any one fault)
+                if self.llm.failure is not None:  # stopped: recovered at the loop's top
+                    continue
+                if isinstance(e, _engine_failed()):  # a failure LLM.failure does not hold
+                    self._fail_all(500, f"the engine failed: {e}")
+                    self.llm.reset()
+                    continue
+                # A step undone and requeued by the engine, or a fault of this loop's own
+                # (a callback): logged, and the loop goes on.
                 log.warning("a step failed and was undone (%s: %s)", type(e).__name__, e)
-                continue
-            self._deliver(outs)
-            if self._on_step is not None:
-                self._on_step(self.llm)
         self._take(block=False)
         for rid in list(self._live):
             if self.llm.num_generated(rid) is not None:
@@ -194,6 +209,7 @@ class EngineLoop:
         self._fail_all(503, "the server is shutting down")
 
     def _fail_all(self, status: int, message: str) -> None:
+        """Ends every live request with an "error" event."""
         for rid in list(self._live):
             self._done(rid, Event("error", status=status, message=message))
 
@@ -217,3 +233,9 @@ class EngineLoop:
                         live.notify(Event("text", sample=piece.sample, text=piece.text))
             if out is not None:
                 self._done(rid, Event("done", output=out))
+
+
+def _engine_failed() -> type:
+    from paged_jax.engine import EngineFailedError
+
+    return EngineFailedError
