@@ -319,10 +319,15 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read_whole():
             small = await client.post(
                 "/v1/completions", json=dict(model="t", prompt="hi", max_tokens=2)
             )
-            return declared, streamed, small
+            deep = await client.post(  # under the limit, nested past the decoder's recursion
+                "/v1/completions",
+                content=b"[" * 100_000 + b"]" * 100_000,
+                headers={"content-type": "application/json"},
+            )
+            return declared, streamed, small, deep
 
     try:
-        declared, streamed, small = asyncio.run(go())
+        declared, streamed, small, deep = asyncio.run(go())
     finally:
         app.loop.stop()
     for r in (declared, streamed):
@@ -331,6 +336,7 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read_whole():
             "body: larger than this server's limit of 4096 bytes (--max-request-bytes)"
         )
     assert small.status_code == 200, small.text
+    assert deep.status_code == 400 and "nested too deeply" in deep.text, deep.text  # 500 before
     with pytest.raises(ValueError, match="max_request_bytes: expected an int >= 1024, got 10"):
         from paged_jax.server.api import Server
 
