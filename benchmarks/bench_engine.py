@@ -467,7 +467,7 @@ def decode_split(llm, name, backend, c, context) -> dict:
     from paged_jax import AttentionMetadata
     from paged_jax.batch import ScheduledSeq, build_batch
     from paged_jax.block_manager import BlockManager
-    from paged_jax.engine.llm import _pack_inputs
+    from paged_jax.engine.runner import _pack_inputs
     from paged_jax.engine.sampling import sample_rows
 
     cfg = llm.model.config

@@ -39,7 +39,7 @@ from model_helpers import gqa_config, pool_collectives  # noqa: E402
 
 import paged_jax as pj  # noqa: E402
 from paged_jax import models  # noqa: E402
-from paged_jax.engine.llm import STEP_STATIC_ARGS  # noqa: E402
+from paged_jax.engine.runner import STEP_STATIC_ARGS  # noqa: E402
 
 PAGE = 8
 GEMMA3 = pathlib.Path(__file__).resolve().parent / "golden" / "hf" / "gemma3"

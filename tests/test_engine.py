@@ -363,7 +363,7 @@ def test_small_steps_take_their_cpu_compile_options_and_change_no_token(monkeypa
     """On CPU, steps of <= SMALL_STEP_TOKENS tokens compile with XLA's own dots (a
     separate jitted function); larger ones, and every step in deterministic mode, with
     the defaults. Tokens are the same either way, log-probs within float error."""
-    from paged_jax.engine import llm as llm_mod
+    from paged_jax.engine import runner as engine_runner
 
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 256, n).tolist() for n in (40, 9, 23)]
@@ -390,10 +390,10 @@ def test_small_steps_take_their_cpu_compile_options_and_change_no_token(monkeypa
     # the prefill (64 tokens) took the default step, the decode steps (3 rows) the small one
     assert ("default", 64) in calls and ("small", 16) in calls
     assert all((name == "small") == (t <= 16) for name, t in calls)
-    assert llm_mod.SMALL_STEP_TOKENS == 16
+    assert engine_runner.SMALL_STEP_TOKENS == 16
     assert pj.LLM(*models.load("tiny-llama"), deterministic=True, **kw)._run.small is None  # noqa: SLF001
 
-    monkeypatch.setattr(llm_mod, "_small_step_options", lambda: None)
+    monkeypatch.setattr(engine_runner, "_small_step_options", lambda: None)
     plain = pj.LLM(*models.load("tiny-llama"), **kw)
     assert plain._run.small is None  # noqa: SLF001
     want = plain.generate(prompts, params, progress=False)
@@ -410,7 +410,7 @@ def test_step_inputs_pack_into_one_buffer_and_come_back_bit_for_bit():
 
     from paged_jax.batch import ScheduledSeq, build_batch
     from paged_jax.block_manager import BlockManager
-    from paged_jax.engine.llm import _SAMPLING, _pack_inputs, _unpack_inputs
+    from paged_jax.engine.runner import _SAMPLING, _pack_inputs, _unpack_inputs
 
     bm = BlockManager(32, 4, watermark=0.0)
     bm.allocate("a", [1, 2, 3, 4, 5])

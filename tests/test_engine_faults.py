@@ -11,7 +11,7 @@ import pytest
 
 import paged_jax as pj
 from paged_jax import models
-from paged_jax.engine import llm as llm_mod
+from paged_jax.engine import core as llm_mod
 
 PAGE = 8
 STAGES = ("schedule", "swap", "build", "device_before", "device_after")

@@ -5,14 +5,14 @@ import re
 
 import paged_jax as pj
 from paged_jax import models
-from paged_jax.engine import llm as llm_mod
+from paged_jax.engine import metrics as engine_metrics
 
 SHAPE = re.compile(r"\d+ tokens x \d+ sequences x \d+ pages \(once per shape\)")
 
 
 def test_the_bar_counts_tokens_and_ends_full_when_requests_stop_early(capsys, monkeypatch):
     told = []
-    monkeypatch.setattr(llm_mod._Progress, "compiling", lambda self, what: told.append(what))
+    monkeypatch.setattr(engine_metrics.Progress, "compiling", lambda self, what: told.append(what))
     llm = pj.LLM(*models.load("tiny-llama"), num_pages=64, page_size=16, max_num_seqs=8)
     params = [
         pj.SamplingParams(max_tokens=12, ignore_eos=True, n=2, temperature=0.8, seed=1),

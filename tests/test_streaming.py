@@ -101,13 +101,13 @@ def test_incremental_text_never_splits_a_character():
     seen = ""
     for b in target:
         seq.tokens.append(b)
-        text = llm._settled_text(seq, ())
+        text = llm.outputs.settled_text(seq, ())
         assert text.startswith(seen) and "\ufffd" not in text
         seen = text
     assert seen == "日本語 😀 ok ü"
     # a stop string's possible beginning is held back
     seq = Seq("s", [256, *b"abcEN"], 1, 0)
-    assert llm._settled_text(seq, ("END",)) == "abc"
+    assert llm.outputs.settled_text(seq, ("END",)) == "abc"
 
 
 def test_incremental_text_of_sentencepiece_words_and_byte_fallback(tmp_path):
@@ -123,7 +123,7 @@ def test_incremental_text_of_sentencepiece_words_and_byte_fallback(tmp_path):
     seq, seen = Seq("s", [1], 1, 0), ""
     for i in ids:
         seq.tokens.append(i)
-        text = llm._settled_text(seq, ())
+        text = llm.outputs.settled_text(seq, ())
         assert whole.startswith(text) and text.startswith(seen), (seen, text)
         seen = text
     assert seen == whole

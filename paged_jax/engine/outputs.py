@@ -1,0 +1,194 @@
+"""What requests get back, and the output processor that makes it: finish reasons from
+stop tokens, stop strings and lengths; text, settled for streaming; ``RequestOutput``.
+
+The engine core (``paged_jax.engine.core``) applies sampled tokens to its sequences and
+asks the ``OutputProcessor`` whether each one ends its sequence; the facade (``LLM``) and
+the server turn sequences into text and outputs through it. No JAX here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from paged_jax.engine.sampling import SamplingParams
+from paged_jax.engine.scheduler import Group, Seq, Status
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    cumulative_logprob: float
+    logprobs: list[float] | None
+
+
+@dataclasses.dataclass
+class StreamOutput:
+    """New text of one sample (``LLM.stream``): ``index`` is the prompt's position,
+    ``sample`` the sample's; ``finish_reason`` is set on its last piece."""
+
+    index: int
+    sample: int
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    output: RequestOutput | None = None  # the request's whole output, on its last piece
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served by the prefix cache (summed over preemptions)
+    num_generated_tokens: int
+    num_preemptions: int
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: Hashable
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None  # set when the engine failed the request (finish_reason "error")
+
+
+class OutputProcessor:
+    """Detokenization, stop conditions and outputs for one engine.
+
+    Args:
+      tokenizer: object with ``decode(ids)`` (None: outputs carry no text, and stop
+        strings are refused when a request is added).
+      eos_token_ids: the model's end-of-sequence tokens.
+      max_model_len: a sequence ends ("length") when it holds this many tokens.
+    """
+
+    def __init__(self, tokenizer: Any, eos_token_ids: set, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def decode(self, ids: Sequence[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
+
+    def stops(self, p: SamplingParams) -> set:
+        """The token ids that end a sequence of a request with ``p``."""
+        return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+
+    def finish_reason(self, s: Seq, p: SamplingParams, token: int) -> str | None:
+        """Why ``s``, which has just had ``token`` appended, ends ("stop", "length"), or
+        None: a stop token (or the model's end of sequence unless ``ignore_eos``), a stop
+        string in its text (``cut_at_stop_string`` sets ``s.stop_text``), ``max_tokens``
+        generated or the model's length reached."""
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if p.stop and self.cut_at_stop_string(s, p):
+            return "stop"
+        n = len(s.tokens)
+        if n - s.prompt_len >= p.max_tokens or n >= self.max_model_len:
+            return "length"
+        return None
+
+    def cut_at_stop_string(self, s: Seq, p: SamplingParams) -> bool:
+        """Whether ``s``'s text now contains one of ``p.stop``; if so ``s.stop_text`` is the
+        text up to the earliest one (and through it with ``include_stop_str_in_output``).
+        Only the text a new token can have completed is searched."""
+        text = self.decode(s.output)
+        longest = max(map(len, p.stop))
+        before = len(self.decode(s.output[:-1])) if len(s.output) > 1 else 0
+        start = max(before - longest + 1, 0)
+        hits = [(i, x) for x in p.stop if (i := text.find(x, start)) >= 0]
+        if not hits:
+            return False
+        i, x = min(hits)
+        s.stop_text = text[: i + len(x)] if p.include_stop_str_in_output else text[:i]
+        return True
+
+    def settled_text(self, s: Seq, stops: tuple[str, ...]) -> str:
+        """The text of ``s`` that later tokens cannot change: without a trailing
+        replacement character (half a UTF-8 sequence) and without a tail that could be
+        the start of a stop string."""
+        if s.stop_text is not None:  # finished at a stop string: final
+            return s.stop_text
+        text = self.decode(s.output) or ""
+        text = text.rstrip("\ufffd")
+        if stops:
+            hold = max(map(len, stops)) - 1
+            text = text[: max(len(text) - hold, 0)] if hold else text
+        return text
+
+    def text_deltas(
+        self,
+        rid: Hashable,
+        g: Group | None,
+        out: RequestOutput | None,
+        sent: dict,
+        index: int = 0,
+    ) -> list[StreamOutput]:
+        """The new settled text of each sample of request ``rid`` (its group ``g`` while
+        unfinished) since ``sent`` (a dict ``(rid, sample) -> text already delivered``,
+        updated here), as ``StreamOutput``s with ``index``; ``out``: the request's output
+        if it finished in the last step (each sample then gets a last piece with its
+        final text)."""
+        pieces = []
+        if out is not None:
+            for c in out.outputs:
+                text, prev = c.text or "", sent.get((rid, c.index), "")
+                delta = text[len(prev) :] if text.startswith(prev) else ""
+                pieces.append(StreamOutput(index, c.index, delta, True, c.finish_reason, out))
+            return pieces
+        for sq in [] if g is None else [*g.seqs, *g.done]:
+            text = self.settled_text(sq, g.params.stop)
+            prev = sent.get((rid, sq.sample_index), "")
+            if len(text) > len(prev) and text.startswith(prev):
+                sent[(rid, sq.sample_index)] = text
+                pieces.append(StreamOutput(index, sq.sample_index, text[len(prev) :]))
+        return pieces
+
+    def request_output(self, g: Group) -> RequestOutput:
+        """``g``'s output as it stands: its samples in order (beams ranked by
+        ``logprob / len ** length_penalty``, the best ``n``), their text (cut at a stop
+        string) and the request's metrics."""
+        p = g.params
+        seqs = list(g.done) + list(g.seqs)
+        if p.use_beam_search:
+            seqs.sort(key=lambda s: -s.cum_logprob / max(len(s.output), 1) ** p.length_penalty)
+            seqs = seqs[: p.n]
+        else:
+            seqs.sort(key=lambda s: s.sample_index)
+        outs = []
+        for k, s in enumerate(seqs):
+            ids = s.output  # a new list (a slice of the sequence's tokens)
+            outs.append(
+                CompletionOutput(
+                    index=k,
+                    token_ids=ids,
+                    text=s.stop_text if s.stop_text is not None else self.decode(ids),
+                    finish_reason=s.finish_reason,
+                    cumulative_logprob=s.cum_logprob,
+                    logprobs=list(s.logprobs) if p.logprobs else None,
+                )
+            )
+        m = RequestMetrics(
+            g.arrival_time,
+            g.first_token_time,
+            g.finish_time,
+            len(g.prompt),
+            g.num_cached_tokens,
+            sum(len(o.token_ids) for o in outs),
+            g.num_preemptions,
+        )
+        return RequestOutput(
+            g.request_id, list(g.prompt), outs, g.status is Status.FINISHED, m, g.error
+        )

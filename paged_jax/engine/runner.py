@@ -1,0 +1,650 @@
+"""The model runner: the device side of the engine.
+
+It owns what lives on the accelerator and how steps reach it: the model's weights in the
+layout its device reads fastest (``hold_for_cpu`` / ``hold_for_accelerator``, or sharded
+on a mesh), the paged KV pool (sized from the memory there), the jitted step and its
+compiled shape buckets, the packing of a step's host inputs into one buffer, and the page
+copies of swapping. The engine core (``paged_jax.engine.core``) hands it batches built by
+the block managers and gets the step's outputs back, still on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from paged_jax import linear as paged_linear
+from paged_jax.engine.multistep import decode_loop
+from paged_jax.engine.protocol import check_model
+from paged_jax.engine.sampling import beam_candidates, sample_rows
+from paged_jax.invariant import rowwise
+from paged_jax.metadata import AttentionMetadata, decode_only
+from paged_jax.sharding import (
+    DATA_AXIS,
+    TENSOR_AXIS,
+    create_cache,
+    kv_head_replicas,
+    parallel_mesh,
+    per_replica,
+)
+from paged_jax.sharding import data_parallel_size as data_parallel_size_of
+from paged_jax.sharding import tensor_parallel_size as tensor_parallel_size_of
+
+log = logging.getLogger("paged_jax")
+
+
+def resolve_mesh(tensor_parallel_size: Any, data_parallel_size: Any, mesh: Any) -> Mesh | None:
+    """The engine's mesh from its arguments (None: one device), checked."""
+    sizes = {TENSOR_AXIS: tensor_parallel_size, DATA_AXIS: data_parallel_size}
+    names = {TENSOR_AXIS: "tensor_parallel_size", DATA_AXIS: "data_parallel_size"}
+    if mesh is not None:
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+        if not set(sizes) & set(mesh.axis_names):
+            raise ValueError(
+                f"mesh: expected an axis named {TENSOR_AXIS!r} or {DATA_AXIS!r}, got "
+                f"{mesh.axis_names}"
+            )
+        others = {a: n for a, n in mesh.shape.items() if a not in sizes and n != 1}
+        if others:
+            raise ValueError(
+                f"mesh: axes other than {TENSOR_AXIS!r} and {DATA_AXIS!r} must have size 1, "
+                f"got {others}"
+            )
+        for axis, size in sizes.items():
+            if size not in (None, mesh.shape.get(axis, 1)):
+                raise ValueError(
+                    f"{names[axis]}: {size!r} differs from the mesh's {axis!r} axis, "
+                    f"{mesh.shape.get(axis, 1)}"
+                )
+    elif tensor_parallel_size is None and data_parallel_size is None:
+        return None
+    else:
+        tp = 1 if tensor_parallel_size is None else tensor_parallel_size
+        dp = 1 if data_parallel_size is None else data_parallel_size
+        mesh = parallel_mesh(tp, dp)  # checks the numbers
+        if tp * dp == 1:
+            return None
+    processes = {d.process_index for d in mesh.devices.flat}
+    if len(processes) < jax.process_count():
+        raise ValueError(
+            f"mesh: it spans the devices of {len(processes)} of the {jax.process_count()} "
+            f"processes; every process must own some of its devices"
+        )
+    return mesh
+
+
+def _on_cpu(model: Any) -> bool:
+    """Whether every array of ``model`` lives on CPU devices."""
+    from flax import nnx
+
+    arrays = jax.tree.leaves(nnx.state(model))
+    return bool(arrays) and all(
+        all(d.platform == "cpu" for d in getattr(a, "devices", lambda: ())()) for a in arrays
+    )
+
+
+def _on_mesh(model: Any, mesh: Mesh) -> bool:
+    """Whether every array of ``model`` already lives on ``mesh``."""
+    from flax import nnx
+
+    arrays = jax.tree.leaves(nnx.state(model))
+    return all(
+        isinstance(getattr(a, "sharding", None), NamedSharding) and a.sharding.mesh == mesh
+        for a in arrays
+    )
+
+
+def mesh_context(mesh: Mesh | None):
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def _free_memory() -> tuple[int | None, str]:
+    """Bytes this process's first device can still allocate (None if unknown), and its
+    name."""
+    dev = jax.local_devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), dev.device_kind
+    try:  # CPU: the host's available memory (Linux)
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "this machine"
+    except OSError:
+        pass
+    return None, "this machine"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+CPU_KV_CACHE_MAX_BYTES = 4 * 2**30
+
+
+def _default_budget(most_useful: int) -> int:
+    """Bytes of KV cache when none is asked for: at most ``most_useful`` (every sequence
+    of a full batch at the model's longest context), and on an accelerator half its free
+    memory; on CPU a quarter of the machine's available memory, at most 4 GiB
+    (``CPU_KV_CACHE_MAX_BYTES``; vLLM's CPU engine also defaults to 4 GiB), 256 MiB if
+    the available memory is unknown."""
+    free, _ = _free_memory()
+    if jax.default_backend() != "cpu":
+        cap = int(0.5 * free) if free is not None else 256 * 2**20
+    elif free is not None:
+        cap = min(CPU_KV_CACHE_MAX_BYTES, free // 4)
+    else:
+        cap = 256 * 2**20
+    return min(cap, most_useful)
+
+
+def _describe(bucket: dict) -> str:
+    return (
+        f"{bucket['tokens']} tokens, {bucket['seqs']} sequences, "
+        f"{bucket['pages_per_seq']} pages per sequence, {bucket['copies']} page copies"
+        + (f", {bucket['beam_candidates']} beam candidates" if bucket["beam_candidates"] else "")
+        + (f", {bucket['steps']} decode steps" if bucket.get("steps", 1) > 1 else "")
+    )
+
+
+# Steps of at most this many tokens (a bucket) compile with _small_step_options on CPU.
+
+SMALL_STEP_TOKENS = 16
+_SMALL_STEP_OPTIONS = (
+    ("xla_cpu_use_xnnpack", False),
+    ("xla_cpu_experimental_ynn_fusion_type", ""),
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _small_step_options() -> tuple | None:
+    """XLA options for small steps on CPU, or None (another backend, or a jaxlib that
+    does not know them). With YNNPACK's fusions off, XLA:CPU emits its own dots, which
+    at a few rows read the weights faster: SmolLM2-135M f32 on a 2-core AVX2 CPU,
+    decode of 4 sequences, 113-122 ms a step instead of 137-147 ms, 4 x 128 greedy
+    tokens at 34.5 instead of 25.5 tokens/s with the same tokens; at 32 sequences and
+    in prefill the default is as fast or faster (measured 2026-11-23)."""
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=dict(_SMALL_STEP_OPTIONS))(np.float32(0))
+    except Exception:  # an XLA without these flags: the default path for every step
+        log.info("XLA does not take the small-step CPU options; steps use the default")
+        return None
+    return _SMALL_STEP_OPTIONS
+
+
+class _Step:
+    """The engine's step: ``default`` (a ``_make_run`` function), or ``small`` (the same
+    step compiled with the small-step options) for steps of at most
+    ``SMALL_STEP_TOKENS`` tokens (``tokens``, the second argument, is ``i32[T]``)."""
+
+    def __init__(self, default, small=None):
+        self.default, self.small = default, small
+
+    def _pick(self, args):
+        if self.small is not None and args[1].shape[0] <= SMALL_STEP_TOKENS:
+            return self.small
+        return self.default
+
+    def __call__(self, *args, **kw):
+        return self._pick(args)(*args, **kw)
+
+    def lower(self, *args, **kw):
+        return self._pick(args).lower(*args, **kw)
+
+    def _cache_size(self) -> int:
+        """Shape buckets compiled so far, both functions together."""
+        return self.default._cache_size() + (0 if self.small is None else self.small._cache_size())
+
+
+# The step's static keyword arguments (the jit cache key, with the arrays' shapes).
+STEP_STATIC_ARGS = (
+    "layout",
+    "decode_only",
+    "batch_invariant",
+    "num_candidates",
+    "greedy_only",
+    "num_steps",
+)
+
+
+@functools.lru_cache(maxsize=8)
+def _make_run(graphdef, state_def, mesh, compiler_options: tuple | None = None):
+    """The engine's jitted step for one model structure (``graphdef``; its weights, the
+    step's first argument, a tuple of arrays ``state_def`` unflattens into its
+    ``nnx.State``) on one mesh (or None), compiled with ``compiler_options`` (XLA option
+    name-value pairs; None: the defaults). Cached,
+    so engines of the same model (and config) in one process share compiled shape
+    buckets. On a mesh, the step's outputs other than the cache are replicated (every
+    process reads them whole)."""
+    from flax import nnx
+
+    def replicated(x):
+        if mesh is None or x is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
+
+    # The greedy sampler's C kernel: on CPU where the kernels built (as for packed
+    # weights), off a mesh (XLA would gather a sharded operand for it).
+    cpu_kernel = mesh is None and paged_linear.available()
+
+    @functools.partial(
+        jax.jit,
+        donate_argnums=(3,),
+        static_argnames=STEP_STATIC_ARGS,
+        compiler_options=None if compiler_options is None else dict(compiler_options),
+    )
+    def run(
+        weights,
+        tokens,
+        inputs,
+        cache,
+        penalties,
+        *,
+        layout,
+        decode_only,
+        batch_invariant,
+        num_candidates,
+        greedy_only,
+        num_steps=1,
+    ):
+        x = _unpack_inputs(inputs, layout)
+        positions, out_pos, steps = x["positions"], x["out_pos"], x.get("steps")
+        temp, top_k, top_p, min_p, seeds = (
+            x[k] for k in ("temp", "top_k", "top_p", "min_p", "seeds")
+        )
+        md = AttentionMetadata(
+            **{k: x[k] for k in _MD_ARRAYS},
+            decode_only=decode_only,
+            batch_invariant=batch_invariant,
+        )
+        model = nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
+        if mesh is not None and data_parallel_size_of(mesh) > 1:  # each replica its rows
+            rows = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+            tokens = jax.lax.with_sharding_constraint(tokens, rows)
+            positions = jax.lax.with_sharding_constraint(positions, rows)
+        cache = per_replica(lambda c, s, d: c.copy_pages(s, d), cache, md.copy_src, md.copy_dst)
+
+        def sample(logits, pos):
+            return rowwise(
+                lambda *rows: sample_rows(*rows, greedy_only=greedy_only, cpu_kernel=cpu_kernel),
+                logits,
+                temp,
+                top_k,
+                top_p,
+                seeds,
+                pos,
+                min_p,
+                penalties,
+                invariant=md.batch_invariant,
+            )
+
+        if num_steps > 1:  # multi-step decoding: tokens [S, num_steps]
+            toks, lps, cache = decode_loop(
+                model, sample, tokens, positions, cache, md, steps, out_pos, num_steps
+            )
+            # Each row's last sample as a token row of the same shape as `tokens`: the
+            # input of the launch that goes on from this one with the same rows.
+            T, S_b = tokens.shape[0], toks.shape[0]
+            k = jnp.zeros(T, jnp.int32).at[: min(T, S_b)].set(steps[: min(T, S_b)])
+            row = jnp.minimum(jnp.arange(T), S_b - 1)
+            last = jnp.where(k > 0, toks[row, jnp.maximum(k - 1, 0)], 0).astype(tokens.dtype)
+            # The tokens and the log-probs' bits in one i32[S, 2 K] array: one transfer to
+            # the host instead of two (LLM._complete splits them).
+            both = jnp.concatenate(
+                [toks.astype(jnp.int32), jax.lax.bitcast_convert_type(lps, jnp.int32)], axis=1
+            )
+            return replicated(both), None, None, None, replicated(last), cache
+        logits, cache = model(tokens, positions, cache, md)
+        toks, lps = sample(logits, out_pos)
+        if num_candidates:
+            cv, ci = beam_candidates(logits, num_candidates)
+        else:
+            cv = ci = None
+        return replicated(toks), replicated(lps), replicated(cv), replicated(ci), None, cache
+
+    return run
+
+
+# The step's host inputs travel to the device as one flat int32 buffer: as jit
+# arguments, each numpy array costs a host-to-device buffer of its own (about 3 us warm on
+# CPU, 25 us in the engine's loop), and a step has 16 of them.
+_MD_ARRAYS = tuple(
+    f.name for f in dataclasses.fields(AttentionMetadata) if not f.metadata.get("static")
+)
+_SAMPLING = ("temp", "top_k", "top_p", "min_p", "seeds", "out_pos")  # EngineCore._dispatch's order
+# In the buffer, in order (then "steps" for a multi-step launch); seeds (uint32) go as
+# their bits. Then the float32 arrays, as their bits too: temp, top_p, min_p.
+_INTS = ("positions", *_MD_ARRAYS, "top_k", "seeds", "out_pos")
+_FLOATS = ("temp", "top_p", "min_p")
+
+
+def _padded(a: np.ndarray, n: int) -> np.ndarray:
+    """``i32[n]``: ``a`` then zeros (``np.pad`` costs several times more)."""
+    out = np.zeros(n, np.int32)
+    out[: len(a)] = a
+    return out
+
+
+def _pack_inputs(batch, sampling, steps) -> tuple[np.ndarray, tuple]:
+    """``(inputs i32[N], layout)``: the batch's positions and metadata, the sampling
+    columns (``_SAMPLING``) and ``steps`` (``i32[S_b]`` or None) packed into one buffer
+    (uint32 and float32 arrays as their bits), and the layout ``_unpack_inputs`` reads
+    them back with (static: the arrays' shapes, which the batch's buckets fix)."""
+    temp, top_k, top_p, min_p, seeds, out_pos = sampling
+    ints = [batch.positions, *(getattr(batch, k) for k in _MD_ARRAYS)]
+    ints += (top_k, seeds.view(np.int32), out_pos)
+    if steps is not None:
+        ints.append(steps)
+    floats = (temp, top_p, min_p)
+    layout = (tuple(a.shape for a in ints), tuple(a.shape for a in floats))
+    parts = ints + [np.asarray(a, np.float32).view(np.int32) for a in floats]
+    return np.concatenate(parts, axis=None), layout
+
+
+def _unpack_inputs(inputs: jax.Array, layout: tuple) -> dict[str, jax.Array]:
+    """The arrays ``_pack_inputs`` packed, by name (in a jitted function: slices)."""
+    out = {}
+    at = 0
+    for names, shapes in ((_INTS + ("steps",), layout[0]), (_FLOATS, layout[1])):
+        for name, shape in zip(names, shapes, strict=False):
+            n = int(np.prod(shape))
+            out[name] = inputs[at : at + n].reshape(shape)
+            at += n
+    out["seeds"] = jax.lax.bitcast_convert_type(out["seeds"], jnp.uint32)
+    for name in _FLOATS:
+        out[name] = jax.lax.bitcast_convert_type(out[name], jnp.float32)
+    return out
+
+
+@jax.jit
+def _merge_tokens(prev_tokens, src, col, tokens):
+    """``i32[T]``: ``tokens``, with token t taken from ``prev_tokens[src[t], col[t]]``
+    (the running launch's samples, ``i32[S, J]``) where ``src[t] >= 0``."""
+    return jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0), col], tokens)
+
+
+# Swap copies, each replica's pages in its own pool (``per_replica``; as they are without
+# a data-parallel mesh).
+@jax.jit
+def _read_pages(cache, pages):
+    return per_replica(lambda c, p: c.read_pages(p), cache, pages)
+
+
+@jax.jit
+def _read_scales(cache, pages):
+    return per_replica(lambda c, p: c.read_page_scales(p), cache, pages)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_pages(cache, pages, data, scales):
+    return per_replica(lambda c, *a: c.write_pages(*a), cache, pages, data, scales)
+
+
+class ModelRunner:
+    """The model, its KV pool and its compiled step on the device (or a mesh).
+
+    Args:
+      model: a decoder following ``paged_jax.engine.PagedDecoder``; placed for its device
+        in place: sharded onto ``mesh`` (``shard(mesh)``) when it is off it, else held
+        as the CPU (``hold_for_cpu``) or an accelerator (``hold_for_accelerator``) reads
+        it fastest, where the model has those methods.
+      mesh: a mesh from ``resolve_mesh``, or None (one device).
+      page_size, cache_dtype: the pool's page size and dtype (None: the model's).
+      num_pages: pages in the pool, every data-parallel replica's together; None sizes
+        it from ``kv_cache_bytes`` (default: what ``max_num_seqs`` sequences at the
+        model's longest context could use, at most half the accelerator's free memory,
+        or on CPU a quarter of the available memory and 4 GiB).
+      hybrid_kv_cache: see ``LLM``.
+      deterministic: batch-invariant steps (one compiled path for every bucket).
+      num_scheduler_steps: decode steps of a multi-step launch (``LLM``).
+
+    Attributes: ``model``, ``cache`` (the pool, replaced by every step: it is donated),
+    ``num_pages``, ``hybrid_kv_cache``, ``group_windows`` (the hybrid pool's layer groups'
+    windows, else None), ``weights`` (a flat tuple of arrays), ``step_fn`` (the jitted
+    step, ``_Step``), ``compiled_buckets`` (dicts, one per shape bucket compiled) and
+    ``announce`` (None, or called with a description before a new shape runs).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        mesh: Mesh | None,
+        page_size: int,
+        num_pages: int | None,
+        kv_cache_bytes: int | None,
+        cache_dtype: Any,
+        hybrid_kv_cache: bool | None,
+        max_num_seqs: int,
+        deterministic: bool,
+        num_scheduler_steps: int = 1,
+    ):
+        self.mesh = mesh
+        self.num_scheduler_steps = num_scheduler_steps
+        tp = tensor_parallel_size_of(mesh) if mesh is not None else 1
+        dp = data_parallel_size_of(mesh) if mesh is not None else 1
+        check_model(model)
+        if mesh is not None and not _on_mesh(model, mesh):
+            if not callable(getattr(model, "shard", None)):
+                raise TypeError(
+                    "model: tensor parallelism needs a model with shard(mesh) (placing its "
+                    f"weights on the mesh), {type(model).__name__} has none"
+                )
+            model = model.shard(mesh)
+        if mesh is None and _on_cpu(model) and hasattr(model, "hold_for_cpu"):
+            # packed for the C kernels where they built, else XLA:CPU's fastest layouts
+            model = model.hold_for_cpu()
+        elif mesh is None and not _on_cpu(model) and hasattr(model, "hold_for_accelerator"):
+            # each weight read where it lies, once per step (no copies out of a stack)
+            model = model.hold_for_accelerator()
+        self.model = model
+        self.page_size = page_size
+        self.deterministic = deterministic
+        self.max_model_len = model.config.max_position_embeddings
+        if hybrid_kv_cache not in (None, True, False):
+            raise TypeError(f"hybrid_kv_cache: expected a bool or None, got {hybrid_kv_cache!r}")
+        if hybrid_kv_cache and dp > 1:
+            raise ValueError(
+                f"hybrid_kv_cache: not supported with data_parallel_size={dp} yet; use "
+                "hybrid_kv_cache=False (or None: on only where supported)"
+            )
+        hybrid = hybrid_kv_cache is not False and dp == 1
+        self._cache_kw = (
+            {"hybrid": True}
+            if hybrid and "hybrid" in inspect.signature(model.make_cache).parameters
+            else {}
+        )
+        self._cache_dtype = cache_dtype
+        probe = model.make_cache(2, page_size, cache_dtype, **self._cache_kw)
+        self.hybrid_kv_cache = probe.layer_groups is not None
+        self.group_windows = probe.layer_groups[0] if self.hybrid_kv_cache else None
+        # Bytes of a token across the mesh (KV heads repeated when tp exceeds them), and
+        # the devices whose memory holds the pool (fake CPU devices share the host's).
+        token_bytes = probe.bytes_per_token * kv_head_replicas(probe.num_kv_heads, tp)
+        spread = tp * dp if jax.default_backend() != "cpu" else 1
+        if num_pages is None:
+            per_page = page_size * token_bytes
+            pages_per_seq = probe.num_groups * -(-self.max_model_len // page_size)
+            most_useful = dp * (max_num_seqs * pages_per_seq + 1) * per_page
+            budget = kv_cache_bytes or spread * _default_budget(most_useful // spread)
+            num_pages = max(2, budget // per_page // dp) * dp
+            if jax.process_count() > 1:  # free memory differs: every process takes 0's
+                from jax.experimental import multihost_utils
+
+                num_pages = int(multihost_utils.broadcast_one_to_all(np.int64(num_pages)))
+        elif (
+            isinstance(num_pages, bool)
+            or not isinstance(num_pages, int)
+            or num_pages < 2 * dp
+            or num_pages % dp
+        ):
+            each = (
+                f", a multiple of data_parallel_size={dp} (each replica's pool has its own)"
+                if dp > 1
+                else ""
+            )
+            raise ValueError(
+                f"num_pages: expected an int >= {2 * dp} (page 0 is null){each}, got {num_pages!r}"
+            )
+        self.num_pages = num_pages
+        need = num_pages * page_size * token_bytes // spread
+        free, where = _free_memory()
+        if free is not None and need > free:
+            raise ValueError(
+                f"num_pages: {num_pages} pages of {page_size} tokens need {_gib(need)} of KV "
+                f"cache, {where} has {_gib(free)} free; lower num_pages or kv_cache_bytes"
+            )
+        try:
+            self.cache = self.make_cache(num_pages)
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            raise ValueError(
+                f"num_pages: {num_pages} pages of {page_size} tokens need {_gib(need)} of KV "
+                f"cache, more than {where} could allocate; lower num_pages or kv_cache_bytes"
+            ) from None
+        self.compiled_buckets: list[dict] = []  # shape buckets this engine compiled
+        self._shapes_seen: set[tuple] = set()  # step shapes this engine has run
+        self.announce: Callable[[str], None] | None = None
+        from flax import nnx
+
+        self._graphdef, state = nnx.split(self.model)
+        # The weights as a flat tuple of arrays: the jitted step takes them so, since
+        # flattening an nnx.State in Python at every call cost 50-70 us of a 2-core
+        # CPU's time per launch (tiny-llama, 256 sequences, multi-step launches).
+        weights, self._state_def = jax.tree.flatten(state)
+        self.weights = tuple(weights)
+        # Small steps (decode at light load) on CPU compile with XLA's own dots instead
+        # of YNNPACK's fusions (see _small_step_options); not in deterministic mode,
+        # where every bucket must take the same path.
+        options = None if deterministic else _small_step_options()
+        self.step_fn = _Step(
+            _make_run(self._graphdef, self._state_def, self.mesh),
+            None
+            if options is None
+            else _make_run(self._graphdef, self._state_def, self.mesh, options),
+        )
+
+    def make_cache(self, num_pages: int):
+        """An empty pool of ``num_pages`` pages, on the mesh in its shards if there is one."""
+        make = functools.partial(
+            self.model.make_cache, num_pages, self.page_size, self._cache_dtype, **self._cache_kw
+        )
+        return make() if self.mesh is None else create_cache(make, self.mesh)
+
+    def launch(
+        self, batch, tokens, sampling: tuple, penalties, num_candidates: int, steps, replicas: int
+    ) -> tuple[tuple, Any, float, bool]:
+        """Dispatches the jitted step on ``batch`` (``paged_jax.batch.StepBatch``) with input
+        ``tokens`` (host or device ``i32[T]``), the rows' ``sampling`` arrays (temperature,
+        top-k, top-p, min-p, seeds, output positions), ``penalties`` (or None) and
+        ``num_candidates`` beam candidates per row; ``steps`` (``i32[S]`` or None): a
+        multi-step launch, each row that many decode steps. Does not wait for it.
+
+        Returns ``(outputs, last, seconds, compiled)``: the step's outputs (tokens,
+        log-probs, candidate log-probs and ids, or for a multi-step launch one ``i32[S_b,
+        2 K]`` array and Nones), the last sample of each row (multi-step; else None), the
+        dispatch call's seconds and whether it compiled a new shape bucket."""
+        K = 1 if steps is None else self.num_scheduler_steps
+        S_b = batch.kv_lens.shape[0]
+        temp = sampling[0]
+        shape = (batch.token_ids.shape[0], S_b, batch.page_indices.shape[-1], num_candidates, K)
+        if self.announce is not None and shape not in self._shapes_seen:
+            self.announce(
+                f"{shape[0]} tokens x {S_b} sequences x {shape[2]} pages (once per shape)"
+                + (f", {replicas} replicas" if replicas > 1 else "")
+                + (f", {K} steps a launch" if K > 1 else "")
+            )
+        self._shapes_seen.add(shape)
+        if penalties is not None:  # host arrays from the core
+            penalties = jax.tree.map(jnp.asarray, penalties)
+        compiled_before = self.step_fn._cache_size()
+        t1 = time.perf_counter()
+        padded_steps = None if steps is None else _padded(steps, S_b)
+        inputs, layout = _pack_inputs(batch, sampling, padded_steps)
+        with mesh_context(self.mesh):
+            toks, lps, cand_v, cand_i, last, self.cache = self.step_fn(
+                self.weights,
+                tokens,
+                inputs,
+                self.cache,
+                penalties,
+                layout=layout,
+                decode_only=decode_only(batch) and not self.deterministic,
+                batch_invariant=self.deterministic,
+                num_candidates=num_candidates,
+                num_steps=K,
+                # No row samples: an argmax is all (deterministic mode: one path for
+                # every row, so a greedy row's log-prob is the same in any batch).
+                greedy_only=not (temp > 0).any() and not self.deterministic,
+            )
+        seconds = time.perf_counter() - t1
+        compiled = self.step_fn._cache_size() > compiled_before  # compiled a new shape
+        if compiled:
+            self._compiled(batch, num_candidates, seconds, K)
+        return (toks, lps, cand_v, cand_i), last, seconds, compiled
+
+    def _compiled(self, batch, num_candidates: int, seconds: float, num_steps: int = 1) -> None:
+        """Records (and logs at INFO) the shape bucket a step just compiled."""
+        b = dict(
+            tokens=int(batch.token_ids.shape[0]),
+            seqs=int(batch.kv_lens.shape[0]),
+            pages_per_seq=int(batch.page_indices.shape[-1]),
+            copies=int(batch.copy_src.shape[0]),
+            beam_candidates=num_candidates,
+            seconds=round(seconds, 2),
+        )
+        if num_steps > 1:
+            b["steps"] = num_steps
+        self.compiled_buckets.append(b)
+        log.info("compiled a step bucket in %.1f s: %s", seconds, _describe(b))
+
+    def merge_tokens(self, prev_tokens, src, col, tokens):
+        """``tokens`` with token t taken from ``prev_tokens[src[t], col[t]]`` where
+        ``src[t] >= 0``, on the device (``_merge_tokens``)."""
+        with mesh_context(self.mesh):
+            return _merge_tokens(prev_tokens, src, col, tokens)
+
+    def read_pages(self, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Swap-out reads: ``pages`` (``i32[replicas * n]``, replica r's local ids at
+        ``[r n, (r + 1) n)``) as host arrays ``[L, len(pages), ...]``, and their scales
+        for a quantized pool (else None)."""
+        with mesh_context(self.mesh):
+            data = np.asarray(jax.device_get(_read_pages(self.cache, pages)))
+            scales = (
+                np.asarray(jax.device_get(_read_scales(self.cache, pages)))
+                if self.cache.quantized
+                else None
+            )
+        return data, scales
+
+    def write_pages(self, pages: np.ndarray, data: np.ndarray, scales: np.ndarray | None):
+        """Swap-in writes: ``data`` (and ``scales``) into ``pages``, laid out as
+        ``read_pages`` returns them; the pool is updated in place (donated)."""
+        with mesh_context(self.mesh):
+            self.cache = _write_pages(
+                self.cache,
+                jnp.asarray(pages),
+                jnp.asarray(data),
+                None if scales is None else jnp.asarray(scales),
+            )
+
+    def reallocate_if_consumed(self) -> None:
+        """A fresh pool if a failed step consumed this one (donated buffers); its
+        contents are never read again."""
+        if any(x.is_deleted() for x in jax.tree.leaves(self.cache)):
+            self.cache = self.make_cache(self.num_pages)

@@ -1,0 +1,105 @@
+"""The engine's output processor on its own (host only): finish reasons, stop strings,
+settled text for streaming, and ``RequestOutput``s, on hand-made sequences."""
+
+import pytest
+
+from paged_jax.engine.outputs import OutputProcessor
+from paged_jax.engine.sampling import SamplingParams
+from paged_jax.engine.scheduler import Group, Seq, Status
+
+
+class Letters:
+    """Token t is the letter chr(97 + t); 26 is half a character (a replacement one)."""
+
+    def decode(self, ids):
+        return "".join("\ufffd" if t == 26 else chr(97 + t) for t in ids)
+
+
+EOS = 25  # "z"
+
+
+def _proc(max_model_len=64):
+    return OutputProcessor(Letters(), {EOS}, max_model_len)
+
+
+def _seq(prompt, output=(), index=0, **kw):
+    return Seq(f"s{index}", list(prompt) + list(output), len(prompt), index, **kw)
+
+
+def _grown(proc, p, prompt, tokens):
+    """``tokens`` appended one by one as the core does; (the sequence, each reason)."""
+    s = _seq(prompt)
+    reasons = []
+    for t in tokens:
+        s.tokens.append(t)
+        reasons.append(proc.finish_reason(s, p, t))
+    return s, reasons
+
+
+def test_finish_reasons_stop_tokens_eos_and_lengths():
+    proc = _proc(max_model_len=8)
+    p = SamplingParams(max_tokens=4, stop_token_ids=(3,))
+    assert _grown(proc, p, [0], [1, 3])[1] == [None, "stop"]  # a stop token
+    assert _grown(proc, p, [0], [1, EOS])[1] == [None, "stop"]  # the model's end
+    ignore = SamplingParams(max_tokens=4, ignore_eos=True)
+    assert _grown(proc, ignore, [0], [EOS, 1, 2, 4])[1] == [None, None, None, "length"]
+    # the model's length (8) comes before max_tokens (4 after a 6-token prompt: 10)
+    assert _grown(proc, p, range(6), [1, 2])[1] == [None, "length"]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_across_tokens_cuts_the_text(include):
+    proc = _proc()
+    p = SamplingParams(max_tokens=20, stop=("cd", "xyz"), include_stop_str_in_output=include)
+    s, reasons = _grown(proc, p, [0], [0, 1, 2, 3])  # "abcd": "cd" ends at the 4th token
+    assert reasons == [None, None, None, "stop"]
+    assert s.stop_text == ("abcd" if include else "ab")
+
+
+def test_settled_text_holds_back_what_may_still_change():
+    proc = _proc()
+    assert proc.settled_text(_seq([0], [1, 2, 26]), ()) == "bc"  # half a character
+    # "de" could start the stop string "def": held back until the next token
+    assert proc.settled_text(_seq([0], [0, 3, 4]), ("def",)) == "a"
+    assert proc.settled_text(_seq([0], [0], stop_text="done"), ("def",)) == "done"
+
+
+def test_text_deltas_join_into_the_final_text():
+    proc = _proc()
+    p = SamplingParams(max_tokens=8, stop=("xx",))
+    g = Group("r", 1, [0], p, 0, None, 0.0, max_len=9)
+    s = _seq([0])
+    g.seqs.append(s)
+    sent, pieces = {}, []
+    for t in [7, 4, 11, 11, 14]:  # "hello"
+        s.tokens.append(t)
+        pieces += proc.text_deltas("r", g, None, sent)
+    # "xx" is 2 characters: the last one is held back (it could start the stop string)
+    assert "".join(x.text for x in pieces) == "hell"
+    g.seqs.remove(s)
+    s.finish_reason = "length"
+    g.done.append(s)
+    g.status = Status.FINISHED
+    out = proc.request_output(g)
+    last = proc.text_deltas("r", None, out, sent)
+    assert [x.finished for x in last] == [True] and last[0].finish_reason == "length"
+    assert "".join(x.text for x in pieces + last) == out.outputs[0].text == "hello"
+
+
+def test_request_output_orders_samples_and_ranks_beams():
+    proc = _proc()
+    g = Group("r", 1, [0, 1], SamplingParams(n=2, max_tokens=4), 0, None, 0.0)
+    g.done += [_seq([0, 1], [5], index=1), _seq([0, 1], [2, 3], index=0)]
+    g.status = Status.FINISHED
+    out = proc.request_output(g)
+    assert [o.text for o in out.outputs] == ["cd", "f"] and out.finished
+    assert out.prompt_token_ids == [0, 1] and out.metrics.num_generated_tokens == 3
+    # beams: the best n by logprob / len ** length_penalty (-3/3 = -1 beats -1.5/1)
+    beams = SamplingParams(beam_width=3, n=2, max_tokens=4, length_penalty=1.0)
+    g = Group("b", 2, [0], beams, 0, None, 0.0)
+    g.done += [
+        _seq([0], [1], cum_logprob=-1.5),
+        _seq([0], [2, 2, 2], cum_logprob=-3.0),
+        _seq([0], [3, 3], cum_logprob=-1.8),
+    ]
+    assert [o.text for o in proc.request_output(g).outputs] == ["dd", "ccc"]
