@@ -7,13 +7,14 @@ the sampled tokens when they come back, overlapping the next step with the runni
 (``async_scheduling``) and running several decode steps a launch
 (``num_scheduler_steps``). A step is all or nothing: a fault puts every request back to
 be recomputed, isolates the request that causes it, or stops the engine until
-``reset()``. Finish reasons, text and outputs come from the ``OutputProcessor``
-(``paged_jax.engine.outputs``). ``LLM`` is its public facade.
+``reset()``. A step's samples are applied by the ``ApplyResults`` half
+(``results.py``); a dispatched step is a ``Launched`` (``launch.py``); finish reasons,
+text and outputs come from the ``OutputProcessor`` (``outputs.py``). ``LLM`` is its
+public facade.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import operator
 import time
@@ -24,13 +25,15 @@ import numpy as np
 
 from paged_jax._validation import validate_batch
 from paged_jax.batch import ScheduledSeq, advance_batch, bucket, build_batch, concat_batches
-from paged_jax.block_manager import BlockManager, HybridBlockManager, SeqRows, prefix_root_key
+from paged_jax.block_manager import BlockManager, HybridBlockManager, prefix_root_key
 from paged_jax.engine._signals import DeferSignals
+from paged_jax.engine.launch import Lane, Launched
 from paged_jax.engine.metrics import EngineMetrics, record_step
 from paged_jax.engine.outputs import OutputProcessor, RequestOutput
+from paged_jax.engine.results import ApplyResults
 from paged_jax.engine.runner import ModelRunner
 from paged_jax.engine.sampling import Penalties, SamplingParams
-from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status, TokenLog, Work
+from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status, Work
 
 
 class EngineFailedError(RuntimeError):
@@ -57,10 +60,9 @@ log = logging.getLogger("paged_jax")
 MIN_STEP_TOKENS = 8
 _PENDING = -1  # a token the running step is sampling (overlapped steps)
 _SEQS = operator.attrgetter("seqs")
-_CUM_LOGPROB = operator.attrgetter("cum_logprob")
 
 
-class EngineCore:
+class EngineCore(ApplyResults):
     """Continuous batching of requests on a ``ModelRunner`` (see the module docstring and
     ``LLM``, which builds it and documents every option).
 
@@ -124,10 +126,10 @@ class EngineCore:
         self._consecutive_faults = 0
         self._undelivered: list[RequestOutput] = []  # finished, not yet returned
         self._step_groups: list[Group] = []  # the running step's groups
-        self._inflight: _Launched | None = None  # a step left running (async_scheduling)
+        self._inflight: Launched | None = None  # a step left running (async_scheduling)
         self._accounted = 0  # step calls accounted (metrics)
         self._suspects: list[Group] = []  # groups of a failed step, not yet cleared
-        self._ended = 0  # sequences given a finish reason so far (_Lane.ended)
+        self._ended = 0  # sequences given a finish reason so far (Lane.ended)
         self._cleared: set[int] = set()  # arrivals of suspects that since sampled a token
 
     # ------------------------------------------------------------------ the runner's state
@@ -372,7 +374,7 @@ class EngineCore:
         """
         t0 = time.perf_counter()
         prev, self._inflight = self._inflight, None
-        done: list[_Launched] = []
+        done: list[Launched] = []
         finished: list[RequestOutput] = []
         overlapped = prev is not None
         if prev is not None and prev.steps is not None:  # a multi-step launch
@@ -413,7 +415,7 @@ class EngineCore:
         self._account(time.perf_counter() - t0, completed=sum(f.iterations for f in done))
         return finished
 
-    def _launch(self, prev: _Launched | None) -> _Launched | None:
+    def _launch(self, prev: Launched | None) -> Launched | None:
         """Schedules and dispatches a step (without waiting for it); None if there is no
         work. ``prev``: the step still running, whose sampling sequences end in a
         placeholder token (``_place``); the schedule is then speculative."""
@@ -437,9 +439,9 @@ class EngineCore:
         self,
         works: list[list[Work]],
         steps: list[int] | None,
-        prev: _Launched | None,
+        prev: Launched | None,
         stalled,
-    ) -> _Launched:
+    ) -> Launched:
         """Builds the batch of ``works`` (each scheduler's, in order) and dispatches it:
         one step, or with ``steps`` (one per row) a multi-step launch. ``prev``: the
         step still running, whose samples some rows decode (placeholders in the batch);
@@ -501,14 +503,14 @@ class EngineCore:
         lane = (
             None
             if steps is None
-            else _Lane.of(work, steps, self.eos_token_ids, self.bm, self._ended)
+            else Lane.of(work, steps, self.eos_token_ids, self.bm, self._ended)
         )
         replicas = len(batches)
         return self._send(
             work, placed, stalled, batch, tokens, sampling, penalties, num_cand, replicas, lane
         )
 
-    def _run_batch(self, lane: _Lane, prev: _Launched, batch, rows, advance) -> _Launched:
+    def _run_batch(self, lane: Lane, prev: Launched, batch, rows, advance) -> Launched:
         """``_dispatch`` of a batch ``advance_batch`` built from multi-step launch
         ``prev``'s: row i (``lane``'s row i) goes on from ``prev``'s row ``rows[i]``,
         ``advance[i]`` tokens on, its sampling inputs that row's (the output position
@@ -551,7 +553,7 @@ class EngineCore:
 
     def _send(
         self, work, placed, stalled, batch, tokens, sampling, penalties, num_cand, replicas, lane
-    ) -> _Launched:
+    ) -> Launched:
         """Dispatches the jitted step (or, with its rows' ``lane``, a multi-step launch) on
         ``batch`` with input ``tokens`` and the rows' ``sampling`` arrays (temperature,
         top-k, top-p, min-p, seeds, output positions); returns it running."""
@@ -568,7 +570,7 @@ class EngineCore:
         if compiled:
             self.metrics.compile_s += dispatch_s
             self.metrics.compilations += 1
-        return _Launched(
+        return Launched(
             work=work if lane is None else None,
             placed=placed if lane is None else None,
             groups=self._step_groups,
@@ -591,7 +593,7 @@ class EngineCore:
         sc = self.schedulers[0]
         return not (self._suspects or sc.waiting or sc.swapped)
 
-    def _multi_steps(self, scheds, prev: _Launched | None) -> list[int] | None:
+    def _multi_steps(self, scheds, prev: Launched | None) -> list[int] | None:
         """The steps each sequence of the schedule runs in a multi-step launch, its slots
         reserved (``BlockManager.reserve_tokens``), or None for one step: multi-step
         decoding is off, or the schedule swaps, preempts or stalled, a request waits to be
@@ -623,7 +625,7 @@ class EngineCore:
             return None
         return steps
 
-    def _continue(self, f: _Launched) -> _Launched | None:
+    def _continue(self, f: Launched) -> Launched | None:
         """The multi-step launch that goes on from running launch ``f`` before its tokens
         are known (overlapped steps), or None. Each row of ``f`` that has tokens left to
         sample decodes ``f``'s last sample (read on the device) and up to K - 1 more; the
@@ -632,7 +634,7 @@ class EngineCore:
         (``_multi_step_ready``: nothing waits to be admitted) and ``f`` ran every running
         sequence; None also when the pages are not free (the next step is scheduled once
         ``f``'s tokens are known). Runs for every launch of a steady decode: the rows are
-        handled as whole arrays (``_Lane``)."""
+        handled as whole arrays (``Lane``)."""
         if not self.async_scheduling or not self._multi_step_ready():
             return None
         self._phase = "schedule"
@@ -685,7 +687,7 @@ class EngineCore:
         )
         return self._run_batch(nxt, f, batch, rows, advance)
 
-    def _tokens(self, batch, placed, prev: _Launched | None, pending: int):
+    def _tokens(self, batch, placed, prev: Launched | None, pending: int):
         """The step's input tokens: the batch's (host), or on the device with each of its
         ``pending`` placeholders (a token ``prev``, a single step, is sampling) taken from
         ``prev``'s output."""
@@ -706,7 +708,7 @@ class EngineCore:
             return batch.token_ids
         return self.runner.merge_tokens(prev.outputs[0], src, np.zeros_like(src), batch.token_ids)
 
-    def _place(self, f: _Launched) -> list[Seq]:
+    def _place(self, f: Launched) -> list[Seq]:
         """Readies the schedule that overlaps running step ``f``: each of its sampling
         sequences still running gets a placeholder for the token ``f`` samples, and every
         sequence's tokens of ``f`` count as computed (the device runs steps in order, so
@@ -722,7 +724,7 @@ class EngineCore:
                 placed.append(s)
         return placed
 
-    def _may_overlap(self, f: _Launched) -> bool:
+    def _may_overlap(self, f: Launched) -> bool:
         """Whether the next step may be scheduled before ``f``'s tokens are known: overlap
         is on, no request is isolated as a suspect, ``f``'s schedule did not stop short
         of a preemption (the next one makes it, from known tokens), and each sampling row
@@ -743,7 +745,7 @@ class EngineCore:
                     return False
         return True
 
-    def _complete(self, f: _Launched, *, overlapped: bool = False) -> list[RequestOutput]:
+    def _complete(self, f: Launched, *, overlapped: bool = False) -> list[RequestOutput]:
         """Waits for step ``f`` and applies its tokens; returns the requests it finished.
         ``overlapped``: the next step was launched meanwhile (with placeholders for these
         tokens, replaced here in the block manager); rows of sequences that finished or
@@ -931,260 +933,6 @@ class EngineCore:
             rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
         return Penalties(rep, pres, freq, out, prompt)  # the runner puts them on the device
 
-    def _process(self, placed, toks, lps, cand, now) -> list[RequestOutput]:
-        by_group: dict[int, list[tuple[int, Any]]] = {}
-        for i, w in placed:
-            if w.sample:
-                by_group.setdefault(id(w.group), []).append((i, w))
-        finished = []
-        first_toks, first_lps = toks[:, 0].tolist(), lps[:, 0].tolist()  # ints, floats
-        for items in by_group.values():
-            g = items[0][1].group
-            if g.first_token_time is None:
-                g.first_token_time = now
-            if g.params.use_beam_search:
-                self._beam_step(g, items, cand)
-            elif g.params.n > 1 and not g.forked:
-                self._fork_samples(g, items[0], toks, lps)
-            else:
-                for i, w in items:
-                    self._append(g, w.seq, first_toks[i], first_lps[i])
-            if not g.seqs:
-                finished.append(self._finish(g))
-        return finished
-
-    def _append(self, g: Group, s: Seq, token: int, logprob: float) -> None:
-        """Adds a sampled token to ``s``; finishes ``s`` on a stop condition."""
-        p = g.params
-        tokens = s.tokens
-        tokens.append(token)
-        s.cum_logprob += logprob
-        if p.logprobs:
-            s.logprobs.append(logprob)
-        self.metrics.tokens_generated += 1
-        reason = self.outputs.finish_reason(s, p, token)
-        if reason:
-            self._end(g, s, reason)
-
-    def _end(self, g: Group, s: Seq, reason: str) -> None:
-        s.finish_reason = reason
-        self._ended += 1
-        self._bm(g).free(s.seq_id)
-        g.seqs.remove(s)
-        g.done.append(s)
-
-    def _alive(self, lane: _Lane) -> np.ndarray | None:
-        """``bool[L]``: which of the lane's rows have not finished, or None when none has
-        (no sequence got a finish reason since the lane was built: ``_Lane.ended``)."""
-        if lane.ended == self._ended:
-            return None
-        return np.fromiter((s.finish_reason is None for s in lane.seqs), bool, len(lane.seqs))
-
-    def _apply_steps(self, f: _Launched, toks, lps, now: float) -> list[RequestOutput]:
-        """Applies a multi-step launch (``toks``, ``lps``: ``[S_b, K]``): each row's
-        reserved tokens get their sampled values and count as computed, then its samples
-        are appended, up to the first that stops it (the rest are dropped).
-
-        The rows are checked as whole arrays (``f.lane``): a row with no stop token among
-        its samples and no stop string or log-probs to keep (the common case) only has its
-        samples and log-prob sum added to the lane's ``TokenLog`` (its sequence reads them
-        when its tokens are read), and ends if it reached its length; the others go
-        through ``_extend``."""
-        lane = f.lane
-        alive = self._alive(lane)
-        carried = f.carried  # their last sample is reserved too: the next launch decodes it
-        if alive is not None and not alive.all():
-            if not alive.any():
-                return []
-            lane = lane.take(alive, cum=None if lane.cum is None else lane.cum[alive])
-            if carried is not None:
-                carried = carried[alive]
-        seqs, groups, at, ks = lane.seqs, lane.groups, lane.at, lane.steps
-        L, K = len(seqs), toks.shape[1]
-        if L and at[-1] == L - 1:  # rows 0 .. L - 1 (at is increasing): slices, not copies
-            row_toks, row_lps = toks[:L], lps[:L]
-        else:
-            row_toks, row_lps = toks[at], lps[at]
-        self.schedulers[0].bm.fill_reserved(
-            lane.ids, lane.stops, row_toks, counts=ks - 1 if carried is None else ks - 1 + carried
-        )
-        self._phase = "apply"
-        # Running sums of each row's log-probs from its sequence's, in float64 one at a
-        # time (as _append adds them): column c is the sum after c tokens.
-        sums = np.empty((L, K + 1))
-        if lane.cum is None:
-            sums[:, 0] = np.fromiter(map(_CUM_LOGPROB, seqs), np.float64, L)
-        else:  # the launch before computed them (reading 256 sequences' cost 50-90 us)
-            sums[:, 0] = lane.cum
-            if self.checked:
-                assert lane.cum.tolist() == list(map(_CUM_LOGPROB, seqs)), "lane.cum drift"
-        sums[:, 1:] = row_lps
-        sums = np.cumsum(sums, axis=1)
-        # Rows that need _extend: a token that may stop them among their samples (any
-        # request's stop ids, a superset of each row's), or a stop string or log-probs.
-        exact = lane.exact
-        if lane.stop_union:
-            hit = np.isin(row_toks, lane.stop_union) & (np.arange(K) < ks[:, None])
-            exact = exact | hit.any(axis=1)
-        # each row's sum after its samples
-        last = sums[:, K] if bool((ks == K).all()) else sums[np.arange(L), ks]
-        if f.next is not None:  # the launch going on from this one: its rows' sums
-            f.next.cum = last if carried is None else last[carried]
-        if not lane.continued:  # a continued lane's groups had their first tokens
-            for g in {id(g): g for g in groups if g.first_token_time is None}.values():
-                g.first_token_time = now
-        # The plain rows' samples and sums go to the lane's log (read from it when their
-        # sequences are: Seq.tokens); the others, one by one through _extend.
-        plain = ~exact
-        if plain.all():
-            lane.log.add(lane.li, row_toks, ks, last)
-        else:
-            stop_ids = lane.stop_ids
-            for j in np.flatnonzero(exact).tolist():
-                g = groups[j]
-                row = row_toks[j, : ks[j]].tolist()
-                self._extend(g, seqs[j], row, row_lps[j], sums[j], stop_ids[id(g.params)])
-            lane.log.add(lane.li[plain], row_toks[plain], ks[plain], last[plain])
-        self.metrics.tokens_generated += int(ks[plain].sum())
-        # Rows that reached their length (Group.max_len: the prompt plus max_tokens, at
-        # most the model's), then the groups with no sequence left, in row order.
-        ended = plain & (lane.stops + ks >= lane.max_len)
-        for j in np.flatnonzero(ended).tolist():
-            self._end(groups[j], seqs[j], "length")
-        finished = []
-        if ended.any() or exact.any():
-            for g in {id(g): g for g in groups}.values():
-                if not g.seqs:
-                    finished.append(self._finish(g))
-        return finished
-
-    def _extend(
-        self, g: Group, s: Seq, tokens: list, logprobs: np.ndarray, sums: np.ndarray, stops: set
-    ) -> None:
-        """``_append`` of several ``tokens``, up to the first that finishes ``s``.
-        ``logprobs``: ``f32[>= len(tokens)]`` theirs; ``sums[c]``: ``s.cum_logprob`` after
-        ``c`` of them; ``stops``: the token ids that finish ``s``."""
-        p = g.params
-        if p.stop:  # a stop string may end at any token: one at a time
-            for token, lp in zip(tokens, logprobs.tolist(), strict=False):
-                self._append(g, s, token, lp)
-                if s.finish_reason is not None:
-                    return
-            return
-        cut, reason = len(tokens), None
-        if stops and not stops.isdisjoint(tokens):
-            cut = next(j for j, token in enumerate(tokens) if token in stops) + 1
-            reason = "stop"
-            tokens = tokens[:cut]
-        s.tokens += tokens
-        s.cum_logprob = float(sums[cut])
-        if p.logprobs:
-            s.logprobs += logprobs[:cut].tolist()
-        self.metrics.tokens_generated += cut
-        n = len(s.tokens)
-        if reason is None and (n - s.prompt_len >= p.max_tokens or n >= self.max_model_len):
-            reason = "length"
-        if reason:
-            self._end(g, s, reason)
-
-    def _fork_samples(self, g: Group, item, toks, lps) -> None:
-        """The prompt's logits give n tokens: n - 1 forks share every prompt page."""
-        i, w = item
-        parent = w.seq
-        g.forked = True
-        children = []
-        for j in range(1, g.params.n):
-            sid = g.new_seq_id()
-            self._bm(g).fork(parent.seq_id, sid)
-            child = Seq(sid, list(parent.tokens), parent.prompt_len, j)
-            g.seqs.append(child)
-            children.append((child, j))
-        for s, j in [(parent, 0), *children]:
-            self._append(g, s, int(toks[i, j]), float(lps[i, j]))
-
-    def _beam_step(self, g: Group, items, cand) -> None:
-        """Keeps the best ``beam_width`` continuations; forks/frees beams on shared pages."""
-        p = g.params
-        vals, ids = cand
-        candidates = []  # (score, parent order, rank, parent seq, token, logprob)
-        for order, (i, w) in enumerate(items):
-            for rank in range(2 * p.beam_width):
-                lp = float(vals[i, rank])
-                candidates.append(
-                    (w.seq.cum_logprob + lp, order, rank, w.seq, int(ids[i, rank]), lp)
-                )
-        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
-        chosen = []
-        for score, _, _, parent, token, lp in candidates:
-            if len(chosen) == p.beam_width:
-                break
-            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-                if len(g.done) < p.beam_width:
-                    g.done.append(
-                        Seq(
-                            g.new_seq_id(),
-                            parent.tokens + [token],
-                            parent.prompt_len,
-                            0,
-                            cum_logprob=score,
-                            finish_reason="stop",
-                        )
-                    )
-                continue
-            chosen.append((parent, token, lp))
-        uses: dict[str, int] = {}
-        new_beams = []
-        for parent, token, lp in chosen:
-            uses[parent.seq_id] = uses.get(parent.seq_id, 0) + 1
-            if uses[parent.seq_id] == 1:
-                beam = Seq(
-                    parent.seq_id,
-                    list(parent.tokens),
-                    parent.prompt_len,
-                    0,
-                    cum_logprob=parent.cum_logprob,
-                )
-            else:
-                sid = g.new_seq_id()
-                self._bm(g).fork(parent.seq_id, sid)
-                beam = Seq(
-                    sid, list(parent.tokens), parent.prompt_len, 0, cum_logprob=parent.cum_logprob
-                )
-            new_beams.append((beam, token, lp))
-        for old in g.seqs:
-            if old.seq_id not in uses:
-                self._bm(g).free(old.seq_id)
-        g.seqs = [b for b, _, _ in new_beams]
-        for beam, token, lp in new_beams:
-            self._append_beam(g, beam, token, lp)
-        if len(g.done) >= p.beam_width:  # enough finished beams: stop (early stopping)
-            for s in g.seqs:
-                self._bm(g).free(s.seq_id)
-            g.seqs.clear()
-
-    def _append_beam(self, g: Group, s: Seq, token: int, logprob: float) -> None:
-        s.tokens.append(token)
-        s.cum_logprob += logprob
-        self.metrics.tokens_generated += 1
-        if len(s.output) >= g.params.max_tokens or len(s.tokens) >= self.max_model_len:
-            s.finish_reason = "length"
-            self._ended += 1
-            self._bm(g).free(s.seq_id)
-            g.seqs.remove(s)
-            g.done.append(s)
-
-    def _finish(self, g: Group) -> RequestOutput:
-        g.status = Status.FINISHED
-        g.finish_time = time.perf_counter()
-        self.schedulers[g.replica].remove(g)
-        self._load[g.replica] -= g.params.beam_width if g.params.use_beam_search else g.params.n
-        self._groups.pop(g.request_id, None)  # the id may be used again
-        self.metrics.requests_finished += 1
-        if g.first_token_time is not None:
-            self.metrics.ttft_sum_s += g.first_token_time - g.arrival_time
-        return self.outputs.request_output(g)
-
-    # ------------------------------------------------------------------ swaps
     def _swap(self, scheds) -> None:
         """Swap-out reads, then swap-in writes, before the step (see BlockManager), of
         every replica's schedule at once: replica r's pages (local ids, padded with its
@@ -1226,130 +974,3 @@ class EngineCore:
         self._accounted += 1
         full = sum(sc.bm.num_seqs for sc in self.schedulers) <= 16 or self._accounted % 8 == 1
         record_step(self.metrics, dt, completed, self.schedulers, self.page_size, full=full)
-
-
-@dataclasses.dataclass
-class _Lane:
-    """A multi-step launch's rows as columns: row j is batch row ``at[j]``, sequence
-    ``seqs[j]`` of ``groups[j]`` (its id ``ids[j]``), whose input is its token
-    ``stops[j] - 1`` and which samples ``steps[j]`` tokens. Built once for the first
-    launch of a run and carried from launch to launch (``LLM._continue``), so a steady
-    launch makes no per-row objects and checks its rows with whole-array operations."""
-
-    seqs: list  # [Seq]
-    groups: list  # [Group]
-    ids: SeqRows  # the sequences' ids and block-manager rows
-    at: np.ndarray  # intp[L]: batch rows
-    stops: np.ndarray  # int64[L]: the sequence's tokens with the row's input (Work.stop)
-    steps: np.ndarray  # int64[L]
-    max_len: np.ndarray  # int64[L]: Group.max_len
-    exact: np.ndarray  # bool[L]: a stop string or log-probs to keep (LLM._extend)
-    stop_ids: dict  # id(SamplingParams) -> set of token ids that stop its sequences
-    stop_union: list  # every token id in stop_ids (a superset of each row's)
-    ended: int  # LLM._ended when every row was known to run (none finished since: all do)
-    continued: bool  # built by LLM._continue (its groups have their first token times)
-    log: TokenLog  # where the rows' samples wait until read (Seq.attach)
-    li: np.ndarray  # intp[L]: each row's row in log
-    # float64[L]: the sequences' cum_logprob as the launch starts, set by the launch before
-    # as it is applied (None: read them from the sequences)
-    cum: np.ndarray | None = None
-
-    @classmethod
-    def of(
-        cls, work: list, steps: list[int], eos_token_ids: set, bm: BlockManager, ended: int
-    ) -> _Lane:
-        """The lane of a launch scheduled as ``work`` (row i: ``work[i]``), ``steps`` each,
-        its sequences in ``bm``; ``ended``: ``LLM._ended`` now."""
-        seqs = [w.seq for w in work]
-        groups = [w.group for w in work]
-        L = len(work)
-        stop_ids = {}
-        for p in {id(g.params): g.params for g in groups}.values():
-            stop_ids[id(p)] = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
-        log = TokenLog(L)
-        for i, s in enumerate(seqs):
-            s.attach(log, i)
-        return cls(
-            seqs=seqs,
-            groups=groups,
-            ids=bm.seq_rows([s.seq_id for s in seqs]),
-            at=np.arange(L, dtype=np.intp),
-            stops=np.fromiter((w.stop for w in work), np.int64, L),
-            steps=np.asarray(steps, np.int64),
-            max_len=np.fromiter((g.max_len for g in groups), np.int64, L),
-            exact=np.fromiter((bool(g.params.stop or g.params.logprobs) for g in groups), bool, L),
-            stop_ids=stop_ids,
-            stop_union=sorted(set().union(*stop_ids.values())),
-            ended=ended,
-            continued=False,
-            log=log,
-            li=np.arange(L, dtype=np.intp),
-        )
-
-    def take(self, keep: np.ndarray | None, **columns) -> _Lane:
-        """The lane of rows ``keep`` (a bool mask; None: all), with ``columns`` replaced
-        (arrays over the kept rows)."""
-        if keep is None:
-            fields = {"seqs": self.seqs, "groups": self.groups, "ids": self.ids}
-            fields.update(at=self.at, stops=self.stops, steps=self.steps)
-            fields.update(max_len=self.max_len, exact=self.exact, li=self.li)
-        else:
-            idx = np.flatnonzero(keep).tolist()
-            fields = {k: [getattr(self, k)[j] for j in idx] for k in ("seqs", "groups")}
-            fields["ids"] = self.ids.take(keep)
-            for k in ("at", "stops", "steps", "max_len", "exact", "li"):
-                fields[k] = getattr(self, k)[keep]
-        fields.update(ended=self.ended, continued=self.continued, log=self.log)
-        fields.update(columns)  # (cum is not carried: a lane taken for the next launch
-        # starts from sums the launch before has not computed yet)
-        return _Lane(**fields, stop_ids=self.stop_ids, stop_union=self.stop_union)
-
-    def work(self) -> list:
-        """Its rows as ``Work``, in order."""
-        return [
-            Work(g, s, n - 1, n, True)
-            for g, s, n in zip(self.groups, self.seqs, self.stops.tolist(), strict=True)
-        ]
-
-
-@dataclasses.dataclass
-class _Launched:
-    """A dispatched step: its work, batch rows and device outputs (not waited for)."""
-
-    work: list | None  # [Work] (None for a multi-step launch: its ``lane``)
-    placed: list | None  # [(batch row, Work)] (None for a multi-step launch)
-    groups: list  # [Group] the step runs
-    num_tokens: int  # live tokens
-    # (tokens i32[S_b, 1], log-probs f32[S_b, 1], candidates or None x 2); a multi-step
-    # launch's: (i32[S_b, 2 K] its tokens then its log-probs' bits, None, None, None)
-    outputs: tuple
-    dispatch_s: float  # the dispatch call's time (0 when it compiled)
-    stalled: bool  # its speculative schedule stopped short of a preemption
-    # Multi-step decoding: the steps each row runs; None: one
-    # step. Then also its rows as a lane, and its batch and sampling arrays, from which
-    # the next launch is built (``advance_batch``).
-    steps: list[int] | None = None
-    last: Any = None  # i32[T_b] row r's last sample (0: padding), the next launch's input
-    lane: _Lane | None = None
-    batch: Any = None
-    sampling: tuple | None = None
-    rows: dict = dataclasses.field(init=False)  # id(Seq) -> batch row of its sample
-    # Multi-step: the lane's rows whose last sample a launch dispatched meanwhile decodes
-    # (``LLM._continue``): reserved in the block manager, filled with the others.
-    carried: np.ndarray | None = None  # bool[L]; None: none
-    next: _Lane | None = None  # the lane of the launch that goes on from this one
-
-    def __post_init__(self):
-        # read only for a single step (``LLM._tokens``): a launch is followed by
-        # ``LLM._continue``, or completes before the next step is scheduled
-        self.rows = {id(w.seq): i for i, w in self.placed if w.sample} if self.steps is None else {}
-
-    def all_work(self) -> list:
-        """Its ``Work``, in row order (a multi-step launch's made from its lane)."""
-        return self.work if self.lane is None else self.lane.work()
-
-    @property
-    def iterations(self) -> int:
-        """Device steps the launch runs (a multi-step one: its longest row's, the loop's
-        trip count)."""
-        return 1 if self.steps is None else max(self.steps)

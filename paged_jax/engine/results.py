@@ -1,0 +1,279 @@
+"""Applying a step's samples to its requests (the engine core's half that runs after the
+device): tokens appended and checked for a finish (``OutputProcessor.finish_reason``), n
+samples forked from the prompt's first token, beams kept or dropped, a multi-step
+launch's rows taken as whole arrays, finished requests turned into outputs. A mixin of
+``EngineCore`` (``core.py``), whose state it reads and updates. No JAX here."""
+
+from __future__ import annotations
+
+import operator
+import time
+from typing import Any
+
+import numpy as np
+
+from paged_jax.engine.launch import Lane, Launched
+from paged_jax.engine.outputs import RequestOutput
+from paged_jax.engine.scheduler import Group, Seq, Status
+
+_CUM_LOGPROB = operator.attrgetter("cum_logprob")
+
+
+class ApplyResults:
+    """``EngineCore``'s methods that apply a completed step's samples (see the module
+    docstring)."""
+
+    def _process(self, placed, toks, lps, cand, now) -> list[RequestOutput]:
+        by_group: dict[int, list[tuple[int, Any]]] = {}
+        for i, w in placed:
+            if w.sample:
+                by_group.setdefault(id(w.group), []).append((i, w))
+        finished = []
+        first_toks, first_lps = toks[:, 0].tolist(), lps[:, 0].tolist()  # ints, floats
+        for items in by_group.values():
+            g = items[0][1].group
+            if g.first_token_time is None:
+                g.first_token_time = now
+            if g.params.use_beam_search:
+                self._beam_step(g, items, cand)
+            elif g.params.n > 1 and not g.forked:
+                self._fork_samples(g, items[0], toks, lps)
+            else:
+                for i, w in items:
+                    self._append(g, w.seq, first_toks[i], first_lps[i])
+            if not g.seqs:
+                finished.append(self._finish(g))
+        return finished
+
+    def _append(self, g: Group, s: Seq, token: int, logprob: float) -> None:
+        """Adds a sampled token to ``s``; finishes ``s`` on a stop condition."""
+        p = g.params
+        tokens = s.tokens
+        tokens.append(token)
+        s.cum_logprob += logprob
+        if p.logprobs:
+            s.logprobs.append(logprob)
+        self.metrics.tokens_generated += 1
+        reason = self.outputs.finish_reason(s, p, token)
+        if reason:
+            self._end(g, s, reason)
+
+    def _end(self, g: Group, s: Seq, reason: str) -> None:
+        s.finish_reason = reason
+        self._ended += 1
+        self._bm(g).free(s.seq_id)
+        g.seqs.remove(s)
+        g.done.append(s)
+
+    def _alive(self, lane: Lane) -> np.ndarray | None:
+        """``bool[L]``: which of the lane's rows have not finished, or None when none has
+        (no sequence got a finish reason since the lane was built: ``Lane.ended``)."""
+        if lane.ended == self._ended:
+            return None
+        return np.fromiter((s.finish_reason is None for s in lane.seqs), bool, len(lane.seqs))
+
+    def _apply_steps(self, f: Launched, toks, lps, now: float) -> list[RequestOutput]:
+        """Applies a multi-step launch (``toks``, ``lps``: ``[S_b, K]``): each row's
+        reserved tokens get their sampled values and count as computed, then its samples
+        are appended, up to the first that stops it (the rest are dropped).
+
+        The rows are checked as whole arrays (``f.lane``): a row with no stop token among
+        its samples and no stop string or log-probs to keep (the common case) only has its
+        samples and log-prob sum added to the lane's ``TokenLog`` (its sequence reads them
+        when its tokens are read), and ends if it reached its length; the others go
+        through ``_extend``."""
+        lane = f.lane
+        alive = self._alive(lane)
+        carried = f.carried  # their last sample is reserved too: the next launch decodes it
+        if alive is not None and not alive.all():
+            if not alive.any():
+                return []
+            lane = lane.take(alive, cum=None if lane.cum is None else lane.cum[alive])
+            if carried is not None:
+                carried = carried[alive]
+        seqs, groups, at, ks = lane.seqs, lane.groups, lane.at, lane.steps
+        L, K = len(seqs), toks.shape[1]
+        if L and at[-1] == L - 1:  # rows 0 .. L - 1 (at is increasing): slices, not copies
+            row_toks, row_lps = toks[:L], lps[:L]
+        else:
+            row_toks, row_lps = toks[at], lps[at]
+        self.schedulers[0].bm.fill_reserved(
+            lane.ids, lane.stops, row_toks, counts=ks - 1 if carried is None else ks - 1 + carried
+        )
+        self._phase = "apply"
+        # Running sums of each row's log-probs from its sequence's, in float64 one at a
+        # time (as _append adds them): column c is the sum after c tokens.
+        sums = np.empty((L, K + 1))
+        if lane.cum is None:
+            sums[:, 0] = np.fromiter(map(_CUM_LOGPROB, seqs), np.float64, L)
+        else:  # the launch before computed them (reading 256 sequences' cost 50-90 us)
+            sums[:, 0] = lane.cum
+            if self.checked:
+                assert lane.cum.tolist() == list(map(_CUM_LOGPROB, seqs)), "lane.cum drift"
+        sums[:, 1:] = row_lps
+        sums = np.cumsum(sums, axis=1)
+        # Rows that need _extend: a token that may stop them among their samples (any
+        # request's stop ids, a superset of each row's), or a stop string or log-probs.
+        exact = lane.exact
+        if lane.stop_union:
+            hit = np.isin(row_toks, lane.stop_union) & (np.arange(K) < ks[:, None])
+            exact = exact | hit.any(axis=1)
+        # each row's sum after its samples
+        last = sums[:, K] if bool((ks == K).all()) else sums[np.arange(L), ks]
+        if f.next is not None:  # the launch going on from this one: its rows' sums
+            f.next.cum = last if carried is None else last[carried]
+        if not lane.continued:  # a continued lane's groups had their first tokens
+            for g in {id(g): g for g in groups if g.first_token_time is None}.values():
+                g.first_token_time = now
+        # The plain rows' samples and sums go to the lane's log (read from it when their
+        # sequences are: Seq.tokens); the others, one by one through _extend.
+        plain = ~exact
+        if plain.all():
+            lane.log.add(lane.li, row_toks, ks, last)
+        else:
+            stop_ids = lane.stop_ids
+            for j in np.flatnonzero(exact).tolist():
+                g = groups[j]
+                row = row_toks[j, : ks[j]].tolist()
+                self._extend(g, seqs[j], row, row_lps[j], sums[j], stop_ids[id(g.params)])
+            lane.log.add(lane.li[plain], row_toks[plain], ks[plain], last[plain])
+        self.metrics.tokens_generated += int(ks[plain].sum())
+        # Rows that reached their length (Group.max_len: the prompt plus max_tokens, at
+        # most the model's), then the groups with no sequence left, in row order.
+        ended = plain & (lane.stops + ks >= lane.max_len)
+        for j in np.flatnonzero(ended).tolist():
+            self._end(groups[j], seqs[j], "length")
+        finished = []
+        if ended.any() or exact.any():
+            for g in {id(g): g for g in groups}.values():
+                if not g.seqs:
+                    finished.append(self._finish(g))
+        return finished
+
+    def _extend(
+        self, g: Group, s: Seq, tokens: list, logprobs: np.ndarray, sums: np.ndarray, stops: set
+    ) -> None:
+        """``_append`` of several ``tokens``, up to the first that finishes ``s``.
+        ``logprobs``: ``f32[>= len(tokens)]`` theirs; ``sums[c]``: ``s.cum_logprob`` after
+        ``c`` of them; ``stops``: the token ids that finish ``s``."""
+        p = g.params
+        if p.stop:  # a stop string may end at any token: one at a time
+            for token, lp in zip(tokens, logprobs.tolist(), strict=False):
+                self._append(g, s, token, lp)
+                if s.finish_reason is not None:
+                    return
+            return
+        cut, reason = len(tokens), None
+        if stops and not stops.isdisjoint(tokens):
+            cut = next(j for j, token in enumerate(tokens) if token in stops) + 1
+            reason = "stop"
+            tokens = tokens[:cut]
+        s.tokens += tokens
+        s.cum_logprob = float(sums[cut])
+        if p.logprobs:
+            s.logprobs += logprobs[:cut].tolist()
+        self.metrics.tokens_generated += cut
+        n = len(s.tokens)
+        if reason is None and (n - s.prompt_len >= p.max_tokens or n >= self.max_model_len):
+            reason = "length"
+        if reason:
+            self._end(g, s, reason)
+
+    def _fork_samples(self, g: Group, item, toks, lps) -> None:
+        """The prompt's logits give n tokens: n - 1 forks share every prompt page."""
+        i, w = item
+        parent = w.seq
+        g.forked = True
+        children = []
+        for j in range(1, g.params.n):
+            sid = g.new_seq_id()
+            self._bm(g).fork(parent.seq_id, sid)
+            child = Seq(sid, list(parent.tokens), parent.prompt_len, j)
+            g.seqs.append(child)
+            children.append((child, j))
+        for s, j in [(parent, 0), *children]:
+            self._append(g, s, int(toks[i, j]), float(lps[i, j]))
+
+    def _beam_step(self, g: Group, items, cand) -> None:
+        """Keeps the best ``beam_width`` continuations; forks/frees beams on shared pages."""
+        p = g.params
+        vals, ids = cand
+        candidates = []  # (score, parent order, rank, parent seq, token, logprob)
+        for order, (i, w) in enumerate(items):
+            for rank in range(2 * p.beam_width):
+                lp = float(vals[i, rank])
+                candidates.append(
+                    (w.seq.cum_logprob + lp, order, rank, w.seq, int(ids[i, rank]), lp)
+                )
+        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+        chosen = []
+        for score, _, _, parent, token, lp in candidates:
+            if len(chosen) == p.beam_width:
+                break
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+                if len(g.done) < p.beam_width:
+                    g.done.append(
+                        Seq(
+                            g.new_seq_id(),
+                            parent.tokens + [token],
+                            parent.prompt_len,
+                            0,
+                            cum_logprob=score,
+                            finish_reason="stop",
+                        )
+                    )
+                continue
+            chosen.append((parent, token, lp))
+        uses: dict[str, int] = {}
+        new_beams = []
+        for parent, token, lp in chosen:
+            uses[parent.seq_id] = uses.get(parent.seq_id, 0) + 1
+            if uses[parent.seq_id] == 1:
+                beam = Seq(
+                    parent.seq_id,
+                    list(parent.tokens),
+                    parent.prompt_len,
+                    0,
+                    cum_logprob=parent.cum_logprob,
+                )
+            else:
+                sid = g.new_seq_id()
+                self._bm(g).fork(parent.seq_id, sid)
+                beam = Seq(
+                    sid, list(parent.tokens), parent.prompt_len, 0, cum_logprob=parent.cum_logprob
+                )
+            new_beams.append((beam, token, lp))
+        for old in g.seqs:
+            if old.seq_id not in uses:
+                self._bm(g).free(old.seq_id)
+        g.seqs = [b for b, _, _ in new_beams]
+        for beam, token, lp in new_beams:
+            self._append_beam(g, beam, token, lp)
+        if len(g.done) >= p.beam_width:  # enough finished beams: stop (early stopping)
+            for s in g.seqs:
+                self._bm(g).free(s.seq_id)
+            g.seqs.clear()
+
+    def _append_beam(self, g: Group, s: Seq, token: int, logprob: float) -> None:
+        s.tokens.append(token)
+        s.cum_logprob += logprob
+        self.metrics.tokens_generated += 1
+        if len(s.output) >= g.params.max_tokens or len(s.tokens) >= self.max_model_len:
+            s.finish_reason = "length"
+            self._ended += 1
+            self._bm(g).free(s.seq_id)
+            g.seqs.remove(s)
+            g.done.append(s)
+
+    def _finish(self, g: Group) -> RequestOutput:
+        g.status = Status.FINISHED
+        g.finish_time = time.perf_counter()
+        self.schedulers[g.replica].remove(g)
+        self._load[g.replica] -= g.params.beam_width if g.params.use_beam_search else g.params.n
+        self._groups.pop(g.request_id, None)  # the id may be used again
+        self.metrics.requests_finished += 1
+        if g.first_token_time is not None:
+            self.metrics.ttft_sum_s += g.first_token_time - g.arrival_time
+        return self.outputs.request_output(g)
+
+    # ------------------------------------------------------------------ swaps
