@@ -19,8 +19,39 @@ padding rows of block tables.
 """
 
 import importlib
+import importlib.abc
+import importlib.util
+import pathlib
+import sys
 
 __version__ = "0.1.0"
+
+
+class _CheckoutFolders(importlib.abc.MetaPathFinder):
+    """A checkout used without an install (``PYTHONPATH=.``): the repository's ``models/``
+    and ``pallas_kernels/`` import as ``paged_jax.models`` and ``paged_jax.kernels``, the
+    names an install gives them (pyproject's package-dir). Last on ``sys.meta_path``, so
+    an installed package is found first; only where both folders lie beside this one."""
+
+    ROOT = pathlib.Path(__file__).resolve().parent.parent
+    FOLDERS = {"paged_jax.models": "models", "paged_jax.kernels": "pallas_kernels"}
+
+    @classmethod
+    def present(cls) -> bool:
+        return all((cls.ROOT / f / "__init__.py").is_file() for f in cls.FOLDERS.values())
+
+    def find_spec(self, name, path=None, target=None):
+        folder = self.FOLDERS.get(name)
+        if folder is None:  # their submodules come from the package's __path__
+            return None
+        where = self.ROOT / folder
+        return importlib.util.spec_from_file_location(
+            name, where / "__init__.py", submodule_search_locations=[str(where)]
+        )
+
+
+if _CheckoutFolders.present() and not any(isinstance(f, _CheckoutFolders) for f in sys.meta_path):
+    sys.meta_path.append(_CheckoutFolders())
 
 # Everything is imported on first use: host-only processes (a scheduler, the block
 # manager's tests) never import JAX, and the console script starts (and takes Ctrl-C

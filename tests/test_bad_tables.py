@@ -202,11 +202,11 @@ def test_validate_batch_names_the_array_and_row(name, spoil, msg):
 
 
 def test_checked_engine_validates_every_step(monkeypatch):
-    from paged_jax.engine import core as engine_core
+    from paged_jax.engine import launch as engine_launch
 
     calls = []
-    real = engine_core.validate_batch
-    monkeypatch.setattr(engine_core, "validate_batch", lambda b, **k: calls.append(real(b, **k)))
+    real = engine_launch.validate_batch
+    monkeypatch.setattr(engine_launch, "validate_batch", lambda b, **k: calls.append(real(b, **k)))
     p = pj.SamplingParams(max_tokens=4, ignore_eos=True)
     plain = pj.LLM(*models.load("tiny-llama"), num_pages=32, page_size=8)
     ref = plain.generate([[1, 2, 3], [4, 5]], p, progress=False)
@@ -221,9 +221,9 @@ def test_checked_engine_validates_every_step(monkeypatch):
 
 
 def test_checked_engine_fails_the_request_whose_step_is_invalid(monkeypatch):
-    from paged_jax.engine import core as engine_core
+    from paged_jax.engine import launch as engine_launch
 
-    real = engine_core.build_batch
+    real = engine_launch.build_batch
 
     def corrupt(bm, scheduled, **kw):  # request "bad" gets a page id past the pool
         batch = real(bm, scheduled, **kw)
@@ -233,7 +233,7 @@ def test_checked_engine_fails_the_request_whose_step_is_invalid(monkeypatch):
         return batch
 
     llm = pj.LLM(*models.load("tiny-llama"), num_pages=32, page_size=8, checked=True)
-    monkeypatch.setattr(engine_core, "build_batch", corrupt)
+    monkeypatch.setattr(engine_launch, "build_batch", corrupt)
     p = pj.SamplingParams(max_tokens=3, ignore_eos=True)
     llm.add_request("good", [1, 2, 3], p)
     llm.add_request("bad", [4, 5, 6], p)

@@ -11,7 +11,8 @@ import pytest
 
 import paged_jax as pj
 from paged_jax import models
-from paged_jax.engine import core as llm_mod
+from paged_jax.engine import faults as engine_faults
+from paged_jax.engine import launch as engine_launch
 
 PAGE = 8
 STAGES = ("schedule", "swap", "build", "device_before", "device_after")
@@ -128,7 +129,7 @@ def _inject(monkeypatch, llm, stage: str, at_steps: set[int], exc=Fault):
 
         monkeypatch.setattr(llm, "_swap", swap)
     elif stage == "build":  # the copies are taken (the original bug), then the step fails
-        real = llm_mod.build_batch
+        real = engine_launch.build_batch
 
         def build(*a, **k):
             batch = real(*a, **k)
@@ -136,7 +137,7 @@ def _inject(monkeypatch, llm, stage: str, at_steps: set[int], exc=Fault):
                 raise exc("after build_batch")
             return batch
 
-        monkeypatch.setattr(llm_mod, "build_batch", build)
+        monkeypatch.setattr(engine_launch, "build_batch", build)
     else:
         real = llm._run  # noqa: SLF001
 
@@ -222,7 +223,7 @@ def test_a_fault_no_request_explains_stops_the_engine_instead_of_looping(monkeyp
     llm = _engine()
     llm.add_request("a", [1, 2, 3], pj.SamplingParams(max_tokens=4))
     _inject(monkeypatch, llm, "schedule", set(range(1, 100)))  # before any request runs
-    for _ in range(llm_mod.MAX_CONSECUTIVE_FAILED_STEPS):
+    for _ in range(engine_faults.MAX_CONSECUTIVE_FAILED_STEPS):
         with pytest.raises(Fault):
             llm.step()
     with pytest.raises(pj.EngineFailedError):

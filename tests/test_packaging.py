@@ -158,3 +158,30 @@ def test_version_flag_names_the_package_and_jax():
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(f"paged-jax {version} (jax {jax.__version__}, jaxlib ")
+
+
+def test_a_checkout_without_an_install_imports_the_model_layer_and_kernels(tmp_path):
+    # PYTHONPATH=. from a checkout: models/ and pallas_kernels/ are paged_jax.models and
+    # paged_jax.kernels there too (an install's finder is taken out of the way first).
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.meta_path[:] = [
+            f for f in sys.meta_path
+            if "editable" not in (getattr(f, "__module__", "") + getattr(f, "__name__", ""))
+        ]
+        sys.path.insert(0, {str(ROOT)!r})
+        import paged_jax
+        from paged_jax import models
+        from paged_jax.kernels import gpu
+        print(models.__file__)
+        print(gpu.__file__)
+        print(type(models.load("tiny-llama")[0]).__name__)
+        """
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.split()
+    assert lines[0] == str(ROOT / "models" / "__init__.py")
+    assert lines[1] == str(ROOT / "pallas_kernels" / "gpu" / "__init__.py")
+    assert lines[2] == "LlamaForCausalLM"

@@ -249,3 +249,99 @@ def test_penalized_greedy_through_the_engine_equals_the_definition():
 def test_penalty_params_are_checked(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         pj.SamplingParams(**kwargs)
+
+
+def _masked_reference(logits, allowed, temp, top_k, top_p, min_p, u):
+    """The definition on a row whose disallowed logits are -inf (by removing them)."""
+    ids = np.asarray(sorted(allowed))
+    tok, amb = _reference(logits[ids], temp, top_k, top_p, min_p, u)
+    return int(ids[tok]), amb
+
+
+@pytest.mark.parametrize("cpu_kernel", [False, True], ids=["xla", "cpu-kernel"])
+def test_allowed_tokens_are_the_only_ones_sampled(cpu_kernel):
+    # The per-row mask (SamplingParams.allowed_token_ids, and the hook grammars use):
+    # tokens by the definition over the allowed ones only, greedy rows included;
+    # log-probs under the model's whole distribution.
+    from paged_jax.engine.sampling import allowed_bits
+    from paged_jax.kernels import cpu
+
+    if cpu_kernel and not cpu.available():
+        pytest.skip("the CPU kernels did not build here (no C compiler)")
+    rng = np.random.default_rng(4)
+    R, V = 24, 300
+    logits = rng.normal(size=(R, V)).astype(np.float32) * 3
+    allowed = [set(rng.choice(V, size=int(rng.integers(1, 40)), replace=False)) for _ in range(R)]
+    allowed[0] = set(range(V))  # unrestricted
+    allowed[1] = {7}  # one token
+    mask = np.stack([allowed_bits(sorted(a), V) for a in allowed])
+    temp = np.where(np.arange(R) % 3 == 0, 0.0, 0.8).astype(np.float32)
+    top_k = np.where(np.arange(R) % 4 == 1, 5, 0).astype(np.int32)
+    top_p = np.where(np.arange(R) % 5 == 2, 0.7, 1.0).astype(np.float32)
+    min_p = np.where(np.arange(R) % 7 == 3, 0.1, 0.0).astype(np.float32)
+    seeds = np.arange(R, dtype=np.uint32)[:, None]
+    pos = np.zeros(R, np.int32)
+    toks, lps = sample_rows(
+        jnp.asarray(logits),
+        *map(jnp.asarray, (temp, top_k, top_p, seeds, pos, min_p)),
+        None,
+        jnp.asarray(mask),
+        cpu_kernel=cpu_kernel,
+    )
+    toks, lps = np.asarray(toks)[:, 0], np.asarray(lps)[:, 0]
+    u = _uniforms(seeds[:, 0], pos)
+    raw = logits.astype(np.float64)
+    top = raw.max(1, keepdims=True)
+    log_softmax = raw - top - np.log(np.exp(raw - top).sum(1, keepdims=True))
+    checked = 0
+    for r in range(R):
+        assert toks[r] in allowed[r], (r, toks[r])
+        want, amb = _masked_reference(logits[r], allowed[r], temp[r], top_k[r], top_p[r],
+                                      min_p[r], u[r])  # fmt: skip
+        if not amb:
+            assert toks[r] == want, r
+            checked += 1
+        assert abs(lps[r] - log_softmax[r, toks[r]]) < 1e-4  # the unmasked distribution
+    assert checked >= R - 2 and toks[1] == 7
+
+
+def test_allowed_token_ids_through_the_engine_and_their_checks():
+    from model_helpers import dense_logits
+
+    llm = pj.LLM(*models.load("tiny-llama"), num_pages=64, page_size=8)
+    allowed = (10, 20, 30, 40, 50)
+    prompt = [3, 4, 5]
+    out = (
+        llm.generate(
+            [prompt],
+            pj.SamplingParams(max_tokens=6, ignore_eos=True, allowed_token_ids=list(allowed)),
+            progress=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+    ids, want = list(prompt), []
+    for _ in range(6):  # greedy over the allowed tokens, step by step
+        last = dense_logits(llm.model, ids)[-1]
+        want.append(max(allowed, key=lambda t: last[t]))
+        ids.append(want[-1])
+    assert out == want
+    # multi-step decoding takes such rows one step at a time: the same tokens
+    multi = pj.LLM(*models.load("tiny-llama"), num_pages=64, page_size=8, num_scheduler_steps=4)
+    again = (
+        multi.generate(
+            [prompt],
+            pj.SamplingParams(max_tokens=6, ignore_eos=True, allowed_token_ids=allowed),
+            progress=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+    assert again == want and multi.metrics.multi_step_launches == 0
+    with pytest.raises(ValueError, match=r"params.allowed_token_ids: token ids must lie in"):
+        llm.add_request("x", prompt, pj.SamplingParams(allowed_token_ids=(10, 10**6)))
+    for bad in ([], "abc", [1.5], [-1]):
+        with pytest.raises(ValueError, match="allowed_token_ids: expected None or a non-empty"):
+            pj.SamplingParams(allowed_token_ids=bad)
+    with pytest.raises(ValueError, match="allowed_token_ids: not supported with beam search"):
+        pj.SamplingParams(allowed_token_ids=[1], beam_width=2)

@@ -410,3 +410,26 @@ def test_a_body_nested_too_deeply_gets_a_400():
     finally:
         app.loop.stop()
     assert r.status_code == 400 and r.json()["error"]["message"] == "body: nested too deeply"
+
+
+def test_allowed_token_ids_restrict_a_completion():
+    # vLLM's extension field, mapped to SamplingParams.allowed_token_ids (tiny-llama's
+    # tokens 0-255 are bytes: only "a" and "b" may come out)
+    app = _in_process()
+
+    async def go():
+        transport = httpx.ASGITransport(app=app.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            body = dict(model="t", prompt="x", max_tokens=12, temperature=1.0, seed=3)
+            ok = await client.post("/v1/completions", json=dict(body, allowed_token_ids=[97, 98]))
+            bad = await client.post("/v1/completions", json=dict(body, allowed_token_ids=[]))
+            return ok, bad
+
+    try:
+        ok, bad = asyncio.run(go())
+    finally:
+        app.loop.stop()
+    assert ok.status_code == 200, ok.text
+    text = ok.json()["choices"][0]["text"]
+    assert text and set(text) <= {"a", "b"}, text
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids"

@@ -15,9 +15,11 @@ Order of device work within one engine step, which the manager's plans assume:
 ``cache.copy_pages(*take_copies())``, then swap-out reads, then swap-in writes, then the
 model's K/V writes. Copies read pages as they were before the step.
 
-Parts: ``manager.py`` (``BlockManager``: the pool and the block tables), ``prefix.py``
-(prefix-cache keys and lookups), ``swap.py`` (swap plans), ``hybrid.py``
-(``HybridBlockManager``, ``layer_groups``), ``_common.py`` (errors, ``SeqRows``).
+Parts: ``manager.py`` (``BlockManager``: the pool and the block tables), ``rows.py`` (the
+sequences' rows of arrays and the batched operations of a step), ``prefix.py``
+(prefix-cache keys and lookups), ``swap.py`` (swap plans), ``stats.py`` (statistics,
+invariants), ``hybrid.py`` (``HybridBlockManager``, ``layer_groups``), ``_common.py``
+(errors, ``SeqRows``).
 """
 
 from ._common import (

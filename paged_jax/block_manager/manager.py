@@ -1,19 +1,18 @@
 """``BlockManager``: the page pool and the sequences' block tables (allocation on demand,
-reference counts, copy-on-write, step boundaries, statistics and invariants), with its
-prefix-cache lookups (``prefix.py``) and swap plans (``swap.py``) as parts of its own.
-No JAX."""
+reference counts, copy-on-write, step boundaries), with parts of its own in their
+modules: the sequences' rows of arrays and the batched operations over them
+(``rows.py``), prefix-cache lookups (``prefix.py``), swap plans (``swap.py``), statistics
+and invariants (``stats.py``). No JAX."""
 
 from __future__ import annotations
 
-import itertools
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from ._common import (
-    _DROPPED_SLOT,
     NULL_PAGE,
     DuplicateSequence,
     InvalidSequenceState,
@@ -21,30 +20,14 @@ from ._common import (
     SeqRows,
     UnknownSequence,
     _as_tokens,
-    _ragged,
-    _spans,
-    write_spans,
 )
 from .prefix import PrefixCache, prefix_root_key
+from .rows import SequenceRows
+from .stats import Statistics
 from .swap import Swapping
 
-# Per-sequence state kept in rows of arrays (BlockManager._add_row doubles them all).
-_ROW_ARRAYS = (
-    "_serial",
-    "_table",
-    "_tok",
-    "_ntok",
-    "_ncomp",
-    "_resv",
-    "_last",
-    "_nhash",
-    "_win",
-    "_dropped",
-    "_swapped",
-)
 
-
-class BlockManager(PrefixCache, Swapping):
+class BlockManager(SequenceRows, PrefixCache, Swapping, Statistics):
     """Pages of a paged KV cache, handed out to sequences on demand.
 
     Args:
@@ -296,57 +279,6 @@ class BlockManager(PrefixCache, Swapping):
         """The sequence's row of ``tables()`` (fixed from its allocation to its ``free``)."""
         return self._row(seq_id)
 
-    def _add_row(
-        self, seq_id: Hashable, tokens: np.ndarray, pages: Sequence[int], root: bytes, window: int
-    ) -> int:
-        """A new sequence's row, holding ``tokens`` and ``pages``, nothing computed."""
-        if not self._free_rows:
-            rows = self._table.shape[0]
-            for name in _ROW_ARRAYS:
-                a = getattr(self, name)
-                fill = -1 if name == "_tok" else 0
-                pad = ((0, rows),) + ((0, 0),) * (a.ndim - 1)
-                setattr(self, name, np.pad(a, pad, constant_values=fill))
-            self._root += [b""] * rows
-            self._key += [b""] * rows
-            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
-        row = self._free_rows.pop()
-        self._serials += 1
-        self._serial[row] = self._serials
-        n = len(tokens)
-        self._fit(len(pages), n)
-        self._table[row, : len(pages)] = pages
-        self._tok[row, :n] = tokens
-        self._ntok[row] = n
-        self._ncomp[row] = 0
-        self._resv[row] = -1
-        self._last[row] = -1
-        self._nhash[row] = 0
-        self._win[row] = window
-        self._dropped[row] = 0
-        self._swapped[row] = False
-        self._root[row] = self._key[row] = root
-        self._seqs[seq_id] = row
-        return row
-
-    def _drop_row(self, seq_id: Hashable, row: int) -> None:
-        del self._seqs[seq_id]
-        self._table[row] = 0
-        self._tok[row, : self._ntok[row]] = -1
-        self._ntok[row] = 0
-        self._free_rows.append(row)
-
-    def _fit(self, pages: int, tokens: int) -> None:
-        """Widens the table to ``pages`` columns and the token ids to ``tokens``, if
-        they are narrower (to the next power of two, so widening is rare)."""
-        if pages > self._table.shape[1]:
-            width = 1 << (pages - 1).bit_length()
-            self._table = np.pad(self._table, ((0, 0), (0, width - self._table.shape[1])))
-        if tokens > self._tok.shape[1]:
-            width = 1 << (tokens - 1).bit_length()
-            pad = ((0, 0), (0, width - self._tok.shape[1]))
-            self._tok = np.pad(self._tok, pad, constant_values=-1)
-
     # ------------------------------------------------------------------ admission checks
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -541,208 +473,6 @@ class BlockManager(PrefixCache, Swapping):
         self._grow(row, tokens)
         return self.slots(seq_id, n, n + num_new)
 
-    def _first_appends(self, rows: np.ndarray) -> None:
-        """At a sequence's first append of a step, every token it had before was computed
-        by an earlier step (tokens appended within this step are not): for each of
-        ``rows`` (distinct) about to append."""
-        stale = rows[self._last[rows] != self._step]
-        if len(stale):
-            self._last[stale] = self._step
-            r = self._resv[stale]
-            self._mark_rows(stale, np.where(r < 0, self._ntok[stale], r))
-
-    def _grow(self, row: int, tokens: np.ndarray | int) -> None:
-        """Appends ``tokens`` (an int: that many placeholders, -1) to the row's sequence,
-        whose pages for them were counted free: a shared partially filled last page is
-        first replaced by a private copy (copy-on-write), then new pages are taken as the
-        tokens need them."""
-        P, n = self.page_size, int(self._ntok[row])
-        num_new = tokens if isinstance(tokens, int) else len(tokens)
-        have = -(-n // P)
-        m = n + num_new
-        self._fit(self.pages_needed(m), m)
-        if n % P and num_new and self._refcount[self._table[row, have - 1]] > 1:
-            old = int(self._table[row, have - 1])
-            new = self._take_page()
-            # `old` holds only K/V of earlier steps: fork refuses parents with unwritten
-            # K/V, so a page written this step is never shared, and copies never chain.
-            self._pending[new] = old
-            self._pending_src[old] = self._pending_src.get(old, 0) + 1
-            self._unref(old)
-            self._table[row, have - 1] = new
-        for col in range(have, self.pages_needed(m)):
-            self._table[row, col] = self._take_page()
-        if not isinstance(tokens, int):  # (placeholders: the cells past n are -1)
-            self._tok[row, n:m] = tokens
-        self._ntok[row] = m
-
-    def _append(self, rows: np.ndarray, counts: np.ndarray, values: np.ndarray | None) -> bool:
-        """Appends ``counts[i]`` tokens to the sequence of row ``rows[i]`` (distinct rows,
-        counts >= 1): ``values[i]`` (one token each), or placeholders (-1) for None. All or
-        none: False, changing nothing, when the pages they need together are not free.
-
-        For every row of every step: the new pages are taken in row order and written
-        to the table in one assignment, and so are the tokens; only a row whose shared
-        last page needs a copy first (copy-on-write) goes through ``_grow``."""
-        if not len(rows):
-            return True
-        P = self.page_size
-        n = self._ntok[rows]
-        m = n + counts
-        have, want = -(-n // P), -(-m // P)
-        cow = np.zeros(len(rows), bool)
-        part = np.flatnonzero(n % P)
-        if len(part):
-            get = self._refcount.__getitem__
-            last = self._table[rows[part], have[part] - 1].tolist()
-            if max(map(get, last)) > 1:  # some last page is shared
-                cow[part] = [get(p) > 1 for p in last]
-        more = want - have
-        if int(more.sum()) + int(cow.sum()) > self.num_free_pages:
-            return False
-        self._first_appends(rows)
-        if cow.any():
-            for j in np.flatnonzero(cow).tolist():
-                self._grow(int(rows[j]), int(counts[j]) if values is None else values[j : j + 1])
-            keep = ~cow
-            rows, counts, n, m, have, more = (a[keep] for a in (rows, counts, n, m, have, more))
-            values = None if values is None else values[keep]
-            if not len(rows):
-                return True
-        self._fit(int(want.max()), int(m.max()))
-        total = int(more.sum())
-        if total:
-            free = self._free
-            if len(free) >= total:  # pop() order, in one slice
-                taken = free[: -total - 1 : -1]
-                del free[-total:]
-                # refcount[page] = 1 for each, the loop run in C (deque drops the Nones)
-                deque(map(self._refcount.__setitem__, taken, itertools.repeat(1)), maxlen=0)
-            else:  # the prefix cache gives up pages too
-                taken = [self._take_page() for _ in range(total)]
-            if total == int(np.count_nonzero(more)):  # one new page a row at most
-                got = more > 0
-                self._table[rows[got], have[got]] = taken
-            else:
-                self._table[np.repeat(rows, more), np.repeat(have, more) + _ragged(more)] = taken
-        if values is not None:  # (placeholders: the cells past n are -1)
-            self._tok[rows, n] = values
-        self._ntok[rows] = m
-        return True
-
-    def append_tokens(self, seq_ids: Sequence[Hashable] | SeqRows, tokens: Sequence[int]) -> bool:
-        """Appends ``tokens[i]`` to sequence ``seq_ids[i]`` (distinct sequences), all of
-        them or none: returns False, changing nothing, when the pages they need together
-        are not free.
-
-        A decode step's appends in one call (``can_append`` and ``append_slots`` of one
-        token each, without the slot arrays): the engine's scheduler runs this for every
-        decoding group of every step.
-        """
-        if len(seq_ids) != len(tokens):
-            raise ValueError(
-                f"tokens: expected one per sequence ({len(seq_ids)}), got {len(tokens)}"
-            )
-        values = _as_tokens(tokens, "tokens")
-        rows = self._device_rows(seq_ids, "append_tokens")
-        return self._append(rows, np.ones(len(rows), np.int64), values)
-
-    def reserve_tokens(self, seq_ids: Sequence[Hashable] | SeqRows, counts: Sequence[int]) -> bool:
-        """Appends ``counts[i]`` placeholder tokens (-1) to sequence ``seq_ids[i]``
-        (distinct sequences), all of them or none: returns False, changing nothing, when
-        the pages they need together are not free.
-
-        For tokens the device will sample within the step that follows (the engine's
-        multi-step decoding computes several tokens of a sequence in one launch): give
-        them their values with ``fill_reserved``, which also marks them computed, the
-        moment their pages enter the prefix cache. Until then they stay uncomputed, step
-        boundaries notwithstanding, and more may be reserved after them (the next launch,
-        dispatched while this one runs); fill them in order.
-        """
-        if len(seq_ids) != len(counts):
-            raise ValueError(
-                f"counts: expected one per sequence ({len(seq_ids)}), got {len(counts)}"
-            )
-        ks = np.asarray(counts)
-        if ks.dtype.kind not in "iu" or (ks < 0).any():
-            for seq_id, k in zip(seq_ids, counts, strict=True):
-                if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
-                    raise ValueError(f"counts: expected ints >= 0, got {k!r} for {seq_id!r}")
-        rows = self._device_rows(seq_ids, "reserve_tokens")
-        ks = ks.astype(np.int64, copy=False)
-        some = ks > 0
-        if not some.all():
-            rows, ks = rows[some], ks[some]
-        before = self._ntok[rows]
-        if not self._append(rows, ks, None):
-            return False
-        r = self._resv[rows]
-        self._resv[rows] = np.where(r < 0, before, r)
-        return True
-
-    def fill_reserved(
-        self,
-        seq_ids: Sequence[Hashable] | SeqRows,
-        starts: Sequence[int],
-        tokens: Sequence[np.ndarray] | np.ndarray,
-        *,
-        counts: Sequence[int] | None = None,
-    ) -> None:
-        """For each sequence (distinct), tokens ``[starts[i], starts[i] + c)`` (none of them
-        computed yet) replaced by the first ``c = counts[i]`` of ``tokens[i]`` (all of them
-        when ``counts`` is None; ``set_token`` for each), then every token up to them
-        marked computed (``mark_computed``): a multi-step launch's reserved tokens
-        (``reserve_tokens``), once it returned. ``tokens``: an int array per sequence, or
-        ``i32[S, J]`` (row i sequence i's)."""
-        S = len(seq_ids)
-        if len(starts) != S or len(tokens) != S:
-            raise ValueError(
-                f"starts, tokens: expected one per sequence ({S}), got "
-                f"{len(starts)} and {len(tokens)}"
-            )
-        if counts is None:
-            cs = np.fromiter((len(t) for t in tokens), np.int64, S)
-            values = (
-                np.concatenate([np.asarray(t, np.int32).reshape(-1) for t in tokens])
-                if S
-                else np.zeros(0, np.int32)
-            )
-        else:
-            if len(counts) != S:
-                raise ValueError(f"counts: expected one per sequence ({S}), got {len(counts)}")
-            cs = np.asarray(counts, np.int64)
-            tokens = np.asarray(tokens)
-            width = tokens.shape[1] if tokens.ndim == 2 else 0
-            bad = np.flatnonzero((cs < 0) | (cs > width))
-            if len(bad):
-                i = int(bad[0])
-                raise ValueError(
-                    f"counts: expected 0 to {width} (the tokens given) for {seq_ids[i]!r}, "
-                    f"got {int(cs[i])}"
-                )
-            values = None  # written below (write_spans)
-        rows = self._device_rows(seq_ids, "fill_reserved")
-        starts = np.asarray(starts, np.int64).reshape(S)
-        stops = starts + cs
-        done, n = self._ncomp[rows], self._ntok[rows]
-        bad = np.flatnonzero((starts < done) | (stops > n))
-        if len(bad):
-            i = int(bad[0])
-            raise ValueError(
-                f"starts: expected tokens not yet computed, within [{int(done[i])}, "
-                f"{int(n[i])}) for {seq_ids[i]!r}, got [{int(starts[i])}, {int(stops[i])})"
-            )
-        if values is None:
-            write_spans(self._tok, rows, starts, cs, tokens)
-        else:
-            at = _spans(rows, starts, cs)
-            self._tok[at] = values.reshape(at[1].shape)
-        r = self._resv[rows]
-        past = (r >= 0) & (stops > r)
-        if past.any():
-            self._resv[rows[past]] = np.where(stops < n, stops, -1)[past]
-        self._mark_rows(rows, stops)
-
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
         """Declares the K/V of the sequence's first ``num_tokens`` tokens written.
 
@@ -767,25 +497,6 @@ class BlockManager(PrefixCache, Swapping):
         self._ncomp[row] = num_tokens
         self._register(row, num_tokens)
         self._drop_out_of_window(row)
-
-    def _mark_rows(self, rows: np.ndarray, num_tokens: np.ndarray) -> None:
-        """``_mark_computed`` of each of ``rows`` (distinct): the counts as one
-        assignment, then the prefix cache and the window for the rows that need them."""
-        up = num_tokens > self._ncomp[rows]
-        if not up.all():
-            rows, num_tokens = rows[up], num_tokens[up]
-        if not len(rows):
-            return
-        self._ncomp[rows] = num_tokens
-        if self.enable_prefix_caching:
-            new = num_tokens // self.page_size > self._nhash[rows]
-            for row, k in zip(rows[new].tolist(), num_tokens[new].tolist(), strict=True):
-                self._register(row, k)
-        w = self._win[rows]
-        if w.any():
-            dead = (num_tokens - w + 1) // self.page_size
-            for row in rows[(w > 0) & (dead > self._dropped[rows])].tolist():
-                self._drop_out_of_window(row)
 
     def _drop_out_of_window(self, row: int) -> None:
         """Releases the leading pages no token from the computed count on can read: page
@@ -868,111 +579,3 @@ class BlockManager(PrefixCache, Swapping):
         self._deferred.clear()
         self._step += 1
         return src, dst
-
-    # ------------------------------------------------------------------ statistics
-    def stats(self) -> dict[str, float]:
-        """Pages used / free / cached / referenced, KV utilization, sharing, prefix counters.
-
-        ``kv_utilization`` = tokens stored / (pages in use * page_size), a shared page's
-        tokens counted once.
-        """
-        P = self.page_size
-        # From the row arrays, not page by page in Python (the engine samples these every
-        # few steps; 256 sequences of 1k tokens hold 16k pages). A page's tokens are the
-        # most any sequence holding it has written there.
-        rows = np.fromiter(self._seqs.values(), np.intp, len(self._seqs))
-        live = rows[~self._swapped[rows]]
-        ns = self._ntok[live]
-        widths = -(-ns // P)
-        referenced = int((widths - self._dropped[live]).sum())
-        stored = 0
-        if len(live):
-            cols = np.arange(int(widths.max()))
-            pages = self._table[live, : len(cols)]
-            fills = np.minimum(P, ns[:, None] - cols * P)
-            held = (cols < widths[:, None]) & (pages != NULL_PAGE) & (fills > 0)
-            most = np.zeros(self.num_pages, np.int64)
-            np.maximum.at(most, pages[held], fills[held])
-            stored = int(most.sum())
-        refcount = self._refcount
-        used = len(refcount) - refcount.count(0)
-        return {
-            "pages_total": self.num_pages - 1,
-            "pages_used": used,
-            "pages_free": len(self._free),
-            "pages_cached": len(self._page_key),
-            "pages_cached_unused": len(self._evictable),
-            "pages_shared": used - refcount.count(1),
-            # Sum of block-table lengths: the pages an unshared layout would need.
-            "pages_referenced": referenced,
-            "tokens_stored": stored,
-            "kv_utilization": stored / (used * P) if used else 1.0,
-            "prefix_queries": self._prefix_queries,
-            "prefix_hits": self._prefix_hits,
-            "prefix_hit_rate": self._prefix_hits / self._prefix_queries
-            if self._prefix_queries
-            else 0.0,
-            "evictions": self._evictions,
-            "host_pages_used": self.num_host_pages - len(self._host_free),
-            "num_seqs": len(self._seqs),
-        }
-
-    # ------------------------------------------------------------------ invariants
-    def check_invariants(self) -> None:
-        """Recounts everything from the block tables; raises AssertionError on any drift.
-
-        For tests and debugging (cost linear in pages and tokens).
-        """
-        counts = [0] * self.num_pages
-        host_counts = [0] * self.num_host_pages
-        for row in self._seqs.values():
-            n, dropped = int(self._ntok[row]), int(self._dropped[row])
-            pages = self._table[row, : self._npages(row)].tolist()
-            swapped = bool(self._swapped[row])
-            gone = NULL_PAGE if not swapped else _DROPPED_SLOT
-            assert all(p == gone for p in pages[:dropped]), "dropped entry reused"
-            assert gone not in pages[dropped:], "live entry dropped"
-            w = int(self._win[row])
-            if w:
-                dead = (int(self._ncomp[row]) - w + 1) // self.page_size
-                assert dropped == max(dead, 0), "window drop drift"
-            else:
-                assert dropped == 0
-            for p in pages[dropped:]:
-                if swapped:
-                    host_counts[p] += 1
-                else:
-                    counts[p] += 1
-            assert not self._table[row, len(pages) :].any(), "tables() row tail not zero"
-            assert self._ncomp[row] <= n <= self._tok.shape[1]
-            assert (self._tok[row, n:] == -1).all(), "a cell past the tokens not -1"
-            assert self._resv[row] < n, "reserved mark past the tokens"
-            assert self._nhash[row] <= self._ncomp[row] // self.page_size, "hashed drift"
-        assert counts == self._refcount, "refcount != block-table references"
-        rows = list(self._seqs.values())
-        assert sorted(rows + self._free_rows) == list(range(self._table.shape[0])), "row drift"
-        assert not self._table[self._free_rows].any(), "a free row of tables() not zero"
-        assert (self._tok[self._free_rows] == -1).all(), "a free row's token ids not -1"
-        assert host_counts == self._host_refcount, "host refcount drift"
-        assert counts[NULL_PAGE] == 0 and NULL_PAGE not in self._free, "null page handed out"
-        free = set(self._free)
-        assert len(free) == len(self._free), "page twice in the free list"
-        for p in range(1, self.num_pages):
-            in_free, in_evict = p in free, p in self._evictable
-            in_deferred = p in self._deferred
-            assert (counts[p] == 0) == (in_free or in_evict or in_deferred), (
-                f"page {p}: free/used mismatch"
-            )
-            assert in_deferred <= (p in self._pending_src), f"page {p}: deferred for no copy"
-            assert not (in_free and in_evict), f"page {p}: both free and evictable"
-            assert in_evict <= (p in self._page_key), f"page {p}: evictable but not cached"
-            assert not (in_free and p in self._page_key), f"page {p}: free but still cached"
-        assert len(self._cached) == len(self._page_key) == len(self._page_tokens)
-        for key, p in self._cached.items():
-            assert self._page_key[p] == key
-        assert set(self._host_free) == {
-            s for s in range(self.num_host_pages) if host_counts[s] == 0
-        }
-        for dst, src in self._pending.items():
-            assert counts[dst] > 0, f"pending copy into unreferenced page {dst}"
-            assert src not in free and src not in self._evictable, f"copy source {src} reusable"

@@ -16,53 +16,30 @@ public facade.
 from __future__ import annotations
 
 import logging
-import operator
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
 
-from paged_jax._validation import validate_batch
-from paged_jax.batch import ScheduledSeq, advance_batch, bucket, build_batch, concat_batches
+from paged_jax.batch import bucket
 from paged_jax.block_manager import BlockManager, HybridBlockManager, prefix_root_key
 from paged_jax.engine._signals import DeferSignals
-from paged_jax.engine.launch import Lane, Launched
+from paged_jax.engine.faults import (
+    FaultIsolation,
+)
+from paged_jax.engine.launch import _PENDING, Launched, Launching
 from paged_jax.engine.metrics import EngineMetrics, record_step
 from paged_jax.engine.outputs import OutputProcessor, RequestOutput
 from paged_jax.engine.results import ApplyResults
 from paged_jax.engine.runner import ModelRunner
-from paged_jax.engine.sampling import Penalties, SamplingParams
-from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status, Work
-
-
-class EngineFailedError(RuntimeError):
-    """The engine stopped in a step it could not recover from; see ``LLM.reset``."""
-
-
-# A step that raises this many times in a row (each time after requeueing its requests)
-# with no request to blame stops the engine instead of failing forever.
-MAX_CONSECUTIVE_FAILED_STEPS = 3
-# A request is failed (finish_reason "error") once this many steps in a row raised while
-# it ran as the only suspect (see LLM: isolating a fault).
-STRIKES_TO_FAIL_A_REQUEST = 2
+from paged_jax.engine.sampling import SamplingParams
+from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status
 
 log = logging.getLogger("paged_jax")
 
-# The smallest token bucket of a step. Decode of a few sequences in a 16-token bucket
-# computed 16 rows of every product. SmolLM2-135M f32 on the 2-core AMD EPYC, greedy
-# decode, medians (2026-11-24): 1 sequence 37.2 tokens/s with 8, 39.1 with 4, and
-# 32.1-32.9 before (16, with the layers' weights stacked); 4 sequences 144 / 149 / 126.
-# 4 cost a bucket more (8 and 4 at the tail of a 32 x 128 run, where sequences finish
-# in waves): 15.1-15.4 s to compile that run's buckets against 14.4-14.6 with 8. Never 1:
-# XLA turns a one-row scatter into an update that copies the whole KV pool (so
-# PagedKVCache.write pads one row to two).
-MIN_STEP_TOKENS = 8
-_PENDING = -1  # a token the running step is sampling (overlapped steps)
-_SEQS = operator.attrgetter("seqs")
 
-
-class EngineCore(ApplyResults):
+class EngineCore(Launching, ApplyResults, FaultIsolation):
     """Continuous batching of requests on a ``ModelRunner`` (see the module docstring and
     ``LLM``, which builds it and documents every option).
 
@@ -245,6 +222,11 @@ class EngineCore(ApplyResults):
         if not ids:
             raise ValueError("prompt: expected at least one token, got an empty prompt")
         vocab = self.model.config.vocab_size
+        allowed = params.allowed_token_ids
+        if allowed is not None and max(allowed) >= vocab:
+            raise ValueError(
+                f"params.allowed_token_ids: token ids must lie in [0, {vocab}), got {max(allowed)}"
+            )
         if min(ids) < 0 or max(ids) >= vocab:
             k = next(i for i, t in enumerate(ids) if not 0 <= t < vocab)
             raise ValueError(f"prompt: token ids must lie in [0, {vocab}), prompt[{k}] is {ids[k]}")
@@ -435,279 +417,6 @@ class EngineCore(ApplyResults):
             [sched.work for sched in scheds], steps, prev, any(sched.stalled for sched in scheds)
         )
 
-    def _dispatch(
-        self,
-        works: list[list[Work]],
-        steps: list[int] | None,
-        prev: Launched | None,
-        stalled,
-    ) -> Launched:
-        """Builds the batch of ``works`` (each scheduler's, in order) and dispatches it:
-        one step, or with ``steps`` (one per row) a multi-step launch. ``prev``: the
-        step still running, whose samples some rows decode (placeholders in the batch);
-        ``stalled``: the schedule stopped short of a preemption."""
-        work = [w for ws in works for w in ws]
-        batches, pending = [], 0
-        for sc, ws in zip(self.schedulers, works, strict=True):
-            b = build_batch(
-                sc.bm,
-                [ScheduledSeq(w.seq.seq_id, w.start, w.stop) for w in ws],
-                min_tokens=MIN_STEP_TOKENS,
-                min_seqs=self._min_seqs(sum(w.stop - w.start for w in ws)),
-                table_tokens=None
-                if steps is None
-                else [w.stop + k - 1 for w, k in zip(ws, steps, strict=True)],
-            )
-            if prev is not None:  # placeholders: filled on the device (0 until then)
-                mask = b.token_ids == _PENDING
-                pending += int(mask.sum())
-                b.token_ids[mask] = 0
-            if self.checked:
-                validate_batch(
-                    b,
-                    num_pages=sc.bm.num_pages,
-                    page_size=self.page_size,
-                    group_windows=getattr(sc.bm, "group_windows", None),
-                    vocab_size=self.model.config.vocab_size,
-                )
-            batches.append(b)
-        # replicas' batches side by side: replica r's sequence rows from r * S_r
-        batch = concat_batches(batches)
-        S_b = batch.kv_lens.shape[0]
-        S_r = S_b // len(batches)
-        placed = [(r * S_r + i, w) for r, ws in enumerate(works) for i, w in enumerate(ws)]
-        rows, num_samples, num_cand = self._sampling_rows(placed)
-        temp = np.zeros(S_b, np.float32)
-        top_k = np.zeros(S_b, np.int32)
-        top_p = np.ones(S_b, np.float32)
-        min_p = np.zeros(S_b, np.float32)
-        seeds = np.zeros((S_b, num_samples), np.uint32)
-        out_pos = np.zeros(S_b, np.int32)
-        if rows:  # one array write per column, not per row
-            at = list(rows)
-            per_row = list(rows.values())
-            params = [p for p, _, _ in per_row]
-            temp[at] = [p.temperature for p in params]
-            top_k[at] = [p.top_k for p in params]
-            top_p[at] = [p.top_p for p in params]
-            min_p[at] = [p.min_p for p in params]
-            out_pos[at] = [pos for _, _, pos in per_row]
-            if num_samples == 1:
-                seeds[at, 0] = [seed_row[0] for _, seed_row, _ in per_row]
-            else:
-                for i, (_, seed_row, _) in rows.items():
-                    seeds[i, : len(seed_row)] = seed_row
-        sampling = (temp, top_k, top_p, min_p, seeds, out_pos)
-        penalties = self._penalties(placed, rows, S_b)
-        tokens = self._tokens(batch, placed, prev, pending)
-        lane = (
-            None
-            if steps is None
-            else Lane.of(work, steps, self.eos_token_ids, self.bm, self._ended)
-        )
-        replicas = len(batches)
-        return self._send(
-            work, placed, stalled, batch, tokens, sampling, penalties, num_cand, replicas, lane
-        )
-
-    def _run_batch(self, lane: Lane, prev: Launched, batch, rows, advance) -> Launched:
-        """``_dispatch`` of a batch ``advance_batch`` built from multi-step launch
-        ``prev``'s: row i (``lane``'s row i) goes on from ``prev``'s row ``rows[i]``,
-        ``advance[i]`` tokens on, its sampling inputs that row's (the output position
-        ``advance[i]`` further) and its input token ``prev``'s last sample of the row."""
-        if self.checked:
-            validate_batch(
-                batch,
-                num_pages=self.bm.num_pages,
-                page_size=self.page_size,
-                vocab_size=self.model.config.vocab_size,
-            )
-        S, S_b, T_b = len(rows), batch.kv_lens.shape[0], batch.token_ids.shape[0]
-        # Every row goes on in place (a steady launch): prev's sampling rows as they are,
-        # and its rows' last samples (prev.last) as the input tokens.
-        in_place = (
-            S == len(prev.lane.seqs)
-            and S_b == prev.batch.kv_lens.shape[0]
-            and T_b == prev.batch.token_ids.shape[0]
-        )
-        if in_place:
-            sampling = list(prev.sampling)
-            sampling[5] = sampling[5].copy()
-        else:
-            sampling = []
-            for old, pad in zip(prev.sampling, (0, 0, 1, 0, 0, 0), strict=True):
-                new = np.full((S_b, *old.shape[1:]), pad, old.dtype)
-                new[:S] = old[rows]
-                sampling.append(new)
-        sampling[5][:S] += advance.astype(np.int32)  # out_pos
-        if in_place:
-            tokens = prev.last
-        else:
-            src = np.full(T_b, -1, np.int32)  # decode rows: token i is row i's
-            col = np.zeros(T_b, np.int32)
-            src[:S] = rows
-            col[:S] = advance - 1
-            # (columns < K of prev's output: its tokens)
-            tokens = self.runner.merge_tokens(prev.outputs[0], src, col, batch.token_ids)
-        return self._send(None, None, False, batch, tokens, tuple(sampling), None, 0, 1, lane)
-
-    def _send(
-        self, work, placed, stalled, batch, tokens, sampling, penalties, num_cand, replicas, lane
-    ) -> Launched:
-        """Dispatches the jitted step (or, with its rows' ``lane``, a multi-step launch) on
-        ``batch`` with input ``tokens`` and the rows' ``sampling`` arrays (temperature,
-        top-k, top-p, min-p, seeds, output positions); returns it running."""
-        steps = None if lane is None else lane.steps.tolist()
-        outputs, last, dispatch_s, compiled = self.runner.launch(
-            batch,
-            tokens,
-            sampling,
-            penalties,
-            num_cand,
-            None if lane is None else lane.steps,
-            replicas,
-        )
-        if compiled:
-            self.metrics.compile_s += dispatch_s
-            self.metrics.compilations += 1
-        return Launched(
-            work=work if lane is None else None,
-            placed=placed if lane is None else None,
-            groups=self._step_groups,
-            num_tokens=batch.num_tokens if steps is None else sum(steps),
-            outputs=outputs,
-            last=last,
-            dispatch_s=0.0 if compiled else dispatch_s,
-            stalled=stalled,
-            steps=steps,
-            lane=lane,
-            batch=batch if steps is not None else None,
-            sampling=sampling if steps is not None else None,
-        )
-
-    def _multi_step_ready(self) -> bool:
-        """Multi-step decoding is on and may run now: one replica, no hybrid pool, no
-        isolated suspect, no request waiting or swapped out."""
-        if self.num_scheduler_steps == 1 or len(self.schedulers) != 1 or self.hybrid_kv_cache:
-            return False
-        sc = self.schedulers[0]
-        return not (self._suspects or sc.waiting or sc.swapped)
-
-    def _multi_steps(self, scheds, prev: Launched | None) -> list[int] | None:
-        """The steps each sequence of the schedule runs in a multi-step launch, its slots
-        reserved (``BlockManager.reserve_tokens``), or None for one step: multi-step
-        decoding is off, or the schedule swaps, preempts or stalled, a request waits to be
-        admitted, a suspect is isolated, there are several replicas or a hybrid pool, a
-        row is not a plain decode row, or the reserved tokens' pages are not free. A row
-        runs at most as many steps as it has tokens left to sample (``Group.max_len``).
-        With ``prev`` (a single step still running) a row's input token may be the
-        placeholder for ``prev``'s sample (read on the device, ``_tokens``), its
-        reserved tokens after it."""
-        K = self.num_scheduler_steps
-        if not self._multi_step_ready():
-            return None
-        sched, sc = scheds[0], self.schedulers[0]
-        if sched.swap_in or sched.swap_out or sched.preempted or sched.stalled:
-            return None
-        steps = []
-        for w in sched.work:
-            g = w.group
-            p = g.params
-            if not w.sample or w.stop - w.start != 1 or w.stop != len(w.seq.tokens):
-                return None
-            if p.use_beam_search or p.penalized or (p.n > 1 and not g.forked):
-                return None
-            steps.append(min(K, g.max_len - w.stop))
-        if max(steps) <= 1:
-            return None
-        ids = [w.seq.seq_id for w in sched.work]
-        if not sc.bm.reserve_tokens(ids, [k - 1 for k in steps]):
-            return None
-        return steps
-
-    def _continue(self, f: Launched) -> Launched | None:
-        """The multi-step launch that goes on from running launch ``f`` before its tokens
-        are known (overlapped steps), or None. Each row of ``f`` that has tokens left to
-        sample decodes ``f``'s last sample (read on the device) and up to K - 1 more; the
-        slots for all of them are reserved, and ``f``'s last samples are filled in with its
-        other tokens (``f.carried``). Only while multi-step decoding may run
-        (``_multi_step_ready``: nothing waits to be admitted) and ``f`` ran every running
-        sequence; None also when the pages are not free (the next step is scheduled once
-        ``f``'s tokens are known). Runs for every launch of a steady decode: the rows are
-        handled as whole arrays (``Lane``)."""
-        if not self.async_scheduling or not self._multi_step_ready():
-            return None
-        self._phase = "schedule"
-        sc, K = self.schedulers[0], self.num_scheduler_steps
-        lane = f.lane
-        alive = self._alive(lane)
-        # Every running sequence must be a live row of f. A lane built here passed this
-        # check, and while no sequence ends (alive is None) none joins the running ones
-        # either: admitting, swapping in, preempting and forking all happen in schedules
-        # of single steps, which a launch built here follows none of.
-        if alive is not None or not lane.continued:
-            live = len(lane.seqs) if alive is None else int(alive.sum())
-            if live != sum(map(len, map(_SEQS, sc.running))):
-                return None  # a request was aborted or a sequence not run: schedule afresh
-        n = lane.stops + lane.steps  # the sequences' lengths once f's tokens are in
-        left = np.minimum(K, lane.max_len - n)
-        go = left > 0
-        if alive is not None:
-            go &= alive
-        every = bool(go.all())
-        rows, advance = lane.at, lane.steps  # of f's rows that go on, and their steps in f
-        if not every:
-            if not go.any():
-                return None
-            rows, advance, n, left = rows[go], advance[go], n[go], left[go]
-        nxt = lane.take(
-            None if every else go,
-            at=np.arange(len(rows), dtype=np.intp),
-            stops=n,
-            steps=left,
-            ended=self._ended,
-            continued=True,
-        )
-        if not sc.bm.reserve_tokens(nxt.ids, left):
-            return None
-        f.carried = go
-        f.next = nxt
-        self._step_groups = (  # every row going on: f's groups
-            f.groups if every else list({id(g): g for g in nxt.groups}.values())
-        )
-        batch = advance_batch(
-            sc.bm,
-            f.batch,
-            rows,
-            advance,
-            n + left - 1,
-            min_tokens=MIN_STEP_TOKENS,
-            min_seqs=self._min_seqs(len(rows)),
-            seqs=nxt.ids,
-        )
-        return self._run_batch(nxt, f, batch, rows, advance)
-
-    def _tokens(self, batch, placed, prev: Launched | None, pending: int):
-        """The step's input tokens: the batch's (host), or on the device with each of its
-        ``pending`` placeholders (a token ``prev``, a single step, is sampling) taken from
-        ``prev``'s output."""
-        if prev is None:
-            return batch.token_ids
-        src = np.full(batch.token_ids.shape[0], -1, np.int32)
-        for i, w in placed:
-            row = prev.rows.get(id(w.seq))
-            if row is not None and w.stop == len(w.seq.tokens):  # decodes the placeholder
-                src[batch.logits_indices[i]] = row
-        found = int((src >= 0).sum())
-        if found != pending:  # a placeholder anywhere else would compute a wrong token
-            raise RuntimeError(
-                f"overlapped step: {pending} placeholder tokens in the batch, {found} of "
-                "them decode a running step's sample (a bug in paged-jax)"
-            )
-        if not found:
-            return batch.token_ids
-        return self.runner.merge_tokens(prev.outputs[0], src, np.zeros_like(src), batch.token_ids)
-
     def _place(self, f: Launched) -> list[Seq]:
         """Readies the schedule that overlaps running step ``f``: each of its sampling
         sequences still running gets a placeholder for the token ``f`` samples, and every
@@ -782,157 +491,7 @@ class EngineCore(ApplyResults):
                         bm.set_token(s.seq_id, k, s.tokens[k])
         return finished
 
-    def _min_seqs(self, num_tokens: int) -> int:
-        """Fewest sequence rows a step of ``num_tokens`` tokens pads to.
-
-        A prefill-heavy step has at least one row per 16 tokens (at most the bucket of
-        ``max_num_seqs``): while prompts are being admitted a few per step, the batch
-        grows through 8, 16, 32... sequences, and each size would compile its own
-        512-token step (measured on SmolLM2: 3 such buckets, 4 s each). The padding rows
-        cost a few logits rows in a step of hundreds of tokens. Decode steps (one token
-        per sequence) are unaffected.
-        """
-        cap = bucket(self.schedulers[0].max_num_seqs, 8)
-        return max(8, min(cap, bucket(num_tokens, 16) // 16))
-
-    # ------------------------------------------------------------------ faults
-    def _on_fault(self, error: BaseException) -> None:
-        """A step raised: blame a request or suspect some, requeue every unfinished
-        request, or stop the engine."""
-        phase, self._phase = self._phase, None
-        groups, self._step_groups = self._step_groups, []
-        self._consecutive_faults += 1
-        self.metrics.failed_steps += 1
-        if phase == "apply":
-            self._failed = error  # results were half applied
-            return
-        if isinstance(error, Exception):  # an interrupt says nothing about the requests
-            self._suspect(error, groups)
-        if self._consecutive_faults >= MAX_CONSECUTIVE_FAILED_STEPS:
-            self._failed = error  # the fault repeats and no request explains it
-            return
-        try:
-            self._rebuild([g for g in self._groups.values() if g.status is not Status.FINISHED])
-        except BaseException as e:  # noqa: BLE001 (any failure here stops the engine)
-            self._failed = e
-
-    def _isolation(self) -> set[int] | None:
-        """The arrivals the scheduler may run while suspects are isolated, else None."""
-        self._suspects = [g for g in self._suspects if g.status is not Status.FINISHED]
-        if not self._suspects:
-            self._cleared = set()
-            return None
-        return self._cleared | {self._suspects[0].arrival}
-
-    def _suspect(self, error: Exception, groups: list[Group]) -> None:
-        """Updates the suspects after ``error`` in a step that ran ``groups``; fails the
-        isolated suspect on its last strike."""
-        self._suspects = [g for g in self._suspects if g.status is not Status.FINISHED]
-        if not self._suspects:  # a new episode: every request of the step is a suspect
-            self._suspects = sorted(groups, key=lambda g: g.arrival)
-            if len(groups) == 1:
-                groups[0].strikes = 1  # it failed alone already
-            return
-        g = self._suspects[0]
-        if g not in groups:
-            return  # the suspect did not run: nothing learned
-        g.strikes += 1
-        if g.strikes < STRIKES_TO_FAIL_A_REQUEST:
-            return
-        self._suspects.remove(g)
-        g.error = f"{type(error).__name__}: {error}"
-        for s in g.seqs:
-            s.finish_reason = "error"
-            self._ended += 1
-            g.done.append(s)
-        g.seqs.clear()
-        self._undelivered.append(self._finish(g))
-        self._consecutive_faults = 0  # explained
-        self.metrics.requests_failed += 1
-        log.warning("request %r failed: %s", g.request_id, g.error)
-
-    def _rebuild(self, requeue: list[Group]) -> None:
-        """Fresh block manager, queues and host buffers; ``requeue`` waits to be
-        recomputed from its committed tokens. The pool is reallocated only if the failed
-        step consumed it (donated buffers); its contents are never read again."""
-        for r, sc in enumerate(self.schedulers):  # each request stays on its replica
-            sc.bm = self._new_block_manager()
-            sc.running, sc.swapped = [], []
-            sc.waiting = sorted((g for g in requeue if g.replica == r), key=lambda g: g.arrival)
-        for g in requeue:
-            g.status = Status.WAITING
-        self._inflight = None  # its results are dropped: the requests are recomputed
-        self._host.clear()
-        self.runner.reallocate_if_consumed()
-
-    @property
-    def failure(self) -> BaseException | None:
-        """The error of a step that could not be undone, while the engine is stopped by it
-        (every call but ``reset()`` then raises ``EngineFailedError``); None otherwise."""
-        return self._failed
-
-    def _check_usable(self) -> None:
-        if self._failed is not None:
-            e = self._failed
-            raise EngineFailedError(
-                f"the engine stopped after a failed step ({type(e).__name__}: {e}); call "
-                "LLM.reset() to drop every request and go on with the same compiled model, "
-                "or create a new LLM"
-            ) from e
-
-    def reset(self) -> None:
-        """Drops every request (no outputs are returned for them), frees every page and
-        host buffer, and clears a failed state. Compiled steps are kept."""
-        self._groups.clear()
-        self._undelivered.clear()
-        self._failed, self._phase, self._consecutive_faults = None, None, 0
-        self._suspects, self._cleared = [], set()
-        self._load = [0] * len(self.schedulers)
-        self._rebuild([])
-
-    def _sampling_rows(self, placed):
-        """Rows that sample: {row: (params, seeds, output position)}, J, beam candidates.
-        ``placed``: the step's (batch row, Work) pairs."""
-        rows, num_samples, num_cand = {}, 1, 0
-        for i, w in placed:
-            if not w.sample:
-                continue
-            g, s, p = w.group, w.seq, w.group.params
-            pos = w.stop - s.prompt_len  # output position of the token sampled
-            if p.use_beam_search:
-                num_cand = max(num_cand, bucket(2 * p.beam_width, 2))
-                rows[i] = (p, [g.seed + s.sample_index], pos)
-            elif p.n > 1 and not g.forked:
-                rows[i] = (p, [g.seed + j for j in range(p.n)], pos)
-                num_samples = max(num_samples, bucket(p.n))
-            else:
-                rows[i] = (p, [g.seed + s.sample_index], pos)
-        return rows, num_samples, num_cand
-
-    def _penalties(self, placed, rows, S_b) -> Penalties | None:
-        """Penalty inputs of the step's sampling rows, or None when no row uses them (the
-        step then compiles without them). Token arrays are padded with -1 to power-of-two
-        widths."""
-        distinct = {id(p): p for p, _, _ in rows.values()}  # requests share params objects
-        if not any(p.penalized for p in distinct.values()):
-            return None
-        seqs = {i: w.seq for i, w in placed if i in rows}
-        O_b = bucket(max(len(s.output) for s in seqs.values()), 8)
-        P_b = bucket(max(s.prompt_len for s in seqs.values()), 8)
-        out = np.full((S_b, O_b), -1, np.int32)
-        prompt = np.full((S_b, P_b), -1, np.int32)
-        rep = np.ones(S_b, np.float32)
-        pres = np.zeros(S_b, np.float32)
-        freq = np.zeros(S_b, np.float32)
-        for i, (p, _, _) in rows.items():
-            if not p.penalized:
-                continue
-            s = seqs[i]
-            out[i, : len(s.output)] = s.output
-            prompt[i, : s.prompt_len] = s.tokens[: s.prompt_len]
-            rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-        return Penalties(rep, pres, freq, out, prompt)  # the runner puts them on the device
-
+    # ------------------------------------------------------------------ swaps, accounting
     def _swap(self, scheds) -> None:
         """Swap-out reads, then swap-in writes, before the step (see BlockManager), of
         every replica's schedule at once: replica r's pages (local ids, padded with its

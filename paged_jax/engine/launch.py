@@ -5,12 +5,29 @@ what the engine core keeps of a step between its dispatch and its results. No JA
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import Any
 
 import numpy as np
 
+from paged_jax._validation import validate_batch
+from paged_jax.batch import ScheduledSeq, advance_batch, bucket, build_batch, concat_batches
 from paged_jax.block_manager import BlockManager, SeqRows
+from paged_jax.engine.sampling import Penalties, allowed_bits
 from paged_jax.engine.scheduler import TokenLog, Work
+
+# The smallest token bucket of a step. Decode of a few sequences in a 16-token bucket
+# computed 16 rows of every product. SmolLM2-135M f32 on the 2-core AMD EPYC, greedy
+# decode, medians (2026-11-24): 1 sequence 37.2 tokens/s with 8, 39.1 with 4, and
+# 32.1-32.9 before (16, with the layers' weights stacked); 4 sequences 144 / 149 / 126.
+# 4 cost a bucket more (8 and 4 at the tail of a 32 x 128 run, where sequences finish
+# in waves): 15.1-15.4 s to compile that run's buckets against 14.4-14.6 with 8. Never 1:
+# XLA turns a one-row scatter into an update that copies the whole KV pool (so
+# PagedKVCache.write pads one row to two).
+MIN_STEP_TOKENS = 8
+_PENDING = -1  # a token the running step is sampling (overlapped steps)
+_SEQS = operator.attrgetter("seqs")
 
 
 @dataclasses.dataclass
@@ -138,3 +155,385 @@ class Launched:
         """Device steps the launch runs (a multi-step one: its longest row's, the loop's
         trip count)."""
         return 1 if self.steps is None else max(self.steps)
+
+
+class Launching:
+    """``EngineCore``'s part that builds and dispatches launches (a mixin over the core's
+    state): a scheduled step's batch (``build_batch``), its rows' sampling columns and
+    penalties and its input tokens (a running step's samples merged in on the device),
+    handed to the ``ModelRunner``; and multi-step launches, built from a schedule
+    (``_multi_steps``) or going on from the running one (``_continue``)."""
+
+    def _dispatch(
+        self,
+        works: list[list[Work]],
+        steps: list[int] | None,
+        prev: Launched | None,
+        stalled,
+    ) -> Launched:
+        """Builds the batch of ``works`` (each scheduler's, in order) and dispatches it:
+        one step, or with ``steps`` (one per row) a multi-step launch. ``prev``: the
+        step still running, whose samples some rows decode (placeholders in the batch);
+        ``stalled``: the schedule stopped short of a preemption."""
+        work = [w for ws in works for w in ws]
+        batches, pending = [], 0
+        for sc, ws in zip(self.schedulers, works, strict=True):
+            b = build_batch(
+                sc.bm,
+                [ScheduledSeq(w.seq.seq_id, w.start, w.stop) for w in ws],
+                min_tokens=MIN_STEP_TOKENS,
+                min_seqs=self._min_seqs(sum(w.stop - w.start for w in ws)),
+                table_tokens=None
+                if steps is None
+                else [w.stop + k - 1 for w, k in zip(ws, steps, strict=True)],
+            )
+            if prev is not None:  # placeholders: filled on the device (0 until then)
+                mask = b.token_ids == _PENDING
+                pending += int(mask.sum())
+                b.token_ids[mask] = 0
+            if self.checked:
+                validate_batch(
+                    b,
+                    num_pages=sc.bm.num_pages,
+                    page_size=self.page_size,
+                    group_windows=getattr(sc.bm, "group_windows", None),
+                    vocab_size=self.model.config.vocab_size,
+                )
+            batches.append(b)
+        # replicas' batches side by side: replica r's sequence rows from r * S_r
+        batch = concat_batches(batches)
+        S_b = batch.kv_lens.shape[0]
+        S_r = S_b // len(batches)
+        placed = [(r * S_r + i, w) for r, ws in enumerate(works) for i, w in enumerate(ws)]
+        rows, num_samples, num_cand = self._sampling_rows(placed)
+        temp = np.zeros(S_b, np.float32)
+        top_k = np.zeros(S_b, np.int32)
+        top_p = np.ones(S_b, np.float32)
+        min_p = np.zeros(S_b, np.float32)
+        seeds = np.zeros((S_b, num_samples), np.uint32)
+        out_pos = np.zeros(S_b, np.int32)
+        if rows:  # one array write per column, not per row
+            at = list(rows)
+            per_row = list(rows.values())
+            params = [p for p, _, _ in per_row]
+            temp[at] = [p.temperature for p in params]
+            top_k[at] = [p.top_k for p in params]
+            top_p[at] = [p.top_p for p in params]
+            min_p[at] = [p.min_p for p in params]
+            out_pos[at] = [pos for _, _, pos in per_row]
+            if num_samples == 1:
+                seeds[at, 0] = [seed_row[0] for _, seed_row, _ in per_row]
+            else:
+                for i, (_, seed_row, _) in rows.items():
+                    seeds[i, : len(seed_row)] = seed_row
+        sampling = (temp, top_k, top_p, min_p, seeds, out_pos)
+        penalties = self._penalties(placed, rows, S_b)
+        tokens = self._tokens(batch, placed, prev, pending)
+        lane = (
+            None
+            if steps is None
+            else Lane.of(work, steps, self.eos_token_ids, self.bm, self._ended)
+        )
+        replicas = len(batches)
+        allowed = self._allowed(rows, S_b)
+        return self._send(
+            work, placed, stalled, batch, tokens, sampling, penalties, allowed, num_cand,
+            replicas, lane,
+        )  # fmt: skip
+
+    def _run_batch(self, lane: Lane, prev: Launched, batch, rows, advance) -> Launched:
+        """``_dispatch`` of a batch ``advance_batch`` built from multi-step launch
+        ``prev``'s: row i (``lane``'s row i) goes on from ``prev``'s row ``rows[i]``,
+        ``advance[i]`` tokens on, its sampling inputs that row's (the output position
+        ``advance[i]`` further) and its input token ``prev``'s last sample of the row."""
+        if self.checked:
+            validate_batch(
+                batch,
+                num_pages=self.bm.num_pages,
+                page_size=self.page_size,
+                vocab_size=self.model.config.vocab_size,
+            )
+        S, S_b, T_b = len(rows), batch.kv_lens.shape[0], batch.token_ids.shape[0]
+        # Every row goes on in place (a steady launch): prev's sampling rows as they are,
+        # and its rows' last samples (prev.last) as the input tokens.
+        in_place = (
+            S == len(prev.lane.seqs)
+            and S_b == prev.batch.kv_lens.shape[0]
+            and T_b == prev.batch.token_ids.shape[0]
+        )
+        if in_place:
+            sampling = list(prev.sampling)
+            sampling[5] = sampling[5].copy()
+        else:
+            sampling = []
+            for old, pad in zip(prev.sampling, (0, 0, 1, 0, 0, 0), strict=True):
+                new = np.full((S_b, *old.shape[1:]), pad, old.dtype)
+                new[:S] = old[rows]
+                sampling.append(new)
+        sampling[5][:S] += advance.astype(np.int32)  # out_pos
+        if in_place:
+            tokens = prev.last
+        else:
+            src = np.full(T_b, -1, np.int32)  # decode rows: token i is row i's
+            col = np.zeros(T_b, np.int32)
+            src[:S] = rows
+            col[:S] = advance - 1
+            # (columns < K of prev's output: its tokens)
+            tokens = self.runner.merge_tokens(prev.outputs[0], src, col, batch.token_ids)
+        return self._send(None, None, False, batch, tokens, tuple(sampling), None, None, 0, 1, lane)
+
+    def _send(
+        self,
+        work,
+        placed,
+        stalled,
+        batch,
+        tokens,
+        sampling,
+        penalties,
+        allowed,
+        num_cand,
+        replicas,
+        lane,
+    ) -> Launched:
+        """Dispatches the jitted step (or, with its rows' ``lane``, a multi-step launch) on
+        ``batch`` with input ``tokens`` and the rows' ``sampling`` arrays (temperature,
+        top-k, top-p, min-p, seeds, output positions) and ``allowed`` token masks (or
+        None); returns it running."""
+        steps = None if lane is None else lane.steps.tolist()
+        outputs, last, dispatch_s, compiled = self.runner.launch(
+            batch,
+            tokens,
+            sampling,
+            penalties,
+            num_cand,
+            None if lane is None else lane.steps,
+            replicas,
+            allowed,
+        )
+        if compiled:
+            self.metrics.compile_s += dispatch_s
+            self.metrics.compilations += 1
+        return Launched(
+            work=work if lane is None else None,
+            placed=placed if lane is None else None,
+            groups=self._step_groups,
+            num_tokens=batch.num_tokens if steps is None else sum(steps),
+            outputs=outputs,
+            last=last,
+            dispatch_s=0.0 if compiled else dispatch_s,
+            stalled=stalled,
+            steps=steps,
+            lane=lane,
+            batch=batch if steps is not None else None,
+            sampling=sampling if steps is not None else None,
+        )
+
+    def _multi_step_ready(self) -> bool:
+        """Multi-step decoding is on and may run now: one replica, no hybrid pool, no
+        isolated suspect, no request waiting or swapped out."""
+        if self.num_scheduler_steps == 1 or len(self.schedulers) != 1 or self.hybrid_kv_cache:
+            return False
+        sc = self.schedulers[0]
+        return not (self._suspects or sc.waiting or sc.swapped)
+
+    def _multi_steps(self, scheds, prev: Launched | None) -> list[int] | None:
+        """The steps each sequence of the schedule runs in a multi-step launch, its slots
+        reserved (``BlockManager.reserve_tokens``), or None for one step: multi-step
+        decoding is off, or the schedule swaps, preempts or stalled, a request waits to be
+        admitted, a suspect is isolated, there are several replicas or a hybrid pool, a
+        row is not a plain decode row (beams, penalties, allowed tokens, the first token of
+        n samples), or the reserved tokens' pages are not free. A row
+        runs at most as many steps as it has tokens left to sample (``Group.max_len``).
+        With ``prev`` (a single step still running) a row's input token may be the
+        placeholder for ``prev``'s sample (read on the device, ``_tokens``), its
+        reserved tokens after it."""
+        K = self.num_scheduler_steps
+        if not self._multi_step_ready():
+            return None
+        sched, sc = scheds[0], self.schedulers[0]
+        if sched.swap_in or sched.swap_out or sched.preempted or sched.stalled:
+            return None
+        steps = []
+        for w in sched.work:
+            g = w.group
+            p = g.params
+            if not w.sample or w.stop - w.start != 1 or w.stop != len(w.seq.tokens):
+                return None
+            if (
+                p.use_beam_search
+                or p.penalized
+                or p.allowed_token_ids is not None
+                or (p.n > 1 and not g.forked)
+            ):
+                return None
+            steps.append(min(K, g.max_len - w.stop))
+        if max(steps) <= 1:
+            return None
+        ids = [w.seq.seq_id for w in sched.work]
+        if not sc.bm.reserve_tokens(ids, [k - 1 for k in steps]):
+            return None
+        return steps
+
+    def _continue(self, f: Launched) -> Launched | None:
+        """The multi-step launch that goes on from running launch ``f`` before its tokens
+        are known (overlapped steps), or None. Each row of ``f`` that has tokens left to
+        sample decodes ``f``'s last sample (read on the device) and up to K - 1 more; the
+        slots for all of them are reserved, and ``f``'s last samples are filled in with its
+        other tokens (``f.carried``). Only while multi-step decoding may run
+        (``_multi_step_ready``: nothing waits to be admitted) and ``f`` ran every running
+        sequence; None also when the pages are not free (the next step is scheduled once
+        ``f``'s tokens are known). Runs for every launch of a steady decode: the rows are
+        handled as whole arrays (``Lane``)."""
+        if not self.async_scheduling or not self._multi_step_ready():
+            return None
+        self._phase = "schedule"
+        sc, K = self.schedulers[0], self.num_scheduler_steps
+        lane = f.lane
+        alive = self._alive(lane)
+        # Every running sequence must be a live row of f. A lane built here passed this
+        # check, and while no sequence ends (alive is None) none joins the running ones
+        # either: admitting, swapping in, preempting and forking all happen in schedules
+        # of single steps, which a launch built here follows none of.
+        if alive is not None or not lane.continued:
+            live = len(lane.seqs) if alive is None else int(alive.sum())
+            if live != sum(map(len, map(_SEQS, sc.running))):
+                return None  # a request was aborted or a sequence not run: schedule afresh
+        n = lane.stops + lane.steps  # the sequences' lengths once f's tokens are in
+        left = np.minimum(K, lane.max_len - n)
+        go = left > 0
+        if alive is not None:
+            go &= alive
+        every = bool(go.all())
+        rows, advance = lane.at, lane.steps  # of f's rows that go on, and their steps in f
+        if not every:
+            if not go.any():
+                return None
+            rows, advance, n, left = rows[go], advance[go], n[go], left[go]
+        nxt = lane.take(
+            None if every else go,
+            at=np.arange(len(rows), dtype=np.intp),
+            stops=n,
+            steps=left,
+            ended=self._ended,
+            continued=True,
+        )
+        if not sc.bm.reserve_tokens(nxt.ids, left):
+            return None
+        f.carried = go
+        f.next = nxt
+        self._step_groups = (  # every row going on: f's groups
+            f.groups if every else list({id(g): g for g in nxt.groups}.values())
+        )
+        batch = advance_batch(
+            sc.bm,
+            f.batch,
+            rows,
+            advance,
+            n + left - 1,
+            min_tokens=MIN_STEP_TOKENS,
+            min_seqs=self._min_seqs(len(rows)),
+            seqs=nxt.ids,
+        )
+        return self._run_batch(nxt, f, batch, rows, advance)
+
+    def _tokens(self, batch, placed, prev: Launched | None, pending: int):
+        """The step's input tokens: the batch's (host), or on the device with each of its
+        ``pending`` placeholders (a token ``prev``, a single step, is sampling) taken from
+        ``prev``'s output."""
+        if prev is None:
+            return batch.token_ids
+        src = np.full(batch.token_ids.shape[0], -1, np.int32)
+        for i, w in placed:
+            row = prev.rows.get(id(w.seq))
+            if row is not None and w.stop == len(w.seq.tokens):  # decodes the placeholder
+                src[batch.logits_indices[i]] = row
+        found = int((src >= 0).sum())
+        if found != pending:  # a placeholder anywhere else would compute a wrong token
+            raise RuntimeError(
+                f"overlapped step: {pending} placeholder tokens in the batch, {found} of "
+                "them decode a running step's sample (a bug in paged-jax)"
+            )
+        if not found:
+            return batch.token_ids
+        return self.runner.merge_tokens(prev.outputs[0], src, np.zeros_like(src), batch.token_ids)
+
+    def _min_seqs(self, num_tokens: int) -> int:
+        """Fewest sequence rows a step of ``num_tokens`` tokens pads to.
+
+        A prefill-heavy step has at least one row per 16 tokens (at most the bucket of
+        ``max_num_seqs``): while prompts are being admitted a few per step, the batch
+        grows through 8, 16, 32... sequences, and each size would compile its own
+        512-token step (measured on SmolLM2: 3 such buckets, 4 s each). The padding rows
+        cost a few logits rows in a step of hundreds of tokens. Decode steps (one token
+        per sequence) are unaffected.
+        """
+        cap = bucket(self.schedulers[0].max_num_seqs, 8)
+        return max(8, min(cap, bucket(num_tokens, 16) // 16))
+
+    def _sampling_rows(self, placed):
+        """Rows that sample: {row: (params, seeds, output position)}, J, beam candidates.
+        ``placed``: the step's (batch row, Work) pairs."""
+        rows, num_samples, num_cand = {}, 1, 0
+        for i, w in placed:
+            if not w.sample:
+                continue
+            g, s, p = w.group, w.seq, w.group.params
+            pos = w.stop - s.prompt_len  # output position of the token sampled
+            if p.use_beam_search:
+                num_cand = max(num_cand, bucket(2 * p.beam_width, 2))
+                rows[i] = (p, [g.seed + s.sample_index], pos)
+            elif p.n > 1 and not g.forked:
+                rows[i] = (p, [g.seed + j for j in range(p.n)], pos)
+                num_samples = max(num_samples, bucket(p.n))
+            else:
+                rows[i] = (p, [g.seed + s.sample_index], pos)
+        return rows, num_samples, num_cand
+
+    def _allowed(self, rows, S_b) -> np.ndarray | None:
+        """``i32[S_b, ceil(V / 32)]``: each sampling row's allowed tokens as a bitmask
+        (``sample_rows``' ``allowed``; every token for rows without a restriction), or
+        None when no row has one (the step then compiles without it). The hook a
+        per-step mask (a grammar's) fills the same way; today's source is
+        ``SamplingParams.allowed_token_ids``."""
+        distinct = {id(p): p for p, _, _ in rows.values()}
+        if all(p.allowed_token_ids is None for p in distinct.values()):
+            return None
+        vocab = self.model.config.vocab_size
+        masks = np.full((S_b, -(-vocab // 32)), -1, np.int32)  # every bit set
+        for i, (p, _, _) in rows.items():
+            if p.allowed_token_ids is not None:
+                masks[i] = _allowed_row(p.allowed_token_ids, vocab)
+        return masks
+
+    def _penalties(self, placed, rows, S_b) -> Penalties | None:
+        """Penalty inputs of the step's sampling rows, or None when no row uses them (the
+        step then compiles without them). Token arrays are padded with -1 to power-of-two
+        widths."""
+        distinct = {id(p): p for p, _, _ in rows.values()}  # requests share params objects
+        if not any(p.penalized for p in distinct.values()):
+            return None
+        seqs = {i: w.seq for i, w in placed if i in rows}
+        O_b = bucket(max(len(s.output) for s in seqs.values()), 8)
+        P_b = bucket(max(s.prompt_len for s in seqs.values()), 8)
+        out = np.full((S_b, O_b), -1, np.int32)
+        prompt = np.full((S_b, P_b), -1, np.int32)
+        rep = np.ones(S_b, np.float32)
+        pres = np.zeros(S_b, np.float32)
+        freq = np.zeros(S_b, np.float32)
+        for i, (p, _, _) in rows.items():
+            if not p.penalized:
+                continue
+            s = seqs[i]
+            out[i, : len(s.output)] = s.output
+            prompt[i, : s.prompt_len] = s.tokens[: s.prompt_len]
+            rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+        return Penalties(rep, pres, freq, out, prompt)  # the runner puts them on the device
+
+
+@functools.lru_cache(maxsize=256)
+def _allowed_row(token_ids: tuple[int, ...], vocab: int) -> np.ndarray:
+    """``allowed_bits``, once per distinct set of allowed tokens (read only)."""
+    row = allowed_bits(token_ids, vocab)
+    row.setflags(write=False)
+    return row

@@ -20,10 +20,10 @@ import jax
 import numpy as np
 
 from paged_jax.engine import compile_cache
-from paged_jax.engine.core import (
+from paged_jax.engine.core import EngineCore
+from paged_jax.engine.faults import (
     MAX_CONSECUTIVE_FAILED_STEPS,
     STRIKES_TO_FAIL_A_REQUEST,
-    EngineCore,
     EngineFailedError,
 )
 from paged_jax.engine.metrics import EngineMetrics, Progress

@@ -253,6 +253,7 @@ def _make_run(graphdef, state_def, mesh, compiler_options: tuple | None = None):
         inputs,
         cache,
         penalties,
+        allowed=None,
         *,
         layout,
         decode_only,
@@ -289,6 +290,7 @@ def _make_run(graphdef, state_def, mesh, compiler_options: tuple | None = None):
                 pos,
                 min_p,
                 penalties,
+                allowed,
                 invariant=md.batch_invariant,
             )
 
@@ -547,12 +549,21 @@ class ModelRunner:
         return make() if self.mesh is None else create_cache(make, self.mesh)
 
     def launch(
-        self, batch, tokens, sampling: tuple, penalties, num_candidates: int, steps, replicas: int
+        self,
+        batch,
+        tokens,
+        sampling: tuple,
+        penalties,
+        num_candidates: int,
+        steps,
+        replicas: int,
+        allowed: np.ndarray | None = None,
     ) -> tuple[tuple, Any, float, bool]:
         """Dispatches the jitted step on ``batch`` (``paged_jax.batch.StepBatch``) with input
         ``tokens`` (host or device ``i32[T]``), the rows' ``sampling`` arrays (temperature,
-        top-k, top-p, min-p, seeds, output positions), ``penalties`` (or None) and
-        ``num_candidates`` beam candidates per row; ``steps`` (``i32[S]`` or None): a
+        top-k, top-p, min-p, seeds, output positions), ``penalties`` (or None), the rows'
+        ``allowed`` tokens (``i32[S_b, ceil(V / 32)]`` bitmasks, ``sample_rows``; None: all)
+        and ``num_candidates`` beam candidates per row; ``steps`` (``i32[S]`` or None): a
         multi-step launch, each row that many decode steps. Does not wait for it.
 
         Returns ``(outputs, last, seconds, compiled)``: the step's outputs (tokens,
@@ -572,6 +583,8 @@ class ModelRunner:
         self._shapes_seen.add(shape)
         if penalties is not None:  # host arrays from the core
             penalties = jax.tree.map(jnp.asarray, penalties)
+        if allowed is not None:
+            allowed = jnp.asarray(allowed)
         compiled_before = self.step_fn._cache_size()
         t1 = time.perf_counter()
         padded_steps = None if steps is None else _padded(steps, S_b)
@@ -583,6 +596,7 @@ class ModelRunner:
                 inputs,
                 self.cache,
                 penalties,
+                allowed,
                 layout=layout,
                 decode_only=decode_only(batch) and not self.deterministic,
                 batch_invariant=self.deterministic,

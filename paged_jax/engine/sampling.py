@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,10 @@ class SamplingParams:
       ignore_eos: do not stop at the model's end-of-sequence tokens.
       logprobs: return the log-probability of each generated token.
       length_penalty: beam search ranks finished beams by ``logprob / len ** penalty``.
+      allowed_token_ids: when given, only these tokens can be sampled (greedy rows too):
+        every other logit is -inf before sampling (``sample_rows``' ``allowed`` mask,
+        the hook per-step grammars use too); not with beam search. Log-probabilities
+        stay those of the model's raw distribution.
     """
 
     max_tokens: int = 16
@@ -66,6 +72,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     length_penalty: float = 1.0
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         def bad(name, expected):
@@ -123,6 +130,19 @@ class SamplingParams:
             bad("include_stop_str_in_output", "a bool")
         if self.stop and self.beam_width > 1:
             raise ValueError(f"stop: not supported with beam search (beam_width={self.beam_width})")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                bad("allowed_token_ids", "None or a non-empty list of token ids >= 0")
+            ids = tuple(ids)
+            if not ids or not all(is_int(t) and t >= 0 for t in ids):
+                bad("allowed_token_ids", "None or a non-empty list of token ids >= 0")
+            if self.beam_width > 1:
+                raise ValueError(
+                    f"allowed_token_ids: not supported with beam search "
+                    f"(beam_width={self.beam_width})"
+                )
+            object.__setattr__(self, "allowed_token_ids", ids)
 
     @property
     def use_beam_search(self) -> bool:
@@ -252,6 +272,26 @@ def argmax_rows(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where((x == top) | (x != x), index, V), axis=-1)
 
 
+def allowed_bits(token_ids: Sequence[int], vocab: int) -> np.ndarray:
+    """``i32[ceil(vocab / 32)]``: the ``allowed`` mask row of ``sample_rows`` that allows
+    ``token_ids`` (bit ``t % 32`` of word ``t // 32``; ids outside the vocabulary are
+    ignored)."""
+    ids = np.asarray([t for t in token_ids if 0 <= t < vocab], np.int64)
+    words = np.zeros(-(-vocab // 32), np.uint32)
+    np.bitwise_or.at(words, ids >> 5, (np.uint32(1) << (ids & 31)).astype(np.uint32))
+    return words.view(np.int32)
+
+
+def mask_logits(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """``logits`` f32[R, V] with -inf where the bitmask ``allowed`` (``i32[R, ceil(V /
+    32)]``, bit ``t % 32`` of word ``t // 32`` for token t) has a 0."""
+    R, V = logits.shape
+    words = allowed.view(jnp.uint32) if allowed.dtype == jnp.int32 else allowed
+    token = jnp.arange(V, dtype=jnp.uint32)
+    bit = (words[:, token >> 5] >> (token & 31)[None, :]) & 1
+    return jnp.where(bit.astype(bool), logits, -jnp.inf)
+
+
 def sample_rows(
     logits: jax.Array,  # f32[R, V]
     temperature: jax.Array,  # f32[R]  0 = greedy
@@ -261,6 +301,7 @@ def sample_rows(
     positions: jax.Array,  # i32[R]  output position of the token being sampled
     min_p: jax.Array | None = None,  # f32[R]  0 = off
     penalties: Penalties | None = None,
+    allowed: jax.Array | None = None,  # i32[R, ceil(V / 32)] bitmask; None: every token
     *,
     greedy_only: bool = False,
     cpu_kernel: bool = False,
@@ -276,7 +317,9 @@ def sample_rows(
     restricted row's kept set could reach past the ``NUM_CANDIDATES`` largest logits; that
     row alone then takes a full sort, giving the token the candidates would have given
     (the same kept prefix and draw). A row's token depends only on its own inputs.
-    ``penalties`` (``apply_penalties``) change the logits first, greedy rows included.
+    ``penalties`` (``apply_penalties``) change the logits first, greedy rows included;
+    then ``allowed`` (``mask_logits``: a bitmask per row, at least one token allowed in
+    each) sets every other token's logit to -inf, so nothing else is picked.
     Log-probabilities are those of the model's raw distribution. ``cpu_kernel`` (static;
     the engine sets it on CPU where the kernels built, without a mesh): the C kernels pick
     the tokens, ``paged_jax.kernels.cpu.greedy_rows`` for a greedy-only step and
@@ -295,6 +338,8 @@ def sample_rows(
         from paged_jax.kernels import cpu
 
         logits = raw if penalties is None else apply_penalties(raw, penalties)
+        if allowed is not None:
+            logits = mask_logits(logits, allowed)
         if greedy_only:
             token, lse = cpu.greedy_rows(logits)
             tokens = jnp.broadcast_to(token[:, None], (R, J))
@@ -307,11 +352,13 @@ def sample_rows(
                 min_p.astype(jnp.float32),
                 _uniforms(seeds, positions),
             )
-        if penalties is not None:  # log-probs under the model's own distribution, summed
-            lse = cpu.greedy_rows(raw)[1]  # as the kernels sum an unpenalized row
+        if penalties is not None or allowed is not None:  # log-probs under the model's
+            lse = cpu.greedy_rows(raw)[1]  # own distribution, summed as the kernels do
         return tokens, jnp.take_along_axis(raw, tokens, axis=-1) - lse[:, None]
     lse_raw = jax.nn.logsumexp(raw, axis=-1, keepdims=True)
     logits = raw if penalties is None else apply_penalties(raw, penalties)
+    if allowed is not None:
+        logits = mask_logits(logits, allowed)
     greedy = jnp.broadcast_to(argmax_rows(logits)[:, None], (R, J))
     if greedy_only:
         return greedy, jnp.take_along_axis(raw, greedy, axis=-1) - lse_raw

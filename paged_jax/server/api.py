@@ -50,6 +50,7 @@ _SAMPLING = {
     "repetition_penalty": "repetition_penalty",
     "ignore_eos": "ignore_eos",
     "include_stop_str_in_output": "include_stop_str_in_output",
+    "allowed_token_ids": "allowed_token_ids",
 }
 # accepted only at their default (value -> "why not")
 _UNSUPPORTED = {
@@ -301,8 +302,9 @@ class Server:
         for name, field in _SAMPLING.items():
             if body.get(name) is not None:
                 kw[field] = body[name]
-        if isinstance(kw.get("stop"), list):
-            kw["stop"] = tuple(kw["stop"])
+        for name in ("stop", "allowed_token_ids"):
+            if isinstance(kw.get(name), list):
+                kw[name] = tuple(kw[name])
         if "max_tokens" not in kw:  # chat: up to the context; completions: OpenAI's 16
             longest = max(len(ids) for ids in prompts)
             kw["max_tokens"] = self.llm.max_model_len - longest if chat else 16
