@@ -391,25 +391,35 @@ def test_requests_are_refused_while_the_engine_thread_is_not_running():
         assert client.get("/health").status_code == 503
 
 
-def test_a_body_nested_too_deeply_gets_a_400():
-    # 100,000 nested arrays (200 kB, under the default limit): a RecursionError and a 500
-    # with a traceback before (issue 56, item 8)
+def test_client_mistakes_that_were_500s_get_400s():
+    # Issue 56, item 8: 100,000 nested arrays (200 kB, under the default limit) were a
+    # RecursionError, and a completions prompt holding a lone UTF-16 surrogate (valid
+    # JSON) a UnicodeEncodeError, each a 500 with a traceback.
     app = _in_process()
 
     async def go():
         transport = httpx.ASGITransport(app=app.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            return await client.post(
+            deep = await client.post(
                 "/v1/completions",
                 content=b"[" * 100_000 + b"]" * 100_000,
                 headers={"content-type": "application/json"},
             )
+            surrogate = await client.post(
+                "/v1/completions",
+                content=b'{"model": "t", "prompt": "abc\\ud800", "max_tokens": 2}',
+                headers={"content-type": "application/json"},
+            )
+            return deep, surrogate
 
     try:
-        r = asyncio.run(go())
+        deep, surrogate = asyncio.run(go())
     finally:
         app.loop.stop()
-    assert r.status_code == 400 and r.json()["error"]["message"] == "body: nested too deeply"
+    assert deep.status_code == 400 and deep.json()["error"]["message"] == "body: nested too deeply"
+    assert surrogate.status_code == 400, surrogate.text
+    error = surrogate.json()["error"]
+    assert error["param"] == "prompt" and error["message"].startswith("prompt: cannot be tokenized")
 
 
 def test_allowed_token_ids_restrict_a_completion():

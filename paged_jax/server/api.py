@@ -351,7 +351,10 @@ class Server:
     def _prompts(self, prompt: Any) -> list[list[int]]:
         def one(p: Any, where: str) -> list[int]:
             if isinstance(p, str):
-                ids = self.llm.encode(p)
+                try:
+                    ids = self.llm.encode(p)
+                except ValueError as e:  # UnicodeEncodeError: a lone surrogate, say
+                    raise ApiError(400, f"{where}: cannot be tokenized ({e})", "prompt") from None
             elif isinstance(p, list) and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in p
             ):
