@@ -199,21 +199,17 @@ class HybridBlockManager:
         tokens = _as_tokens(token_ids)
         if len(tokens) == 0:
             raise ValueError("token_ids: expected at least one token, got an empty prompt")
-        inner, G = self.inner, self.num_groups
-        cached = min(
-            inner.cached_tokens(tokens, extra_key=self._root(extra_key, g)) for g in range(G)
-        )
-        # Every group's hits are held before any group takes a fresh page: a fresh page
-        # may come from the LRU of cached pages, and must not be another group's hit
-        # (the groups would then disagree on what is computed, and the engine would skip
-        # K/V one group never had). Held, they no longer count as free below.
-        pinned = [
-            page
-            for g in range(G)
-            for page in inner._lookup(
-                tokens, prefix_root_key(self._root(extra_key, g)), cached // self.page_size
-            )[0]
-        ]
+        inner, G, P = self.inner, self.num_groups, self.page_size
+        # Each group's cached pages of the prompt; the groups agree on the fewest. Every
+        # group's hits are held before any group takes a fresh page: a fresh page may come
+        # from the LRU of cached pages, and must not be another group's hit (the groups
+        # would then disagree on what is computed, and the engine would skip K/V one group
+        # never had). Held, they no longer count as free below.
+        caching = inner.enable_prefix_caching
+        roots = [prefix_root_key(self._root(extra_key, g)) if caching else b"" for g in range(G)]
+        hits = [inner._lookup(tokens, root, (len(tokens) - 1) // P)[0] for root in roots]
+        cached = min(map(len, hits)) * P
+        pinned = [page for h in hits for page in h[: cached // P]]
         revived = len({page for page in pinned if inner.refcount(page) == 0})
         fresh = G * (inner.pages_needed(len(tokens)) - cached // self.page_size)
         if fresh > inner.num_free_pages - revived:  # checked before anything changes

@@ -227,7 +227,9 @@ class Launching:
                 for i, (_, seed_row, _) in rows.items():
                     seeds[i, : len(seed_row)] = seed_row
         sampling = (temp, top_k, top_p, min_p, seeds, out_pos)
-        penalties = self._penalties(placed, rows, S_b)
+        distinct = {id(p): p for p, _, _ in rows.values()}  # requests share params objects
+        penalties = self._penalties(placed, rows, S_b, distinct.values())
+        allowed = self._allowed(rows, S_b, distinct.values())
         tokens = self._tokens(batch, placed, prev, pending)
         lane = (
             None
@@ -235,7 +237,6 @@ class Launching:
             else Lane.of(work, steps, self.eos_token_ids, self.bm, self._ended)
         )
         replicas = len(batches)
-        allowed = self._allowed(rows, S_b)
         return self._send(
             work, placed, stalled, batch, tokens, sampling, penalties, allowed, num_cand,
             replicas, lane,
@@ -490,14 +491,13 @@ class Launching:
                 rows[i] = (p, [g.seed + s.sample_index], pos)
         return rows, num_samples, num_cand
 
-    def _allowed(self, rows, S_b) -> np.ndarray | None:
+    def _allowed(self, rows, S_b, params) -> np.ndarray | None:
         """``i32[S_b, ceil(V / 32)]``: each sampling row's allowed tokens as a bitmask
         (``sample_rows``' ``allowed``; every token for rows without a restriction), or
         None when no row has one (the step then compiles without it). The hook a
         per-step mask (a grammar's) fills the same way; today's source is
-        ``SamplingParams.allowed_token_ids``."""
-        distinct = {id(p): p for p, _, _ in rows.values()}
-        if all(p.allowed_token_ids is None for p in distinct.values()):
+        ``SamplingParams.allowed_token_ids``. ``params``: the rows' distinct params."""
+        if all(p.allowed_token_ids is None for p in params):
             return None
         vocab = self.model.config.vocab_size
         masks = np.full((S_b, -(-vocab // 32)), -1, np.int32)  # every bit set
@@ -506,12 +506,11 @@ class Launching:
                 masks[i] = _allowed_row(p.allowed_token_ids, vocab)
         return masks
 
-    def _penalties(self, placed, rows, S_b) -> Penalties | None:
+    def _penalties(self, placed, rows, S_b, params) -> Penalties | None:
         """Penalty inputs of the step's sampling rows, or None when no row uses them (the
         step then compiles without them). Token arrays are padded with -1 to power-of-two
-        widths."""
-        distinct = {id(p): p for p, _, _ in rows.values()}  # requests share params objects
-        if not any(p.penalized for p in distinct.values()):
+        widths. ``params``: the rows' distinct params."""
+        if not any(p.penalized for p in params):
             return None
         seqs = {i: w.seq for i, w in placed if i in rows}
         O_b = bucket(max(len(s.output) for s in seqs.values()), 8)

@@ -82,10 +82,6 @@ class OutputProcessor:
     def decode(self, ids: Sequence[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
 
-    def stops(self, p: SamplingParams) -> set:
-        """The token ids that end a sequence of a request with ``p``."""
-        return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-
     def finish_reason(self, s: Seq, p: SamplingParams, token: int) -> str | None:
         """Why ``s``, which has just had ``token`` appended, ends ("stop", "length"), or
         None: a stop token (or the model's end of sequence unless ``ignore_eos``), a stop

@@ -146,13 +146,13 @@ class EngineLoop:
             live.notify(event)
 
     def _take(self, block: bool) -> None:
-        """Applies queued commands; waits for one first when ``block``. A stopped engine is
-        recovered first, so commands that arrived while its step failed reach a reset one."""
+        """Recovers a stopped engine, then applies queued commands (waiting for one first
+        when ``block``): commands that arrived while its step failed reach a reset one."""
+        self._recover_if_stopped()
         try:
             cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
-        self._recover_if_stopped()
         while True:
             if cmd[0] == "add":
                 _, rid, prompt, params, notify, stream = cmd
@@ -184,7 +184,6 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stopping.is_set():
             try:
-                self._recover_if_stopped()
                 self._take(block=not self.llm.has_unfinished())
                 if self._stopping.is_set() or not self.llm.has_unfinished():
                     continue
@@ -193,11 +192,7 @@ class EngineLoop:
                 if self._on_step is not None:
                     self._on_step(self.llm)
             except Exception as e:  # noqa: BLE001 (the thread must outlive any one fault)
-                if self.llm.failure is not None:  # stopped: recovered at the loop's top
-                    continue
-                if isinstance(e, _engine_failed()):  # a failure LLM.failure does not hold
-                    self._fail_all(500, f"the engine failed: {e}")
-                    self.llm.reset()
+                if self.llm.failure is not None:  # stopped: _take recovers it next
                     continue
                 # A step undone and requeued by the engine, or a fault of this loop's own
                 # (a callback): logged, and the loop goes on.
@@ -233,9 +228,3 @@ class EngineLoop:
                         live.notify(Event("text", sample=piece.sample, text=piece.text))
             if out is not None:
                 self._done(rid, Event("done", output=out))
-
-
-def _engine_failed() -> type:
-    from paged_jax.engine import EngineFailedError
-
-    return EngineFailedError
