@@ -326,3 +326,53 @@ _ARRAYS = (
     "copy_src",
     "copy_dst",
 )
+
+
+def null_batch(
+    num_tokens: int,
+    num_seqs: int,
+    pages_per_seq: int,
+    *,
+    decode_only: bool,
+    num_copies: int = 8,
+    num_groups: int | None = None,
+) -> StepBatch:
+    """A step of exactly ``T = num_tokens`` tokens, ``S = num_seqs`` rows, ``M =
+    pages_per_seq`` pages per row and ``num_copies`` copies that reads and writes only the
+    null page 0: what compiling a step shape ahead of use runs (``LLM.warm_up``).
+    ``decode_only``: every row one token (``T == S`` needed), else one row of two tokens.
+    ``num_groups``: a ``HybridBlockManager``'s layer groups (tables ``[G, S, M]``)."""
+    if decode_only and num_tokens != num_seqs:
+        raise ValueError(
+            f"num_tokens: a decode-only step has one token a row, expected {num_seqs}, "
+            f"got {num_tokens}"
+        )
+    if num_tokens < 2 and not decode_only:
+        raise ValueError(f"num_tokens: expected >= 2 for a prefill step, got {num_tokens}")
+    q_lens = [1] * num_seqs if decode_only else [2]
+    live = sum(q_lens)
+    grouped = () if num_groups is None else (num_groups,)
+    cu = np.zeros(num_seqs + 1, np.int32)
+    cu[1 : len(q_lens) + 1] = np.cumsum(q_lens)
+    cu[len(q_lens) + 1 :] = live
+    kv_lens = np.zeros(num_seqs, np.int32)
+    kv_lens[: len(q_lens)] = q_lens
+    positions = np.zeros(num_tokens, np.int32)
+    if not decode_only:
+        positions[:2] = (0, 1)
+    logits_indices = np.zeros(num_seqs, np.int32)
+    logits_indices[: len(q_lens)] = cu[1 : len(q_lens) + 1] - 1
+    return StepBatch(
+        token_ids=np.zeros(num_tokens, np.int32),
+        positions=positions,
+        slot_mapping=np.zeros((*grouped, num_tokens), np.int32),  # the null page's slot 0
+        page_indices=np.zeros((*grouped, num_seqs, pages_per_seq), np.int32),
+        kv_lens=kv_lens,
+        cu_q_lens=cu,
+        num_seqs=np.array([len(q_lens)], np.int32),
+        logits_indices=logits_indices,
+        copy_src=np.zeros(num_copies, np.int32),
+        copy_dst=np.zeros(num_copies, np.int32),
+        seq_ids=tuple(range(len(q_lens))),
+        num_tokens=live,
+    )

@@ -129,6 +129,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="directory of compiled steps kept across runs, or 'off'",
     )
+    c.add_argument(
+        "--no-warm-up",
+        action="store_true",
+        help="start at once and compile step shapes as they first occur (default: compile "
+        "them all first, so that no reply waits for one)",
+    )
     _parallel_flags(c, processes=False)
     s = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming)"
@@ -170,6 +176,13 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds requests in flight may take to finish after SIGINT / SIGTERM",
     )
     _engine_flags(s)
+    s.add_argument(
+        "--no-warm-up",
+        action="store_true",
+        help="take requests at once and compile step shapes as they first occur (default: "
+        "compile every step shape the configuration reaches first, so that none compiles "
+        "while serving)",
+    )
     s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     s.add_argument(
         "--compilation-cache", default=None, help="directory of compiled steps, or 'off'"
@@ -189,6 +202,12 @@ def _parser() -> argparse.ArgumentParser:
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
     """The pool and scheduler flags of ``generate`` and ``serve``."""
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest sequence, prompt and output, in tokens (default: the model's context)",
+    )
     parser.add_argument("--num-pages", type=int, default=None, help="default: from a memory budget")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -331,6 +350,7 @@ _FLAGS = {
     "n": "-n",
     "beam_width": "--beam-width",
     "page_size": "--page-size",
+    "max_model_len": "--max-model-len",
     "num_pages": "--num-pages",
     "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens",
@@ -386,6 +406,7 @@ def _generate(args) -> int:
             tokenizer=tokenizer,
             num_pages=args.num_pages,
             page_size=args.page_size,
+            max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
@@ -478,11 +499,14 @@ def _chat(args) -> int:
         llm = LLM(
             model,
             tokenizer,
+            max_num_seqs=1,  # one conversation: the fewest step shapes
             compilation_cache=False if args.compilation_cache == "off" else args.compilation_cache,
             mesh=mesh,
         )
     except (ValueError, TypeError) as e:
         raise UsageError(_flag_names(str(e))) from None
+    if not args.no_warm_up:  # no reply waits for a compile
+        llm.warm_up()
     conversation = [{"role": "system", "content": args.system}] if args.system else []
     print(f"chat with {args.model}; an empty line or Ctrl-D ends", file=sys.stderr, flush=True)
     while True:
@@ -528,6 +552,7 @@ def _serve(args) -> int:
         raise UsageError(
             f"--max-request-bytes: expected an int >= 1024, got {args.max_request_bytes}"
         )
+    _check_port(args.host, args.port)  # before seconds of loading, not after
     _start_jax(args)
     from paged_jax.engine import LLM
 
@@ -540,6 +565,7 @@ def _serve(args) -> int:
             model,
             tokenizer,
             page_size=args.page_size,
+            max_model_len=args.max_model_len,
             num_pages=args.num_pages,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -552,6 +578,8 @@ def _serve(args) -> int:
         )
     except (ValueError, TypeError) as e:
         raise UsageError(_flag_names(str(e))) from None
+    if not args.no_warm_up:  # nothing compiles once the server says it is ready
+        llm.warm_up()
     name = args.served_model_name or args.model
 
     def ready() -> None:
@@ -574,6 +602,31 @@ def _serve(args) -> int:
         on_ready=ready,
     )
     return 0
+
+
+def _check_port(host: str, port: int) -> None:
+    """A UsageError naming ``--port`` (or ``--host``) when the server could not listen there:
+    bound as the server binds (``SO_REUSEADDR``), then released."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UsageError(f"--host: {host!r} does not resolve ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UsageError(
+                    f"--port: {port} on {host} is in use by another program; choose another "
+                    "port or stop that program"
+                ) from None
+            raise UsageError(
+                f"--host/--port: cannot listen on {host}:{port} ({e.strerror})"
+            ) from None
 
 
 def _failed(outputs) -> int:

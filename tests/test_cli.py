@@ -147,10 +147,10 @@ def test_a_request_the_engine_fails_is_reported_and_exits_1(monkeypatch, capsys)
 
     real = llm_mod.LLM._penalties
 
-    def breaks(self, placed, rows, S_b):  # any step that runs the prompt "bad" raises
+    def breaks(self, placed, *args):  # any step that runs the prompt "bad" raises
         if any(w.group.prompt == [256, *b"bad"] for _, w in placed):
             raise RuntimeError("boom")
-        return real(self, placed, rows, S_b)
+        return real(self, placed, *args)
 
     monkeypatch.setattr(llm_mod.LLM, "_penalties", breaks)
     argv = ["generate", "--prompt", "good", "--prompt", "bad", "--max-tokens", "3", "--json"]

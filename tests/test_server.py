@@ -4,6 +4,7 @@ that disconnects, bad requests, SIGTERM. The model: a small random GGUF with a b
 vocabulary and a chat template (tests/test_gguf.py's writer)."""
 
 import asyncio
+import concurrent.futures
 import re
 import signal
 import socket
@@ -12,6 +13,7 @@ import sys
 import time
 
 import httpx2 as httpx
+import numpy as np
 import pytest
 from test_gguf import _model, write_gguf
 
@@ -152,6 +154,31 @@ def test_64_concurrent_streams_lose_nothing(server):
     assert got == want
 
 
+def test_nothing_compiles_while_serving_after_the_start_up_warm_up(server):
+    """Issue 51, item 1: ``serve`` compiles every step shape before it says it is ready,
+    so bursts of requests of any length, greedy or sampled, streamed or not, compile
+    nothing (each new shape cost a stall of a second or more per bucket)."""
+    before = _metrics(server)["paged_jax_compiled_step_buckets"]
+    assert before >= 1  # the warm-up's
+    headers = {"Authorization": f"Bearer {KEY}"}
+    rng = np.random.default_rng(3)
+
+    def one(k: int) -> int:
+        words = " ".join(["page"] * int(rng.integers(1, 60)))
+        body = dict(model=NAME, max_tokens=int(rng.integers(1, 24)), stream=k % 2 == 0)
+        body.update(temperature=0.0 if k % 3 else 0.9, top_p=1.0 if k % 4 else 0.8)
+        if k % 5 == 0:
+            url, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": words}]
+        else:
+            url, body["prompt"] = "/v1/completions", words
+        r = httpx.post(server["base"] + url, json=body, headers=headers, timeout=120)
+        return r.status_code
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        assert set(pool.map(one, range(36))) == {200}
+    assert _metrics(server)["paged_jax_compiled_step_buckets"] == before
+
+
 def test_a_client_gone_mid_stream_frees_its_pages(server):
     before = _metrics(server).get(
         'paged_jax_requests_total{endpoint="completions",status="499"}', 0
@@ -241,6 +268,24 @@ def test_serve_flags_are_checked(capsys):
 
     assert cli.main(["serve", "--port", "70000"]) == 2
     assert "--port: expected an int in [0, 65535], got 70000" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(capsys, monkeypatch):
+    """Issue 51, item 2: it used to take the model's load, then a 50-line traceback."""
+    from paged_jax import cli
+
+    def no_load(*a, **kw):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(cli, "_load_model", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--port", str(port), "--model", "tiny-llama"]) == 2
+    err = capsys.readouterr().err
+    assert f"--port: {port} on 127.0.0.1 is in use by another program" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_step_that_stops_the_engine_fails_its_requests_and_the_server_goes_on(monkeypatch):

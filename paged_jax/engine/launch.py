@@ -183,6 +183,7 @@ class Launching:
                 [ScheduledSeq(w.seq.seq_id, w.start, w.stop) for w in ws],
                 min_tokens=MIN_STEP_TOKENS,
                 min_seqs=self._min_seqs(sum(w.stop - w.start for w in ws)),
+                min_pages=self._min_pages(),
                 table_tokens=None
                 if steps is None
                 else [w.stop + k - 1 for w, k in zip(ws, steps, strict=True)],
@@ -434,6 +435,7 @@ class Launching:
             n + left - 1,
             min_tokens=MIN_STEP_TOKENS,
             min_seqs=self._min_seqs(len(rows)),
+            min_pages=self._min_pages(),
             seqs=nxt.ids,
         )
         return self._run_batch(nxt, f, batch, rows, advance)
@@ -471,6 +473,11 @@ class Launching:
         """
         cap = bucket(self.schedulers[0].max_num_seqs, 8)
         return max(8, min(cap, bucket(num_tokens, 16) // 16))
+
+    def _min_pages(self) -> int:
+        """Fewest pages a block-table row pads to: the longest sequence's once every
+        shape is compiled (``ModelRunner.static_shapes``), else 4."""
+        return self.runner.table_width if self.runner.static_shapes else 4
 
     def _sampling_rows(self, placed):
         """Rows that sample: {row: (params, seeds, output position)}, J, beam candidates.

@@ -10,9 +10,11 @@ calls (``generate``, ``chat``, ``stream``) and ``warm_up``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +28,7 @@ from paged_jax.engine.faults import (
     STRIKES_TO_FAIL_A_REQUEST,
     EngineFailedError,
 )
+from paged_jax.engine.launch import MIN_STEP_TOKENS
 from paged_jax.engine.metrics import EngineMetrics, Progress
 from paged_jax.engine.outputs import (
     CompletionOutput,
@@ -35,6 +38,7 @@ from paged_jax.engine.outputs import (
 )
 from paged_jax.engine.runner import ModelRunner, resolve_mesh
 from paged_jax.engine.sampling import SamplingParams
+from paged_jax.engine.shapes import StepShape, step_shapes
 from paged_jax.sharding import data_parallel_size as data_parallel_size_of
 
 log = logging.getLogger("paged_jax")
@@ -78,6 +82,9 @@ class LLM(EngineCore):
         full batch at the longest context could use, at most half the accelerator's free
         memory, or on CPU a quarter of the available memory and 4 GiB).
       page_size: tokens per page.
+      max_model_len: the longest sequence (prompt and output) in tokens, at most the
+        model's ``max_position_embeddings`` (the default). A smaller one bounds the block
+        tables (and the default pool): what ``warm_up()`` pads every table to.
       max_num_seqs: sequences per step at most (per data-parallel replica).
       max_num_batched_tokens: tokens per step at most (decode tokens + prefill chunks;
         per data-parallel replica).
@@ -178,6 +185,7 @@ class LLM(EngineCore):
         num_pages: int | None = None,
         kv_cache_bytes: int | None = None,
         page_size: int = 16,
+        max_model_len: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
@@ -241,6 +249,7 @@ class LLM(EngineCore):
             max_num_seqs=max_num_seqs,
             deterministic=deterministic,
             num_scheduler_steps=num_scheduler_steps,
+            max_model_len=max_model_len,
         )
         bm_args = dict(
             num_pages=runner.num_pages // dp,
@@ -268,38 +277,49 @@ class LLM(EngineCore):
 
     def warm_up(
         self,
-        num_seqs: int,
-        prompt_len: int,
-        max_tokens: int,
+        num_seqs: int | None = None,
+        prompt_len: int | None = None,
+        max_tokens: int | None = None,
         *,
         sampling_params: SamplingParams | None = None,
         progress: bool = True,
     ) -> list[dict]:
-        """Compiles, before real work, the steps a workload of ``num_seqs`` prompts of
-        ``prompt_len`` tokens generating ``max_tokens`` each will need.
+        """Compiles steps before real work: with no workload, every step shape this
+        configuration can reach, so that nothing compiles afterwards; with one, the steps
+        of ``num_seqs`` prompts of ``prompt_len`` tokens generating ``max_tokens`` each.
 
-        It runs that workload once on random token ids (``ignore_eos``: every sequence
-        runs to ``max_tokens``), so it compiles exactly the shape buckets the scheduler
-        picks for it: every prefill chunk size, batch size and block-table width on the
-        way. ``sampling_params`` (default greedy) matters: sampled rows, penalties and
-        beams compile steps of their own. Prints one line per bucket compiled when
-        ``progress`` (and logs it at INFO to the "paged_jax" logger either way); with the
-        persistent compilation cache on, a later process loads these instead.
+        ``warm_up()`` (what ``paged-jax serve`` and ``paged-jax chat`` run before they
+        take requests) switches the engine to static shapes for good: every block table
+        is padded to ``max_model_len``'s pages and greedy and sampled rows share one
+        sampler, which leaves one shape per pair of token and sequence buckets
+        (``step_shapes()``; ``paged_jax.engine.shapes``). Each is run once on a batch
+        that touches only the null page. Requests with beam search, ``n > 1``, penalties
+        or ``allowed_token_ids`` still compile their own steps on first use.
 
-        Returns the buckets compiled (dicts: ``tokens``, ``seqs``, ``pages_per_seq``,
-        ``copies``, ``beam_candidates``, ``seconds``, and ``steps`` for a multi-step
-        launch's, see ``num_scheduler_steps``); buckets compiled before are not
-        compiled again. The engine's metrics are reset afterwards, and the warm-up
-        prompts do not stay in the prefix cache's way (their pages are ordinary LRU
-        pages, evicted first when memory runs short).
+        ``warm_up(num_seqs, prompt_len, max_tokens)`` instead runs that workload once on
+        random token ids (``ignore_eos``), compiling exactly the buckets the scheduler
+        picks for it; ``sampling_params`` (default greedy) matters there: sampled rows,
+        penalties and beams compile steps of their own.
+
+        Prints one line per bucket compiled when ``progress`` (and logs it at INFO to the
+        "paged_jax" logger either way); with the persistent compilation cache on, a later
+        process loads them from there instead (much faster). Returns the buckets compiled
+        (dicts: ``tokens``, ``seqs``, ``pages_per_seq``, ``copies``,
+        ``beam_candidates``, ``seconds``, and ``steps`` for a multi-step launch's);
+        buckets compiled before are not compiled again. The engine's metrics are reset
+        afterwards.
         """
-        for name, v in (
-            ("num_seqs", num_seqs),
-            ("prompt_len", prompt_len),
-            ("max_tokens", max_tokens),
-        ):
+        workload = (num_seqs, prompt_len, max_tokens)
+        if all(v is None for v in workload):
+            if sampling_params is not None:
+                raise ValueError(
+                    "sampling_params: only for a workload (num_seqs, prompt_len, "
+                    "max_tokens); warm_up() compiles every step shape"
+                )
+            return self._compile_all(progress)
+        for name, v in zip(("num_seqs", "prompt_len", "max_tokens"), workload, strict=True):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+                raise ValueError(f"{name}: expected an int >= 1 (or no workload at all), got {v!r}")
         if prompt_len + max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt_len + max_tokens: expected <= max_model_len {self.max_model_len}, "
@@ -311,23 +331,63 @@ class LLM(EngineCore):
         vocab = self.model.config.vocab_size
         prompts = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(num_seqs)]
         before = len(self.compiled_buckets)
-        echo = logging.StreamHandler() if progress else None
-        if echo is not None:
-            echo.setFormatter(logging.Formatter("warm-up: %(message)s"))
-            log.addHandler(echo)
-            old_level = log.level
-            log.setLevel(min(old_level or logging.WARNING, logging.INFO))
-        try:
+        with _echo(progress):
             # A salt of its own: no page shared with real requests or an earlier warm-up
             # (a prefix hit would shorten the prefill and compile other buckets).
             self._warm_ups += 1
             self.generate(prompts, p, progress=False, cache_salt=("warm-up", self._warm_ups))
-        finally:
-            if echo is not None:
-                log.removeHandler(echo)
-                log.setLevel(old_level)
         self.metrics = EngineMetrics()
         return self.compiled_buckets[before:]
+
+    def step_shapes(self) -> list[StepShape]:
+        """The step shapes this configuration reaches with static shapes, per
+        data-parallel replica (``paged_jax.engine.shapes.step_shapes``): what
+        ``warm_up()`` compiles."""
+        sc = self.schedulers[0]
+        return step_shapes(
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            pages_per_seq=self.runner.table_width,
+            min_tokens=MIN_STEP_TOKENS,
+            min_seqs=self._min_seqs,
+            deterministic=self.deterministic,
+            num_scheduler_steps=self.num_scheduler_steps,
+        )
+
+    def _compile_all(self, progress: bool) -> list[dict]:
+        """``warm_up()``: static shapes on, then every shape of ``step_shapes()`` run."""
+        if self.has_unfinished():
+            raise RuntimeError(
+                "warm_up(): expected an idle engine (it switches every block table to its "
+                "full width), but requests are unfinished"
+            )
+        self.runner.static_shapes = True
+        shapes = self.step_shapes()
+        replicas = len(self.schedulers)
+        token_buckets = sorted({s.tokens for s in shapes})
+        merged: set[int] = set()  # row counts whose samples were merged (async steps)
+        before = len(self.compiled_buckets)
+        t0 = time.perf_counter()
+        with _echo(progress):
+            log.info("compiling %d step shapes (static shapes: tables of %d pages)",
+                     len(shapes), self.runner.table_width)  # fmt: skip
+            for k, shape in enumerate(shapes):
+                merges = ()
+                if self.async_scheduling and shape.steps == 1 and shape.seqs not in merged:
+                    merged.add(shape.seqs)
+                    merges = token_buckets
+                overlapped = self.async_scheduling and shape.steps == 1
+                self.runner.run_shape(shape, replicas, merges, overlapped)
+                if progress and not (k + 1) % 8:
+                    log.info("%d of %d step shapes ready (%.1f s)", k + 1, len(shapes),
+                             time.perf_counter() - t0)  # fmt: skip
+            new = self.compiled_buckets[before:]
+            log.info(
+                "every step shape ready: %d compiled, %d already compiled, in %.1f s",
+                len(new), len(shapes) - len(new), time.perf_counter() - t0,
+            )  # fmt: skip
+        self.metrics = EngineMetrics()
+        return new
 
     def chat(
         self,
@@ -539,3 +599,21 @@ class LLM(EngineCore):
             bar.close()
             self._undelivered = others + self._undelivered
         return [done[r] for r in ids] if self.is_main_process else []
+
+
+@contextlib.contextmanager
+def _echo(on: bool):
+    """The "paged_jax" logger's INFO lines printed to stderr (``warm-up: ...``) while on."""
+    if not on:
+        yield
+        return
+    echo = logging.StreamHandler()
+    echo.setFormatter(logging.Formatter("warm-up: %(message)s"))
+    log.addHandler(echo)
+    old_level = log.level
+    log.setLevel(min(old_level or logging.WARNING, logging.INFO))
+    try:
+        yield
+    finally:
+        log.removeHandler(echo)
+        log.setLevel(old_level)

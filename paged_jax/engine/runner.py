@@ -16,7 +16,7 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from paged_jax import linear as paged_linear
+from paged_jax.batch import bucket, concat_batches, null_batch
 from paged_jax.engine.multistep import decode_loop
 from paged_jax.engine.protocol import check_model
 from paged_jax.engine.sampling import beam_candidates, sample_rows
@@ -150,12 +151,12 @@ def _default_budget(most_useful: int) -> int:
     return min(cap, most_useful)
 
 
-def _describe(bucket: dict) -> str:
+def _describe(b: dict) -> str:
     return (
-        f"{bucket['tokens']} tokens, {bucket['seqs']} sequences, "
-        f"{bucket['pages_per_seq']} pages per sequence, {bucket['copies']} page copies"
-        + (f", {bucket['beam_candidates']} beam candidates" if bucket["beam_candidates"] else "")
-        + (f", {bucket['steps']} decode steps" if bucket.get("steps", 1) > 1 else "")
+        f"{b['tokens']} tokens, {b['seqs']} sequences, "
+        f"{b['pages_per_seq']} pages per sequence, {b['copies']} page copies"
+        + (f", {b['beam_candidates']} beam candidates" if b["beam_candidates"] else "")
+        + (f", {b['steps']} decode steps" if b.get("steps", 1) > 1 else "")
     )
 
 
@@ -434,6 +435,7 @@ class ModelRunner:
         max_num_seqs: int,
         deterministic: bool,
         num_scheduler_steps: int = 1,
+        max_model_len: int | None = None,
     ):
         self.mesh = mesh
         self.num_scheduler_steps = num_scheduler_steps
@@ -456,7 +458,21 @@ class ModelRunner:
         self.model = model
         self.page_size = page_size
         self.deterministic = deterministic
-        self.max_model_len = model.config.max_position_embeddings
+        longest = model.config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = longest
+        elif isinstance(max_model_len, bool) or not isinstance(max_model_len, int):
+            raise TypeError(f"max_model_len: expected an int or None, got {max_model_len!r}")
+        elif not 2 <= max_model_len <= longest:
+            raise ValueError(
+                f"max_model_len: expected 2 <= max_model_len <= {longest} (the model's "
+                f"max_position_embeddings), got {max_model_len}"
+            )
+        self.max_model_len = max_model_len
+        # Steps compiled for every bucket at once (LLM.warm_up()): tables as wide as the
+        # longest sequence and one sampler for greedy and sampled rows, so that the set of
+        # shapes is small (paged_jax.engine.shapes).
+        self.static_shapes = False
         if hybrid_kv_cache not in (None, True, False):
             raise TypeError(f"hybrid_kv_cache: expected a bool or None, got {hybrid_kv_cache!r}")
         if hybrid_kv_cache and dp > 1:
@@ -473,6 +489,7 @@ class ModelRunner:
         self._cache_dtype = cache_dtype
         probe = model.make_cache(2, page_size, cache_dtype, **self._cache_kw)
         self.hybrid_kv_cache = probe.layer_groups is not None
+        self.num_groups = probe.num_groups if self.hybrid_kv_cache else None
         self.group_windows = probe.layer_groups[0] if self.hybrid_kv_cache else None
         # Bytes of a token across the mesh (KV heads repeated when tp exceeds them), and
         # the devices whose memory holds the pool (fake CPU devices share the host's).
@@ -521,6 +538,7 @@ class ModelRunner:
             ) from None
         self.compiled_buckets: list[dict] = []  # shape buckets this engine compiled
         self._shapes_seen: set[tuple] = set()  # step shapes this engine has run
+        self._compiled_keys: set[tuple] = set()  # what the step compiled for (launch)
         self.announce: Callable[[str], None] | None = None
         from flax import nnx
 
@@ -589,28 +607,91 @@ class ModelRunner:
         t1 = time.perf_counter()
         padded_steps = None if steps is None else _padded(steps, S_b)
         inputs, layout = _pack_inputs(batch, sampling, padded_steps)
+        flags = dict(
+            layout=layout,
+            decode_only=decode_only(batch) and not self.deterministic,
+            batch_invariant=self.deterministic,
+            num_candidates=num_candidates,
+            num_steps=K,
+            # No row samples: an argmax is all (deterministic mode: one path for every
+            # row, so a greedy row's log-prob is the same in any batch). With static
+            # shapes, one sampler for every step (no second variant to compile; a
+            # greedy row costs an argmax in it too).
+            greedy_only=not (temp > 0).any() and not self.deterministic and not self.static_shapes,
+        )
         with mesh_context(self.mesh):
             toks, lps, cand_v, cand_i, last, self.cache = self.step_fn(
-                self.weights,
-                tokens,
-                inputs,
-                self.cache,
-                penalties,
-                allowed,
-                layout=layout,
-                decode_only=decode_only(batch) and not self.deterministic,
-                batch_invariant=self.deterministic,
-                num_candidates=num_candidates,
-                num_steps=K,
-                # No row samples: an argmax is all (deterministic mode: one path for
-                # every row, so a greedy row's log-prob is the same in any batch).
-                greedy_only=not (temp > 0).any() and not self.deterministic,
+                self.weights, tokens, inputs, self.cache, penalties, allowed, **flags
             )
         seconds = time.perf_counter() - t1
-        compiled = self.step_fn._cache_size() > compiled_before  # compiled a new shape
+        # A new entry of the step's cache: a new shape compiled, unless only the kind of
+        # the tokens differs from one before (a host array, or a device one merged from a
+        # running step's samples: dispatch keys them apart, the compiled code is shared).
+        compiled = self.step_fn._cache_size() > compiled_before
+        if compiled:
+            key = (shape, tuple(flags.items()), str(jax.tree.map(jnp.shape, (penalties, allowed))))
+            compiled = key not in self._compiled_keys
+            self._compiled_keys.add(key)
         if compiled:
             self._compiled(batch, num_candidates, seconds, K)
         return (toks, lps, cand_v, cand_i), last, seconds, compiled
+
+    @property
+    def table_width(self) -> int:
+        """Pages per block-table row with static shapes: the bucket of a sequence of
+        ``max_model_len`` tokens (the rows of a hybrid pool's groups alike)."""
+        return bucket(-(-self.max_model_len // self.page_size), 4)
+
+    def run_shape(
+        self, shape, replicas: int = 1, merges: Sequence[int] = (), overlapped: bool = False
+    ) -> bool:
+        """Runs step ``shape`` (``paged_jax.engine.shapes.StepShape``, per replica) once on
+        batches that touch only the null page, ``replicas`` of them side by side, and
+        waits for it. Then merges its samples into the input tokens of a step of each of
+        ``merges`` tokens per replica (``merge_tokens``: an overlapped step's inputs), and
+        with ``overlapped`` runs it again on such merged tokens (a device array, which
+        the jitted step's dispatch keys apart from a host one). Returns whether the step
+        compiled (False: compiled before)."""
+        batch = concat_batches(
+            [
+                null_batch(
+                    shape.tokens,
+                    shape.seqs,
+                    shape.pages_per_seq,
+                    decode_only=shape.decode_only,
+                    num_groups=self.num_groups,
+                )
+                for _ in range(replicas)
+            ]
+        )
+        S_b = batch.kv_lens.shape[0]
+        sampling = (
+            np.zeros(S_b, np.float32),
+            np.zeros(S_b, np.int32),
+            np.ones(S_b, np.float32),
+            np.zeros(S_b, np.float32),
+            np.zeros((S_b, 1), np.uint32),
+            np.zeros(S_b, np.int32),
+        )
+        steps = None if shape.steps == 1 else np.ones(len(batch.seq_ids), np.int32)
+
+        def merged(outputs, t: int):
+            src = np.full(t * replicas, -1, np.int32)
+            src[0] = 0  # one placeholder, taken from row 0's sample
+            return self.merge_tokens(outputs[0], src, np.zeros_like(src), np.zeros_like(src))
+
+        outputs, _, _, compiled = self.launch(
+            batch, batch.token_ids, sampling, None, 0, steps, replicas
+        )
+        jax.block_until_ready((outputs, self.cache))
+        for t in merges:
+            jax.block_until_ready(merged(outputs, t))
+        if overlapped:
+            tokens = merged(outputs, shape.tokens)
+            more = self.launch(batch, tokens, sampling, None, 0, steps, replicas)
+            jax.block_until_ready((more[0], self.cache))
+            compiled = compiled or more[3]
+        return compiled
 
     def _compiled(self, batch, num_candidates: int, seconds: float, num_steps: int = 1) -> None:
         """Records (and logs at INFO) the shape bucket a step just compiled."""

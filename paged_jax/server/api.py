@@ -127,6 +127,7 @@ class Server:
         self.model_name = model_name
         self.api_key = api_key
         self.metrics = Metrics()
+        self.metrics.step(llm)  # the engine as it starts (its warm-up's buckets compiled)
         self.loop = EngineLoop(
             llm,
             max_waiting=max_waiting,

@@ -1,0 +1,185 @@
+"""``LLM.warm_up()``: every step shape a configuration reaches is compiled before real
+work, and nothing compiles afterwards, whatever the requests (issue 51, item 1)."""
+
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import paged_jax as pj
+from paged_jax import models
+from paged_jax.batch import bucket
+from paged_jax.engine.launch import MIN_STEP_TOKENS
+from paged_jax.engine.shapes import StepShape, step_shapes
+
+GOLDEN = pathlib.Path(__file__).resolve().parent / "golden" / "hf"
+
+
+def _min_seqs(cap: int):
+    """The engine's rule (``Launching._min_seqs``) for a ``max_num_seqs`` of ``cap``."""
+    return lambda n: max(8, min(bucket(cap, 8), bucket(n, 16) // 16))
+
+
+@pytest.mark.parametrize("max_num_seqs, max_tokens", [(64, 512), (5, 40), (300, 256), (1, 8)])
+def test_step_shapes_are_every_bucket_a_schedule_can_make(max_num_seqs, max_tokens):
+    """Every (tokens, sequences) a scheduler may put in a step, bucketed as
+    ``build_batch`` buckets them, and nothing else."""
+    rule = _min_seqs(max_num_seqs)
+    want = set()
+    for n in range(1, max_tokens + 1):  # live tokens
+        for s in range(1, min(n, max_num_seqs) + 1):  # live sequences, each a token
+            T, S = bucket(n, MIN_STEP_TOKENS), bucket(s, rule(n))
+            want.add(StepShape(T, S, 32, decode_only=s == n))
+    got = step_shapes(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_tokens,
+        pages_per_seq=32,
+        min_tokens=MIN_STEP_TOKENS,
+        min_seqs=rule,
+    )
+    assert set(got) == want
+    assert got == sorted(got) and len(got) == len(want)
+
+
+def test_step_shapes_for_multi_step_and_deterministic_engines():
+    kw = dict(
+        max_num_seqs=16,
+        max_num_batched_tokens=32,
+        pages_per_seq=8,
+        min_tokens=8,
+        min_seqs=_min_seqs(16),
+    )
+    plain = step_shapes(**kw)
+    multi = step_shapes(**kw, num_scheduler_steps=4)
+    assert set(multi) - set(plain) == {StepShape(8, 8, 8, True, 4), StepShape(16, 16, 8, True, 4)}
+    det = step_shapes(**kw, deterministic=True)
+    assert not any(s.decode_only for s in det)
+    assert {(s.tokens, s.seqs) for s in det} == {(s.tokens, s.seqs) for s in plain}
+
+
+def _engine(model, **kw):
+    base = dict(
+        num_pages=48,
+        page_size=8,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        max_model_len=160,
+        compilation_cache=False,
+    )
+    return pj.LLM(model, **{**base, **kw})
+
+
+def _requests(rng, n, vocab):
+    """Prompts of 1..70 tokens (a few sharing a prefix) and mixed sampling params."""
+    shared = rng.integers(1, vocab, 24).tolist()
+    prompts, params = [], []
+    for k in range(n):
+        p = rng.integers(1, vocab, int(rng.integers(1, 70))).tolist()
+        prompts.append(shared + p[:20] if k % 3 == 0 else p)
+        sampled = k % 2 == 1
+        params.append(
+            pj.SamplingParams(
+                max_tokens=int(rng.integers(1, 40)),
+                temperature=0.8 if sampled else 0.0,
+                top_p=0.9 if k % 4 == 1 else 1.0,
+                top_k=5 if k % 4 == 3 else 0,
+                min_p=0.05 if k % 5 == 1 else 0.0,
+                seed=k,
+                ignore_eos=True,
+                logprobs=k % 6 == 0,
+            )
+        )
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, _ = models.load("tiny-llama")
+    return model
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_nothing_compiles_after_warm_up(tiny, async_scheduling, capsys):
+    """Random traffic after ``warm_up()``: requests arriving between steps, prefix hits,
+    preemption (a small pool), aborts, greedy and sampled rows; no step compiles, and the
+    tokens are those of an engine that compiled its buckets as they came."""
+    llm = _engine(tiny, async_scheduling=async_scheduling)
+    shapes = llm.step_shapes()
+    assert all(s.pages_per_seq == bucket(160 // 8) for s in shapes)
+    buckets = llm.warm_up()
+    assert "warm-up: every step shape ready" in capsys.readouterr().err
+    # (engines of one model share compiled steps: a second one compiles none)
+    assert len(buckets) == len(llm.compiled_buckets) <= len(shapes)
+    assert llm.metrics.steps == 0
+    ref = _engine(tiny, async_scheduling=async_scheduling, num_pages=200)
+    rng = np.random.default_rng(0)
+    prompts, params = _requests(rng, 24, tiny.config.vocab_size)
+    want = ref.generate(prompts, params, progress=False)
+    # the same requests, a few at a time between steps, with aborted ones among them
+    got, k, step = {}, 0, 0
+    while k < len(prompts) or llm.has_unfinished():
+        for _ in range(int(rng.integers(0, 4))):
+            if k < len(prompts):
+                llm.add_request(k, prompts[k], params[k])
+                if k % 7 == 5:
+                    llm.add_request(f"abort-{k}", prompts[k], params[k])
+                k += 1
+        step += 1
+        if step % 3 == 0:
+            for rid in [f"abort-{j}" for j in range(k)]:
+                llm.abort(rid)
+        for o in llm.step():
+            if o.finished and not str(o.request_id).startswith("abort"):
+                got[o.request_id] = o
+    assert llm.metrics.preemptions_recompute > 0, "the pool was meant to run short"
+    assert len(llm.compiled_buckets) == len(buckets), llm.compiled_buckets[len(buckets) :]
+    assert llm.metrics.compilations == 0
+    for i, w in enumerate(want):
+        assert got[i].outputs[0].token_ids == w.outputs[0].token_ids, i
+
+
+def test_nothing_compiles_after_warm_up_with_multi_step_launches(tiny):
+    llm = _engine(tiny, num_scheduler_steps=4)
+    assert any(s.steps == 4 for s in llm.step_shapes())
+    n = len(llm.warm_up(progress=False))
+    prompts, params = _requests(np.random.default_rng(1), 12, tiny.config.vocab_size)
+    llm.generate(prompts, params, progress=False)
+    llm.generate(prompts[:1], params[0], progress=False)  # one sequence alone
+    assert llm.metrics.multi_step_launches > 0
+    assert len(llm.compiled_buckets) == n, llm.compiled_buckets[n:]
+
+
+def test_nothing_compiles_after_warm_up_on_a_hybrid_pool():
+    model, _ = models.load_hf(GOLDEN / "gemma3", dtype=jnp.float32)
+    llm = _engine(model, max_model_len=96, num_pages=200)
+    assert llm.hybrid_kv_cache
+    n = len(llm.warm_up(progress=False))
+    prompts, params = _requests(np.random.default_rng(2), 10, model.config.vocab_size)
+    llm.generate(prompts, params, progress=False)
+    assert len(llm.compiled_buckets) == n, llm.compiled_buckets[n:]
+
+
+def test_warm_up_is_refused_while_requests_run_and_names_bad_arguments(tiny):
+    llm = _engine(tiny)
+    with pytest.raises(ValueError, match="sampling_params: only for a workload"):
+        llm.warm_up(sampling_params=pj.SamplingParams())
+    with pytest.raises(ValueError, match="prompt_len: expected an int >= 1 .or no workload"):
+        llm.warm_up(num_seqs=2, max_tokens=3)
+    llm.add_request("r", [1, 2, 3], pj.SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="expected an idle engine"):
+        llm.warm_up()
+    assert not llm.runner.static_shapes  # refused before anything changed
+
+
+def test_max_model_len_bounds_sequences_and_tables(tiny):
+    with pytest.raises(ValueError, match=r"max_model_len: expected 2 <= max_model_len <= 4096"):
+        _engine(tiny, max_model_len=4097)
+    with pytest.raises(TypeError, match="max_model_len: expected an int or None, got 1.5"):
+        _engine(tiny, max_model_len=1.5)
+    llm = _engine(tiny, max_model_len=40)
+    assert llm.max_model_len == 40 and llm.step_shapes()[0].pages_per_seq == 8  # 5 -> 8
+    with pytest.raises(ValueError, match="40"):
+        llm.add_request("long", list(range(1, 41)), pj.SamplingParams(max_tokens=2))
+    (out,) = llm.generate([list(range(1, 31))], pj.SamplingParams(max_tokens=50), progress=False)
+    assert len(out.outputs[0].token_ids) == 10  # capped at the context
