@@ -15,9 +15,14 @@ class ByteTokenizer:
     def __init__(self, bos_id: int = 256, eos_id: int = 257):
         self.bos_id, self.eos_id = bos_id, eos_id
 
-    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, *, add_bos: bool | None = None
+    ) -> list[int]:
+        """UTF-8 bytes of ``text``, after ``bos_id`` when ``add_special_tokens`` (or its
+        older name ``add_bos``)."""
         ids = list(text.encode("utf-8"))
-        return [self.bos_id, *ids] if add_bos else ids
+        bos = add_special_tokens if add_bos is None else add_bos
+        return [self.bos_id, *ids] if bos else ids
 
     def decode(self, ids) -> str:
         return bytes([i for i in ids if 0 <= i < 256]).decode("utf-8", errors="replace")

@@ -183,7 +183,7 @@ def test_a_client_gone_mid_stream_frees_its_pages(server):
     before = _metrics(server).get(
         'paged_jax_requests_total{endpoint="completions",status="499"}', 0
     )
-    body = dict(model=NAME, prompt="a long one", max_tokens=2000, stream=True, ignore_eos=True)
+    body = dict(model=NAME, prompt="a long one", max_tokens=480, stream=True, ignore_eos=True)
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.stream(
         "POST", server["base"] + "/v1/completions", json=body, headers=headers, timeout=60
@@ -216,6 +216,15 @@ def test_a_client_gone_mid_stream_frees_its_pages(server):
         (dict(n="2"), 400, "n", "n: expected an int >= 1"),
         (dict(logprobs=3), 400, "logprobs", "logprobs: only 0 is supported"),
         (dict(echo=True), 400, "echo", "echo: echoing the prompt is not supported"),
+        # issue 51, item 2: the engine used to cap it silently (a newcomer's 1,000,000
+        # decoded for minutes)
+        (
+            dict(prompt=[7] * 10, max_tokens=1_000_000),
+            400,
+            "max_tokens",
+            "max_tokens: the prompt's 10 tokens and max_tokens 1000000 make 1000010, more "
+            "than the model's maximum length of 512 tokens",
+        ),
     ],
 )
 def test_bad_requests_get_their_status_and_the_server_goes_on(server, body, status, param, message):
@@ -228,6 +237,55 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, body, stat
     assert error["param"] == param and error["message"].startswith(message), error
     ok = _client(server).completions.create(model=NAME, prompt="hi", max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_openai_and_vllm_conformance(server):
+    """Issue 51, item 2: unknown roles, routes and methods, and invalid JSON are OpenAI
+    JSON errors that say what is wrong; vLLM's /tokenize and /detokenize (its benchmark
+    client calls /tokenize first) agree with the tokenizer and with generation."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    base, tok = server["base"], server["tokenizer"]
+
+    def post(path, **kw):
+        return httpx.post(base + path, headers=headers, **kw)
+
+    messages = [{"role": "wizard", "content": "hi"}]
+    r = post("/v1/chat/completions", json=dict(model=NAME, messages=messages))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("messages[0].role: expected one of ")
+    r = post("/v1/completions", content=b'{"model": "x", "prompt": }')
+    assert r.status_code == 400
+    assert (
+        r.json()["error"]["message"] == "body: invalid JSON (Expecting value at line 1, column 26)"
+    )
+    r = httpx.get(base + "/v1/nothing-here", headers=headers)
+    assert (
+        r.status_code == 404 and r.json()["error"]["message"] == "/v1/nothing-here: no such route"
+    )
+    r = httpx.get(base + "/v1/completions", headers=headers)
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405
+    assert "allow" in r.headers
+    # /tokenize: a prompt with and without special tokens, and a conversation
+    r = post("/tokenize", json=dict(model=NAME, prompt="paged attention"))
+    assert r.status_code == 200, r.text
+    ids = list(tok.encode("paged attention").ids)
+    assert r.json() == dict(count=len(ids), max_model_len=512, tokens=ids, token_strs=None)
+    r = post("/tokenize", json=dict(prompt="paged attention", add_special_tokens=False))
+    assert r.json()["tokens"] == list(tok.encode("paged attention", add_special_tokens=False).ids)
+    chat = [{"role": "user", "content": "hi"}]
+    r = post("/tokenize", json=dict(model=NAME, messages=chat))
+    assert r.json()["tokens"] == list(tok.apply_chat_template(chat, tokenize=True))
+    r = post("/detokenize", json=dict(model=NAME, tokens=ids))
+    assert r.status_code == 200 and r.json() == {"prompt": tok.decode(ids)}
+    for path, body, param in (
+        ("/tokenize", dict(prompt=3), "prompt"),
+        ("/detokenize", dict(tokens=[-1]), "tokens"),
+        ("/detokenize", dict(tokens="abc"), "tokens"),
+    ):
+        r = post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert post("/tokenize", json=dict(model="gpt-4", prompt="x")).status_code == 404
+    assert httpx.post(base + "/tokenize", json=dict(prompt="x")).status_code == 401
 
 
 def test_a_wrong_api_key_gets_401(server):

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -79,6 +80,24 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
         }
     }
     return JSONResponse(body, status_code=status)
+
+
+# OpenAI's message roles ("developer": its newer name for "system").
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+def _json_body(raw: bytes) -> Any:
+    """The request body's JSON value; an ApiError (400) saying what is wrong with it."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ApiError(
+            400, f"body: invalid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+        ) from None
+    except UnicodeDecodeError:
+        raise ApiError(400, "body: invalid JSON (not UTF-8 text)") from None
+    except RecursionError:
+        raise ApiError(400, "body: nested too deeply") from None
 
 
 def _param_of(message: str) -> str | None:
@@ -151,10 +170,22 @@ class Server:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
             ],
             lifespan=lifespan,
-            exception_handlers={Exception: self._crash},
+            exception_handlers={HTTPException: self._http_error, Exception: self._crash},
         )
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        """Starlette's own answers (404: no such route, 405: a method the route does not
+        take) as OpenAI's JSON errors."""
+        what = {404: f"{request.url.path}: no such route", 405: f"{request.method}: not "
+                f"allowed on {request.url.path}"}.get(exc.status_code, exc.detail)  # fmt: skip
+        response = error_response(exc.status_code, what)
+        for k, v in (exc.headers or {}).items():
+            response.headers[k] = v
+        return response
 
     async def _crash(self, request: Request, exc: Exception) -> Response:
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
@@ -187,6 +218,81 @@ class Server:
         if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
             return error_response(401, "api key: missing or wrong (Authorization: Bearer KEY)")
         return None
+
+    # ------------------------------------------------------------------ vLLM's extras
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /tokenize``: ``{"prompt": text}`` (``add_special_tokens``, default
+        true) or ``{"messages": [...]}`` (``add_generation_prompt``, default true) to
+        ``{"count", "max_model_len", "tokens", "token_strs": null}``."""
+        return await self._extra(request, self._tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /detokenize``: ``{"tokens": [ids]}`` to ``{"prompt": text}``."""
+        return await self._extra(request, self._detokenize)
+
+    async def _extra(self, request: Request, answer) -> Response:
+        if (denied := self._auth(request)) is not None:
+            return denied
+        try:
+            raw = await self._read_body(request)
+            return JSONResponse(await asyncio.to_thread(answer, raw))
+        except ApiError as e:
+            return error_response(e.status, e.message, e.param)
+
+    def _body(self, raw: bytes) -> Mapping:
+        body = _json_body(raw)
+        if not isinstance(body, Mapping):
+            raise ApiError(400, "body: expected a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise ApiError(
+                404,
+                f"model: {model!r:.80} does not exist; this server serves {self.model_name!r}",
+                "model",
+            )
+        return body
+
+    def _tokenize(self, raw: bytes) -> dict:
+        body = self._body(raw)
+        if "messages" in body:
+            generation = body.get("add_generation_prompt", True)
+            if not isinstance(generation, bool):
+                raise ApiError(
+                    400, "add_generation_prompt: expected a bool", "add_generation_prompt"
+                )
+            ids = self._chat_prompt(body["messages"], add_generation_prompt=generation)
+        else:
+            prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
+            if not isinstance(prompt, str):
+                raise ApiError(400, f"prompt: expected a string, got {prompt!r:.80}", "prompt")
+            if not isinstance(special, bool):
+                raise ApiError(400, "add_special_tokens: expected a bool", "add_special_tokens")
+            ids = self._encode(prompt, "prompt", special)
+        return {
+            "count": len(ids),
+            "max_model_len": self.llm.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
+
+    def _detokenize(self, raw: bytes) -> dict:
+        tokens = self._body(raw).get("tokens")
+        vocab = self.llm.model.config.vocab_size
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
+        ):
+            raise ApiError(400, f"tokens: expected a list of token ids in [0, {vocab})", "tokens")
+        return {"prompt": self.llm.tokenizer.decode(tokens)}
+
+    def _encode(self, text: str, where: str, special: bool = True) -> list[int]:
+        """``text``'s token ids (with the tokenizer's special tokens when ``special``)."""
+        try:
+            if special:  # the tokenizer's default, as for generation
+                return self.llm.encode(text)
+            ids = self.llm.tokenizer.encode(text, add_special_tokens=False)
+        except ValueError as e:  # UnicodeEncodeError: a lone surrogate, say
+            raise ApiError(400, f"{where}: cannot be tokenized ({e})", "prompt") from None
+        return list(getattr(ids, "ids", ids))
 
     # ------------------------------------------------------------------ generation
     async def completions(self, request: Request) -> Response:
@@ -249,13 +355,7 @@ class Server:
         return b"".join(chunks)
 
     def _decode_and_parse(self, raw: bytes, chat: bool) -> dict:
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "body: expected a JSON object") from None
-        except RecursionError:
-            raise ApiError(400, "body: nested too deeply") from None
-        return self._parse(body, chat)
+        return self._parse(_json_body(raw), chat)
 
     def _parse(self, body: Any, chat: bool) -> dict:
         if not isinstance(body, Mapping):
@@ -306,9 +406,19 @@ class Server:
         for name in ("stop", "allowed_token_ids"):
             if isinstance(kw.get(name), list):
                 kw[name] = tuple(kw[name])
+        longest = max(len(ids) for ids in prompts)
         if "max_tokens" not in kw:  # chat: up to the context; completions: OpenAI's 16
-            longest = max(len(ids) for ids in prompts)
             kw["max_tokens"] = self.llm.max_model_len - longest if chat else 16
+        elif isinstance(kw["max_tokens"], int) and longest + kw["max_tokens"] > (
+            self.llm.max_model_len
+        ):
+            raise ApiError(
+                400,
+                f"max_tokens: the prompt's {longest} tokens and max_tokens {kw['max_tokens']} "
+                f"make {longest + kw['max_tokens']}, more than the model's maximum length of "
+                f"{self.llm.max_model_len} tokens",
+                "max_tokens",
+            )
         try:
             params = SamplingParams(logprobs=logprobs, **kw)
         except (ValueError, TypeError) as e:
@@ -352,10 +462,7 @@ class Server:
     def _prompts(self, prompt: Any) -> list[list[int]]:
         def one(p: Any, where: str) -> list[int]:
             if isinstance(p, str):
-                try:
-                    ids = self.llm.encode(p)
-                except ValueError as e:  # UnicodeEncodeError: a lone surrogate, say
-                    raise ApiError(400, f"{where}: cannot be tokenized ({e})", "prompt") from None
+                ids = self._encode(p, where)
             elif isinstance(p, list) and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in p
             ):
@@ -377,7 +484,7 @@ class Server:
             return [one(p, f"prompt[{k}]") for k, p in enumerate(prompt)]
         return [one(prompt, "prompt")]
 
-    def _chat_prompt(self, messages: Any) -> list[int]:
+    def _chat_prompt(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
         if isinstance(messages, list):  # content as a list of text parts
             flat = []
             for i, m in enumerate(messages):
@@ -390,6 +497,16 @@ class Server:
                     m = {**m, "content": "".join(str(p.get("text", "")) for p in parts)}
                 flat.append(m)
             messages = flat
+        if isinstance(messages, list):
+            for i, m in enumerate(messages):
+                role = m.get("role") if isinstance(m, Mapping) else None
+                if role not in _ROLES:
+                    raise ApiError(
+                        400,
+                        f"messages[{i}].role: expected one of {', '.join(sorted(_ROLES))}, "
+                        f"got {role!r:.40}",
+                        "messages",
+                    )
         if getattr(self.llm.tokenizer, "chat_template", None) is None:
             raise ApiError(
                 400,
@@ -397,7 +514,11 @@ class Server:
                 "messages",
             )
         try:
-            return list(self.llm.tokenizer.apply_chat_template(messages, tokenize=True))
+            return list(
+                self.llm.tokenizer.apply_chat_template(
+                    messages, tokenize=True, add_generation_prompt=add_generation_prompt
+                )
+            )
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), "messages") from None
 
