@@ -1,5 +1,6 @@
 """``python -m benchmarks <name> [--out DIR] [args]``: memory, sharing, throughput,
-host_overhead, kernels, engine, block_manager, layer_view, peers, serve, hybrid, sampler.
+host_overhead, kernels, engine, block_manager, layer_view, peers, serve, hybrid, sampler,
+serve_vllm_client.
 ``--out DIR``
 writes the results there; without it they go to a new ``bench-results/<time>`` directory
 under the current one. The committed results in ``benchmarks/results`` change only with
@@ -23,6 +24,7 @@ NAMES = (
     "serve",
     "hybrid",
     "sampler",
+    "serve_vllm_client",
 )
 
 if __name__ == "__main__":
