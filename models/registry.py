@@ -22,6 +22,8 @@ import tempfile
 import zipfile
 from collections.abc import Callable, Sequence
 
+from paged_jax.paths import cache_root
+
 
 @dataclasses.dataclass(frozen=True)
 class RemoteModel:
@@ -50,11 +52,9 @@ class FetchError(RuntimeError):
 
 
 def cache_dir() -> pathlib.Path:
-    """``$PAGED_JAX_CACHE``, else ``$XDG_CACHE_HOME/paged-jax``, else ``~/.cache/paged-jax``."""
-    if os.environ.get("PAGED_JAX_CACHE"):
-        return pathlib.Path(os.environ["PAGED_JAX_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "paged-jax"
+    """``$PAGED_JAX_CACHE``, else ``$XDG_CACHE_HOME/paged-jax``, else ``~/.cache/paged-jax``
+    (``paged_jax.paths.cache_root``: the root of every cache)."""
+    return cache_root()
 
 
 def fetch(

@@ -55,9 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text with continuous batching on a paged cache")
     g.add_argument(
         "--model",
-        default="tiny-llama",
-        help="'smollm2-135m-instruct' (a real model, downloaded once), 'tiny-llama' (built "
-        "in, random weights), a Hugging Face checkpoint dir or a .gguf file",
+        default="smollm2-135m-instruct",
+        help="'smollm2-135m-instruct' (a real model, downloaded once; as chat and serve), "
+        "'tiny-llama' (built in, random weights: its text is noise), a Hugging Face "
+        "checkpoint dir or a .gguf file",
     )
     g.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     g.add_argument("--prompts-file", type=pathlib.Path, help="one prompt per line (UTF-8)")
@@ -196,7 +197,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("name", choices=BENCHMARKS)
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    for command in sub.choices.values():
+        _show_defaults(command)
     return p
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """``--help`` names every flag's default: appended to its help (the help is written
+    for a flag without one) unless the help says it already or there is none to name."""
+    for action in parser._actions:
+        default = action.default
+        if not action.option_strings or default in (None, False, argparse.SUPPRESS):
+            continue
+        if "default" in (action.help or ""):
+            continue
+        action.help = (
+            f"{action.help} (default: %(default)s)" if action.help else "default: %(default)s"
+        )
 
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -375,17 +392,11 @@ def _generate(args) -> int:
     if not 0.0 < args.top_p <= 1.0:
         raise UsageError(f"--top-p: expected a value in (0, 1], got {args.top_p}")
     prompts = _prompts(args)
+    _check_engine_flags(args)
     _start_jax(args)
     from paged_jax.engine import LLM, SamplingParams
 
-    mesh = _mesh(args)
-    model, tokenizer = _load_model(args.model, args.dtype, mesh)
-    if tokenizer is None and any(isinstance(p, str) for p in prompts):
-        raise UsageError(
-            f"--model: {args.model} has no tokenizer.json; give prompts as token ids "
-            "with --prompt-ids"
-        )
-    try:
+    try:  # every flag checked before the model loads
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -401,6 +412,16 @@ def _generate(args) -> int:
             ignore_eos=args.ignore_eos,
             stop=tuple(args.stop or ()),
         )
+    except (ValueError, TypeError) as e:
+        raise UsageError(_flag_names(str(e))) from None
+    mesh = _mesh(args)
+    model, tokenizer = _load_model(args.model, args.dtype, mesh)
+    if tokenizer is None and any(isinstance(p, str) for p in prompts):
+        raise UsageError(
+            f"--model: {args.model} has no tokenizer.json; give prompts as token ids "
+            "with --prompt-ids"
+        )
+    try:
         llm = LLM(
             model,
             tokenizer=tokenizer,
@@ -542,7 +563,7 @@ def _serve(args) -> int:
         from paged_jax.server.api import Server  # noqa: F401 (its imports: the extra)
     except ImportError as e:
         raise Unavailable(
-            f"serve: needs the 'serve' extra ({e.name} is missing): pip install 'paged-jax[serve]'"
+            f"serve: needs the 'serve' extra ({e.name} is missing): {_install_extra('serve')}"
         ) from None
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port: expected an int in [0, 65535], got {args.port}")
@@ -552,6 +573,7 @@ def _serve(args) -> int:
         raise UsageError(
             f"--max-request-bytes: expected an int >= 1024, got {args.max_request_bytes}"
         )
+    _check_engine_flags(args)
     _check_port(args.host, args.port)  # before seconds of loading, not after
     _start_jax(args)
     from paged_jax.engine import LLM
@@ -602,6 +624,31 @@ def _serve(args) -> int:
         on_ready=ready,
     )
     return 0
+
+
+def _check_engine_flags(args) -> None:
+    """The engine's integer flags, checked before JAX starts and the model loads."""
+    for flag, lowest in (
+        ("page_size", 1),
+        ("max_num_seqs", 1),
+        ("max_num_batched_tokens", 1),
+        ("num_scheduler_steps", 1),
+        ("max_model_len", 2),
+        ("num_pages", 2),
+    ):
+        value = getattr(args, flag, None)
+        if value is not None and value < lowest:
+            why = " (page 0 is null)" if flag == "num_pages" else ""
+            raise UsageError(f"{_FLAGS[flag]}: expected an int >= {lowest}{why}, got {value}")
+
+
+def _install_extra(extra: str) -> str:
+    """The pip command that adds ``extra`` to this install: the checkout's own (editable)
+    when paged-jax runs from one, else the published package's."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file() and (root / "pallas_kernels").is_dir():
+        return f"{sys.executable} -m pip install -e '{root}[{extra}]'"
+    return f"pip install 'paged-jax[{extra}]'"
 
 
 def _check_port(host: str, port: int) -> None:
@@ -732,13 +779,17 @@ _INTERRUPTS = _Interrupts()
 
 
 def main(argv: list[str] | None = None) -> int:
-    with _INTERRUPTS:
-        return _main(argv)
+    try:
+        with _INTERRUPTS:
+            return _main(argv)
+    except KeyboardInterrupt:  # before _main's own handling (the parser) or held to its end
+        print("paged-jax: interrupted", file=sys.stderr)
+        return 130
 
 
 def _main(argv: list[str] | None) -> int:
-    args = _parser().parse_args(argv)
     try:
+        args = _parser().parse_args(argv)
         run = {"generate": _generate, "chat": _chat, "serve": _serve, "bench": _bench}[args.command]
         code = run(args)
         sys.stdout.flush()  # a write error shows here, not as a traceback at exit

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -11,7 +12,12 @@ import pytest
 CLI = [sys.executable, "-m", "paged_jax.cli"]
 
 
+TINY = ["--model", "tiny-llama"]  # generate's default is SmolLM2: these tests use the preset
+
+
 def _run(*args, timeout=300):
+    if args and args[0] == "generate" and "--model" not in args:
+        args = (*args, *TINY)
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
 
 
@@ -110,7 +116,7 @@ def test_async_scheduling_flag_reaches_the_engine(monkeypatch, capsys, flag, exp
     from paged_jax import cli
 
     seen = _llm_arg(monkeypatch, "async_scheduling")
-    argv = ["generate", "--prompt", "hi", "--max-tokens", "2", "--json", "--no-progress"]
+    argv = ["generate", *TINY, "--prompt", "hi", "--max-tokens", "2", "--json", "--no-progress"]
     assert cli.main([*argv, *flag]) == 0
     assert seen == [expected]
     assert (
@@ -122,7 +128,7 @@ def test_num_scheduler_steps_flag_reaches_the_engine(monkeypatch, capsys):
     from paged_jax import cli
 
     seen = _llm_arg(monkeypatch, "num_scheduler_steps")
-    argv = ["generate", "--prompt", "hi", "--max-tokens", "6", "--json", "--no-progress"]
+    argv = ["generate", *TINY, "--prompt", "hi", "--max-tokens", "6", "--json", "--no-progress"]
     assert cli.main([*argv, "--num-scheduler-steps", "4"]) == 0
     assert seen == [4]
     out = json.loads(capsys.readouterr().out)["outputs"][0]["completions"][0]
@@ -153,7 +159,8 @@ def test_a_request_the_engine_fails_is_reported_and_exits_1(monkeypatch, capsys)
         return real(self, placed, *args)
 
     monkeypatch.setattr(llm_mod.LLM, "_penalties", breaks)
-    argv = ["generate", "--prompt", "good", "--prompt", "bad", "--max-tokens", "3", "--json"]
+    argv = ["generate", *TINY, "--prompt", "good", "--prompt", "bad", "--max-tokens", "3"]
+    argv.append("--json")
     assert cli.main([*argv, "--no-progress"]) == 1
     captured = capsys.readouterr()
     data = json.loads(captured.out)
@@ -198,7 +205,8 @@ def _checkpoint(path, config=None, tokenizer: str | None = None):
 def _main(capsys, *argv):
     from paged_jax import cli
 
-    code = cli.main(["generate", "--no-progress", *map(str, argv)])
+    argv = [*map(str, argv)]
+    code = cli.main(["generate", "--no-progress", *argv, *([] if "--model" in argv else TINY)])
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -289,7 +297,7 @@ def test_stdout_that_cannot_be_written_is_one_line():
         pytest.skip("needs /dev/full (Linux)")
     with open("/dev/full", "w") as full:
         proc = subprocess.run(
-            [*CLI, "generate", "--max-tokens", "2", "--no-progress", "--json"],
+            [*CLI, "generate", *TINY, "--max-tokens", "2", "--no-progress", "--json"],
             stdout=full,
             stderr=subprocess.PIPE,
             text=True,
@@ -307,15 +315,23 @@ def test_a_real_ctrl_c_at_any_moment_is_one_line_and_exit_code_130(delay):
     import signal
     import time
 
+    # Every moment from main's first line on is covered; before it (the interpreter's
+    # start and `import paged_jax.cli`) Python's default handler runs. On a loaded machine
+    # that start takes longer than 0.3 s (issue 51, item 3): the delay counts from when it
+    # has ended, measured now under the same load.
+    t = time.perf_counter()
+    subprocess.run([*CLI[:-2], "-c", "import paged_jax.cli"], check=True, timeout=120)
+    start = time.perf_counter() - t
     proc = subprocess.Popen(
         # 2000 tokens: seconds of stepping after the 3.5 s mark (400 once did; sampled steps
         # now run at greedy's speed, and 400 tokens could finish before the interrupt).
-        [*CLI, "generate", "--max-tokens", "2000", "--ignore-eos", "-n", "4", "--temperature", "1"],
+        [*CLI, "generate", *TINY, "--max-tokens", "2000", "--ignore-eos", "-n", "4"]
+        + ["--temperature", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(delay)
+    time.sleep(max(delay, 1.5 * start))
     assert proc.poll() is None, "the run ended before the interrupt: make it longer"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
@@ -354,3 +370,77 @@ def test_bad_parallel_flags_name_the_flag(capsys, args, message):
     assert err.strip() == f"paged-jax: error: {message}".replace(
         "{devices}", str(jax.device_count())
     )
+
+
+# ------------------------------------------------ issue 51, item 3: a newcomer's first hour
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--temperature", "-1"], "--temperature: expected a finite float >= 0"),
+        (["--max-tokens", "0"], "--max-tokens: expected an int >= 1, got 0"),
+        (["--page-size", "0"], "--page-size: expected an int >= 1, got 0"),
+        (["--max-model-len", "1"], "--max-model-len: expected an int >= 2, got 1"),
+    ],
+)
+def test_every_flag_is_checked_before_the_model_loads(monkeypatch, capsys, argv, message):
+    """They used to fail only after a 13 s load."""
+    from paged_jax import cli
+
+    def no_load(*a, **kw):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(cli, "_load_model", no_load)
+    assert cli.main(["generate", "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"paged-jax: error: {message}"), err
+
+
+def test_help_names_every_default_and_generate_runs_the_real_model(capsys):
+    from paged_jax import cli
+
+    parser = cli._parser()
+    commands = parser._subparsers._group_actions[0].choices
+    for name, sub in commands.items():
+        text = sub.format_help()
+        for action in sub._actions:
+            if action.option_strings and action.default not in (None, False, "==SUPPRESS=="):
+                assert action.help and "default" in action.help, (name, action.dest)
+        if name in ("generate", "serve"):
+            assert "default: 16" in text, name  # --page-size
+    assert commands["generate"].get_default("model") == "smollm2-135m-instruct"
+    assert commands["generate"].get_default("model") == commands["chat"].get_default("model")
+    assert commands["serve"].get_default("model") == commands["chat"].get_default("model")
+
+
+def test_the_missing_extra_hint_works_from_a_checkout():
+    from paged_jax import cli
+
+    root = pathlib.Path(cli.__file__).resolve().parents[1]
+    assert (root / "pyproject.toml").is_file()  # the suite runs from a checkout
+    assert cli._install_extra("serve") == f"{sys.executable} -m pip install -e '{root}[serve]'"
+
+
+def test_one_variable_places_every_cache(monkeypatch, tmp_path):
+    from paged_jax.engine import compile_cache
+    from paged_jax.kernels import cpu
+    from paged_jax.models import registry
+
+    monkeypatch.setenv("PAGED_JAX_CACHE", str(tmp_path))
+    monkeypatch.delenv(compile_cache.CACHE_ENV, raising=False)
+    assert registry.cache_dir() == tmp_path
+    assert compile_cache.default_dir() == tmp_path / "xla"
+    assert cpu._cache_dir() == tmp_path / "kernels"
+    monkeypatch.delenv("PAGED_JAX_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cpu._cache_dir() == tmp_path / "xdg" / "paged-jax" / "kernels"
+
+
+def test_ctrl_c_while_the_parser_is_built_is_one_line(monkeypatch, capsys):
+    from paged_jax import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_parser", interrupted)
+    assert cli.main(["generate"]) == 130
+    assert capsys.readouterr().err == "paged-jax: interrupted\n"

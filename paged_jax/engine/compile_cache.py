@@ -3,10 +3,11 @@
 A compiled step is written to a directory on disk, so the next process that runs the
 same model with the same shape buckets loads it instead of compiling it again. The
 directory: ``compilation_cache=`` of ``LLM``, else the environment variable
-``PAGED_JAX_COMPILATION_CACHE``, else ``<user cache dir>/paged-jax/xla`` (the user cache
-dir is ``$XDG_CACHE_HOME``, or ``~/.cache``). ``False``, or the variable set to ``0`` or
-``off``, leaves the cache off. If the process already configured JAX's cache
-(``jax.config.jax_compilation_cache_dir``), that setting is kept.
+``PAGED_JAX_COMPILATION_CACHE``, else ``xla/`` under paged-jax's cache root
+(``$PAGED_JAX_CACHE``, else ``$XDG_CACHE_HOME/paged-jax``, else ``~/.cache/paged-jax``).
+``False``, or the variable set to ``0`` or ``off``, leaves the cache off. If the process
+already configured JAX's cache (``jax.config.jax_compilation_cache_dir``), that setting is
+kept.
 
 JAX's cache is process-wide: turning it on for one engine turns it on for every jitted
 function compiled afterwards (each entry is keyed by the program, its shapes, the jax
@@ -20,14 +21,16 @@ import pathlib
 
 import jax
 
+from paged_jax.paths import cache_root
+
 CACHE_ENV = "PAGED_JAX_COMPILATION_CACHE"
 _OFF = ("0", "off", "false", "no")
 
 
 def default_dir() -> pathlib.Path:
-    """``<user cache dir>/paged-jax/xla``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "paged-jax" / "xla"
+    """``xla/`` under paged-jax's cache root (``$PAGED_JAX_CACHE``, else
+    ``$XDG_CACHE_HOME/paged-jax``, else ``~/.cache/paged-jax``)."""
+    return cache_root() / "xla"
 
 
 def resolve(setting: bool | str | os.PathLike | None) -> pathlib.Path | None:

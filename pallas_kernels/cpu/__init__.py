@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._paths import cache_root
+
 TARGET = "paged_jax_cpu_decode_attention"
 RAGGED_TARGET = "paged_jax_cpu_ragged_attention"
 LINEAR_TARGET = "paged_jax_cpu_linear"
@@ -61,8 +63,7 @@ _state: dict = {}  # "ok": bool, "why": str, "lib": the loaded library (kept ali
 
 
 def _cache_dir() -> pathlib.Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "paged-jax" / "kernels"
+    return cache_root() / "kernels"
 
 
 def _cpu_signature() -> str:
