@@ -18,9 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from paged_jax.sharding import tensor_parallel_size
+
 from .config import LlamaConfig
 from .llama import LlamaForCausalLM
-from .sharding import place, sharder
+from .sharding import pad_vocab, place, sharder
 from .tokenizer import TextTokenizer
 
 # Tensors some checkpoints carry that the model recomputes.
@@ -209,7 +211,11 @@ def build_model(
         # jnp ops here compiled one small program per shape: 3.6 s of SmolLM2's load).
         host = np.stack(values) if stacked else np.ascontiguousarray(values[0])
         host = host.astype(param_dtype, copy=False)
-        value = jnp.asarray(host) if sharding is None else place(host, sharding(p, host.ndim))
+        if sharding is None:
+            value = jnp.asarray(host)
+        else:
+            host = pad_vocab(p, host, tensor_parallel_size(mesh))
+            value = place(host, sharding(p, host.ndim))
         filled.append((p, var.replace(value)))
     extra = sorted(n for n in tensors if n not in used and not _IGNORED.match(n))
     if extra:

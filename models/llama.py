@@ -608,6 +608,8 @@ class LlamaForCausalLM(nnx.Module):
             logits = self.embed_tokens.attend(x_RE).astype(jnp.float32)
         else:
             logits = self.lm_head(x_RE).astype(jnp.float32)
+        # a vocabulary padded for tensor parallelism (models.sharding.pad_vocab)
+        logits = logits[:, : self.config.vocab_size]
         return _soft_cap(logits, self.config.final_logit_softcap)
 
 
@@ -641,7 +643,12 @@ def init_model(
 
     if mesh is None:
         return make()
-    from .sharding import state_shardings
+    from paged_jax.sharding import tensor_parallel_size
+
+    from .sharding import shard_model, state_shardings
+
+    if cfg.vocab_size % tensor_parallel_size(mesh):  # padded by shard_model
+        return shard_model(make(), mesh)
 
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
     shardings = state_shardings(cfg, abstract, mesh)

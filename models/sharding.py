@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -30,17 +31,47 @@ _BY_INPUT = ("o_proj", "down_proj")
 _KV = ("k_proj", "v_proj")
 
 
+def _names(path: tuple) -> list[str]:
+    """A parameter's path as names (a jax tree path of an ``nnx.State``, which ends in the
+    Variable's ``.value``, a GetAttrKey, or a tuple of names)."""
+    return [
+        str(p.key) if isinstance(p, jax.tree_util.DictKey) else str(p)
+        for p in path
+        if not isinstance(p, jax.tree_util.GetAttrKey)
+    ]
+
+
+def vocab_axis(path: tuple) -> int | None:
+    """The vocabulary axis of the parameter at ``path``: 0 for the embedding table
+    ``[V, E]`` and an LM head's bias, 1 for its kernel ``[E, V]``; None for the rest."""
+    names = _names(path)
+    if names[0] == "embed_tokens":
+        return 0
+    if names[0] == "lm_head":
+        return 1 if names[-1] == "kernel" else 0
+    return None
+
+
+def pad_vocab(path: tuple, value: Any, tp: int) -> Any:
+    """``value`` (numpy or jax) of the parameter at ``path`` with its vocabulary axis
+    padded with zeros to a multiple of ``tp``, as vLLM's vocabulary-parallel embedding
+    pads it: no token id reads the padding rows, and the logits of the padding columns
+    are dropped (``LlamaForCausalLM._logits`` keeps ``config.vocab_size``). Other
+    parameters, and a vocabulary ``tp`` divides, are returned as they are."""
+    axis = vocab_axis(path)
+    if axis is None or value.shape[axis] % tp == 0:
+        return value
+    widths = [(0, 0)] * value.ndim
+    widths[axis] = (0, -value.shape[axis] % tp)
+    return np.pad(value, widths) if isinstance(value, np.ndarray) else jnp.pad(value, widths)
+
+
 def weight_spec(path: tuple, ndim: int, *, replicate_kv: bool = False) -> P:
     """The ``PartitionSpec`` of the parameter at ``path`` (names as in ``nnx.state``;
     layer weights carry a leading ``[L]`` axis). ``replicate_kv``: k and v projections
     are replicated (the tensor-parallel size exceeds the KV heads; each device computes
     every KV head and keeps the one its query heads read)."""
-    # jax tree paths of an nnx.State end in the Variable's ``.value`` (a GetAttrKey)
-    names = [
-        str(p.key) if isinstance(p, jax.tree_util.DictKey) else str(p)
-        for p in path
-        if not isinstance(p, jax.tree_util.GetAttrKey)
-    ]
+    names = _names(path)
     leaf = names[-1]
     if names[0] == "embed_tokens":
         return P(TENSOR_AXIS, None)  # [V, E]
@@ -60,12 +91,14 @@ def sharder(cfg: Any, mesh: jax.sharding.Mesh) -> Callable[[tuple, int], NamedSh
     """``f(path, ndim) -> NamedSharding`` of a ``LlamaForCausalLM`` of config ``cfg`` on
     ``mesh``'s ``"tp"`` axis (``path``: a jax tree path or a tuple of names). Raises
     ValueError naming the numbers when the tensor-parallel size does not divide the query
-    heads, the KV heads (or a multiple of them), the MLP width or the vocabulary."""
+    heads, the KV heads (or a multiple of them) or the MLP width. A vocabulary it does not
+    divide is padded (``pad_vocab``; the loaders and ``shard_model`` pad it)."""
     tp = tensor_parallel_size(mesh)
     check_divides(cfg.num_heads, cfg.num_kv_heads, tp)
-    for name in ("intermediate_size", "vocab_size"):
-        if getattr(cfg, name) % tp:
-            raise ValueError(f"tensor_parallel_size: {tp} must divide {name}={getattr(cfg, name)}")
+    if cfg.intermediate_size % tp:
+        raise ValueError(
+            f"tensor_parallel_size: {tp} must divide intermediate_size={cfg.intermediate_size}"
+        )
     replicate_kv = kv_head_replicas(cfg.num_kv_heads, tp) > 1
     return lambda path, ndim: NamedSharding(
         mesh, weight_spec(path, ndim, replicate_kv=replicate_kv)
@@ -83,7 +116,9 @@ def shard_model(model: Any, mesh: jax.sharding.Mesh) -> Any:
     """Places ``model``'s weights on ``mesh`` (its ``"tp"`` axis) and returns it (errors:
     ``sharder``). The weights move from where they are; to load a checkpoint
     straight into its shards, pass ``mesh`` to ``paged_jax.models.load``."""
+    tp = tensor_parallel_size(mesh)
     state = nnx.state(model)
+    state = jax.tree_util.tree_map_with_path(lambda p, x: pad_vocab(p, x, tp), state)
     nnx.update(model, jax.device_put(state, state_shardings(model.config, state, mesh)))
     return model
 

@@ -101,9 +101,11 @@ class PagedKVCache:
         """A zero-filled cache of ``num_pages`` pages (page 0 included, never allocated).
 
         ``dtype``: f32, bf16, f16, or int8 / float8_e4m3fn / float8_e5m2 (quantized, with
-        per-token scales). ``layer_windows``: each of the ``num_layers`` layers' sliding
-        window (None: full attention) for a hybrid pool (``layer_groups``), whose pages
-        hold one layer group each; None (default): every page holds every layer.
+        per-token scales); None: f32 (what ``LLM`` passes a model's ``make_cache`` when no
+        ``cache_dtype`` was asked for, for the model to choose). ``layer_windows``: each
+        of the ``num_layers`` layers' sliding window (None: full attention) for a hybrid
+        pool (``layer_groups``), whose pages hold one layer group each; None (default):
+        every page holds every layer.
         """
         groups = None
         if layer_windows is not None:
@@ -126,7 +128,7 @@ class PagedKVCache:
                 raise TypeError(f"{name}: expected a Python int, got {type(value).__name__}")
             if value < minimum:
                 raise ValueError(f"{name}: expected >= {minimum}, got {value}")
-        dtype = jnp.dtype(dtype)
+        dtype = jnp.dtype(jnp.float32 if dtype is None else dtype)
         if dtype not in _quant.FLOAT_KV_DTYPES + _quant.QUANT_DTYPES:
             allowed = ", ".join(str(d) for d in _quant.FLOAT_KV_DTYPES + _quant.QUANT_DTYPES)
             raise TypeError(f"dtype: expected one of {allowed}, got {dtype}")

@@ -36,6 +36,16 @@ def _check_steps(out: dict) -> None:
         assert r["all_reduces"] > 0, (name, r)  # the partial sums after o and down do
 
 
+def test_a_vocabulary_the_mesh_does_not_divide_is_padded():
+    """Issue 51, item 5: a vocabulary of 211 was refused at tp 2, 4 and 8. Padded as
+    vLLM's vocabulary-parallel embedding pads it, the logits and tokens are those of one
+    device (the padding columns never reach the sampler)."""
+    out = _worker("tp_worker.py", "xla", "vocab-211:2,8")
+    assert set(out) == {"vocab-211/tp2", "vocab-211/tp8"}
+    assert not [k for k, r in out.items() if "error" in r], out
+    _check_steps(out)
+
+
 @pytest.mark.slow  # the default suite runs the engine at tp 2 x dp 2 (below)
 def test_tensor_parallel_steps_equal_one_device():
     # tiny-llama: 4 query heads, 2 KV heads; gqa-8-2 at 4: each KV head on 2 devices
@@ -90,7 +100,9 @@ def _check_engine(out: dict, ref: dict) -> None:
         assert r["pool_collectives"] == 0, r
         # tp: the partial sums after o and down (dp alone: the logits rows, a small one)
         assert r["all_reduces"] > 0 or tp == 1, r
-        assert r["compiled_steps"] == r["compilations"], r  # one compilation per bucket
+        # one compilation per bucket; a bucket's step may have a second dispatch entry,
+        # for input tokens merged on the device (the same executable, not counted again)
+        assert r["compilations"] <= r["compiled_steps"] <= 2 * r["compilations"], r
 
 
 def test_engine_under_tensor_and_data_parallelism_matches_one_device():

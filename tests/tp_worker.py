@@ -3,8 +3,9 @@ count is fixed when JAX starts): a paged step under tensor parallelism against o
 
     python tests/tp_worker.py BACKEND MODEL:TP[,TP...] [MODEL:TP...]
 
-MODEL is tiny-llama (4 query, 2 KV heads), gqa-8-4 or gqa-8-2. Prints one JSON line."""
+MODEL is tiny-llama (4 query, 2 KV heads), gqa-8-4, gqa-8-2 or vocab-211. Prints one JSON line."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -68,7 +69,13 @@ def run(cfg, tp: int, backend: str, steps: int = 4):
     return logits_all, tokens, facts
 
 
-CONFIGS = {"tiny-llama": models.TINY_LLAMA, "gqa-8-4": gqa_config(4), "gqa-8-2": gqa_config(2)}
+CONFIGS = {
+    "tiny-llama": models.TINY_LLAMA,
+    "gqa-8-4": gqa_config(4),
+    "gqa-8-2": gqa_config(2),
+    # a vocabulary no tensor-parallel size divides: padded (models.sharding.pad_vocab)
+    "vocab-211": dataclasses.replace(gqa_config(2), vocab_size=211),
+}
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from paged_jax.engine.protocol import ModelContractError
 from paged_jax.engine.scheduler import Group, Status
 
 log = logging.getLogger("paged_jax")
@@ -38,6 +39,9 @@ class FaultIsolation:
         self.metrics.failed_steps += 1
         if phase == "apply":
             self._failed = error  # results were half applied
+            return
+        if isinstance(error, ModelContractError):  # the model's fault, no request's
+            self._failed = error
             return
         if isinstance(error, Exception):  # an interrupt says nothing about the requests
             self._suspect(error, groups)

@@ -64,15 +64,17 @@ class LLM(EngineCore):
     Args:
       model: an NNX decoder following ``paged_jax.engine.PagedDecoder``
         (``__call__(tokens, positions, cache, metadata) -> (logits, cache)``,
-        ``make_cache``, ``config``), such as ``paged_jax.models.LlamaForCausalLM``. Names
-        ("tiny-llama", a checkpoint directory) become models in the model layer:
-        ``model, tokenizer = paged_jax.models.load(name)``. A model on CPU without a
-        mesh that has ``hold_for_cpu`` gets it called, in place: its linear weights and
-        a tied embedding table packed for the C matrix-product kernel where the CPU
-        kernels built (``paged_jax.linear``), else its layers' linear weights held per
-        layer and a tied table ``[E, V]``, the layouts XLA:CPU reads fastest. A model on
-        a GPU or TPU without a mesh that has ``hold_for_accelerator`` gets that called
-        instead: per-layer weights and an unrolled layer loop, each weight read once
+        ``make_cache``, ``config``), such as ``paged_jax.models.LlamaForCausalLM``; or,
+        as vLLM's ``LLM(model=...)`` takes, a name ("smollm2-135m-instruct",
+        "tiny-llama"), a Hugging Face checkpoint directory or a GGUF file, loaded with
+        ``paged_jax.models.load(model, mesh=...)`` (its dtype as stored; call ``load``
+        yourself for another), whose tokenizer is used unless ``tokenizer`` is given.
+        A model on CPU without a mesh that has ``hold_for_cpu`` gets it called, in place:
+        its linear weights and a tied embedding table packed for the C matrix-product kernel
+        where the CPU kernels built (``paged_jax.linear``), else its layers' linear weights
+        held per layer and a tied table ``[E, V]``, the layouts XLA:CPU reads fastest. A
+        model on a GPU or TPU without a mesh that has ``hold_for_accelerator`` gets that
+        called instead: per-layer weights and an unrolled layer loop, each weight read once
         per step.
       tokenizer: object with ``encode(str)`` / ``decode(ids)``; None: prompts are
         token ids and outputs have no text.
@@ -206,6 +208,11 @@ class LLM(EngineCore):
 
         self.compilation_cache_dir = compile_cache.enable(compilation_cache)
         mesh = resolve_mesh(tensor_parallel_size, data_parallel_size, mesh)
+        if isinstance(model, str | os.PathLike):  # a name or a path, as vLLM's LLM(model=)
+            from paged_jax.models import load
+
+            model, loaded = load(model, mesh=mesh)
+            tokenizer = loaded if tokenizer is None else tokenizer
         dp = data_parallel_size_of(mesh) if mesh is not None else 1
         self.is_main_process = jax.process_index() == 0
         if preemption == "swap" and jax.process_count() > 1:

@@ -69,3 +69,37 @@ def check_model(model: Any) -> None:
             + ", ".join(missing)
             + " (see paged_jax.engine.protocol)"
         )
+
+
+class ModelContractError(TypeError):
+    """A model broke the ``PagedDecoder`` contract in a step (its outputs): raised at the
+    first step, it stops the engine (no request is to blame), naming the rule."""
+
+
+def check_step_output(out: Any, rows: int, vocab_size: int) -> Any:
+    """``out``, a model's ``__call__`` result in a step whose ``metadata.logits_indices``
+    has ``rows`` entries, if it is ``(logits f32[rows, vocab_size], cache)``; else
+    ``ModelContractError`` naming the rule. At trace time (shapes only)."""
+    name = "model.__call__(tokens, positions, cache, metadata)"
+    if not isinstance(out, tuple | list) or len(out) != 2:
+        what = f"a {type(out).__name__}" + (
+            f" of shape {tuple(out.shape)}" if hasattr(out, "shape") else ""
+        )
+        raise ModelContractError(
+            f"{name} must return (logits, cache), the cache with the step's K/V written; "
+            f"it returned {what}"
+        )
+    logits = out[0]
+    shape = tuple(getattr(logits, "shape", ()))
+    if len(shape) != 2 or shape[0] != rows:
+        raise ModelContractError(
+            f"{name} returned logits of shape {shape}; expected [{rows}, {vocab_size}]: one "
+            "row per entry of metadata.logits_indices (apply the LM head to "
+            "x[metadata.logits_indices], not to every token)"
+        )
+    if shape[1] != vocab_size:
+        raise ModelContractError(
+            f"{name} returned logits of shape {shape}; expected {vocab_size} columns "
+            "(config.vocab_size)"
+        )
+    return out

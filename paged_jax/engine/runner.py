@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from paged_jax import linear as paged_linear
 from paged_jax.batch import bucket, concat_batches, null_batch
 from paged_jax.engine.multistep import decode_loop
-from paged_jax.engine.protocol import check_model
+from paged_jax.engine.protocol import check_model, check_step_output
 from paged_jax.engine.sampling import beam_candidates, sample_rows
 from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata, decode_only
@@ -274,6 +274,7 @@ def _make_run(graphdef, state_def, mesh, compiler_options: tuple | None = None):
             batch_invariant=batch_invariant,
         )
         model = nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
+        vocab_size = model.config.vocab_size
         if mesh is not None and data_parallel_size_of(mesh) > 1:  # each replica its rows
             rows = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
             tokens = jax.lax.with_sharding_constraint(tokens, rows)
@@ -311,7 +312,9 @@ def _make_run(graphdef, state_def, mesh, compiler_options: tuple | None = None):
                 [toks.astype(jnp.int32), jax.lax.bitcast_convert_type(lps, jnp.int32)], axis=1
             )
             return replicated(both), None, None, None, replicated(last), cache
-        logits, cache = model(tokens, positions, cache, md)
+        logits, cache = check_step_output(
+            model(tokens, positions, cache, md), md.logits_indices.shape[0], vocab_size
+        )
         toks, lps = sample(logits, out_pos)
         if num_candidates:
             cv, ci = beam_candidates(logits, num_candidates)
