@@ -345,3 +345,49 @@ def test_allowed_token_ids_through_the_engine_and_their_checks():
             pj.SamplingParams(allowed_token_ids=bad)
     with pytest.raises(ValueError, match="allowed_token_ids: not supported with beam search"):
         pj.SamplingParams(allowed_token_ids=[1], beam_width=2)
+
+
+def test_top_logprobs_through_the_engine_equal_the_definition():
+    """Each token's most likely tokens and log-probs are those of the model's dense
+    log-softmax at its position, greedy and sampled, for n > 1 samples too; streamed
+    pieces carry each token once, with its log-probs (issue 51, item 2)."""
+    from model_helpers import dense_logits
+
+    llm = pj.LLM(*models.load("tiny-llama"), num_pages=64, page_size=8)
+    model = models.init_model(models.TINY_LLAMA, seed=0)
+    prompt = [7, 7, 9, 200, 3]
+    for p in (
+        pj.SamplingParams(max_tokens=6, ignore_eos=True, top_logprobs=4),
+        pj.SamplingParams(max_tokens=5, ignore_eos=True, top_logprobs=3, temperature=1.0, n=2),
+    ):
+        (out,) = llm.generate([prompt], p, progress=False)
+        for c in out.outputs:
+            assert c.logprobs is not None and len(c.top_logprobs) == len(c.token_ids)
+            ids = list(prompt)
+            for token, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs, strict=True):
+                row = np.asarray(jax.nn.log_softmax(dense_logits(model, ids)[-1]))
+                want = np.argsort(-row, kind="stable")[: p.top_logprobs]
+                assert [t for t, _ in top] == want.tolist()
+                np.testing.assert_allclose([v for _, v in top], row[want], atol=2e-5)
+                np.testing.assert_allclose(lp, row[token], atol=2e-5)
+                ids.append(token)
+    p = pj.SamplingParams(max_tokens=7, ignore_eos=True, top_logprobs=2)
+    pieces = list(llm.stream([prompt], p))
+    final = pieces[-1].output.outputs[0]
+    assert sum((x.token_ids for x in pieces), []) == final.token_ids
+    assert sum((x.logprobs for x in pieces), []) == final.logprobs
+    assert sum((x.top_logprobs for x in pieces), []) == final.top_logprobs
+
+
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        (dict(top_logprobs=21), r"top_logprobs: expected an int in \[0, 20\]"),
+        (dict(top_logprobs=True), r"top_logprobs: expected an int in \[0, 20\]"),
+        (dict(top_logprobs=2, beam_width=2), "top_logprobs: not supported with beam search"),
+    ],
+)
+def test_top_logprobs_params_are_checked(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        pj.SamplingParams(**kwargs)
+    assert pj.SamplingParams(top_logprobs=2).logprobs  # implied

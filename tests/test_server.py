@@ -214,7 +214,8 @@ def test_a_client_gone_mid_stream_frees_its_pages(server):
         (dict(prompt=[1.5]), 400, "prompt", "prompt: expected a string or a list of token ids"),
         (dict(prompt=[7] * 5000), 400, "prompt", "prompt: 5000 tokens, the model's maximum"),
         (dict(n="2"), 400, "n", "n: expected an int >= 1"),
-        (dict(logprobs=3), 400, "logprobs", "logprobs: only 0 is supported"),
+        (dict(logprobs=25), 400, "logprobs", "logprobs: expected an int in [0, 20], got 25"),
+        (dict(response_format={"type": "json_object"}), 400, "response_format", "response_"),
         (dict(echo=True), 400, "echo", "echo: echoing the prompt is not supported"),
         # issue 51, item 2: the engine used to cap it silently (a newcomer's 1,000,000
         # decoded for minutes)
@@ -286,6 +287,50 @@ def test_openai_and_vllm_conformance(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert post("/tokenize", json=dict(model="gpt-4", prompt="x")).status_code == 404
     assert httpx.post(base + "/tokenize", json=dict(prompt="x")).status_code == 401
+
+
+def test_top_logprobs_streamed_or_not_equal_the_engines(server):
+    """Issue 51, item 2: top log-probabilities and log-probabilities in streams (both
+    refused before), completions and chat, against the engine's own outputs."""
+    client, tok = _client(server), server["tokenizer"]
+    greedy = pj.SamplingParams(max_tokens=8, ignore_eos=True, top_logprobs=3)
+    want = _offline(server, ["Paged attention"], greedy)[0].outputs[0]
+    assert len(want.top_logprobs) == 8 and all(len(t) == 3 for t in want.top_logprobs)
+    kw = dict(model=NAME, prompt="Paged attention", max_tokens=8, temperature=0.0)
+    got = client.completions.create(logprobs=3, extra_body={"ignore_eos": True}, **kw)
+    lp = got.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    assert lp.tokens == [tok.decode([t]) for t in want.token_ids]
+    assert [len(d) <= 3 for d in lp.top_logprobs] == [True] * 8
+    assert lp.text_offset[0] == 0
+    streamed, offsets = [], []
+    for chunk in client.completions.create(
+        logprobs=3, stream=True, extra_body={"ignore_eos": True}, **kw
+    ):
+        for c in chunk.choices:
+            if c.logprobs:
+                streamed += c.logprobs.token_logprobs
+                offsets += c.logprobs.text_offset
+    assert streamed == pytest.approx(want.logprobs, abs=1e-5)
+    assert offsets == lp.text_offset
+    conversation = [{"role": "user", "content": "Hello there"}]
+    chat_params = pj.SamplingParams(max_tokens=6, top_logprobs=2)
+    want = _offline(server, [conversation], chat_params, chat=True)[0].outputs[0]
+    ckw = dict(model=NAME, messages=conversation, max_tokens=6, temperature=0.0)
+    entries = []
+    for chunk in client.chat.completions.create(logprobs=True, top_logprobs=2, stream=True, **ckw):
+        for c in chunk.choices:
+            if c.logprobs and c.logprobs.content:
+                entries += c.logprobs.content
+    assert [e.logprob for e in entries] == pytest.approx(want.logprobs, abs=1e-5)
+    for e, top in zip(entries, want.top_logprobs, strict=True):
+        assert [a.logprob for a in e.top_logprobs] == pytest.approx([b for _, b in top], abs=1e-5)
+    bad = httpx.post(
+        server["base"] + "/v1/chat/completions",
+        json=dict(ckw, top_logprobs=2),
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    assert bad.status_code == 400 and "needs logprobs: true" in bad.text
 
 
 def test_a_wrong_api_key_gets_401(server):

@@ -365,6 +365,7 @@ class Launching:
             if (
                 p.use_beam_search
                 or p.penalized
+                or p.top_logprobs
                 or p.allowed_token_ids is not None
                 or (p.n > 1 and not g.forked)
             ):
@@ -488,6 +489,8 @@ class Launching:
                 continue
             g, s, p = w.group, w.seq, w.group.params
             pos = w.stop - s.prompt_len  # output position of the token sampled
+            if p.top_logprobs:  # the step's candidates: its most likely tokens
+                num_cand = max(num_cand, bucket(p.top_logprobs, 2))
             if p.use_beam_search:
                 num_cand = max(num_cand, bucket(2 * p.beam_width, 2))
                 rows[i] = (p, [g.seed + s.sample_index], pos)

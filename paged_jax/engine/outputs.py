@@ -24,6 +24,8 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     cumulative_logprob: float
     logprobs: list[float] | None
+    # per token, [(token, log-prob)] of the step's most likely tokens (top_logprobs)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclasses.dataclass
@@ -37,6 +39,11 @@ class StreamOutput:
     finished: bool = False
     finish_reason: str | None = None
     output: RequestOutput | None = None  # the request's whole output, on its last piece
+    # the tokens generated since the sample's previous piece (their text may come in a
+    # later piece, while held back), with their log-probs when the request asked
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclasses.dataclass
@@ -142,14 +149,28 @@ class OutputProcessor:
             for c in out.outputs:
                 text, prev = c.text or "", sent.get((rid, c.index), "")
                 delta = text[len(prev) :] if text.startswith(prev) else ""
-                pieces.append(StreamOutput(index, c.index, delta, True, c.finish_reason, out))
+                piece = StreamOutput(index, c.index, delta, True, c.finish_reason, out)
+                n = sent.get((rid, c.index, "tokens"), 0)
+                _tokens_of(piece, n, c.token_ids, c.logprobs, c.top_logprobs)
+                pieces.append(piece)
             return pieces
         for sq in [] if g is None else [*g.seqs, *g.done]:
             text = self.settled_text(sq, g.params.stop)
             prev = sent.get((rid, sq.sample_index), "")
             if len(text) > len(prev) and text.startswith(prev):
                 sent[(rid, sq.sample_index)] = text
-                pieces.append(StreamOutput(index, sq.sample_index, text[len(prev) :]))
+                piece = StreamOutput(index, sq.sample_index, text[len(prev) :])
+                key = (rid, sq.sample_index, "tokens")
+                p = g.params
+                _tokens_of(
+                    piece,
+                    sent.get(key, 0),
+                    sq.output,
+                    sq.logprobs if p.logprobs else None,
+                    sq.top_logprobs if p.top_logprobs else None,
+                )
+                sent[key] = sent.get(key, 0) + len(piece.token_ids)
+                pieces.append(piece)
         return pieces
 
     def request_output(self, g: Group) -> RequestOutput:
@@ -174,6 +195,7 @@ class OutputProcessor:
                     finish_reason=s.finish_reason,
                     cumulative_logprob=s.cum_logprob,
                     logprobs=list(s.logprobs) if p.logprobs else None,
+                    top_logprobs=list(s.top_logprobs) if p.top_logprobs else None,
                 )
             )
         m = RequestMetrics(
@@ -188,3 +210,12 @@ class OutputProcessor:
         return RequestOutput(
             g.request_id, list(g.prompt), outs, g.status is Status.FINISHED, m, g.error
         )
+
+
+def _tokens_of(piece: StreamOutput, n: int, ids, logprobs, top) -> None:
+    """Fills ``piece`` with the tokens of ``ids`` from ``n`` on (and their log-probs)."""
+    piece.token_ids = list(ids[n:])
+    if logprobs is not None:
+        piece.logprobs = list(logprobs[n : n + len(piece.token_ids)])
+    if top is not None:
+        piece.top_logprobs = list(top[n : n + len(piece.token_ids)])

@@ -37,22 +37,25 @@ class ApplyResults:
             if g.params.use_beam_search:
                 self._beam_step(g, items, cand)
             elif g.params.n > 1 and not g.forked:
-                self._fork_samples(g, items[0], toks, lps)
+                self._fork_samples(g, items[0], toks, lps, cand)
             else:
                 for i, w in items:
-                    self._append(g, w.seq, first_toks[i], first_lps[i])
+                    self._append(g, w.seq, first_toks[i], first_lps[i], _top(g, cand, i))
             if not g.seqs:
                 finished.append(self._finish(g))
         return finished
 
-    def _append(self, g: Group, s: Seq, token: int, logprob: float) -> None:
-        """Adds a sampled token to ``s``; finishes ``s`` on a stop condition."""
+    def _append(self, g: Group, s: Seq, token: int, logprob: float, top=None) -> None:
+        """Adds a sampled token to ``s`` (``top``: its step's most likely tokens, for
+        ``SamplingParams.top_logprobs``); finishes ``s`` on a stop condition."""
         p = g.params
         tokens = s.tokens
         tokens.append(token)
         s.cum_logprob += logprob
         if p.logprobs:
             s.logprobs.append(logprob)
+            if top is not None:
+                s.top_logprobs.append(top)
         self.metrics.tokens_generated += 1
         reason = self.outputs.finish_reason(s, p, token)
         if reason:
@@ -179,7 +182,7 @@ class ApplyResults:
         if reason:
             self._end(g, s, reason)
 
-    def _fork_samples(self, g: Group, item, toks, lps) -> None:
+    def _fork_samples(self, g: Group, item, toks, lps, cand=None) -> None:
         """The prompt's logits give n tokens: n - 1 forks share every prompt page."""
         i, w = item
         parent = w.seq
@@ -191,8 +194,9 @@ class ApplyResults:
             child = Seq(sid, list(parent.tokens), parent.prompt_len, j)
             g.seqs.append(child)
             children.append((child, j))
+        top = _top(g, cand, i)  # one distribution, every sample's first token
         for s, j in [(parent, 0), *children]:
-            self._append(g, s, int(toks[i, j]), float(lps[i, j]))
+            self._append(g, s, int(toks[i, j]), float(lps[i, j]), top and list(top))
 
     def _beam_step(self, g: Group, items, cand) -> None:
         """Keeps the best ``beam_width`` continuations; forks/frees beams on shared pages."""
@@ -277,3 +281,13 @@ class ApplyResults:
         return self.outputs.request_output(g)
 
     # ------------------------------------------------------------------ swaps
+
+
+def _top(g: Group, cand, i: int) -> list[tuple[int, float]] | None:
+    """Row ``i``'s ``g.params.top_logprobs`` most likely tokens from the step's candidates
+    (``cand``: log-probs ``f32[S_b, C]`` and ids ``i32[S_b, C]``), or None."""
+    k = g.params.top_logprobs
+    if not k or cand is None:
+        return None
+    vals, ids = cand
+    return list(zip(ids[i, :k].tolist(), vals[i, :k].tolist(), strict=True))

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -48,6 +50,10 @@ class SamplingParams:
       include_stop_str_in_output: keep the stop string at the end of the text.
       ignore_eos: do not stop at the model's end-of-sequence tokens.
       logprobs: return the log-probability of each generated token.
+      top_logprobs: with each generated token, the ``top_logprobs`` most likely tokens
+        of its step and their log-probabilities (0: none; at most ``MAX_TOP_LOGPROBS``;
+        implies ``logprobs``). Under the model's raw distribution, as ``logprobs``. Not
+        with beam search.
       length_penalty: beam search ranks finished beams by ``logprob / len ** penalty``.
       allowed_token_ids: when given, only these tokens can be sampled (greedy rows too):
         every other logit is -inf before sampling (``sample_rows``' ``allowed`` mask,
@@ -71,6 +77,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
     length_penalty: float = 1.0
     allowed_token_ids: tuple[int, ...] | None = None
 
@@ -112,6 +119,14 @@ class SamplingParams:
             bad("length_penalty", "a finite float")
         if not isinstance(self.ignore_eos, bool) or not isinstance(self.logprobs, bool):
             bad("ignore_eos" if not isinstance(self.ignore_eos, bool) else "logprobs", "a bool")
+        if not is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            bad("top_logprobs", f"an int in [0, {MAX_TOP_LOGPROBS}]")
+        if self.top_logprobs:
+            if self.beam_width > 1:
+                raise ValueError(
+                    f"top_logprobs: not supported with beam search (beam_width={self.beam_width})"
+                )
+            object.__setattr__(self, "logprobs", True)
         if self.beam_width > 1 and self.penalized:
             raise ValueError(
                 "repetition_penalty, presence_penalty, frequency_penalty: not supported "

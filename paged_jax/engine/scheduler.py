@@ -88,6 +88,7 @@ class Seq:
         "prompt_len",
         "sample_index",
         "logprobs",
+        "top_logprobs",
         "_cum",
         "finish_reason",
         "stop_text",
@@ -113,6 +114,9 @@ class Seq:
         self.prompt_len = prompt_len
         self.sample_index = sample_index
         self.logprobs = [] if logprobs is None else logprobs
+        # per generated token, [(token, log-prob)] of its step's most likely tokens
+        # (SamplingParams.top_logprobs)
+        self.top_logprobs: list[list[tuple[int, float]]] = []
         self._cum = cum_logprob
         self.finish_reason = finish_reason
         self.stop_text = stop_text

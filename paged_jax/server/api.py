@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from paged_jax.engine.sampling import SamplingParams
+from paged_jax.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from paged_jax.server.loop import EngineLoop, Event, Overloaded
 from paged_jax.server.metrics import Metrics
 
@@ -61,6 +61,7 @@ _UNSUPPORTED = {
     "tools": (None, "tools are not supported"),
     "tool_choice": (None, "tools are not supported"),
     "functions": (None, "functions are not supported"),
+    "response_format": (None, "structured output is not supported yet"),
 }
 
 
@@ -370,7 +371,7 @@ class Server:
                 "model",
             )
         for name, (default, why) in _UNSUPPORTED.items():
-            if body.get(name, default) not in (default, None, {}, []):
+            if body.get(name, default) not in (default, None, {}, [], {"type": "text"}):
                 raise ApiError(400, f"{name}: {why}", name)
         n = body.get("n", 1)
         if "best_of" in body and body["best_of"] not in (None, n):
@@ -383,9 +384,7 @@ class Server:
             options.get("include_usage", False), bool
         ):
             raise ApiError(400, "stream_options: expected {include_usage: bool}", "stream_options")
-        logprobs = self._logprobs(body, chat)
-        if logprobs and stream:
-            raise ApiError(400, "logprobs: not supported with stream", "logprobs")
+        logprobs, top_logprobs = self._logprobs(body, chat)
         if chat:
             prompts = [self._chat_prompt(body.get("messages"))]
         else:
@@ -420,7 +419,7 @@ class Server:
                 "max_tokens",
             )
         try:
-            params = SamplingParams(logprobs=logprobs, **kw)
+            params = SamplingParams(logprobs=logprobs, top_logprobs=top_logprobs, **kw)
         except (ValueError, TypeError) as e:
             message = str(e)
             raise ApiError(400, message, _param_of(message)) from None
@@ -435,29 +434,34 @@ class Server:
             created=int(time.time()),
         )
 
-    def _logprobs(self, body: Mapping, chat: bool) -> bool:
+    def _logprobs(self, body: Mapping, chat: bool) -> tuple[bool, int]:
+        """(log-probs of the sampled tokens, how many most likely tokens with each):
+        completions' ``logprobs`` (an int, 0 for the sampled tokens only), chat's
+        ``logprobs`` (a bool) and ``top_logprobs`` (an int; needs ``logprobs``)."""
         value = body.get("logprobs")
+        most = MAX_TOP_LOGPROBS
         if chat:
             if value not in (None, True, False):
                 raise ApiError(400, f"logprobs: expected a bool, got {value!r}", "logprobs")
             top = body.get("top_logprobs")
-            if top not in (None, 0):
+            if top is None:
+                return bool(value), 0
+            if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= most:
                 raise ApiError(
                     400,
-                    "top_logprobs: only 0 is supported (the sampled tokens' log-probabilities)",
+                    f"top_logprobs: expected an int in [0, {most}], got {top!r}",
                     "top_logprobs",
                 )
-            return bool(value)
+            if top and not value:
+                raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+            return bool(value), top
         if value is None:
-            return False
-        if value != 0 or isinstance(value, bool):
+            return False, 0
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most:
             raise ApiError(
-                400,
-                f"logprobs: only 0 is supported (the sampled tokens' log-probabilities, no "
-                f"alternatives), got {value!r}",
-                "logprobs",
+                400, f"logprobs: expected an int in [0, {most}], got {value!r}", "logprobs"
             )
-        return True
+        return True, value
 
     def _prompts(self, prompt: Any) -> list[list[int]]:
         def one(p: Any, where: str) -> list[int]:
@@ -558,7 +562,9 @@ class Server:
                 choice: dict[str, Any] = {
                     "index": self._choice_index(job, k, c.index),
                     "finish_reason": c.finish_reason,
-                    "logprobs": self._logprob_body(job, c) if job["logprobs"] else None,
+                    "logprobs": self._logprob_body(job, c.token_ids, c.logprobs, c.top_logprobs)
+                    if job["logprobs"]
+                    else None,
                 }
                 if job["chat"]:
                     choice["message"] = {"role": "assistant", "content": c.text}
@@ -587,16 +593,38 @@ class Server:
         done = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
-    def _logprob_body(self, job, c) -> dict:
-        tokens = [self.llm.decode([t]) or "" for t in c.token_ids]
+    def _logprob_body(self, job, ids, logprobs, top, offset: int = 0) -> dict:
+        """OpenAI's ``logprobs`` of tokens ``ids`` (their ``logprobs``, and ``top``: each
+        one's most likely tokens as ``(id, log-prob)``, or None): chat's ``content`` list,
+        or completions' parallel lists (``text_offset`` from ``offset``)."""
+        text = [self.llm.decode([t]) or "" for t in ids]
+        alts = [[] for _ in ids] if top is None else top
         if job["chat"]:
+
+            def entry(t, lp):
+                return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+
             return {
                 "content": [
-                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                    for t, lp in zip(tokens, c.logprobs, strict=True)
+                    dict(
+                        entry(t, lp),
+                        top_logprobs=[entry(self.llm.decode([a]) or "", b) for a, b in alt],
+                    )
+                    for t, lp, alt in zip(text, logprobs, alts, strict=True)
                 ]
             }
-        return {"tokens": tokens, "token_logprobs": list(c.logprobs), "top_logprobs": None}
+        offsets = []
+        for t in text:
+            offsets.append(offset)
+            offset += len(t)
+        return {
+            "tokens": text,
+            "token_logprobs": list(logprobs),
+            "top_logprobs": None
+            if top is None
+            else [{self.llm.decode([a]) or "": b for a, b in alt} for alt in alts],
+            "text_offset": offsets,
+        }
 
     async def _stream(self, job, rids, queue, endpoint):
         chat = job["chat"]
@@ -609,14 +637,27 @@ class Server:
         }
         outputs: list[Any] = [None] * len(rids)
 
-        def chunk(index: int, text: str | None, finish: str | None, role: bool = False) -> str:
+        offsets: dict[int, int] = {}  # completions' text_offset, per choice
+
+        def chunk(
+            index: int, text: str | None, finish: str | None, role: bool = False, piece=None
+        ) -> str:
+            logprobs = None
+            if piece is not None and job["logprobs"]:
+                logprobs = self._logprob_body(
+                    job, piece.token_ids, piece.logprobs, piece.top_logprobs, offsets.get(index, 0)
+                )
+                if not chat:
+                    offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
             if chat:
                 delta = {"role": "assistant"} if role else {}
                 if text is not None:
                     delta["content"] = text
-                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": index, "delta": delta, "finish_reason": finish}
+                choice["logprobs"] = logprobs
             else:
                 choice = {"index": index, "text": text or "", "finish_reason": finish}
+                choice["logprobs"] = logprobs
             body = dict(base, choices=[choice])
             if job["include_usage"]:
                 body["usage"] = None
@@ -631,7 +672,8 @@ class Server:
             while any(o is None for o in outputs):
                 k, event = await queue.get()
                 if event.kind == "text":
-                    yield chunk(self._choice_index(job, k, event.sample), event.text, None)
+                    index = self._choice_index(job, k, event.sample)
+                    yield chunk(index, event.text, None, piece=event.piece)
                 elif event.kind == "error" or event.output.error is not None:
                     outputs[k] = event
                     status = event.status if event.kind == "error" else 500

@@ -33,6 +33,7 @@ class Event:
     output: Any = None
     status: int = 0
     message: str = ""
+    piece: Any = None  # "text": the StreamOutput (its tokens and their log-probs)
 
 
 class Overloaded(RuntimeError):
@@ -224,7 +225,9 @@ class EngineLoop:
                 live.tokens, live.last_token_time = tokens, now
             if live.stream and (out is not None or counts is not None):
                 for piece in self.llm.text_deltas(rid, out, live.sent):
-                    if piece.text:
-                        live.notify(Event("text", sample=piece.sample, text=piece.text))
+                    if piece.text or piece.logprobs:  # (tokens whose text is held back)
+                        live.notify(
+                            Event("text", sample=piece.sample, text=piece.text, piece=piece)
+                        )
             if out is not None:
                 self._done(rid, Event("done", output=out))
