@@ -1,6 +1,6 @@
 """``python -m benchmarks <name> [--out DIR] [args]``: memory, sharing, throughput,
 host_overhead, kernels, engine, block_manager, layer_view, peers, serve, hybrid, sampler,
-serve_vllm_client.
+serve_vllm_client, quantization.
 ``--out DIR``
 writes the results there; without it they go to a new ``bench-results/<time>`` directory
 under the current one. The committed results in ``benchmarks/results`` change only with
@@ -25,6 +25,7 @@ NAMES = (
     "hybrid",
     "sampler",
     "serve_vllm_client",
+    "quantization",
 )
 
 if __name__ == "__main__":

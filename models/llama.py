@@ -26,6 +26,7 @@ from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata
 
 from .config import LayerKind, LinearRopeScaling, LlamaConfig, RopeScaling
+from .quantization import check_format, quantize_int8
 
 
 def rope_inv_freq(
@@ -114,6 +115,24 @@ class Linear(nnx.Linear):
     """
 
     packed = False  # hold_packed sets it on the instance (a static attribute)
+    quantized = None  # quantize sets it ("int8": kernel int8, scale f32 [(L,) out])
+
+    def quantize(self, fmt: str = "int8") -> Linear:
+        """In place: the float kernel ``[(L,) in, out]`` becomes ``fmt`` (``"int8"``:
+        int8 with one f32 scale per output channel, ``self.scale``; see
+        ``models.quantization``); returns the module. Idempotent. Before ``hold_packed``
+        and ``split_layer_weights`` (raises ``ValueError`` after them)."""
+        check_format(fmt)
+        if self.quantized:
+            return self
+        kernel = self.kernel.get_value()
+        if self.packed or isinstance(kernel, tuple):
+            raise ValueError("kernel: quantize before packing or splitting the weights")
+        q, scale = quantize_int8(kernel, axis=-2)
+        self.kernel.set_value(jnp.asarray(q))
+        self.scale = nnx.Param(jnp.asarray(scale))
+        self.quantized = fmt
+        return self
 
     def hold_packed(self) -> Linear:
         """In place: the f32 kernel ``[in, out]`` or ``[L, in, out]`` (or a tuple of
@@ -126,14 +145,18 @@ class Linear(nnx.Linear):
         kernel = self.kernel.get_value()
         if isinstance(kernel, tuple):
             kernel = jnp.stack(kernel)
-        if kernel.ndim not in (2, 3) or kernel.dtype != jnp.float32:
+        want = jnp.int8 if self.quantized else jnp.float32
+        if kernel.ndim not in (2, 3) or kernel.dtype != want:
             raise ValueError(
-                f"kernel: expected a float32 [(L,) in, out] array, got "
+                f"kernel: expected a {jnp.dtype(want)} [(L,) in, out] array, got "
                 f"{kernel.dtype}{list(kernel.shape)}"
             )
         self.kernel = Packed(linear.pack(kernel))
-        if self.bias is not None and isinstance(self.bias.get_value(), tuple):
-            self.bias.set_value(jnp.stack(self.bias.get_value()))
+        for var in (self.bias, getattr(self, "scale", None)):
+            if var is not None and isinstance(var.get_value(), tuple):
+                var.set_value(jnp.stack(var.get_value()))
+        if self.quantized:  # read whole with the packed stack, by the layer's index
+            self.scale = Packed(linear.pack_scales(self.scale.get_value()))
         self.packed = True
         return self
 
@@ -141,37 +164,63 @@ class Linear(nnx.Linear):
         """The kernel as ``nnx.Linear`` holds it, ``[(L,) in, out]`` (a tuple of
         ``[in, out]`` for per-layer weights), whichever way it lies."""
         kernel = self.kernel.get_value()
-        return linear.unpack(kernel, self.out_features) if self.packed else kernel
+        if self.packed:
+            kernel = linear.unpack(kernel, self.out_features)
+        if not self.quantized:
+            return kernel
+        scale = self.scale.get_value()
+        if self.packed:
+            scale = scale[..., : self.out_features]
+        if isinstance(kernel, tuple):
+            return tuple(k.astype(jnp.float32) * s for k, s in zip(kernel, scale, strict=True))
+        return kernel.astype(jnp.float32) * jnp.expand_dims(scale, -2)
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         kernel = self.kernel.get_value()
         bias = None if self.bias is None else self.bias.get_value()
+        scale = self.scale.get_value() if self.quantized else None
 
         def add_bias(y, b):
             return y if b is None else y + jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,))
+
+        def pick(w, i):
+            return None if w is None else w[i]
 
         if self.packed:  # a stack is indexed by the layer being computed
             layer = _LAYER.get() if kernel.ndim == 4 else None
             step = _ROWS.get()
             rows = step[1] if step is not None and inputs.shape[:-1] == (step[0],) else None
-            y = linear.matmul(inputs.astype(jnp.float32), kernel, self.out_features, layer, rows)
+            x = inputs.astype(jnp.float32)
+            y = linear.matmul(x, kernel, self.out_features, layer, rows, scales=scale)
             return add_bias(y.astype(self.dtype or y.dtype), bias)
         if not isinstance(kernel, tuple):
-            return super().__call__(inputs)
+            if scale is None:
+                return super().__call__(inputs)
+            return _dot_layer(self, inputs, kernel, bias, scale)
         layer = _LAYER.get()
         if isinstance(layer, int):  # an unrolled layer loop: this layer's own arrays
-            return _dot_layer(self, inputs, kernel[layer], None if bias is None else bias[layer])
+            w = (kernel[layer], pick(bias, layer), pick(scale, layer))
+            return _dot_layer(self, inputs, *w)
 
         def one(i):
-            return lambda x: _dot_layer(self, x, kernel[i], None if bias is None else bias[i])
+            return lambda x: _dot_layer(self, x, kernel[i], pick(bias, i), pick(scale, i))
 
         return jax.lax.switch(layer, [one(i) for i in range(len(kernel))], inputs)
 
 
-def _dot_layer(module: Linear, x: jax.Array, kernel: jax.Array, bias: jax.Array | None):
-    """``x @ kernel + bias`` as ``nnx.Linear`` computes it, for one layer's own arrays."""
+def _dot_layer(
+    module: Linear,
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None,
+    scale: jax.Array | None = None,
+):
+    """``x @ kernel + bias`` as ``nnx.Linear`` computes it, for one layer's own arrays;
+    an int8 ``kernel`` is widened to the compute dtype and its product times ``scale``."""
     x, kernel, bias = module.promote_dtype((x, kernel, bias), dtype=module.dtype)
     y = module.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=module.precision)
+    if scale is not None:
+        y = y * jnp.reshape(scale.astype(y.dtype), (1,) * (y.ndim - 1) + (-1,))
     return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
 
 
@@ -183,6 +232,23 @@ class Embed(nnx.Embed):
 
     transposed = False  # hold_transposed / hold_packed set them on the instance (static)
     packed = False
+    quantized = None  # quantize sets it ("int8": table int8, scale f32 [V], one a token)
+
+    def quantize(self, fmt: str = "int8") -> Embed:
+        """In place: the float table ``[V, E]`` becomes ``fmt`` (``"int8"``: int8 with one
+        f32 scale per token, ``self.scale``, so a lookup and a tied LM head's output
+        column use the same scale); returns the module. Idempotent. Before
+        ``hold_transposed`` / ``hold_packed`` (raises ``ValueError`` after them)."""
+        check_format(fmt)
+        if self.quantized:
+            return self
+        if self.transposed or self.packed:
+            raise ValueError("embedding: quantize before transposing or packing the table")
+        q, scale = quantize_int8(self.embedding.get_value(), axis=-1)
+        self.embedding.set_value(jnp.asarray(q))
+        self.scale = nnx.Param(jnp.asarray(scale))
+        self.quantized = fmt
+        return self
 
     def hold_transposed(self) -> Embed:
         """In place: the table becomes ``[E, V]``; returns the module. Idempotent."""
@@ -193,39 +259,62 @@ class Embed(nnx.Embed):
 
     def hold_packed(self) -> Embed:
         """In place: the table becomes ``paged_jax.linear.pack`` of its ``[E, V]``
-        transpose, ``[P, E, NR]``; returns the module. Idempotent. Raises ``ValueError``
-        for a table that is not f32, or where the CPU kernels are not available."""
+        transpose, ``[P, E, NR]`` (int8 ones with their scales as ``pack_scales`` lays
+        them out); returns the module. Idempotent. Raises ``ValueError`` for a table that
+        is not f32 or int8, or where the CPU kernels are not available."""
         if not self.packed:
-            self.embedding.set_value(linear.pack(self.table().T))
+            raw = self.embedding.get_value()
+            self.embedding.set_value(linear.pack(raw if self.transposed else raw.T))
+            if self.quantized:
+                self.scale.set_value(linear.pack_scales(self.scale.get_value()))
             self.transposed, self.packed = False, True
         return self
 
     def table(self) -> jax.Array:
-        """The table as ``nnx.Embed`` holds it, ``[V, E]``, whichever way it lies."""
+        """The table as ``nnx.Embed`` holds it, ``[V, E]``, whichever way it lies
+        (dequantized: f32)."""
         table = self.embedding.get_value()
         if self.packed:
-            return linear.unpack(table, self.num_embeddings).T
-        return table.T if self.transposed else table
+            table = linear.unpack(table, self.num_embeddings).T
+        elif self.transposed:
+            table = table.T
+        if self.quantized:
+            scale = self.scale.get_value()[: self.num_embeddings]
+            return table.astype(jnp.float32) * scale[:, None]
+        return table
 
     def __call__(self, inputs: jax.Array) -> jax.Array:  # int[...] -> [..., E]
         if not jnp.issubdtype(inputs.dtype, jnp.integer):
             raise TypeError(f"inputs: expected an integer array, got {inputs.dtype}")
-        if not self.transposed and not self.packed:
+        if not self.transposed and not self.packed and not self.quantized:
             return super().__call__(inputs)
-        (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
+        table = self.embedding[...]
         if self.packed:  # token v: column v % NR of panel v // NR
             nr = table.shape[-1]
-            return table[inputs // nr, :, inputs % nr]
-        return jnp.moveaxis(jnp.take(table, inputs, axis=1), 0, -1)
+            rows = table[inputs // nr, :, inputs % nr]
+        elif self.transposed:
+            rows = jnp.moveaxis(jnp.take(table, inputs, axis=1), 0, -1)
+        else:
+            rows = jnp.take(table, inputs, axis=0)
+        if self.quantized:  # (a packed scale's entry v is token v's)
+            rows = rows.astype(jnp.float32) * self.scale[...][inputs][..., None]
+        (rows,) = self.promote_dtype((rows,), dtype=self.dtype, inexact=False)
+        return rows
 
     def attend(self, query: jax.Array) -> jax.Array:  # [..., E] -> [..., V]
+        scale = self.scale[...] if self.quantized else None
         if self.packed:
-            y = linear.matmul(query.astype(jnp.float32), self.embedding[...], self.num_embeddings)
+            x = query.astype(jnp.float32)
+            y = linear.matmul(x, self.embedding[...], self.num_embeddings, scales=scale)
             return y.astype(self.dtype or y.dtype)
-        if not self.transposed:
+        if not self.transposed and not self.quantized:
             return super().attend(query)
-        query, table = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
-        return jnp.dot(query, table)
+        table = self.embedding[...]
+        query, table = self.promote_dtype((query, table), dtype=self.dtype)
+        y = jnp.dot(query, table) if self.transposed else jnp.dot(query, table.T)
+        if scale is None:
+            return y
+        return y * jnp.reshape(scale.astype(y.dtype), (1,) * (y.ndim - 1) + (-1,))
 
 
 def _linear(cfg_in: int, out: int, bias: bool, *, rngs, dtype, param_dtype) -> Linear:
@@ -424,10 +513,23 @@ class LlamaForCausalLM(nnx.Module):
         for _, node in nnx.iter_graph(self.layers):
             if not isinstance(node, Linear) or node.packed:  # a packed stack stays whole
                 continue
-            for var in (node.kernel, node.bias):
+            for var in (node.kernel, node.bias, getattr(node, "scale", None)):
                 w = None if var is None else var.get_value()
                 if w is not None and not isinstance(w, tuple):
                     var.set_value(tuple(w[i] for i in range(L)))
+        return self
+
+    def quantize(self, fmt: str = "int8") -> LlamaForCausalLM:
+        """In place: every linear weight (the layers' projections and an untied LM head)
+        and the embedding table (a tied LM head's weight) in quantized format ``fmt``
+        (``models.quantization``); returns the model. Norms stay float. Before the engine
+        holds the weights for a device (``hold_for_cpu``, ``hold_for_accelerator``,
+        ``shard``), which ``paged_jax.models.load(..., quantization=)`` ensures.
+        Idempotent. Raises ``ValueError`` for an unknown format."""
+        check_format(fmt)
+        for _, node in nnx.iter_graph(self):
+            if isinstance(node, (Linear, Embed)):
+                node.quantize(fmt)
         return self
 
     def hold_for_accelerator(self) -> LlamaForCausalLM:
@@ -488,7 +590,10 @@ class LlamaForCausalLM(nnx.Module):
             pack = (
                 self.dtype == jnp.float32
                 and linear.available()
-                and all(n.packed or _dtype(n.kernel.get_value()) == jnp.float32 for n in linears)
+                and all(
+                    n.packed or n.quantized or _dtype(n.kernel.get_value()) == jnp.float32
+                    for n in linears
+                )
             )
         if pack:
             for node in linears:

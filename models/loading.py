@@ -20,6 +20,7 @@ from .config import PRESETS
 from .gguf_loader import load_gguf
 from .hf import load_hf
 from .llama import init_model
+from .quantization import check_format
 from .registry import ALIASES, fetch
 from .tokenizer import ByteTokenizer
 
@@ -27,7 +28,12 @@ log = logging.getLogger("paged_jax")
 
 
 def load(
-    name: str | os.PathLike, *, dtype: Any = None, seed: int = 0, mesh: Any = None
+    name: str | os.PathLike,
+    *,
+    dtype: Any = None,
+    seed: int = 0,
+    mesh: Any = None,
+    quantization: str | None = None,
 ) -> tuple[Any, Any]:
     """``(model, tokenizer)`` for a preset, a named real model, a Hugging Face checkpoint
     directory or a GGUF file.
@@ -47,6 +53,10 @@ def load(
         (``paged_jax.tensor_parallel_mesh(n)``): every weight is placed straight into
         its tensor-parallel shards, never whole on one device; pass the same mesh to
         ``LLM``. None: one device.
+      quantization: ``"int8"`` quantizes the float weights as they load (weight-only,
+        one scale per output channel; ``models.quantization``): the linear weights and
+        the embedding table take a quarter of f32's memory. None: as loaded. Not with a
+        mesh yet.
 
     Returns ``(model, tokenizer)``; the tokenizer is None for a checkpoint without
     ``tokenizer.json`` or a GGUF file without tokenizer metadata. Raises ``TypeError``
@@ -56,6 +66,16 @@ def load(
     """
     if not isinstance(name, (str, os.PathLike)):
         raise TypeError(f"name: expected a preset name or a directory, got {type(name).__name__}")
+    check_format(quantization)
+    if quantization is not None and mesh is not None:
+        raise ValueError("quantization: not supported with a mesh (tensor parallelism) yet")
+    model, tokenizer = _load(name, dtype, seed, mesh)
+    if quantization is not None:
+        model.quantize(quantization)
+    return model, tokenizer
+
+
+def _load(name, dtype, seed, mesh) -> tuple[Any, Any]:
     if isinstance(name, str) and name in PRESETS:
         kw = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
         return init_model(PRESETS[name], seed=seed, mesh=mesh, **kw), ByteTokenizer()

@@ -30,13 +30,22 @@ def available() -> bool:
     return cpu.available()
 
 
-def pack(w: jax.Array) -> jax.Array:  # [(L,) K, N] f32 -> [(L,) P, K, NR]
+def pack(w: jax.Array) -> jax.Array:  # [(L,) K, N] f32 or int8 -> [(L,) P, K, NR]
     """``w`` in column panels of the kernel's width NR (``P = ceil(N / NR)``, zero past
-    column N), each of a stack ``[L, K, N]`` alike. Raises ``ValueError`` for a ``w``
-    that is not float32 of those ranks, or where the kernels are not available."""
+    column N), each of a stack ``[L, K, N]`` alike; float32, or int8 (quantized weights,
+    whose scales ``pack_scales`` lays out). Raises ``ValueError`` for another dtype or
+    rank, or where the kernels are not available."""
     from paged_jax.kernels import cpu
 
     return cpu.pack_weight(w)
+
+
+def pack_scales(scales: jax.Array) -> jax.Array:  # f32[(L,) N] -> f32[(L,) P * NR]
+    """The column scales of int8 weights, laid out for ``matmul`` with the weights
+    ``pack`` packed (zero past column N)."""
+    from paged_jax.kernels import cpu
+
+    return cpu.pack_scales(scales)
 
 
 def unpack(packed: jax.Array, n: int) -> jax.Array:  # [(L,) P, K, NR] -> [(L,) K, n]
@@ -52,15 +61,18 @@ def matmul(
     n: int,
     layer: jax.Array | int | None = None,  # i32 scalar: which of L weights
     rows: jax.Array | int | None = None,  # i32 scalar: rows of x to compute
+    scales: jax.Array | None = None,  # f32[(L,) P * NR]: int8 weights' (pack_scales)
 ) -> jax.Array:  # [..., n] f32
     """``x @ w`` for the ``[K, n]`` weight ``w`` packed as ``packed`` (of a stack of L, the
     one at ``layer``, read where it lies), by the CPU kernel: one f32 sum per output
     over K in order, so a row's result does not depend on the other rows. ``rows``: only
     the first ``rows`` rows of ``x`` (flattened) are computed, the others' results are 0
-    (None: all). Raises ``ValueError`` for mismatched shapes or dtypes."""
+    (None: all). int8 weights (W8A16) need their ``scales``: column j of the product is
+    then multiplied by ``scales[j]``. Raises ``ValueError`` for mismatched shapes or
+    dtypes."""
     from paged_jax.kernels import cpu
 
-    return cpu.linear(x, packed, n, layer=layer, rows=rows)
+    return cpu.linear(x, packed, n, layer=layer, rows=rows, scales=scales)
 
 
-__all__ = ["available", "matmul", "pack", "unpack"]
+__all__ = ["available", "matmul", "pack", "pack_scales", "unpack"]

@@ -131,7 +131,9 @@ def test_boundary_errors():
         cpu.linear(x, packed, 20, threads=0)
     with pytest.raises(ValueError, match=r"layer: expected an int in \[0, 1\), got 1"):
         cpu.linear(x, packed, 20, layer=1)  # one weight, not a stack
-    with pytest.raises(ValueError, match=r"w: expected a \[K, N\] or \[L, K, N\] float32 array"):
+    with pytest.raises(
+        ValueError, match=r"w: expected a \[K, N\] or \[L, K, N\] float32 or int8 array"
+    ):
         cpu.pack_weight(jnp.asarray(w, jnp.float16))
 
 
@@ -157,9 +159,9 @@ def test_a_padded_step_computes_its_real_tokens_only(monkeypatch):
     assert model.layers.mlp.up_proj.packed
     limited, real = [], linear.matmul
 
-    def spy(x, packed, n, layer=None, rows=None):
+    def spy(x, packed, n, layer=None, rows=None, scales=None):
         limited.append(rows is not None)
-        return real(x, packed, n, layer, rows)
+        return real(x, packed, n, layer, rows, scales=scales)
 
     monkeypatch.setattr(llama.linear, "matmul", spy)
     ids = list(range(3, 40))

@@ -266,12 +266,13 @@ def panel_width() -> int:
 def pack_weight(w: jax.Array) -> jax.Array:
     """``w`` in the panel layout ``linear`` reads, NR = ``panel_width()``:
     ``[K, N] -> [P, K, NR]`` with ``packed[p, k, j] = w[k, p * NR + j]`` (zero past column
-    N, ``P = ceil(N / NR)``), or ``[L, K, N] -> [L, P, K, NR]`` weight by weight. Raises
-    ``ValueError`` for a ``w`` that is not f32 of those ranks. Outside ``jit`` the panels
-    are filled in numpy (no XLA program compiled per weight shape)."""
-    if w.ndim not in (2, 3) or w.dtype != jnp.float32:
+    N, ``P = ceil(N / NR)``), or ``[L, K, N] -> [L, P, K, NR]`` weight by weight. ``w``:
+    float32, or int8 (quantized weights, whose scales ``pack_scales`` lays out). Raises
+    ``ValueError`` for another dtype or rank. Outside ``jit`` the panels are filled in
+    numpy (no XLA program compiled per weight shape)."""
+    if w.ndim not in (2, 3) or w.dtype not in (jnp.float32, jnp.int8):
         raise ValueError(
-            f"w: expected a [K, N] or [L, K, N] float32 array, got {w.dtype}{list(w.shape)}"
+            f"w: expected a [K, N] or [L, K, N] float32 or int8 array, got {w.dtype}{list(w.shape)}"
         )
     nr = panel_width()
     *lead, k, n = w.shape
@@ -281,7 +282,7 @@ def pack_weight(w: jax.Array) -> jax.Array:
     except jax.errors.TracerArrayConversionError:  # under jit: the same panels in jnp
         w = jnp.pad(w, [(0, 0)] * len(lead) + [(0, 0), (0, p * nr - n)])
         return jnp.moveaxis(w.reshape(*lead, k, p, nr), -2, -3)
-    packed = np.zeros((*lead, p, k, nr), np.float32)
+    packed = np.zeros((*lead, p, k, nr), w.dtype)
     whole = n // nr  # panels with no padding
     packed[..., :whole, :, :] = np.moveaxis(
         w[..., : whole * nr].reshape(*lead, k, whole, nr), -2, -3
@@ -294,6 +295,15 @@ def pack_weight(w: jax.Array) -> jax.Array:
         return jnp.asarray(packed)
 
 
+def pack_scales(scales: jax.Array) -> jax.Array:
+    """Column scales ``f32[(L,) N]`` of int8 weights as ``linear`` reads them with the
+    packed weights: ``f32[(L,) P * NR]``, zero past column N."""
+    nr = panel_width()
+    n = scales.shape[-1]
+    pad = [(0, 0)] * (scales.ndim - 1) + [(0, -(-n // nr) * nr - n)]
+    return jnp.pad(jnp.asarray(scales, jnp.float32), pad)
+
+
 def unpack_weight(packed: jax.Array, n: int) -> jax.Array:
     """The weight ``pack_weight`` packed: ``[P, K, NR] -> [K, n]`` or
     ``[L, P, K, NR] -> [L, K, n]`` (any NR)."""
@@ -303,12 +313,13 @@ def unpack_weight(packed: jax.Array, n: int) -> jax.Array:
 
 def linear(
     x: jax.Array,  # [..., K] f32
-    packed: jax.Array,  # [P, K, NR] or [L, P, K, NR] f32, from pack_weight
+    packed: jax.Array,  # [P, K, NR] or [L, P, K, NR] f32 or int8, from pack_weight
     n: int,
     *,
     layer: jax.Array | int | None = None,
     rows: jax.Array | int | None = None,
     threads: int | None = None,
+    scales: jax.Array | None = None,  # f32[(L,) P * NR] from pack_scales: int8 weights
 ) -> jax.Array:  # [..., n] f32
     """``x @ w`` for the ``[K, n]`` weight ``w`` that ``pack_weight`` made ``packed`` (for
     an ``[L, ...]`` stack, weight ``layer``: an int or a traced i32 scalar, read in place,
@@ -317,10 +328,17 @@ def linear(
     cores this process may use). ``rows`` (an int or a traced i32 scalar): only the first
     ``rows`` rows of ``x`` (flattened to ``[M, K]``) are computed and the rest of the
     result is 0, so a batch padded to a bucket costs its real rows; None, or a value
-    outside ``[0, M]``: every row. Raises ``ValueError`` for other dtypes or shapes, a
-    missing or out-of-range static ``layer``, and when the kernels are not available."""
-    if x.dtype != jnp.float32 or packed.dtype != jnp.float32:
-        raise ValueError(f"x, packed: expected float32, got {x.dtype} and {packed.dtype}")
+    outside ``[0, M]``: every row. int8 weights (W8A16) come with ``scales``: the product
+    is then ``(x @ q)[:, j] * scales[j]``, each weight widened to f32 as it is read. Raises
+    ``ValueError`` for other dtypes or shapes, a missing or out-of-range static ``layer``,
+    and when the kernels are not available."""
+    want = jnp.float32 if scales is None else jnp.int8
+    if x.dtype != jnp.float32 or packed.dtype != want:
+        expected = "float32" if scales is None else "float32 and int8 (with scales)"
+        raise ValueError(
+            f"x, packed: expected {expected}, got {x.dtype} and {packed.dtype}"
+            + (" (int8 weights need their scales)" if packed.dtype == jnp.int8 else "")
+        )
     nr = panel_width()
     if packed.ndim not in (3, 4) or packed.shape[-1] != nr:
         raise ValueError(f"packed: expected [(L,) P, K, {nr}], got {list(packed.shape)}")
@@ -344,7 +362,14 @@ def linear(
         ]
     )
     call = jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    return call(x2, packed, params).reshape(*x.shape[:-1], n)
+    if scales is None:
+        return call(x2, packed, params).reshape(*x.shape[:-1], n)
+    if scales.dtype != jnp.float32 or scales.shape != (*packed.shape[:-3], p * nr):
+        raise ValueError(
+            f"scales: expected float32{[*packed.shape[:-3], p * nr]} (pack_scales), got "
+            f"{scales.dtype}{list(scales.shape)}"
+        )
+    return call(x2, packed, scales, params).reshape(*x.shape[:-1], n)
 
 
 def greedy_rows(

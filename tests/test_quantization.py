@@ -1,0 +1,154 @@
+"""int8 weights (issue 52, a first format): the quantization's error bound, the CPU
+kernel's int8 product against the definition, and a quantized model (every way the
+engine holds its weights) against a float model holding the dequantized weights."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import paged_jax as pj
+from paged_jax import linear, models
+from paged_jax.models.llama import Embed, Linear
+from paged_jax.models.quantization import quantize_int8
+
+
+def test_int8_error_is_within_half_a_scale():
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(3, 64, 40)).astype(np.float32) * rng.uniform(0.01, 3, size=40)
+    w[:, :, 7] = 0.0  # a column of zeros: scale 1, q 0
+    q, scale = quantize_int8(w, axis=-2)
+    assert q.dtype == np.int8 and scale.shape == (3, 40) and np.abs(q).max() <= 127
+    err = np.abs(q * scale[:, None, :] - w)
+    assert np.all(err <= scale[:, None, :] / 2 * (1 + 1e-6))
+    assert np.all(scale[:, 7] == 1.0) and not q[:, :, 7].any()
+    assert np.all(np.abs(q).max(axis=-2)[:, np.arange(40) != 7] == 127)
+
+
+@pytest.mark.skipif(not linear.available(), reason="the CPU kernels did not build here")
+@pytest.mark.parametrize("layers, n, rows", [(None, 100, None), (3, 48, 5), (2, 7, 0)])
+def test_the_cpu_kernel_multiplies_by_int8_weights_as_defined(layers, n, rows):
+    rng = np.random.default_rng(1)
+    lead = () if layers is None else (layers,)
+    w = rng.normal(size=(*lead, 96, n)).astype(np.float32)
+    q, scale = quantize_int8(w, axis=-2)
+    x = rng.normal(size=(2, 9, 96)).astype(np.float32)
+    layer = None if layers is None else layers - 1
+    got = linear.matmul(
+        jnp.asarray(x),
+        linear.pack(jnp.asarray(q)),
+        n,
+        layer=layer,
+        rows=rows,
+        scales=linear.pack_scales(jnp.asarray(scale)),
+    )
+    deq = q.astype(np.float64) * scale[..., None, :]
+    want = x.reshape(18, 96).astype(np.float64) @ (deq if layers is None else deq[layer])
+    if rows is not None:
+        want[rows:] = 0.0
+    np.testing.assert_allclose(np.asarray(got).reshape(18, n), want, atol=2e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="int8 weights need their scales"):
+        linear.matmul(jnp.asarray(x), linear.pack(jnp.asarray(q)), n, layer=layer)
+
+
+# A held-out config: biases on q/k/v (as Qwen2), an untied LM head, GQA 4:2.
+CFG = models.LlamaConfig(
+    vocab_size=200,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    qkv_bias=True,
+    tie_word_embeddings=False,
+)
+
+
+def _pair(cfg):
+    """(an int8 model, a float model holding its dequantized weights)."""
+    quantized = models.init_model(cfg, seed=3).quantize("int8")
+    dequantized = models.init_model(cfg, seed=3)
+    mods = lambda m: [n for _, n in nnx.iter_graph(m) if isinstance(n, (Linear, Embed))]  # noqa: E731
+    for a, b in zip(mods(dequantized), mods(quantized), strict=True):
+        if isinstance(a, Linear):
+            a.kernel.set_value(b.weight())
+        else:
+            a.embedding.set_value(b.table())
+    return quantized, dequantized
+
+
+TIED = dataclasses.replace(CFG, tie_word_embeddings=True, qkv_bias=False)
+
+
+@pytest.mark.parametrize(
+    "cfg, held",
+    [(CFG, "packed"), (TIED, "packed"), (CFG, "xla"), (TIED, "accelerator")],
+    ids=["packed-untied-bias", "packed-tied", "xla-untied-bias", "accelerator-tied"],
+)
+def test_a_quantized_model_computes_what_its_dequantized_weights_do(cfg, held, monkeypatch):
+    """Through the engine, each way it holds weights: packed for the C kernel (CPU),
+    per layer for XLA:CPU, per layer and unrolled (GPUs and TPUs); greedy tokens and
+    their log-probs equal those of the float model with the dequantized weights."""
+    if held == "packed" and not linear.available():
+        pytest.skip("the CPU kernels did not build here")
+    quantized, dequantized = _pair(cfg)
+    if held == "xla":
+        monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")  # no packing: XLA's products
+    if held == "accelerator":
+        quantized.hold_for_accelerator()
+        dequantized.hold_for_accelerator()
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [50, 60, 70]]
+    p = pj.SamplingParams(max_tokens=10, ignore_eos=True, logprobs=True)
+    kw = dict(num_pages=64, page_size=8, compilation_cache=False)
+    got = pj.LLM(quantized, **kw).generate(prompts, p, progress=False)
+    want = pj.LLM(dequantized, **kw).generate(prompts, p, progress=False)
+    layers_q = quantized.layers
+    q_proj = layers_q.self_attn.q_proj if hasattr(layers_q, "self_attn") else None
+    if held == "packed" and q_proj is not None:
+        assert q_proj.packed and q_proj.kernel.get_value().dtype == jnp.int8
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        np.testing.assert_allclose(g.outputs[0].logprobs, w.outputs[0].logprobs, atol=2e-4)
+
+
+def test_quantized_weights_take_a_quarter_of_the_bytes():
+    def nbytes(m):
+        return sum(x.nbytes for x in jax.tree.leaves(nnx.state(m)))
+
+    f32 = models.init_model(CFG, seed=0)
+    int8 = models.init_model(CFG, seed=0).quantize("int8")
+    assert nbytes(int8) < 0.3 * nbytes(f32)
+
+
+def test_load_quantizes_and_names_what_it_cannot_do():
+    model, _ = models.load("tiny-llama", quantization="int8")
+    assert model.embed_tokens.quantized == "int8"
+    assert model.embed_tokens.embedding.get_value().dtype == jnp.int8
+    with pytest.raises(ValueError, match="quantization: expected one of 'int8' or None, got 'q3'"):
+        models.load("tiny-llama", quantization="q3")
+    mesh = pj.tensor_parallel_mesh(1)
+    with pytest.raises(ValueError, match="quantization: not supported with a mesh"):
+        models.load("tiny-llama", quantization="int8", mesh=mesh)
+    lin = Linear(8, 8, rngs=nnx.Rngs(0))
+    lin.kernel.set_value((lin.kernel.get_value(),))  # held per layer already
+    with pytest.raises(ValueError, match="quantize before packing or splitting"):
+        lin.quantize()
+
+
+def test_the_cli_quantizes_on_load(capsys):
+    import json
+
+    from paged_jax import cli
+
+    argv = ["generate", "--model", "tiny-llama", "--quantization", "int8", "--max-tokens", "3"]
+    assert cli.main([*argv, "--prompt", "hi", "--json", "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["outputs"][0]["completions"][0]["token_ids"]) == 3
+    with pytest.raises(SystemExit):  # argparse: not among the choices
+        cli.main(["generate", "--quantization", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
