@@ -333,6 +333,26 @@ def test_top_logprobs_streamed_or_not_equal_the_engines(server):
     assert bad.status_code == 400 and "needs logprobs: true" in bad.text
 
 
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (dict(n=17), "n: 17 sequences, more than max_num_seqs=16"),
+        (dict(n=16, max_tokens=400), "request needs up to"),
+    ],
+)
+def test_refusals_by_the_engines_limits_come_before_a_stream_starts(server, body, message):
+    """Issue 56, item 9: they came from the engine thread after the stream had begun
+    (HTTP 200, an error event, [DONE]); the same request unstreamed got a 400."""
+    full = dict(model=NAME, prompt="hi", max_tokens=4, stream=True) | body
+    r = httpx.post(
+        server["base"] + "/v1/completions", json=full, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"] and r.json()["error"]["param"] == (
+        "n" if "n:" in message else None
+    )
+
+
 def test_a_wrong_api_key_gets_401(server):
     with pytest.raises(openai.AuthenticationError):
         _client(server, key="wrong").completions.create(model=NAME, prompt="hi", max_tokens=2)

@@ -197,27 +197,23 @@ class EngineCore(Launching, ApplyResults, FaultIsolation):
     def decode(self, ids: Sequence[int]) -> str | None:
         return self.outputs.decode(ids)
 
-    def add_request(
-        self,
-        request_id: Hashable,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        *,
-        cache_salt: Any = None,
-    ) -> None:
-        """Queues a request. Raises ValueError on a bad request (nothing is queued).
+    def check_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, cache_salt=None
+    ) -> list[int]:
+        """What ``add_request`` checks of a request against this engine's limits (the
+        prompt's tokens and length, ``n`` or ``beam_width`` against ``max_num_seqs``, the
+        pages it may need against the pool), without queueing it: ``ValueError`` /
+        ``TypeError`` naming what is wrong, else the prompt's token ids. Reads only the
+        engine's configuration, so another thread may call it while the engine steps (the
+        server does, before it answers)."""
+        return self._checked(prompt, params or SamplingParams(), cache_salt)[0]
 
-        ``request_id`` must not belong to an unfinished request; a finished or aborted
-        request's id may be used again.
-        """
-        self._check_usable()
-        params = params or SamplingParams()
+    def _checked(self, prompt, params: SamplingParams, cache_salt) -> tuple[list[int], int]:
+        """``(token ids, sequences)`` of a request that passes ``check_request``."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
             raise ValueError("params.stop: stop strings need a tokenizer; this engine has none")
-        if request_id in self._groups:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt: expected at least one token, got an empty prompt")
@@ -261,6 +257,26 @@ class EngineCore(Launching, ApplyResults, FaultIsolation):
                 f"request needs up to {pages} pages ({width} x {worst} tokens), the pool "
                 f"has {usable}: lower max_tokens / n / beam_width or add pages"
             )
+        return ids, width
+
+    def add_request(
+        self,
+        request_id: Hashable,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: Any = None,
+    ) -> None:
+        """Queues a request. Raises ValueError on a bad request (nothing is queued).
+
+        ``request_id`` must not belong to an unfinished request; a finished or aborted
+        request's id may be used again.
+        """
+        self._check_usable()
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        ids, width = self._checked(prompt, params, cache_salt)
         self._arrivals += 1
         g = Group(
             request_id=request_id,

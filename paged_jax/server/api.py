@@ -420,6 +420,8 @@ class Server:
             )
         try:
             params = SamplingParams(logprobs=logprobs, top_logprobs=top_logprobs, **kw)
+            for ids in prompts:  # the engine's limits, before any answer starts (a stream's
+                self.llm.check_request(ids, params)  # 200 could not become a 400 later)
         except (ValueError, TypeError) as e:
             message = str(e)
             raise ApiError(400, message, _param_of(message)) from None
