@@ -44,6 +44,11 @@ def _check_kv_pages_and_q(q, kv_pages, *, q_name: str, q_doc: str) -> tuple[int,
     if kv_dtype not in _quant.FLOAT_KV_DTYPES + _quant.QUANT_DTYPES:
         raise TypeError(f"kv_pages: expected a float, int8 or float8 dtype, got {kv_pages.dtype}")
     num_pages, _, combined, head_dim = kv_pages.shape
+    if num_pages < 1:  # ids outside the pool read the null page 0, which must exist
+        raise ValueError(
+            f"kv_pages: expected at least 1 page (page 0, the null page), got shape "
+            f"{_fmt_shape(kv_pages)}"
+        )
     if combined % 2:
         raise ValueError(f"kv_pages: dim 2 (2K, K and V interleaved) must be even, got {combined}")
     if q.shape[2] != head_dim:

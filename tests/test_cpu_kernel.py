@@ -387,3 +387,33 @@ def test_failed_build_is_reported(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     lib, why = cpu._build()
     assert lib is None and "broken toolchain" in why
+
+
+def test_an_empty_pool_and_min_p_above_one_are_refused_and_the_kernels_cope():
+    """Issue 56, item 12: an empty pool with kv_lens > 0 read out of bounds in decode.c
+    (page 0 did not exist either), and min_p > 1 kept no token, so the draw read the first
+    entry of an empty order (SIGSEGV in sample.c)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import pytest
+
+    import paged_jax as pj
+    from paged_jax.kernels import cpu
+
+    q = jnp.ones((2, 4, 16), jnp.float32)
+    empty = jnp.zeros((0, 8, 4, 16), jnp.float32)
+    with pytest.raises(ValueError, match="kv_pages: expected at least 1 page"):
+        pj.paged_attention(
+            q, empty, jnp.array([3, 5], jnp.int32), jnp.zeros((2, 2), jnp.int32), backend="cpu"
+        )
+    if not cpu.available():
+        pytest.skip("the CPU kernels did not build here")
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 50)), jnp.float32)
+    args = (jnp.ones(3, jnp.float32), jnp.zeros(3, jnp.int32), jnp.ones(3, jnp.float32))
+    u = jnp.full((3, 2), 0.5, jnp.float32)
+    with pytest.raises(ValueError, match="min_p: expected values in \\[0, 1\\]"):
+        cpu.sample_tokens(x, *args, jnp.full(3, 1.5, jnp.float32), u)
+    # traced (no values to check at the boundary): the kernel keeps the top token
+    tokens, _ = jax.jit(cpu.sample_tokens)(x, *args, jnp.full(3, 1.5, jnp.float32), u)
+    assert np.asarray(tokens).tolist() == [[int(np.argmax(r))] * 2 for r in np.asarray(x)]

@@ -443,6 +443,14 @@ def sample_tokens(
             )
     if u.dtype != jnp.float32 or u.ndim != 2 or u.shape[0] != r:
         raise ValueError(f"u: expected f32[{r}, J], got {u.dtype}{list(u.shape)}")
+    try:  # values, where they are known here (not traced); the kernel copes either way
+        bad = np.asarray(min_p)
+    except jax.errors.TracerArrayConversionError:
+        bad = None
+    if bad is not None and not np.all((bad >= 0) & (bad <= 1)):
+        raise ValueError(
+            f"min_p: expected values in [0, 1], got {bad[~((bad >= 0) & (bad <= 1))][:4]}"
+        )
     count = _threads(threads)
     _require()
     call = jax.ffi.ffi_call(

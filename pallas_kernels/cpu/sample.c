@@ -409,6 +409,7 @@ static int sample_row(const float *x, int64_t V, float t, int32_t top_k, float t
     total += weight[b];
   }
 
+  if (min_p > 1.0f) min_p = 1.0f; /* keeps the top token(s), as min_p 1 does */
   const int restricted = top_k > 0 || top_p < 1.0f || min_p > 0.0f;
   if (!restricted) { /* vocabulary order: the block, then the token within it */
     for (int64_t j = 0; j < J; ++j) {
@@ -452,6 +453,11 @@ static int sample_row(const float *x, int64_t V, float t, int32_t top_k, float t
     sure |= top_k > 0 && n >= top_k;
     sure |= top_p < 1.0f && mass >= (double)top_p * total * (1.0 + 1e-4);
     if (sure) break;
+  }
+  if (n == 0) { /* nothing gathered (a min_p above 1 the caller let through): the top token */
+    const int32_t tok = (int32_t)first_max(x, V, m);
+    for (int64_t j = 0; j < J; ++j) token[j] = tok;
+    return 1;
   }
   const int32_t *order = sort_positions(w->key, w->pos, w->key2, w->pos2, n);
   /* The kept prefix: each rule keeps a prefix, so stop at the first token one refuses. */
