@@ -58,6 +58,9 @@ _HEADERS = (_HERE / "pool.h", _HERE / "vec.h")
 # rather than from a benchmark's warm cache: an earlier blocked softmax that read each KV
 # head's rows in turn ran the engine 16-32% slower and was dropped.
 _FLAGS = ("-O3", "-fopenmp-simd", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c11")
+# Extra compiler flags for a checking build (.ci/sanitize: AddressSanitizer and UBSan);
+# they are part of the cached library's key.
+_EXTRA_FLAGS = tuple(os.environ.get("PAGED_JAX_KERNEL_CFLAGS", "").split())
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool, "why": str, "lib": the loaded library (kept alive)
 
@@ -90,7 +93,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         *(f.read_bytes() for f in _SOURCES + _HEADERS),
         header.read_bytes(),
         cc.encode(),
-        " ".join(_FLAGS).encode(),
+        " ".join(_FLAGS + _EXTRA_FLAGS).encode(),
     ):
         key.update(part)
     key.update(_cpu_signature().encode())
@@ -102,7 +105,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             with tempfile.NamedTemporaryFile(dir=lib_path.parent, suffix=".so", delete=False) as t:
                 tmp = t.name
             sources = [str(f) for f in _SOURCES]
-            cmd = [cc, *_FLAGS, *march, f"-I{include}", "-o", tmp, *sources, "-lm", "-lpthread"]
+            cmd = [cc, *_FLAGS, *_EXTRA_FLAGS, *march, f"-I{include}", "-o", tmp, *sources]
+            cmd += ["-lm", "-lpthread"]
             try:
                 r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             except (OSError, subprocess.TimeoutExpired) as e:
