@@ -300,8 +300,9 @@ class LLM(EngineCore):
         is padded to ``max_model_len``'s pages and greedy and sampled rows share one
         sampler, which leaves one shape per pair of token and sequence buckets
         (``step_shapes()``; ``paged_jax.engine.shapes``). Each is run once on a batch
-        that touches only the null page. Requests with beam search, ``n > 1``, penalties
-        or ``allowed_token_ids`` still compile their own steps on first use.
+        that touches only the null page. Requests with beam search, ``n > 1``, penalties,
+        ``allowed_token_ids`` or ``top_logprobs`` still compile their own steps on first
+        use.
 
         ``warm_up(num_seqs, prompt_len, max_tokens)`` instead runs that workload once on
         random token ids (``ignore_eos``), compiling exactly the buckets the scheduler

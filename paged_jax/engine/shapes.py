@@ -19,9 +19,9 @@ multi-step launch, its ``steps``. Within one configuration:
 - a multi-step launch (``num_scheduler_steps > 1``) decodes one token a row: ``T == S``.
 - batch-invariant (``deterministic``) steps never take the decode kernels.
 
-Requests with beam search, ``n > 1``, penalties or ``allowed_token_ids`` add inputs of
-their own to a step (candidates, seed columns, token histories, masks): their steps
-compile when first used and are not in this set.
+Requests with beam search, ``n > 1``, penalties, ``allowed_token_ids`` or
+``top_logprobs`` add inputs of their own to a step (candidates, seed columns, token
+histories, masks): their steps compile when first used and are not in this set.
 """
 
 from __future__ import annotations
