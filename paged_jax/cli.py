@@ -150,6 +150,12 @@ def _parser() -> argparse.ArgumentParser:
         "--served-model-name", default=None, help="the name clients use (default: --model)"
     )
     s.add_argument("--host", default="127.0.0.1")
+    s.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="comma-separated Host headers to answer, '*' for any (default: --host and the "
+        "loopback names; any host for a wildcard --host)",
+    )
     s.add_argument("--port", type=int, default=8000)
     s.add_argument(
         "--api-key",
@@ -635,6 +641,9 @@ def _serve(args) -> int:
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
         on_ready=ready,
+        allowed_hosts=None
+        if args.allowed_hosts is None
+        else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()],
     )
     return 0
 

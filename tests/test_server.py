@@ -247,14 +247,15 @@ def test_openai_and_vllm_conformance(server):
     headers = {"Authorization": f"Bearer {KEY}"}
     base, tok = server["base"], server["tokenizer"]
 
-    def post(path, **kw):
+    def post(path, headers=headers, **kw):
         return httpx.post(base + path, headers=headers, **kw)
 
     messages = [{"role": "wizard", "content": "hi"}]
     r = post("/v1/chat/completions", json=dict(model=NAME, messages=messages))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"].startswith("messages[0].role: expected one of ")
-    r = post("/v1/completions", content=b'{"model": "x", "prompt": }')
+    json_type = headers | {"content-type": "application/json"}
+    r = post("/v1/completions", content=b'{"model": "x", "prompt": }', headers=json_type)
     assert r.status_code == 400
     assert (
         r.json()["error"]["message"] == "body: invalid JSON (Expecting value at line 1, column 26)"
@@ -351,6 +352,29 @@ def test_refusals_by_the_engines_limits_come_before_a_stream_starts(server, body
     assert message in r.json()["error"]["message"] and r.json()["error"]["param"] == (
         "n" if "n:" in message else None
     )
+
+
+def test_cross_site_requests_are_refused(server):
+    """Issue 56, item 7: a "simple" cross-site request (text/plain, no CORS preflight)
+    was served, and a DNS-rebinding page's Host header was not checked."""
+    body = b'{"model": "%s", "prompt": "hi", "max_tokens": 2}' % NAME.encode()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for kind in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = dict(auth) | ({} if kind is None else {"content-type": kind})
+        r = httpx.post(server["base"] + "/v1/completions", content=body, headers=headers)
+        assert r.status_code == 415, (kind, r.text)
+        assert "expected Content-Type application/json" in r.json()["error"]["message"]
+    ok = auth | {"content-type": "application/json; charset=utf-8"}
+    assert (
+        httpx.post(server["base"] + "/v1/completions", content=body, headers=ok).status_code == 200
+    )
+    evil = ok | {"host": "attacker.example"}
+    r = httpx.post(server["base"] + "/v1/completions", content=body, headers=evil)
+    assert r.status_code == 400
+    from paged_jax.server import default_allowed_hosts
+
+    assert default_allowed_hosts("0.0.0.0") is None
+    assert "localhost" in default_allowed_hosts("127.0.0.1")
 
 
 def test_a_wrong_api_key_gets_401(server):

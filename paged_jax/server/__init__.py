@@ -15,6 +15,16 @@ import threading
 from typing import Any
 
 
+def default_allowed_hosts(host: str) -> list[str] | None:
+    """The Host headers a server bound to ``host`` answers by default: ``host`` and the
+    loopback names (a page on another site that rebinds its name to this address sends
+    its own name, and is refused); None (any) for a wildcard address, which any name may
+    reach."""
+    if host in ("0.0.0.0", "::", ""):
+        return None
+    return sorted({host, "localhost", "127.0.0.1", "::1", "[::1]"})
+
+
 def serve(
     llm: Any,
     *,
@@ -27,10 +37,14 @@ def serve(
     shutdown_timeout: float = 30.0,
     log_level: str = "info",
     on_ready: Any = None,
+    allowed_hosts: list[str] | None = None,
 ) -> None:
     """Serves ``llm`` until SIGINT / SIGTERM, then lets requests in flight finish for up
     to ``shutdown_timeout`` seconds, aborts the rest and returns. ``on_ready()`` is
-    called once the socket listens. ``max_request_bytes``: see ``Server``."""
+    called once the socket listens. ``max_request_bytes``: see ``Server``.
+    ``allowed_hosts``: Host headers served (``*`` patterns as Starlette's
+    ``TrustedHostMiddleware``); None: ``host`` and the loopback names, or any host when
+    ``host`` is a wildcard address."""
     import asyncio
 
     import uvicorn
@@ -43,6 +57,7 @@ def serve(
         api_key=api_key,
         max_waiting=max_waiting,
         max_request_bytes=max_request_bytes,
+        allowed_hosts=default_allowed_hosts(host) if allowed_hosts is None else allowed_hosts,
     )
     config = uvicorn.Config(
         server.app,

@@ -17,6 +17,8 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -129,6 +131,7 @@ class Server:
         api_key: str | None = None,
         max_waiting: int = 256,
         max_request_bytes: int | None = None,
+        allowed_hosts: list[str] | None = None,
     ):
         if llm.tokenizer is None:
             raise ValueError("llm: the server needs a model with a tokenizer (it serves text)")
@@ -176,6 +179,11 @@ class Server:
             ],
             lifespan=lifespan,
             exception_handlers={HTTPException: self._http_error, Exception: self._crash},
+            # Host headers other than these are refused (a DNS-rebinding page's requests
+            # name its own host); None: any
+            middleware=[]
+            if allowed_hosts is None
+            else [Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))],
         )
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
@@ -339,6 +347,11 @@ class Server:
     async def _read_body(self, request: Request) -> bytes:
         """The body, refused (413) once it passes ``max_request_bytes``: by its declared
         length before reading, else as it arrives."""
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":  # a cross-site form or text/plain post is no API call
+            raise ApiError(
+                415, f"body: expected Content-Type application/json, got {kind or 'none'!r}"
+            )
         limit = self.max_request_bytes
         too_large = ApiError(
             413,
