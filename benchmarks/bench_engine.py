@@ -468,7 +468,7 @@ def decode_split(llm, name, backend, c, context) -> dict:
     from paged_jax.batch import ScheduledSeq, build_batch
     from paged_jax.block_manager import BlockManager
     from paged_jax.engine.runner import _pack_inputs
-    from paged_jax.engine.sampling import sample_rows
+    from paged_jax.engine.sampling import idle_sampling, sample_rows
 
     cfg = llm.model.config
     bm = BlockManager(llm.bm.num_pages, PAGE, enable_prefix_caching=False, watermark=0.0)
@@ -481,14 +481,7 @@ def decode_split(llm, name, backend, c, context) -> dict:
     md = AttentionMetadata.from_batch(batch)
     tokens = jnp.asarray(batch.token_ids)
     S = batch.kv_lens.shape[0]
-    greedy = (
-        jnp.zeros(S, jnp.float32),
-        jnp.zeros(S, jnp.int32),
-        jnp.ones(S, jnp.float32),
-        jnp.zeros(S, jnp.float32),
-        jnp.zeros((S, 1), jnp.uint32),
-        jnp.zeros(S, jnp.int32),
-    )
+    greedy = tuple(map(jnp.asarray, idle_sampling(S)))
 
     # the step's host inputs as the engine sends them (one buffer), here on the device
     inputs, layout = _pack_inputs(batch, tuple(np.asarray(a) for a in greedy), None)

@@ -9,6 +9,7 @@ from model_helpers import dense_logits
 import paged_jax as pj
 from paged_jax import models
 from paged_jax.engine.runner import ModelRunner
+from paged_jax.engine.sampling import idle_sampling
 
 PAGE = 8
 
@@ -29,16 +30,8 @@ def _runner(model, **kw):
 
 
 def _greedy(S):
-    """Sampling columns of ``S`` greedy rows (temperature, top-k, top-p, min-p, seeds,
-    output positions), as the engine core builds them."""
-    return (
-        np.zeros(S, np.float32),
-        np.zeros(S, np.int32),
-        np.ones(S, np.float32),
-        np.zeros(S, np.float32),
-        np.zeros((S, 1), np.uint32),
-        np.zeros(S, np.int32),
-    )
+    """Sampling columns of ``S`` greedy rows, as the engine core builds them."""
+    return idle_sampling(S)
 
 
 def test_a_prefill_batch_gives_the_models_greedy_tokens():

@@ -14,7 +14,7 @@ import numpy as np
 from paged_jax._validation import validate_batch
 from paged_jax.batch import ScheduledSeq, advance_batch, bucket, build_batch, concat_batches
 from paged_jax.block_manager import BlockManager, SeqRows
-from paged_jax.engine.sampling import Penalties, allowed_bits
+from paged_jax.engine.sampling import Penalties, allowed_bits, idle_sampling
 from paged_jax.engine.scheduler import TokenLog, Work
 
 # The smallest token bucket of a step. Decode of a few sequences in a 16-token bucket
@@ -207,12 +207,7 @@ class Launching:
         S_r = S_b // len(batches)
         placed = [(r * S_r + i, w) for r, ws in enumerate(works) for i, w in enumerate(ws)]
         rows, num_samples, num_cand = self._sampling_rows(placed)
-        temp = np.zeros(S_b, np.float32)
-        top_k = np.zeros(S_b, np.int32)
-        top_p = np.ones(S_b, np.float32)
-        min_p = np.zeros(S_b, np.float32)
-        seeds = np.zeros((S_b, num_samples), np.uint32)
-        out_pos = np.zeros(S_b, np.int32)
+        temp, top_k, top_p, min_p, seeds, out_pos = idle_sampling(S_b, num_samples)
         if rows:  # one array write per column, not per row
             at = list(rows)
             per_row = list(rows.values())

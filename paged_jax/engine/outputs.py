@@ -151,7 +151,11 @@ class OutputProcessor:
                 delta = text[len(prev) :] if text.startswith(prev) else ""
                 piece = StreamOutput(index, c.index, delta, True, c.finish_reason, out)
                 n = sent.get((rid, c.index, "tokens"), 0)
-                _tokens_of(piece, n, c.token_ids, c.logprobs, c.top_logprobs)
+                piece.token_ids = c.token_ids[n:]
+                if c.logprobs is not None:
+                    piece.logprobs = c.logprobs[n:]
+                if c.top_logprobs is not None:
+                    piece.top_logprobs = c.top_logprobs[n:]
                 pieces.append(piece)
             return pieces
         for sq in [] if g is None else [*g.seqs, *g.done]:
@@ -162,13 +166,12 @@ class OutputProcessor:
                 piece = StreamOutput(index, sq.sample_index, text[len(prev) :])
                 key = (rid, sq.sample_index, "tokens")
                 p = g.params
-                _tokens_of(
-                    piece,
-                    sent.get(key, 0),
-                    sq.output,
-                    sq.logprobs if p.logprobs else None,
-                    sq.top_logprobs if p.top_logprobs else None,
-                )
+                n = sent.get(key, 0)
+                piece.token_ids = sq.tokens[sq.prompt_len + n :]  # the new ones only
+                if p.logprobs:
+                    piece.logprobs = sq.logprobs[n : n + len(piece.token_ids)]
+                if p.top_logprobs:
+                    piece.top_logprobs = sq.top_logprobs[n : n + len(piece.token_ids)]
                 sent[key] = sent.get(key, 0) + len(piece.token_ids)
                 pieces.append(piece)
         return pieces
@@ -210,12 +213,3 @@ class OutputProcessor:
         return RequestOutput(
             g.request_id, list(g.prompt), outs, g.status is Status.FINISHED, m, g.error
         )
-
-
-def _tokens_of(piece: StreamOutput, n: int, ids, logprobs, top) -> None:
-    """Fills ``piece`` with the tokens of ``ids`` from ``n`` on (and their log-probs)."""
-    piece.token_ids = list(ids[n:])
-    if logprobs is not None:
-        piece.logprobs = list(logprobs[n : n + len(piece.token_ids)])
-    if top is not None:
-        piece.top_logprobs = list(top[n : n + len(piece.token_ids)])

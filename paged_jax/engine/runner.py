@@ -28,7 +28,7 @@ from paged_jax import linear as paged_linear
 from paged_jax.batch import bucket, concat_batches, null_batch
 from paged_jax.engine.multistep import decode_loop
 from paged_jax.engine.protocol import check_model, check_step_output
-from paged_jax.engine.sampling import beam_candidates, sample_rows
+from paged_jax.engine.sampling import beam_candidates, idle_sampling, sample_rows
 from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata, decode_only
 from paged_jax.sharding import (
@@ -668,14 +668,7 @@ class ModelRunner:
             ]
         )
         S_b = batch.kv_lens.shape[0]
-        sampling = (
-            np.zeros(S_b, np.float32),
-            np.zeros(S_b, np.int32),
-            np.ones(S_b, np.float32),
-            np.zeros(S_b, np.float32),
-            np.zeros((S_b, 1), np.uint32),
-            np.zeros(S_b, np.int32),
-        )
+        sampling = idle_sampling(S_b)
         steps = None if shape.steps == 1 else np.ones(len(batch.seq_ids), np.int32)
 
         def merged(outputs, t: int):

@@ -20,6 +20,20 @@ import numpy as np
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 
 
+def idle_sampling(rows: int, num_samples: int = 1) -> tuple[np.ndarray, ...]:
+    """A step's sampling columns (temperature, top-k, top-p, min-p, seeds ``[rows,
+    num_samples]``, output positions) with every row greedy and unrestricted: what the
+    engine fills in for the rows that sample."""
+    return (
+        np.zeros(rows, np.float32),
+        np.zeros(rows, np.int32),
+        np.ones(rows, np.float32),
+        np.zeros(rows, np.float32),
+        np.zeros((rows, num_samples), np.uint32),
+        np.zeros(rows, np.int32),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to pick the tokens of one request.
