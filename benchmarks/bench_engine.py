@@ -20,8 +20,9 @@ jitted and timed alone on the device (median of 20): the engine's whole jitted s
 of every layer in one jitted call, as the step runs it (``paged_attention``, the decode
 kernel, since decode-only steps use it) and with ``ragged_paged_attention``); the sampler
 (``sample_rows``: greedy rows as the engine runs them, ``greedy_only``; top-p 0.9 rows on
-flat N(0, 1) logits, which take the full-sort fallback, and on peaked ones, x8); the
-rest of the model is the step minus attention minus the greedy sampler (projections,
+flat N(0, 1) logits, which take the full-sort fallback, and on peaked ones, x8; the same
+two with ``sort_free=True``, the passes that neither sort nor take a top-k); the rest of
+the model is the step minus attention minus the greedy sampler (projections,
 MLP, norms, rotary, KV writes, LM head).
 Host time per step is the engine run's wall time outside its jitted calls, per step.
 By default every prompt of the largest concurrency is prefilled in one step
@@ -524,7 +525,7 @@ def decode_split(llm, name, backend, c, context) -> dict:
 
     R = md.logits_indices.shape[0]
     logits = jax.random.normal(jax.random.key(1), (R, cfg.vocab_size), jnp.float32)
-    samp = jax.jit(sample_rows, static_argnames="greedy_only")
+    samp = jax.jit(sample_rows, static_argnames=("greedy_only", "sort_free"))
     top_p = (
         jnp.ones(R, jnp.float32),
         jnp.zeros(R, jnp.int32),
@@ -545,6 +546,10 @@ def decode_split(llm, name, backend, c, context) -> dict:
     )
     t_topp = _device_time(lambda: jax.block_until_ready(samp(logits, *top_p)))
     t_topp_peaked = _device_time(lambda: jax.block_until_ready(samp(peaked, *top_p)))
+    t_free = _device_time(lambda: jax.block_until_ready(samp(logits, *top_p, sort_free=True)))
+    t_free_peaked = _device_time(
+        lambda: jax.block_until_ready(samp(peaked, *top_p, sort_free=True))
+    )
     return dict(
         model=name,
         backend=backend,
@@ -559,6 +564,8 @@ def decode_split(llm, name, backend, c, context) -> dict:
         sampler_greedy_ms=1e3 * t_greedy,
         sampler_top_p_ms=1e3 * t_topp,
         sampler_top_p_peaked_ms=1e3 * t_topp_peaked,
+        sampler_top_p_sort_free_ms=1e3 * t_free,
+        sampler_top_p_peaked_sort_free_ms=1e3 * t_free_peaked,
     )
 
 
@@ -751,6 +758,8 @@ def main(argv=None) -> int:
                 "sampler_greedy_ms",
                 "sampler_top_p_ms",
                 "sampler_top_p_peaked_ms",
+                "sampler_top_p_sort_free_ms",
+                "sampler_top_p_peaked_sort_free_ms",
             ],
         )
     )

@@ -84,6 +84,49 @@ def test_tokens_equal_the_full_sort_definition(monkeypatch, num_candidates):
         assert fallback > 0
 
 
+def test_sort_free_tokens_equal_the_full_sort_definition():
+    # The passes of sort_free.draw against the full-sort definition: ties at the top,
+    # bf16-rounded rows (many equal logits, so the kept prefix and the draw end inside a
+    # group of ties), a row of equal logits, masked (-inf) tokens, two sample columns.
+    rng = np.random.default_rng(7)
+    checked = 0
+    for vocab in (7, 50, 300):
+        R = 40
+        logits = rng.standard_normal((R, vocab)).astype(np.float32) * rng.uniform(0.5, 6, (R, 1))
+        logits[:4, :3] = logits[:4, :1]
+        logits[4:14] = np.round(logits[4:14] * 2) / 2  # few distinct values
+        logits[14] = 1.0
+        logits[15, 5:] = -np.inf
+        temp = np.where(rng.random(R) < 0.1, 0.0, rng.uniform(0.3, 2.0, R)).astype(np.float32)
+        top_k = np.where(rng.random(R) < 0.5, rng.integers(1, vocab + 3, R), 0).astype(np.int32)
+        top_p = np.where(rng.random(R) < 0.6, rng.uniform(0.05, 1.0, R), 1.0).astype(np.float32)
+        min_p = np.where(rng.random(R) < 0.3, rng.uniform(0.0, 0.5, R), 0.0).astype(np.float32)
+        seeds = rng.integers(0, 2**31, (R, 2)).astype(np.uint32)
+        pos = rng.integers(0, 100, R).astype(np.int32)
+        run = jax.jit(sample_rows, static_argnames="sort_free")
+        toks, lps = run(logits, temp, top_k, top_p, seeds, pos, min_p, sort_free=True)
+        toks = np.asarray(toks)
+        for j in range(2):
+            u = _uniforms(seeds[:, j], pos)
+            for r in range(R):
+                ref, amb = _reference(logits[r], temp[r], top_k[r], top_p[r], min_p[r], u[r])
+                if not amb:
+                    assert toks[r, j] == ref, (vocab, r, j)
+                    checked += 1
+        with np.errstate(divide="ignore"):
+            lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+        np.testing.assert_allclose(
+            np.asarray(lps), logits[np.arange(R)[:, None], toks] - lse[:, None], atol=1e-5
+        )
+    assert checked >= 200
+    # Nothing in the program sorts or takes a top-k.
+    text = (
+        run.lower(logits, temp, top_k, top_p, seeds, pos, min_p, sort_free=True).as_text().lower()
+    )
+    for op in ("stablehlo.sort", "top_k", "topk"):
+        assert op not in text, op
+
+
 def test_argmax_rows_is_jnp_argmax_with_ties_nans_and_infinities():
     rng = np.random.default_rng(3)
     x = rng.standard_normal((8, 300)).astype(np.float32)
@@ -181,6 +224,27 @@ def test_min_p_one_keeps_only_the_top_token_through_the_engine():
     assert sampled.outputs[0].token_ids == greedy.outputs[0].token_ids
     with pytest.raises(ValueError, match=r"min_p: expected a float in \[0, 1\], got 1.5"):
         pj.SamplingParams(min_p=1.5)
+
+
+def test_engine_on_a_sort_free_backend_gives_the_same_seeded_tokens(monkeypatch):
+    # The engine's XLA sampler (no C kernel) with the sort-free draw switched on for this
+    # backend, against the candidates: the same seeded top-p/top-k/min-p tokens.
+    from paged_jax.engine import runner
+
+    monkeypatch.setattr(pj.linear, "available", lambda: False)
+    params = [
+        pj.SamplingParams(max_tokens=8, temperature=1.0, seed=s, ignore_eos=True, **kw)
+        for s, kw in enumerate([dict(top_p=0.9), dict(top_k=5), dict(min_p=0.05), {}])
+    ]
+
+    def run():
+        llm = pj.LLM(*models.load("tiny-llama"), num_pages=64, page_size=8)
+        outs = llm.generate([[3, 4, 5], [6, 7], [8], [9, 10]], params, progress=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    candidates = run()
+    monkeypatch.setattr(runner, "SORT_FREE_BACKENDS", frozenset({jax.default_backend()}))
+    assert run() == candidates
 
 
 def _np_penalties(logits, prompt, output, rep, pres, freq):

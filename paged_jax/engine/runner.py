@@ -28,7 +28,12 @@ from paged_jax import linear as paged_linear
 from paged_jax.batch import bucket, concat_batches, null_batch
 from paged_jax.engine.multistep import decode_loop
 from paged_jax.engine.protocol import check_model, check_step_output
-from paged_jax.engine.sampling import beam_candidates, idle_sampling, sample_rows
+from paged_jax.engine.sampling import (
+    SORT_FREE_BACKENDS,
+    beam_candidates,
+    idle_sampling,
+    sample_rows,
+)
 from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata, decode_only
 from paged_jax.sharding import (
@@ -241,6 +246,7 @@ def _make_run(graphdef, state_def, mesh, compiler_options: tuple | None = None):
     # The greedy sampler's C kernel: on CPU where the kernels built (as for packed
     # weights), off a mesh (XLA would gather a sharded operand for it).
     cpu_kernel = mesh is None and paged_linear.available()
+    sort_free = jax.default_backend() in SORT_FREE_BACKENDS
 
     @functools.partial(
         jax.jit,
@@ -283,7 +289,9 @@ def _make_run(graphdef, state_def, mesh, compiler_options: tuple | None = None):
 
         def sample(logits, pos):
             return rowwise(
-                lambda *rows: sample_rows(*rows, greedy_only=greedy_only, cpu_kernel=cpu_kernel),
+                lambda *rows: sample_rows(
+                    *rows, greedy_only=greedy_only, cpu_kernel=cpu_kernel, sort_free=sort_free
+                ),
                 logits,
                 temp,
                 top_k,

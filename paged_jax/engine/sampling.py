@@ -17,7 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax.engine.sort_free import draw as sort_free_draw
+
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+
+# The JAX backends on which the engine draws restricted rows with ``sort_free=True``
+# (``sample_rows``). Empty until a GPU session measures the passes against the
+# candidates and the full sort (``python -m benchmarks engine``'s sampler columns): on
+# CPU the engine's C kernel samples, and XLA's passes there are slower than a top-k.
+SORT_FREE_BACKENDS: frozenset[str] = frozenset()
 
 
 def idle_sampling(rows: int, num_samples: int = 1) -> tuple[np.ndarray, ...]:
@@ -334,6 +342,7 @@ def sample_rows(
     *,
     greedy_only: bool = False,
     cpu_kernel: bool = False,
+    sort_free: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (i32[R, J] tokens, f32[R, J] log-probs under the model)
     """``J`` samples per row (column j drawn with ``seeds[:, j]``), and their log-probs.
 
@@ -356,7 +365,11 @@ def sample_rows(
     without sorting the vocabulary even where the candidates above would fall back to a
     full sort (SmolLM2's 32 x 49,152 logits on a 2-core CPU: 0.3 ms greedy, 0.8-1.4 ms
     top-p 0.9, against 1.3 and 5-300 ms here); tokens may differ from this path's only
-    where a decision falls within rounding. Traceable.
+    where a decision falls within rounding. ``sort_free`` (static; XLA path only):
+    restricted rows draw by ``sort_free.draw``'s passes over the row instead of the
+    candidates and the full-sort fallback, the same token up to rounding at a cost that
+    does not depend on how flat the row is (for GPUs and TPUs, where ``lax.top_k`` and
+    sorting are slow; on CPU the passes are slower than the candidates). Traceable.
     """
     raw = logits.astype(jnp.float32)
     R, vocab = raw.shape
@@ -406,6 +419,16 @@ def sample_rows(
         lambda: _inverse_cdf(jnp.exp(scaled - lse[:, None]), u).astype(jnp.int32),
         lambda: none,
     )
+
+    if sort_free:
+        drawn = jax.lax.cond(
+            jnp.any(sampled_row & restricted),
+            lambda: sort_free_draw(scaled, top_k, top_p.astype(jnp.float32), min_p, u),
+            lambda: none,
+        )
+        sampled = jnp.where(restricted[:, None], drawn, full)
+        tokens = jnp.where(temperature[:, None] > 0, sampled, greedy)
+        return tokens, jnp.take_along_axis(raw, tokens, axis=-1) - lse_raw
 
     # Restricted rows: the kept prefix of the candidates, in descending order.
     C = min(vocab, NUM_CANDIDATES)
