@@ -9,7 +9,12 @@ environment matches the one transformers uses: a sandbox, ``trim_blocks`` and
 non-ASCII text as is, ``raise_exception(message)``, ``strftime_now(format)``, and the
 ``{% generation %}`` block (rendered as its body).
 
-Host code: no JAX. Templates are untrusted input, hence the sandbox.
+Host code: no JAX. Templates are untrusted input (a GGUF or a checkpoint names them),
+hence the sandbox, and bounds on what one render may cost: ``MAX_RENDER_SECONDS`` of
+time (checked between the template's Python lines), ``MAX_RENDER_CHARS`` for the text
+and for every string or list the template builds (``+``, ``*``, ``~``, and calls or
+filters given a number larger than that, such as ``ljust`` or ``indent`` widths).
+Every failure is a ``ChatTemplateError``.
 """
 
 from __future__ import annotations
@@ -17,12 +22,39 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+MAX_RENDER_SECONDS = 2.0
+MAX_RENDER_CHARS = 4_000_000
+
 
 class ChatTemplateError(ValueError):
-    """A template that does not parse, or raised while rendering (``raise_exception``)."""
+    """A template that does not parse, raised while rendering (``raise_exception``), failed
+    in any other way, or passed the render's bounds of time and size."""
+
+
+class _OutOfTime(BaseException):  # not an Exception: nothing in a template catches it
+    pass
+
+
+def _within(deadline: float, fn):
+    """``fn()``, stopped with ``_OutOfTime`` at the first Python line run in this thread
+    after ``deadline`` (``time.monotonic()``)."""
+
+    def line(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise _OutOfTime
+        return line
+
+    old = sys.gettrace()
+    sys.settrace(lambda frame, event, arg: line)
+    try:
+        return fn()
+    finally:
+        sys.settrace(old)
 
 
 def render_chat(
@@ -51,15 +83,35 @@ def render_chat(
     import jinja2
 
     compiled = _compile(template)
-    try:
-        return compiled.render(
+
+    def render():
+        parts, n = [], 0
+        for chunk in compiled.generate(
             messages=[dict(m) for m in messages],
             add_generation_prompt=bool(add_generation_prompt),
             **dict(special_tokens or {}),
             **extra,
-        )
+        ):
+            n += len(chunk)
+            if n > MAX_RENDER_CHARS:
+                raise ChatTemplateError(
+                    f"chat template: the prompt passed {MAX_RENDER_CHARS:,} characters"
+                )
+            parts.append(chunk)
+        return "".join(parts)
+
+    try:
+        return _within(time.monotonic() + MAX_RENDER_SECONDS, render)
+    except ChatTemplateError:
+        raise
+    except _OutOfTime:
+        raise ChatTemplateError(
+            f"chat template: rendering took more than {MAX_RENDER_SECONDS:g} s"
+        ) from None
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"chat template: {e}") from None
+    except (Exception, RecursionError, MemoryError) as e:  # a template's own failure
+        raise ChatTemplateError(f"chat template: {type(e).__name__}: {e}"[:500]) from None
 
 
 def check_messages(messages: Any) -> None:
@@ -77,11 +129,111 @@ def check_messages(messages: Any) -> None:
                 raise ValueError(f"messages[{i}]: expected a string {key!r}, got {m.get(key)!r}")
 
 
+def _check_size(x: Any) -> Any:
+    from jinja2.sandbox import SecurityError
+
+    if isinstance(x, (str, list, tuple)) and len(x) > MAX_RENDER_CHARS:
+        raise SecurityError(f"a value of {len(x):,} items (at most {MAX_RENDER_CHARS:,})")
+    return x
+
+
+def _check_args(args, kwargs) -> None:
+    from jinja2.sandbox import SecurityError
+
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_RENDER_CHARS:
+            raise SecurityError(f"an argument of {a} (at most {MAX_RENDER_CHARS:,})")
+
+
+_WIDE = None  # compiled on first use: a format spec with a width or precision of 7+ digits
+
+
+def _check_format(fmt: Any) -> None:
+    """Refuses a ``%`` or ``str.format`` pattern asking for a million characters or more
+    (checked before the string is built)."""
+    global _WIDE
+    import re
+
+    from jinja2.sandbox import SecurityError
+
+    if _WIDE is None:
+        _WIDE = re.compile(r"%[-+ #0]*[0-9]{7}|%[-+ #0]*[0-9]*\.[0-9]{7}|\{[^{}]*:[^{}]*[0-9]{7}")
+    if isinstance(fmt, str) and _WIDE.search(fmt):
+        raise SecurityError("a format width of a million characters or more")
+
+
+def _bounded_args(f):
+    """Filter ``f`` refusing numbers above ``MAX_RENDER_CHARS`` (widths, counts) and
+    results longer than that; Jinja's pass-context marks are kept."""
+
+    @functools.wraps(f)
+    def bounded(*args, **kwargs):
+        _check_args(args[1:], kwargs)
+        if f.__name__ == "do_format" and args:
+            _check_format(args[0])
+        return _check_size(f(*args, **kwargs))
+
+    return bounded
+
+
+def _sandbox():
+    import jinja2.compiler
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+    class Generator(jinja2.compiler.CodeGenerator):
+        def visit_Concat(self, node, frame):  # ``a ~ b``: joined with a bound
+            self.write("environment.bounded_concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
+    class Bounded(ImmutableSandboxedEnvironment):
+        code_generator_class = Generator
+        intercepted_binops = frozenset(["+", "*", "**", "%"])
+
+        def call_binop(self, context, operator, left, right):
+            sized = (str, list, tuple)
+            if operator == "**" and isinstance(right, (int, float)) and abs(right) > 256:
+                raise SecurityError(f"a power of {right} (at most 256)")
+            if operator == "*":
+                for a, b in ((left, right), (right, left)):
+                    if (
+                        isinstance(a, sized)
+                        and isinstance(b, int)
+                        and len(a) * b > MAX_RENDER_CHARS
+                    ):
+                        raise SecurityError(f"a repetition to {len(a) * b:,} items")
+            if operator == "%":
+                _check_format(left)
+            if operator == "+" and isinstance(left, sized) and isinstance(right, sized):
+                if len(left) + len(right) > MAX_RENDER_CHARS:
+                    raise SecurityError(f"a value of {len(left) + len(right):,} items")
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's names)
+            _check_args(args, kwargs)
+            if getattr(__obj, "__name__", None) in ("format", "format_map"):
+                method = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
+                _check_format(getattr(method, "__self__", None))
+            return _check_size(super().call(__context, __obj, *args, **kwargs))
+
+        @staticmethod
+        def bounded_concat(parts):
+            text = [str(p) for p in parts]
+            if sum(map(len, text)) > MAX_RENDER_CHARS:
+                raise SecurityError(f"a string of {sum(map(len, text)):,} characters")
+            return "".join(text)
+
+    return Bounded
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(template: str):
     import jinja2
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    _Bounded = _sandbox()
 
     class Generation(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}``: renders its body (transformers uses
@@ -102,10 +254,12 @@ def _compile(template: str):
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )
 
-    env = ImmutableSandboxedEnvironment(
+    env = _Bounded(
         trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = tojson
+    for name, f in list(env.filters.items()):
+        env.filters[name] = _bounded_args(f)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     try:

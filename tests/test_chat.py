@@ -51,6 +51,44 @@ def test_bad_conversations_and_templates_are_named():
         render_chat("{{ messages.__class__.__mro__ }}", [{"role": "user", "content": "x"}])
 
 
+HOSTILE = {
+    "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}"
+    "{% endfor %}{% endfor %}",
+    "repetition": "{{ 'a' * 1000000000 }}",
+    "doubling ~": "{% set ns = namespace(x='ab') %}{% for i in range(40) %}"
+    "{% set ns.x = ns.x ~ ns.x %}{% endfor %}{{ ns.x }}",
+    "doubling +": "{% set ns = namespace(x='ab') %}{% for i in range(40) %}"
+    "{% set ns.x = ns.x + ns.x %}{% endfor %}{{ ns.x }}",
+    "method width": "{{ 'a'.ljust(1000000000) }}",
+    "filter width": "{{ 'a'|indent(1000000000, true) }}",
+    "format width": "{{ '{:>100000000}'.format('a') }}",
+    "percent width": "{{ '%100000000s' % 'a' }}",
+    "power": "{{ 10 ** 100000000 }}",
+    "long output": "{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}",
+    "division": "{{ 1 / 0 }}",
+    "recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "mutation": "{{ messages.append(1) }}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_templates_fail_fast_as_chat_template_errors(name, monkeypatch):
+    # Templates come from model files: each one is stopped by a bound of time or size (or
+    # fails on its own) and every failure is a ChatTemplateError (the server's 400).
+    import time
+
+    from paged_jax import chat
+
+    monkeypatch.setattr(chat, "MAX_RENDER_SECONDS", 0.3)
+    t0 = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="chat template: "):
+        render_chat(HOSTILE[name], [{"role": "user", "content": "hi"}])
+    assert time.monotonic() - t0 < 3.0
+    # the sandbox still renders ordinary templates, with formats and string methods
+    ok = "{{ '%s: %5.1f'|format(messages[0].role, 2.5) }} {{ '{:>4}'.format('x') ~ 'y'.ljust(3) }}"
+    assert render_chat(ok, [{"role": "user", "content": "hi"}]) == "user:   2.5    xy  "
+
+
 def test_checkpoint_and_gguf_tokenizers_carry_their_template(tmp_path):
     model = _model()
     write_gguf(tmp_path / "m.gguf", model)

@@ -56,6 +56,98 @@ def test_a_stop_string_across_tokens_cuts_the_text(include):
     assert s.stop_text == ("abcd" if include else "ab")
 
 
+def _trained_tokenizers():
+    """Two small tokenizers trained here: byte-level BPE (GPT-2, SmolLM2, Llama 3, Qwen)
+    and SentencePiece-style BPE with byte fallback, whose decoder strips the text's first
+    space (Llama 2, Mistral, Gemma); byte tokens are special there, so they decode to
+    nothing when special tokens are skipped."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    corpus = [
+        "The quick brown fox jumps over the lazy dog. It's 3.14!",
+        "naïve café, 東京 → ünïcödé 🙂",
+        "def f(x):\n    return x + 1\n",
+    ] * 20
+    byte = Tokenizer(models.BPE())
+    byte.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=400, initial_alphabet=alphabet, show_progress=False)
+    )
+    spm = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    spm.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    spm.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    special = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    spm.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=500, special_tokens=special, show_progress=False)
+    )
+    return corpus, {"byte-level": byte, "sentencepiece": spm}
+
+
+def test_incremental_text_is_the_whole_decode_after_every_token():
+    # Random ids (partial UTF-8, skipped special tokens, stripped spaces at a window's
+    # start) and real encodings, token by token: the incremental text equals decoding
+    # every id each time, with each update decoding a few ids, not the whole list.
+    import numpy as np
+
+    from paged_jax.engine.outputs import IncrementalText
+
+    corpus, tokenizers = _trained_tokenizers()
+    rng = np.random.default_rng(0)
+    for name, tok in tokenizers.items():
+        decoded = 0
+
+        def decode(ids, tok=tok):
+            nonlocal decoded
+            decoded += len(ids)
+            return tok.decode(ids)
+
+        total = 0
+        for trial in range(200):
+            if trial % 2:
+                ids = tok.encode(corpus[trial % 3][: rng.integers(1, 60)]).ids
+            else:
+                ids = rng.integers(0, tok.get_vocab_size(), rng.integers(1, 40)).tolist()
+            st = IncrementalText()
+            for n in range(1, len(ids) + 1):
+                assert st.update(decode, ids[:n]) == tok.decode(ids[:n]), (name, ids[:n])
+            total += len(ids)
+        assert decoded < 12 * total, (name, decoded, total)  # whole decodes: ~20x
+
+
+def test_stop_strings_cost_per_token_does_not_grow_with_the_output():
+    # 300 tokens with 64 stop strings that never match: the ids decoded over the whole
+    # output stay linear in its length (decoding the output twice per token, as before,
+    # is 90,000), and the stop strings are bounded.
+    class Counting(Letters):
+        decoded = 0
+
+        def decode(self, ids):
+            Counting.decoded += len(ids)
+            return super().decode(ids)
+
+    proc = OutputProcessor(Counting(), {EOS}, 1000)
+    stops = tuple(f"{c}{c}{d}" for c in "abcdefgh" for d in "ijklmnop")  # never generated
+    p = SamplingParams(max_tokens=400, stop=stops)
+    s, reasons = _grown(proc, p, [0], [(i * 7) % 6 for i in range(300)])  # "a".."f"
+    assert not any(reasons) and Counting.decoded < 3000
+    assert proc.settled_text(s, stops) == Letters().decode(s.output)[:-2]
+    with pytest.raises(ValueError, match="stop: expected at most 64 strings, got 65"):
+        SamplingParams(stop=[f"s{i}" for i in range(65)])
+    with pytest.raises(ValueError, match="characters, got one of 257"):
+        SamplingParams(stop=["x" * 257])
+
+
 def test_settled_text_holds_back_what_may_still_change():
     proc = _proc()
     assert proc.settled_text(_seq([0], [1, 2, 26]), ()) == "bc"  # half a character

@@ -9,7 +9,9 @@ the server turn sequences into text and outputs through it. No JAX here.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+import functools
+import re
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from paged_jax.engine.sampling import SamplingParams
@@ -71,6 +73,65 @@ class RequestOutput:
     error: str | None = None  # set when the engine failed the request (finish_reason "error")
 
 
+class IncrementalText:
+    """The text of a growing list of token ids, decoding a few tokens per update.
+
+    ``text`` = ``committed`` (the text of ``ids[:read]``) + ``tail`` (of the ids after,
+    held back while it ends in half a UTF-8 sequence, U+FFFD). Each update decodes the
+    window ``ids[prefix:]`` and appends what it adds to ``done``, the text of
+    ``ids[prefix:read]`` alone: tokenizers that drop a leading space at the start of a
+    decode, or merge bytes across tokens, treat both alike. ``prefix`` moves up only to
+    ids whose text alone is not empty (skipped special tokens, a space a decoder strips),
+    so ``done`` has the window's first characters. Where the window's text does not
+    extend ``done`` (a decoder that rewrites text across the boundary) the whole list
+    is decoded once. ``checked``: how much of ``committed`` the stop-string search has
+    seen.
+    """
+
+    __slots__ = ("n", "prefix", "read", "done", "committed", "tail", "checked")
+
+    def __init__(self):
+        self.n = self.prefix = self.read = self.checked = 0
+        self.done = self.committed = self.tail = ""
+
+    @property
+    def text(self) -> str:
+        return self.committed + self.tail
+
+    def update(self, decode: Callable[[list[int]], str], ids: list[int]) -> str:
+        """The text of ``ids``, which extend the ids of the last update (a shorter list
+        starts over)."""
+        if len(ids) < self.n:
+            self.__init__()
+        if len(ids) == self.n:
+            return self.text
+        self.n = len(ids)
+        window = decode(ids[self.prefix :])
+        if not window.startswith(self.done):  # decode everything, then go on from there
+            self.__init__()
+            self.n, window = len(ids), decode(ids)
+        new = window[len(self.done) :]
+        if new.endswith("\ufffd"):
+            self.tail = new
+            return self.text
+        self.committed += new
+        self.tail = ""
+        chunk = decode(ids[self.read :])
+        if chunk:
+            self.prefix, self.done = self.read, chunk
+        else:
+            self.done = window
+        self.read = len(ids)
+        return self.text
+
+
+@functools.lru_cache(maxsize=256)
+def _stop_pattern(stops: tuple[str, ...]) -> re.Pattern:
+    """One pattern matching any of ``stops``: at the leftmost position, the first of them
+    in sorted order (the smallest (position, string) pair)."""
+    return re.compile("|".join(re.escape(x) for x in sorted(stops)))
+
+
 class OutputProcessor:
     """Detokenization, stop conditions and outputs for one engine.
 
@@ -103,18 +164,28 @@ class OutputProcessor:
             return "length"
         return None
 
+    def text(self, s: Seq) -> str | None:
+        """``s``'s generated text so far, decoded incrementally (``IncrementalText``)."""
+        if self.tokenizer is None:
+            return None
+        if s.detok is None:
+            s.detok = IncrementalText()
+        return s.detok.update(self.decode, s.output)
+
     def cut_at_stop_string(self, s: Seq, p: SamplingParams) -> bool:
         """Whether ``s``'s text now contains one of ``p.stop``; if so ``s.stop_text`` is the
         text up to the earliest one (and through it with ``include_stop_str_in_output``).
-        Only the text a new token can have completed is searched."""
-        text = self.decode(s.output)
+        Only text the newest tokens can have completed is searched, in one pass of a
+        pattern of all the stop strings: the cost of a token does not grow with the
+        output, and grows with the stop strings only through the compiled pattern."""
+        text = self.text(s)
+        st = s.detok
         longest = max(map(len, p.stop))
-        before = len(self.decode(s.output[:-1])) if len(s.output) > 1 else 0
-        start = max(before - longest + 1, 0)
-        hits = [(i, x) for x in p.stop if (i := text.find(x, start)) >= 0]
-        if not hits:
+        hit = _stop_pattern(p.stop).search(text, max(st.checked - longest + 1, 0))
+        st.checked = len(st.committed)
+        if hit is None:
             return False
-        i, x = min(hits)
+        i, x = hit.start(), hit.group()
         s.stop_text = text[: i + len(x)] if p.include_stop_str_in_output else text[:i]
         return True
 
@@ -124,7 +195,7 @@ class OutputProcessor:
         the start of a stop string."""
         if s.stop_text is not None:  # finished at a stop string: final
             return s.stop_text
-        text = self.decode(s.output) or ""
+        text = self.text(s) or ""
         text = text.rstrip("\ufffd")
         if stops:
             hold = max(map(len, stops)) - 1

@@ -20,6 +20,10 @@ import numpy as np
 from paged_jax.engine.sort_free import draw as sort_free_draw
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+# Bounds on SamplingParams.stop: each sampled token searches the text it can have
+# completed for all of them (OpenAI's API takes 4; vLLM's server bounds them too).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
 
 # The JAX backends on which the engine draws restricted rows with ``sort_free=True``
 # (``sample_rows``). Empty until a GPU session measures the passes against the
@@ -68,7 +72,8 @@ class SamplingParams:
       stop: strings that end a sequence when its text contains one (needs a tokenizer;
         found across token boundaries). The text ends before the stop string unless
         ``include_stop_str_in_output``; ``token_ids`` keep every generated token, up to
-        the one that completed it. Not with beam search.
+        the one that completed it. At most ``MAX_STOP_STRINGS`` (64) of at most
+        ``MAX_STOP_STRING_CHARS`` (256) characters. Not with beam search.
       include_stop_str_in_output: keep the stop string at the end of the text.
       ignore_eos: do not stop at the model's end-of-sequence tokens.
       logprobs: return the log-probability of each generated token.
@@ -162,6 +167,13 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (tuple, list)) or not all(isinstance(x, str) and x for x in stop):
             bad("stop", "a string or a list of non-empty strings")
+        if len(stop) > MAX_STOP_STRINGS:  # the message leaves the strings out: too long
+            raise ValueError(f"stop: expected at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        if (longest := max(map(len, stop), default=0)) > MAX_STOP_STRING_CHARS:
+            raise ValueError(
+                f"stop: expected strings of at most {MAX_STOP_STRING_CHARS} characters, "
+                f"got one of {longest}"
+            )
         object.__setattr__(self, "stop", tuple(stop))
         if not isinstance(self.include_stop_str_in_output, bool):
             bad("include_stop_str_in_output", "a bool")

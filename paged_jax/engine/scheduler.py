@@ -21,7 +21,7 @@ import bisect
 import dataclasses
 import enum
 from collections.abc import Hashable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -92,6 +92,7 @@ class Seq:
         "_cum",
         "finish_reason",
         "stop_text",
+        "detok",
         "_log",
         "_row",
         "_seen",
@@ -120,6 +121,7 @@ class Seq:
         self._cum = cum_logprob
         self.finish_reason = finish_reason
         self.stop_text = stop_text
+        self.detok: Any = None  # the output processor's IncrementalText of the output
         self._log: TokenLog | None = None
         self._row = self._seen = self._version = 0
 
