@@ -22,6 +22,8 @@ renamed to Hugging Face names and layouts, and the model is built by the same co
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import os
 import pathlib
 from collections.abc import Callable
@@ -90,6 +92,11 @@ _QWEN2_SPLIT = (
 PRE_TOKENIZERS = ("default", "gpt2", "gpt-2", "smollm", "llama-bpe", "llama3", "qwen2")
 
 
+# Entries of one metadata array a file may declare: real vocabularies and merge lists hold
+# up to ~300k (Gemma 3: 262,144 tokens; Llama 3: 280,147 merges).
+MAX_METADATA_ARRAY = 1 << 21
+
+
 class GGUFError(ValueError):
     """A GGUF file this loader cannot read: unsupported architecture, block format or
     tokenizer, or missing metadata. The message names the file and the key or tensor."""
@@ -117,7 +124,7 @@ def load_gguf(
 
     reader = _open(path)
     cfg = gguf_config(reader, path)  # checks the architecture
-    arch = _field(reader, "general.architecture", path)
+    arch = _field(reader, "general.architecture", path, kind="str")
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         name = _hf_tensor_name(t.name, arch, path)
@@ -146,20 +153,38 @@ def load_gguf(
     return model, gguf_tokenizer(reader, path)
 
 
+def _check_layers(reader: Any, path: Any, arch: str, layers: int) -> None:
+    """The layers the tensors hold (``blk.N.*``) are those ``block_count`` declares:
+    checked before anything is built per declared layer."""
+    present = set()
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and len(parts) > 1 and parts[1].isdigit():
+            present.add(int(parts[1]))
+    if len(present) != layers or (present and (min(present) != 0 or max(present) != layers - 1)):
+        held = f"layers {min(present)}-{max(present)}" if present else "no layer"
+        raise GGUFError(
+            f"{path}: metadata key '{arch}.block_count' says {layers} layers, the tensors "
+            f"hold {held} ({len(present)} of them)"
+        )
+
+
 def gguf_config(reader: Any, path: str | os.PathLike = "<gguf>") -> LlamaConfig:
     """The ``LlamaConfig`` a GGUF file's metadata describes (``reader``: a
-    ``gguf.GGUFReader``). Raises ``GGUFError`` naming a missing or unsupported key."""
-    arch = _field(reader, "general.architecture", path)
+    ``gguf.GGUFReader``). Raises ``GGUFError`` naming the key of a value that is missing,
+    unsupported or of the wrong type, and a ``block_count`` other than the layers its
+    tensors hold (when it holds tensors)."""
+    arch = _field(reader, "general.architecture", path, kind="str")
     if arch not in ARCHITECTURES:
         raise GGUFError(
             f"{path}: architecture {arch!r} is not supported (supported: "
             f"{', '.join(ARCHITECTURES)})"
         )
 
-    def key(name: str, default: Any = _REQUIRED) -> Any:
-        return _field(reader, f"{arch}.{name}", path, default)
+    def key(name: str, default: Any = _REQUIRED, kind: str | None = None) -> Any:
+        return _field(reader, f"{arch}.{name}", path, default, kind)
 
-    scaling = key("rope.scaling.type", None)
+    scaling = key("rope.scaling.type", None, "str")
     if scaling not in (None, "none") and not (arch == "gemma3" and scaling == "linear"):
         raise GGUFError(f"{path}: {arch}.rope.scaling.type {scaling!r} is not supported")
     names = {t.name for t in reader.tensors}
@@ -168,32 +193,35 @@ def gguf_config(reader: Any, path: str | os.PathLike = "<gguf>") -> LlamaConfig:
             f"{path}: tensor 'rope_freqs.weight' (Llama 3.1 rope scaling stored as "
             "frequency factors) is not supported; load the Hugging Face checkpoint instead"
         )
-    heads = key("attention.head_count")
-    tokens = _field(reader, "tokenizer.ggml.tokens", path, None)
+    heads = key("attention.head_count", kind="count")
+    tokens = _field(reader, "tokenizer.ggml.tokens", path, None, "strs")
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     # the embedding's rows, which may outnumber the token list (padded vocabularies)
-    vocab = key("vocab_size", None) or (int(embd.shape[-1]) if embd is not None else None)
+    vocab = key("vocab_size", None, "count") or (int(embd.shape[-1]) if embd is not None else None)
     if vocab is None and tokens:
         vocab = len(tokens)
-    hidden = key("embedding_length")
+    hidden = key("embedding_length", kind="count")
+    layers = key("block_count", kind="count")
+    if reader.tensors:  # a file of metadata alone describes a model without checking it
+        _check_layers(reader, path, arch, layers)
     hf = {
         "architectures": [ARCHITECTURES[arch]],
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": key("feed_forward_length"),
-        "num_hidden_layers": key("block_count"),
+        "intermediate_size": key("feed_forward_length", kind="count"),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": key("attention.head_count_kv", heads),
-        "head_dim": key("attention.key_length", None),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "max_position_embeddings": key("context_length", 2048),
+        "num_key_value_heads": key("attention.head_count_kv", heads, "count"),
+        "head_dim": key("attention.key_length", None, "count"),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-5, "float"),
+        "rope_theta": key("rope.freq_base", 10000.0, "float"),
+        "max_position_embeddings": key("context_length", 2048, "count"),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", path, None),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", path, None),
+        "bos_token_id": _token_id(reader, "tokenizer.ggml.bos_token_id", path, vocab),
+        "eos_token_id": _token_id(reader, "tokenizer.ggml.eos_token_id", path, vocab),
     }
-    window = key("attention.sliding_window", None)
+    window = key("attention.sliding_window", None, "int")
     if window:
         if arch in ("qwen2", "qwen3"):
             hf["use_sliding_window"] = True
@@ -219,21 +247,24 @@ def _gemma_keys(arch: str, key: Callable[..., Any], hf: dict, window: Any) -> di
         "head_dim": head_dim,
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": hf["hidden_size"] // heads if big else head_dim,
-        "final_logit_softcapping": key("final_logit_softcapping", None),
+        "final_logit_softcapping": key("final_logit_softcapping", None, "float"),
     }
     if arch == "gemma2":  # sliding and global layers alternate, sliding first
-        out["attn_logit_softcapping"] = key("attn_logit_softcapping", None)
+        out["attn_logit_softcapping"] = key("attn_logit_softcapping", None, "float")
         return out
     # Gemma 3: five sliding layers per global one, sliding RoPE base 10,000 (fixed), the
     # file's rope.freq_base and linear scaling for the global layers
-    out["rope_theta"] = float(key("rope.freq_base", 1_000_000.0))
+    out["rope_theta"] = key("rope.freq_base", 1_000_000.0, "float")
     out["rope_local_base_freq"] = 10000.0
     if window:
         out["sliding_window_pattern"] = 6
     else:
         out["layer_types"] = ["full_attention"] * layers
-    if key("rope.scaling.type", None) == "linear":
-        out["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    if key("rope.scaling.type", None, "str") == "linear":
+        out["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": key("rope.scaling.factor", kind="float"),
+        }
     return out
 
 
@@ -242,7 +273,7 @@ def gguf_chat_template(path_or_reader: Any) -> str | None:
     reader = path_or_reader
     if isinstance(path_or_reader, (str, os.PathLike)):
         reader = _open(path_or_reader)
-    return _field(reader, "tokenizer.chat_template", "<gguf>", None)
+    return _field(reader, "tokenizer.chat_template", "<gguf>", None, "str")
 
 
 def gguf_tokenizer(reader: Any, path: str | os.PathLike = "<gguf>") -> Any | None:
@@ -250,11 +281,11 @@ def gguf_tokenizer(reader: Any, path: str | os.PathLike = "<gguf>") -> Any | Non
     ``tokenizers.Tokenizer`` with the file's chat template and special tokens), or None if
     it has no ``tokenizer.ggml.model``. Raises ``GGUFError`` for an unsupported tokenizer model or
     pre-tokenizer."""
-    model = _field(reader, "tokenizer.ggml.model", path, None)
+    model = _field(reader, "tokenizer.ggml.model", path, None, "str")
     if model is None:
         return None
-    tokens = list(_field(reader, "tokenizer.ggml.tokens", path))
-    types = list(_field(reader, "tokenizer.ggml.token_type", path, [_NORMAL] * len(tokens)))
+    tokens = _field(reader, "tokenizer.ggml.tokens", path, kind="strs")
+    types = _field(reader, "tokenizer.ggml.token_type", path, [_NORMAL] * len(tokens), "ints")
     if len(types) != len(tokens):
         raise GGUFError(
             f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
@@ -284,10 +315,10 @@ def gguf_tokenizer(reader: Any, path: str | os.PathLike = "<gguf>") -> Any | Non
     tok.add_special_tokens(special)
     if user:
         tok.add_tokens(user)
-    bos = _field(reader, "tokenizer.ggml.bos_token_id", path, None)
-    eos = _field(reader, "tokenizer.ggml.eos_token_id", path, None)
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", path, default_bos))
-    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", path, False))
+    bos = _token_id(reader, "tokenizer.ggml.bos_token_id", path, len(tokens))
+    eos = _token_id(reader, "tokenizer.ggml.eos_token_id", path, len(tokens))
+    add_bos = _field(reader, "tokenizer.ggml.add_bos_token", path, default_bos, "bool")
+    add_eos = _field(reader, "tokenizer.ggml.add_eos_token", path, False, "bool")
     single, specials = "$A:0", []
     if add_bos and bos is not None:
         single = f"{tokens[bos]}:0 {single}"
@@ -298,10 +329,10 @@ def gguf_tokenizer(reader: Any, path: str | os.PathLike = "<gguf>") -> Any | Non
     tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
     names = {}
     for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown")):
-        i = _field(reader, f"tokenizer.ggml.{key}_token_id", path, None)
-        if i is not None and 0 <= i < len(tokens):
+        i = _token_id(reader, f"tokenizer.ggml.{key}_token_id", path, len(tokens))
+        if i is not None:
             names[name] = tokens[i]
-    template = _field(reader, "tokenizer.chat_template", path, None)
+    template = _field(reader, "tokenizer.chat_template", path, None, "str")
     return TextTokenizer(tok, chat_template=template, special_tokens=names)
 
 
@@ -326,6 +357,17 @@ def _open(path: str | os.PathLike) -> Any:
         def data(self):
             return self._plain
 
+        def _get_field_parts(self, orig_offs, raw_type):
+            # The reader keeps a few arrays per entry of a metadata array (~300 bytes
+            # each): refuse a declared length beyond what any vocabulary needs first.
+            if raw_type == gguf.GGUFValueType.ARRAY:
+                n = int(self._get(orig_offs + 4, np.uint64)[0])
+                if n > MAX_METADATA_ARRAY:
+                    raise ValueError(
+                        f"a metadata array of {n:,} entries (at most {MAX_METADATA_ARRAY:,})"
+                    )
+            return super()._get_field_parts(orig_offs, raw_type)
+
         @data.setter
         def data(self, value):
             self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
@@ -340,13 +382,82 @@ def _open(path: str | os.PathLike) -> Any:
         raise GGUFError(f"{p}: not a readable GGUF file ({first})") from None
 
 
-def _field(reader: Any, key: str, path: Any, default: Any = _REQUIRED) -> Any:
+_KINDS = {  # kind: (what the error says it expected, the check, the conversion)
+    "str": ("a string", lambda v: isinstance(v, str), str),
+    "int": (
+        "an integer",
+        lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),
+        int,
+    ),
+    "count": (
+        "an integer >= 1",
+        lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1,
+        int,
+    ),
+    "float": (
+        "a number",
+        lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v),
+        float,
+    ),
+    "bool": ("a bool", lambda v: isinstance(v, (bool, numbers.Integral)), bool),
+    "strs": (
+        "an array of strings",
+        lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        list,
+    ),
+    "ints": (
+        "an array of integers",
+        lambda v: (
+            isinstance(v, list)
+            and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in v)
+        ),
+        list,
+    ),
+    "floats": (
+        "an array of numbers",
+        lambda v: (
+            isinstance(v, list)
+            and all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in v)
+        ),
+        list,
+    ),
+}
+
+
+def _field(
+    reader: Any, key: str, path: Any, default: Any = _REQUIRED, kind: str | None = None
+) -> Any:
+    """Metadata ``key``'s value, checked to be of ``kind`` (``_KINDS``) when given;
+    ``default`` when it is absent (``_REQUIRED``: a ``GGUFError``). Every failure is a
+    ``GGUFError`` naming the file and the key."""
     f = reader.fields.get(key)
     if f is None:
         if default is _REQUIRED:
             raise GGUFError(f"{path}: metadata key {key!r} is missing")
         return default
-    return f.contents()
+    try:
+        value = f.contents()
+    except Exception as e:  # the reader's own failure on malformed bytes
+        raise GGUFError(
+            f"{path}: metadata key {key!r} cannot be read ({type(e).__name__})"
+        ) from None
+    if kind is None:
+        return value
+    expected, ok, convert = _KINDS[kind]
+    if not ok(value):
+        shown = f"an array of {len(value)}" if isinstance(value, list) else f"{value!r:.60}"
+        raise GGUFError(f"{path}: metadata key {key!r}: expected {expected}, got {shown}")
+    return convert(value)
+
+
+def _token_id(reader: Any, key: str, path: Any, num_tokens: int | None) -> int | None:
+    """A token id key (``tokenizer.ggml.bos_token_id``, ...): None when absent, else an
+    integer in ``[0, num_tokens)`` (unchecked when ``num_tokens`` is None)."""
+    i = _field(reader, key, path, None, "int")
+    if i is not None and (i < 0 or (num_tokens is not None and i >= num_tokens)):
+        bound = "" if num_tokens is None else f" < {num_tokens} (the vocabulary)"
+        raise GGUFError(f"{path}: metadata key {key!r}: expected a token id >= 0{bound}, got {i}")
+    return i
 
 
 def _hf_tensor_name(name: str, arch: str, path: Any) -> str | None:
@@ -385,8 +496,10 @@ def _unpermute(w: np.ndarray, heads: int, name: str, path: Any) -> np.ndarray:
 def _byte_level_bpe(reader: Any, path: Any, tokens: list[str]) -> Any:
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", path)]
-    pre = _field(reader, "tokenizer.ggml.pre", path, "default")
+    merges = [
+        tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", path, kind="strs")
+    ]
+    pre = _field(reader, "tokenizer.ggml.pre", path, "default", "str")
     if pre not in PRE_TOKENIZERS:
         raise GGUFError(
             f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: "
@@ -421,7 +534,7 @@ def _sentencepiece_bpe(reader: Any, path: Any, tokens: list[str], types: list[in
     into their concatenation, higher scores first), "▁" for spaces, byte fallback."""
     from tokenizers import Tokenizer, decoders, models, normalizers
 
-    scores = list(_field(reader, "tokenizer.ggml.scores", path))
+    scores = _field(reader, "tokenizer.ggml.scores", path, kind="floats")
     if len(scores) != len(tokens):
         raise GGUFError(
             f"{path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens"
@@ -435,7 +548,7 @@ def _sentencepiece_bpe(reader: Any, path: Any, tokens: list[str], types: list[in
             if a in mergeable and b in mergeable:
                 ranked.append((-scores[i], i, vocab[a], a, b))
     ranked.sort()
-    unk = _field(reader, "tokenizer.ggml.unknown_token_id", path, None)
+    unk = _token_id(reader, "tokenizer.ggml.unknown_token_id", path, len(tokens))
     tok = Tokenizer(
         models.BPE(
             vocab,
@@ -445,7 +558,7 @@ def _sentencepiece_bpe(reader: Any, path: Any, tokens: list[str], types: list[in
             byte_fallback=True,
         )
     )
-    prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", path, True))
+    prefix = _field(reader, "tokenizer.ggml.add_space_prefix", path, True, "bool")
     steps = [normalizers.Replace(" ", "\u2581")]
     if prefix:
         steps.insert(0, normalizers.Prepend("\u2581"))

@@ -141,8 +141,13 @@ def load_hf(
     if not cfg_file.exists():
         raise FileNotFoundError(f"{cfg_file}: missing (every Hugging Face checkpoint has one)")
     try:
-        cfg = LlamaConfig.from_hf(json.loads(cfg_file.read_text(encoding="utf-8")))
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{cfg_file}: {_first_line(e)}") from None
+    _check_layers(raw, root)  # before the config builds anything per declared layer
+    try:
+        cfg = LlamaConfig.from_hf(raw)
+    except ValueError as e:
         raise ValueError(f"{cfg_file}: {_first_line(e)}") from None
     tensors: dict[str, Any] = {}
     for f in _weight_files(root):
@@ -154,6 +159,37 @@ def load_hf(
         cfg, tensors, source=str(root), dtype=dtype, param_dtype=param_dtype, mesh=mesh
     )
     return model, load_tokenizer(root)
+
+
+def _check_layers(raw: Any, root: pathlib.Path) -> None:
+    """``num_hidden_layers`` (of ``text_config`` for a multimodal config) equals the layers
+    the safetensors files hold (``...layers.N....``), read from their headers."""
+    from safetensors import safe_open
+
+    hf = raw.get("text_config", raw) if isinstance(raw, dict) else raw
+    declared = hf.get("num_hidden_layers") if isinstance(hf, dict) else None
+    if not isinstance(declared, int) or isinstance(declared, bool):
+        return  # the config's own check names it
+    present = set()
+    for f in _weight_files(root):
+        try:
+            with safe_open(str(f), "numpy") as st:
+                names = list(st.keys())
+        except Exception as e:  # safetensors' own error type, or OSError / ValueError
+            raise ValueError(f"{f}: not a readable safetensors file ({_first_line(e)})") from None
+        for name in names:
+            m = _LAYER_INDEX.search(name)
+            if m:
+                present.add(int(m.group(1)))
+    if len(present) != declared or (present and (min(present), max(present)) != (0, declared - 1)):
+        held = f"layers {min(present)}-{max(present)}" if present else "no layer"
+        raise ValueError(
+            f"{root / 'config.json'}: num_hidden_layers: says {declared} layers, the "
+            f"weights hold {held} ({len(present)} of them)"
+        )
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def build_model(

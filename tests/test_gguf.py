@@ -112,8 +112,11 @@ def write_gguf(path, model, arch="llama", qtype=Q.F32, *, tokenizer="gpt2", rng=
     if tokenizer == "gpt2":
         _add_byte_level_vocab(w, c.vocab_size)
     w.add_chat_template(TEMPLATE)
-    for key, value in (extra or {}).items():
-        w.add_string(key, value)
+    for key, value in (extra or {}).items():  # a string, or (value, GGUFValueType[, sub])
+        if isinstance(value, tuple):
+            w.add_key_value(key, *value)  # overwrites a key written above
+        else:
+            w.add_string(key, value)
     held = {}
     for name, value in to_hf_tensors(model).items():
         g = _gguf_name(name)
@@ -289,6 +292,75 @@ def test_unsupported_files_are_named_errors(tmp_path):
         load_gguf(tmp_path / "junk.gguf")
     with pytest.raises(FileNotFoundError, match="nothere.gguf"):
         load_gguf(tmp_path / "nothere.gguf")
+
+
+T = gguf.GGUFValueType
+MALFORMED = {  # metadata value: the error's words
+    "llama.block_count": ((2**31 - 1, T.UINT32), "says 2147483647 layers, the tensors hold"),
+    "llama.embedding_length": (("big", T.STRING), "expected an integer >= 1, got 'big'"),
+    "llama.feed_forward_length": ((0, T.UINT32), "expected an integer >= 1, got 0"),
+    "llama.attention.layer_norm_rms_epsilon": (("tiny", T.STRING), "expected a number"),
+    "llama.rope.freq_base": ((float("nan"), T.FLOAT32), "expected a number, got nan"),
+    "general.architecture": ((3, T.UINT32), "expected a string, got 3"),
+    "tokenizer.ggml.bos_token_id": ((-1, T.INT32), "expected a token id >= 0"),
+    "tokenizer.ggml.eos_token_id": ((10**6, T.UINT32), "got 1000000"),
+    "tokenizer.ggml.tokens": (([1, 2], T.ARRAY, T.INT32), "expected an array of strings"),
+    "tokenizer.ggml.merges": (("a b", T.STRING), "expected an array of strings, got 'a b'"),
+    "tokenizer.chat_template": ((7, T.INT32), "expected a string, got 7"),
+    "tokenizer.ggml.add_bos_token": (("yes", T.STRING), "expected a bool"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(MALFORMED))
+def test_malformed_metadata_is_a_gguf_error_naming_file_and_key(tmp_path, key):
+    # Each bad value is refused at once, as a GGUFError naming the file and the key (the
+    # CLI's one line), never another exception or a later failure; a declared layer count
+    # is checked against the tensors before anything is built per layer.
+    import time
+
+    value, words = MALFORMED[key]
+    write_gguf(tmp_path / "bad.gguf", _model(), extra={key: value})
+    t0 = time.monotonic()
+    with pytest.raises(GGUFError) as e:
+        load_gguf(tmp_path / "bad.gguf")
+    assert time.monotonic() - t0 < 10
+    assert "bad.gguf: " in str(e.value) and words in str(e.value), str(e.value)
+    if "block_count" not in key:
+        assert repr(key) in str(e.value)
+
+
+def test_declared_counts_are_checked_before_anything_is_built(tmp_path, monkeypatch):
+    # A Hugging Face config declaring 2**31 - 1 layers over two layers' weights, and a
+    # GGUF metadata array longer than any vocabulary: refused at once, naming the file.
+    import json
+    import shutil
+    import time
+
+    from paged_jax.models import gguf_loader, load_hf
+
+    src = pathlib.Path(__file__).parent / "golden" / "hf" / "llama"
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(src, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    real = cfg["num_hidden_layers"]
+    cfg["num_hidden_layers"] = 2**31 - 1
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    t0 = time.monotonic()
+    with pytest.raises(
+        ValueError,
+        match=rf"config.json: num_hidden_layers: says 2147483647 "
+        rf"layers, the weights hold layers 0-{real - 1}",
+    ):
+        load_hf(ckpt)
+    assert time.monotonic() - t0 < 10
+    monkeypatch.setattr(gguf_loader, "MAX_METADATA_ARRAY", 1000)
+    write_gguf(
+        tmp_path / "big.gguf", _model(), extra={"x.big": (list(range(1001)), T.ARRAY, T.INT32)}
+    )
+    with pytest.raises(
+        GGUFError, match=r"big\.gguf: .*a metadata array of 1,001 entries \(at most 1,000\)"
+    ):
+        load_gguf(tmp_path / "big.gguf")
 
 
 def test_byte_level_bpe_tokenizer_from_metadata(tmp_path):
