@@ -182,6 +182,26 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds requests in flight may take to finish after SIGINT / SIGTERM",
     )
+    s.add_argument(
+        "--header-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a connection may take to send a request's headers (after it opens "
+        "or after the previous response); then it is closed",
+    )
+    s.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request's body may take to arrive once its headers have; then 408",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open connections served at once; newer ones are closed on accept (default: "
+        "1000, less where the descriptor limit is lower)",
+    )
     _engine_flags(s)
     s.add_argument(
         "--no-warm-up",
@@ -592,6 +612,12 @@ def _serve(args) -> int:
         raise UsageError(
             f"--max-request-bytes: expected an int >= 1024, got {args.max_request_bytes}"
         )
+    for flag in ("header_timeout", "body_timeout"):
+        if not getattr(args, flag) > 0:
+            name = "--" + flag.replace("_", "-")
+            raise UsageError(f"{name}: expected seconds > 0, got {getattr(args, flag)}")
+    if args.max_connections is not None and args.max_connections < 1:
+        raise UsageError(f"--max-connections: expected an int >= 1, got {args.max_connections}")
     _check_engine_flags(args)
     _check_port(args.host, args.port)  # before seconds of loading, not after
     _start_jax(args)
@@ -639,6 +665,9 @@ def _serve(args) -> int:
         max_waiting=args.max_waiting,
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
         log_level=args.log_level,
         on_ready=ready,
         allowed_hosts=None

@@ -479,14 +479,14 @@ def test_a_step_that_stops_the_engine_fails_its_requests_and_the_server_goes_on(
         loop.stop()
 
 
-def _in_process(max_request_bytes=None):
+def _in_process(max_request_bytes=None, **kw):
     """A Server on tiny-llama with its engine thread started (no HTTP socket)."""
     from paged_jax import models
     from paged_jax.server.api import Server
 
     model, tokenizer = models.load("tiny-llama")
     llm = pj.LLM(model, tokenizer, num_pages=64, compilation_cache=False)
-    app = Server(llm, model_name="t", max_request_bytes=max_request_bytes)
+    app = Server(llm, model_name="t", max_request_bytes=max_request_bytes, **kw)
     app.loop.start()
     return app
 
@@ -635,3 +635,92 @@ def test_allowed_token_ids_restrict_a_completion():
     text = ok.json()["choices"][0]["text"]
     assert text and set(text) <= {"a", "b"}, text
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids"
+
+
+def test_idle_slow_and_surplus_connections_are_closed():
+    """Issue 56, item 4: a connection that sent nothing, or part of a request's headers,
+    stayed open forever (1,100 of them exhausted the descriptors), and a body could
+    trickle in as slowly as its sender liked. Over a real socket: headers late, headers
+    cut short, a body late (408), a connection beyond the cap, a kept-alive connection
+    gone quiet mid-headers; the server answers normally throughout."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from paged_jax.server.connections import bounded_protocol
+
+    app = _in_process(body_timeout=0.5)
+    port = _free_port()
+    cap = 4
+    config = uvicorn.Config(
+        app.app,
+        host="127.0.0.1",
+        port=port,
+        http=bounded_protocol(0.6, cap),
+        log_level="error",
+        lifespan="off",
+    )
+    runner = uvicorn.Server(config)
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not runner.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.02)
+
+    def connect():
+        c = socket.create_connection(("127.0.0.1", port), timeout=5)
+        return c
+
+    def closed_after(c, t0=None):  # (seconds until the server closed c, what it sent)
+        t0 = time.monotonic() if t0 is None else t0
+        got = b""
+        while chunk := c.recv(4096):
+            got += chunk
+        c.close()
+        return time.monotonic() - t0, got
+
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    try:
+        t0 = time.monotonic()
+        silent = connect()
+        partial = connect()
+        partial.sendall(head)
+        for c in (silent, partial):
+            waited, got = closed_after(c, t0)
+            assert 0.5 < waited < 3 and got == b""
+        slow = connect()
+        slow.sendall(
+            head + b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"model"'
+        )
+        waited, got = closed_after(slow)
+        assert waited < 3 and got.startswith(b"HTTP/1.1 408"), got[:200]
+        assert b"arrived in 0.5 s, the rest did not (--body-timeout)" in got
+        idle = [connect() for _ in range(cap)]
+        time.sleep(0.1)
+        extra = connect()
+        waited, got = closed_after(extra)  # at once, not after the header deadline
+        assert waited < 0.3 and got == b""
+        for c in idle:
+            c.close()
+        time.sleep(0.1)
+        kept = connect()  # one request answered, then part of another: closed
+        kept.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        first = kept.recv(4096)
+        assert first.startswith(b"HTTP/1.1 200"), first
+        kept.sendall(b"GET /health HTTP/1.1\r\n")
+        waited, got = closed_after(kept)
+        assert waited < 3 and got == b""
+        r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+        assert r.status_code == 200, r.text
+    finally:
+        runner.should_exit = True
+        thread.join(30)
+        app.loop.stop()
+    with pytest.raises(ValueError, match="header_timeout: expected seconds > 0, got 0"):
+        bounded_protocol(0, 4)
+    with pytest.raises(ValueError, match="body_timeout: expected seconds > 0, got -1"):
+        from paged_jax.server.api import Server
+
+        Server(app.llm, model_name="t", body_timeout=-1)

@@ -38,18 +38,33 @@ def serve(
     log_level: str = "info",
     on_ready: Any = None,
     allowed_hosts: list[str] | None = None,
+    header_timeout: float | None = None,
+    body_timeout: float = 60.0,
+    max_connections: int | None = None,
 ) -> None:
     """Serves ``llm`` until SIGINT / SIGTERM, then lets requests in flight finish for up
     to ``shutdown_timeout`` seconds, aborts the rest and returns. ``on_ready()`` is
     called once the socket listens. ``max_request_bytes``: see ``Server``.
     ``allowed_hosts``: Host headers served (``*`` patterns as Starlette's
     ``TrustedHostMiddleware``); None: ``host`` and the loopback names, or any host when
-    ``host`` is a wildcard address."""
+    ``host`` is a wildcard address. ``header_timeout`` (default 30 s) and
+    ``max_connections`` (default ``connections.default_max_connections()``): see
+    ``paged_jax.server.connections``; ``body_timeout``: see ``Server``."""
     import asyncio
 
     import uvicorn
 
     from paged_jax.server.api import Server
+    from paged_jax.server.connections import (
+        DEFAULT_HEADER_TIMEOUT,
+        bounded_protocol,
+        default_max_connections,
+    )
+
+    protocol = bounded_protocol(
+        DEFAULT_HEADER_TIMEOUT if header_timeout is None else header_timeout,
+        default_max_connections() if max_connections is None else max_connections,
+    )
 
     server = Server(
         llm,
@@ -58,11 +73,13 @@ def serve(
         max_waiting=max_waiting,
         max_request_bytes=max_request_bytes,
         allowed_hosts=default_allowed_hosts(host) if allowed_hosts is None else allowed_hosts,
+        body_timeout=body_timeout,
     )
     config = uvicorn.Config(
         server.app,
         host=host,
         port=port,
+        http=protocol,
         log_level=log_level,
         timeout_graceful_shutdown=shutdown_timeout,
         lifespan="on",

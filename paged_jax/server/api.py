@@ -118,7 +118,8 @@ class Server:
     """The routes of one served model; ``app`` is the ASGI application.
 
     ``max_request_bytes``: larger bodies are refused (413) before they are read whole
-    (default ``default_max_request_bytes``). Request bodies are decoded, tokenized and
+    (default ``default_max_request_bytes``). ``body_timeout``: seconds a request's body
+    may take to arrive once its headers have (408 after). Request bodies are decoded, tokenized and
     their chat templates rendered on worker threads, never on the event loop, so one
     large request does not hold up the others' routes.
     """
@@ -132,6 +133,7 @@ class Server:
         max_waiting: int = 256,
         max_request_bytes: int | None = None,
         allowed_hosts: list[str] | None = None,
+        body_timeout: float = 60.0,
     ):
         if llm.tokenizer is None:
             raise ValueError("llm: the server needs a model with a tokenizer (it serves text)")
@@ -145,7 +147,12 @@ class Server:
             raise ValueError(
                 f"max_request_bytes: expected an int >= 1024, got {max_request_bytes!r}"
             )
+        if isinstance(body_timeout, bool) or not isinstance(body_timeout, (int, float)):
+            raise TypeError(f"body_timeout: expected seconds, got {body_timeout!r}")
+        if not body_timeout > 0:
+            raise ValueError(f"body_timeout: expected seconds > 0, got {body_timeout!r}")
         self.max_request_bytes = max_request_bytes
+        self.body_timeout = float(body_timeout)
         self.llm = llm
         self.model_name = model_name
         self.api_key = api_key
@@ -361,11 +368,23 @@ class Server:
         if declared.isdigit() and int(declared) > limit:
             raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+
+        async def read():
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), self.body_timeout)
+        except TimeoutError:
+            raise ApiError(
+                408,
+                f"body: {size} bytes arrived in {self.body_timeout:g} s, the rest did not "
+                "(--body-timeout)",
+            ) from None
         return b"".join(chunks)
 
     def _decode_and_parse(self, raw: bytes, chat: bool) -> dict:
