@@ -106,6 +106,7 @@ def test_the_wheel_carries_the_cpu_kernel_source(tmp_path):
     assert {"paged_jax/kernels/cpu/__init__.py", "paged_jax/kernels/cpu/decode.c"} <= names
 
 
+@pytest.mark.slow  # 30-54 s (a virtual environment and an install); .ci/run runs it
 def test_a_user_project_with_its_own_models_package(tmp_path):
     """A project with a ``models`` package of its own keeps it, and the library still finds
     its models and kernels (installed as paged_jax.models / paged_jax.kernels)."""

@@ -54,7 +54,13 @@ def _check(params, seed, **knobs):
     assert_close_to_oracle(out[:-1], ref[:-1], case.expected, what=_id(params))
 
 
-@pytest.mark.parametrize("params", _grid(5, seed=11), ids=_id)
+def _first_by_default(grid, keep=3):
+    """``grid`` with the cases after the first ``keep`` marked slow (each case takes 10-27
+    s in interpret mode on 2 cores; .ci/run runs the rest with -m slow)."""
+    return [c if i < keep else pytest.param(c, marks=pytest.mark.slow) for i, c in enumerate(grid)]
+
+
+@pytest.mark.parametrize("params", _first_by_default(_grid(5, seed=11)), ids=_id)
 def test_decode_kernel(params):
     _check(params, seed=0)
 
@@ -167,7 +173,7 @@ def _check_ragged(params, seed, **knobs):
     np.testing.assert_array_equal(np.asarray(out[n:], np.float32), 0.0)
 
 
-@pytest.mark.parametrize("params", _ragged_grid(5, seed=13), ids=_rid)
+@pytest.mark.parametrize("params", _first_by_default(_ragged_grid(5, seed=13)), ids=_rid)
 def test_ragged_kernel(params):
     _check_ragged(params, seed=0)
 
@@ -198,6 +204,7 @@ def test_ragged_small_blocks_and_public_api():
     )
 
 
+@pytest.mark.slow  # 18-29 s in interpret mode; .ci/run runs it
 def test_ragged_matches_jax_ref_ragged_paged_attention():
     case = make_case(
         7,

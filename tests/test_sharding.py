@@ -36,6 +36,7 @@ def _check_steps(out: dict) -> None:
         assert r["all_reduces"] > 0, (name, r)  # the partial sums after o and down do
 
 
+@pytest.mark.slow  # 23-32 s; .ci/run runs it
 def test_a_vocabulary_the_mesh_does_not_divide_is_padded():
     """Issue 51, item 5: a vocabulary of 211 was refused at tp 2, 4 and 8. Padded as
     vLLM's vocabulary-parallel embedding pads it, the logits and tokens are those of one
