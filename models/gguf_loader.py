@@ -103,7 +103,12 @@ class GGUFError(ValueError):
 
 
 def load_gguf(
-    path: str | os.PathLike, *, dtype: Any = None, param_dtype: Any = None, mesh: Any = None
+    path: str | os.PathLike,
+    *,
+    dtype: Any = None,
+    param_dtype: Any = None,
+    mesh: Any = None,
+    quantization: str | None = None,
 ) -> tuple[Any, Any]:
     """Loads a GGUF file: ``(LlamaForCausalLM, TextTokenizer | None)``.
 
@@ -115,6 +120,11 @@ def load_gguf(
       param_dtype: storage dtype of the weights (default ``dtype``).
       mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` axis: each weight goes straight into
         its tensor-parallel shards; None: one device.
+      quantization: ``"int4"``: Q4_0 and Q4_1 tensors keep their blocks (each block of
+        32 weights becomes a group of ``models.quantization``'s int4 format with the
+        block's own scale and minimum: the same weights, never widened to float); the
+        model's other weights are quantized from float by ``paged_jax.models.load``.
+        None: every tensor dequantized.
 
     The tokenizer is None if the file has none; it carries the file's chat template
     (``tokenizer.apply_chat_template``). Raises FileNotFoundError, and ``GGUFError`` (a
@@ -126,6 +136,7 @@ def load_gguf(
     cfg = gguf_config(reader, path)  # checks the architecture
     arch = _field(reader, "general.architecture", path, kind="str")
     tensors: dict[str, np.ndarray] = {}
+    blocks: dict[str, tuple[np.ndarray, ...]] = {}  # Q4 tensors kept as (q, d, m)
     for t in reader.tensors:
         name = _hf_tensor_name(t.name, arch, path)
         if name is None:
@@ -136,12 +147,16 @@ def load_gguf(
                 f"{path}: tensor {t.name!r} is stored as {qtype.name}, which is not supported "
                 f"(supported: {', '.join(QUANT_TYPES)})"
             )
-        w = _dequantize(t, qtype)
+        keep = quantization == "int4" and qtype.name in ("Q4_0", "Q4_1") and len(t.shape) == 2
+        parts = _q4_blocks(t, qtype.name) if keep else (_dequantize(t, qtype),)
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
         if arch in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
             heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
-            w = _unpermute(w, heads, t.name, path)
-        tensors[name] = w
+            parts = tuple(_unpermute(w, heads, t.name, path) for w in parts)
+        if keep:
+            blocks[name] = parts
+        else:
+            tensors[name] = parts[0]
     model = build_model(
         cfg,
         tensors,
@@ -149,6 +164,7 @@ def load_gguf(
         dtype=dtype if dtype is not None else np.float32,
         param_dtype=param_dtype,
         mesh=mesh,
+        int4_blocks=blocks,
     )
     return model, gguf_tokenizer(reader, path)
 
@@ -481,6 +497,24 @@ def _dequantize(t: Any, qtype: Any) -> np.ndarray:
     if qtype.name == "F16":
         return np.asarray(t.data).astype(np.float32)
     return quants.dequantize(t.data, qtype).astype(np.float32, copy=False)
+
+
+def _q4_blocks(t: Any, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(q uint8 [out, in] in [0, 15], d f32 [out, in / 32], m f32 [out, in / 32])`` of a
+    Q4_0 or Q4_1 tensor, block by block: weight ``d * q + m`` (Q4_0: ``m = -8 d``). A
+    block is a float16 ``d`` (Q4_1: then a float16 ``m``) and 16 bytes holding its first
+    16 weights in their low nibbles and its last 16 in the high ones."""
+    raw = np.asarray(t.data, np.uint8)
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 18 if qtype == "Q4_0" else 20)
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    if qtype == "Q4_0":
+        m, qs = -8.0 * d, b[..., 2:]
+    else:
+        m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+        qs = b[..., 4:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows, -1)
+    return q, d, m
 
 
 def _unpermute(w: np.ndarray, heads: int, name: str, path: Any) -> np.ndarray:

@@ -200,10 +200,17 @@ def build_model(
     dtype: Any = None,
     param_dtype: Any = None,
     mesh: Any = None,
+    int4_blocks: dict[str, tuple[np.ndarray, ...]] | None = None,
 ) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` from numpy tensors under Hugging Face names and layouts
     (``[out, in]`` linear weights, one tensor per layer), as ``load_hf`` and ``load_gguf``
     read them.
+
+    ``int4_blocks``: tensors given as 4-bit groups of 32 along ``in``, ``(q uint8 [out,
+    in] in [0, 15], d f32 [out, in / 32], m f32 [out, in / 32])`` for weights ``d * q +
+    m`` (``load_gguf``'s Q4 blocks): a linear weight or embedding table all of whose
+    tensors come so is held in ``models.quantization``'s int4 format as it is; one only
+    some layers of which do (a file mixing block formats) is dequantized.
 
     ``dtype`` defaults to the tensors' dtype (f32 if mixed), ``param_dtype`` to ``dtype``.
     ``mesh``: place each weight in its tensor-parallel shards (``sharding.sharder``).
@@ -224,6 +231,8 @@ def build_model(
     graphdef, abstract_state = nnx.split(abstract)
     sharding = None if mesh is None else sharder(cfg, mesh)
     filled, used = [], set()
+    blocks = dict(int4_blocks or {})
+    int4 = {}  # module path: (scale, zero), set after the merge
     for p, var in nnx.to_flat_state(abstract_state):
         expected = tuple(var.get_value().shape)
         stacked = str(p[0]) == "layers"  # [L, ...]: one tensor per layer in the checkpoint
@@ -231,6 +240,20 @@ def build_model(
             names = [_hf_name(("layers", i, *p[1:])) for i in range(cfg.num_layers)]
         else:
             names = [_hf_name(p)]
+        if names[0][0] in blocks and all(n in blocks for n, _ in names) and mesh is None:
+            want = expected[1:] if stacked else expected
+            parts = [_int4_layout(blocks[n], t, want, source, n) for n, t in names]
+            used.update(n for n, _ in names)
+            packed, scale, zero = (
+                np.stack(x) if stacked else x[0] for x in zip(*parts, strict=True)
+            )
+            int4[p[:-1]] = (scale, zero)
+            filled.append((p, var.replace(jnp.asarray(packed))))
+            continue
+        for n, _ in names:  # a file mixing formats across layers: these in float
+            if n in blocks:
+                q, d, m = blocks.pop(n)
+                tensors[n] = q * np.repeat(d, 32, axis=-1) + np.repeat(m, 32, axis=-1)
         values = []
         for name, transposed in names:
             if name not in tensors:
@@ -258,14 +281,45 @@ def build_model(
         raise ValueError(
             f"{source}: unexpected tensors for {cfg.architecture} (first 5): {extra[:5]}"
         )
-    return nnx.merge(graphdef, nnx.from_flat_state(filled))
+    model = nnx.merge(graphdef, nnx.from_flat_state(filled))
+    for path, (scale, zero) in int4.items():
+        node = functools.reduce(lambda n, part: getattr(n, str(part)), path, model)
+        node.scale = nnx.Param(jnp.asarray(scale))
+        node.zero = nnx.Param(jnp.asarray(zero))
+        node.quantized = "int4"
+    return model
+
+
+def _int4_layout(blocks, transposed: bool, want: tuple, source: str, name: str):
+    """``(packed, scale, zero)`` of one tensor's 4-bit groups ``(q [out, in], d, m)`` as
+    the model holds them: a linear kernel ``[in, out]`` (``transposed``) packs two rows of
+    ``in`` a byte, an embedding table ``[V, E]`` two entries of E (the groups' axis
+    either way)."""
+    q, d, m = blocks
+    if transposed:
+        q, d, m = q.T, d.T, m.T
+    if tuple(q.shape) != tuple(want):
+        got = tuple(blocks[0].shape)
+        raise ValueError(
+            f"{source}: tensor {name!r} has shape {got}, expected "
+            f"{tuple(want)[::-1] if transposed else tuple(want)}"
+        )
+    if transposed:
+        return q[0::2] | (q[1::2] << 4), d, m
+    return q[:, 0::2] | (q[:, 1::2] << 4), d, m
 
 
 def to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
     """The model's weights under Hugging Face tensor names and layouts (numpy arrays):
-    what ``load_hf`` reads back, e.g. to write with ``safetensors.numpy.save_file``."""
+    what ``load_hf`` reads back, e.g. to write with ``safetensors.numpy.save_file``.
+    Quantized weights come dequantized (their scales and minimums are not tensors of
+    their own)."""
     out = {}
     for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if str(p[-1]) in ("scale", "zero"):
+            node = functools.reduce(lambda n, part: getattr(n, str(part)), p[:-1], model)
+            if getattr(node, "quantized", None):
+                continue
         value = var.get_value()
         if tuple(map(str, p)) == ("embed_tokens", "embedding"):
             value = model.embed_tokens.table()  # [V, E], however it is held

@@ -26,7 +26,7 @@ from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata
 
 from .config import LayerKind, LinearRopeScaling, LlamaConfig, RopeScaling
-from .quantization import check_format, quantize_int8
+from .quantization import check_format, dequantize_int4, quantize_int4, quantize_int8
 
 
 def rope_inv_freq(
@@ -115,20 +115,28 @@ class Linear(nnx.Linear):
     """
 
     packed = False  # hold_packed sets it on the instance (a static attribute)
-    quantized = None  # quantize sets it ("int8": kernel int8, scale f32 [(L,) out])
+    # quantize sets it: "int8" (kernel int8, scale f32 [(L,) out]) or "int4" (kernel
+    # uint8 [(L,) in / 2, out], two rows a byte; scale and zero f32 [(L,) in / 32, out])
+    quantized = None
 
     def quantize(self, fmt: str = "int8") -> Linear:
         """In place: the float kernel ``[(L,) in, out]`` becomes ``fmt`` (``"int8"``:
-        int8 with one f32 scale per output channel, ``self.scale``; see
-        ``models.quantization``); returns the module. Idempotent. Before ``hold_packed``
-        and ``split_layer_weights`` (raises ``ValueError`` after them)."""
+        int8 with one f32 scale per output channel, ``self.scale``; ``"int4"``: 4-bit
+        groups of 32 inputs with a scale and a minimum each, ``self.scale`` and
+        ``self.zero``; see ``models.quantization``); returns the module. Idempotent.
+        Before ``hold_packed`` and ``split_layer_weights`` (raises ``ValueError`` after
+        them)."""
         check_format(fmt)
         if self.quantized:
             return self
         kernel = self.kernel.get_value()
         if self.packed or isinstance(kernel, tuple):
             raise ValueError("kernel: quantize before packing or splitting the weights")
-        q, scale = quantize_int8(kernel, axis=-2)
+        if fmt == "int4":
+            q, scale, zero = quantize_int4(kernel, axis=-2)
+            self.zero = nnx.Param(jnp.asarray(zero))
+        else:
+            q, scale = quantize_int8(kernel, axis=-2)
         self.kernel.set_value(jnp.asarray(q))
         self.scale = nnx.Param(jnp.asarray(scale))
         self.quantized = fmt
@@ -145,17 +153,20 @@ class Linear(nnx.Linear):
         kernel = self.kernel.get_value()
         if isinstance(kernel, tuple):
             kernel = jnp.stack(kernel)
-        want = jnp.int8 if self.quantized else jnp.float32
+        want = {None: jnp.float32, "int8": jnp.int8, "int4": jnp.uint8}[self.quantized]
         if kernel.ndim not in (2, 3) or kernel.dtype != want:
             raise ValueError(
                 f"kernel: expected a {jnp.dtype(want)} [(L,) in, out] array, got "
                 f"{kernel.dtype}{list(kernel.shape)}"
             )
         self.kernel = Packed(linear.pack(kernel))
-        for var in (self.bias, getattr(self, "scale", None)):
+        for var in (self.bias, getattr(self, "scale", None), getattr(self, "zero", None)):
             if var is not None and isinstance(var.get_value(), tuple):
                 var.set_value(jnp.stack(var.get_value()))
-        if self.quantized:  # read whole with the packed stack, by the layer's index
+        if self.quantized == "int4":  # the groups' panels, as the weight's
+            self.scale = Packed(linear.pack(self.scale.get_value()))
+            self.zero = Packed(linear.pack(self.zero.get_value()))
+        elif self.quantized:  # read whole with the packed stack, by the layer's index
             self.scale = Packed(linear.pack_scales(self.scale.get_value()))
         self.packed = True
         return self
@@ -169,6 +180,17 @@ class Linear(nnx.Linear):
         if not self.quantized:
             return kernel
         scale = self.scale.get_value()
+        if self.quantized == "int4":
+            zero = self.zero.get_value()
+            if self.packed:
+                scale = linear.unpack(scale, self.out_features)
+                zero = linear.unpack(zero, self.out_features)
+            if isinstance(kernel, tuple):
+                return tuple(
+                    dequantize_int4(k, s, z, axis=-2)
+                    for k, s, z in zip(kernel, scale, zero, strict=True)
+                )
+            return dequantize_int4(kernel, scale, zero, axis=-2)
         if self.packed:
             scale = scale[..., : self.out_features]
         if isinstance(kernel, tuple):
@@ -179,6 +201,7 @@ class Linear(nnx.Linear):
         kernel = self.kernel.get_value()
         bias = None if self.bias is None else self.bias.get_value()
         scale = self.scale.get_value() if self.quantized else None
+        zero = self.zero.get_value() if self.quantized == "int4" else None
 
         def add_bias(y, b):
             return y if b is None else y + jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,))
@@ -191,19 +214,20 @@ class Linear(nnx.Linear):
             step = _ROWS.get()
             rows = step[1] if step is not None and inputs.shape[:-1] == (step[0],) else None
             x = inputs.astype(jnp.float32)
-            y = linear.matmul(x, kernel, self.out_features, layer, rows, scales=scale)
+            y = linear.matmul(x, kernel, self.out_features, layer, rows, scales=scale, mins=zero)
             return add_bias(y.astype(self.dtype or y.dtype), bias)
         if not isinstance(kernel, tuple):
             if scale is None:
                 return super().__call__(inputs)
-            return _dot_layer(self, inputs, kernel, bias, scale)
+            return _dot_layer(self, inputs, kernel, bias, scale, zero)
         layer = _LAYER.get()
         if isinstance(layer, int):  # an unrolled layer loop: this layer's own arrays
-            w = (kernel[layer], pick(bias, layer), pick(scale, layer))
+            w = (kernel[layer], pick(bias, layer), pick(scale, layer), pick(zero, layer))
             return _dot_layer(self, inputs, *w)
 
         def one(i):
-            return lambda x: _dot_layer(self, x, kernel[i], pick(bias, i), pick(scale, i))
+            w = (kernel[i], pick(bias, i), pick(scale, i), pick(zero, i))
+            return lambda x: _dot_layer(self, x, *w)
 
         return jax.lax.switch(layer, [one(i) for i in range(len(kernel))], inputs)
 
@@ -214,9 +238,14 @@ def _dot_layer(
     kernel: jax.Array,
     bias: jax.Array | None,
     scale: jax.Array | None = None,
+    zero: jax.Array | None = None,
 ):
     """``x @ kernel + bias`` as ``nnx.Linear`` computes it, for one layer's own arrays;
-    an int8 ``kernel`` is widened to the compute dtype and its product times ``scale``."""
+    an int8 ``kernel`` is widened to the compute dtype and its product times ``scale``;
+    a 4-bit one (with ``zero``) is dequantized to the compute dtype first."""
+    if zero is not None:
+        kernel = dequantize_int4(kernel, scale, zero, axis=-2, dtype=module.dtype or x.dtype)
+        scale = None
     x, kernel, bias = module.promote_dtype((x, kernel, bias), dtype=module.dtype)
     y = module.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=module.precision)
     if scale is not None:
@@ -232,26 +261,37 @@ class Embed(nnx.Embed):
 
     transposed = False  # hold_transposed / hold_packed set them on the instance (static)
     packed = False
-    quantized = None  # quantize sets it ("int8": table int8, scale f32 [V], one a token)
+    # quantize sets it: "int8" (table int8, scale f32 [V], one a token) or "int4" (table
+    # uint8 [V, E / 2], scale and zero f32 [V, E / 32]: groups along E)
+    quantized = None
 
     def quantize(self, fmt: str = "int8") -> Embed:
         """In place: the float table ``[V, E]`` becomes ``fmt`` (``"int8"``: int8 with one
         f32 scale per token, ``self.scale``, so a lookup and a tied LM head's output
-        column use the same scale); returns the module. Idempotent. Before
-        ``hold_transposed`` / ``hold_packed`` (raises ``ValueError`` after them)."""
+        column use the same scale; ``"int4"``: 4-bit groups of 32 along E with a scale
+        and a minimum each, ``self.scale`` and ``self.zero``); returns the module.
+        Idempotent. Before ``hold_transposed`` / ``hold_packed`` (raises ``ValueError``
+        after them)."""
         check_format(fmt)
         if self.quantized:
             return self
         if self.transposed or self.packed:
             raise ValueError("embedding: quantize before transposing or packing the table")
-        q, scale = quantize_int8(self.embedding.get_value(), axis=-1)
+        if fmt == "int4":
+            q, scale, zero = quantize_int4(self.embedding.get_value(), axis=-1)
+            self.zero = nnx.Param(jnp.asarray(zero))
+        else:
+            q, scale = quantize_int8(self.embedding.get_value(), axis=-1)
         self.embedding.set_value(jnp.asarray(q))
         self.scale = nnx.Param(jnp.asarray(scale))
         self.quantized = fmt
         return self
 
     def hold_transposed(self) -> Embed:
-        """In place: the table becomes ``[E, V]``; returns the module. Idempotent."""
+        """In place: the table becomes ``[E, V]``; returns the module. Idempotent. A 4-bit
+        table stays ``[V, E / 2]`` (a tied head dequantizes it as it multiplies)."""
+        if self.quantized == "int4":
+            return self
         if not self.transposed and not self.packed:
             self.embedding.set_value(jnp.asarray(self.embedding.get_value().T))
             self.transposed = True
@@ -265,7 +305,10 @@ class Embed(nnx.Embed):
         if not self.packed:
             raw = self.embedding.get_value()
             self.embedding.set_value(linear.pack(raw if self.transposed else raw.T))
-            if self.quantized:
+            if self.quantized == "int4":  # groups along E: [E / 32, V] packed as a weight
+                self.scale.set_value(linear.pack(self.scale.get_value().T))
+                self.zero.set_value(linear.pack(self.zero.get_value().T))
+            elif self.quantized:
                 self.scale.set_value(linear.pack_scales(self.scale.get_value()))
             self.transposed, self.packed = False, True
         return self
@@ -278,6 +321,12 @@ class Embed(nnx.Embed):
             table = linear.unpack(table, self.num_embeddings).T
         elif self.transposed:
             table = table.T
+        if self.quantized == "int4":
+            scale, zero = self.scale.get_value(), self.zero.get_value()
+            if self.packed:
+                scale = linear.unpack(scale, self.num_embeddings).T
+                zero = linear.unpack(zero, self.num_embeddings).T
+            return dequantize_int4(table, scale, zero, axis=-1)
         if self.quantized:
             scale = self.scale.get_value()[: self.num_embeddings]
             return table.astype(jnp.float32) * scale[:, None]
@@ -296,17 +345,31 @@ class Embed(nnx.Embed):
             rows = jnp.moveaxis(jnp.take(table, inputs, axis=1), 0, -1)
         else:
             rows = jnp.take(table, inputs, axis=0)
-        if self.quantized:  # (a packed scale's entry v is token v's)
+        if self.quantized == "int4":  # the tokens' groups, dequantized
+            scale, zero = self.scale[...], self.zero[...]
+            if self.packed:
+                nr = table.shape[-1]
+                scale = scale[inputs // nr, :, inputs % nr]
+                zero = zero[inputs // nr, :, inputs % nr]
+            else:
+                scale, zero = jnp.take(scale, inputs, axis=0), jnp.take(zero, inputs, axis=0)
+            rows = dequantize_int4(rows, scale, zero, axis=-1)
+        elif self.quantized:  # (a packed scale's entry v is token v's)
             rows = rows.astype(jnp.float32) * self.scale[...][inputs][..., None]
         (rows,) = self.promote_dtype((rows,), dtype=self.dtype, inexact=False)
         return rows
 
     def attend(self, query: jax.Array) -> jax.Array:  # [..., E] -> [..., V]
         scale = self.scale[...] if self.quantized else None
+        zero = self.zero[...] if self.quantized == "int4" else None
         if self.packed:
             x = query.astype(jnp.float32)
-            y = linear.matmul(x, self.embedding[...], self.num_embeddings, scales=scale)
+            y = linear.matmul(x, self.embedding[...], self.num_embeddings, scales=scale, mins=zero)
             return y.astype(self.dtype or y.dtype)
+        if zero is not None:
+            table = dequantize_int4(self.embedding[...], scale, zero, axis=-1, dtype=self.dtype)
+            query, table = self.promote_dtype((query, table), dtype=self.dtype)
+            return jnp.dot(query, table.T)
         if not self.transposed and not self.quantized:
             return super().attend(query)
         table = self.embedding[...]
@@ -513,7 +576,11 @@ class LlamaForCausalLM(nnx.Module):
         for _, node in nnx.iter_graph(self.layers):
             if not isinstance(node, Linear) or node.packed:  # a packed stack stays whole
                 continue
-            for var in (node.kernel, node.bias, getattr(node, "scale", None)):
+            for var in (
+                node.kernel,
+                node.bias,
+                *(getattr(node, a, None) for a in ("scale", "zero")),
+            ):
                 w = None if var is None else var.get_value()
                 if w is not None and not isinstance(w, tuple):
                     var.set_value(tuple(w[i] for i in range(L)))
@@ -522,14 +589,18 @@ class LlamaForCausalLM(nnx.Module):
     def quantize(self, fmt: str = "int8") -> LlamaForCausalLM:
         """In place: every linear weight (the layers' projections and an untied LM head)
         and the embedding table (a tied LM head's weight) in quantized format ``fmt``
-        (``models.quantization``); returns the model. Norms stay float. Before the engine
+        (``models.quantization``), but for ``"int4"`` the table in int8 (a tied head is
+        the product most hurt by 4 bits: SmolLM2's log-likelihood moved 3.1% with it in
+        4 bits); returns the model. Norms stay float. Before the engine
         holds the weights for a device (``hold_for_cpu``, ``hold_for_accelerator``,
         ``shard``), which ``paged_jax.models.load(..., quantization=)`` ensures.
         Idempotent. Raises ``ValueError`` for an unknown format."""
         check_format(fmt)
         for _, node in nnx.iter_graph(self):
-            if isinstance(node, (Linear, Embed)):
+            if isinstance(node, Linear):
                 node.quantize(fmt)
+            elif isinstance(node, Embed):  # int4: the table (a tied head) in int8
+                node.quantize("int8" if fmt == "int4" else fmt)
         return self
 
     def hold_for_accelerator(self) -> LlamaForCausalLM:

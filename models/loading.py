@@ -55,8 +55,10 @@ def load(
         ``LLM``. None: one device.
       quantization: ``"int8"`` quantizes the float weights as they load (weight-only,
         one scale per output channel; ``models.quantization``): the linear weights and
-        the embedding table take a quarter of f32's memory. None: as loaded. Not with a
-        mesh yet.
+        the embedding table take a quarter of f32's memory; ``"int4"``: 4-bit groups of
+        32 inputs with a scale and a minimum each (0.75 bytes a weight, under a fifth of
+        f32's); a GGUF file's Q4_0 / Q4_1 tensors keep their own blocks (``load_gguf``).
+        None: as loaded. Not with a mesh yet.
 
     Returns ``(model, tokenizer)``; the tokenizer is None for a checkpoint without
     ``tokenizer.json`` or a GGUF file without tokenizer metadata. Raises ``TypeError``
@@ -69,21 +71,21 @@ def load(
     check_format(quantization)
     if quantization is not None and mesh is not None:
         raise ValueError("quantization: not supported with a mesh (tensor parallelism) yet")
-    model, tokenizer = _load(name, dtype, seed, mesh)
+    model, tokenizer = _load(name, dtype, seed, mesh, quantization)
     if quantization is not None:
         model.quantize(quantization)
     return model, tokenizer
 
 
-def _load(name, dtype, seed, mesh) -> tuple[Any, Any]:
+def _load(name, dtype, seed, mesh, quantization=None) -> tuple[Any, Any]:
     if isinstance(name, str) and name in PRESETS:
         kw = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
         return init_model(PRESETS[name], seed=seed, mesh=mesh, **kw), ByteTokenizer()
     if isinstance(name, str) and name in ALIASES:
-        return load_gguf(fetch(name), dtype=dtype, mesh=mesh)
+        return load_gguf(fetch(name), dtype=dtype, mesh=mesh, quantization=quantization)
     path = pathlib.Path(name)
     if path.is_file() and _is_gguf(path):
-        return load_gguf(path, dtype=dtype, mesh=mesh)
+        return load_gguf(path, dtype=dtype, mesh=mesh, quantization=quantization)
     if not path.is_dir():
         raise FileNotFoundError(
             f"{name}: neither a preset ({', '.join(sorted(PRESETS))}), a named model "

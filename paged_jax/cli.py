@@ -248,9 +248,10 @@ def _quantization_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default=None,
-        choices=["int8"],
-        help="quantize the weights as they load: int8, one scale per output channel "
-        "(a quarter of f32's memory; default: as stored)",
+        choices=["int8", "int4"],
+        help="quantize the weights as they load: int8, one scale per output channel (a "
+        "quarter of f32's memory), or int4, 4-bit groups of 32 with a scale and a minimum "
+        "(under a fifth); default: as stored",
     )
 
 

@@ -30,11 +30,12 @@ def available() -> bool:
     return cpu.available()
 
 
-def pack(w: jax.Array) -> jax.Array:  # [(L,) K, N] f32 or int8 -> [(L,) P, K, NR]
+def pack(w: jax.Array) -> jax.Array:  # [(L,) K, N] f32, int8 or uint8 -> [(L,) P, K, NR]
     """``w`` in column panels of the kernel's width NR (``P = ceil(N / NR)``, zero past
-    column N), each of a stack ``[L, K, N]`` alike; float32, or int8 (quantized weights,
-    whose scales ``pack_scales`` lays out). Raises ``ValueError`` for another dtype or
-    rank, or where the kernels are not available."""
+    column N), each of a stack ``[L, K, N]`` alike; float32, int8 (quantized weights,
+    whose scales ``pack_scales`` lays out) or uint8 (4-bit weights, two rows a byte).
+    Raises ``ValueError`` for another dtype or rank, or where the kernels are not
+    available."""
     from paged_jax.kernels import cpu
 
     return cpu.pack_weight(w)
@@ -62,17 +63,19 @@ def matmul(
     layer: jax.Array | int | None = None,  # i32 scalar: which of L weights
     rows: jax.Array | int | None = None,  # i32 scalar: rows of x to compute
     scales: jax.Array | None = None,  # f32[(L,) P * NR]: int8 weights' (pack_scales)
+    mins: jax.Array | None = None,  # 4-bit weights: scales and mins f32[(L,) P, K / G, NR]
 ) -> jax.Array:  # [..., n] f32
     """``x @ w`` for the ``[K, n]`` weight ``w`` packed as ``packed`` (of a stack of L, the
     one at ``layer``, read where it lies), by the CPU kernel: one f32 sum per output
     over K in order, so a row's result does not depend on the other rows. ``rows``: only
     the first ``rows`` rows of ``x`` (flattened) are computed, the others' results are 0
     (None: all). int8 weights (W8A16) need their ``scales``: column j of the product is
-    then multiplied by ``scales[j]``. Raises ``ValueError`` for mismatched shapes or
-    dtypes."""
+    then multiplied by ``scales[j]``. 4-bit weights (uint8 ``[(L,) P, K / 2, NR]``) need
+    their groups' ``scales`` and ``mins`` (each packed by ``pack`` from ``[(L,) K / G,
+    n]``). Raises ``ValueError`` for mismatched shapes or dtypes."""
     from paged_jax.kernels import cpu
 
-    return cpu.linear(x, packed, n, layer=layer, rows=rows, scales=scales)
+    return cpu.linear(x, packed, n, layer=layer, rows=rows, scales=scales, mins=mins)
 
 
 __all__ = ["available", "matmul", "pack", "pack_scales", "unpack"]

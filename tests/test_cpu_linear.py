@@ -132,7 +132,7 @@ def test_boundary_errors():
     with pytest.raises(ValueError, match=r"layer: expected an int in \[0, 1\), got 1"):
         cpu.linear(x, packed, 20, layer=1)  # one weight, not a stack
     with pytest.raises(
-        ValueError, match=r"w: expected a \[K, N\] or \[L, K, N\] float32 or int8 array"
+        ValueError, match=r"w: expected a \[K, N\] or \[L, K, N\] float32, int8 or uint8 array"
     ):
         cpu.pack_weight(jnp.asarray(w, jnp.float16))
 
@@ -159,9 +159,9 @@ def test_a_padded_step_computes_its_real_tokens_only(monkeypatch):
     assert model.layers.mlp.up_proj.packed
     limited, real = [], linear.matmul
 
-    def spy(x, packed, n, layer=None, rows=None, scales=None):
+    def spy(x, packed, n, layer=None, rows=None, scales=None, mins=None):
         limited.append(rows is not None)
-        return real(x, packed, n, layer, rows, scales=scales)
+        return real(x, packed, n, layer, rows, scales=scales, mins=mins)
 
     monkeypatch.setattr(llama.linear, "matmul", spy)
     ids = list(range(3, 40))

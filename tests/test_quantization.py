@@ -13,7 +13,7 @@ from flax import nnx
 import paged_jax as pj
 from paged_jax import linear, models
 from paged_jax.models.llama import Embed, Linear
-from paged_jax.models.quantization import quantize_int8
+from paged_jax.models.quantization import dequantize_int4, quantize_int4, quantize_int8
 
 
 def test_int8_error_is_within_half_a_scale():
@@ -54,6 +54,52 @@ def test_the_cpu_kernel_multiplies_by_int8_weights_as_defined(layers, n, rows):
         linear.matmul(jnp.asarray(x), linear.pack(jnp.asarray(q)), n, layer=layer)
 
 
+def test_int4_error_is_within_half_a_group_scale():
+    # Along the input axis of a stacked kernel and along E of a table: each weight within
+    # half its group's scale, q in [0, 15] two a byte, a constant group exact.
+    rng = np.random.default_rng(2)
+    w = rng.normal(size=(3, 64, 40)).astype(np.float32) * rng.uniform(0.01, 3, size=40)
+    w[:, :32, 7] = 0.25  # a constant group: scale 0, the minimum exact
+    packed, scale, zero = quantize_int4(w, axis=-2)
+    assert packed.dtype == np.uint8 and packed.shape == (3, 32, 40)
+    assert scale.shape == zero.shape == (3, 2, 40)
+    deq = np.asarray(dequantize_int4(packed, scale, zero, axis=-2))
+    err = np.abs(deq - w)
+    assert np.all(err <= np.repeat(scale, 32, axis=-2) / 2 * (1 + 1e-5) + 1e-7)
+    assert np.all(deq[:, :32, 7] == 0.25)
+    q = np.stack([packed & 15, packed >> 4], axis=-2).reshape(3, 64, 40)  # even rows low
+    np.testing.assert_allclose(q * np.repeat(scale, 32, -2) + np.repeat(zero, 32, -2), deq)
+    table = rng.normal(size=(10, 96)).astype(np.float32)
+    p2, s2, z2 = quantize_int4(table, axis=-1)
+    assert p2.shape == (10, 48) and s2.shape == (10, 3)
+    assert np.abs(np.asarray(dequantize_int4(p2, s2, z2, axis=-1)) - table).max() <= s2.max()
+    with pytest.raises(ValueError, match="a multiple of 32 for 4-bit groups, got 40"):
+        quantize_int4(w, axis=-1)
+
+
+@pytest.mark.skipif(not linear.available(), reason="the CPU kernels did not build here")
+@pytest.mark.parametrize("layers, n, rows", [(None, 100, None), (3, 48, 5), (2, 7, 0)])
+def test_the_cpu_kernel_multiplies_by_4bit_groups_as_defined(layers, n, rows):
+    rng = np.random.default_rng(4)
+    lead = () if layers is None else (layers,)
+    w = rng.normal(size=(*lead, 96, n)).astype(np.float32)
+    packed, scale, zero = quantize_int4(w, axis=-2)
+    x = rng.normal(size=(2, 9, 96)).astype(np.float32)
+    layer = None if layers is None else layers - 1
+    pk = linear.pack(jnp.asarray(packed))
+    ps, pz = linear.pack(jnp.asarray(scale)), linear.pack(jnp.asarray(zero))
+    got = linear.matmul(jnp.asarray(x), pk, n, layer=layer, rows=rows, scales=ps, mins=pz)
+    deq = np.asarray(dequantize_int4(packed, scale, zero, axis=-2), np.float64)
+    want = x.reshape(18, 96).astype(np.float64) @ (deq if layers is None else deq[layer])
+    if rows is not None:
+        want[rows:] = 0.0
+    np.testing.assert_allclose(np.asarray(got).reshape(18, n), want, atol=2e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="4-bit weights need their scales and mins"):
+        linear.matmul(jnp.asarray(x), pk, n, layer=layer)
+    with pytest.raises(ValueError, match="mins: expected float32"):
+        linear.matmul(jnp.asarray(x), pk, n, layer=layer, scales=ps, mins=pz[..., :1, :])
+
+
 # A held-out config: biases on q/k/v (as Qwen2), an untied LM head, GQA 4:2.
 CFG = models.LlamaConfig(
     vocab_size=200,
@@ -69,9 +115,13 @@ CFG = models.LlamaConfig(
 )
 
 
-def _pair(cfg):
-    """(an int8 model, a float model holding its dequantized weights)."""
-    quantized = models.init_model(cfg, seed=3).quantize("int8")
+def _pair(cfg, fmt="int8"):
+    """(a quantized model, a float model holding its dequantized weights). "int4-table":
+    int4 with the embedding table in 4 bits too (as a GGUF file's Q4 table is kept)."""
+    quantized = models.init_model(cfg, seed=3)
+    if fmt == "int4-table":
+        quantized.embed_tokens.quantize("int4")
+    quantized.quantize(fmt.removesuffix("-table"))
     dequantized = models.init_model(cfg, seed=3)
     mods = lambda m: [n for _, n in nnx.iter_graph(m) if isinstance(n, (Linear, Embed))]  # noqa: E731
     for a, b in zip(mods(dequantized), mods(quantized), strict=True):
@@ -85,18 +135,19 @@ def _pair(cfg):
 TIED = dataclasses.replace(CFG, tie_word_embeddings=True, qkv_bias=False)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-table"])
 @pytest.mark.parametrize(
     "cfg, held",
     [(CFG, "packed"), (TIED, "packed"), (CFG, "xla"), (TIED, "accelerator")],
     ids=["packed-untied-bias", "packed-tied", "xla-untied-bias", "accelerator-tied"],
 )
-def test_a_quantized_model_computes_what_its_dequantized_weights_do(cfg, held, monkeypatch):
+def test_a_quantized_model_computes_what_its_dequantized_weights_do(cfg, held, fmt, monkeypatch):
     """Through the engine, each way it holds weights: packed for the C kernel (CPU),
     per layer for XLA:CPU, per layer and unrolled (GPUs and TPUs); greedy tokens and
     their log-probs equal those of the float model with the dequantized weights."""
     if held == "packed" and not linear.available():
         pytest.skip("the CPU kernels did not build here")
-    quantized, dequantized = _pair(cfg)
+    quantized, dequantized = _pair(cfg, fmt)
     if held == "xla":
         monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")  # no packing: XLA's products
     if held == "accelerator":
@@ -110,7 +161,10 @@ def test_a_quantized_model_computes_what_its_dequantized_weights_do(cfg, held, m
     layers_q = quantized.layers
     q_proj = layers_q.self_attn.q_proj if hasattr(layers_q, "self_attn") else None
     if held == "packed" and q_proj is not None:
-        assert q_proj.packed and q_proj.kernel.get_value().dtype == jnp.int8
+        dtype = jnp.int8 if fmt == "int8" else jnp.uint8
+        table = quantized.embed_tokens.embedding.get_value().dtype
+        assert table == (jnp.uint8 if fmt == "int4-table" else jnp.int8)
+        assert q_proj.packed and q_proj.kernel.get_value().dtype == dtype
     for g, w in zip(got, want, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         np.testing.assert_allclose(g.outputs[0].logprobs, w.outputs[0].logprobs, atol=2e-4)
@@ -123,13 +177,16 @@ def test_quantized_weights_take_a_quarter_of_the_bytes():
     f32 = models.init_model(CFG, seed=0)
     int8 = models.init_model(CFG, seed=0).quantize("int8")
     assert nbytes(int8) < 0.3 * nbytes(f32)
+    int4 = models.init_model(CFG, seed=0).quantize("int4")
+    assert nbytes(int4) < 0.21 * nbytes(f32)
 
 
 def test_load_quantizes_and_names_what_it_cannot_do():
     model, _ = models.load("tiny-llama", quantization="int8")
     assert model.embed_tokens.quantized == "int8"
     assert model.embed_tokens.embedding.get_value().dtype == jnp.int8
-    with pytest.raises(ValueError, match="quantization: expected one of 'int8' or None, got 'q3'"):
+    match = "quantization: expected one of 'int8', 'int4' or None, got 'q3'"
+    with pytest.raises(ValueError, match=match):
         models.load("tiny-llama", quantization="q3")
     mesh = pj.tensor_parallel_mesh(1)
     with pytest.raises(ValueError, match="quantization: not supported with a mesh"):
@@ -149,6 +206,11 @@ def test_the_cli_quantizes_on_load(capsys):
     assert cli.main([*argv, "--prompt", "hi", "--json", "--no-progress"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["outputs"][0]["completions"][0]["token_ids"]) == 3
+    assert (
+        cli.main([*argv[:-3], "int4", *argv[-2:], "--prompt", "hi", "--json", "--no-progress"]) == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["outputs"][0]["completions"][0]["token_ids"]) == 3
     with pytest.raises(SystemExit):  # argparse: not among the choices
-        cli.main(["generate", "--quantization", "int4"])
-    assert "invalid choice: 'int4'" in capsys.readouterr().err
+        cli.main(["generate", "--quantization", "int3"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err

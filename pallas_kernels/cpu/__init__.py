@@ -271,12 +271,15 @@ def pack_weight(w: jax.Array) -> jax.Array:
     """``w`` in the panel layout ``linear`` reads, NR = ``panel_width()``:
     ``[K, N] -> [P, K, NR]`` with ``packed[p, k, j] = w[k, p * NR + j]`` (zero past column
     N, ``P = ceil(N / NR)``), or ``[L, K, N] -> [L, P, K, NR]`` weight by weight. ``w``:
-    float32, or int8 (quantized weights, whose scales ``pack_scales`` lays out). Raises
-    ``ValueError`` for another dtype or rank. Outside ``jit`` the panels are filled in
-    numpy (no XLA program compiled per weight shape)."""
-    if w.ndim not in (2, 3) or w.dtype not in (jnp.float32, jnp.int8):
+    float32, int8 (quantized weights, whose scales ``pack_scales`` lays out) or uint8
+    (4-bit weights, two rows a byte, and their groups' scales and minimums, which are
+    packed as float32 weights are). Raises ``ValueError`` for another dtype or rank.
+    Outside ``jit`` the panels are filled in numpy (no XLA program compiled per weight
+    shape)."""
+    if w.ndim not in (2, 3) or w.dtype not in (jnp.float32, jnp.int8, jnp.uint8):
         raise ValueError(
-            f"w: expected a [K, N] or [L, K, N] float32 or int8 array, got {w.dtype}{list(w.shape)}"
+            f"w: expected a [K, N] or [L, K, N] float32, int8 or uint8 array, got "
+            f"{w.dtype}{list(w.shape)}"
         )
     nr = panel_width()
     *lead, k, n = w.shape
@@ -317,13 +320,14 @@ def unpack_weight(packed: jax.Array, n: int) -> jax.Array:
 
 def linear(
     x: jax.Array,  # [..., K] f32
-    packed: jax.Array,  # [P, K, NR] or [L, P, K, NR] f32 or int8, from pack_weight
+    packed: jax.Array,  # [(L,) P, K, NR] f32 or int8, or [(L,) P, K / 2, NR] uint8
     n: int,
     *,
     layer: jax.Array | int | None = None,
     rows: jax.Array | int | None = None,
     threads: int | None = None,
-    scales: jax.Array | None = None,  # f32[(L,) P * NR] from pack_scales: int8 weights
+    scales: jax.Array | None = None,  # int8: f32[(L,) P * NR]; uint8: f32[(L,) P, K / G, NR]
+    mins: jax.Array | None = None,  # uint8: f32[(L,) P, K / G, NR]
 ) -> jax.Array:  # [..., n] f32
     """``x @ w`` for the ``[K, n]`` weight ``w`` that ``pack_weight`` made ``packed`` (for
     an ``[L, ...]`` stack, weight ``layer``: an int or a traced i32 scalar, read in place,
@@ -333,20 +337,32 @@ def linear(
     ``rows`` rows of ``x`` (flattened to ``[M, K]``) are computed and the rest of the
     result is 0, so a batch padded to a bucket costs its real rows; None, or a value
     outside ``[0, M]``: every row. int8 weights (W8A16) come with ``scales``: the product
-    is then ``(x @ q)[:, j] * scales[j]``, each weight widened to f32 as it is read. Raises
-    ``ValueError`` for other dtypes or shapes, a missing or out-of-range static ``layer``,
-    and when the kernels are not available."""
-    want = jnp.float32 if scales is None else jnp.int8
+    is then ``(x @ q)[:, j] * scales[j]``, each weight widened to f32 as it is read.
+    4-bit weights (uint8, two rows of ``q`` in [0, 15] a byte, the even row in the low
+    nibble) come with ``scales`` and ``mins`` per group of G rows (``pack_weight`` of
+    their ``[K / G, n]`` arrays): the weight is ``scales * q + mins``, and each group's
+    sum is scaled on its own. Raises ``ValueError`` for other dtypes or shapes, a missing
+    or out-of-range static ``layer``, and when the kernels are not available."""
+    four = packed.dtype == jnp.uint8
+    want = jnp.float32 if scales is None else (jnp.uint8 if mins is not None else jnp.int8)
     if x.dtype != jnp.float32 or packed.dtype != want:
-        expected = "float32" if scales is None else "float32 and int8 (with scales)"
-        raise ValueError(
-            f"x, packed: expected {expected}, got {x.dtype} and {packed.dtype}"
-            + (" (int8 weights need their scales)" if packed.dtype == jnp.int8 else "")
-        )
+        expected = {
+            jnp.float32: "float32",
+            jnp.int8: "float32 and int8 (with scales)",
+            jnp.uint8: "float32 and uint8 (with scales and mins)",
+        }[want]
+        hint = ""
+        if packed.dtype == jnp.int8:
+            hint = " (int8 weights need their scales)"
+        elif four:
+            hint = " (4-bit weights need their scales and mins)"
+        raise ValueError(f"x, packed: expected {expected}, got {x.dtype} and {packed.dtype}{hint}")
     nr = panel_width()
     if packed.ndim not in (3, 4) or packed.shape[-1] != nr:
         raise ValueError(f"packed: expected [(L,) P, K, {nr}], got {list(packed.shape)}")
     p, k, _ = packed.shape[-3:]
+    if four:
+        k *= 2
     if x.ndim < 1 or x.shape[-1] != k:
         raise ValueError(f"x: expected [..., {k}] (packed's K), got {list(x.shape)}")
     if not isinstance(n, int) or not p * nr - nr < n <= p * nr:
@@ -368,6 +384,18 @@ def linear(
     call = jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
     if scales is None:
         return call(x2, packed, params).reshape(*x.shape[:-1], n)
+    if four:
+        lead = packed.shape[:-3]
+        groups = scales.shape[-2] if scales.ndim == packed.ndim else 0
+        ok = groups > 0 and k % groups == 0 and (k // groups) % 2 == 0
+        for name, a in (("scales", scales), ("mins", mins)):
+            if not ok or a.dtype != jnp.float32 or a.shape != (*lead, p, groups, nr):
+                raise ValueError(
+                    f"{name}: expected float32[{', '.join(map(str, (*lead, p)))}, K / G, {nr}] "
+                    f"with K / G dividing {k} into groups of an even size, got "
+                    f"{a.dtype}{list(a.shape)}"
+                )
+        return call(x2, packed, scales, mins, params).reshape(*x.shape[:-1], n)
     if scales.dtype != jnp.float32 or scales.shape != (*packed.shape[:-3], p * nr):
         raise ValueError(
             f"scales: expected float32{[*packed.shape[:-3], p * nr]} (pack_scales), got "
