@@ -5,6 +5,7 @@ vocabulary and a chat template (tests/test_gguf.py's writer)."""
 
 import asyncio
 import concurrent.futures
+import json
 import re
 import signal
 import socket
@@ -215,7 +216,7 @@ def test_a_client_gone_mid_stream_frees_its_pages(server):
         (dict(prompt=[7] * 5000), 400, "prompt", "prompt: 5000 tokens, the model's maximum"),
         (dict(n="2"), 400, "n", "n: expected an int >= 1"),
         (dict(logprobs=25), 400, "logprobs", "logprobs: expected an int in [0, 20], got 25"),
-        (dict(response_format={"type": "json_object"}), 400, "response_format", "response_"),
+        (dict(response_format={"type": "xml"}), 400, "response_format", "response_"),
         (dict(echo=True), 400, "echo", "echo: echoing the prompt is not supported"),
         # issue 51, item 2: the engine used to cap it silently (a newcomer's 1,000,000
         # decoded for minutes)
@@ -724,3 +725,49 @@ def test_idle_slow_and_surplus_connections_are_closed():
         from paged_jax.server.api import Server
 
         Server(app.llm, model_name="t", body_timeout=-1)
+
+
+def test_structured_output_through_the_openai_client(server):
+    """Issue 54: response_format json_schema (streamed or not), vLLM's structured_outputs
+    choice, and a schema the grammar library refuses (400 naming it)."""
+    client = _client(server)
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
+    msgs = [{"role": "user", "content": "a number"}]
+    r = client.chat.completions.create(
+        model=NAME, messages=msgs, max_tokens=40, response_format=fmt
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert set(json.loads(r.choices[0].message.content)) == {"n"}
+    text = ""
+    for chunk in client.chat.completions.create(
+        model=NAME,
+        messages=msgs,
+        max_tokens=40,
+        response_format=fmt,
+        stream=True,
+        seed=3,
+        temperature=1.0,
+    ):
+        text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+    assert 0 <= json.loads(text)["n"] <= 99
+    c = client.completions.create(
+        model=NAME,
+        prompt="pick",
+        max_tokens=10,
+        extra_body={"structured_outputs": {"choice": ["on", "off"]}},
+    )
+    assert c.choices[0].text in ("on", "off")
+    headers = {"Authorization": f"Bearer {KEY}"}
+    bad = dict(
+        model=NAME,
+        prompt="x",
+        response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}},
+    )
+    r = httpx.post(server["base"] + "/v1/completions", json=bad, headers=headers, timeout=60)
+    assert r.status_code == 400 and "params.structured.json" in r.json()["error"]["message"]

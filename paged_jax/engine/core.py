@@ -214,6 +214,12 @@ class EngineCore(Launching, ApplyResults, FaultIsolation):
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
             raise ValueError("params.stop: stop strings need a tokenizer; this engine has none")
+        if params.structured is not None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "params.structured: structured output needs a tokenizer; this engine has none"
+                )
+            self._grammars().matcher(params.structured)  # refuses a bad schema or grammar
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt: expected at least one token, got an empty prompt")
@@ -289,6 +295,8 @@ class EngineCore(Launching, ApplyResults, FaultIsolation):
             max_len=min(len(ids) + params.max_tokens, self.max_model_len),
         )
         g.seqs.append(Seq(f"{g.arrival}/0", list(ids), len(ids), 0))
+        if params.structured is not None:
+            g.matchers[g.seqs[0].seq_id] = self._grammars().matcher(params.structured)
         # the least loaded replica (deterministic: every process routes alike)
         g.replica = min(range(len(self._load)), key=lambda r: (self._load[r], r))
         self._load[g.replica] += width
@@ -449,6 +457,16 @@ class EngineCore(Launching, ApplyResults, FaultIsolation):
                 placed.append(s)
         return placed
 
+    def _grammars(self):
+        """The engine's grammar compiler (``structured.Grammars``), made on first use."""
+        if getattr(self, "_grammar_compiler", None) is None:
+            from paged_jax.engine.structured import Grammars
+
+            eos = sorted(self.eos_token_ids)[0] if self.eos_token_ids else None
+            vocab = self.model.config.vocab_size
+            self._grammar_compiler = Grammars(self.tokenizer, eos, vocab)
+        return self._grammar_compiler
+
     def _may_overlap(self, f: Launched) -> bool:
         """Whether the next step may be scheduled before ``f``'s tokens are known: overlap
         is on, no request is isolated as a suspect, ``f``'s schedule did not stop short
@@ -467,6 +485,8 @@ class EngineCore(Launching, ApplyResults, FaultIsolation):
             if w.sample:
                 p = w.group.params
                 if p.use_beam_search or p.penalized or (p.n > 1 and not w.group.forked):
+                    return False
+                if p.structured is not None:  # its next mask needs this step's token
                     return False
         return True
 

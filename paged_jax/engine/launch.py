@@ -225,7 +225,7 @@ class Launching:
         sampling = (temp, top_k, top_p, min_p, seeds, out_pos)
         distinct = {id(p): p for p, _, _ in rows.values()}  # requests share params objects
         penalties = self._penalties(placed, rows, S_b, distinct.values())
-        allowed = self._allowed(rows, S_b, distinct.values())
+        allowed = self._allowed(placed, rows, S_b, distinct.values())
         tokens = self._tokens(batch, placed, prev, pending)
         lane = (
             None
@@ -362,6 +362,7 @@ class Launching:
                 or p.penalized
                 or p.top_logprobs
                 or p.allowed_token_ids is not None
+                or p.structured is not None
                 or (p.n > 1 and not g.forked)
             ):
                 return None
@@ -496,19 +497,23 @@ class Launching:
                 rows[i] = (p, [g.seed + s.sample_index], pos)
         return rows, num_samples, num_cand
 
-    def _allowed(self, rows, S_b, params) -> np.ndarray | None:
+    def _allowed(self, placed, rows, S_b, params) -> np.ndarray | None:
         """``i32[S_b, ceil(V / 32)]``: each sampling row's allowed tokens as a bitmask
         (``sample_rows``' ``allowed``; every token for rows without a restriction), or
         None when no row has one (the step then compiles without it). The hook a
         per-step mask (a grammar's) fills the same way; today's source is
         ``SamplingParams.allowed_token_ids``. ``params``: the rows' distinct params."""
-        if all(p.allowed_token_ids is None for p in params):
+        if all(p.allowed_token_ids is None and p.structured is None for p in params):
             return None
         vocab = self.model.config.vocab_size
         masks = np.full((S_b, -(-vocab // 32)), -1, np.int32)  # every bit set
+        seqs = {i: w for i, w in placed if i in rows}
         for i, (p, _, _) in rows.items():
+            if p.structured is not None:  # the grammar's next tokens (structured.py)
+                w = seqs[i]
+                self._grammars().fill(w.group.matchers[w.seq.seq_id], masks, i)
             if p.allowed_token_ids is not None:
-                masks[i] = _allowed_row(p.allowed_token_ids, vocab)
+                masks[i] &= _allowed_row(p.allowed_token_ids, vocab)
         return masks
 
     def _penalties(self, placed, rows, S_b, params) -> Penalties | None:

@@ -58,6 +58,11 @@ class ApplyResults:
                 s.top_logprobs.append(top)
         self.metrics.tokens_generated += 1
         reason = self.outputs.finish_reason(s, p, token)
+        matcher = g.matchers.get(s.seq_id)
+        if matcher is not None and reason is None:  # the grammar takes the token
+            matcher.consume_token(token)
+            if matcher.is_stopped():  # nothing more is allowed: the output is complete
+                reason = "stop"
         if reason:
             self._end(g, s, reason)
 
@@ -192,6 +197,8 @@ class ApplyResults:
             sid = g.new_seq_id()
             self._bm(g).fork(parent.seq_id, sid)
             child = Seq(sid, list(parent.tokens), parent.prompt_len, j)
+            if parent.seq_id in g.matchers:  # before the parent takes its first token
+                g.matchers[sid] = g.matchers[parent.seq_id].deep_copy()
             g.seqs.append(child)
             children.append((child, j))
         top = _top(g, cand, i)  # one distribution, every sample's first token

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +87,10 @@ class SamplingParams:
         every other logit is -inf before sampling (``sample_rows``' ``allowed`` mask,
         the hook per-step grammars use too); not with beam search. Log-probabilities
         stay those of the model's raw distribution.
+      structured: a ``StructuredOutput`` (``paged_jax.engine.structured``): the output
+        follows a JSON schema, any JSON object, a regular expression, a choice or a
+        Lark grammar, and ends when the grammar allows nothing more. Needs the
+        ``llguidance`` package and a model with a tokenizer; not with beam search.
     """
 
     max_tokens: int = 16
@@ -107,6 +112,7 @@ class SamplingParams:
     top_logprobs: int = 0
     length_penalty: float = 1.0
     allowed_token_ids: tuple[int, ...] | None = None
+    structured: Any = None  # a StructuredOutput
 
     def __post_init__(self):
         def bad(name, expected):
@@ -192,6 +198,17 @@ class SamplingParams:
                     f"(beam_width={self.beam_width})"
                 )
             object.__setattr__(self, "allowed_token_ids", ids)
+        if self.structured is not None:
+            from paged_jax.engine.structured import StructuredOutput
+
+            if not isinstance(self.structured, StructuredOutput):
+                raise TypeError(
+                    f"structured: expected a StructuredOutput, got {type(self.structured).__name__}"
+                )
+            if self.beam_width > 1:
+                raise ValueError(
+                    f"structured: not supported with beam search (beam_width={self.beam_width})"
+                )
 
     @property
     def use_beam_search(self) -> bool:

@@ -203,6 +203,8 @@ class Group:
     # model's length); None: no limit known. A speculative schedule does not decode a
     # sequence that has reached it.
     max_len: int | None = None
+    # SamplingParams.structured: each sequence's grammar matcher, by sequence id
+    matchers: dict = dataclasses.field(default_factory=dict)
 
     def new_seq_id(self) -> str:
         # Keyed by the engine's arrival counter, not the request id: request 1 and "1"

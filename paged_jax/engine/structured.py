@@ -1,0 +1,187 @@
+"""Structured output: a request's tokens constrained to a JSON schema, any JSON object, a
+regular expression, a choice among strings or a Lark grammar.
+
+``SamplingParams(structured=StructuredOutput(json=schema))`` asks for it. The engine keeps
+one grammar matcher per sequence on the host (``llguidance``, chosen by measurement:
+docs/ARCHITECTURE.md), fills each constrained row's token bitmask before the step (the
+``allowed`` input of ``sample_rows``: every other token's logit becomes -inf, for greedy
+and sampled rows alike), feeds it each sampled token, and ends the sequence ("stop") when
+the grammar allows nothing more. Constrained rows are never scheduled before their last
+token is known (no overlapped or multi-step launches for them). Host code: no JAX.
+
+Needs the ``llguidance`` package (``pip install llguidance``; in the ``structured`` and
+``test`` extras).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+    """Exactly one constraint:
+
+    - ``json``: a JSON schema (a dict, or its JSON text);
+    - ``json_object``: True for any JSON object;
+    - ``regex``: a regular expression the whole output matches;
+    - ``choice``: strings, one of which is the whole output;
+    - ``grammar``: a Lark grammar (llguidance's dialect) whose ``start`` rule the output
+      matches.
+
+    Raises ``ValueError`` / ``TypeError`` naming the field for a malformed one (a schema or
+    grammar the library refuses is found when a request is added, against the engine's
+    tokenizer).
+    """
+
+    json: Mapping[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured: expected exactly one of {', '.join(_KINDS)}, got "
+                f"{', '.join(given) or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (Mapping, str)):
+            raise TypeError(
+                f"structured.json: expected a JSON schema (a dict or its text), got "
+                f"{type(self.json).__name__}"
+            )
+        if not isinstance(self.json_object, bool):
+            raise TypeError(f"structured.json_object: expected a bool, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(
+                    f"structured.{name}: expected a non-empty string, got {value!r:.60}"
+                )
+        if self.choice is not None:
+            choice = self.choice
+            if isinstance(choice, str) or not all(isinstance(c, str) and c for c in choice):
+                raise TypeError(
+                    f"structured.choice: expected a list of non-empty strings, got {choice!r:.60}"
+                )
+            if not choice:
+                raise ValueError("structured.choice: expected at least one string, got none")
+            object.__setattr__(self, "choice", tuple(choice))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what the compiled grammar depends on (a cache key)."""
+        kind = self.kind
+        if kind == "json":
+            text = (
+                self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            )
+            return kind, text
+        if kind == "choice":
+            return kind, "\x00".join(self.choice)
+        return kind, "" if kind == "json_object" else getattr(self, kind)
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.numpy
+    except ImportError:
+        raise ValueError(
+            "params.structured: structured output needs the llguidance package "
+            "(pip install llguidance)"
+        ) from None
+    return llguidance
+
+
+class Grammars:
+    """One engine's grammar compiler: the tokenizer adapted once, each distinct constraint
+    compiled once (``matcher`` copies a compiled one). ``tokenizer``: a ``TextTokenizer``
+    (its ``tokenizers.Tokenizer``'s JSON describes the vocabulary); ``eos``: the model's
+    end-of-sequence token, which the grammar allows once it is complete; ``vocab``: the
+    model's vocabulary (at least the tokenizer's; rows past the tokenizer's are never
+    allowed)."""
+
+    def __init__(self, tokenizer: Any, eos: int | None, vocab: int):
+        self._tokenizer = tokenizer
+        self._eos = eos
+        self.vocab = vocab
+        self._lt = None
+        self._cache: dict = {}
+
+    def _adapted(self):
+        if self._lt is None:
+            llg = _llguidance()
+            inner = getattr(self._tokenizer, "tokenizer", None)
+            if inner is None or not hasattr(inner, "to_str"):
+                raise ValueError(
+                    "params.structured: needs a model whose tokenizer is a tokenizers "
+                    "Tokenizer (a Hugging Face checkpoint's or a GGUF file's)"
+                )
+            self._lt = llg.LLTokenizer(inner.to_str(), eos_token=self._eos)
+        return self._lt
+
+    def matcher(self, spec: StructuredOutput):
+        """A fresh matcher of ``spec``; ``ValueError`` naming the field when the library
+        refuses the schema, expression or grammar."""
+        return _compiled(self, spec.key()).deep_copy()
+
+    def fill(self, matcher, masks, row: int) -> None:
+        """Row ``row`` of ``masks`` (``i32[rows, ceil(vocab / 32)]``) := the tokens
+        ``matcher`` allows next."""
+        llg = _llguidance()
+        lt = self._adapted()
+        words = -(-lt.vocab_size // 32)
+        tmp = np.zeros((1, words), np.int32)
+        llg.numpy.fill_next_token_bitmask(matcher, tmp, 0)
+        masks[row] = 0
+        masks[row, :words] = tmp[0]
+
+
+# JSON as json.dumps writes it: a model may not pad it with whitespace without end
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _compiled(grammars: Grammars, key: tuple[str, str]):
+    """The matcher of ``key`` in its initial state, compiled once per engine (the 64 most
+    recent kept)."""
+    cache = grammars._cache
+    if key in cache:
+        return cache[key]
+    llg = _llguidance()
+    lt = grammars._adapted()
+    kind, text = key
+    field = f"params.structured.{kind}"
+    try:
+        if kind in ("json", "json_object"):  # compact JSON: ", " and ": ", no free spaces
+            schema = text if kind == "json" else '{"type": "object"}'
+            grammar = llg.LLMatcher.grammar_from_json_schema(schema, overrides=_COMPACT)
+        elif kind == "regex":
+            grammar = llg.LLMatcher.grammar_from_regex(text)
+        elif kind == "choice":
+            alts = "|".join(re.escape(c) for c in text.split("\x00"))
+            grammar = llg.LLMatcher.grammar_from_regex(f"(?:{alts})")
+        else:
+            grammar = llg.LLMatcher.grammar_from_lark(text)
+    except Exception as e:  # the library's own refusal of the text
+        raise ValueError(f"{field}: {str(e).strip().splitlines()[0] if str(e) else e!r}") from None
+    m = llg.LLMatcher(lt, grammar)
+    if m.is_error():
+        raise ValueError(f"{field}: {m.get_error().strip().splitlines()[0]}")
+    if len(cache) >= 64:
+        cache.pop(next(iter(cache)))
+    cache[key] = m
+    return m

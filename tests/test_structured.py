@@ -1,0 +1,161 @@
+"""Structured output (issue 54): masks against a brute force over the vocabulary, every
+output parsing and matching its schema, expression, choice or grammar through the engine
+(greedy, sampled, n = 2, a pool tight enough to preempt, prefix hits), and the errors."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+from test_gguf import _model, write_gguf
+
+import paged_jax as pj
+from paged_jax.engine.structured import StructuredOutput
+from paged_jax.models import load_gguf
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "kind": {"enum": ["cat", "dog"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+    },
+    "required": ["id", "kind", "tags"],
+    "additionalProperties": False,
+}
+
+
+def _valid(out: dict) -> bool:
+    return (
+        set(out) == {"id", "kind", "tags"}
+        and isinstance(out["id"], int)
+        and 0 <= out["id"] <= 999
+        and out["kind"] in ("cat", "dog")
+        and isinstance(out["tags"], list)
+        and len(out["tags"]) <= 2
+        and all(isinstance(t, str) and len(t) <= 3 for t in out["tags"])
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """A random GGUF model with a byte-level vocabulary of 300 tokens (a real tokenizer),
+    on a pool small enough that 8 long requests preempt one another."""
+    path = tmp_path_factory.mktemp("structured") / "m.gguf"
+    write_gguf(path, _model(vocab_size=300))
+    model, tok = load_gguf(path)
+    return model, tok
+
+
+def _llm(engine, **kw):
+    model, tok = engine
+    return pj.LLM(model, tok, page_size=8, compilation_cache=False, **dict(num_pages=128) | kw)
+
+
+def test_the_mask_is_what_the_grammar_accepts_token_by_token(engine):
+    # Every token of the vocabulary, at each position of a valid output: its bit is set
+    # exactly when the matcher takes it.
+    from paged_jax.engine.structured import Grammars
+
+    model, tok = engine
+    vocab = model.config.vocab_size
+    grammars = Grammars(tok, eos=None, vocab=vocab)
+    spec = StructuredOutput(regex=r"(ab|c)[0-9]{1,2}")
+    m = grammars.matcher(spec)
+    for t in tok.encode("ab7", add_special_tokens=False).ids:
+        masks = np.zeros((2, -(-vocab // 32)), np.int32)
+        grammars.fill(m, masks, 1)
+        assert not masks[0].any()
+        bits = (masks[1].view(np.uint32)[np.arange(vocab) // 32] >> (np.arange(vocab) % 32)) & 1
+        for v in range(vocab):
+            took = m.deep_copy().consume_token(v)
+            assert bool(bits[v]) == bool(took), (t, v)
+        assert bits[t]
+        m.consume_token(t)
+
+
+def test_every_output_follows_its_constraint_through_the_engine(engine):
+    # Greedy, sampled and n = 2 rows with a JSON schema (as a dict and as text), a regex,
+    # a choice and a Lark grammar in one batch, twice (the second time from the prefix
+    # cache), on a pool tight enough to preempt: every output parses and matches, ends
+    # with "stop", and greedy outputs are the same both times.
+    llm = _llm(engine, num_pages=40)
+    specs = [
+        StructuredOutput(json=SCHEMA),
+        StructuredOutput(json=json.dumps(SCHEMA)),
+        StructuredOutput(regex=r"[a-c]{2}-[0-9]{3}"),
+        StructuredOutput(choice=["red", "green", "blue"]),
+        StructuredOutput(grammar='start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]{1,2}/'),
+    ]
+    params = []
+    for i, spec in enumerate(specs):
+        params.append(pj.SamplingParams(max_tokens=70, structured=spec))  # greedy
+        params.append(
+            pj.SamplingParams(max_tokens=70, temperature=1.0, seed=i, n=2, structured=spec)
+        )
+    prompts = [f"request {i} " * 6 for i in range(len(params))]
+    runs = [llm.generate(prompts, params, progress=False) for _ in range(2)]
+    assert llm.metrics.preemptions_swap + llm.metrics.preemptions_recompute > 0
+    for outs in runs:
+        for spec_i, o in enumerate(outs):
+            spec = specs[spec_i // 2]
+            for c in o.outputs:
+                assert c.finish_reason == "stop", (spec.kind, c.text)
+                text = c.text
+                if spec.kind == "json":
+                    assert _valid(json.loads(text)), text
+                elif spec.kind == "regex":
+                    assert re.fullmatch(r"[a-c]{2}-[0-9]{3}", text), text
+                elif spec.kind == "choice":
+                    assert text in ("red", "green", "blue"), text
+                else:
+                    assert re.fullmatch(r"\(\d{1,2}(,\d{1,2})*\)", text), text
+    greedy = slice(0, None, 2)
+    assert [o.outputs[0].text for o in runs[0][greedy]] == [
+        o.outputs[0].text for o in runs[1][greedy]
+    ]
+    assert runs[1][0].metrics.num_cached_tokens > 0
+
+
+def test_bad_constraints_are_named():
+    with pytest.raises(ValueError, match="structured: expected exactly one of json, "):
+        StructuredOutput(json={}, regex="a")
+    with pytest.raises(ValueError, match="got none"):
+        StructuredOutput()
+    with pytest.raises(TypeError, match="structured.choice: expected a list of non-empty"):
+        StructuredOutput(choice="abc")
+    with pytest.raises(TypeError, match="structured: expected a StructuredOutput, got dict"):
+        pj.SamplingParams(structured={"json": {}})
+    with pytest.raises(ValueError, match="structured: not supported with beam search"):
+        pj.SamplingParams(beam_width=2, structured=StructuredOutput(regex="a"))
+
+
+def test_a_schema_or_grammar_the_library_refuses_is_a_value_error_on_add(engine):
+    llm = _llm(engine)
+    bad = [
+        (StructuredOutput(json={"type": "nonsense"}), "params.structured.json: "),
+        (StructuredOutput(regex="(unclosed"), "params.structured.regex: "),
+        (StructuredOutput(grammar="start: undefined_rule"), "params.structured.grammar: "),
+    ]
+    for spec, words in bad:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            llm.add_request("r", "hi", pj.SamplingParams(structured=spec))
+    assert not llm.has_unfinished()
+    no_tok = pj.LLM(engine[0], None, num_pages=32, page_size=8, compilation_cache=False)
+    with pytest.raises(ValueError, match="structured output needs a tokenizer"):
+        no_tok.add_request("r", [1, 2], pj.SamplingParams(structured=StructuredOutput(regex="a")))
+
+
+def test_any_json_object_accepts_objects_only(engine):
+    # json_object: random weights write keys without end, so the matcher alone: an
+    # object is taken and completes the output; an array is refused at its first token.
+    from paged_jax.engine.structured import Grammars
+
+    model, tok = engine
+    grammars = Grammars(tok, eos=None, vocab=model.config.vocab_size)
+    m = grammars.matcher(StructuredOutput(json_object=True))
+    for t in tok.encode('{"a": [1, "b"]}', add_special_tokens=False).ids:
+        assert m.consume_token(t)
+    assert m.is_accepting()
+    m = grammars.matcher(StructuredOutput(json_object=True))
+    assert not m.consume_token(tok.encode("[", add_special_tokens=False).ids[0])
