@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -145,19 +146,15 @@ def _check_args(args, kwargs) -> None:
             raise SecurityError(f"an argument of {a} (at most {MAX_RENDER_CHARS:,})")
 
 
-_WIDE = None  # compiled on first use: a format spec with a width or precision of 7+ digits
+# A format spec with a width or precision of 7 digits or more (a million characters).
+_WIDE = re.compile(r"%[-+ #0]*[0-9]{7}|%[-+ #0]*[0-9]*\.[0-9]{7}|\{[^{}]*:[^{}]*[0-9]{7}")
 
 
 def _check_format(fmt: Any) -> None:
     """Refuses a ``%`` or ``str.format`` pattern asking for a million characters or more
     (checked before the string is built)."""
-    global _WIDE
-    import re
-
     from jinja2.sandbox import SecurityError
 
-    if _WIDE is None:
-        _WIDE = re.compile(r"%[-+ #0]*[0-9]{7}|%[-+ #0]*[0-9]*\.[0-9]{7}|\{[^{}]*:[^{}]*[0-9]{7}")
     if isinstance(fmt, str) and _WIDE.search(fmt):
         raise SecurityError("a format width of a million characters or more")
 

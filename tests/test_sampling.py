@@ -47,6 +47,18 @@ def _reference(logits, temp, top_k, top_p, min_p, u):
     return int(order[np.searchsorted(cdf, t, side="right")]), amb
 
 
+def _random_params(rng, R, vocab, greedy, top_p_share, columns):
+    """Per-row sampling inputs: temperature (0 for a ``greedy`` share of rows), top-k,
+    top-p (on a ``top_p_share`` of rows), min-p, seeds ``[R, columns]``, positions."""
+    temp = np.where(rng.random(R) < greedy, 0.0, rng.uniform(0.3, 2.0, R)).astype(np.float32)
+    top_k = np.where(rng.random(R) < 0.5, rng.integers(1, vocab + 3, R), 0).astype(np.int32)
+    top_p = np.where(rng.random(R) < top_p_share, rng.uniform(0.05, 1.0, R), 1.0)
+    min_p = np.where(rng.random(R) < 0.3, rng.uniform(0.0, 0.5, R), 0.0).astype(np.float32)
+    seeds = rng.integers(0, 2**31, (R, columns)).astype(np.uint32)
+    pos = rng.integers(0, 100, R).astype(np.int32)
+    return temp, top_k, top_p.astype(np.float32), min_p, seeds, pos
+
+
 @pytest.mark.parametrize("num_candidates", [4, 16, 256])
 def test_tokens_equal_the_full_sort_definition(monkeypatch, num_candidates):
     # Small vocabularies, random parameters, fixed keys: every row's token is the one the
@@ -59,12 +71,7 @@ def test_tokens_equal_the_full_sort_definition(monkeypatch, num_candidates):
         R = 40
         logits = rng.standard_normal((R, vocab)).astype(np.float32) * rng.uniform(0.5, 6, (R, 1))
         logits[:4, :3] = logits[:4, :1]  # ties at the top
-        temp = np.where(rng.random(R) < 0.15, 0.0, rng.uniform(0.3, 2.0, R)).astype(np.float32)
-        top_k = np.where(rng.random(R) < 0.5, rng.integers(1, vocab + 3, R), 0).astype(np.int32)
-        top_p = np.where(rng.random(R) < 0.5, rng.uniform(0.05, 1.0, R), 1.0).astype(np.float32)
-        min_p = np.where(rng.random(R) < 0.3, rng.uniform(0.0, 0.5, R), 0.0).astype(np.float32)
-        seeds = rng.integers(0, 2**31, (R, 1)).astype(np.uint32)
-        pos = rng.integers(0, 100, R).astype(np.int32)
+        temp, top_k, top_p, min_p, seeds, pos = _random_params(rng, R, vocab, 0.15, 0.5, 1)
         toks, lps = jax.jit(sample_rows)(logits, temp, top_k, top_p, seeds, pos, min_p)
         toks, lps = np.asarray(toks[:, 0]), np.asarray(lps[:, 0])
         u = _uniforms(seeds[:, 0], pos)
@@ -97,12 +104,7 @@ def test_sort_free_tokens_equal_the_full_sort_definition():
         logits[4:14] = np.round(logits[4:14] * 2) / 2  # few distinct values
         logits[14] = 1.0
         logits[15, 5:] = -np.inf
-        temp = np.where(rng.random(R) < 0.1, 0.0, rng.uniform(0.3, 2.0, R)).astype(np.float32)
-        top_k = np.where(rng.random(R) < 0.5, rng.integers(1, vocab + 3, R), 0).astype(np.int32)
-        top_p = np.where(rng.random(R) < 0.6, rng.uniform(0.05, 1.0, R), 1.0).astype(np.float32)
-        min_p = np.where(rng.random(R) < 0.3, rng.uniform(0.0, 0.5, R), 0.0).astype(np.float32)
-        seeds = rng.integers(0, 2**31, (R, 2)).astype(np.uint32)
-        pos = rng.integers(0, 100, R).astype(np.int32)
+        temp, top_k, top_p, min_p, seeds, pos = _random_params(rng, R, vocab, 0.1, 0.6, 2)
         run = jax.jit(sample_rows, static_argnames="sort_free")
         toks, lps = run(logits, temp, top_k, top_p, seeds, pos, min_p, sort_free=True)
         toks = np.asarray(toks)

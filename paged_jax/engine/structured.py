@@ -143,9 +143,11 @@ class Grammars:
         """Row ``row`` of ``masks`` (``i32[rows, ceil(vocab / 32)]``) := the tokens
         ``matcher`` allows next."""
         llg = _llguidance()
-        lt = self._adapted()
-        words = -(-lt.vocab_size // 32)
-        tmp = np.zeros((1, words), np.int32)
+        words = -(-self._adapted().vocab_size // 32)
+        if words == masks.shape[1]:  # the common case: the vocabularies agree
+            llg.numpy.fill_next_token_bitmask(matcher, masks, row)
+            return
+        tmp = np.zeros((1, words), np.int32)  # a padded model vocabulary: the rest stays 0
         llg.numpy.fill_next_token_bitmask(matcher, tmp, 0)
         masks[row] = 0
         masks[row, :words] = tmp[0]
