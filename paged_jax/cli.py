@@ -282,6 +282,20 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="decode steps per launch while every running sequence decodes and none waits "
         "(multi-step decoding: less host work per token, for throughput on CPU)",
     )
+    parser.add_argument(
+        "--speculative",
+        choices=["ngram"],
+        default=None,
+        help="speculative decoding: ngram proposes the tokens that followed the latest "
+        "earlier occurrence of a sequence's last tokens in its prompt and output, and each "
+        "step verifies them (the same tokens, fewer steps where outputs quote their input)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="tokens proposed per sequence per step, at most (with --speculative; 1 to 16)",
+    )
 
 
 def _parallel_flags(parser: argparse.ArgumentParser, *, processes: bool) -> None:
@@ -412,6 +426,8 @@ _FLAGS = {
     "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens",
     "num_scheduler_steps": "--num-scheduler-steps",
+    "speculative": "--speculative",
+    "speculative.num_speculative_tokens": "--num-speculative-tokens",
     "tensor_parallel_size": "--tensor-parallel-size",
     "data_parallel_size": "--data-parallel-size",
     "data_parallel_size x tensor_parallel_size": "--data-parallel-size x --tensor-parallel-size",
@@ -474,6 +490,7 @@ def _generate(args) -> int:
             preemption=args.preemption,
             async_scheduling=not args.no_async_scheduling,
             num_scheduler_steps=args.num_scheduler_steps,
+            speculative=_speculative(args),
             compilation_cache=(
                 False if args.compilation_cache == "off" else args.compilation_cache
             ),
@@ -641,6 +658,7 @@ def _serve(args) -> int:
             enable_prefix_caching=not args.no_prefix_caching,
             async_scheduling=not args.no_async_scheduling,
             num_scheduler_steps=args.num_scheduler_steps,
+            speculative=_speculative(args),
             compilation_cache=False if args.compilation_cache == "off" else args.compilation_cache,
             mesh=mesh,
         )
@@ -676,6 +694,13 @@ def _serve(args) -> int:
         else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()],
     )
     return 0
+
+
+def _speculative(args) -> dict | None:
+    """``LLM(speculative=)`` from ``--speculative`` and ``--num-speculative-tokens``."""
+    if args.speculative is None:
+        return None
+    return {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
 
 
 def _check_engine_flags(args) -> None:

@@ -304,6 +304,8 @@ def test_swap_out_refuses_sequences_with_unwritten_kv():
         (lambda bm: bm.append_slots("zz", [1]), UnknownSequence, "seq_id 'zz': unknown"),
         (lambda bm: bm.fork("a", "a"), DuplicateSequence, "fork: seq_id 'a' is already live"),
         (lambda bm: bm.fork("zz", "b"), UnknownSequence, "seq_id 'zz': unknown"),
+        (lambda bm: bm.truncate("a", 99), ValueError, "num_tokens: expected a count in"),
+        (lambda bm: bm.truncate("a", 1.0), TypeError, "num_tokens: expected an int"),
         (
             lambda bm: bm.allocate("a", [1]),
             DuplicateSequence,
@@ -525,6 +527,36 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.tokens[sid] += toks
             assert self.bm.num_computed_tokens(sid) == len(self.tokens[sid])
             assert list(self.bm.token_ids(sid)) == self.tokens[sid]
+
+    @rule(data=st.data())
+    def speculative_step(self, data):
+        """A verify step of speculative decoding: a sequence appends its last token and
+        k proposals, the device writes all of them, then the rejected tail is dropped
+        (``truncate``) and what is kept marked computed. The dropped tokens' pages come
+        back, and no prefix-cache page ever holds a rejected token (``allocate``'s hits
+        are checked against the shadow pool)."""
+        live = sorted(s for s in self.tokens if not self.bm.is_swapped(s))
+        if not live:
+            return
+        sid = data.draw(st.sampled_from(live))
+        toks = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=2, max_size=2 * P + 2))
+        n = self.bm.num_tokens(sid)
+        pages_before = len(self.bm.block_table(sid))
+        try:
+            slots = self.bm.append_slots(sid, toks)
+        except OutOfPages:
+            return
+        self.pending_writes.append((slots, toks))  # rejected ones too: the step wrote them
+        self._step()
+        keep = data.draw(st.integers(1, len(toks)), label="tokens kept")
+        self.bm.truncate(sid, n + keep)
+        self.bm.mark_computed(sid, n + keep)
+        self.tokens[sid] += toks[:keep]
+        assert list(self.bm.token_ids(sid)) == self.tokens[sid]
+        table = self.bm.block_table(sid)
+        assert len(table) == max(pages_before, -(-(n + keep) // P))
+        for page in set((slots // P).tolist()) - set(table):  # only dropped tokens used it
+            assert self.bm.refcount(page) == 0, f"page {page} of rejected tokens kept"
 
     @rule(sid=consumes(seqs))
     def free(self, sid):

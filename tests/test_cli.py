@@ -137,6 +137,22 @@ def test_num_scheduler_steps_flag_reaches_the_engine(monkeypatch, capsys):
     assert "--num-scheduler-steps: expected an int >= 1, got 0" in capsys.readouterr().err
 
 
+def test_speculative_flags_reach_the_engine(monkeypatch, capsys):
+    from paged_jax import cli
+
+    seen = _llm_arg(monkeypatch, "speculative")
+    argv = ["generate", *TINY, "--prompt", "hi", "--max-tokens", "6", "--json", "--no-progress"]
+    assert cli.main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)["outputs"][0]["completions"][0]["token_ids"]
+    spec = ["--speculative", "ngram", "--num-speculative-tokens", "3"]
+    assert cli.main([*argv, *spec]) == 0
+    assert seen == [None, {"method": "ngram", "num_speculative_tokens": 3}]
+    out = json.loads(capsys.readouterr().out)["outputs"][0]["completions"][0]
+    assert out["token_ids"] == plain  # the same tokens
+    assert cli.main([*argv, "--speculative", "ngram", "--num-speculative-tokens", "0"]) == 2
+    assert "--num-speculative-tokens: expected an int in [1, 16], got 0" in capsys.readouterr().err
+
+
 def test_sampling_errors_name_the_flag():
     from paged_jax import cli
 

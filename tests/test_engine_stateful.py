@@ -17,7 +17,7 @@ class Fault(Exception):
     pass
 
 
-def _engine():
+def _engine(speculative=None):
     return pj.LLM(
         *models.load("tiny-llama"),
         num_pages=14,
@@ -27,6 +27,7 @@ def _engine():
         preemption="swap",
         num_host_pages=48,
         watermark=0.0,
+        speculative=speculative,
     )
 
 
@@ -61,18 +62,51 @@ def _bad_request(rng, live_ids):
 
 
 def _alone(prompt, params):
-    out = _ALONE_ENGINE[0].generate([prompt], params, progress=False)[0]
-    return [o.token_ids for o in out.outputs]
+    key = (tuple(prompt), params)
+    if key not in _ALONE:
+        out = _ALONE_ENGINE[0].generate([prompt], params, progress=False)[0]
+        _ALONE[key] = [o.token_ids for o in out.outputs]
+    return _ALONE[key]
+
+
+_ALONE: dict = {}
+
+
+class _Guesses:
+    """A proposer that knows the continuations of the requests added so far (their
+    tokens alone) and proposes them, or with even odds a corrupted copy (a wrong token
+    somewhere), so that steps accept all, some or none of their proposals."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+        self.known: list[list[int]] = []
+
+    def propose(self, requests):
+        out = []
+        for r in requests:
+            t = r.tokens.tolist()
+            ref = next((s for s in self.known if s[: len(t)] == t), None)
+            d = [] if ref is None else ref[len(t) : len(t) + r.max_tokens]
+            if d and self.rng.random() < 0.5:
+                j = int(self.rng.integers(0, len(d)))
+                d[j] = (d[j] + 1) % VOCAB
+            out.append(d)
+        return out
 
 
 _ALONE_ENGINE = []
 
 
-def drive(seed: int, num_ops: int):
+def drive(seed: int, num_ops: int, speculative=None):
+    """``speculative``: the engine under test decodes speculatively, its proposals
+    ``_Guesses`` (right, or wrong somewhere); the tokens it must give are still those of
+    the engine without it."""
     if not _ALONE_ENGINE:
         _ALONE_ENGINE.append(_engine())
     rng = np.random.default_rng(seed)
-    llm = _engine()
+    llm = _engine(speculative)
+    if speculative is not None:
+        llm.proposer = _Guesses(seed)
     real_run = llm._run  # noqa: SLF001
     fault = {"armed": False}
 
@@ -107,6 +141,8 @@ def drive(seed: int, num_ops: int):
                 continue
             prompt = rng.integers(0, VOCAB, int(rng.integers(2, 20))).tolist()
             params = _params(rng)
+            if speculative is not None:
+                llm.proposer.known += [prompt + r for r in _alone(prompt, params)]
             llm.add_request(rid, prompt, params)
             generation[rid] = generation.get(rid, 0) + 1
             accepted[rid] = (prompt, params)
@@ -164,6 +200,9 @@ def drive(seed: int, num_ops: int):
         else:
             mismatches += got != ref
     assert mismatches == 0
+    if speculative is not None:
+        counts["proposed"] = llm.metrics.spec_draft_tokens
+        counts["accepted"] = llm.metrics.spec_accepted_tokens
     return counts, len(delivered)
 
 
@@ -174,6 +213,14 @@ def test_random_use_of_the_engine_keeps_every_promise(seed, num_ops):
     counts, finished = drive(seed, num_ops=num_ops)
     print(seed, counts, finished)
     assert counts["add"] >= 10 and counts["faults"] >= 1 and finished == counts["add"]
+
+
+def test_random_use_of_a_speculative_engine_keeps_every_promise():
+    spec = {"num_speculative_tokens": 3}
+    counts, finished = drive(3, num_ops=60, speculative=spec)
+    print(counts, finished)
+    assert counts["add"] >= 10 and counts["faults"] >= 1 and finished == counts["add"]
+    assert counts["proposed"] > 10 and 0 < counts["accepted"] < counts["proposed"]
 
 
 @pytest.mark.slow

@@ -771,3 +771,33 @@ def test_structured_output_through_the_openai_client(server):
     )
     r = httpx.post(server["base"] + "/v1/completions", json=bad, headers=headers, timeout=60)
     assert r.status_code == 400 and "params.structured.json" in r.json()["error"]["message"]
+
+
+def test_speculative_decoding_counters_reach_metrics():
+    from starlette.testclient import TestClient
+
+    from paged_jax import models
+    from paged_jax.server.api import Server
+
+    model, tokenizer = models.load("tiny-llama")
+    spec = {"num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    llm = pj.LLM(model, tokenizer, num_pages=64, max_num_seqs=2, speculative=spec)
+    plain = pj.LLM(model, tokenizer, num_pages=64, max_num_seqs=2)
+    prompt = "one two three one two three one two three"
+    want = plain.generate([prompt], pj.SamplingParams(max_tokens=40), progress=False)
+    app = Server(llm, model_name="t")
+    with TestClient(app.app) as client:
+        body = dict(model="t", prompt=prompt, max_tokens=40, temperature=0)
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
+        text = client.get("/metrics").text
+    values = dict(
+        line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("paged_jax_spec")
+    )
+    m = llm.metrics
+    assert m.spec_draft_tokens > 0
+    assert float(values["paged_jax_spec_decode_draft_tokens"]) == m.spec_draft_tokens
+    assert float(values["paged_jax_spec_decode_accepted_tokens"]) == m.spec_accepted_tokens
+    rate = float(values["paged_jax_spec_decode_acceptance_rate"])
+    assert rate == pytest.approx(m.spec_accepted_tokens / m.spec_draft_tokens)

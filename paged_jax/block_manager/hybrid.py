@@ -269,6 +269,11 @@ class HybridBlockManager:
             self.append_slots(seq_id, [int(token)])
         return True
 
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """``BlockManager.truncate`` in every group."""
+        for i in self._each(seq_id):
+            self.inner.truncate(i, num_tokens)
+
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
         for i in self._each(seq_id):
             self.inner.mark_computed(i, num_tokens)

@@ -287,6 +287,35 @@ class SequenceRows:
             self._resv[rows[past]] = np.where(stops < n, stops, -1)[past]
         self._mark_rows(rows, stops)
 
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Drops the sequence's tokens from ``num_tokens`` on, none of them computed: the
+        rejected tail of speculative tokens (appended with ``append_slots``, their K/V
+        written by a step that also computed what rejects them). Pages only the dropped
+        tokens used go back to the pool; a page shared with another sequence is never
+        among them (a copy-on-write already gave this one a private last page), and none
+        of them was entered in the prefix cache (only computed pages are). Call it after
+        the step returned and before the sequence's next append, then ``mark_computed``
+        the tokens kept. Raises ``ValueError`` for a count outside ``[computed, num_tokens]``
+        or for a sequence with reserved tokens (``reserve_tokens``)."""
+        row = self._device_row(seq_id, "truncate")
+        n, done = int(self._ntok[row]), int(self._ncomp[row])
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+            raise TypeError(f"num_tokens: expected an int, got {num_tokens!r}")
+        if not done <= num_tokens <= n:
+            raise ValueError(
+                f"num_tokens: expected a count in [{done}, {n}] (computed tokens stay) for "
+                f"{seq_id!r}, got {num_tokens}"
+            )
+        if self._resv[row] >= 0:
+            raise ValueError(f"truncate: {seq_id!r} has reserved tokens (fill them first)")
+        keep = self.pages_needed(int(num_tokens))
+        for col in range(self._npages(row) - 1, keep - 1, -1):  # last first, as free does
+            page = int(self._table[row, col])
+            self._table[row, col] = 0
+            self._unref(page)
+        self._tok[row, num_tokens:n] = -1
+        self._ntok[row] = num_tokens
+
     def _mark_rows(self, rows: np.ndarray, num_tokens: np.ndarray) -> None:
         """``_mark_computed`` of each of ``rows`` (distinct): the counts as one
         assignment, then the prefix cache and the window for the rows that need them."""

@@ -12,6 +12,7 @@ from paged_jax.engine.llm import (
 )
 from paged_jax.engine.protocol import PagedDecoder, check_model
 from paged_jax.engine.sampling import SamplingParams
+from paged_jax.engine.speculative import SpeculativeConfig
 
 __all__ = [
     "LLM",
@@ -22,6 +23,7 @@ __all__ = [
     "PagedDecoder",
     "RequestOutput",
     "SamplingParams",
+    "SpeculativeConfig",
     "StreamOutput",
     "check_model",
 ]

@@ -35,11 +35,12 @@ from paged_jax.engine.results import ApplyResults
 from paged_jax.engine.runner import ModelRunner
 from paged_jax.engine.sampling import SamplingParams
 from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status
+from paged_jax.engine.speculative import Speculation, SpeculativeConfig
 
 log = logging.getLogger("paged_jax")
 
 
-class EngineCore(Launching, ApplyResults, FaultIsolation):
+class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation):
     """Continuous batching of requests on a ``ModelRunner`` (see the module docstring and
     ``LLM``, which builds it and documents every option).
 
@@ -50,7 +51,8 @@ class EngineCore(Launching, ApplyResults, FaultIsolation):
         ``HybridBlockManager``) arguments of each replica's block manager.
       num_replicas: data-parallel replicas, each with its own scheduler and pool.
       max_num_seqs, max_num_batched_tokens, preemption: each replica's ``Scheduler``'s.
-      checked, deterministic, async_scheduling, num_scheduler_steps: as ``LLM``'s.
+      checked, deterministic, async_scheduling, num_scheduler_steps, speculative: as
+        ``LLM``'s (``speculative`` a ``SpeculativeConfig`` or None).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class EngineCore(Launching, ApplyResults, FaultIsolation):
         deterministic: bool,
         async_scheduling: bool,
         num_scheduler_steps: int,
+        speculative: SpeculativeConfig | None = None,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -80,6 +83,8 @@ class EngineCore(Launching, ApplyResults, FaultIsolation):
         self.deterministic = deterministic
         self.async_scheduling = async_scheduling
         self.num_scheduler_steps = num_scheduler_steps
+        self.speculative = speculative
+        self.proposer = None if speculative is None else speculative.proposer()
         self._bm_args = block_manager_args
         # One block manager and scheduler per data-parallel replica (page ids local to
         # its pool); `bm` and `scheduler` name the only one when there is one.
@@ -437,8 +442,15 @@ class EngineCore(Launching, ApplyResults, FaultIsolation):
         if not work:
             return None
         steps = self._multi_steps(scheds, prev)  # None: one step
+        drafts = None
+        if self.proposer is not None and steps is None and prev is None:
+            drafts = self._draft(scheds)  # proposals to verify (speculative decoding)
         return self._dispatch(
-            [sched.work for sched in scheds], steps, prev, any(sched.stalled for sched in scheds)
+            [sched.work for sched in scheds],
+            steps,
+            prev,
+            any(sched.stalled for sched in scheds),
+            drafts,
         )
 
     def _place(self, f: Launched) -> list[Seq]:
@@ -472,11 +484,12 @@ class EngineCore(Launching, ApplyResults, FaultIsolation):
         is on, no request is isolated as a suspect, ``f``'s schedule did not stop short
         of a preemption (the next one makes it, from known tokens), and each sampling row
         only appends its token (no beam search, no first token of n samples to fork, no
-        penalties, which count the tokens so far). A multi-step launch, when one of its
+        penalties, which count the tokens so far), and speculation is off (the next
+        step's proposals follow this step's tokens). A multi-step launch, when one of its
         rows has tokens left after it (the next launch goes on from it, ``_continue``);
         the launch that follows a single step may start from its placeholders
         (``_multi_steps``)."""
-        if not self.async_scheduling or self._suspects or f.stalled:
+        if not self.async_scheduling or self._suspects or f.stalled or self.proposer:
             return False
         if f.lane is not None:  # some row goes on after it (``_continue``)
             lane = f.lane
@@ -512,11 +525,12 @@ class EngineCore(Launching, ApplyResults, FaultIsolation):
         if f.steps is not None:
             return self._apply_steps(f, toks, lps, t2)
         live = [(i, w) for i, w in f.placed if w.seq.finish_reason is None]
+        emit, computed = self._accept_drafts(f, live, toks, lps) if f.spec else (None, {})
         if not overlapped:  # (overlapped: _place marked them)
-            for _, w in live:
-                self._bm(w.group).mark_computed(w.seq.seq_id, w.stop)
+            for i, w in live:
+                self._bm(w.group).mark_computed(w.seq.seq_id, computed.get(i, w.stop))
         self._phase = "apply"
-        finished = self._process(live, toks, lps, cand, t2)
+        finished = self._process(live, toks, lps, cand, t2, emit)
         if overlapped:  # the next step appended placeholders for these tokens
             for _, w in live:
                 s = w.seq

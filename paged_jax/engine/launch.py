@@ -140,6 +140,9 @@ class Launched:
     # (``LLM._continue``): reserved in the block manager, filled with the others.
     carried: np.ndarray | None = None  # bool[L]; None: none
     next: Lane | None = None  # the lane of the launch that goes on from this one
+    # Speculative decoding: {batch row: (proposals, first extra sampling row)} of the rows
+    # that verify proposals (``Speculation._verify_rows``); None: none.
+    spec: dict | None = None
 
     def __post_init__(self):
         # read only for a single step (``LLM._tokens``): a launch is followed by
@@ -170,11 +173,13 @@ class Launching:
         steps: list[int] | None,
         prev: Launched | None,
         stalled,
+        drafts: dict | None = None,
     ) -> Launched:
         """Builds the batch of ``works`` (each scheduler's, in order) and dispatches it:
         one step, or with ``steps`` (one per row) a multi-step launch. ``prev``: the
         step still running, whose samples some rows decode (placeholders in the batch);
-        ``stalled``: the schedule stopped short of a preemption."""
+        ``stalled``: the schedule stopped short of a preemption; ``drafts``: proposals
+        some rows verify, ``{id(Seq): tokens}`` (``Speculation._draft``)."""
         work = [w for ws in works for w in ws]
         batches, pending = [], 0
         for sc, ws in zip(self.schedulers, works, strict=True):
@@ -226,6 +231,11 @@ class Launching:
         distinct = {id(p): p for p, _, _ in rows.values()}  # requests share params objects
         penalties = self._penalties(placed, rows, S_b, distinct.values())
         allowed = self._allowed(placed, rows, S_b, distinct.values())
+        spec = None
+        if drafts:
+            batch, sampling, penalties, allowed, spec = self._verify_rows(
+                placed, drafts, batch, sampling, penalties, allowed
+            )
         tokens = self._tokens(batch, placed, prev, pending)
         lane = (
             None
@@ -233,10 +243,12 @@ class Launching:
             else Lane.of(work, steps, self.eos_token_ids, self.bm, self._ended)
         )
         replicas = len(batches)
-        return self._send(
+        f = self._send(
             work, placed, stalled, batch, tokens, sampling, penalties, allowed, num_cand,
             replicas, lane,
         )  # fmt: skip
+        f.spec = spec
+        return f
 
     def _run_batch(self, lane: Lane, prev: Launched, batch, rows, advance) -> Launched:
         """``_dispatch`` of a batch ``advance_batch`` built from multi-step launch

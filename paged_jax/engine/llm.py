@@ -39,6 +39,7 @@ from paged_jax.engine.outputs import (
 from paged_jax.engine.runner import ModelRunner, resolve_mesh
 from paged_jax.engine.sampling import SamplingParams
 from paged_jax.engine.shapes import StepShape, step_shapes
+from paged_jax.engine.speculative import SpeculativeConfig
 from paged_jax.sharding import data_parallel_size as data_parallel_size_of
 
 log = logging.getLogger("paged_jax")
@@ -153,6 +154,16 @@ class LLM(EngineCore):
         computed up to ``K - 1`` more tokens, which are dropped. For throughput where
         host and device share cores (CPU); a request arriving meanwhile waits for the
         launch to end (up to ``K`` steps) before its prompt runs.
+      speculative: speculative decoding (``SpeculativeConfig``, or a dict of its fields
+        such as ``{"method": "ngram", "num_speculative_tokens": 4}``; None: off). Each
+        decoding sequence whose proposer finds a continuation verifies up to ``k``
+        proposed tokens in the same step (``paged_jax.engine.speculative``); the tokens
+        kept are exactly those of decoding without it, greedy or seeded, and the
+        rejected ones are rolled back page by page. Steps then run one after another
+        (no overlap: the next proposals follow this step's tokens). Rows with beam
+        search, penalties, allowed tokens, a grammar or top log-probs decode one token a
+        step as before. Not with ``num_scheduler_steps > 1`` or several data-parallel
+        replicas.
 
     Several processes (``jax.distributed.initialize``, one mesh over all their devices)
     each run this same engine on the same requests in the same order: the scheduler is
@@ -204,6 +215,7 @@ class LLM(EngineCore):
         hybrid_kv_cache: bool | None = None,
         async_scheduling: bool = True,
         num_scheduler_steps: int = 1,
+        speculative: SpeculativeConfig | dict | None = None,
     ):
 
         self.compilation_cache_dir = compile_cache.enable(compilation_cache)
@@ -235,6 +247,16 @@ class LLM(EngineCore):
         ):
             raise ValueError(
                 f"num_scheduler_steps: expected an int >= 1, got {num_scheduler_steps!r}"
+            )
+        speculative = SpeculativeConfig.of(speculative)
+        if speculative is not None and num_scheduler_steps > 1:
+            raise ValueError(
+                f"speculative: not with num_scheduler_steps={num_scheduler_steps} (each "
+                "launch of several steps decodes one token a step); pass 1"
+            )
+        if speculative is not None and dp > 1:
+            raise ValueError(
+                f"speculative: not with data_parallel_size={dp} yet; pass 1 or speculative=None"
             )
         if preemption not in ("recompute", "swap"):
             raise ValueError(f"preemption: expected 'recompute' or 'swap', got {preemption!r}")
@@ -279,6 +301,7 @@ class LLM(EngineCore):
             deterministic=deterministic,
             async_scheduling=async_scheduling,
             num_scheduler_steps=num_scheduler_steps,
+            speculative=speculative,
         )
         self._warm_ups = 0
 

@@ -38,6 +38,22 @@ class EngineMetrics:
     compilations: int = 0
     failed_steps: int = 0  # steps that raised; their requests were requeued (recomputed)
     requests_failed: int = 0  # requests the engine ended with finish_reason "error"
+    # Speculative decoding: rows that verified proposals, the proposals, those accepted
+    spec_verify_rows: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Proposed tokens accepted, as a fraction (0 when none were proposed)."""
+        return self.spec_accepted_tokens / max(self.spec_draft_tokens, 1)
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verifying row gets per step: its accepted proposals plus the token
+        sampled after them (1 when nothing was verified)."""
+        rows = self.spec_verify_rows
+        return (self.spec_accepted_tokens + rows) / rows if rows else 1.0
 
     def summary(self) -> dict[str, float]:
         return {
@@ -59,6 +75,8 @@ class EngineMetrics:
             "compile time (s)": self.compile_s,
             "failed steps (recovered)": self.failed_steps,
             "failed requests": self.requests_failed,
+            "speculative acceptance rate": self.spec_acceptance_rate,
+            "speculative mean accepted length": self.spec_mean_accepted_length,
         }
 
 

@@ -23,7 +23,11 @@ class ApplyResults:
     """``EngineCore``'s methods that apply a completed step's samples (see the module
     docstring)."""
 
-    def _process(self, placed, toks, lps, cand, now) -> list[RequestOutput]:
+    def _process(self, placed, toks, lps, cand, now, emit=None) -> list[RequestOutput]:
+        """Applies a single step's samples (``toks``, ``lps``: ``[R_b, J]``) to the rows
+        ``placed`` (``(batch row, Work)``); ``emit``: the tokens and log-probs of rows that
+        verified proposals (``Speculation._accept_drafts``), appended in order up to the
+        first that finishes the sequence. Returns the requests finished."""
         by_group: dict[int, list[tuple[int, Any]]] = {}
         for i, w in placed:
             if w.sample:
@@ -40,6 +44,12 @@ class ApplyResults:
                 self._fork_samples(g, items[0], toks, lps, cand)
             else:
                 for i, w in items:
+                    if emit and i in emit:
+                        for token, lp in emit[i]:
+                            self._append(g, w.seq, token, lp)
+                            if w.seq.finish_reason is not None:
+                                break
+                        continue
                     self._append(g, w.seq, first_toks[i], first_lps[i], _top(g, cand, i))
             if not g.seqs:
                 finished.append(self._finish(g))

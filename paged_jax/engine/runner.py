@@ -469,6 +469,11 @@ class ModelRunner:
         self.model = model
         self.page_size = page_size
         self.deterministic = deterministic
+        # Every token of a step costs compute here (a CPU computes a few rows at about
+        # the cost of one only up to the step's padded bucket): speculative decoding
+        # verifies the proposals of sequences that rarely get them accepted only in the
+        # padding (``Speculation._draft``).
+        self.tokens_cost_compute = jax.default_backend() == "cpu"
         longest = model.config.max_position_embeddings
         if max_model_len is None:
             max_model_len = longest

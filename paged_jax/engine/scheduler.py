@@ -93,6 +93,7 @@ class Seq:
         "finish_reason",
         "stop_text",
         "detok",
+        "spec_rate",
         "_log",
         "_row",
         "_seen",
@@ -122,6 +123,9 @@ class Seq:
         self.finish_reason = finish_reason
         self.stop_text = stop_text
         self.detok: Any = None  # the output processor's IncrementalText of the output
+        # speculative decoding: the recent fraction of its proposals accepted (a moving
+        # average; 1 until it verified any), which decides how many it may verify
+        self.spec_rate = 1.0
         self._log: TokenLog | None = None
         self._row = self._seen = self._version = 0
 

@@ -62,6 +62,20 @@ class Metrics:
         self.prefix_hit_rate = Gauge(
             p + "prefix_cache_hit_rate", "prefix cache hit rate", registry=r
         )
+        self.spec_proposed = Gauge(
+            p + "spec_decode_draft_tokens", "tokens proposed by speculative decoding", registry=r
+        )
+        self.spec_accepted = Gauge(
+            p + "spec_decode_accepted_tokens", "proposed tokens accepted", registry=r
+        )
+        self.spec_acceptance = Gauge(
+            p + "spec_decode_acceptance_rate", "proposed tokens accepted, a fraction", registry=r
+        )
+        self.spec_length = Gauge(
+            p + "spec_decode_mean_accepted_length",
+            "tokens a verifying sequence gets per step (accepted proposals plus one)",
+            registry=r,
+        )
         self.compiled = Gauge(
             p + "compiled_step_buckets",
             "shape buckets of the step compiled (or loaded from the compilation cache)",
@@ -96,6 +110,10 @@ class Metrics:
         m = llm.metrics
         self.preemptions.set(m.preemptions_swap + m.preemptions_recompute)
         self.prefix_hit_rate.set(m.prefix_hit_rate)
+        self.spec_proposed.set(m.spec_draft_tokens)
+        self.spec_accepted.set(m.spec_accepted_tokens)
+        self.spec_acceptance.set(m.spec_acceptance_rate)
+        self.spec_length.set(m.spec_mean_accepted_length)
         self.compiled.set(len(llm.compiled_buckets))
         self.compile_seconds.set(sum(b["seconds"] for b in llm.compiled_buckets))
 

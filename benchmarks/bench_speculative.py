@@ -1,0 +1,228 @@
+"""Speculative decoding by n-gram lookup against plain decoding, on a real model.
+
+``python -m benchmarks speculative [--out DIR] [--concurrency 1 4 16] [--output-len 256]
+[--chat-len 128] [--k 4] [--repeats 3]``
+
+Model: SmolLM2-135M-Instruct (``paged_jax.models.load``, f32), two engines in one
+process, the same but for ``speculative={"method": "ngram", "num_speculative_tokens":
+k}``, their runs alternated, greedy:
+
+- grounded: chat requests that quote or edit a passage of about 300 tokens of their own
+  prompt (public-domain passages; instructions to copy, to correct spelling, to put in
+  capitals...), ``--concurrency`` requests at once, each up to ``--output-len`` tokens
+  (it may end earlier at the model's end token: both engines give the same tokens);
+- free-form: chat questions whose answers quote nothing (``--chat-len`` tokens), all at
+  once, where proposals rarely match and must cost little.
+
+Reported: generated tokens/s (min / median / max of ``--repeats``), the ratio of the
+medians, the acceptance rate and mean accepted length, and whether every output of the
+two engines was the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from benchmarks.common import environment, positive_int, write_result
+
+MODEL = "smollm2-135m-instruct"
+
+# Public-domain passages (US founding documents and Lincoln's speeches).
+PASSAGES = [
+    "Four score and seven years ago our fathers brought forth on this continent, a new "
+    "nation, conceived in Liberty, and dedicated to the proposition that all men are "
+    "created equal. Now we are engaged in a great civil war, testing whether that nation, "
+    "or any nation so conceived and so dedicated, can long endure. We are met on a great "
+    "battle-field of that war. We have come to dedicate a portion of that field, as a "
+    "final resting place for those who here gave their lives that that nation might live. "
+    "It is altogether fitting and proper that we should do this. But, in a larger sense, "
+    "we can not dedicate -- we can not consecrate -- we can not hallow -- this ground. The "
+    "brave men, living and dead, who struggled here, have consecrated it, far above our "
+    "poor power to add or detract. The world will little note, nor long remember what we "
+    "say here, but it can never forget what they did here. It is for us the living, "
+    "rather, to be dedicated here to the unfinished work which they who fought here have "
+    "thus far so nobly advanced.",
+    "When in the Course of human events, it becomes necessary for one people to dissolve "
+    "the political bands which have connected them with another, and to assume among the "
+    "powers of the earth, the separate and equal station to which the Laws of Nature and "
+    "of Nature's God entitle them, a decent respect to the opinions of mankind requires "
+    "that they should declare the causes which impel them to the separation. We hold these "
+    "truths to be self-evident, that all men are created equal, that they are endowed by "
+    "their Creator with certain unalienable Rights, that among these are Life, Liberty and "
+    "the pursuit of Happiness. That to secure these rights, Governments are instituted "
+    "among Men, deriving their just powers from the consent of the governed, That whenever "
+    "any Form of Government becomes destructive of these ends, it is the Right of the "
+    "People to alter or to abolish it, and to institute new Government, laying its "
+    "foundation on such principles and organizing its powers in such form, as to them "
+    "shall seem most likely to effect their Safety and Happiness.",
+    "We the People of the United States, in Order to form a more perfect Union, establish "
+    "Justice, insure domestic Tranquility, provide for the common defence, promote the "
+    "general Welfare, and secure the Blessings of Liberty to ourselves and our Posterity, "
+    "do ordain and establish this Constitution for the United States of America. All "
+    "legislative Powers herein granted shall be vested in a Congress of the United States, "
+    "which shall consist of a Senate and House of Representatives. The House of "
+    "Representatives shall be composed of Members chosen every second Year by the People "
+    "of the several States, and the Electors in each State shall have the Qualifications "
+    "requisite for Electors of the most numerous Branch of the State Legislature. No "
+    "Person shall be a Representative who shall not have attained to the Age of twenty "
+    "five Years, and been seven Years a Citizen of the United States, and who shall not, "
+    "when elected, be an Inhabitant of that State in which he shall be chosen.",
+    "With malice toward none, with charity for all, with firmness in the right as God "
+    "gives us to see the right, let us strive on to finish the work we are in, to bind up "
+    "the nation's wounds, to care for him who shall have borne the battle and for his "
+    "widow and his orphan, to do all which may achieve and cherish a just and lasting "
+    "peace among ourselves and with all nations. Fondly do we hope, fervently do we pray, "
+    "that this mighty scourge of war may speedily pass away. Yet, if God wills that it "
+    "continue until all the wealth piled by the bondsman's two hundred and fifty years of "
+    "unrequited toil shall be sunk, and until every drop of blood drawn with the lash "
+    "shall be paid by another drawn with the sword, as was said three thousand years ago, "
+    "so still it must be said that the judgments of the Lord are true and righteous "
+    "altogether.",
+]
+
+INSTRUCTIONS = [
+    "Repeat the following passage exactly, word for word:\n\n{p}",
+    "Here is a passage.\n\n{p}\n\nCopy the passage above without changing anything.",
+    "Correct any spelling mistakes in this text and return the whole corrected text:\n\n{p}",
+    "Rewrite this passage with every sentence on its own line:\n\n{p}",
+]
+
+QUESTIONS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are three good habits for learning a new language? Explain each.",
+    "Describe how a bicycle works to a ten-year-old.",
+    "Give me a recipe for a simple vegetable soup.",
+    "Why is the sky blue? Answer in a friendly tone.",
+    "Write a poem about autumn leaves.",
+    "What should I pack for a weekend hiking trip?",
+    "Explain the difference between weather and climate.",
+    "Suggest five names for a bakery and explain each one.",
+    "How do bees make honey?",
+    "Write a letter thanking a teacher.",
+    "What are the benefits of drinking water?",
+    "Describe a day in the life of a city bus driver.",
+    "How can I get better sleep at night?",
+    "Tell me about the planets of the solar system.",
+    "Write a dialogue between a cat and a dog about breakfast.",
+]
+
+
+def grounded(n: int) -> list[list[dict]]:
+    """``n`` chat requests, each an instruction over a passage of its prompt."""
+    out = []
+    for i in range(n):
+        text = INSTRUCTIONS[(i // len(PASSAGES)) % len(INSTRUCTIONS)].format(
+            p=PASSAGES[i % len(PASSAGES)]
+        )
+        out.append([{"role": "user", "content": text}])
+    return out
+
+
+def free_form(n: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks speculative")
+    ap.add_argument("--concurrency", nargs="+", type=positive_int, default=[1, 4, 16])
+    ap.add_argument("--output-len", type=positive_int, default=256)
+    ap.add_argument("--chat-len", type=positive_int, default=128)
+    ap.add_argument("--chat-requests", type=positive_int, default=16)
+    ap.add_argument("--k", type=positive_int, default=4)
+    ap.add_argument("--repeats", type=positive_int, default=3)
+    args = ap.parse_args(argv)
+
+    import jax
+
+    import paged_jax as pj
+    from paged_jax import models
+
+    def say(msg):
+        print(f"speculative: {msg}", file=sys.stderr, flush=True)
+
+    model, tok = models.load(MODEL)
+    common = dict(kv_cache_bytes=2**30, compilation_cache=False, max_num_batched_tokens=1024)
+    spec = {"method": "ngram", "num_speculative_tokens": args.k}
+    engines = {
+        "plain": pj.LLM(model, tok, **common),
+        "ngram": pj.LLM(model, tok, speculative=spec, **common),
+    }
+
+    def run(name, convs, max_tokens):
+        e = engines[name]
+        before = (e.metrics.spec_draft_tokens, e.metrics.spec_accepted_tokens)
+        before_rows = e.metrics.spec_verify_rows
+        p = pj.SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        t = time.perf_counter()
+        outs = e.chat(convs, p, progress=False)
+        dt = time.perf_counter() - t
+        toks = [o.outputs[0].token_ids for o in outs]
+        m = e.metrics
+        drafted = m.spec_draft_tokens - before[0]
+        accepted = m.spec_accepted_tokens - before[1]
+        rows = m.spec_verify_rows - before_rows
+        return toks, sum(map(len, toks)) / dt, drafted, accepted, rows
+
+    workloads = [(f"grounded x{c}", grounded(c), args.output_len) for c in args.concurrency]
+    workloads.append(
+        (f"free-form x{args.chat_requests}", free_form(args.chat_requests), args.chat_len)
+    )
+    rows = []
+    for label, convs, max_tokens in workloads:
+        for name in engines:  # compile this workload's buckets first
+            run(name, convs, max_tokens)
+        runs = {name: [] for name in engines}
+        same, stats = True, None
+        for k in range(args.repeats):
+            got = {}
+            for name in engines:  # alternated
+                toks, rate, drafted, accepted, verified = run(name, convs, max_tokens)
+                got[name] = toks
+                runs[name].append(rate)
+                if name == "ngram":
+                    stats = (drafted, accepted, verified, sum(map(len, toks)))
+                say(f"{label} round {k} {name}: {rate:.1f} tokens/s")
+            same &= got["plain"] == got["ngram"]
+        med = {n: statistics.median(r) for n, r in runs.items()}
+        drafted, accepted, verified, generated = stats
+        row = dict(
+            workload=label,
+            requests=len(convs),
+            max_tokens=max_tokens,
+            generated_tokens=generated,
+            same_tokens=same,
+            tokens_per_s={
+                n: dict(min=min(r), median=statistics.median(r), max=max(r))
+                for n, r in runs.items()
+            },
+            speedup=round(med["ngram"] / med["plain"], 3),
+            acceptance_rate=round(accepted / max(drafted, 1), 3),
+            mean_accepted_length=round((accepted + verified) / verified, 3) if verified else 1.0,
+            proposed_tokens=drafted,
+        )
+        rows.append(row)
+        print(
+            f"{label}: plain {med['plain']:.1f}, ngram {med['ngram']:.1f} tokens/s "
+            f"({row['speedup']}x); acceptance {row['acceptance_rate']}, mean accepted "
+            f"length {row['mean_accepted_length']}; same tokens: {same}"
+        )
+    payload = dict(
+        environment=environment(),
+        command="python -m benchmarks speculative "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        model=f"{MODEL} (f32), greedy, chat template",
+        speculative=spec,
+        repeats=args.repeats,
+        jax=jax.__version__,
+        results=rows,
+    )
+    path = write_result("speculative", payload)
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

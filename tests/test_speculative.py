@@ -1,0 +1,243 @@
+"""Speculative decoding (``LLM(speculative=...)``): proposals verified as extra query
+tokens of a step, kept while they equal the samples, rolled back page by page. Checked
+here: the n-gram lookup against a brute-force search; the tokens, log-probs and finish
+reasons of a mixed batch equal those of decoding without speculation, whatever the
+proposals (n-gram, always right, always wrong), with prefix hits, n = 2, beams,
+penalties, stop tokens and a pool tight enough to preempt; every page comes back."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import paged_jax as pj
+from paged_jax import models
+from paged_jax.engine.speculative import DraftRequest, SpeculativeConfig, accept, lookup
+
+
+def _brute_lookup(tokens, k, min_n, max_n):
+    L = len(tokens)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        suffix = tokens[L - n :]
+        for e in range(L - 2, n - 2, -1):  # latest earlier end first
+            if tokens[e - n + 1 : e + 1] == suffix:
+                return tokens[e + 1 : e + 1 + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=0, max_size=40),
+    k=st.integers(0, 6),
+    sizes=st.tuples(st.integers(1, 5), st.integers(1, 5)).map(sorted),
+)
+def test_lookup_is_the_latest_match_of_the_longest_suffix(tokens, k, sizes):
+    min_n, max_n = sizes
+    got = lookup(np.array(tokens, np.int32), k, min_n, max_n)
+    assert got == _brute_lookup(tokens, k, min_n, max_n)
+
+
+def test_lookup_examples():
+    t = np.array([5, 6, 7, 8, 9, 1, 5, 6, 7], np.int32)
+    assert lookup(t, 3, 2, 4) == [8, 9, 1]  # 3 tokens "5 6 7" matched
+    assert lookup(t, 10, 2, 4) == [8, 9, 1, 5, 6, 7]  # up to the end
+    assert lookup(np.array([1, 2, 3], np.int32), 4, 1, 3) == []
+    assert accept([4, 5, 6], [4, 5, 9, 2]) == 2
+    assert accept([4, 5], [4, 5, 7]) == 2 and accept([4], [3, 1]) == 0
+
+
+@pytest.mark.parametrize(
+    "value,exc,msg",
+    [
+        ({"method": "eagle"}, ValueError, "speculative.method: expected one of"),
+        ({"num_speculative_tokens": 0}, ValueError, "num_speculative_tokens: expected an int"),
+        ({"num_speculative_tokens": True}, ValueError, "num_speculative_tokens: expected an int"),
+        (
+            {"prompt_lookup_min": 3, "prompt_lookup_max": 2},
+            ValueError,
+            "prompt_lookup_min: expected <= prompt_lookup_max=2",
+        ),
+        ({"k": 3}, ValueError, r"speculative: unknown fields \['k'\]"),
+        ("ngram", TypeError, "speculative: expected None, a SpeculativeConfig or a dict"),
+    ],
+)
+def test_bad_configs_are_refused_naming_the_field(value, exc, msg):
+    with pytest.raises(exc, match=msg):
+        SpeculativeConfig.of(value)
+
+
+def test_not_with_multi_step_decoding():
+    with pytest.raises(ValueError, match="speculative: not with num_scheduler_steps=4"):
+        pj.LLM(*models.load("tiny-llama"), num_pages=16, num_scheduler_steps=4, speculative={})
+
+
+class _Oracle:
+    """Proposes the true continuation (from a run without speculation), or, ``wrong``,
+    a token that differs from it at every position."""
+
+    def __init__(self, sequences, wrong=False):
+        self.sequences = [list(s) for s in sequences]
+        self.wrong = wrong
+        self.asked = 0
+
+    def propose(self, requests):
+        out = []
+        for r in requests:
+            self.asked += 1
+            t = r.tokens.tolist()
+            ref = next((s for s in self.sequences if s[: len(t)] == t), None)
+            nxt = [] if ref is None else ref[len(t) : len(t) + r.max_tokens]
+            out.append([(x + 1) % 256 for x in nxt] if self.wrong else nxt)
+        return out
+
+
+def _requests():
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, 256, 20).tolist()
+    loop = rng.integers(0, 256, 6).tolist()
+    prompts = [
+        loop * 4,  # the n-gram proposes from the prompt
+        rng.integers(0, 256, 30).tolist(),
+        shared + [1, 2],  # prefix hits
+        shared + [3],
+        rng.integers(0, 256, 12).tolist(),
+        loop * 2 + [7],
+        rng.integers(0, 256, 17).tolist(),
+        rng.integers(0, 256, 3).tolist(),
+    ]
+    params = [
+        pj.SamplingParams(max_tokens=40, ignore_eos=True, logprobs=True),
+        pj.SamplingParams(max_tokens=30, temperature=0.9, top_p=0.8, seed=4, logprobs=True),
+        pj.SamplingParams(max_tokens=25, ignore_eos=True),
+        pj.SamplingParams(max_tokens=20, temperature=1.0, n=2, seed=7, ignore_eos=True),
+        pj.SamplingParams(max_tokens=6, beam_width=2, ignore_eos=True),
+        pj.SamplingParams(max_tokens=10, repetition_penalty=1.4, presence_penalty=0.3),
+        pj.SamplingParams(max_tokens=35, stop_token_ids=(3, 17), ignore_eos=True),
+        pj.SamplingParams(max_tokens=33, temperature=0.7, top_k=5, seed=1, ignore_eos=True),
+    ]
+    return prompts, params
+
+
+def _engine(**kw):
+    args = dict(num_pages=64, page_size=8, max_num_seqs=8, max_num_batched_tokens=64)
+    args.update(kw)
+    return pj.LLM(*models.load("tiny-llama"), deterministic=True, **args)
+
+
+def _summary(outs):
+    """Tokens and finish reasons (exact), log-probs rounded: a prompt whose chunks fall
+    differently in a batch computes its K/V in another order, its last bits apart."""
+    return [
+        [
+            (
+                c.token_ids,
+                c.finish_reason,
+                None if c.logprobs is None else np.round(c.logprobs, 4).tolist(),
+                round(c.cumulative_logprob, 4),
+            )
+            for c in o.outputs
+        ]
+        for o in outs
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    prompts, params = _requests()
+    outs = _engine().generate(prompts, params, progress=False)
+    return prompts, params, outs
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "right", "wrong"])
+@pytest.mark.parametrize(
+    "pool", [dict(), dict(num_pages=14, preemption="swap", num_host_pages=64, watermark=0.0)]
+)
+def test_speculation_changes_no_token(reference, proposer, pool):
+    prompts, params, ref = reference
+    llm = _engine(speculative={"num_speculative_tokens": 5, "prompt_lookup_min": 1}, **pool)
+    if proposer != "ngram":
+        full = [p + c.token_ids for p, o in zip(prompts, ref, strict=True) for c in o.outputs]
+        llm.proposer = _Oracle(full, wrong=proposer == "wrong")
+    outs = llm.generate(prompts, params, progress=False)
+    assert _summary(outs) == _summary(ref)
+    m = llm.metrics
+    assert m.spec_verify_rows > 0 and m.spec_draft_tokens > 0
+    if proposer == "wrong":
+        assert m.spec_accepted_tokens == 0
+    elif proposer == "right":
+        assert m.spec_acceptance_rate == 1.0  # a draft equal to the target: all accepted
+        assert m.spec_mean_accepted_length > 4
+    else:
+        assert m.spec_accepted_tokens > 0
+    if pool:
+        assert m.preemptions_swap + m.preemptions_recompute > 0
+    assert llm.bm.stats()["pages_used"] == 0
+    llm.bm.check_invariants()
+
+
+def test_right_proposals_take_fewer_steps_and_recompute_preemption_keeps_tokens(reference):
+    prompts, params, ref = reference
+    full = [p + c.token_ids for p, o in zip(prompts, ref, strict=True) for c in o.outputs]
+    llm = _engine(
+        num_pages=14, watermark=0.0, speculative={"num_speculative_tokens": 4}
+    )  # recompute preemption, pages for proposals often short
+    llm.proposer = _Oracle(full)
+    plain = _engine(num_pages=14, watermark=0.0)
+    want = plain.generate(prompts, params, progress=False)
+    outs = llm.generate(prompts, params, progress=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [
+        [c.token_ids for c in o.outputs] for o in want
+    ]
+    assert llm.metrics.preemptions_recompute > 0
+    assert llm.metrics.steps < plain.metrics.steps * 0.6
+    assert llm.bm.stats()["pages_used"] == 0
+
+
+def test_rejected_proposals_never_reach_the_prefix_cache():
+    """Pages that held only rejected proposals go back to the pool, and a later prompt
+    with the rejected tokens finds no cached page of them."""
+    llm = _engine(speculative={"num_speculative_tokens": 8})
+    prompt = list(range(10, 18)) * 2  # 16 tokens: two full pages
+    truth = _engine().generate([prompt], pj.SamplingParams(max_tokens=9), progress=False)
+    ids = truth[0].outputs[0].token_ids
+    llm.proposer = _Oracle([prompt + ids], wrong=True)
+    out = llm.generate([prompt], pj.SamplingParams(max_tokens=9), progress=False)
+    assert out[0].outputs[0].token_ids == ids
+    wrong = [(t + 1) % 256 for t in ids[:8]]
+    assert llm.bm.cached_tokens(prompt + wrong + [0]) == 16  # the prompt's pages only
+    assert llm.bm.cached_tokens(prompt + ids[:8] + [0]) == 24  # the kept tokens' page
+    llm.bm.check_invariants()
+
+
+def test_proposer_interface_gets_each_sequence_its_tokens_and_room():
+    seen = []
+
+    class Spy:
+        def propose(self, requests):
+            seen.extend(requests)
+            return [[] for _ in requests]
+
+    llm = _engine(speculative={"num_speculative_tokens": 3})
+    llm.proposer = Spy()
+    out = llm.generate(
+        [[1, 2, 3]], pj.SamplingParams(max_tokens=5, ignore_eos=True), progress=False
+    )
+    toks = out[0].outputs[0].token_ids
+    assert all(isinstance(r, DraftRequest) for r in seen)
+    # every decode step but the last asks, with the sequence's tokens so far
+    assert [r.tokens.tolist() for r in seen] == [[1, 2, 3] + toks[:j] for j in range(1, 4)]
+    assert [r.max_tokens for r in seen] == [3, 2, 1]  # never past max_tokens
+    assert llm.metrics.spec_verify_rows == 0
+
+
+def test_a_bad_proposal_fails_the_step_not_the_engine():
+    class Bad:
+        def propose(self, requests):
+            return [[10**6] for _ in requests]
+
+    llm = _engine(speculative={})
+    llm.proposer = Bad()
+    llm.add_request("a", [1, 2, 3], pj.SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match=r"proposer: token ids must lie in \[0, "):
+        for _ in range(3):
+            llm.step()
