@@ -17,6 +17,16 @@ k}``, their runs alternated, greedy:
 Reported: generated tokens/s (min / median / max of ``--repeats``), the ratio of the
 medians, the acceptance rate and mean accepted length, and whether every output of the
 two engines was the same.
+
+``python -m benchmarks speculative --verify-cost [--shape llama3-8b] [--concurrency 1 4
+16 64] [--ks 1 2 4] [--output-len 64]``: what a verify step costs against a decode step,
+on a decoder of a public model's shape with random weights (``bench_engine``'s shapes;
+bf16 on an accelerator, f32 on CPU), where a draft would have its proposals rejected.
+The proposals are made right instead (the tokens of a run without speculation, as a
+perfect draft would propose them), so each step verifies ``k`` tokens per sequence and
+keeps them: per concurrency and ``k``, milliseconds a step and tokens/s against ``k =
+0`` (plain decoding), medians of ``--repeats``. What speculation can gain on a device is
+``(k + 1) / (step cost ratio)`` at full acceptance.
 """
 
 from __future__ import annotations
@@ -125,8 +135,100 @@ def free_form(n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
 
 
+class _Known:
+    """Proposes each sequence's true continuation, from ``sequences`` (prompt + output of
+    a run without speculation)."""
+
+    def __init__(self, sequences):
+        self.by_prompt = {tuple(s[:16]): s for s in sequences}
+
+    def propose(self, requests):
+        out = []
+        for r in requests:
+            t = r.tokens
+            s = self.by_prompt[tuple(t[:16].tolist())]
+            out.append(s[len(t) : len(t) + r.max_tokens])
+        return out
+
+
+def verify_cost(args) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    import paged_jax as pj
+    from benchmarks.bench_engine import SHAPE_FIELDS, _prompts
+    from paged_jax import models
+
+    def say(msg):
+        print(f"speculative verify-cost: {msg}", file=sys.stderr, flush=True)
+
+    if args.shape not in SHAPE_FIELDS:
+        print(
+            f"--shape: expected one of {sorted(SHAPE_FIELDS)}, got {args.shape!r}", file=sys.stderr
+        )
+        return 2
+    cpu = jax.default_backend() == "cpu"
+    dtype = jnp.float32 if cpu else jnp.bfloat16
+    cfg = models.LlamaConfig(**SHAPE_FIELDS[args.shape])
+    model = models.init_model(cfg, seed=0, dtype=dtype, param_dtype=dtype)
+    rows = []
+    for c in args.concurrency:
+        prompts = _prompts(c, 128, cfg.vocab_size, seed=c)
+        p = pj.SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+        common = dict(max_num_seqs=max(c, 8), max_num_batched_tokens=max(1024, c * 8),
+                      compilation_cache=False, async_scheduling=False)  # fmt: skip
+        plain = pj.LLM(model, **common)
+        want = plain.generate(prompts, p, progress=False)
+        sequences = [q + o.outputs[0].token_ids for q, o in zip(prompts, want, strict=True)]
+        engines = {0: plain}
+        for k in args.ks:
+            e = pj.LLM(model, speculative={"num_speculative_tokens": k}, **common)
+            e.proposer = _Known(sequences)
+            engines[k] = e
+        for e in engines.values():
+            e.generate(prompts, p, progress=False)  # compile
+        runs = {k: [] for k in engines}
+        for _ in range(args.repeats):
+            for k, e in engines.items():
+                s0 = e.metrics.steps
+                t = time.perf_counter()
+                outs = e.generate(prompts, p, progress=False)
+                dt = time.perf_counter() - t
+                assert [o.outputs[0].token_ids for o in outs] == [
+                    o.outputs[0].token_ids for o in want
+                ], "a verify step changed a token"
+                runs[k].append((dt * 1e3 / (e.metrics.steps - s0), c * args.output_len / dt))
+        base_ms = statistics.median(x[0] for x in runs[0])
+        base_rate = statistics.median(x[1] for x in runs[0])
+        for k, r in runs.items():
+            ms = statistics.median(x[0] for x in r)
+            rate = statistics.median(x[1] for x in r)
+            rows.append(dict(concurrency=c, k=k, ms_per_step=round(ms, 3),
+                             step_cost_vs_decode=round(ms / base_ms, 3),
+                             tokens_per_s=round(rate, 1),
+                             speedup=round(rate / base_rate, 3)))  # fmt: skip
+            say(f"c={c} k={k}: {ms:.1f} ms a step ({ms / base_ms:.2f}x), {rate:.1f} tokens/s")
+    payload = dict(
+        environment=environment(),
+        command="python -m benchmarks speculative "
+        + " ".join(args.argv if args.argv is not None else sys.argv[1:]),
+        model=f"{args.shape}-shaped decoder, random weights, {jnp.dtype(dtype).name}",
+        workload=dict(prompt_len=128, output_len=args.output_len, repeats=args.repeats),
+        proposals="each sequence's true continuation (all accepted)",
+        jax=jax.__version__,
+        device=str(jax.devices()[0].device_kind),
+        results=rows,
+    )
+    path = write_result("speculative_verify_cost", payload)
+    print(f"results: {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks speculative")
+    ap.add_argument("--verify-cost", action="store_true")
+    ap.add_argument("--shape", default="llama3-8b", help="a shape of bench_engine.SHAPE_FIELDS")
+    ap.add_argument("--ks", nargs="+", type=positive_int, default=[1, 2, 4])
     ap.add_argument("--concurrency", nargs="+", type=positive_int, default=[1, 4, 16])
     ap.add_argument("--output-len", type=positive_int, default=256)
     ap.add_argument("--chat-len", type=positive_int, default=128)
@@ -134,6 +236,11 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=positive_int, default=4)
     ap.add_argument("--repeats", type=positive_int, default=3)
     args = ap.parse_args(argv)
+    if args.verify_cost:
+        args.argv = argv
+        if "--output-len" not in (argv if argv is not None else sys.argv[1:]):
+            args.output_len = 64
+        return verify_cost(args)
 
     import jax
 

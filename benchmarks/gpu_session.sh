@@ -13,6 +13,8 @@
 #   bench    python -m benchmarks kernels --tune  (decode + ragged prefill, tuning sweeps)
 #   engine   python -m benchmarks engine --layout both  (Llama-3-8B / SmolLM2-135M shapes:
 #            tokens/s and the roofline fraction, the engine's layout beside the scanned one)
+#   speculative  python -m benchmarks speculative --verify-cost (Llama-3-8B shape: a verify
+#            step of k proposals per sequence against a decode step, 1 to 64 sequences)
 #
 # Logs and result files go to $OUT (default gpu-out/). Every stage has a time limit
 # (seconds, STAGE_LIMIT_<stage> overrides) so a hang cannot eat a lease. KERNEL_TESTS_MARK
@@ -84,6 +86,10 @@ EOF
     engine)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run engine "$(limit engine 420)" \
         $PY -m benchmarks engine --out "$OUT" ${ENGINE_ARGS---layout both}
+      ;;
+    speculative)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run speculative "$(limit speculative 300)" \
+        $PY -m benchmarks speculative --verify-cost --out "$OUT" ${SPEC_ARGS---concurrency 1 4 16 64}
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

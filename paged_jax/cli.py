@@ -284,11 +284,18 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--speculative",
-        choices=["ngram"],
+        choices=["ngram", "draft"],
         default=None,
         help="speculative decoding: ngram proposes the tokens that followed the latest "
-        "earlier occurrence of a sequence's last tokens in its prompt and output, and each "
-        "step verifies them (the same tokens, fewer steps where outputs quote their input)",
+        "earlier occurrence of a sequence's last tokens in its prompt and output, draft "
+        "the greedy continuation of --draft-model; each step verifies them (the same "
+        "tokens, fewer steps where the proposals are right)",
+    )
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="with --speculative draft: a smaller model sharing the model's tokenizer (a "
+        "name, checkpoint directory or GGUF file, as --model)",
     )
     parser.add_argument(
         "--num-speculative-tokens",
@@ -428,6 +435,7 @@ _FLAGS = {
     "num_scheduler_steps": "--num-scheduler-steps",
     "speculative": "--speculative",
     "speculative.num_speculative_tokens": "--num-speculative-tokens",
+    "speculative.draft_model": "--draft-model",
     "tensor_parallel_size": "--tensor-parallel-size",
     "data_parallel_size": "--data-parallel-size",
     "data_parallel_size x tensor_parallel_size": "--data-parallel-size x --tensor-parallel-size",
@@ -699,8 +707,13 @@ def _serve(args) -> int:
 def _speculative(args) -> dict | None:
     """``LLM(speculative=)`` from ``--speculative`` and ``--num-speculative-tokens``."""
     if args.speculative is None:
+        if args.draft_model is not None:
+            raise UsageError("--draft-model: only with --speculative draft")
         return None
-    return {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
+    spec = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.draft_model is not None:
+        spec["draft_model"] = args.draft_model
+    return spec
 
 
 def _check_engine_flags(args) -> None:

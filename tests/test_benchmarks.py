@@ -407,3 +407,35 @@ def test_sampler_benchmark_times_every_setting_and_writes_where_told(tmp_path, m
     for r in rows.values():
         assert r["engine_ms_per_step"]["min"] > 0 and r["sampler_ms"] > 0
         assert r["sampler_xla_ms"] > 0 and r["sampler_share_of_greedy_step"] > 0
+
+
+def test_speculative_verify_cost_runs_a_tiny_shape_and_writes_where_told(tmp_path, monkeypatch):
+    # The GPU session's verify-cost measurement end to end on CPU (timings meaningless):
+    # every k keeps the tokens of plain decoding and needs fewer steps.
+    import json
+
+    from benchmarks import bench_engine, bench_speculative
+    from benchmarks.common import OUT_ENV
+
+    monkeypatch.setitem(
+        bench_engine.SHAPE_FIELDS,
+        "tiny-test",
+        dict(
+            vocab_size=300,
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            rope_theta=10000.0,
+            max_position_embeddings=256,
+        ),
+    )
+    monkeypatch.setenv(OUT_ENV, str(tmp_path))
+    argv = ["--verify-cost", "--shape", "tiny-test", "--concurrency", "2", "--ks", "2"]
+    assert bench_speculative.main([*argv, "--repeats", "1", "--output-len", "12"]) == 0
+    rows = json.loads((tmp_path / "speculative_verify_cost.json").read_text())["results"]
+    assert [(r["concurrency"], r["k"]) for r in rows] == [(2, 0), (2, 2)]
+    assert rows[0]["step_cost_vs_decode"] == 1.0 and rows[1]["ms_per_step"] > 0
+    assert bench_speculative.main(["--verify-cost", "--shape", "nope"]) == 2

@@ -151,6 +151,12 @@ def test_speculative_flags_reach_the_engine(monkeypatch, capsys):
     assert out["token_ids"] == plain  # the same tokens
     assert cli.main([*argv, "--speculative", "ngram", "--num-speculative-tokens", "0"]) == 2
     assert "--num-speculative-tokens: expected an int in [1, 16], got 0" in capsys.readouterr().err
+    draft = ["--speculative", "draft", "--draft-model", "tiny-llama"]
+    assert cli.main([*argv, *draft]) == 0
+    out = json.loads(capsys.readouterr().out)["outputs"][0]["completions"][0]
+    assert out["token_ids"] == plain
+    assert cli.main([*argv, "--speculative", "draft"]) == 2
+    assert "--draft-model: expected a model with method 'draft'" in capsys.readouterr().err
 
 
 def test_sampling_errors_name_the_flag():

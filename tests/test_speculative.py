@@ -241,3 +241,107 @@ def test_a_bad_proposal_fails_the_step_not_the_engine():
     with pytest.raises(ValueError, match=r"proposer: token ids must lie in \[0, "):
         for _ in range(3):
             llm.step()
+
+
+# ---------------------------------------------------------------------- a draft model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return models.load("tiny-llama")
+
+
+@pytest.mark.parametrize(
+    "pool", [dict(), dict(num_pages=14, preemption="swap", num_host_pages=64, watermark=0.0)]
+)
+def test_a_draft_model_changes_no_token(reference, tiny, pool):
+    prompts, params, ref = reference
+    other = models.load("tiny-llama", seed=1)[0]  # other weights: it proposes badly
+    for draft in (tiny[0], other):
+        spec = {"method": "draft", "draft_model": draft, "num_speculative_tokens": 3}
+        llm = _engine(speculative=spec, **pool)
+        outs = llm.generate(prompts, params, progress=False)
+        assert _summary(outs) == _summary(ref)
+        assert llm.metrics.spec_draft_tokens > 0
+        assert llm.proposer.bm.num_seqs == 0  # every sequence's draft state released
+        llm.proposer.bm.check_invariants()
+
+
+def test_a_draft_equal_to_the_target_has_every_greedy_proposal_accepted(tiny):
+    model, tok = tiny
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in (5, 17, 30, 9)]
+    p = pj.SamplingParams(max_tokens=24, ignore_eos=True)
+    spec = {"method": "draft", "draft_model": model, "num_speculative_tokens": 4}
+    llm = _engine(speculative=spec)
+    outs = llm.generate(prompts, p, progress=False)
+    plain = _engine().generate(prompts, p, progress=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    m = llm.metrics
+    assert m.spec_acceptance_rate == 1.0 and m.spec_mean_accepted_length > 4
+    assert m.steps <= 8  # 24 tokens: the prompt's step, then 5 a step
+
+
+def test_the_draft_recomputes_what_its_pool_dropped(tiny):
+    """A pool too small for two sequences drops the one asked least recently; asked
+    again, it is recomputed and proposes what a fresh draft does."""
+    from paged_jax.engine.draft import DraftModelProposer
+
+    model = tiny[0]
+    rng = np.random.default_rng(5)
+    a, b = (rng.integers(0, 256, 14).astype(np.int32) for _ in range(2))
+
+    def fresh(tokens):
+        d = DraftModelProposer(model, vocab_size=320, page_size=4, num_pages=12)
+        return d.propose([DraftRequest("x", tokens, 4)])[0]
+
+    d = DraftModelProposer(model, vocab_size=320, page_size=4, num_pages=6)
+    first = d.propose([DraftRequest("a", a, 4)])[0]
+    assert first == fresh(a) and len(first) == 4
+    assert d.propose([DraftRequest("b", b, 4)])[0] == fresh(b)
+    assert "a" not in d.bm  # dropped for b
+    grown = np.concatenate([a, np.array(first[:2], np.int32)])  # two proposals accepted
+    assert d.propose([DraftRequest("a", grown, 3)])[0] == fresh(grown)[:3]
+    d.bm.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "value,exc,msg",
+    [
+        ({"method": "draft"}, ValueError, "speculative.draft_model: expected a model with"),
+        ({"method": "ngram", "draft_model": "x"}, ValueError, "speculative.draft_model"),
+    ],
+)
+def test_draft_configs_are_checked(value, exc, msg):
+    with pytest.raises(exc, match=msg):
+        SpeculativeConfig.of(value)
+
+
+def test_a_draft_must_be_a_model_with_the_targets_vocabulary(tiny):
+    with pytest.raises(TypeError, match="speculative.draft_model: expected a paged-jax model"):
+        _engine(speculative={"method": "draft", "draft_model": object()})
+    llm = _engine(speculative={"method": "draft", "draft_model": "tiny-llama"})  # a name
+    assert llm.proposer.model.config.vocab_size == tiny[0].config.vocab_size
+
+
+def test_stop_strings_and_streams_cut_where_decoding_without_it_does(tiny):
+    """A verify step appends several tokens at once: a stop string completed by one of
+    them ends the text there, and streamed text is the final text."""
+    model, tok = tiny
+    prompt = "the cat sat on the mat. the cat sat on the mat. the cat"
+    free = pj.SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = _engine().generate([prompt], free, progress=False)[0].outputs[0].text
+    stop = ref[9:12]  # three characters from inside the continuation
+    p = pj.SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop,))
+    want = _engine().generate([prompt], p, progress=False)[0].outputs[0]
+    llm = _engine(speculative={"num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    got = llm.generate([prompt], p, progress=False)[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (
+        want.text,
+        want.token_ids,
+        want.finish_reason,
+    )
+    assert got.finish_reason == "stop" and stop not in got.text
+    pieces = "".join(piece.text for piece in llm.stream([prompt], p))
+    assert pieces == want.text
+    assert llm.metrics.spec_draft_tokens > 0

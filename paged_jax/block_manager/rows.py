@@ -287,7 +287,7 @@ class SequenceRows:
             self._resv[rows[past]] = np.where(stops < n, stops, -1)[past]
         self._mark_rows(rows, stops)
 
-    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+    def truncate(self, seq_id: Hashable, num_tokens: int, *, computed: bool = False) -> None:
         """Drops the sequence's tokens from ``num_tokens`` on, none of them computed: the
         rejected tail of speculative tokens (appended with ``append_slots``, their K/V
         written by a step that also computed what rejects them). Pages only the dropped
@@ -295,15 +295,22 @@ class SequenceRows:
         among them (a copy-on-write already gave this one a private last page), and none
         of them was entered in the prefix cache (only computed pages are). Call it after
         the step returned and before the sequence's next append, then ``mark_computed``
-        the tokens kept. Raises ``ValueError`` for a count outside ``[computed, num_tokens]``
-        or for a sequence with reserved tokens (``reserve_tokens``)."""
+        the tokens kept. ``computed=True`` may also drop computed tokens that no
+        prefix-cache page holds (a draft model's own proposals, in a pool without prefix
+        caching). Raises ``ValueError`` for a count outside ``[computed, num_tokens]`` (with
+        ``computed``: ``[tokens in cached pages, num_tokens]``) or for a sequence with
+        reserved tokens (``reserve_tokens``)."""
         row = self._device_row(seq_id, "truncate")
         n, done = int(self._ntok[row]), int(self._ncomp[row])
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
             raise TypeError(f"num_tokens: expected an int, got {num_tokens!r}")
-        if not done <= num_tokens <= n:
+        low = int(self._nhash[row]) * self.page_size if computed else done
+        if self._dropped[row] and computed:
+            low = max(low, done)  # a sliding window dropped pages the tokens need
+        if not low <= num_tokens <= n:
+            kept = "tokens in cached pages stay" if computed else "computed tokens stay"
             raise ValueError(
-                f"num_tokens: expected a count in [{done}, {n}] (computed tokens stay) for "
+                f"num_tokens: expected a count in [{low}, {n}] ({kept}) for "
                 f"{seq_id!r}, got {num_tokens}"
             )
         if self._resv[row] >= 0:
@@ -315,6 +322,7 @@ class SequenceRows:
             self._unref(page)
         self._tok[row, num_tokens:n] = -1
         self._ntok[row] = num_tokens
+        self._ncomp[row] = min(done, num_tokens)
 
     def _mark_rows(self, rows: np.ndarray, num_tokens: np.ndarray) -> None:
         """``_mark_computed`` of each of ``rows`` (distinct): the counts as one

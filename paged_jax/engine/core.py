@@ -84,7 +84,15 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation):
         self.async_scheduling = async_scheduling
         self.num_scheduler_steps = num_scheduler_steps
         self.speculative = speculative
-        self.proposer = None if speculative is None else speculative.proposer()
+        self.proposer = (
+            None
+            if speculative is None
+            else speculative.proposer(
+                vocab_size=runner.model.config.vocab_size,
+                page_size=runner.page_size,
+                num_pages=block_manager_args["num_pages"],
+            )
+        )
         self._bm_args = block_manager_args
         # One block manager and scheduler per data-parallel replica (page ids local to
         # its pool); `bm` and `scheduler` name the only one when there is one.
@@ -331,6 +339,7 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation):
                         self._host.pop((g.replica, slot), None)
             s.finish_reason = "abort"
             self._ended += 1
+            self._release_draft(s)
             g.done.append(s)
         g.seqs.clear()
         return self._finish(g)

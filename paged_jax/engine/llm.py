@@ -155,7 +155,8 @@ class LLM(EngineCore):
         host and device share cores (CPU); a request arriving meanwhile waits for the
         launch to end (up to ``K`` steps) before its prompt runs.
       speculative: speculative decoding (``SpeculativeConfig``, or a dict of its fields
-        such as ``{"method": "ngram", "num_speculative_tokens": 4}``; None: off). Each
+        such as ``{"method": "ngram", "num_speculative_tokens": 4}`` or ``{"method":
+        "draft", "draft_model": small_model}``; None: off). Each
         decoding sequence whose proposer finds a continuation verifies up to ``k``
         proposed tokens in the same step (``paged_jax.engine.speculative``); the tokens
         kept are exactly those of decoding without it, greedy or seeded, and the
@@ -249,6 +250,11 @@ class LLM(EngineCore):
                 f"num_scheduler_steps: expected an int >= 1, got {num_scheduler_steps!r}"
             )
         speculative = SpeculativeConfig.of(speculative)
+        if speculative is not None and isinstance(speculative.draft_model, str | os.PathLike):
+            from paged_jax.models import load
+
+            draft, _ = load(speculative.draft_model, mesh=mesh)
+            speculative = dataclasses.replace(speculative, draft_model=draft)
         if speculative is not None and num_scheduler_steps > 1:
             raise ValueError(
                 f"speculative: not with num_scheduler_steps={num_scheduler_steps} (each "

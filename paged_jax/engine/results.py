@@ -80,6 +80,7 @@ class ApplyResults:
         s.finish_reason = reason
         self._ended += 1
         self._bm(g).free(s.seq_id)
+        self._release_draft(s)
         g.seqs.remove(s)
         g.done.append(s)
 

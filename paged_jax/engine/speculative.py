@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 # A sequence verifies all its proposals, wherever tokens cost compute, only while a
 # moving average of the fraction of its proposals accepted stays at least this
 # (``Speculation._ration``).
@@ -44,13 +44,20 @@ class SpeculativeConfig:
         (no second model).
       num_speculative_tokens: proposed tokens per sequence per step, at most (1 to 16).
       prompt_lookup_max: longest suffix matched (tried first), 1 to 16.
-      prompt_lookup_min: shortest suffix matched, 1 to ``prompt_lookup_max``.
+        ``"draft"``: a second, smaller model (``draft_model``) that shares the target's
+        tokenizer proposes its greedy continuation (``paged_jax.engine.draft``).
+      num_speculative_tokens: proposed tokens per sequence per step, at most (1 to 16).
+      prompt_lookup_max: longest suffix matched (tried first), 1 to 16 (n-gram).
+      prompt_lookup_min: shortest suffix matched, 1 to ``prompt_lookup_max`` (n-gram).
+      draft_model: the draft: a paged-jax model object, or a name or path that
+        ``LLM`` loads with ``paged_jax.models.load`` (method ``"draft"`` only).
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    draft_model: Any = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -65,6 +72,11 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"speculative.{name}: expected an int in [{low}, {high}], got {v!r}"
                 )
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError(
+                "speculative.draft_model: expected a model with method 'draft' (and none "
+                f"with {self.method!r}), got {type(self.draft_model).__name__}"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative.prompt_lookup_min: expected <= prompt_lookup_max="
@@ -86,8 +98,15 @@ class SpeculativeConfig:
             f"speculative: expected None, a SpeculativeConfig or a dict, got {type(value).__name__}"
         )
 
-    def proposer(self) -> Proposer:
-        """The proposer this config describes."""
+    def proposer(self, *, vocab_size: int, page_size: int, num_pages: int) -> Proposer:
+        """The proposer this config describes, for a target of ``vocab_size`` tokens (a
+        draft gets a pool of ``num_pages`` pages of ``page_size`` tokens)."""
+        if self.method == "draft":
+            from paged_jax.engine.draft import DraftModelProposer
+
+            return DraftModelProposer(
+                self.draft_model, vocab_size=vocab_size, page_size=page_size, num_pages=num_pages
+            )
         return NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max)
 
 
@@ -103,8 +122,8 @@ class DraftRequest(NamedTuple):
 class Proposer(Protocol):
     """What the engine asks of a proposer: for each request, up to ``max_tokens`` token ids
     that it guesses follow (an empty list: no guess). A proposer with state of its own
-    per sequence (a draft model's cache) may also define ``release(seq_id)``, called
-    when a sequence ends or is preempted."""
+    per sequence (a draft model's cache) may also define ``release(seq_id)``, which the
+    engine calls when a sequence ends (finished or aborted)."""
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]: ...
 
@@ -231,6 +250,12 @@ class Speculation:
                 sched.work[j] = Work(w.group, w.seq, w.start, w.stop + len(d), True)
                 drafts[id(w.seq)] = d
         return drafts or None
+
+    def _release_draft(self, s) -> None:
+        """Tells the proposer, if it keeps state per sequence, that ``s`` ended."""
+        release = getattr(self.proposer, "release", None)
+        if release is not None:
+            release(s.seq_id)
 
     def _ration(self, work, cand, proposals, budget: int) -> list:
         """Which proposals the step verifies: ``[(work index, Work, tokens)]`` within
