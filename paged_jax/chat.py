@@ -117,7 +117,8 @@ def render_chat(
 
 def check_messages(messages: Any) -> None:
     """Raises TypeError / ValueError naming ``messages[i]`` unless ``messages`` is a
-    non-empty list of mappings with string ``role`` and ``content``."""
+    non-empty list of mappings with string ``role`` and ``content`` (``content`` may be
+    None in an assistant message that makes ``tool_calls``, as OpenAI's API allows)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise TypeError(f"messages: expected a list of messages, got {type(messages).__name__}")
     if not messages:
@@ -126,6 +127,8 @@ def check_messages(messages: Any) -> None:
         if not isinstance(m, Mapping):
             raise TypeError(f"messages[{i}]: expected a mapping, got {type(m).__name__}")
         for key in ("role", "content"):
+            if key == "content" and m.get(key) is None and m.get("tool_calls"):
+                continue
             if not isinstance(m.get(key), str):
                 raise ValueError(f"messages[{i}]: expected a string {key!r}, got {m.get(key)!r}")
 

@@ -202,6 +202,13 @@ def _parser() -> argparse.ArgumentParser:
         help="open connections served at once; newer ones are closed on accept (default: "
         "1000, less where the descriptor limit is lower)",
     )
+    s.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json", "mistral"],
+        default=None,
+        help="the format the model writes tool calls in (default: from its chat template; "
+        "hermes for Qwen and Hermes, llama3_json for Llama 3.1+, mistral)",
+    )
     _engine_flags(s)
     s.add_argument(
         "--no-warm-up",
@@ -695,6 +702,7 @@ def _serve(args) -> int:
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
         max_connections=args.max_connections,
+        tool_call_parser=args.tool_call_parser,
         log_level=args.log_level,
         on_ready=ready,
         allowed_hosts=None

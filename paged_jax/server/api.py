@@ -26,6 +26,7 @@ from starlette.routing import Route
 from paged_jax.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from paged_jax.server.loop import EngineLoop, Event, Overloaded
 from paged_jax.server.metrics import Metrics
+from paged_jax.server.tools import FORMATS, ToolError, ToolRequest, detect_format
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -60,8 +61,6 @@ _UNSUPPORTED = {
     "echo": (False, "echoing the prompt is not supported"),
     "suffix": (None, "suffixes are not supported"),
     "logit_bias": (None, "logit_bias is not supported"),
-    "tools": (None, "tools are not supported"),
-    "tool_choice": (None, "tools are not supported"),
     "functions": (None, "functions are not supported"),
 }
 
@@ -169,7 +168,9 @@ class Server:
 
     ``max_request_bytes``: larger bodies are refused (413) before they are read whole
     (default ``default_max_request_bytes``). ``body_timeout``: seconds a request's body
-    may take to arrive once its headers have (408 after). Request bodies are decoded, tokenized and
+    may take to arrive once its headers have (408 after). ``tool_call_parser``: the
+    format the model writes tool calls in (``tools.FORMATS``; None: from its chat
+    template, ``tools.detect_format``). Request bodies are decoded, tokenized and
     their chat templates rendered on worker threads, never on the event loop, so one
     large request does not hold up the others' routes.
     """
@@ -184,7 +185,17 @@ class Server:
         max_request_bytes: int | None = None,
         allowed_hosts: list[str] | None = None,
         body_timeout: float = 60.0,
+        tool_call_parser: str | None = None,
     ):
+        if tool_call_parser not in (None, *FORMATS):
+            raise ValueError(
+                f"tool_call_parser: expected one of {FORMATS} or None, got {tool_call_parser!r}"
+            )
+        # the tool-call format of the model's replies (tools.py), from its chat template
+        template = getattr(llm.tokenizer, "chat_template", None)
+        self.tool_format = tool_call_parser or detect_format(
+            template if isinstance(template, str) else None
+        )
         if llm.tokenizer is None:
             raise ValueError("llm: the server needs a model with a tokenizer (it serves text)")
         if max_request_bytes is None:
@@ -467,8 +478,14 @@ class Server:
         ):
             raise ApiError(400, "stream_options: expected {include_usage: bool}", "stream_options")
         logprobs, top_logprobs = self._logprobs(body, chat)
+        tools = None
         if chat:
-            prompts = [self._chat_prompt(body.get("messages"))]
+            try:
+                tools = ToolRequest.of(body, self.tool_format)
+            except ToolError as e:
+                raise ApiError(400, str(e), e.param) from None
+            args = {} if tools is None else tools.template_args()
+            prompts = [self._chat_prompt(body.get("messages"), **args)]
         else:
             prompts = self._prompts(body.get("prompt"))
         for ids in prompts:
@@ -501,6 +518,17 @@ class Server:
                 "max_tokens",
             )
         structured = _structured(body)
+        grammar = None if tools is None else tools.grammar()
+        if grammar is not None:  # tool_choice required or named: calls only
+            if structured is not None:
+                raise ApiError(
+                    400,
+                    "tool_choice: not with response_format or structured_outputs",
+                    "tool_choice",
+                )
+            from paged_jax.engine.structured import StructuredOutput
+
+            structured = StructuredOutput(grammar=grammar)
         if structured is not None:
             kw["structured"] = structured
         try:
@@ -516,6 +544,7 @@ class Server:
             prompts=prompts,
             params=params,
             stream=stream,
+            tools=tools if tools is not None and tools.active else None,
             include_usage=bool(options.get("include_usage", False)),
             logprobs=logprobs,
             created=int(time.time()),
@@ -575,7 +604,9 @@ class Server:
             return [one(p, f"prompt[{k}]") for k, p in enumerate(prompt)]
         return [one(prompt, "prompt")]
 
-    def _chat_prompt(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
+    def _chat_prompt(
+        self, messages: Any, add_generation_prompt: bool = True, **template_args
+    ) -> list[int]:
         if isinstance(messages, list):  # content as a list of text parts
             flat = []
             for i, m in enumerate(messages):
@@ -607,7 +638,10 @@ class Server:
         try:
             return list(
                 self.llm.tokenizer.apply_chat_template(
-                    messages, tokenize=True, add_generation_prompt=add_generation_prompt
+                    messages,
+                    tokenize=True,
+                    add_generation_prompt=add_generation_prompt,
+                    **template_args,
                 )
             )
         except (TypeError, ValueError) as e:
@@ -655,6 +689,11 @@ class Server:
                 }
                 if job["chat"]:
                     choice["message"] = {"role": "assistant", "content": c.text}
+                    if job["tools"] is not None:
+                        content, calls = job["tools"].parse(c.text)
+                        if calls:
+                            choice["message"].update(content=content, tool_calls=calls)
+                            choice["finish_reason"] = "tool_calls"
                 else:
                     choice["text"] = c.text
                 choices.append(choice)
@@ -725,9 +764,16 @@ class Server:
         outputs: list[Any] = [None] * len(rids)
 
         offsets: dict[int, int] = {}  # completions' text_offset, per choice
+        tools = job.get("tools")
+        filters: dict[int, Any] = {}  # per choice, with tools: its StreamFilter
 
         def chunk(
-            index: int, text: str | None, finish: str | None, role: bool = False, piece=None
+            index: int,
+            text: str | None,
+            finish: str | None,
+            role: bool = False,
+            piece=None,
+            calls=None,
         ) -> str:
             logprobs = None
             if piece is not None and job["logprobs"]:
@@ -740,6 +786,8 @@ class Server:
                 delta = {"role": "assistant"} if role else {}
                 if text is not None:
                     delta["content"] = text
+                if calls:  # all at once, each with its index (OpenAI's chunk shape)
+                    delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(calls)]
                 choice = {"index": index, "delta": delta, "finish_reason": finish}
                 choice["logprobs"] = logprobs
             else:
@@ -760,7 +808,12 @@ class Server:
                 k, event = await queue.get()
                 if event.kind == "text":
                     index = self._choice_index(job, k, event.sample)
-                    yield chunk(index, event.text, None, piece=event.piece)
+                    text = event.text
+                    if tools is not None:  # held from where a call may begin
+                        text = filters.setdefault(index, tools.stream_filter()).feed(text)
+                        if not text:  # (a held piece's log-probs are not streamed)
+                            continue
+                    yield chunk(index, text, None, piece=event.piece)
                 elif event.kind == "error" or event.output.error is not None:
                     outputs[k] = event
                     status = event.status if event.kind == "error" else 500
@@ -777,11 +830,14 @@ class Server:
                     outputs[k] = event.output
                     self.metrics.finished(event.output)
                     for c in event.output.outputs:
-                        yield chunk(
-                            self._choice_index(job, k, c.index),
-                            None if chat else "",
-                            c.finish_reason,
-                        )
+                        index = self._choice_index(job, k, c.index)
+                        finish = c.finish_reason
+                        if index in filters:
+                            rest, calls = filters[index].finish()
+                            if rest or calls:
+                                yield chunk(index, rest or None, None, calls=calls)
+                            finish = "tool_calls" if calls else finish
+                        yield chunk(index, None if chat else "", finish)
             if status == 200 and job["include_usage"]:
                 body = dict(base, choices=[], usage=self._usage(job, outputs))
                 yield f"data: {json.dumps(body)}\n\n"

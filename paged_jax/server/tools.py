@@ -1,0 +1,324 @@
+"""Tool calls in ``/v1/chat/completions``: OpenAI's ``tools`` and ``tool_choice``, the
+model's chat template rendering the tools, its output parsed back into ``tool_calls``.
+
+Three output formats, one per family of chat templates, chosen from the template's text
+(``detect_format``) or named with ``paged-jax serve --tool-call-parser``:
+
+- ``hermes`` (Qwen 2 and 3, Hermes): ``<tool_call>\\n{"name": ..., "arguments": {...}}
+  \\n</tool_call>``, one block per call, text around them being content;
+- ``llama3_json`` (Llama 3.1 and later): the whole reply is ``{"name": ..., "parameters":
+  {...}}`` (after an optional ``<|python_tag|>``), several separated by ``;``;
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name": ..., "arguments": {...}}``.
+
+``tool_choice``: ``"none"`` renders no tools and parses nothing; ``"auto"`` (the default
+with tools) parses whatever calls the reply makes; ``"required"`` and a named function
+constrain the reply with a grammar (structured output, llguidance) to calls of the given
+tools whose arguments match their JSON schemas. A call naming no given tool, or whose
+arguments are not JSON, stays content. No JAX here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+FORMATS = ("hermes", "llama3_json", "mistral")
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_ARGS = {"hermes": "arguments", "llama3_json": "parameters", "mistral": "arguments"}
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_MISTRAL = "[TOOL_CALLS]"
+_PYTHON_TAG = "<|python_tag|>"
+
+
+class ToolError(ValueError):
+    """A bad ``tools`` or ``tool_choice``; the message names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def detect_format(template: str | None) -> str:
+    """The tool-call format a chat template's model writes (``hermes`` when unknown)."""
+    t = template or ""
+    if _MISTRAL in t:
+        return "mistral"
+    if _PYTHON_TAG in t or "ipython" in t:
+        return "llama3_json"
+    return "hermes"
+
+
+def _check_tools(tools: Any) -> list[dict]:
+    if not isinstance(tools, list) or not tools:
+        raise ToolError("tools: expected a non-empty list of function tools", "tools")
+    names = set()
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, Mapping) else None
+        if not isinstance(t, Mapping) or t.get("type") != "function" or not isinstance(fn, Mapping):
+            raise ToolError(
+                f'tools[{i}]: expected {{"type": "function", "function": {{...}}}}', "tools"
+            )
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise ToolError(
+                f"tools[{i}].function.name: expected 1 to 64 letters, digits, _ . or -, "
+                f"got {name!r:.40}",
+                "tools",
+            )
+        if name in names:
+            raise ToolError(f"tools[{i}].function.name: {name!r} given twice", "tools")
+        names.add(name)
+        params = fn.get("parameters", {"type": "object"})
+        if not isinstance(params, Mapping):
+            raise ToolError(
+                f"tools[{i}].function.parameters: expected a JSON schema object", "tools"
+            )
+    return [dict(t) for t in tools]
+
+
+class ToolRequest:
+    """A chat request's tools: what its template renders, the grammar it is held to and
+    how its reply is read back.
+
+    Args:
+      tools: OpenAI's ``tools`` (function tools only).
+      choice: ``"none"``, ``"auto"``, ``"required"`` or a function's name.
+      fmt: one of ``FORMATS``.
+      parallel: several calls in one reply (OpenAI's ``parallel_tool_calls``); False:
+        one at most (the grammar allows one, a reply's later calls are dropped).
+    """
+
+    def __init__(self, tools: list[dict], choice: str, fmt: str, parallel: bool = True):
+        self.tools, self.choice, self.fmt, self.parallel = tools, choice, fmt, parallel
+        self.names = {t["function"]["name"] for t in tools}
+
+    @classmethod
+    def of(cls, body: Mapping, fmt: str) -> ToolRequest | None:
+        """The request's tools from its body, or None (no tools). ``ToolError`` naming the
+        field for a bad one."""
+        tools, choice = body.get("tools"), body.get("tool_choice")
+        parallel = body.get("parallel_tool_calls", True)
+        if not isinstance(parallel, bool):
+            raise ToolError(
+                f"parallel_tool_calls: expected a bool, got {parallel!r:.40}", "parallel_tool_calls"
+            )
+        if tools is None:
+            if choice not in (None, "none", "auto"):
+                raise ToolError("tool_choice: needs tools", "tool_choice")
+            return None
+        tools = _check_tools(tools)
+        if choice is None:
+            choice = "auto"
+        elif isinstance(choice, Mapping):
+            fn = choice.get("function")
+            name = fn.get("name") if isinstance(fn, Mapping) else None
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise ToolError(
+                    'tool_choice: expected "none", "auto", "required" or {"type": '
+                    '"function", "function": {"name": ...}}',
+                    "tool_choice",
+                )
+            if name not in {t["function"]["name"] for t in tools}:
+                raise ToolError(f"tool_choice: no tool named {name!r:.64}", "tool_choice")
+            choice = name
+        elif choice not in ("none", "auto", "required"):
+            raise ToolError(
+                f'tool_choice: expected "none", "auto", "required" or a function, got '
+                f"{choice!r:.40}",
+                "tool_choice",
+            )
+        return cls(tools, choice, fmt, parallel)
+
+    @property
+    def active(self) -> bool:
+        return self.choice != "none"
+
+    def template_args(self) -> dict:
+        """Keyword arguments of the chat template (``tools`` unless the choice is none)."""
+        return {"tools": self.tools} if self.active else {}
+
+    def grammar(self) -> str | None:
+        """A Lark grammar (llguidance's) of the reply ``required`` or a named choice
+        allows: one or more calls (one for a named function) in this format, each of a
+        given tool with arguments matching its schema; None otherwise."""
+        if self.choice in ("none", "auto"):
+            return None
+        key = _ARGS[self.fmt]
+        chosen = [
+            t
+            for t in self.tools
+            if self.choice == "required" or t["function"]["name"] == self.choice
+        ]
+        one = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": t["function"]["name"]},
+                        key: t["function"].get("parameters", {"type": "object"}),
+                    },
+                    "required": ["name", key],
+                    "additionalProperties": False,
+                }
+                for t in chosen
+            ],
+            "x-guidance": _COMPACT,
+        }
+        many = self.choice == "required" and self.parallel
+        if self.fmt == "hermes":
+            block = f'"{_HERMES_OPEN}\\n" call "\\n{_HERMES_CLOSE}"'
+            start = f'start: {block} ("\\n" {block})*' if many else f"start: {block}"
+            return f"{start}\ncall: %json {json.dumps(one)}"
+        if self.fmt == "llama3_json":
+            if many:
+                return f'start: call ("; " call)*\ncall: %json {json.dumps(one)}'
+            return f"start: call\ncall: %json {json.dumps(one)}"
+        arr = {"type": "array", "items": one, "minItems": 1, "x-guidance": _COMPACT}
+        if not many:
+            arr["maxItems"] = 1
+        return f'start: "{_MISTRAL}" calls\ncalls: %json {json.dumps(arr)}'
+
+    # ------------------------------------------------------------------ reading replies
+    def _call(self, obj: Any) -> dict | None:
+        if not isinstance(obj, Mapping) or obj.get("name") not in self.names:
+            return None
+        args = obj.get(_ARGS[self.fmt], obj.get("arguments", obj.get("parameters", {})))
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        if not isinstance(args, Mapping):
+            return None
+        return {
+            "id": "call_" + uuid.uuid4().hex[:24],
+            "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(args)},
+        }
+
+    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+        """``(content, tool_calls)`` of a reply: the calls it makes in this format and
+        the text around them (None when there is none)."""
+        if not self.active:
+            return text, []
+        calls: list[dict] = []
+        content = text
+        if self.fmt == "hermes":
+            pattern = re.compile(
+                re.escape(_HERMES_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(_HERMES_CLOSE) + r"|$)",
+                re.S,
+            )
+            kept = []
+            last = 0
+            for m in pattern.finditer(text):
+                call = self._call(_loads(m.group(1)))
+                if call is not None:
+                    kept.append(text[last : m.start()])
+                    last = m.end()
+                    calls.append(call)
+            content = "".join(kept) + text[last:]
+        elif self.fmt == "llama3_json":
+            body = text.strip().removeprefix(_PYTHON_TAG).strip()
+            if body.startswith("{"):
+                parts = [_loads(p) for p in _split_json(body)]
+                found = [self._call(p) for p in parts]
+                if parts and all(c is not None for c in found):
+                    calls, content = found, ""
+        else:
+            at = text.find(_MISTRAL)
+            if at >= 0:
+                arr = _loads(text[at + len(_MISTRAL) :].strip())
+                found = [self._call(o) for o in arr] if isinstance(arr, list) else []
+                if found and all(c is not None for c in found):
+                    calls, content = found, text[:at]
+        content = content.strip()
+        if not self.parallel:
+            calls = calls[:1]
+        return (content or None) if calls else text, calls
+
+    def stream_filter(self) -> StreamFilter:
+        return StreamFilter(self)
+
+
+class StreamFilter:
+    """One streamed choice of a request with tools: text goes out as it comes until it
+    may be the start of a call; from there it is held, and read as calls or content when
+    the choice ends (``finish``)."""
+
+    def __init__(self, req: ToolRequest):
+        self.req = req
+        self.text = ""  # everything so far
+        self.sent = 0  # characters of it sent as content
+        self.holding = False
+
+    def feed(self, piece: str) -> str:
+        """The part of the text so far that can go out as content now."""
+        self.text += piece
+        if self.holding or not self.req.active:
+            return "" if self.holding else self._flush(len(self.text))
+        t = self.text
+        if self.req.fmt == "llama3_json":  # a call is the whole reply
+            head = t.lstrip()
+            if head.startswith(("{", _PYTHON_TAG)):
+                self.holding = True
+                return ""
+            if not head or _PYTHON_TAG.startswith(head):
+                return ""  # undecided yet
+            return self._flush(len(t))
+        marker = _HERMES_OPEN if self.req.fmt == "hermes" else _MISTRAL
+        at = t.find(marker, self.sent)
+        if at >= 0:
+            self.holding = True
+            return self._flush(at)
+        # keep back a tail that could begin the marker
+        keep = next((k for k in range(len(marker) - 1, 0, -1) if t.endswith(marker[:k])), 0)
+        return self._flush(len(t) - keep)
+
+    def _flush(self, upto: int) -> str:
+        out = self.text[self.sent : upto]
+        self.sent = max(self.sent, upto)
+        return out
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """``(content not sent yet, tool_calls)`` once the choice has ended."""
+        rest = self.text[self.sent :]
+        if not rest:
+            return "", []
+        content, calls = self.req.parse(rest)
+        if not calls:
+            return rest, []
+        return content or "", calls
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _split_json(text: str) -> list[str]:
+    """``text`` split at the ``;`` between top-level JSON objects."""
+    parts, depth, start, quoted, escaped = [], 0, 0, False, False
+    for i, ch in enumerate(text):
+        if quoted:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                quoted = False
+        elif ch == '"':
+            quoted = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif ch == ";" and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    parts.append(text[start:].strip())
+    return [p for p in parts if p]

@@ -1,0 +1,248 @@
+"""Tool calls in the chat API (issue 54, item 4): each format's replies parsed into
+OpenAI ``tool_calls`` (and what is not a call left as content), the request fields
+checked, streamed text held only from where a call may begin, and through the server a
+random model held by the grammar to calls of the given tools (``required``, a named
+function), plain and streamed, and left alone with ``auto`` and ``none``."""
+
+import json
+
+import pytest
+from test_gguf import _model, write_gguf
+
+import paged_jax as pj
+from paged_jax.models import load_gguf
+from paged_jax.server.tools import StreamFilter, ToolError, ToolRequest, detect_format
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 6}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["utc", "cet"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def _req(fmt, choice="auto", tools=(WEATHER, TIME)):
+    return ToolRequest.of({"tools": list(tools), "tool_choice": choice}, fmt)
+
+
+def _calls(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@pytest.mark.parametrize(
+    "fmt,text,content,calls",
+    [
+        (
+            "hermes",
+            'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n'
+            "</tool_call>",
+            "Let me look.",
+            [("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "utc"})],
+        ),
+        (  # an unknown tool and broken JSON stay text
+            "hermes",
+            '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call> <tool_call>{oops',
+            '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call> <tool_call>{oops',
+            [],
+        ),
+        (
+            "llama3_json",
+            '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
+            '{"name": "get_time", "parameters": {"zone": "cet"}}',
+            None,
+            [("get_weather", {"city": "Rome"}), ("get_time", {"zone": "cet"})],
+        ),
+        ("llama3_json", "It is sunny {really}.", "It is sunny {really}.", []),
+        (
+            "mistral",
+            'ok [TOOL_CALLS][{"name": "get_time", "arguments": "{\\"zone\\": \\"utc\\"}"}]',
+            "ok",
+            [("get_time", {"zone": "utc"})],
+        ),
+    ],
+)
+def test_replies_parse_into_tool_calls(fmt, text, content, calls):
+    got_content, got_calls = _req(fmt).parse(text)
+    assert got_content == content and _calls(got_calls) == calls
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in got_calls)
+
+
+def test_parallel_tool_calls_false_keeps_one_call():
+    body = {"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False}
+    req = ToolRequest.of(body, "hermes")
+    text = (
+        '<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>'
+        '<tool_call>{"name": "get_time", "arguments": {"zone": "cet"}}</tool_call>'
+    )
+    assert _calls(req.parse(text)[1]) == [("get_time", {"zone": "utc"})]
+    assert "*" not in req.grammar().splitlines()[0]  # one block, not one or more
+    with pytest.raises(ToolError, match="parallel_tool_calls: expected a bool"):
+        ToolRequest.of(dict(body, parallel_tool_calls="no"), "hermes")
+
+
+def test_formats_follow_the_chat_template():
+    assert detect_format("{% if tools %}<tool_call>{% endif %}") == "hermes"
+    assert detect_format("<|python_tag|>{{ x }}") == "llama3_json"
+    assert detect_format("[AVAILABLE_TOOLS] [TOOL_CALLS]") == "mistral"
+    assert detect_format(None) == "hermes"
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ({"tools": []}, "tools: expected a non-empty list"),
+        ({"tools": [{"type": "code"}]}, "tools[0]: expected"),
+        ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name: 'get_weather' given twice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+            "tools[0].function.name: expected 1 to 64",
+        ),
+        ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice: expected"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice: no tool named 'x'",
+        ),
+        ({"tool_choice": "required"}, "tool_choice: needs tools"),
+    ],
+)
+def test_bad_tool_fields_name_the_field(body, message):
+    with pytest.raises(ToolError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        ToolRequest.of(body, "hermes")
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "mistral", "llama3_json"])
+def test_streamed_text_is_held_only_where_a_call_may_begin(fmt):
+    call = {
+        "hermes": '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>',
+        "mistral": '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "utc"}}]',
+        "llama3_json": '{"name": "get_time", "parameters": {"zone": "utc"}}',
+    }[fmt]
+    lead = "" if fmt == "llama3_json" else "Checking <tool the clock. "
+    f = StreamFilter(_req(fmt))
+    sent = "".join(f.feed(ch) for ch in lead + call)
+    assert sent == lead  # the text before the call went out as it came
+    rest, calls = f.finish()
+    assert rest == "" and _calls(calls) == [("get_time", {"zone": "utc"})]
+    g = StreamFilter(_req(fmt))  # no call: everything goes out, by the end at the latest
+    text = "Plain answer, <tool> and [brackets]."
+    out = "".join(g.feed(ch) for ch in text)
+    rest, calls = g.finish()
+    assert out + rest == text and not calls
+
+
+# ---------------------------------------------------------------------- the server
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>tools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
+    "{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] or '' }}{% endfor %}"
+    "<|assistant|>"
+)
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    from starlette.testclient import TestClient
+
+    from paged_jax.server.api import Server
+
+    path = tmp_path_factory.mktemp("tools") / "m.gguf"
+    write_gguf(path, _model(vocab_size=300), extra={"tokenizer.chat_template": TOOLS_TEMPLATE})
+    model, tok = load_gguf(path)
+    llm = pj.LLM(model, tok, page_size=8, num_pages=128, compilation_cache=False)
+    app = Server(llm, model_name="t")
+    with TestClient(app.app) as c:
+        yield c
+
+
+def _body(choice, **kw):
+    messages = [
+        {"role": "user", "content": "weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "content": "12C", "tool_call_id": "call_1"},
+    ]
+    body = dict(model="t", messages=messages, tools=[WEATHER, TIME], tool_choice=choice)
+    return body | dict(max_tokens=120, temperature=0.8, seed=3) | kw
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_required_and_named_choices_return_calls_of_the_given_tools(client, choice):
+    r = client.post("/v1/chat/completions", json=_body(choice))
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["finish_reason"] == "tool_calls", c
+    calls = _calls(c["message"]["tool_calls"])
+    assert calls
+    for name, args in calls:
+        if name == "get_weather":
+            assert set(args) == {"city"} and len(args["city"]) <= 6
+        else:
+            assert choice == "required" and name == "get_time" and args["zone"] in ("utc", "cet")
+    if choice != "required":
+        assert [n for n, _ in calls] == ["get_weather"]
+
+
+def test_a_streamed_call_arrives_as_a_tool_calls_delta(client):
+    body = _body({"type": "function", "function": {"name": "get_time"}}, stream=True)
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        chunks = [
+            json.loads(line[6:])
+            for line in r.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    calls = [t for d in deltas for t in d.get("tool_calls", [])]
+    assert len(calls) == 1 and calls[0]["index"] == 0
+    assert calls[0]["function"]["name"] == "get_time"
+    assert json.loads(calls[0]["function"]["arguments"])["zone"] in ("utc", "cet")
+    assert "".join(d.get("content") or "" for d in deltas) == ""  # nothing leaked as text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_auto_and_none_leave_a_reply_that_makes_no_call_alone(client):
+    for choice in ("auto", "none"):
+        r = client.post("/v1/chat/completions", json=_body(choice, max_tokens=8))
+        c = r.json()["choices"][0]
+        assert r.status_code == 200 and c["finish_reason"] == "length"
+        assert "tool_calls" not in c["message"] and isinstance(c["message"]["content"], str)
+
+
+def test_bad_tools_are_a_400_naming_the_field(client):
+    r = client.post("/v1/chat/completions", json=_body("sometimes"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    body = _body("required", response_format={"type": "json_object"})
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "tool_choice: not with response_format" in r.text
