@@ -801,3 +801,39 @@ def test_speculative_decoding_counters_reach_metrics():
     assert float(values["paged_jax_spec_decode_accepted_tokens"]) == m.spec_accepted_tokens
     rate = float(values["paged_jax_spec_decode_acceptance_rate"])
     assert rate == pytest.approx(m.spec_accepted_tokens / m.spec_draft_tokens)
+
+
+def test_tool_calls_through_the_openai_client(server):
+    """Issue 54, item 4: a named tool choice, plain and streamed, read by the openai
+    client's own types (the call's name, its arguments as JSON, finish_reason)."""
+    client = _client(server)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["utc", "cet"]}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    msgs = [{"role": "user", "content": "time?"}]
+    kw = dict(model=NAME, messages=msgs, max_tokens=120, tools=[tool], tool_choice=choice)
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_time" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments)["zone"] in ("utc", "cet")
+    name, args, finish = "", "", None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or []:
+            assert d.index == 0
+            name += d.function.name or ""
+            args += d.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert name == "get_time" and json.loads(args)["zone"] in ("utc", "cet")
+    assert finish == "tool_calls"
