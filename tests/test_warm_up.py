@@ -150,6 +150,23 @@ def test_nothing_compiles_after_warm_up_with_multi_step_launches(tiny):
     assert len(llm.compiled_buckets) == n, llm.compiled_buckets[n:]
 
 
+def test_nothing_compiles_after_warm_up_with_speculative_decoding(tiny):
+    """Verify steps (proposals as extra sampling rows) have one shape per step shape once
+    warmed up, and warm-up compiles them: mixed traffic with proposals of every size
+    compiles nothing afterwards and keeps the tokens of plain decoding."""
+    spec = {"num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    llm = _engine(tiny, speculative=spec, num_pages=200)
+    n = len(llm.warm_up(progress=False))
+    rng = np.random.default_rng(3)
+    prompts, params = _requests(rng, 12, tiny.config.vocab_size)
+    prompts = [(p * 3)[:60] for p in prompts]  # repeated: the n-gram proposes
+    want = _engine(tiny, num_pages=200).generate(prompts, params, progress=False)
+    got = llm.generate(prompts, params, progress=False)
+    assert llm.metrics.spec_verify_rows > 0
+    assert len(llm.compiled_buckets) == n, llm.compiled_buckets[n:]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
 def test_nothing_compiles_after_warm_up_on_a_hybrid_pool():
     model, _ = models.load_hf(GOLDEN / "gemma3", dtype=jnp.float32)
     llm = _engine(model, max_model_len=96, num_pages=200)

@@ -659,15 +659,22 @@ class ModelRunner:
         return bucket(-(-self.max_model_len // self.page_size), 4)
 
     def run_shape(
-        self, shape, replicas: int = 1, merges: Sequence[int] = (), overlapped: bool = False
+        self,
+        shape,
+        replicas: int = 1,
+        merges: Sequence[int] = (),
+        overlapped: bool = False,
+        verify: bool = False,
     ) -> bool:
         """Runs step ``shape`` (``paged_jax.engine.shapes.StepShape``, per replica) once on
         batches that touch only the null page, ``replicas`` of them side by side, and
         waits for it. Then merges its samples into the input tokens of a step of each of
         ``merges`` tokens per replica (``merge_tokens``: an overlapped step's inputs), and
         with ``overlapped`` runs it again on such merged tokens (a device array, which
-        the jitted step's dispatch keys apart from a host one). Returns whether the step
-        compiled (False: compiled before)."""
+        the jitted step's dispatch keys apart from a host one). ``verify``: the step of
+        speculative decoding's verify steps of this shape instead, with ``T`` more
+        sampling rows (``speculative.verify_rows`` with static shapes). Returns whether
+        the step compiled (False: compiled before)."""
         batch = concat_batches(
             [
                 null_batch(
@@ -682,6 +689,12 @@ class ModelRunner:
         )
         S_b = batch.kv_lens.shape[0]
         sampling = idle_sampling(S_b)
+        if verify:
+            T_b = batch.token_ids.shape[0]
+            rows = np.zeros(S_b + T_b, np.int32)
+            rows[:S_b] = batch.logits_indices
+            batch = dataclasses.replace(batch, logits_indices=rows)
+            sampling = idle_sampling(S_b + T_b)
         steps = None if shape.steps == 1 else np.ones(len(batch.seq_ids), np.int32)
 
         def merged(outputs, t: int):

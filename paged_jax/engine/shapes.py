@@ -19,6 +19,9 @@ multi-step launch, its ``steps``. Within one configuration:
 - a multi-step launch (``num_scheduler_steps > 1``) decodes one token a row: ``T == S``.
 - batch-invariant (``deterministic``) steps never take the decode kernels.
 
+With speculative decoding, warm-up also runs each shape that is not decode-only as a
+verify step (``T`` more sampling rows, ``speculative.verify_rows``).
+
 Requests with beam search, ``n > 1``, penalties, ``allowed_token_ids`` or
 ``top_logprobs`` add inputs of their own to a step (candidates, seed columns, token
 histories, masks): their steps compile when first used and are not in this set.

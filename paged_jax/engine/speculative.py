@@ -176,6 +176,15 @@ def accept(draft: Sequence[int], samples: Sequence[int]) -> int:
     return m
 
 
+def verify_rows(num_tokens: int, num_proposals: int, static: bool) -> int:
+    """Extra sampling rows of a verify step of ``num_tokens`` (its token bucket, ``T_b``)
+    with ``num_proposals`` proposals: their bucket (at least 8), or with static shapes
+    ``T_b`` itself (which is never fewer: every proposal is a token of the step)."""
+    from paged_jax.batch import bucket
+
+    return num_tokens if static else bucket(num_proposals, 8)
+
+
 def _more_rows(a: np.ndarray, rows: int, fill) -> np.ndarray:
     """``a`` (``[R, ...]``) with ``rows`` more rows of ``fill``."""
     return np.concatenate([a, np.full((rows, *a.shape[1:]), fill, a.dtype)])
@@ -287,17 +296,17 @@ class Speculation:
                 tokens += len(d)
         return taken
 
-    @staticmethod
-    def _verify_rows(placed, drafts, batch, sampling, penalties, allowed):
+    def _verify_rows(self, placed, drafts, batch, sampling, penalties, allowed):
         """The step's sampling rows extended by one row per proposal: row ``S_b + e`` samples
         the logits of a proposal's input position with its sequence's parameters, seed
         and the output position of the token it samples there. Returns ``(batch with
         logits_indices i32[S_b + E_b], sampling, penalties, allowed, spec)``, where
         ``spec[i] = (proposals, first extra row)`` for batch row ``i``; the extra rows
-        have no penalties, mask or candidates of their own (``_draftable``)."""
+        have no penalties, mask or candidates of their own (``_draftable``). ``E_b``: the
+        bucket of the proposals, or with static shapes (``LLM.warm_up``) the step's token
+        bucket ``T_b``, which holds every proposal, so that a verify step has one shape
+        per step shape and warm-up compiles them all (``verify_rows``)."""
         import dataclasses as dc
-
-        from paged_jax.batch import bucket
 
         S_b = batch.kv_lens.shape[0]
         spec, src, li, off = {}, [], [], []
@@ -311,7 +320,8 @@ class Speculation:
             src += [i] * k
             li += range(last - k, last)
             off += range(-k, 0)
-        E, E_b = len(src), bucket(len(src), 8)
+        E = len(src)
+        E_b = verify_rows(batch.token_ids.shape[0], E, self.runner.static_shapes)
         idx = np.zeros(S_b + E_b, np.intp)
         idx[:S_b] = np.arange(S_b)
         idx[S_b : S_b + E] = src
