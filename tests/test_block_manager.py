@@ -1100,3 +1100,16 @@ def test_tables_rows_follow_every_block_table_change():
         bm.free(sid)
     check()
     assert not bm.tables()[bm._free_rows].any()  # freed rows are zeros again
+
+
+def test_an_append_that_does_not_fit_leaves_the_sequence_free_to_swap():
+    """Found by the state machine under JAX 0.11's run: a failed ``append_slots`` (a verify
+    step's proposals without pages) must not count as this step's append, or the
+    sequence could not be swapped out in the same step."""
+    bm = BlockManager(4, 2, watermark=0.0, num_host_pages=4)
+    bm.allocate("a", [1, 2, 3])  # 2 pages
+    bm.take_copies()  # the prompt's step
+    with pytest.raises(OutOfPages):
+        bm.append_slots("a", [4, 5, 6, 7, 8])  # needs 2 more pages, 1 is free
+    assert bm.swap_out(["a"])  # no InvalidSequenceState
+    bm.check_invariants()

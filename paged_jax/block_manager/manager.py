@@ -446,6 +446,8 @@ class BlockManager(SequenceRows, PrefixCache, Swapping, Statistics):
         row = self._device_row(seq_id, "append_slots")
         P = self.page_size
         n = int(self._ntok[row])
+        last = int(self._last[row])
+        # (tokens of earlier steps are computed, whether or not this append fits)
         self._first_appends(np.array([row], np.intp))
         fill = n % P
         # Fast path (a decode step): one token into an exclusively owned, partially
@@ -466,6 +468,7 @@ class BlockManager(SequenceRows, PrefixCache, Swapping, Statistics):
         num_new = len(tokens)
         need = self._pages_for_append(row, num_new)
         if need > self.num_free_pages:
+            self._last[row] = last  # nothing appended this step (swap_out may take it)
             raise OutOfPages(
                 f"append_slots: seq_id {seq_id!r} needs {need} pages for {num_new} tokens, "
                 f"{self.num_free_pages} available"
