@@ -1,0 +1,65 @@
+"""Request fields of the API that become engine inputs beyond sampling: structured
+output (``response_format``, ``structured_outputs``, ``guided_*``), and ``ApiError``, the
+error every field check raises (status, message naming the field). No JAX here."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def structured_output(body: Mapping) -> Any:
+    """The request's ``StructuredOutput``, or None: OpenAI's ``response_format``
+    (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` (``json``, ``regex``,
+    ``choice``, ``grammar``) and its older ``guided_json`` / ``guided_regex`` /
+    ``guided_choice`` / ``guided_grammar``. ``ApiError`` 400 naming the field otherwise."""
+    from paged_jax.engine.structured import StructuredOutput
+
+    found = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, Mapping) else None
+        if kind == "json_object":
+            found.append(("response_format", dict(json_object=True)))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, Mapping) else None
+            if not isinstance(schema, Mapping):
+                raise ApiError(
+                    400,
+                    "response_format.json_schema.schema: expected a JSON schema object",
+                    "response_format",
+                )
+            found.append(("response_format", dict(json=schema)))
+        elif kind != "text":
+            raise ApiError(
+                400,
+                f"response_format: expected type text, json_object or json_schema, got "
+                f"{kind!r:.40}",
+                "response_format",
+            )
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, Mapping):
+            raise ApiError(400, "structured_outputs: expected an object", "structured_outputs")
+        keys = {k: v for k, v in outputs.items() if k in ("json", "regex", "choice", "grammar")}
+        found.append(("structured_outputs", keys))
+    for name in ("json", "regex", "choice", "grammar"):
+        if body.get(f"guided_{name}") is not None:
+            found.append((f"guided_{name}", {name: body[f"guided_{name}"]}))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(n for n, _ in found)
+        raise ApiError(400, f"{names}: expected one way to constrain the output", found[1][0])
+    name, kw = found[0]
+    try:
+        return StructuredOutput(**kw)
+    except (TypeError, ValueError) as e:
+        raise ApiError(400, f"{name}: {e}", name) from None
