@@ -24,20 +24,17 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from paged_jax.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from paged_jax.server.fields import ApiError, structured_output
+from paged_jax.server.answers import Answers
+from paged_jax.server.fields import (
+    ApiError,
+    _param_of,
+    error_response,
+    structured_output,
+)
 from paged_jax.server.loop import EngineLoop, Event, Overloaded
 from paged_jax.server.metrics import Metrics
 from paged_jax.server.tools import FORMATS, ToolError, ToolRequest, detect_format
 
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "internal_error",
-    503: "service_unavailable",
-}
 # OpenAI fields this server takes (besides model, prompt / messages, stream)
 _SAMPLING = {
     "max_tokens": "max_tokens",
@@ -66,18 +63,6 @@ _UNSUPPORTED = {
 }
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    body = {
-        "error": {
-            "message": message,
-            "type": _ERROR_TYPES.get(status, "error"),
-            "param": param,
-            "code": status,
-        }
-    }
-    return JSONResponse(body, status_code=status)
-
-
 # OpenAI's message roles ("developer": its newer name for "system").
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -96,18 +81,13 @@ def _json_body(raw: bytes) -> Any:
         raise ApiError(400, "body: nested too deeply") from None
 
 
-def _param_of(message: str) -> str | None:
-    field, sep, _ = message.partition(":")
-    return field.split("[")[0].split(".")[-1] if sep and " " not in field else None
-
-
 def default_max_request_bytes(max_model_len: int) -> int:
     """The largest request body the server reads by default: 64 bytes per token of the
     model's context (a prompt's text, JSON-escaped, or its token ids), at least 1 MiB."""
     return max(2**20, 64 * max_model_len)
 
 
-class Server:
+class Server(Answers):
     """The routes of one served model; ``app`` is the ASGI application.
 
     ``max_request_bytes``: larger bodies are refused (413) before they are read whole
@@ -590,205 +570,3 @@ class Server:
             )
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), "messages") from None
-
-    # ------------------------------------------------------------------ answers
-    def _choice_index(self, job: dict, k: int, sample: int) -> int:
-        return k * job["params"].n + sample
-
-    async def _collect(self, request, job, rids, queue, endpoint) -> Response:
-        outputs: list[Any] = [None] * len(rids)
-        while any(o is None for o in outputs):
-            try:
-                k, event = await asyncio.wait_for(queue.get(), timeout=0.5)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    self._abort(rids, outputs)
-                    self.metrics.request(endpoint, 499)
-                    return Response(status_code=499)
-                continue
-            if event.kind == "error":
-                outputs[k] = event
-                self._abort(rids, outputs)
-                self.metrics.request(endpoint, event.status)
-                return error_response(event.status, event.message, _param_of(event.message))
-            if event.kind == "done":
-                if event.output.error is not None:
-                    outputs[k] = event
-                    self._abort(rids, outputs)
-                    self.metrics.request(endpoint, 500)
-                    return error_response(
-                        500, f"the engine failed the request: {event.output.error}"
-                    )
-                outputs[k] = event.output
-                self.metrics.finished(event.output)
-        choices = []
-        for k, out in enumerate(outputs):
-            for c in out.outputs:
-                choice: dict[str, Any] = {
-                    "index": self._choice_index(job, k, c.index),
-                    "finish_reason": c.finish_reason,
-                    "logprobs": self._logprob_body(job, c.token_ids, c.logprobs, c.top_logprobs)
-                    if job["logprobs"]
-                    else None,
-                }
-                if job["chat"]:
-                    choice["message"] = {"role": "assistant", "content": c.text}
-                    if job["tools"] is not None:
-                        content, calls = job["tools"].parse(c.text)
-                        if calls:
-                            choice["message"].update(content=content, tool_calls=calls)
-                            choice["finish_reason"] = "tool_calls"
-                else:
-                    choice["text"] = c.text
-                choices.append(choice)
-        self.metrics.request(endpoint, 200)
-        return JSONResponse(
-            {
-                "id": job["id"],
-                "object": "chat.completion" if job["chat"] else "text_completion",
-                "created": job["created"],
-                "model": self.model_name,
-                "choices": choices,
-                "usage": self._usage(job, outputs),
-            }
-        )
-
-    def _abort(self, rids, outputs) -> None:
-        for rid, out in zip(rids, outputs, strict=True):
-            if out is None:
-                self.loop.abort(rid)
-
-    def _usage(self, job, outputs) -> dict:
-        prompt = sum(len(ids) for ids in job["prompts"])
-        done = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
-
-    def _logprob_body(self, job, ids, logprobs, top, offset: int = 0) -> dict:
-        """OpenAI's ``logprobs`` of tokens ``ids`` (their ``logprobs``, and ``top``: each
-        one's most likely tokens as ``(id, log-prob)``, or None): chat's ``content`` list,
-        or completions' parallel lists (``text_offset`` from ``offset``)."""
-        text = [self.llm.decode([t]) or "" for t in ids]
-        alts = [[] for _ in ids] if top is None else top
-        if job["chat"]:
-
-            def entry(t, lp):
-                return {"token": t, "logprob": lp, "bytes": list(t.encode())}
-
-            return {
-                "content": [
-                    dict(
-                        entry(t, lp),
-                        top_logprobs=[entry(self.llm.decode([a]) or "", b) for a, b in alt],
-                    )
-                    for t, lp, alt in zip(text, logprobs, alts, strict=True)
-                ]
-            }
-        offsets = []
-        for t in text:
-            offsets.append(offset)
-            offset += len(t)
-        return {
-            "tokens": text,
-            "token_logprobs": list(logprobs),
-            "top_logprobs": None
-            if top is None
-            else [{self.llm.decode([a]) or "": b for a, b in alt} for alt in alts],
-            "text_offset": offsets,
-        }
-
-    async def _stream(self, job, rids, queue, endpoint):
-        chat = job["chat"]
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        base = {
-            "id": job["id"],
-            "object": kind,
-            "created": job["created"],
-            "model": self.model_name,
-        }
-        outputs: list[Any] = [None] * len(rids)
-
-        offsets: dict[int, int] = {}  # completions' text_offset, per choice
-        tools = job.get("tools")
-        filters: dict[int, Any] = {}  # per choice, with tools: its StreamFilter
-
-        def chunk(
-            index: int,
-            text: str | None,
-            finish: str | None,
-            role: bool = False,
-            piece=None,
-            calls=None,
-        ) -> str:
-            logprobs = None
-            if piece is not None and job["logprobs"]:
-                logprobs = self._logprob_body(
-                    job, piece.token_ids, piece.logprobs, piece.top_logprobs, offsets.get(index, 0)
-                )
-                if not chat:
-                    offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
-            if chat:
-                delta = {"role": "assistant"} if role else {}
-                if text is not None:
-                    delta["content"] = text
-                if calls:  # all at once, each with its index (OpenAI's chunk shape)
-                    delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(calls)]
-                choice = {"index": index, "delta": delta, "finish_reason": finish}
-                choice["logprobs"] = logprobs
-            else:
-                choice = {"index": index, "text": text or "", "finish_reason": finish}
-                choice["logprobs"] = logprobs
-            body = dict(base, choices=[choice])
-            if job["include_usage"]:
-                body["usage"] = None
-            return f"data: {json.dumps(body)}\n\n"
-
-        status = 200
-        try:
-            if chat:
-                for k in range(len(rids)):
-                    for j in range(job["params"].n):
-                        yield chunk(self._choice_index(job, k, j), "", None, role=True)
-            while any(o is None for o in outputs):
-                k, event = await queue.get()
-                if event.kind == "text":
-                    index = self._choice_index(job, k, event.sample)
-                    text = event.text
-                    if tools is not None:  # held from where a call may begin
-                        text = filters.setdefault(index, tools.stream_filter()).feed(text)
-                        if not text:  # (a held piece's log-probs are not streamed)
-                            continue
-                    yield chunk(index, text, None, piece=event.piece)
-                elif event.kind == "error" or event.output.error is not None:
-                    outputs[k] = event
-                    status = event.status if event.kind == "error" else 500
-                    message = (
-                        event.message
-                        if event.kind == "error"
-                        else f"the engine failed the request: {event.output.error}"
-                    )
-                    self._abort(rids, outputs)
-                    error = {"message": message, "type": _ERROR_TYPES.get(status), "code": status}
-                    yield f"data: {json.dumps({'error': error})}\n\n"
-                    break
-                else:
-                    outputs[k] = event.output
-                    self.metrics.finished(event.output)
-                    for c in event.output.outputs:
-                        index = self._choice_index(job, k, c.index)
-                        finish = c.finish_reason
-                        if index in filters:
-                            rest, calls = filters[index].finish()
-                            if rest or calls:
-                                yield chunk(index, rest or None, None, calls=calls)
-                            finish = "tool_calls" if calls else finish
-                        yield chunk(index, None if chat else "", finish)
-            if status == 200 and job["include_usage"]:
-                body = dict(base, choices=[], usage=self._usage(job, outputs))
-                yield f"data: {json.dumps(body)}\n\n"
-            yield "data: [DONE]\n\n"
-        except BaseException:  # the client went away (cancelled): free its pages
-            status = 499
-            self._abort(rids, outputs)
-            raise
-        finally:
-            self.metrics.request(endpoint, status)

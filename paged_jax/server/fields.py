@@ -1,11 +1,41 @@
 """Request fields of the API that become engine inputs beyond sampling: structured
-output (``response_format``, ``structured_outputs``, ``guided_*``), and ``ApiError``, the
-error every field check raises (status, message naming the field). No JAX here."""
+output (``response_format``, ``structured_outputs``, ``guided_*``); ``ApiError``, the
+error every field check raises (status, message naming the field), and OpenAI's error
+body for it (``error_response``). No JAX here."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from starlette.responses import JSONResponse
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    body = {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "error"),
+            "param": param,
+            "code": status,
+        }
+    }
+    return JSONResponse(body, status_code=status)
+
+
+def _param_of(message: str) -> str | None:
+    field, sep, _ = message.partition(":")
+    return field.split("[")[0].split(".")[-1] if sep and " " not in field else None
 
 
 class ApiError(Exception):
