@@ -159,3 +159,91 @@ def test_any_json_object_accepts_objects_only(engine):
     assert m.is_accepting()
     m = grammars.matcher(StructuredOutput(json_object=True))
     assert not m.consume_token(tok.encode("[", add_special_tokens=False).ids[0])
+
+
+# Held-out schemas (written for this test, not used to build the grammar code): nested
+# objects and arrays, enums and consts, bounded numbers and strings, optional and
+# nullable fields, anyOf, patterns. Every output is checked by jsonschema, a validator
+# independent of llguidance.
+HELD_OUT = [
+    {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "minLength": 1, "maxLength": 5},
+                    "age": {"type": "integer", "minimum": 18, "maximum": 30},
+                },
+                "required": ["name", "age"],
+                "additionalProperties": False,
+            },
+            "roles": {
+                "type": "array",
+                "items": {"enum": ["admin", "dev", "ops"]},
+                "minItems": 1,
+                "maxItems": 3,
+            },
+        },
+        "required": ["user", "roles"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "kind": {"const": "point"},
+            "xy": {
+                "type": "array",
+                "items": {"type": "number", "minimum": -1, "maximum": 1},
+                "minItems": 2,
+                "maxItems": 2,
+            },
+            "label": {"type": ["string", "null"], "maxLength": 4},
+        },
+        "required": ["kind", "xy", "label"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+            "ok": {"type": "boolean"},
+            "note": {"type": "string", "maxLength": 3},
+        },
+        "required": ["code", "ok"],
+        "additionalProperties": False,
+    },
+    {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"n": {"type": "integer", "multipleOf": 5, "maximum": 50}},
+                "required": ["n"],
+                "additionalProperties": False,
+            },
+            {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+        ]
+    },
+]
+
+
+@pytest.mark.parametrize("k", range(len(HELD_OUT)))
+def test_held_out_schemas_validate_with_jsonschema(engine, k):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = HELD_OUT[k]
+    jsonschema.Draft202012Validator.check_schema(schema)
+    llm = _llm(engine)
+    params = [
+        pj.SamplingParams(
+            max_tokens=160,
+            temperature=t,
+            seed=s,
+            structured=StructuredOutput(json=schema),
+        )
+        for t, s in ((0.0, 0), (1.0, 1), (1.0, 2), (0.7, 3))
+    ]
+    outs = llm.generate(["{", "a", "b", "c"], params, progress=False)
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason == "stop", (k, c.text)
+        jsonschema.validate(json.loads(c.text), schema)
