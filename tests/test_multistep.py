@@ -121,7 +121,8 @@ def test_every_dispatch_after_the_first_overlaps_the_one_before(monkeypatch):
     llm = _engine(8)
     sent = []
     send = llm._send
-    monkeypatch.setattr(llm, "_send", lambda *a: sent.append(a[-1]) or send(*a))  # its lane
+    # its lane, the last positional argument
+    monkeypatch.setattr(llm, "_send", lambda *a, **k: sent.append(a[-1]) or send(*a, **k))
     assert _summary(llm.generate(prompts, p, progress=False)) == _summary(ref)
     m = llm.metrics
     assert sent[0] is None and sent[-1] is not None  # a single step first, launches last

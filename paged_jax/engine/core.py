@@ -285,16 +285,22 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation):
         params: SamplingParams | None = None,
         *,
         cache_salt: Any = None,
+        adapter: int = 0,
     ) -> None:
         """Queues a request. Raises ValueError on a bad request (nothing is queued).
 
         ``request_id`` must not belong to an unfinished request; a finished or aborted
-        request's id may be used again.
+        request's id may be used again. ``adapter``: the index of the model's adapter the
+        request runs with (0: none), passed to the model with every token of the request
+        (``adapter_ids``, for a model whose ``__call__`` takes it: the hook per-request
+        LoRA adapters fill); requests of different adapters never share prefix-cache
+        pages.
         """
         self._check_usable()
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        self._check_adapter(adapter)
         ids, width = self._checked(prompt, params, cache_salt)
         self._arrivals += 1
         g = Group(
@@ -303,9 +309,11 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation):
             prompt=ids,
             params=params,
             seed=params.seed if params.seed is not None else self._arrivals,
-            salt=cache_salt,
+            # an adapter's K/V differ from the base model's: its own prefix-cache chain
+            salt=cache_salt if adapter == 0 else ("adapter", adapter, cache_salt),
             arrival_time=time.perf_counter(),
             max_len=min(len(ids) + params.max_tokens, self.max_model_len),
+            adapter=adapter,
         )
         g.seqs.append(Seq(f"{g.arrival}/0", list(ids), len(ids), 0))
         if params.structured is not None:
@@ -315,6 +323,16 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation):
         self._load[g.replica] += width
         self._groups[request_id] = g
         self.schedulers[g.replica].add(g)
+
+    def _check_adapter(self, adapter: Any) -> None:
+        """``adapter``: an int >= 0, and 0 unless the model takes ``adapter_ids``."""
+        if isinstance(adapter, bool) or not isinstance(adapter, int | np.integer) or adapter < 0:
+            raise TypeError(f"adapter: expected an int >= 0, got {adapter!r}")
+        if adapter and not self.runner.takes_adapters:
+            raise ValueError(
+                f"adapter: {adapter}, but {type(self.model).__name__} takes no adapter_ids "
+                "(its __call__ has no such argument); use 0"
+            )
 
     def abort(self, request_id: Hashable) -> RequestOutput | None:
         """Stops an unfinished request and frees its pages and host buffers.

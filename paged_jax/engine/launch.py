@@ -237,6 +237,7 @@ class Launching:
                 placed, drafts, batch, sampling, penalties, allowed
             )
         tokens = self._tokens(batch, placed, prev, pending)
+        adapters = self._adapters(batch, placed)
         lane = (
             None
             if steps is None
@@ -245,7 +246,7 @@ class Launching:
         replicas = len(batches)
         f = self._send(
             work, placed, stalled, batch, tokens, sampling, penalties, allowed, num_cand,
-            replicas, lane,
+            replicas, lane, adapters=adapters,
         )  # fmt: skip
         f.spec = spec
         return f
@@ -304,11 +305,12 @@ class Launching:
         num_cand,
         replicas,
         lane,
+        adapters=None,
     ) -> Launched:
         """Dispatches the jitted step (or, with its rows' ``lane``, a multi-step launch) on
         ``batch`` with input ``tokens`` and the rows' ``sampling`` arrays (temperature,
-        top-k, top-p, min-p, seeds, output positions) and ``allowed`` token masks (or
-        None); returns it running."""
+        top-k, top-p, min-p, seeds, output positions), ``allowed`` token masks (or None)
+        and each token's ``adapters`` (``i32[T_b]`` or None); returns it running."""
         steps = None if lane is None else lane.steps.tolist()
         outputs, last, dispatch_s, compiled = self.runner.launch(
             batch,
@@ -319,6 +321,7 @@ class Launching:
             None if lane is None else lane.steps,
             replicas,
             allowed,
+            adapters,
         )
         if compiled:
             self.metrics.compile_s += dispatch_s
@@ -376,6 +379,7 @@ class Launching:
                 or p.allowed_token_ids is not None
                 or p.structured is not None
                 or (p.n > 1 and not g.forked)
+                or g.adapter
             ):
                 return None
             steps.append(min(K, g.max_len - w.stop))
@@ -508,6 +512,20 @@ class Launching:
             else:
                 rows[i] = (p, [g.seed + s.sample_index], pos)
         return rows, num_samples, num_cand
+
+    def _adapters(self, batch, placed) -> np.ndarray | None:
+        """``i32[T_b]``: each token's adapter (``Group.adapter``; 0 for padding), or None
+        when every request of the step runs without one (the step then compiles without
+        them)."""
+        if all(w.group.adapter == 0 for _, w in placed):
+            return None
+        T_b = batch.token_ids.shape[0]
+        out = np.zeros(T_b, np.int32)
+        for i, w in placed:
+            if w.group.adapter:  # the row's tokens end at its logits row (global rows)
+                last = int(batch.logits_indices[i])
+                out[last - (w.stop - w.start) + 1 : last + 1] = w.group.adapter
+        return out
 
     def _allowed(self, placed, rows, S_b, params) -> np.ndarray | None:
         """``i32[S_b, ceil(V / 32)]``: each sampling row's allowed tokens as a bitmask

@@ -261,6 +261,7 @@ def _make_run(graphdef, state_def, mesh, compiler_options: tuple | None = None):
         cache,
         penalties,
         allowed=None,
+        adapters=None,
         *,
         layout,
         decode_only,
@@ -320,8 +321,9 @@ def _make_run(graphdef, state_def, mesh, compiler_options: tuple | None = None):
                 [toks.astype(jnp.int32), jax.lax.bitcast_convert_type(lps, jnp.int32)], axis=1
             )
             return replicated(both), None, None, None, replicated(last), cache
+        extra = {} if adapters is None else {"adapter_ids": adapters}
         logits, cache = check_step_output(
-            model(tokens, positions, cache, md), md.logits_indices.shape[0], vocab_size
+            model(tokens, positions, cache, md, **extra), md.logits_indices.shape[0], vocab_size
         )
         toks, lps = sample(logits, out_pos)
         if num_candidates:
@@ -474,6 +476,9 @@ class ModelRunner:
         # verifies the proposals of sequences that rarely get them accepted only in the
         # padding (``Speculation._draft``).
         self.tokens_cost_compute = jax.default_backend() == "cpu"
+        # The model takes each token's adapter index (``adapter_ids``): the hook of
+        # per-request adapters (``EngineCore.add_request(adapter=)``).
+        self.takes_adapters = "adapter_ids" in inspect.signature(model.__call__).parameters
         longest = model.config.max_position_embeddings
         if max_model_len is None:
             max_model_len = longest
@@ -592,13 +597,16 @@ class ModelRunner:
         steps,
         replicas: int,
         allowed: np.ndarray | None = None,
+        adapters: np.ndarray | None = None,
     ) -> tuple[tuple, Any, float, bool]:
         """Dispatches the jitted step on ``batch`` (``paged_jax.batch.StepBatch``) with input
         ``tokens`` (host or device ``i32[T]``), the rows' ``sampling`` arrays (temperature,
         top-k, top-p, min-p, seeds, output positions), ``penalties`` (or None), the rows'
-        ``allowed`` tokens (``i32[S_b, ceil(V / 32)]`` bitmasks, ``sample_rows``; None: all)
-        and ``num_candidates`` beam candidates per row; ``steps`` (``i32[S]`` or None): a
-        multi-step launch, each row that many decode steps. Does not wait for it.
+        ``allowed`` tokens (``i32[S_b, ceil(V / 32)]`` bitmasks, ``sample_rows``; None: all),
+        each token's ``adapters`` (``i32[T]``, the model's ``adapter_ids``; None: the
+        model is called without them) and ``num_candidates`` beam candidates per row;
+        ``steps`` (``i32[S]`` or None): a multi-step launch, each row that many decode
+        steps. Does not wait for it.
 
         Returns ``(outputs, last, seconds, compiled)``: the step's outputs (tokens,
         log-probs, candidate log-probs and ids, or for a multi-step launch one ``i32[S_b,
@@ -619,6 +627,8 @@ class ModelRunner:
             penalties = jax.tree.map(jnp.asarray, penalties)
         if allowed is not None:
             allowed = jnp.asarray(allowed)
+        if adapters is not None:
+            adapters = jnp.asarray(adapters)
         compiled_before = self.step_fn._cache_size()
         t1 = time.perf_counter()
         padded_steps = None if steps is None else _padded(steps, S_b)
@@ -637,7 +647,7 @@ class ModelRunner:
         )
         with mesh_context(self.mesh):
             toks, lps, cand_v, cand_i, last, self.cache = self.step_fn(
-                self.weights, tokens, inputs, self.cache, penalties, allowed, **flags
+                self.weights, tokens, inputs, self.cache, penalties, allowed, adapters, **flags
             )
         seconds = time.perf_counter() - t1
         # A new entry of the step's cache: a new shape compiled, unless only the kind of
@@ -645,7 +655,8 @@ class ModelRunner:
         # running step's samples: dispatch keys them apart, the compiled code is shared).
         compiled = self.step_fn._cache_size() > compiled_before
         if compiled:
-            key = (shape, tuple(flags.items()), str(jax.tree.map(jnp.shape, (penalties, allowed))))
+            arrays = (penalties, allowed, adapters)
+            key = (shape, tuple(flags.items()), str(jax.tree.map(jnp.shape, arrays)))
             compiled = key not in self._compiled_keys
             self._compiled_keys.add(key)
         if compiled:

@@ -209,6 +209,9 @@ class Group:
     max_len: int | None = None
     # SamplingParams.structured: each sequence's grammar matcher, by sequence id
     matchers: dict = dataclasses.field(default_factory=dict)
+    # The model's adapter this request runs with (0: none); every token of it carries
+    # the index into the model (``EngineCore.add_request(adapter=)``, the LoRA hook)
+    adapter: int = 0
 
     def new_seq_id(self) -> str:
         # Keyed by the engine's arrival counter, not the request id: request 1 and "1"
