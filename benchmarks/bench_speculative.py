@@ -36,6 +36,7 @@ import statistics
 import sys
 import time
 
+from benchmarks.bench_quantization import TEXT
 from benchmarks.common import environment, positive_int, write_result
 
 MODEL = "smollm2-135m-instruct"
@@ -55,14 +56,8 @@ PASSAGES = [
     "say here, but it can never forget what they did here. It is for us the living, "
     "rather, to be dedicated here to the unfinished work which they who fought here have "
     "thus far so nobly advanced.",
-    "When in the Course of human events, it becomes necessary for one people to dissolve "
-    "the political bands which have connected them with another, and to assume among the "
-    "powers of the earth, the separate and equal station to which the Laws of Nature and "
-    "of Nature's God entitle them, a decent respect to the opinions of mankind requires "
-    "that they should declare the causes which impel them to the separation. We hold these "
-    "truths to be self-evident, that all men are created equal, that they are endowed by "
-    "their Creator with certain unalienable Rights, that among these are Life, Liberty and "
-    "the pursuit of Happiness. That to secure these rights, Governments are instituted "
+    TEXT + " "  # the Declaration's opening (bench_quantization's text), and more
+    "That to secure these rights, Governments are instituted "
     "among Men, deriving their just powers from the consent of the governed, That whenever "
     "any Form of Government becomes destructive of these ends, it is the Right of the "
     "People to alter or to abolish it, and to institute new Government, laying its "

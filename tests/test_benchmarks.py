@@ -71,6 +71,20 @@ def test_kernel_benchmark_times_prefill_on_cpu(tmp_path, monkeypatch):
     assert out["parameters"]["prefill_cases"] == [[2, 16, 48]]
 
 
+# A decoder shape small enough for the GPU benchmarks to run end to end on CPU.
+TINY_SHAPE = dict(
+    vocab_size=300,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+)
+
+
 def test_engine_benchmark_runs_a_tiny_shape_and_writes_where_told(tmp_path, monkeypatch):
     # The GPU engine benchmark end to end on CPU with a tiny shape (timings meaningless):
     # every request generates exactly output_len tokens, the step split is filled in, and
@@ -83,17 +97,7 @@ def test_engine_benchmark_runs_a_tiny_shape_and_writes_where_told(tmp_path, monk
     monkeypatch.setitem(
         bench_engine.SHAPE_FIELDS,
         "tiny-test",
-        dict(
-            vocab_size=300,
-            hidden_size=32,
-            intermediate_size=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=8,
-            rope_theta=10000.0,
-            max_position_embeddings=256,
-        ),
+        TINY_SHAPE,
     )
     monkeypatch.setenv(OUT_ENV, str(tmp_path))
     argv = [
@@ -420,17 +424,7 @@ def test_speculative_verify_cost_runs_a_tiny_shape_and_writes_where_told(tmp_pat
     monkeypatch.setitem(
         bench_engine.SHAPE_FIELDS,
         "tiny-test",
-        dict(
-            vocab_size=300,
-            hidden_size=32,
-            intermediate_size=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=8,
-            rope_theta=10000.0,
-            max_position_embeddings=256,
-        ),
+        TINY_SHAPE,
     )
     monkeypatch.setenv(OUT_ENV, str(tmp_path))
     argv = ["--verify-cost", "--shape", "tiny-test", "--concurrency", "2", "--ks", "2"]

@@ -17,6 +17,7 @@ import httpx2 as httpx
 import numpy as np
 import pytest
 from test_gguf import _model, write_gguf
+from test_tools import TIME
 
 import paged_jax as pj
 from paged_jax.models import load_gguf
@@ -807,21 +808,9 @@ def test_tool_calls_through_the_openai_client(server):
     """Issue 54, item 4: a named tool choice, plain and streamed, read by the openai
     client's own types (the call's name, its arguments as JSON, finish_reason)."""
     client = _client(server)
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "get_time",
-            "parameters": {
-                "type": "object",
-                "properties": {"zone": {"enum": ["utc", "cet"]}},
-                "required": ["zone"],
-                "additionalProperties": False,
-            },
-        },
-    }
     choice = {"type": "function", "function": {"name": "get_time"}}
     msgs = [{"role": "user", "content": "time?"}]
-    kw = dict(model=NAME, messages=msgs, max_tokens=120, tools=[tool], tool_choice=choice)
+    kw = dict(model=NAME, messages=msgs, max_tokens=120, tools=[TIME], tool_choice=choice)
     r = client.chat.completions.create(**kw)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None

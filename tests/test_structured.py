@@ -230,6 +230,7 @@ HELD_OUT = [
 @pytest.mark.parametrize("k", range(len(HELD_OUT)))
 def test_held_out_schemas_validate_with_jsonschema(engine, k):
     import jsonschema  # (the test extra has it)
+
     schema = HELD_OUT[k]
     jsonschema.Draft202012Validator.check_schema(schema)
     llm = _llm(engine)

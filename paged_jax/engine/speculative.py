@@ -27,6 +27,11 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from paged_jax.batch import bucket
+from paged_jax.block_manager import OutOfPages
+from paged_jax.engine.launch import MIN_STEP_TOKENS
+from paged_jax.engine.scheduler import Work
+
 METHODS = ("ngram", "draft")
 # A sequence verifies all its proposals, wherever tokens cost compute, only while a
 # moving average of the fraction of its proposals accepted stays at least this
@@ -180,8 +185,6 @@ def verify_rows(num_tokens: int, num_proposals: int, static: bool) -> int:
     """Extra sampling rows of a verify step of ``num_tokens`` (its token bucket, ``T_b``)
     with ``num_proposals`` proposals: their bucket (at least 8), or with static shapes
     ``T_b`` itself (which is never fewer: every proposal is a token of the step)."""
-    from paged_jax.batch import bucket
-
     return num_tokens if static else bucket(num_proposals, 8)
 
 
@@ -221,9 +224,6 @@ class Speculation:
         the proposals appended to its block manager. Within the step's token budget; a
         row whose pages are not free goes without. Returns ``{id(Seq): proposals}``, or
         None when no row has any."""
-        from paged_jax.block_manager import OutOfPages
-        from paged_jax.engine.scheduler import Work
-
         K = self.speculative.num_speculative_tokens
         vocab = self.model.config.vocab_size
         drafts: dict[int, list[int]] = {}
@@ -273,9 +273,6 @@ class Speculation:
         costs compute (CPU, ``ModelRunner.tokens_cost_compute``) the others only verify
         as many as fit in the padding of the step's token bucket (rows it computes
         anyway), so that proposals that keep failing cost almost nothing."""
-        from paged_jax.batch import bucket
-        from paged_jax.engine.launch import MIN_STEP_TOKENS
-
         ranked = []
         for (j, w, room), d in zip(cand, proposals, strict=True):
             d = [int(t) for t in d[:room]]
@@ -306,8 +303,6 @@ class Speculation:
         bucket of the proposals, or with static shapes (``LLM.warm_up``) the step's token
         bucket ``T_b``, which holds every proposal, so that a verify step has one shape
         per step shape and warm-up compiles them all (``verify_rows``)."""
-        import dataclasses as dc
-
         S_b = batch.kv_lens.shape[0]
         spec, src, li, off = {}, [], [], []
         for i, w in placed:
@@ -328,14 +323,14 @@ class Speculation:
         logits_indices = np.zeros(S_b + E_b, np.int32)
         logits_indices[:S_b] = batch.logits_indices
         logits_indices[S_b : S_b + E] = li
-        batch = dc.replace(batch, logits_indices=logits_indices)
+        batch = dataclasses.replace(batch, logits_indices=logits_indices)
         temp, top_k, top_p, min_p, seeds, out_pos = (a[idx] for a in sampling)
         out_pos[S_b : S_b + E] += np.asarray(off, np.int32)
         pad = slice(S_b + E, None)  # padding rows: greedy, unrestricted, position 0
         temp[pad], top_k[pad], top_p[pad], min_p[pad], seeds[pad], out_pos[pad] = 0, 0, 1, 0, 0, 0
         if penalties is not None:  # neutral rows for the proposals
             pen = penalties
-            penalties = dc.replace(
+            penalties = dataclasses.replace(
                 pen,
                 repetition=_more_rows(pen.repetition, E_b, 1),
                 presence=_more_rows(pen.presence, E_b, 0),

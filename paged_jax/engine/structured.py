@@ -154,7 +154,7 @@ class Grammars:
 
 
 # JSON as json.dumps writes it: a model may not pad it with whitespace without end
-_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _compiled(grammars: Grammars, key: tuple[str, str]):
@@ -170,7 +170,7 @@ def _compiled(grammars: Grammars, key: tuple[str, str]):
     try:
         if kind in ("json", "json_object"):  # compact JSON: ", " and ": ", no free spaces
             schema = text if kind == "json" else '{"type": "object"}'
-            grammar = llg.LLMatcher.grammar_from_json_schema(schema, overrides=_COMPACT)
+            grammar = llg.LLMatcher.grammar_from_json_schema(schema, overrides=COMPACT_JSON)
         elif kind == "regex":
             grammar = llg.LLMatcher.grammar_from_regex(text)
         elif kind == "choice":

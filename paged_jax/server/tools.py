@@ -25,8 +25,9 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from paged_jax.engine.structured import COMPACT_JSON
+
 FORMATS = ("hermes", "llama3_json", "mistral")
-_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ARGS = {"hermes": "arguments", "llama3_json": "parameters", "mistral": "arguments"}
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _MISTRAL = "[TOOL_CALLS]"
@@ -165,7 +166,7 @@ class ToolRequest:
                 }
                 for t in chosen
             ],
-            "x-guidance": _COMPACT,
+            "x-guidance": COMPACT_JSON,
         }
         many = self.choice == "required" and self.parallel
         if self.fmt == "hermes":
@@ -176,7 +177,7 @@ class ToolRequest:
             if many:
                 return f'start: call ("; " call)*\ncall: %json {json.dumps(one)}'
             return f"start: call\ncall: %json {json.dumps(one)}"
-        arr = {"type": "array", "items": one, "minItems": 1, "x-guidance": _COMPACT}
+        arr = {"type": "array", "items": one, "minItems": 1, "x-guidance": COMPACT_JSON}
         if not many:
             arr["maxItems"] = 1
         return f'start: "{_MISTRAL}" calls\ncalls: %json {json.dumps(arr)}'
