@@ -21,7 +21,7 @@ from flax import nnx
 from paged_jax.sharding import tensor_parallel_size
 
 from .config import LlamaConfig
-from .llama import LlamaForCausalLM
+from .llama import FUSED, LlamaForCausalLM
 from .sharding import pad_vocab, place, sharder
 from .tokenizer import TextTokenizer
 
@@ -327,8 +327,16 @@ def to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
             value = functools.reduce(lambda node, part: getattr(node, str(part)), p[:-1], model)
             value = value.weight()
         value = np.asarray(value)
-        per_layer = enumerate(value) if str(p[0]) == "layers" else [(None, value)]
-        for i, v in per_layer:
-            name, transposed = _hf_name(p if i is None else ("layers", i, *p[1:]))
-            out[name] = np.ascontiguousarray(v.T if transposed else v)
+        parts = [(p, value)]
+        if len(p) >= 2 and str(p[-2]) in FUSED:  # hold_for_accelerator's fused products
+            node = functools.reduce(lambda n, part: getattr(n, str(part)), p[:-1], model)
+            ends = np.cumsum(node.parts)[:-1]
+            names = FUSED[str(p[-2])]
+            pieces = np.split(value, ends, axis=-1)
+            parts = [((*p[:-2], n, p[-1]), v) for n, v in zip(names, pieces, strict=True)]
+        for path, value in parts:
+            per_layer = enumerate(value) if str(path[0]) == "layers" else [(None, value)]
+            for i, v in per_layer:
+                name, transposed = _hf_name(path if i is None else ("layers", i, *path[1:]))
+                out[name] = np.ascontiguousarray(v.T if transposed else v)
     return out

@@ -152,6 +152,16 @@ def dense_logits(model, ids) -> np.ndarray:
     return np.asarray(_dense_logits(model, jnp.asarray(padded)))[:n]
 
 
+def _projections(a, h):
+    """``(q, k, v)`` of attention module ``a`` on ``h``, before RoPE: three products, or
+    one split where the model is held for an accelerator (``Attention.fuse_projections``)."""
+    if not hasattr(a, "qkv_proj"):
+        return a.q_proj(h), a.k_proj(h), a.v_proj(h)
+    HD, KD, _ = a.qkv_proj.parts
+    qkv = a.qkv_proj(h)
+    return qkv[:, :HD], qkv[:, HD : HD + KD], qkv[:, HD + KD :]
+
+
 @nnx.jit
 def _dense_logits(model, ids):
     cfg = model.config
@@ -165,9 +175,10 @@ def _dense_logits(model, ids):
     for layer in (model.layer(i) for i in range(cfg.num_layers)):
         a = layer.self_attn
         h = layer.input_layernorm(x)
-        q = apply_rope(a.q_proj(h).reshape(T, a.num_heads, a.head_dim), pos, inv)
-        k = apply_rope(a.k_proj(h).reshape(T, a.num_kv_heads, a.head_dim), pos, inv)
-        v = a.v_proj(h).reshape(T, a.num_kv_heads, a.head_dim)
+        q, k, v = _projections(a, h)
+        q = apply_rope(q.reshape(T, a.num_heads, a.head_dim), pos, inv)
+        k = apply_rope(k.reshape(T, a.num_kv_heads, a.head_dim), pos, inv)
+        v = v.reshape(T, a.num_kv_heads, a.head_dim)
         g = a.num_heads // a.num_kv_heads
         k, v = jnp.repeat(k, g, axis=1), jnp.repeat(v, g, axis=1)
         s = jnp.einsum("qhd,khd->hqk", q, k, precision="highest") * a.head_dim**-0.5
