@@ -4,7 +4,8 @@ decode step split into its parts, and transformers ``generate`` on the same devi
 ``python -m benchmarks engine [--out DIR] [--models smollm2-135m llama3-8b]
 [--concurrency 64 256] [--prompt-len 128] [--output-len 128] [--backends pallas_gpu xla]
 [--repeats 3] [--transformers] [--decode-kernel on|off|both] [--layout per-layer|scan|both]
-[--num-scheduler-steps K] [--no-split]``
+[--num-scheduler-steps K] [--async-scheduling on|off|both] [--prefill-tokens N ...]
+[--no-split]``
 
 Models: SmolLM2-135M-shaped and Llama-3-8B-shaped decoders (``SHAPE_FIELDS``), random weights,
 bf16 weights, activations and KV cache, built on the device (real checkpoints are not needed
@@ -25,6 +26,19 @@ two with ``sort_free=True``, the passes that neither sort nor take a top-k); the
 the model is the step minus attention minus the greedy sampler (projections,
 MLP, norms, rotary, KV writes, LM head).
 Host time per step is the engine run's wall time outside its jitted calls, per step.
+The device's share splits into the dispatch calls and the waits for the sampled tokens
+(``dispatch_ms_per_step``, ``wait_ms_per_step``; a dispatch near a device step means it
+waited for the device), ``phase_ms_per_step`` gives where the wall went (the engine's
+``_launch``, ``_complete``, ``_place`` and ``merge_tokens``, and the thread's CPU time),
+and ``decode_wall_ms_per_step`` is the steady decode's wall time a step (the median of the
+``step()`` calls that completed one decode step of every sequence): with overlapped steps
+(``async_scheduling``) it is to equal the device's step alone, the split's ``step_ms``.
+``--async-scheduling off`` runs steps one at a time, ``both`` each way.
+
+Prefill step, per concurrency C (and per ``--prefill-tokens`` N: N / prompt_len prompts,
+a bucket each that compiles first): the engine's jitted step prefilling C prompts of
+``--prompt-len`` in one step, timed alone (median of 5), with its FLOPs
+(``prefill_flops``) per second against the device's bf16 peak.
 By default every prompt of the largest concurrency is prefilled in one step
 (``--max-num-batched-tokens``), which keeps the number of compiled shape buckets small.
 
@@ -50,6 +64,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -205,6 +220,19 @@ def device_peaks(device_kind: str) -> tuple[float, float] | None:
     return None
 
 
+def prefill_flops(fields: dict, concurrency: int, prompt_len: int) -> float:
+    """FLOPs of one step prefilling ``concurrency`` prompts of ``prompt_len`` tokens: the
+    layers' products for every token, the head for each prompt's last, causal attention."""
+    E, F, L, V = (
+        fields[k] for k in ("hidden_size", "intermediate_size", "num_layers", "vocab_size")
+    )
+    H, K, D = fields["num_heads"], fields["num_kv_heads"], fields["head_dim"]
+    layer = 2 * E * H * D + 2 * E * K * D + 3 * E * F
+    attn = 4 * L * H * D
+    P = prompt_len
+    return concurrency * (2 * L * layer * P + 2 * V * E + attn * P * (P + 1) / 2)
+
+
 def roofline_tokens_per_s(
     fields: dict, concurrency: int, prompt_len: int, output_len: int, peaks, bytes_per=2
 ) -> float:
@@ -227,7 +255,7 @@ def roofline_tokens_per_s(
     kv_per_token = bytes_per * L * 2 * K * D
     attn = 4 * L * H * D  # QK and PV FLOPs per (query, key) pair
     C, P = concurrency, prompt_len
-    seconds = C * (2 * L * layer * P + 2 * V * E + attn * P * (P + 1) / 2) / flops_peak
+    seconds = prefill_flops(fields, C, P) / flops_peak
     for k in range(1, output_len):
         context = P + k
         flops = C * (2 * products + attn * context)
@@ -358,7 +386,63 @@ def _held(layout: str):
     return contextlib.nullcontext()
 
 
-def engine_runs(model, name, backend, args, layout="per-layer") -> list[dict]:
+class _Phases:
+    """While active, the seconds ``llm`` spends in each phase of its steps, summed: its
+    ``_launch`` (scheduling, batch building and the dispatch call), ``_complete`` (waiting
+    for the sampled tokens and applying them), ``_place`` and the runner's
+    ``merge_tokens`` (an overlapped step's placeholders), by wrapping them on the
+    instance; and the calling thread's CPU seconds (``time.thread_time``): a phase whose
+    wall time far exceeds the CPU time it took was waiting (on the device, a lock)."""
+
+    NAMES = ("_launch", "_complete", "_place")
+
+    def __init__(self, llm):
+        self.llm, self.s = llm, dict.fromkeys(("launch", "complete", "place", "merge"), 0.0)
+        self.calls = []  # per _step call: (seconds, tokens computed by the steps it completed)
+
+    def _wrap(self, owner, attr, key):
+        fn = getattr(owner, attr)
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.s[key] += time.perf_counter() - t
+
+        setattr(owner, attr, timed)
+
+    def __enter__(self):
+        for attr in self.NAMES:
+            self._wrap(self.llm, attr, attr[1:])
+        step, m = self.llm._step, self.llm.metrics
+
+        def timed_step():
+            t, n = time.perf_counter(), m.tokens_computed
+            try:
+                return step()
+            finally:
+                self.calls.append((time.perf_counter() - t, m.tokens_computed - n))
+
+        self.llm._step = timed_step
+        self._wrap(self.llm.runner, "merge_tokens", "merge")
+        self.cpu0 = time.thread_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.s["cpu"] = time.thread_time() - self.cpu0
+        for attr in self.NAMES + ("_step",):
+            del self.llm.__dict__[attr]
+        del self.llm.runner.__dict__["merge_tokens"]
+
+    def decode_call_ms(self, c: int) -> float | None:
+        """Median milliseconds of the calls that completed one decode step of all ``c``
+        sequences (``c`` tokens): the steady decode's wall time a step."""
+        got = [t for t, n in self.calls if n == c]
+        return 1e3 * statistics.median(got) if got else None
+
+
+def engine_runs(model, name, backend, args, layout="per-layer", overlap: bool = True) -> list[dict]:
     import jax
 
     from paged_jax.engine import LLM, SamplingParams
@@ -376,6 +460,7 @@ def engine_runs(model, name, backend, args, layout="per-layer") -> list[dict]:
             enable_prefix_caching=False,
             watermark=0.0,
             num_scheduler_steps=args.num_scheduler_steps,
+            async_scheduling=overlap,
         )
     peaks = device_peaks(jax.devices()[0].device_kind)
     rows = []
@@ -390,9 +475,10 @@ def engine_runs(model, name, backend, args, layout="per-layer") -> list[dict]:
         times, m = [], None
         for _ in range(args.repeats):
             before = dataclasses.replace(llm.metrics)
-            t = time.perf_counter()
-            res = llm.generate(prompts, params, progress=False)
-            times.append(time.perf_counter() - t)
+            with _Phases(llm) as phases:
+                t = time.perf_counter()
+                res = llm.generate(prompts, params, progress=False)
+                times.append(time.perf_counter() - t)
             m = _delta(llm.metrics, before)
         assert all(len(r.outputs[0].token_ids) == args.output_len for r in res)
         tps = [c * args.output_len / t for t in times]
@@ -419,6 +505,16 @@ def engine_runs(model, name, backend, args, layout="per-layer") -> list[dict]:
                 wall_ms_per_step=1e3 * statistics.median(times) / max(m.steps, 1),
                 host_ms_per_step=1e3 * m.host_s / max(m.steps, 1),
                 device_ms_per_step=1e3 * m.step_s / max(m.steps, 1),
+                # the last timed run's split of the device share, and where its wall went
+                async_scheduling=overlap,
+                overlapped_steps=m.overlapped_steps,
+                dispatch_ms_per_step=1e3 * m.dispatch_s / max(m.steps, 1),
+                wait_ms_per_step=1e3 * m.wait_s / max(m.steps, 1),
+                phase_ms_per_step={k: 1e3 * v / max(m.steps, 1) for k, v in phases.s.items()},
+                # the steady decode's wall a step (calls that completed c tokens), and the
+                # first calls (the prompts' step, dispatched then waited for)
+                decode_wall_ms_per_step=phases.decode_call_ms(c),
+                first_calls_ms=[1e3 * t for t, _ in phases.calls[:3]],
                 compile_s_in_timed_runs=m.compile_s,
             )
         )
@@ -447,6 +543,9 @@ def _delta(after, before):
         after,
         steps=after.steps - before.steps,
         step_s=after.step_s - before.step_s,
+        dispatch_s=after.dispatch_s - before.dispatch_s,
+        wait_s=after.wait_s - before.wait_s,
+        overlapped_steps=after.overlapped_steps - before.overlapped_steps,
         host_s=after.host_s - before.host_s,
         compile_s=after.compile_s - before.compile_s,
         compilations=after.compilations - before.compilations,
@@ -456,6 +555,64 @@ def _delta(after, before):
 def _device_time(fn) -> float:
     """Median seconds of ``fn()``, which blocks on its own result."""
     return statistics.median(time_samples(fn, repeats=20))
+
+
+def _run_step(llm, tokens, inputs, layout, decode_only) -> None:
+    """One call of the engine's jitted step (greedy rows, the pool donated), waited for."""
+    import jax
+
+    out = llm._run(
+        llm._weights,
+        tokens,
+        inputs,
+        llm.cache,
+        None,
+        layout=layout,
+        decode_only=decode_only,
+        batch_invariant=False,
+        num_candidates=0,
+        greedy_only=True,
+    )
+    llm.cache = out[-1]
+    jax.block_until_ready(out[0])
+
+
+def prefill_split(llm, name, backend, c, prompt_len) -> dict:
+    """Times the engine's jitted step prefilling ``c`` prompts of ``prompt_len`` tokens
+    in one step (a bucket the engine runs compiled when ``c`` is their concurrency;
+    another ``c`` compiles its own first), with its FLOP/s against the device's peak."""
+    import jax
+    import jax.numpy as jnp
+
+    from paged_jax.batch import ScheduledSeq, build_batch
+    from paged_jax.block_manager import BlockManager
+    from paged_jax.engine.runner import _pack_inputs
+    from paged_jax.engine.sampling import idle_sampling
+
+    vocab = llm.model.config.vocab_size
+    rng = np.random.default_rng(1)
+    bm = BlockManager(llm.bm.num_pages, PAGE, enable_prefix_caching=False, watermark=0.0)
+    for i in range(c):
+        bm.allocate(i, rng.integers(0, vocab, prompt_len).tolist())
+    batch = build_batch(bm, [ScheduledSeq(i, 0, prompt_len) for i in range(c)])
+    sampling = tuple(np.asarray(a) for a in idle_sampling(batch.kv_lens.shape[0]))
+    inputs, layout = _pack_inputs(batch, sampling, None)
+    args = (jnp.asarray(batch.token_ids), jnp.asarray(inputs), layout, False)
+    _run_step(llm, *args)  # compiles a bucket the engine runs did not
+    t = statistics.median(time_samples(lambda: _run_step(llm, *args), repeats=5))
+    flops = prefill_flops(SHAPE_FIELDS[name], c, prompt_len) if name in SHAPE_FIELDS else 0.0
+    peaks = device_peaks(jax.devices()[0].device_kind)
+    return dict(
+        model=name,
+        backend=backend,
+        sequences=c,
+        prompt_len=prompt_len,
+        tokens=c * prompt_len,
+        tokens_bucket=int(batch.token_ids.shape[0]),
+        ms=1e3 * t,
+        tflops=flops / t / 1e12,
+        of_peak=flops / t / peaks[0] if peaks else None,
+    )
 
 
 def decode_split(llm, name, backend, c, context) -> dict:
@@ -489,20 +646,7 @@ def decode_split(llm, name, backend, c, context) -> dict:
     inputs = jnp.asarray(inputs)
 
     def whole():  # the engine's jitted step: copies, model, sampler (cache donated)
-        out = llm._run(
-            llm._weights,
-            tokens,
-            inputs,
-            llm.cache,
-            None,
-            layout=layout,
-            decode_only=md.decode_only,
-            batch_invariant=False,
-            num_candidates=0,
-            greedy_only=True,
-        )
-        llm.cache = out[-1]
-        jax.block_until_ready(out[0])
+        _run_step(llm, tokens, inputs, layout, md.decode_only)
 
     H, D = cfg.num_heads, cfg.head_dim
     T = tokens.shape[0]
@@ -550,6 +694,20 @@ def decode_split(llm, name, backend, c, context) -> dict:
     t_free_peaked = _device_time(
         lambda: jax.block_until_ready(samp(peaked, *top_p, sort_free=True))
     )
+    # the radix rounds' other layout ([R, 16, V]: a reduction per trial), side by side
+    from paged_jax.engine import sort_free
+
+    minor = sort_free.TRIALS_MINOR
+    sort_free.TRIALS_MINOR = not minor
+    try:
+        other = jax.jit(
+            lambda *a, **k: sample_rows(*a, **k), static_argnames=("greedy_only", "sort_free")
+        )
+        t_free_other = _device_time(
+            lambda: jax.block_until_ready(other(logits, *top_p, sort_free=True))
+        )
+    finally:
+        sort_free.TRIALS_MINOR = minor
     return dict(
         model=name,
         backend=backend,
@@ -566,6 +724,8 @@ def decode_split(llm, name, backend, c, context) -> dict:
         sampler_top_p_peaked_ms=1e3 * t_topp_peaked,
         sampler_top_p_sort_free_ms=1e3 * t_free,
         sampler_top_p_peaked_sort_free_ms=1e3 * t_free_peaked,
+        sort_free_trials_minor=minor,
+        sampler_top_p_sort_free_other_layout_ms=1e3 * t_free_other,
     )
 
 
@@ -619,7 +779,24 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--num-scheduler-steps", type=positive_int, default=1)
     ap.add_argument(
-        "--no-split", action="store_true", help="skip the decode step split (engine runs only)"
+        "--prefill-tokens",
+        type=positive_int,
+        nargs="*",
+        default=[],
+        help="also time a step prefilling this many tokens (prompts of --prompt-len), "
+        "each a bucket of its own to compile; the concurrencies' prefill steps always",
+    )
+    ap.add_argument(
+        "--async-scheduling",
+        choices=["on", "off", "both"],
+        default="on",
+        help="overlapped steps (the default), steps one at a time, or each way",
+    )
+    ap.add_argument(
+        "--no-split",
+        action="store_true",
+        help="skip the decode and prefill step splits (engine runs only; they run after the "
+        "overlapped engine's runs)",
     )
     ap.add_argument(
         "--transformers",
@@ -643,7 +820,7 @@ def main(argv=None) -> int:
     from paged_jax.attention import _auto
 
     env = environment(with_jax=True)
-    rows, splits = list(peers), []
+    rows, splits, prefills = list(peers), [], []
 
     def save(rows, splits):
         return write_result(
@@ -664,9 +841,11 @@ def main(argv=None) -> int:
                     decode_kernel=args.decode_kernel,
                     layout=args.layout,
                     num_scheduler_steps=args.num_scheduler_steps,
+                    async_scheduling=args.async_scheduling,
                 ),
                 "results": rows,
                 "decode_step_split": splits,
+                "prefill_step": prefills,
             },
         )
 
@@ -682,17 +861,29 @@ def main(argv=None) -> int:
                 base = backend if backend != "auto" else f"auto: {_auto()}"
                 if len(layouts) > 1:
                     base = f"{base}, {layout}"
-                ways = {"on": [True], "off": [False], "both": [True, False]}[args.decode_kernel]
-                for on in ways:
+                ways = {"on": [True], "off": [False], "both": [True, False]}
+                for on, overlap in itertools.product(
+                    ways[args.decode_kernel], ways[args.async_scheduling]
+                ):
                     label = base if on else f"{base}, ragged kernel for decode steps"
+                    if not overlap:
+                        label = f"{label}, steps one at a time"
                     print(f"{name} / {label} ...", flush=True)
                     try:
                         with _decode_kernel(on):
-                            runs, llm = engine_runs(model, name, label, args, layout)
+                            runs, llm = engine_runs(model, name, label, args, layout, overlap)
                             rows.extend(runs)
                             ctx = args.prompt_len + args.output_len // 2
-                            for c in [] if args.no_split else args.concurrency:
+                            for c in [] if args.no_split or not overlap else args.concurrency:
                                 splits.append(decode_split(llm, name, label, c, ctx))
+                            P = args.prompt_len
+                            sweep = {t // P for t in args.prefill_tokens if t >= P}
+                            for c in (
+                                []
+                                if args.no_split or not overlap
+                                else sorted(set(args.concurrency) | sweep)
+                            ):
+                                prefills.append(prefill_split(llm, name, label, c, P))
                         del llm
                     except Exception as e:  # out of memory, a compile failure: say so, go on
                         rows.append(
@@ -720,6 +911,9 @@ def main(argv=None) -> int:
                 ),
                 wall_ms_step=f"{r.get('wall_ms_per_step', float('nan')):.2f}",
                 host_ms_step=f"{r.get('host_ms_per_step', float('nan')):.2f}",
+                dispatch_ms=f"{r.get('dispatch_ms_per_step', float('nan')):.2f}",
+                wait_ms=f"{r.get('wait_ms_per_step', float('nan')):.2f}",
+                decode_wall_ms=f"{r.get('decode_wall_ms_per_step') or float('nan'):.2f}",
                 compile_s=f"{r.get('first_run_compile_s', float('nan')):.1f}",
             )
         )
@@ -736,6 +930,9 @@ def main(argv=None) -> int:
                 "roofline",
                 "wall_ms_step",
                 "host_ms_step",
+                "dispatch_ms",
+                "wait_ms",
+                "decode_wall_ms",
                 "compile_s",
                 "error",
             ],
@@ -760,9 +957,20 @@ def main(argv=None) -> int:
                 "sampler_top_p_peaked_ms",
                 "sampler_top_p_sort_free_ms",
                 "sampler_top_p_peaked_sort_free_ms",
+                "sampler_top_p_sort_free_other_layout_ms",
             ],
         )
     )
+    if prefills:
+        print(
+            table(
+                [
+                    {k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in r.items()}
+                    for r in prefills
+                ],
+                ["model", "backend", "sequences", "tokens", "ms", "tflops", "of_peak"],
+            )
+        )
     path = save(rows, splits)
     print(f"wrote {path}")
     return 0

@@ -204,7 +204,7 @@ def verify_cost(args) -> int:
                              speedup=round(rate / base_rate, 3)))  # fmt: skip
             say(f"c={c} k={k}: {ms:.1f} ms a step ({ms / base_ms:.2f}x), {rate:.1f} tokens/s")
     payload = dict(
-        environment=environment(),
+        environment=environment(with_jax=True),
         command="python -m benchmarks speculative "
         + " ".join(args.argv if args.argv is not None else sys.argv[1:]),
         model=f"{args.shape}-shaped decoder, random weights, {jnp.dtype(dtype).name}",

@@ -10,6 +10,10 @@
 #            and tests/test_kernels_in_model.py, the kernels compiled for the GPU (interpret=False)
 #   models   model, engine, fault, kernel and batch-invariance tests with
 #            PAGED_JAX_BACKEND=pallas_gpu (issue 57's list), and the weight-reads test
+#   dispatch python -m benchmarks dispatch (does a dispatched step overlap the host's work:
+#            the engine's step loop modelled without the engine, way by way)
+#   products python -m benchmarks products (a layer's products: each projection its own
+#            weight against q/k/v and gate/up fused, Llama-3-8B shape, 64 and 256 rows)
 #   bench    python -m benchmarks kernels --tune  (decode + ragged prefill, tuning sweeps)
 #   engine   python -m benchmarks engine --layout both  (Llama-3-8B / SmolLM2-135M shapes:
 #            tokens/s and the roofline fraction, the engine's layout beside the scanned one)
@@ -18,7 +22,8 @@
 #
 # Logs and result files go to $OUT (default gpu-out/). Every stage has a time limit
 # (seconds, STAGE_LIMIT_<stage> overrides) so a hang cannot eat a lease. KERNEL_TESTS_MARK
-# (default "slow or not slow"), BENCH_ARGS (default --tune) and ENGINE_ARGS pass through.
+# (default "slow or not slow"), BENCH_ARGS (default --tune), ENGINE_ARGS, SPEC_ARGS, DISPATCH_ARGS and
+# PRODUCTS_ARGS pass through.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -78,6 +83,14 @@ EOF
         tests/test_models.py tests/test_engine.py tests/test_kernels_in_model.py \
         tests/test_engine_faults.py tests/test_pallas_gpu.py tests/test_batch_invariance.py \
         tests/test_weight_reads.py
+      ;;
+    dispatch)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 run dispatch "$(limit dispatch 120)" \
+        $PY -m benchmarks dispatch --out "$OUT" ${DISPATCH_ARGS-}
+      ;;
+    products)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 run products "$(limit products 150)" \
+        $PY -m benchmarks products --out "$OUT" ${PRODUCTS_ARGS-}
       ;;
     bench)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 run bench "$(limit bench 480)" \

@@ -115,14 +115,33 @@ def test_engine_benchmark_runs_a_tiny_shape_and_writes_where_told(tmp_path, monk
         "xla",
         "--decode-kernel",
         "both",
+        "--async-scheduling",
+        "both",
+        "--prefill-tokens",
+        "10",
     ]
     assert bench_engine.main(argv) == 0
     out = json.loads((tmp_path / "engine_cpu.json").read_text())
-    on, off = out["results"]
+    on, on_sync, off, off_sync = out["results"]
     assert on["system"] == "paged-jax (xla)" and on["concurrency"] == 3
     assert off["system"] == "paged-jax (xla, ragged kernel for decode steps)"
+    assert on_sync["system"] == "paged-jax (xla, steps one at a time)"
     assert on["steps"] == off["steps"] == 4  # one prefill step (all prompts), 3 decode steps
-    split_on, split_off = out["decode_step_split"]
+    # overlapped: each step after the first dispatched while the one before ran
+    assert on["overlapped_steps"] == 3 and on_sync["overlapped_steps"] == 0
+    for r in (on, on_sync):  # the device's share is the dispatches and the waits
+        split = r["dispatch_ms_per_step"] + r["wait_ms_per_step"]
+        assert abs(split - r["device_ms_per_step"]) < 1e-6 * max(split, 1)
+        assert r["decode_wall_ms_per_step"] > 0 and len(r["first_calls_ms"]) == 3
+        assert r["phase_ms_per_step"]["launch"] > r["dispatch_ms_per_step"]
+    assert on_sync["phase_ms_per_step"]["merge"] == 0  # no placeholders to merge
+    # prefill steps: the concurrency's (3 prompts) and --prefill-tokens 10's (2 prompts),
+    # for each overlapped engine (the two decode-kernel ways)
+    assert len(out["prefill_step"]) == 4
+    two, three = out["prefill_step"][:2]
+    assert (two["sequences"], two["tokens"], three["tokens"]) == (2, 10, 15)
+    assert three["ms"] > 0 and three["tflops"] > 0 and three["of_peak"] is None
+    split_on, split_off = out["decode_step_split"]  # (the overlapped runs' engines)
     assert split_on["decode_only"] is True and split_off["decode_only"] is False
     assert split_on["step_ms"] > 0 and split_on["attention_ms"] > 0
     assert split_on["attention_ragged_kernel_ms"] > 0
@@ -140,7 +159,12 @@ def test_engine_benchmark_runs_a_tiny_shape_and_writes_where_told(tmp_path, monk
 
 
 def test_roofline_of_the_engine_workload():
-    from benchmarks.bench_engine import SHAPE_FIELDS, device_peaks, roofline_tokens_per_s
+    from benchmarks.bench_engine import (
+        SHAPE_FIELDS,
+        device_peaks,
+        prefill_flops,
+        roofline_tokens_per_s,
+    )
 
     # Hand-worked: one layer, E=F=D=8, one head, V=16, 2 sequences of 4 prompt tokens,
     # 3 outputs, infinitely fast FLOPs: only the 2 decode steps' bytes count.
@@ -154,6 +178,9 @@ def test_roofline_of_the_engine_workload():
     seconds = sum((weights + 2 * (4 + k) * kv) / 100.0 for k in (1, 2))
     got = roofline_tokens_per_s(f, 2, 4, 3, (float("inf"), 100.0))
     assert abs(got - 2 * 3 / seconds) < 1e-9 * got
+    # its prefill: 2 x (every token's layer products 2 * 448 * 4, the head for the last
+    # token 2 * 16 * 8, attention 4 * 8 FLOPs a (query, key) pair over 4 * 5 / 2 pairs)
+    assert prefill_flops(f, 2, 4) == 2 * (2 * 448 * 4 + 2 * 16 * 8 + 4 * 8 * 10)
     # Llama-3-8B on an H100 at 256 x 128/128: issue 57's table put the ideal at 23,552
     # tokens/s counting every prompt token's head FLOPs; this ideal counts the last only
     h100 = device_peaks("NVIDIA H100 80GB HBM3")
@@ -433,3 +460,41 @@ def test_speculative_verify_cost_runs_a_tiny_shape_and_writes_where_told(tmp_pat
     assert [(r["concurrency"], r["k"]) for r in rows] == [(2, 0), (2, 2)]
     assert rows[0]["step_cost_vs_decode"] == 1.0 and rows[1]["ms_per_step"] > 0
     assert bench_speculative.main(["--verify-cost", "--shape", "nope"]) == 2
+
+
+def test_dispatch_benchmark_drives_every_way_and_writes_where_told(tmp_path, monkeypatch):
+    # The dispatch model on CPU at a tiny size (timings meaningless): every way of driving
+    # the step reports its wall, dispatch and wait times, none failing.
+    import json
+
+    from benchmarks import bench_dispatch
+    from benchmarks.common import OUT_ENV
+
+    monkeypatch.setenv(OUT_ENV, str(tmp_path))
+    argv = "--layers 2 --hidden 32 --ffn 64 --rows 8 --passes 1 --host-ms 0.5 --iters 4"
+    assert bench_dispatch.main([*argv.split(), "--repeats", "1"]) == 0
+    out = json.loads((tmp_path / "dispatch_cpu.json").read_text())
+    assert [r["way"] for r in out["results"]] == list(bench_dispatch.WAYS)
+    for r in out["results"]:
+        assert "error" not in r, r
+        assert 0 < r["dispatch_ms"]["median"] <= r["wall_ms"]["median"]
+        assert r["wall_ms"]["median"] >= 0.5  # the host's work is in every step's wall
+    assert out["serial_ms"] == out["device_ms_per_step"] + 0.5
+
+
+def test_products_benchmark_times_both_ways_over_the_same_bytes(tmp_path, monkeypatch):
+    # Separate and fused projections hold the same weights: the bytes and FLOPs per
+    # step agree, so the reported rates are in the ratio of the times.
+    import json
+
+    from benchmarks import bench_engine, bench_products
+    from benchmarks.common import OUT_ENV
+
+    monkeypatch.setitem(bench_engine.SHAPE_FIELDS, "tiny-test", TINY_SHAPE)
+    monkeypatch.setenv(OUT_ENV, str(tmp_path))
+    assert bench_products.main(["--shape", "tiny-test", "--rows", "4", "--repeats", "2"]) == 0
+    out = json.loads((tmp_path / "products_cpu.json").read_text())
+    sep, fused = out["results"]
+    assert (sep["way"], fused["way"]) == ("separate", "fused")
+    for a, b in (("weight_gb_per_s", "ms"), ("tflops", "ms")):
+        assert abs(sep[a] * sep[b] - fused[a] * fused[b]) < 1e-6 * sep[a] * sep[b]

@@ -548,6 +548,8 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation):
         cand = None if cand_v is None else (np.asarray(cand_v), np.asarray(cand_i))
         t2 = time.perf_counter()
         self.metrics.step_s += f.dispatch_s + t2 - t1
+        self.metrics.dispatch_s += f.dispatch_s
+        self.metrics.wait_s += t2 - t1
         self.metrics.tokens_computed += f.num_tokens
         if f.steps is not None:
             return self._apply_steps(f, toks, lps, t2)

@@ -15,6 +15,11 @@ class EngineMetrics:
     # Dispatching the jitted step and waiting for its results (device work not hidden
     # behind host work), compiling calls excluded.
     step_s: float = 0.0
+    # step_s's two parts: the dispatch calls (enqueueing the step; on a GPU, launching
+    # its kernels) and the waits for the sampled tokens. A dispatch that takes about a
+    # device step means the dispatch waited for the device (nothing overlapped).
+    dispatch_s: float = 0.0
+    wait_s: float = 0.0
     compile_s: float = 0.0  # calls of the jitted step that compiled a new shape bucket
     # Scheduling, block manager, batch building, sampling bookkeeping: with overlapped
     # steps (async_scheduling) mostly while the device runs the previous step.

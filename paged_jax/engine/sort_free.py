@@ -29,6 +29,10 @@ import jax.numpy as jnp
 DIGIT_BITS = 4  # bits of a key decided per pass: 15 trial keys per pass, 8 passes
 _ROUNDS = 32 // DIGIT_BITS
 _DIGITS = 1 << DIGIT_BITS
+# Read when traced: a radix round's comparisons laid out [R, V, 16] (the trials vary
+# fastest, so a GPU reduction over V reads each key once for all 16 trials) instead of
+# [R, 16, V] (a reduction per trial, each reading the whole row). The same sums.
+TRIALS_MINOR = True
 
 
 def sortable(x: jax.Array) -> jax.Array:
@@ -91,6 +95,14 @@ def draw(
     span = (hi - lo).astype(jnp.uint32)  # hi >= lo: the maximum is worth reaching
 
     def above(t):  # t i32[R, ...]: (count, weight) of the keys above each t
+        if TRIALS_MINOR and t.ndim > 1:  # [R, ..., V, B]: the trials vary fastest
+            lead = (R,) + (1,) * (t.ndim - 2)
+            gt = key.reshape(lead + (V, 1)) > t[..., None, :]
+            wv = w.reshape(lead + (V, 1))
+            return (
+                jnp.sum(gt, axis=-2, dtype=jnp.int32),
+                jnp.sum(jnp.where(gt, wv, 0.0), axis=-2),
+            )
         gt = key.reshape((R,) + (1,) * (t.ndim - 1) + (V,)) > t[..., None]
         wv = w.reshape(gt.shape[:1] + (1,) * (t.ndim - 1) + (V,))
         return jnp.sum(gt, axis=-1, dtype=jnp.int32), jnp.sum(jnp.where(gt, wv, 0.0), axis=-1)
