@@ -405,17 +405,25 @@ def fuse_linears(linears: list[Linear]) -> Linear | None:
     if len({m.bias is None for m in linears}) != 1:
         return None
 
-    def cat(values):
-        return tuple(jnp.concatenate(layer, axis=-1) for layer in zip(*values, strict=True))
-
+    del kernels
     names = ["kernel", "bias"] + {"int8": ["scale"], "int4": ["scale", "zero"]}.get(
         first.quantized, []
     )
     for name in names:
         if getattr(first, name, None) is None:
             continue
-        fused = cat([getattr(m, name).get_value() for m in linears])
-        getattr(first, name).set_value(fused)
+        # Layer by layer, each part dropped once concatenated: the memory held grows by
+        # one layer's weights at most, not by all of them (the modules' own references
+        # are dropped first).
+        parts = [list(getattr(m, name).get_value()) for m in linears]
+        for m in linears:
+            getattr(m, name).set_value(())
+        fused = []
+        for i in range(len(parts[0])):
+            fused.append(jnp.concatenate([p[i] for p in parts], axis=-1))
+            for p in parts:
+                p[i] = None
+        getattr(first, name).set_value(tuple(fused))
     first.parts = tuple(m.out_features for m in linears)
     first.out_features = sum(first.parts)
     return first

@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import gc
 import pathlib
 import re
 
@@ -403,6 +404,37 @@ def test_hold_for_accelerator_keeps_the_logits_and_unrolls_the_layers(name):
     assert not model.unrolled
     again, _ = _prefill_logits(model, ids)
     np.testing.assert_allclose(again, before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
+
+
+@pytest.mark.parametrize("name, fmt", [("qwen2", None), ("llama3", "int4")])
+def test_hold_for_accelerator_keeps_no_weight_twice(name, fmt, monkeypatch):
+    # The per-layer and fused arrays replace the loaded ones as they are made: while
+    # fusing, at most one fused array more is alive than before (each layer's parts are
+    # dropped once joined), and afterwards no more bytes than before (Qwen2: biases fused
+    # too; int4: scales and minimums fused with their kernels).
+    model = _held_out_model(name)
+    if fmt is not None:
+        model.quantize(fmt)
+    model.split_layer_weights()
+    gc.collect()
+    before = sum(a.nbytes for a in jax.live_arrays())
+    peaks, largest = [], [0]
+    concatenate = jnp.concatenate
+
+    def counted(*args, **kw):
+        out = concatenate(*args, **kw)
+        largest[0] = max(largest[0], out.nbytes)
+        gc.collect()
+        peaks.append(sum(a.nbytes for a in jax.live_arrays()))
+        return out
+
+    monkeypatch.setattr(jnp, "concatenate", counted)
+    model.hold_for_accelerator()
+    monkeypatch.undo()
+    gc.collect()
+    assert sum(a.nbytes for a in jax.live_arrays()) <= before
+    assert peaks and max(peaks) <= before + largest[0]
+    assert hasattr(model.layers.self_attn, "qkv_proj")
 
 
 @pytest.mark.skipif(not paged_linear.available(), reason="the CPU kernels did not build here")
