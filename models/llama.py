@@ -26,7 +26,13 @@ from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata
 
 from .config import LayerKind, LinearRopeScaling, LlamaConfig, RopeScaling
-from .quantization import check_format, dequantize_int4, quantize_int4, quantize_int8
+from .quantization import (
+    check_format,
+    dequantize_int4,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+)
 
 
 def rope_inv_freq(
@@ -117,8 +123,9 @@ class Linear(nnx.Linear):
     packed = False  # hold_packed sets it on the instance (a static attribute)
     # fuse_linears sets it on a fused module: its parts' output widths, in order
     parts: tuple[int, ...] | None = None
-    # quantize sets it: "int8" (kernel int8, scale f32 [(L,) out]) or "int4" (kernel
-    # uint8 [(L,) in / 2, out], two rows a byte; scale and zero f32 [(L,) in / 32, out])
+    # quantize sets it: "int8" (kernel int8, scale f32 [(L,) out]), "fp8" (kernel
+    # float8_e4m3fn, scale f32 [(L,) out]) or "int4" (kernel uint8 [(L,) in / 2, out],
+    # two rows a byte; scale and zero f32 [(L,) in / 32, out])
     quantized = None
 
     def quantize(self, fmt: str = "int8") -> Linear:
@@ -138,7 +145,7 @@ class Linear(nnx.Linear):
             q, scale, zero = quantize_int4(kernel, axis=-2)
             self.zero = nnx.Param(jnp.asarray(zero))
         else:
-            q, scale = quantize_int8(kernel, axis=-2)
+            q, scale = (quantize_fp8 if fmt == "fp8" else quantize_int8)(kernel, axis=-2)
         self.kernel.set_value(jnp.asarray(q))
         self.scale = nnx.Param(jnp.asarray(scale))
         self.quantized = fmt
@@ -153,6 +160,8 @@ class Linear(nnx.Linear):
         if self.packed:
             return self
         kernel = self.kernel.get_value()
+        if self.quantized == "fp8":
+            raise ValueError("kernel: fp8 weights are not read by the CPU kernels (XLA's path)")
         if isinstance(kernel, tuple):
             kernel = jnp.stack(kernel)
         want = {None: jnp.float32, "int8": jnp.int8, "int4": jnp.uint8}[self.quantized]
@@ -263,8 +272,9 @@ class Embed(nnx.Embed):
 
     transposed = False  # hold_transposed / hold_packed set them on the instance (static)
     packed = False
-    # quantize sets it: "int8" (table int8, scale f32 [V], one a token) or "int4" (table
-    # uint8 [V, E / 2], scale and zero f32 [V, E / 32]: groups along E)
+    # quantize sets it: "int8" or "fp8" (table int8 or float8_e4m3fn, scale f32 [V], one
+    # a token) or "int4" (table uint8 [V, E / 2], scale and zero f32 [V, E / 32]: groups
+    # along E)
     quantized = None
 
     def quantize(self, fmt: str = "int8") -> Embed:
@@ -283,7 +293,8 @@ class Embed(nnx.Embed):
             q, scale, zero = quantize_int4(self.embedding.get_value(), axis=-1)
             self.zero = nnx.Param(jnp.asarray(zero))
         else:
-            q, scale = quantize_int8(self.embedding.get_value(), axis=-1)
+            by = quantize_fp8 if fmt == "fp8" else quantize_int8
+            q, scale = by(self.embedding.get_value(), axis=-1)
         self.embedding.set_value(jnp.asarray(q))
         self.scale = nnx.Param(jnp.asarray(scale))
         self.quantized = fmt
@@ -304,6 +315,8 @@ class Embed(nnx.Embed):
         transpose, ``[P, E, NR]`` (int8 ones with their scales as ``pack_scales`` lays
         them out); returns the module. Idempotent. Raises ``ValueError`` for a table that
         is not f32 or int8, or where the CPU kernels are not available."""
+        if self.quantized == "fp8":
+            raise ValueError("embedding: an fp8 table is not read by the CPU kernels")
         if not self.packed:
             raw = self.embedding.get_value()
             self.embedding.set_value(linear.pack(raw if self.transposed else raw.T))
@@ -406,9 +419,8 @@ def fuse_linears(linears: list[Linear]) -> Linear | None:
         return None
 
     del kernels
-    names = ["kernel", "bias"] + {"int8": ["scale"], "int4": ["scale", "zero"]}.get(
-        first.quantized, []
-    )
+    extra = {"int8": ["scale"], "fp8": ["scale"], "int4": ["scale", "zero"]}
+    names = ["kernel", "bias"] + extra.get(first.quantized, [])
     for name in names:
         if getattr(first, name, None) is None:
             continue
@@ -727,12 +739,13 @@ class LlamaForCausalLM(nnx.Module):
         The engine calls it for a model on CPU without a mesh (the mesh's shardings are
         given for the loaded layouts). Idempotent.
 
-        ``pack`` (default: where the model computes in f32 with f32 weights and
-        ``paged_jax.linear.available()``): every linear weight, stacked layers included,
-        and a tied embedding table are packed for the C matrix-product kernel
-        (``Linear.hold_packed``, ``Embed.hold_packed``); a layer's product reads its
-        weight in the stack by index. SmolLM2-135M f32 decode on a 2-core CPU: 35-39
-        against 49-51 ms a step at 32 sequences, 14-16 against 20-22 at one.
+        ``pack`` (default: where the model computes in f32 with f32, int8 or int4 weights
+        and ``paged_jax.linear.available()``; fp8 weights take XLA's way below): every
+        linear weight, stacked layers included, and a tied embedding table are packed
+        for the C matrix-product kernel (``Linear.hold_packed``, ``Embed.hold_packed``);
+        a layer's product reads its weight in the stack by index. SmolLM2-135M f32
+        decode on a 2-core CPU: 35-39 against 49-51 ms a step at 32 sequences, 14-16
+        against 20-22 at one.
 
         Otherwise, for XLA's products:
 
@@ -751,9 +764,12 @@ class LlamaForCausalLM(nnx.Module):
                 self.dtype == jnp.float32
                 and linear.available()
                 and all(
-                    n.packed or n.quantized or _dtype(n.kernel.get_value()) == jnp.float32
+                    n.packed
+                    or n.quantized in ("int8", "int4")
+                    or (not n.quantized and _dtype(n.kernel.get_value()) == jnp.float32)
                     for n in linears
                 )
+                and self.embed_tokens.quantized != "fp8"
             )
         if pack:
             for node in linears:

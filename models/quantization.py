@@ -16,13 +16,26 @@ held as ``q = round((w - m) / d)`` in ``[0, 15]``, two of them a byte (the even 
 the axis in the low nibble), and stands for ``d * q + m``, within half a scale of the
 float one. An eighth of f32's bytes, plus two f32 per group (a quarter more): 0.75 bytes
 a weight.
+
+``fp8`` (W8A16, weight-only): as ``int8`` with float8 e4m3 values instead of integers
+(``ml_dtypes.float8_e4m3fn``, JAX's ``jnp.float8_e4m3fn``): one f32 scale per output
+channel, its largest magnitude over 448 (e4m3's largest finite value), and the weight
+held as ``w / scale`` rounded to e4m3 (3 mantissa bits: within 1/16 of itself, relative,
+above e4m3's smallest normal 2**-6; below it, within half a step of 2**-9, times the
+scale). A byte a weight, as int8; the format public FP8 checkpoints (compressed-tensors'
+``float-quantized``) hold, with a per-channel or per-tensor scale. Every product widens
+the weight to the activations' dtype (``(x @ q) * scale``); computing in fp8 on GPUs
+that have fp8 units (W8A8) is not built.
 """
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
-FORMATS = ("int8", "int4")
+FORMATS = ("int8", "int4", "fp8")
+FP8 = ml_dtypes.float8_e4m3fn  # the fp8 format's values (numpy; jnp.float8_e4m3fn alike)
+FP8_MAX = 448.0  # e4m3's largest finite magnitude
 GROUP = 32  # weights of one channel sharing a 4-bit scale and minimum
 
 
@@ -47,6 +60,18 @@ def quantize_int8(w, axis: int) -> tuple[np.ndarray, np.ndarray]:
     scale = np.max(np.abs(w), axis=axis) / 127.0
     scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
     q = np.clip(np.rint(w / np.expand_dims(scale, axis)), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def quantize_fp8(w, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(q float8_e4m3fn, scale f32)`` of float ``w``, one scale per slice along every
+    axis but ``axis`` (as ``quantize_int8``): ``scale = max |w| / 448`` over ``axis`` (1
+    where that is 0), ``q = w / scale`` rounded to the nearest e4m3 value. In numpy, on
+    the host."""
+    w = np.asarray(w, np.float32)
+    scale = np.max(np.abs(w), axis=axis) / FP8_MAX
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = np.clip(w / np.expand_dims(scale, axis), -FP8_MAX, FP8_MAX).astype(FP8)
     return q, scale
 
 

@@ -13,7 +13,13 @@ from flax import nnx
 import paged_jax as pj
 from paged_jax import linear, models
 from paged_jax.models.llama import Embed, Linear
-from paged_jax.models.quantization import dequantize_int4, quantize_int4, quantize_int8
+from paged_jax.models.quantization import (
+    FP8,
+    dequantize_int4,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+)
 
 
 def test_int8_error_is_within_half_a_scale():
@@ -26,6 +32,24 @@ def test_int8_error_is_within_half_a_scale():
     assert np.all(err <= scale[:, None, :] / 2 * (1 + 1e-6))
     assert np.all(scale[:, 7] == 1.0) and not q[:, :, 7].any()
     assert np.all(np.abs(q).max(axis=-2)[:, np.arange(40) != 7] == 127)
+
+
+def test_fp8_error_is_within_e4m3s_rounding():
+    # e4m3 keeps 3 mantissa bits: each value within 2**-4 of itself (relative) from the
+    # smallest normal 2**-6 up, within half a subnormal step 2**-9 / 2 below it (in units
+    # of the channel's scale); the largest magnitude maps to 448 exactly.
+    rng = np.random.default_rng(5)
+    w = rng.normal(size=(3, 64, 40)).astype(np.float32) * rng.uniform(0.01, 3, size=40)
+    w[:, :, 7] = 0.0
+    w[0, 3, 9] = 1e-6  # far below the smallest subnormal of its channel: flushes to 0
+    q, scale = quantize_fp8(w, axis=-2)
+    assert q.dtype == FP8 and scale.shape == (3, 40)
+    v = q.astype(np.float32)
+    assert np.abs(v).max() <= 448 and np.all(np.abs(v).max(axis=-2)[:, np.arange(40) != 7] == 448)
+    x = w / scale[:, None, :]  # the values rounded, in units of the scale
+    bound = np.maximum(np.abs(x) * 2.0**-4, 2.0**-10) * (1 + 1e-6)
+    assert np.all(np.abs(v - x) <= bound)
+    assert np.all(scale[:, 7] == 1.0) and not v[:, :, 7].any() and v[0, 3, 9] == 0.0
 
 
 @pytest.mark.skipif(not linear.available(), reason="the CPU kernels did not build here")
@@ -135,7 +159,7 @@ def _pair(cfg, fmt="int8"):
 TIED = dataclasses.replace(CFG, tie_word_embeddings=True, qkv_bias=False)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-table"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-table", "fp8"])
 @pytest.mark.parametrize(
     "cfg, held",
     [(CFG, "packed"), (TIED, "packed"), (CFG, "xla"), (TIED, "accelerator")],
@@ -147,6 +171,10 @@ def test_a_quantized_model_computes_what_its_dequantized_weights_do(cfg, held, f
     their log-probs equal those of the float model with the dequantized weights."""
     if held == "packed" and not linear.available():
         pytest.skip("the CPU kernels did not build here")
+    if held == "packed" and fmt == "fp8":  # the kernels do not read fp8: XLA's way instead
+        with pytest.raises(ValueError, match="fp8 weights are not read by the CPU kernels"):
+            _pair(cfg, fmt)[0].hold_for_cpu(pack=True)
+        held = "fp8 on CPU by default"
     quantized, dequantized = _pair(cfg, fmt)
     if held == "xla":
         monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")  # no packing: XLA's products
@@ -161,6 +189,9 @@ def test_a_quantized_model_computes_what_its_dequantized_weights_do(cfg, held, f
     layers_q = quantized.layers
     # (held for an accelerator, q/k/v are one fused qkv_proj)
     q_proj = getattr(getattr(layers_q, "self_attn", None), "q_proj", None)
+    if held == "fp8 on CPU by default":  # the engine held it for XLA's products
+        assert not q_proj.packed and q_proj.quantized == "fp8"
+        assert q_proj.kernel.get_value()[0].dtype == jnp.float8_e4m3fn
     if held == "packed" and q_proj is not None:
         dtype = jnp.int8 if fmt == "int8" else jnp.uint8
         table = quantized.embed_tokens.embedding.get_value().dtype
@@ -180,13 +211,15 @@ def test_quantized_weights_take_a_quarter_of_the_bytes():
     assert nbytes(int8) < 0.3 * nbytes(f32)
     int4 = models.init_model(CFG, seed=0).quantize("int4")
     assert nbytes(int4) < 0.21 * nbytes(f32)
+    fp8 = models.init_model(CFG, seed=0).quantize("fp8")
+    assert nbytes(fp8) == nbytes(int8)  # a byte a weight and an f32 a channel, as int8
 
 
 def test_load_quantizes_and_names_what_it_cannot_do():
     model, _ = models.load("tiny-llama", quantization="int8")
     assert model.embed_tokens.quantized == "int8"
     assert model.embed_tokens.embedding.get_value().dtype == jnp.int8
-    match = "quantization: expected one of 'int8', 'int4' or None, got 'q3'"
+    match = "quantization: expected one of 'int8', 'int4', 'fp8' or None, got 'q3'"
     with pytest.raises(ValueError, match=match):
         models.load("tiny-llama", quantization="q3")
     mesh = pj.tensor_parallel_mesh(1)
@@ -209,6 +242,11 @@ def test_the_cli_quantizes_on_load(capsys):
     assert len(out["outputs"][0]["completions"][0]["token_ids"]) == 3
     assert (
         cli.main([*argv[:-3], "int4", *argv[-2:], "--prompt", "hi", "--json", "--no-progress"]) == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["outputs"][0]["completions"][0]["token_ids"]) == 3
+    assert (
+        cli.main([*argv[:-3], "fp8", *argv[-2:], "--prompt", "hi", "--json", "--no-progress"]) == 0
     )
     out = json.loads(capsys.readouterr().out)
     assert len(out["outputs"][0]["completions"][0]["token_ids"]) == 3
