@@ -25,6 +25,7 @@ from paged_jax.cache import PagedKVCache
 from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata
 
+from . import lora as _lora
 from .config import LayerKind, LinearRopeScaling, LlamaConfig, RopeScaling
 from .quantization import (
     check_format,
@@ -123,6 +124,9 @@ class Linear(nnx.Linear):
     packed = False  # hold_packed sets it on the instance (a static attribute)
     # fuse_linears sets it on a fused module: its parts' output widths, in order
     parts: tuple[int, ...] | None = None
+    # The projection a LoRA adapter names it by ("q_proj", ...: models.lora.TARGETS), or
+    # a fused module's parts' names; None: no adapter reaches it (the LM head)
+    lora_targets: tuple[str, ...] = ()
     # quantize sets it: "int8" (kernel int8, scale f32 [(L,) out]), "fp8" (kernel
     # float8_e4m3fn, scale f32 [(L,) out]) or "int4" (kernel uint8 [(L,) in / 2, out],
     # two rows a byte; scale and zero f32 [(L,) in / 32, out])
@@ -209,6 +213,13 @@ class Linear(nnx.Linear):
         return kernel.astype(jnp.float32) * jnp.expand_dims(scale, -2)
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
+        y = self._product(inputs)
+        if self.lora_targets and _lora.current_mask() is not None:  # rows with adapters
+            d = _lora.delta(self.lora_targets, inputs, _LAYER.get())
+            y = y + d.astype(y.dtype)
+        return y
+
+    def _product(self, inputs: jax.Array) -> jax.Array:
         kernel = self.kernel.get_value()
         bias = None if self.bias is None else self.bias.get_value()
         scale = self.scale.get_value() if self.quantized else None
@@ -438,6 +449,7 @@ def fuse_linears(linears: list[Linear]) -> Linear | None:
         getattr(first, name).set_value(tuple(fused))
     first.parts = tuple(m.out_features for m in linears)
     first.out_features = sum(first.parts)
+    first.lora_targets = tuple(t for m in linears for t in m.lora_targets)
     return first
 
 
@@ -461,6 +473,8 @@ class Attention(nnx.Module):
         self.k_proj = _linear(cfg.hidden_size, K * D, cfg.qkv_bias, **kw)
         self.v_proj = _linear(cfg.hidden_size, K * D, cfg.qkv_bias, **kw)
         self.o_proj = _linear(H * D, cfg.hidden_size, cfg.o_bias, **kw)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(self, name).lora_targets = (name,)
         self.num_heads, self.num_kv_heads, self.head_dim = H, K, D
         scalar = cfg.query_pre_attn_scalar
         self.sm_scale = (D if scalar is None else scalar) ** -0.5
@@ -530,6 +544,8 @@ class MLP(nnx.Module):
         self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, **kw)
         self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, **kw)
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False, **kw)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(self, name).lora_targets = (name,)
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def fuse_projections(self) -> bool:
@@ -577,15 +593,21 @@ class DecoderLayer(nnx.Module):
         window and RoPE. Returns ``(x[T, E], cache)``."""
         attn, inv = self.self_attn, md.batch_invariant
         inv_freq = rope_inv_freq(attn.head_dim, kind.rope_theta, kind.rope_scaling)
-        q, k, v = rowwise(
-            lambda x, pos: attn.project(self.input_layernorm(x), pos, inv_freq),
-            x_TE,
-            positions_T,
-            invariant=inv,
-        )
+        # LoRA adapters' rows (models.lora): their mask travels with the rows
+        bank, mask = _lora._LORA.get() or (None, None)
+
+        def project(x, pos, m):
+            with _lora.rows(bank, m):
+                return attn.project(self.input_layernorm(x), pos, inv_freq)
+
+        def after(x, o, m):
+            with _lora.rows(bank, m):
+                return self._after_attention(x, o)
+
+        q, k, v = rowwise(project, x_TE, positions_T, mask, invariant=inv)
         window = kind.sliding_window
         o_THD, cache = attn.attend(q, k, v, layer, cache, md, window, backend, interpret)
-        return rowwise(self._after_attention, x_TE, o_THD, invariant=inv), cache
+        return rowwise(after, x_TE, o_THD, mask, invariant=inv), cache
 
     def _after_attention(self, x_TE, o_THD):
         """Row-wise: the residual, the MLP and its residual."""
@@ -629,6 +651,7 @@ class LlamaForCausalLM(nnx.Module):
     """
 
     unrolled = False  # hold_for_accelerator sets it on the instance (a static attribute)
+    lora = None  # enable_lora sets it: a models.lora.LoraBank
 
     def __init__(
         self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32
@@ -644,6 +667,32 @@ class LlamaForCausalLM(nnx.Module):
             else _linear(cfg.hidden_size, cfg.vocab_size, False, rngs=rngs, **kw)
         )
         self.dtype = dtype
+
+    def enable_lora(self, slots: int, rank: int) -> LlamaForCausalLM:
+        """In place: ``slots`` LoRA adapter slots of rank up to ``rank`` on every
+        projection (``models.lora.LoraBank``, zeros: no adapter in any slot), which
+        ``__call__``'s ``adapter_ids`` pick per token; returns the model. Idempotent for
+        the same sizes; raises ValueError for other sizes or non-positive ones."""
+        for name, v in (("slots", slots), ("rank", rank)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        if self.lora is not None:
+            if (self.lora.slots, self.lora.rank) != (slots, rank):
+                raise ValueError(
+                    f"slots, rank: the model has {self.lora.slots} slots of rank "
+                    f"{self.lora.rank} already, asked for {slots} of rank {rank}"
+                )
+            return self
+        dtype = self.embed_tokens.param_dtype
+        if not jnp.issubdtype(dtype, jnp.floating):  # (a quantized table's)
+            dtype = self.dtype or jnp.float32
+        self.lora = _lora.LoraBank(self.config, slots, rank, dtype)
+        return self
+
+    @property
+    def lora_slots(self) -> int:
+        """How many LoRA adapters the model holds at once (``enable_lora``; 0: none)."""
+        return 0 if self.lora is None else self.lora.slots
 
     def layer(self, i: int) -> DecoderLayer:
         """Layer ``i`` as its own module (a copy of its slice of the stacked weights)."""
@@ -821,12 +870,28 @@ class LlamaForCausalLM(nnx.Module):
         *,
         backend: str = "auto",
         interpret: bool = False,
+        adapter_ids: jax.Array | None = None,  # i32[T]
     ) -> tuple[jax.Array, PagedKVCache]:  # (f32[R, V], cache)
         """Runs one step; returns the logits of rows ``md.logits_indices`` and the cache.
 
         ``backend`` / ``interpret`` go to ``paged_jax.ragged_paged_attention`` (or
-        ``paged_jax.paged_attention`` for ``md.decode_only`` steps).
+        ``paged_jax.paged_attention`` for ``md.decode_only`` steps). ``adapter_ids``: each
+        token's LoRA slot plus one (0: none; ``enable_lora``), or None (no adapters).
         """
+        if adapter_ids is None:
+            return self._forward(tokens_T, positions_T, cache, md, backend, interpret)
+        if self.lora is None:
+            raise ValueError("adapter_ids: the model has no LoRA slots (enable_lora)")
+        if adapter_ids.shape != tokens_T.shape:
+            raise ValueError(
+                f"adapter_ids: expected shape {tokens_T.shape} (one a token), got "
+                f"{adapter_ids.shape}"
+            )
+        mask = _lora.token_mask(adapter_ids, self.lora.slots, self.lora.rank, jnp.float32)
+        with _lora.rows(self.lora, mask):
+            return self._forward(tokens_T, positions_T, cache, md, backend, interpret)
+
+    def _forward(self, tokens_T, positions_T, cache, md, backend, interpret):
         cfg = self.config
         x_TE = self.embed_tokens(tokens_T)
         if cfg.scale_embeddings:  # Gemma: sqrt(E), rounded to the compute dtype first

@@ -78,9 +78,11 @@ def test_adapters_share_no_prefix_cache_page(tiny):
     assert other.metrics.num_cached_tokens == 0  # another adapter: its own K/V
 
 
-def test_adapter_is_refused_by_a_model_without_adapter_ids(tiny):
+def test_adapter_is_refused_by_a_model_without_adapters(tiny):
+    # (paged_jax.models' decoders take adapter_ids, and have adapters once given LoRA
+    # slots: LLM(max_loras=N))
     llm = _engine(tiny)
-    with pytest.raises(ValueError, match="adapter: 2, but LlamaForCausalLM takes no adapter_ids"):
+    with pytest.raises(ValueError, match="adapter: 2, but the model has no LoRA slots"):
         llm.add_request("r", [1, 2], adapter=2)
     with pytest.raises(TypeError, match="adapter: expected an int >= 0"):
         llm.add_request("r", [1, 2], adapter=-1)

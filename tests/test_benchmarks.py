@@ -477,7 +477,7 @@ def test_dispatch_benchmark_drives_every_way_and_writes_where_told(tmp_path, mon
     assert [r["way"] for r in out["results"]] == list(bench_dispatch.WAYS)
     for r in out["results"]:
         assert "error" not in r, r
-        assert 0 < r["dispatch_ms"]["median"] <= r["wall_ms"]["median"]
+        assert r["dispatch_ms"]["median"] > 0 and r["wait_ms"]["median"] >= 0
         assert r["wall_ms"]["median"] >= 0.5  # the host's work is in every step's wall
     assert out["serial_ms"] == out["device_ms_per_step"] + 0.5
 

@@ -29,6 +29,7 @@ from paged_jax.engine.faults import (
     FaultIsolation,
 )
 from paged_jax.engine.launch import _PENDING, Launched, Launching
+from paged_jax.engine.loras import Loras
 from paged_jax.engine.metrics import EngineMetrics, record_step
 from paged_jax.engine.outputs import OutputProcessor, RequestOutput
 from paged_jax.engine.results import ApplyResults
@@ -40,7 +41,7 @@ from paged_jax.engine.speculative import Speculation, SpeculativeConfig
 log = logging.getLogger("paged_jax")
 
 
-class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation):
+class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation, Loras):
     """Continuous batching of requests on a ``ModelRunner`` (see the module docstring and
     ``LLM``, which builds it and documents every option).
 
@@ -51,8 +52,9 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation):
         ``HybridBlockManager``) arguments of each replica's block manager.
       num_replicas: data-parallel replicas, each with its own scheduler and pool.
       max_num_seqs, max_num_batched_tokens, preemption: each replica's ``Scheduler``'s.
-      checked, deterministic, async_scheduling, num_scheduler_steps, speculative: as
-        ``LLM``'s (``speculative`` a ``SpeculativeConfig`` or None).
+      checked, deterministic, async_scheduling, num_scheduler_steps, speculative,
+        max_loras, max_lora_rank: as ``LLM``'s (``speculative`` a ``SpeculativeConfig`` or
+        None; ``max_loras`` slots the runner's model holds already).
     """
 
     def __init__(
@@ -70,6 +72,8 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation):
         async_scheduling: bool,
         num_scheduler_steps: int,
         speculative: SpeculativeConfig | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 0,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -121,6 +125,7 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation):
         self._suspects: list[Group] = []  # groups of a failed step, not yet cleared
         self._ended = 0  # sequences given a finish reason so far (Lane.ended)
         self._cleared: set[int] = set()  # arrivals of suspects that since sampled a token
+        self._init_loras(max_loras, max_lora_rank)
 
     # ------------------------------------------------------------------ the runner's state
     @property
@@ -285,21 +290,26 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation):
         params: SamplingParams | None = None,
         *,
         cache_salt: Any = None,
+        lora: str | None = None,
         adapter: int = 0,
     ) -> None:
         """Queues a request. Raises ValueError on a bad request (nothing is queued).
 
         ``request_id`` must not belong to an unfinished request; a finished or aborted
-        request's id may be used again. ``adapter``: the index of the model's adapter the
-        request runs with (0: none), passed to the model with every token of the request
-        (``adapter_ids``, for a model whose ``__call__`` takes it: the hook per-request
-        LoRA adapters fill); requests of different adapters never share prefix-cache
-        pages.
+        request's id may be used again. ``lora``: the name of a registered LoRA adapter
+        (``add_lora``) the request runs with (None: the base model). ``adapter``: for a
+        model of your own whose ``__call__`` takes ``adapter_ids``, the index passed with
+        every token of the request (0: none). Requests of different adapters never share
+        prefix-cache pages.
         """
         self._check_usable()
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        if lora is not None:
+            if adapter:
+                raise ValueError("lora, adapter: give one of them, not both")
+            adapter = self._lora_id(lora)
         self._check_adapter(adapter)
         ids, width = self._checked(prompt, params, cache_salt)
         self._arrivals += 1
@@ -323,16 +333,6 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation):
         self._load[g.replica] += width
         self._groups[request_id] = g
         self.schedulers[g.replica].add(g)
-
-    def _check_adapter(self, adapter: Any) -> None:
-        """``adapter``: an int >= 0, and 0 unless the model takes ``adapter_ids``."""
-        if isinstance(adapter, bool) or not isinstance(adapter, int | np.integer) or adapter < 0:
-            raise TypeError(f"adapter: expected an int >= 0, got {adapter!r}")
-        if adapter and not self.runner.takes_adapters:
-            raise ValueError(
-                f"adapter: {adapter}, but {type(self.model).__name__} takes no adapter_ids "
-                "(its __call__ has no such argument); use 0"
-            )
 
     def abort(self, request_id: Hashable) -> RequestOutput | None:
         """Stops an unfinished request and frees its pages and host buffers.

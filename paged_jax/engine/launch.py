@@ -514,17 +514,19 @@ class Launching:
         return rows, num_samples, num_cand
 
     def _adapters(self, batch, placed) -> np.ndarray | None:
-        """``i32[T_b]``: each token's adapter (``Group.adapter``; 0 for padding), or None
-        when every request of the step runs without one (the step then compiles without
-        them)."""
-        if all(w.group.adapter == 0 for _, w in placed):
+        """``i32[T_b]``: each token's adapter (``Group.adapter``, as its LoRA slot plus one
+        with ``max_loras``; 0 for padding), or None when every request of the step runs
+        without one (the step then compiles without them)."""
+        ids = {w.group.adapter for _, w in placed} - {0}
+        if not ids:
             return None
+        slot = self._slots_for(ids)  # LoRA adapters: each one's slot, loaded if need be
         T_b = batch.token_ids.shape[0]
         out = np.zeros(T_b, np.int32)
         for i, w in placed:
             if w.group.adapter:  # the row's tokens end at its logits row (global rows)
                 last = int(batch.logits_indices[i])
-                out[last - (w.stop - w.start) + 1 : last + 1] = w.group.adapter
+                out[last - (w.stop - w.start) + 1 : last + 1] = slot[w.group.adapter]
         return out
 
     def _allowed(self, placed, rows, S_b, params) -> np.ndarray | None:

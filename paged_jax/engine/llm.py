@@ -165,6 +165,14 @@ class LLM(EngineCore):
         search, penalties, allowed tokens, a grammar or top log-probs decode one token a
         step as before. Not with ``num_scheduler_steps > 1`` or several data-parallel
         replicas.
+      max_loras: LoRA adapters held on the device at once (0: none). The model gets that
+        many slots (``enable_lora``; ``paged_jax.models.lora``); adapters registered with
+        ``add_lora(name, path)`` run per request (``generate(..., lora=name)``,
+        ``add_request(..., lora=name)``), rows of different adapters and the base model
+        in the same step. More adapters may be registered than slots: a step loads the
+        ones its rows need, evicting the least recently used, and requests wait to be
+        admitted while the running ones hold every slot with other adapters.
+      max_lora_rank: the largest rank an adapter may have (the slots' width; 16).
 
     Several processes (``jax.distributed.initialize``, one mesh over all their devices)
     each run this same engine on the same requests in the same order: the scheduler is
@@ -217,6 +225,8 @@ class LLM(EngineCore):
         async_scheduling: bool = True,
         num_scheduler_steps: int = 1,
         speculative: SpeculativeConfig | dict | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ):
 
         self.compilation_cache_dir = compile_cache.enable(compilation_cache)
@@ -270,9 +280,21 @@ class LLM(EngineCore):
             ("page_size", page_size),
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_lora_rank", max_lora_rank),
         ):
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 0:
+            raise ValueError(f"max_loras: expected an int >= 0, got {max_loras!r}")
+        if max_loras:
+            if not callable(getattr(model, "enable_lora", None)):
+                raise TypeError(
+                    f"max_loras: {type(model).__name__} has no enable_lora (LoRA slots); "
+                    "paged_jax.models' decoders have"
+                )
+            if dp > 1:
+                raise ValueError(f"max_loras: not with data_parallel_size={dp} yet; pass 1")
+            model.enable_lora(max_loras, max_lora_rank)
         runner = ModelRunner(
             model,
             mesh=mesh,
@@ -308,6 +330,8 @@ class LLM(EngineCore):
             async_scheduling=async_scheduling,
             num_scheduler_steps=num_scheduler_steps,
             speculative=speculative,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank if max_loras else 0,
         )
         self._warm_ups = 0
 
@@ -435,6 +459,7 @@ class LLM(EngineCore):
         *,
         add_generation_prompt: bool = True,
         progress: bool = True,
+        lora: str | None = None,
         **template_args: Any,
     ) -> list[RequestOutput]:
         """The assistant's next message for a conversation, or for each of a list of them.
@@ -444,13 +469,15 @@ class LLM(EngineCore):
         as ``paged_jax.models`` tokenizers have; ``template_args`` go to the template)
         and generated like ``generate``'s prompts. The turns a conversation shares with an
         earlier request reuse its pages through the prefix cache
-        (``RequestOutput.metrics.num_cached_tokens``). Returns one output per
+        (``RequestOutput.metrics.num_cached_tokens``). ``lora``: a registered adapter's
+        name (``add_lora``) every conversation runs with. Returns one output per
         conversation; raises ValueError naming ``conversations[k]``.
         """
         return self.generate(
             self._chat_prompts(conversations, add_generation_prompt, template_args),
             sampling_params,
             progress=progress,
+            lora=lora,
         )
 
     def _chat_prompts(self, conversations, add_generation_prompt, template_args) -> list:
@@ -555,7 +582,7 @@ class LLM(EngineCore):
             log.warning("a step failed and was undone (%s: %s)", type(e).__name__, e)
             return None
 
-    def _add_all(self, prefix: str, prompts, sampling_params, cache_salt):
+    def _add_all(self, prefix: str, prompts, sampling_params, cache_salt, lora=None):
         """Adds every prompt as a request, all or nothing (a bad one aborts those added and
         raises naming ``prompts[k]``); returns ``(request ids, params per prompt)``."""
         if isinstance(prompts, str):
@@ -572,7 +599,7 @@ class LLM(EngineCore):
         for k, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             rid = f"{prefix}-{base}-{k}"
             try:
-                self.add_request(rid, prompt, p, cache_salt=cache_salt)
+                self.add_request(rid, prompt, p, cache_salt=cache_salt, lora=lora)
             except (ValueError, TypeError) as e:
                 for r in ids:  # all or nothing: nothing of this call stays queued
                     self.abort(r)
@@ -587,9 +614,11 @@ class LLM(EngineCore):
         *,
         progress: bool = True,
         cache_salt: Any = None,
+        lora: str | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; returns outputs in the prompts' order (with
-        several processes: on process 0, and ``[]`` on the others).
+        several processes: on process 0, and ``[]`` on the others). ``lora``: a
+        registered adapter's name (``add_lora``) every prompt runs with (None: none).
 
         Every prompt is checked before any runs (an error names ``prompts[k]``). A step
         that fails is undone and the loop goes on (a request that keeps failing comes back
@@ -598,7 +627,7 @@ class LLM(EngineCore):
         propagates; requests added earlier through ``add_request`` keep running in later
         steps.
         """
-        ids, params = self._add_all("gen", prompts, sampling_params, cache_salt)
+        ids, params = self._add_all("gen", prompts, sampling_params, cache_salt, lora)
         done: dict[Hashable, RequestOutput] = {}
         mine = set(ids)
         others: list[RequestOutput] = []  # requests added by add_request: kept for step()

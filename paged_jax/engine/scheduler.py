@@ -255,6 +255,9 @@ class Scheduler:
         # Arrival numbers of the only groups that may run, or None (all). The engine sets
         # it while it isolates a request suspected of making steps fail.
         self.only: set[int] | None = None
+        # The engine's LoRA slots (None: no limit): a group is admitted or swapped in only
+        # while the adapters of the running groups and its own fit in them.
+        self.adapter_slots: int | None = None
 
     # ------------------------------------------------------------------ queues
     def add(self, group: Group) -> None:
@@ -279,6 +282,13 @@ class Scheduler:
 
     def _seq_ids(self, g: Group) -> list[str]:
         return [s.seq_id for s in g.seqs]
+
+    def _adapter_fits(self, g: Group) -> bool:
+        """Whether ``g``'s adapter fits beside the running groups' (``adapter_slots``)."""
+        if self.adapter_slots is None or not g.adapter:
+            return True
+        held = {x.adapter for x in self.running if x.adapter}
+        return g.adapter in held or len(held) < self.adapter_slots
 
     # ------------------------------------------------------------------ preemption
     def _preempt(self, g: Group, sched: Schedule) -> None:
@@ -325,6 +335,8 @@ class Scheduler:
             ids = self._seq_ids(g)
             if not self.bm.can_swap_in(ids) or seq_budget < len(g.seqs):
                 break
+            if not self._adapter_fits(g):
+                break
             sched.swap_in += self.bm.swap_in(ids)
             self.swapped.remove(g)
             g.status = Status.RUNNING
@@ -333,7 +345,7 @@ class Scheduler:
         if any(self.only is None or g.arrival in self.only for g in self.swapped):
             return sched  # swapped groups come back before new admissions
         while budget > 0 and (g := self._next_waiting()) is not None:
-            if seq_budget < len(g.seqs):
+            if seq_budget < len(g.seqs) or not self._adapter_fits(g):
                 break
             pages = sum(self.bm.pages_needed(len(s.tokens)) for s in g.seqs)
             if self.bm.num_free_pages - pages < self.bm.watermark_pages:

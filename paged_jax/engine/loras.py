@@ -1,0 +1,156 @@
+"""LoRA adapters by name (issue 55): ``Loras``, the part of ``EngineCore`` that registers
+adapters, holds up to ``max_loras`` of them in the model's device slots
+(``models.lora.LoraBank``), swaps them in least recently used first, and gives each
+token of a step its slot (``adapter_ids``).
+
+A request names its adapter (``add_request(lora=...)``, ``generate``, ``chat``); its group
+carries the adapter's id, a number never given twice (so a removed adapter's
+prefix-cache pages can match no later one). The schedulers admit a request only while
+the adapters of the running requests and its own fit in the slots
+(``Scheduler.adapter_slots``), so a step's adapters always do; a step loads only the
+adapters of its own rows that are not held yet, each into a free slot or the slot of
+the adapter used least recently by no row of the step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+
+class Loras:
+    """Adapters by name on an engine whose model has LoRA slots (``LLM(max_loras=)``)."""
+
+    def _init_loras(self, max_loras: int, max_lora_rank: int) -> None:
+        """Sets up ``max_loras`` slots of rank ``max_lora_rank`` (0 slots: none)."""
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self._lora_ids: dict[str, int] = {}  # name -> id
+        self._lora_host: dict[int, Any] = {}  # id -> models.lora.LoraAdapter
+        self._lora_next = 1
+        self._slot_of: dict[int, int] = {}  # id -> device slot
+        self._lora_clock: dict[int, int] = {}  # id -> the last step that used it
+        self._lora_steps = 0
+        self._bank_leaves: dict[str, int] = {}
+        if not max_loras:
+            return
+        import jax
+        from flax import nnx
+
+        _, state = nnx.split(self.runner.model)
+        for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
+            keys = [str(getattr(k, "key", k)) for k in path]
+            if keys and keys[0] == "lora" and len(keys) >= 2:
+                self._bank_leaves[keys[1]] = i
+        for sc in self.schedulers:
+            sc.adapter_slots = max_loras
+
+    @property
+    def loras(self) -> list[str]:
+        """The names of the adapters registered (``add_lora``), in the order added."""
+        return list(self._lora_ids)
+
+    def add_lora(self, name: str, adapter: str | os.PathLike | Any) -> int:
+        """Registers a LoRA adapter under ``name`` for requests to name
+        (``add_request(lora=name)``, ``generate``, ``chat``): a PEFT adapter directory
+        (``adapter_config.json`` + ``adapter_model.safetensors``) or a
+        ``models.lora.LoraAdapter``. Returns its id. It reaches the device when a step
+        first needs it. Raises ValueError without LoRA slots (``LLM(max_loras=N)``), for a
+        name in use, or for an adapter that does not fit the model (naming the tensor) or
+        whose rank exceeds ``max_lora_rank``."""
+        from paged_jax.models.lora import LoraAdapter, load_adapter
+
+        if not self.max_loras:
+            raise ValueError("add_lora: the engine has no LoRA slots; pass LLM(max_loras=N)")
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name: expected a non-empty str, got {name!r}")
+        if name in self._lora_ids:
+            raise ValueError(f"name: an adapter named {name!r} is registered already")
+        if not isinstance(adapter, LoraAdapter):
+            adapter = load_adapter(adapter, self.model.config, name=name)
+        if adapter.rank > self.max_lora_rank:
+            raise ValueError(
+                f"adapter {name!r}: rank {adapter.rank} is above max_lora_rank="
+                f"{self.max_lora_rank}; pass LLM(max_lora_rank={adapter.rank}) or more"
+            )
+        k = self._lora_next
+        self._lora_next += 1
+        self._lora_ids[name] = k
+        self._lora_host[k] = adapter
+        return k
+
+    def remove_lora(self, name: str) -> None:
+        """Unregisters adapter ``name`` and frees its slot. Raises ValueError for an
+        unknown name or while unfinished requests use it (abort or finish them first)."""
+        k = self._lora_id(name)
+        busy = sum(1 for g in self._groups.values() if g.adapter == k)
+        if busy:
+            raise ValueError(f"name: {busy} unfinished requests use adapter {name!r}")
+        del self._lora_ids[name], self._lora_host[k]
+        self._slot_of.pop(k, None)
+        self._lora_clock.pop(k, None)
+
+    def _lora_id(self, name: Any) -> int:
+        if name not in self._lora_ids:
+            known = ", ".join(map(repr, self._lora_ids)) or "none (add_lora)"
+            raise ValueError(f"lora: no adapter named {name!r}; registered: {known}")
+        return self._lora_ids[name]
+
+    def _check_adapter(self, adapter: Any) -> None:
+        """``adapter``: an int >= 0; with LoRA slots, 0 or a registered adapter's id;
+        otherwise 0 unless the model takes ``adapter_ids`` and has adapters of its own."""
+        if isinstance(adapter, bool) or not isinstance(adapter, int | np.integer) or adapter < 0:
+            raise TypeError(f"adapter: expected an int >= 0, got {adapter!r}")
+        if not adapter:
+            return
+        if self.max_loras:
+            if adapter not in self._lora_host:
+                raise ValueError(f"adapter: {adapter} is no registered adapter's id")
+            return
+        if not self.runner.takes_adapters:
+            raise ValueError(
+                f"adapter: {adapter}, but {type(self.model).__name__} takes no adapter_ids "
+                "(its __call__ has no such argument); use 0"
+            )
+        if getattr(self.model, "lora_slots", None) == 0:
+            raise ValueError(
+                f"adapter: {adapter}, but the model has no LoRA slots: pass "
+                "LLM(max_loras=N) and register adapters with add_lora"
+            )
+
+    def _slots_for(self, ids: set[int]) -> dict[int, int]:
+        """Each adapter id of a step -> its slot plus one (``adapter_ids``), loading the
+        ones not held into free slots or those used least recently by none of ``ids``."""
+        if not self.max_loras:
+            return {k: k for k in ids}
+        self._lora_steps += 1
+        for k in sorted(ids - set(self._slot_of)):
+            taken = set(self._slot_of.values())
+            free = [s for s in range(self.max_loras) if s not in taken]
+            if free:
+                slot = free[0]
+            else:
+                evict = min(
+                    (j for j in self._slot_of if j not in ids),
+                    key=lambda j: self._lora_clock.get(j, 0),
+                )
+                slot = self._slot_of.pop(evict)
+            self._write_slot(slot, self._lora_host[k])
+            self._slot_of[k] = slot
+        for k in ids:
+            self._lora_clock[k] = self._lora_steps
+        return {k: self._slot_of[k] + 1 for k in ids}
+
+    def _write_slot(self, slot: int, adapter) -> None:
+        """Puts ``adapter`` in device slot ``slot`` (new bank arrays in the weights the
+        step takes; a step still running keeps reading the old ones)."""
+        from paged_jax.models.lora import slot_arrays
+
+        bank = self.runner.model.lora
+        weights = list(self.runner.weights)
+        arrays = {name: weights[i] for name, i in self._bank_leaves.items()}
+        new = slot_arrays(adapter, bank.slots, bank.rank, slot, arrays)
+        for name, value in new.items():
+            weights[self._bank_leaves[name]] = value
+        self.runner.weights = tuple(weights)

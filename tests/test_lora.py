@@ -1,0 +1,178 @@
+"""LoRA adapters (issue 55): PEFT adapters written by peft (tests/golden/lora, from
+tests/golden/regenerate_lora.py) against the logits and greedy tokens transformers + peft
+compute with them; several adapters and the base model in one batch; more adapters than
+slots; prefix pages kept apart; what does not fit refused by name."""
+
+import json
+import pathlib
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_cases import PROMPTS
+from safetensors.numpy import load_file, save_file
+
+import paged_jax as pj
+from paged_jax.metadata import AttentionMetadata
+from paged_jax.models import lora as lora_mod
+from paged_jax.models.hf import load_hf
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+BASE = GOLDEN / "hf" / "llama"
+NAMES = ("attn", "mlp", "all")
+
+
+def _golden(name):
+    return np.load((GOLDEN / "lora" / name if name else BASE) / "golden.npz")
+
+
+def _base():
+    return load_hf(BASE, dtype=jnp.float32)[0]
+
+
+def _logits(model, slot_plus_one):
+    ids = np.asarray(PROMPTS["long"])
+    n = len(ids)
+    cache = model.make_cache(8, 8)
+    md = AttentionMetadata.prefill(n, 8 + np.arange(n), [1, 2, 3, 4], logits_all=True)
+    adapter_ids = jnp.full(n, slot_plus_one, jnp.int32)
+    logits, _ = model(
+        jnp.asarray(ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), cache, md,
+        adapter_ids=adapter_ids,
+    )  # fmt: skip
+    return np.asarray(logits)
+
+
+@pytest.mark.parametrize("held", ["as loaded", "for an accelerator"])
+def test_each_adapter_gives_the_logits_peft_gives(held):
+    # Each adapter in the second of two slots, the model as loaded (stacked layers,
+    # scanned) and as an accelerator holds it (per-layer weights, q/k/v and gate/up fused).
+    model = _base()
+    if held == "for an accelerator":
+        model.hold_for_accelerator()
+    model.enable_lora(2, 8)
+    bank = model.lora
+    for name in NAMES:
+        adapter = lora_mod.load_adapter(GOLDEN / "lora" / name, model.config)
+        arrays = {k: getattr(bank, k)[...] for k in vars(bank) if k[:2] in ("a_", "b_")}
+        for k, v in lora_mod.slot_arrays(adapter, 2, 8, 1, arrays).items():
+            getattr(bank, k).set_value(v)
+        want = _golden(name)["logits"]
+        got = _logits(model, 2)
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), name
+        # slot 1 (id 1) is empty: the base model's logits
+        base = _golden(None)["logits"]
+        assert np.abs(_logits(model, 1) - base).max() <= 1e-4 * np.abs(base).max()
+
+
+def test_adapters_scale_as_peft_says():
+    cfg = _base().config
+    attn = lora_mod.load_adapter(GOLDEN / "lora" / "attn", cfg)
+    mlp = lora_mod.load_adapter(GOLDEN / "lora" / "mlp", cfg)
+    only = lora_mod.load_adapter(GOLDEN / "lora" / "all", cfg)
+    assert (attn.rank, attn.scale) == (4, 2.0)  # alpha 8 / r 4
+    assert (mlp.rank, mlp.scale) == (8, pytest.approx(4 / 8**0.5))  # rsLoRA
+    assert sorted(attn.weights) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    a, b = only.weights["down_proj"]  # layers_to_transform [1]: layer 0 is zeros
+    assert not a[0].any() and not b[0].any() and a[1].any() and b[1].any()
+
+
+def _run(llm, requests):
+    """{request id: greedy tokens} of requests ``(id, prompt, lora)`` added at once."""
+    p = pj.SamplingParams(max_tokens=32, ignore_eos=True)
+    for rid, prompt, lora in requests:
+        llm.add_request(rid, prompt, p, lora=lora)
+    out = {}
+    while llm.has_unfinished():
+        for o in llm.step():
+            out[o.request_id] = o.outputs[0].token_ids
+    return out
+
+
+@pytest.mark.parametrize("slots", [4, 1])
+def test_a_batch_of_adapters_and_the_base_model_gives_each_row_its_own(slots):
+    # Every adapter and the base model on every prompt, all at once: each row gets what
+    # peft gives for its adapter. With one slot for three adapters, requests wait to be
+    # admitted until the running ones release the slot.
+    llm = pj.LLM(_base(), max_loras=slots, max_lora_rank=8, num_pages=64, page_size=8,
+                 compilation_cache=False)  # fmt: skip
+    for name in NAMES:
+        llm.add_lora(name, GOLDEN / "lora" / name)
+    assert llm.loras == list(NAMES)
+    requests = [
+        (f"{name}-{key}", PROMPTS[key], name)
+        for key in ("short", "long", "mid")
+        for name in (*NAMES, None)
+    ]
+    got = _run(llm, requests)
+    for rid, _, name in requests:
+        key = rid.split("-")[1]
+        assert got[rid] == _golden(name)[f"greedy_{key}"].tolist(), rid
+
+
+def test_prefix_pages_are_never_shared_across_adapters():
+    llm = pj.LLM(_base(), max_loras=2, max_lora_rank=8, num_pages=64, page_size=8,
+                 compilation_cache=False)  # fmt: skip
+    llm.add_lora("attn", GOLDEN / "lora" / "attn")
+    llm.add_lora("mlp", GOLDEN / "lora" / "mlp")
+    p = pj.SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = PROMPTS["long"]  # 30 tokens: 3 full pages of 8
+
+    def cached(lora):
+        return llm.generate([prompt], p, progress=False, lora=lora)[0].metrics.num_cached_tokens
+
+    assert cached("attn") == 0
+    assert cached("attn") == 24  # the same adapter again: its own pages
+    assert cached("mlp") == 0 and cached(None) == 0  # another adapter, the base model
+
+
+def test_deterministic_mode_applies_adapters_row_by_row():
+    llm = pj.LLM(_base(), max_loras=1, max_lora_rank=8, num_pages=64, page_size=8,
+                 deterministic=True, compilation_cache=False)  # fmt: skip
+    llm.add_lora("mlp", GOLDEN / "lora" / "mlp")
+    got = _run(llm, [("a", PROMPTS["mid"], "mlp"), ("b", PROMPTS["mid"], None)])
+    assert got["a"] == _golden("mlp")["greedy_mid"].tolist()
+    assert got["b"] == _golden(None)["greedy_mid"].tolist()
+
+
+def test_what_does_not_fit_is_refused_by_name(tmp_path):
+    model = _base()
+    with pytest.raises(ValueError, match=r"add_lora: the engine has no LoRA slots"):
+        pj.LLM(_base(), num_pages=16, page_size=8).add_lora("x", GOLDEN / "lora" / "attn")
+    llm = pj.LLM(model, max_loras=1, max_lora_rank=4, num_pages=16, page_size=8)
+    with pytest.raises(ValueError, match=r"rank 8 is above max_lora_rank=4"):
+        llm.add_lora("mlp", GOLDEN / "lora" / "mlp")
+    llm.add_lora("attn", GOLDEN / "lora" / "attn")
+    with pytest.raises(ValueError, match=r"an adapter named 'attn' is registered already"):
+        llm.add_lora("attn", GOLDEN / "lora" / "attn")
+    with pytest.raises(ValueError, match=r"prompts\[0\]: lora: no adapter named 'nope'"):
+        llm.generate([[1, 2, 3]], lora="nope")
+    llm.add_request("r", [1, 2, 3], pj.SamplingParams(max_tokens=2), lora="attn")
+    with pytest.raises(ValueError, match=r"1 unfinished requests use adapter 'attn'"):
+        llm.remove_lora("attn")
+    llm.abort("r")
+    llm.remove_lora("attn")
+    assert llm.loras == []
+    # an adapter whose tensors do not fit the model names the tensor
+    bad = tmp_path / "bad"
+    shutil.copytree(GOLDEN / "lora" / "attn", bad)
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    tensors[name] = np.zeros((4, 31), np.float32)  # the model's hidden size is 32
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=f"tensor '{name}' has shape \\[4, 31\\], expected"):
+        lora_mod.load_adapter(bad, model.config)
+    tensors.pop(name)
+    tensors[name.replace("q_proj", "lm_head")] = np.zeros((4, 32), np.float32)
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="target 'lm_head' is not one of"):
+        lora_mod.load_adapter(bad, model.config)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ValueError, match="use_dora: True is not supported"):
+        lora_mod.load_adapter(bad, model.config)
+    # a model of one's own without slots: adapters refused at the request
+    plain = pj.LLM(_base(), num_pages=16, page_size=8)
+    with pytest.raises(ValueError, match="the model has no LoRA slots"):
+        plain.add_request("x", [1, 2], adapter=1)
