@@ -212,6 +212,29 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     for name in ("generate", "chat", "serve"):
         _quantization_flag(sub.choices[name])
+    for name in ("generate", "chat"):
+        sub.choices[name].add_argument(
+            "--lora",
+            default=None,
+            metavar="NAME=PATH",
+            help="run with this PEFT LoRA adapter (a directory with adapter_config.json and "
+            "adapter_model.safetensors)",
+        )
+    s.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="PEFT LoRA adapters to serve, each a model of its own: a request's model field "
+        "names one (or the base model); /v1/models lists them",
+    )
+    s.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        help="adapters held on the device at once (default: every --lora-modules one); "
+        "more are swapped in as requests need them",
+    )
     for command in sub.choices.values():
         _show_defaults(command)
     return p

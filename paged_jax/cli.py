@@ -133,6 +133,7 @@ _FLAGS = {
     "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens",
     "num_scheduler_steps": "--num-scheduler-steps",
+    "max_loras": "--max-loras",
     "speculative": "--speculative",
     "speculative.num_speculative_tokens": "--num-speculative-tokens",
     "speculative.draft_model": "--draft-model",
@@ -157,6 +158,7 @@ def _generate(args) -> int:
         raise UsageError(f"--top-p: expected a value in (0, 1], got {args.top_p}")
     prompts = _prompts(args)
     _check_engine_flags(args)
+    loras = _lora_specs([args.lora] if args.lora else [], "--lora")
     _start_jax(args)
     from paged_jax.engine import LLM, SamplingParams
 
@@ -203,15 +205,19 @@ def _generate(args) -> int:
                 False if args.compilation_cache == "off" else args.compilation_cache
             ),
             mesh=mesh,
+            max_loras=len(loras),
+            max_lora_rank=max((r for *_, r in loras), default=16),
         )
+        _with_loras(llm, loras)
+        lora = loras[0][0] if loras else None
         show = not args.no_progress and not args.json
         if args.chat:
             if getattr(tokenizer, "chat_template", None) is None:
                 raise UsageError(f"--chat: {args.model} has no chat template")
             turns = [[{"role": "user", "content": p}] for p in prompts]
-            outputs = llm.chat(turns, params, progress=show)
+            outputs = llm.chat(turns, params, progress=show, lora=lora)
         else:
-            outputs = llm.generate(prompts, params, progress=show)
+            outputs = llm.generate(prompts, params, progress=show, lora=lora)
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise UsageError(_flag_names(str(e))) from None
     if not llm.is_main_process:  # several processes: process 0 prints
@@ -267,6 +273,7 @@ def _chat(args) -> int:
     """``paged-jax chat``: read a message, stream the reply, keep the conversation. Each
     turn's prompt begins with the previous turns, whose pages the prefix cache keeps; the
     line after a reply says how many prompt tokens were reused."""
+    loras = _lora_specs([args.lora] if args.lora else [], "--lora")
     _start_jax(args)
     from paged_jax.engine import LLM, SamplingParams
 
@@ -288,9 +295,13 @@ def _chat(args) -> int:
             max_num_seqs=1,  # one conversation: the fewest step shapes
             compilation_cache=False if args.compilation_cache == "off" else args.compilation_cache,
             mesh=mesh,
+            max_loras=len(loras),
+            max_lora_rank=max((r for *_, r in loras), default=16),
         )
-    except (ValueError, TypeError) as e:
+        _with_loras(llm, loras)
+    except (ValueError, TypeError, FileNotFoundError) as e:
         raise UsageError(_flag_names(str(e))) from None
+    lora = loras[0][0] if loras else None
     if not args.no_warm_up:  # no reply waits for a compile
         llm.warm_up()
     conversation = [{"role": "system", "content": args.system}] if args.system else []
@@ -306,7 +317,7 @@ def _chat(args) -> int:
         conversation.append({"role": "user", "content": line})
         ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
         reply, done = "", None
-        for piece in llm.stream([ids], params):
+        for piece in llm.stream([ids], params, lora=lora):
             print(piece.text, end="", flush=True)
             reply += piece.text
             done = piece.output or done
@@ -345,6 +356,12 @@ def _serve(args) -> int:
     if args.max_connections is not None and args.max_connections < 1:
         raise UsageError(f"--max-connections: expected an int >= 1, got {args.max_connections}")
     _check_engine_flags(args)
+    loras = _lora_specs(args.lora_modules, "--lora-modules")
+    max_loras = len(loras) if args.max_loras is None else args.max_loras
+    if args.max_loras is not None and (args.max_loras < 1 or not loras):
+        raise UsageError(
+            f"--max-loras: expected an int >= 1 with --lora-modules, got {args.max_loras}"
+        )
     _check_port(args.host, args.port)  # before seconds of loading, not after
     _start_jax(args)
     from paged_jax.engine import LLM
@@ -369,8 +386,11 @@ def _serve(args) -> int:
             speculative=_speculative(args),
             compilation_cache=False if args.compilation_cache == "off" else args.compilation_cache,
             mesh=mesh,
+            max_loras=max_loras,
+            max_lora_rank=max((r for *_, r in loras), default=16),
         )
-    except (ValueError, TypeError) as e:
+        _with_loras(llm, loras)
+    except (ValueError, TypeError, FileNotFoundError) as e:
         raise UsageError(_flag_names(str(e))) from None
     if not args.no_warm_up:  # nothing compiles once the server says it is ready
         llm.warm_up()
@@ -403,6 +423,33 @@ def _serve(args) -> int:
         else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()],
     )
     return 0
+
+
+def _lora_specs(specs, flag: str) -> list[tuple[str, pathlib.Path, int]]:
+    """``(name, path, rank)`` of each ``NAME=PATH`` of ``flag``, checked before JAX
+    starts: a name, a directory holding a PEFT adapter, its rank ``r``."""
+    out, seen = [], set()
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise UsageError(f"{flag}: expected NAME=PATH, got {spec!r}")
+        if name in seen:
+            raise UsageError(f"{flag}: the name {name!r} is given twice")
+        seen.add(name)
+        config = pathlib.Path(path) / "adapter_config.json"
+        try:
+            r = json.loads(config.read_text(encoding="utf-8")).get("r")
+        except (OSError, ValueError, AttributeError) as e:
+            raise UsageError(f"{flag}: {name}: {config}: {e}") from None
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise UsageError(f"{flag}: {name}: {config}: r: expected an int >= 1, got {r!r}")
+        out.append((name, pathlib.Path(path), r))
+    return out
+
+
+def _with_loras(llm, loras) -> None:
+    for name, path, _ in loras:
+        llm.add_lora(name, path)
 
 
 def _speculative(args) -> dict | None:

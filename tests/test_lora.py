@@ -176,3 +176,76 @@ def test_what_does_not_fit_is_refused_by_name(tmp_path):
     plain = pj.LLM(_base(), num_pages=16, page_size=8)
     with pytest.raises(ValueError, match="the model has no LoRA slots"):
         plain.add_request("x", [1, 2], adapter=1)
+
+
+def test_the_cli_runs_a_request_with_an_adapter(capsys):
+    from paged_jax import cli
+
+    argv = ["generate", "--no-progress", "--json", "--model", str(BASE), "--dtype", "float32"]
+    argv += ["--prompt-ids", ",".join(map(str, PROMPTS["short"])), "--max-tokens", "32"]
+    argv += ["--ignore-eos", "--lora", f"attn={GOLDEN / 'lora' / 'attn'}"]
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    got = out["outputs"][0]["completions"][0]["token_ids"]
+    assert got == _golden("attn")["greedy_short"].tolist()
+    assert cli.main([*argv[:-1], "attn"]) == 2  # not NAME=PATH
+    assert "--lora: expected NAME=PATH, got 'attn'" in capsys.readouterr().err
+
+
+def _random_adapter(cfg, name, seed, rank=4):
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for t in ("q_proj", "v_proj", "down_proj"):
+        fan_in, fan_out = lora_mod.target_shape(cfg, t)
+        A = rng.normal(size=(cfg.num_layers, fan_in, rank)).astype(np.float32)
+        B = rng.normal(size=(cfg.num_layers, rank, fan_out)).astype(np.float32)
+        weights[t] = (A * 0.3, B * 0.3)
+    return lora_mod.LoraAdapter(name, rank, 1.0, weights)
+
+
+def test_the_server_serves_adapters_by_model_name():
+    import threading  # noqa: F401  (the server's engine thread)
+
+    from starlette.testclient import TestClient
+
+    from paged_jax import models
+    from paged_jax.server.api import Server
+
+    model, tokenizer = models.load("tiny-llama")
+    llm = pj.LLM(model, tokenizer, num_pages=64, max_loras=1, max_lora_rank=4,
+                 compilation_cache=False)  # fmt: skip
+    llm.add_lora("styled", _random_adapter(model.config, "styled", 1))
+    llm.add_lora("other", _random_adapter(model.config, "other", 2))
+    p = pj.SamplingParams(max_tokens=8, ignore_eos=True)
+    offline = {
+        name: llm.generate(["hello there"], p, progress=False, lora=name)[0].outputs[0].text
+        for name in ("styled", "other", None)
+    }
+    assert len(set(offline.values())) == 3  # each adapter changes the reply
+    app = Server(llm, model_name="base")
+    with TestClient(app.app) as client:
+        listed = client.get("/v1/models").json()["data"]
+        assert [m["id"] for m in listed] == ["base", "styled", "other"]
+        assert listed[1]["parent"] == "base"
+        for name, want in (("styled", offline["styled"]), ("base", offline[None]),
+                           ("other", offline["other"])):  # fmt: skip
+            body = dict(model=name, prompt="hello there", max_tokens=8, ignore_eos=True,
+                        temperature=0)  # fmt: skip
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == name and r.json()["choices"][0]["text"] == want
+        r = client.post("/v1/completions", json=dict(model="nope", prompt="hi"))
+        assert r.status_code == 404
+        assert "this server serves 'base', 'styled', 'other'" in r.json()["error"]["message"]
+
+
+def test_serve_checks_its_adapter_flags_before_loading(capsys, tmp_path):
+    from paged_jax import cli
+
+    assert cli.main(["serve", "--lora-modules", f"a={tmp_path}"]) == 2
+    assert f"--lora-modules: a: {tmp_path / 'adapter_config.json'}" in capsys.readouterr().err
+    adapter = GOLDEN / "lora" / "attn"
+    assert cli.main(["serve", "--lora-modules", f"a={adapter}", f"a={adapter}"]) == 2
+    assert "--lora-modules: the name 'a' is given twice" in capsys.readouterr().err
+    assert cli.main(["serve", "--max-loras", "2"]) == 2
+    assert "--max-loras: expected an int >= 1 with --lora-modules" in capsys.readouterr().err

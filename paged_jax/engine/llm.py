@@ -514,6 +514,7 @@ class LLM(EngineCore):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         cache_salt: Any = None,
+        lora: str | None = None,
     ) -> Iterator[StreamOutput]:
         """Like ``generate``, but yields text as it is generated: after every step, one
         ``StreamOutput`` per sample that has new text or finished.
@@ -523,7 +524,7 @@ class LLM(EngineCore):
         the start of a stop string) is held back until the next token settles it. The
         deltas of a sample join into its ``generate`` text. Beam search is not streamed
         (beams are ranked only at the end). Closing the iterator early aborts the
-        unfinished requests.
+        unfinished requests. ``lora``: as ``generate``'s.
         """
         if self.tokenizer is None:
             raise ValueError("tokenizer: streaming text needs a tokenizer; use generate for ids")
@@ -531,7 +532,7 @@ class LLM(EngineCore):
         for k, p in enumerate(each):
             if p is not None and p.use_beam_search:
                 raise ValueError(f"sampling_params[{k}]: beam search cannot be streamed")
-        ids, _ = self._add_all("stream", prompts, sampling_params, cache_salt)
+        ids, _ = self._add_all("stream", prompts, sampling_params, cache_salt, lora)
         index = {rid: k for k, rid in enumerate(ids)}
         sent: dict[tuple, str] = {}  # (request, sample) -> text yielded so far
         left = set(ids)

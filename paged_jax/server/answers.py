@@ -74,7 +74,7 @@ class Answers:
                 "id": job["id"],
                 "object": "chat.completion" if job["chat"] else "text_completion",
                 "created": job["created"],
-                "model": self.model_name,
+                "model": job["model"],
                 "choices": choices,
                 "usage": self._usage(job, outputs),
             }
@@ -130,7 +130,7 @@ class Answers:
             "id": job["id"],
             "object": kind,
             "created": job["created"],
-            "model": self.model_name,
+            "model": job["model"],
         }
         outputs: list[Any] = [None] * len(rids)
 

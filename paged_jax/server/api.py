@@ -211,7 +211,24 @@ class Server(Answers):
             "owned_by": "paged-jax",
             "max_model_len": self.llm.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+        # LoRA adapters (--lora-modules), each a model of its own with the base as parent
+        adapters = [
+            {**card, "id": name, "root": name, "parent": self.model_name}
+            for name in getattr(self.llm, "loras", [])
+        ]
+        return JSONResponse({"object": "list", "data": [card, *adapters]})
+
+    def _lora_of(self, model: Any) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model); a 404
+        ApiError naming what this server serves for any other name."""
+        if model == self.model_name:
+            return None
+        loras = getattr(self.llm, "loras", [])
+        if model in loras:
+            return model
+        served = ", ".join(map(repr, [self.model_name, *loras]))
+        raise ApiError(404, f"model: {model!r:.80} does not exist; this server serves {served}",
+                       "model")  # fmt: skip
 
     def _auth(self, request: Request) -> Response | None:
         if self.api_key is None:
@@ -245,12 +262,8 @@ class Server(Answers):
         if not isinstance(body, Mapping):
             raise ApiError(400, "body: expected a JSON object")
         model = body.get("model")
-        if model is not None and model != self.model_name:
-            raise ApiError(
-                404,
-                f"model: {model!r:.80} does not exist; this server serves {self.model_name!r}",
-                "model",
-            )
+        if model is not None:
+            self._lora_of(model)  # (the tokenizer is the base model's for every adapter)
         return body
 
     def _tokenize(self, raw: bytes) -> dict:
@@ -323,7 +336,9 @@ class Server(Answers):
                 def notify(event: Event, k=k) -> None:
                     loop.call_soon_threadsafe(queue.put_nowait, (k, event))
 
-                self.loop.submit(rid, ids, job["params"], notify, stream=job["stream"])
+                self.loop.submit(
+                    rid, ids, job["params"], notify, stream=job["stream"], lora=job["lora"]
+                )
         except (Overloaded, RuntimeError) as e:
             for rid in rids[:k]:
                 self.loop.abort(rid)
@@ -381,12 +396,7 @@ class Server(Answers):
         model = body.get("model")
         if not isinstance(model, str):
             raise ApiError(400, f"model: expected a string, got {model!r}", "model")
-        if model != self.model_name:
-            raise ApiError(
-                404,
-                f"model: {model!r} does not exist; this server serves {self.model_name!r}",
-                "model",
-            )
+        lora = self._lora_of(model)
         for name, (default, why) in _UNSUPPORTED.items():
             if body.get(name, default) not in (default, None, {}, [], {"type": "text"}):
                 raise ApiError(400, f"{name}: {why}", name)
@@ -464,6 +474,8 @@ class Server(Answers):
             raise ApiError(400, message, _param_of(message)) from None
         return dict(
             id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            model=model,
+            lora=lora,
             chat=chat,
             prompts=prompts,
             params=params,

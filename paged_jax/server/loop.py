@@ -115,10 +115,11 @@ class EngineLoop:
         notify: Callable[[Event], None],
         *,
         stream: bool = False,
+        lora: str | None = None,
     ) -> None:
-        """Queues a request (any thread). ``notify`` receives its events on the engine
-        thread. Raises ``Overloaded`` when ``capacity`` requests are in flight, and
-        RuntimeError once stopping."""
+        """Queues a request (any thread), with LoRA adapter ``lora`` (a registered name, or
+        None). ``notify`` receives its events on the engine thread. Raises ``Overloaded``
+        when ``capacity`` requests are in flight, and RuntimeError once stopping."""
         with self._lock:
             if self._stopping.is_set():
                 raise RuntimeError("the server is shutting down")
@@ -129,7 +130,7 @@ class EngineLoop:
                     f"{self._in_flight} requests in flight, the limit is {self.capacity}"
                 )
             self._in_flight += 1
-        self._inbox.put(("add", request_id, prompt, params, notify, stream))
+        self._inbox.put(("add", request_id, prompt, params, notify, stream, lora))
 
     def abort(self, request_id: Hashable) -> None:
         """Stops a request (any thread): its pages are freed before the next step, and it
@@ -156,10 +157,10 @@ class EngineLoop:
             return
         while True:
             if cmd[0] == "add":
-                _, rid, prompt, params, notify, stream = cmd
+                _, rid, prompt, params, notify, stream, lora = cmd
                 self._live[rid] = _Live(notify, stream)
                 try:
-                    self.llm.add_request(rid, prompt, params)
+                    self.llm.add_request(rid, prompt, params, lora=lora)
                 except (ValueError, TypeError) as e:
                     self._done(rid, Event("error", status=400, message=str(e)))
             elif cmd[0] == "abort":
