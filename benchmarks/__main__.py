@@ -1,6 +1,6 @@
 """``python -m benchmarks <name> [--out DIR] [args]``: memory, sharing, throughput,
 host_overhead, kernels, engine, block_manager, layer_view, peers, serve, hybrid, sampler,
-serve_vllm_client, quantization, grammar, speculative, dispatch, products.
+serve_vllm_client, quantization, grammar, speculative, dispatch, products, lora.
 ``--out DIR``
 writes the results there; without it they go to a new ``bench-results/<time>`` directory
 under the current one. The committed results in ``benchmarks/results`` change only with
@@ -30,6 +30,7 @@ NAMES = (
     "speculative",
     "dispatch",
     "products",
+    "lora",
 )
 
 if __name__ == "__main__":

@@ -498,3 +498,21 @@ def test_products_benchmark_times_both_ways_over_the_same_bytes(tmp_path, monkey
     assert (sep["way"], fused["way"]) == ("separate", "fused")
     for a, b in (("weight_gb_per_s", "ms"), ("tflops", "ms")):
         assert abs(sep[a] * sep[b] - fused[a] * fused[b]) < 1e-6 * sep[a] * sep[b]
+
+
+def test_lora_benchmark_products_agree_and_write_where_told(tmp_path, monkeypatch):
+    # The two ways of applying each token's adapter give the same sums (checked inside,
+    # every case), and the file records each case's times.
+    import json
+
+    from benchmarks import bench_lora
+    from benchmarks.common import OUT_ENV
+
+    monkeypatch.setenv(OUT_ENV, str(tmp_path))
+    assert bench_lora.main(["--no-engine", "--rank", "4"]) == 0
+    out = json.loads((tmp_path / "lora_cpu.json").read_text())
+    assert [(r["tokens"], r["slots"]) for r in out["products"]] == [
+        (32, 4), (32, 16), (256, 4), (256, 16)
+    ]  # fmt: skip
+    assert all(r["masked_ms"] > 0 and r["ragged_ms"] > 0 for r in out["products"])
+    assert out["engine"] == []

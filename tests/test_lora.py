@@ -249,3 +249,27 @@ def test_serve_checks_its_adapter_flags_before_loading(capsys, tmp_path):
     assert "--lora-modules: the name 'a' is given twice" in capsys.readouterr().err
     assert cli.main(["serve", "--max-loras", "2"]) == 2
     assert "--max-loras: expected an int >= 1 with --lora-modules" in capsys.readouterr().err
+
+
+def test_samples_of_a_request_share_its_adapter():
+    # n = 2 seeded samples (forked sequences of one group) with an adapter: the same
+    # tokens alone and beside requests of other adapters.
+    p = pj.SamplingParams(max_tokens=12, n=2, temperature=0.9, seed=3, ignore_eos=True)
+
+    def run(others):
+        llm = pj.LLM(_base(), max_loras=3, max_lora_rank=8, num_pages=64, page_size=8,
+                     compilation_cache=False)  # fmt: skip
+        for name in NAMES:
+            llm.add_lora(name, GOLDEN / "lora" / name)
+        llm.add_request("x", PROMPTS["mid"], p, lora="mlp")
+        for i, name in enumerate(others):
+            llm.add_request(f"o{i}", PROMPTS["long"], p, lora=name)
+        out = {}
+        while llm.has_unfinished():
+            for o in llm.step():
+                out[o.request_id] = [c.token_ids for c in o.outputs]
+        return out["x"]
+
+    alone = run([])
+    assert len(alone) == 2 and alone[0] != alone[1]
+    assert run(["attn", "all", None]) == alone
