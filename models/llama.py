@@ -689,6 +689,19 @@ class LlamaForCausalLM(nnx.Module):
         self.lora = _lora.LoraBank(self.config, slots, rank, dtype)
         return self
 
+    def load_lora(self, path, name: str | None = None) -> _lora.LoraAdapter:
+        """The PEFT LoRA adapter in directory ``path`` for this model's config
+        (``models.lora.load_adapter``)."""
+        return _lora.load_adapter(path, self.config, name=name)
+
+    def lora_slot_arrays(self, adapter, slot: int, arrays: dict) -> dict:
+        """``arrays`` (the bank's, by variable name: ``a_<target>``, ``b_<target>``) with
+        slot ``slot`` holding ``adapter`` (None: emptied), as new arrays
+        (``models.lora.slot_arrays``)."""
+        if self.lora is None:
+            raise ValueError("slot: the model has no LoRA slots (enable_lora)")
+        return _lora.slot_arrays(adapter, self.lora.slots, self.lora.rank, slot, arrays)
+
     @property
     def lora_slots(self) -> int:
         """How many LoRA adapters the model holds at once (``enable_lora``; 0: none)."""

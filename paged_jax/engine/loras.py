@@ -54,21 +54,19 @@ class Loras:
     def add_lora(self, name: str, adapter: str | os.PathLike | Any) -> int:
         """Registers a LoRA adapter under ``name`` for requests to name
         (``add_request(lora=name)``, ``generate``, ``chat``): a PEFT adapter directory
-        (``adapter_config.json`` + ``adapter_model.safetensors``) or a
-        ``models.lora.LoraAdapter``. Returns its id. It reaches the device when a step
-        first needs it. Raises ValueError without LoRA slots (``LLM(max_loras=N)``), for a
-        name in use, or for an adapter that does not fit the model (naming the tensor) or
-        whose rank exceeds ``max_lora_rank``."""
-        from paged_jax.models.lora import LoraAdapter, load_adapter
-
+        (``adapter_config.json`` + ``adapter_model.safetensors``, read by the model's
+        ``load_lora``) or a ``models.lora.LoraAdapter``. Returns its id. It reaches the
+        device when a step first needs it. Raises ValueError without LoRA slots
+        (``LLM(max_loras=N)``), for a name in use, or for an adapter that does not fit the
+        model (naming the tensor) or whose rank exceeds ``max_lora_rank``."""
         if not self.max_loras:
             raise ValueError("add_lora: the engine has no LoRA slots; pass LLM(max_loras=N)")
         if not isinstance(name, str) or not name:
             raise TypeError(f"name: expected a non-empty str, got {name!r}")
         if name in self._lora_ids:
             raise ValueError(f"name: an adapter named {name!r} is registered already")
-        if not isinstance(adapter, LoraAdapter):
-            adapter = load_adapter(adapter, self.model.config, name=name)
+        if isinstance(adapter, str | os.PathLike):  # the model reads its own adapters
+            adapter = self.model.load_lora(adapter, name=name)
         if adapter.rank > self.max_lora_rank:
             raise ValueError(
                 f"adapter {name!r}: rank {adapter.rank} is above max_lora_rank="
@@ -145,12 +143,9 @@ class Loras:
     def _write_slot(self, slot: int, adapter) -> None:
         """Puts ``adapter`` in device slot ``slot`` (new bank arrays in the weights the
         step takes; a step still running keeps reading the old ones)."""
-        from paged_jax.models.lora import slot_arrays
-
-        bank = self.runner.model.lora
         weights = list(self.runner.weights)
         arrays = {name: weights[i] for name, i in self._bank_leaves.items()}
-        new = slot_arrays(adapter, bank.slots, bank.rank, slot, arrays)
+        new = self.runner.model.lora_slot_arrays(adapter, slot, arrays)
         for name, value in new.items():
             weights[self._bank_leaves[name]] = value
         self.runner.weights = tuple(weights)
