@@ -48,6 +48,7 @@ def test_kernel_tuning_sweep_refuses_to_run_without_a_gpu():
     assert err.value.code == 2
 
 
+@pytest.mark.slow  # 10-12 s; .ci/run runs it (the default suite's 8-minute budget)
 def test_kernel_benchmark_times_prefill_on_cpu(tmp_path, monkeypatch):
     # On CPU the prefill table times the CPU ragged kernel (where it builds) and XLA, on
     # PREFILL_CASES_CPU (here one tiny case; timings meaningless).
@@ -419,6 +420,7 @@ def test_host_overhead_records_another_model_beside_tiny_llama():
     assert result_name("smollm2-135m-instruct") == "host_overhead_smollm2-135m-instruct"
 
 
+@pytest.mark.slow  # 9 s; .ci/run runs it (the default suite's 8-minute budget)
 def test_sampler_benchmark_times_every_setting_and_writes_where_told(tmp_path, monkeypatch):
     # tiny-llama, a few tokens (timings meaningless): every setting has engine steps and
     # sampler times on the model's own logits, greedy's step ratio to itself is 1.
