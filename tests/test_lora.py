@@ -273,3 +273,17 @@ def test_samples_of_a_request_share_its_adapter():
     alone = run([])
     assert len(alone) == 2 and alone[0] != alone[1]
     assert run(["attn", "all", None]) == alone
+
+
+def test_speculative_decoding_keeps_an_adapters_tokens():
+    # Verify rows carry their request's adapter on every proposed token: n-gram
+    # speculation gives the adapter's greedy tokens (some proposals accepted).
+    llm = pj.LLM(_base(), max_loras=1, max_lora_rank=8, num_pages=64, page_size=8,
+                 speculative={"method": "ngram", "num_speculative_tokens": 4},
+                 compilation_cache=False)  # fmt: skip
+    llm.add_lora("attn", GOLDEN / "lora" / "attn")
+    p = pj.SamplingParams(max_tokens=32, ignore_eos=True)
+    out = llm.generate([PROMPTS["long"], PROMPTS["mid"]], p, progress=False, lora="attn")
+    assert out[0].outputs[0].token_ids == _golden("attn")["greedy_long"].tolist()
+    assert out[1].outputs[0].token_ids == _golden("attn")["greedy_mid"].tolist()
+    assert llm.metrics.spec_accepted_tokens > 0
