@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .compressed import read_safetensors
 from .config import LlamaConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -110,8 +111,6 @@ def load_adapter(path: str | pathlib.Path, cfg: LlamaConfig, name: str | None = 
         if not ok:
             refuse(field, f"{raw.get(field)!r} is not supported")
     scale = alpha / math.sqrt(r) if raw.get("use_rslora") else alpha / r
-    from paged_jax.models.compressed import read_safetensors
-
     tensors = read_safetensors(weights_file)
     L = cfg.num_layers
     parts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
