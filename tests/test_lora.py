@@ -287,3 +287,21 @@ def test_speculative_decoding_keeps_an_adapters_tokens():
     assert out[0].outputs[0].token_ids == _golden("attn")["greedy_long"].tolist()
     assert out[1].outputs[0].token_ids == _golden("attn")["greedy_mid"].tolist()
     assert llm.metrics.spec_accepted_tokens > 0
+
+
+@pytest.mark.slow  # 10 s (a process of its own); .ci/run runs it
+def test_adapters_on_a_tensor_parallel_mesh_give_peft_s_tokens():
+    # Two fake CPU devices, in a process of its own (tests/lora_mesh_worker.py): the
+    # weights in their shards, the adapters' slots beside them; all three adapters and
+    # the base model in one batch.
+    import subprocess
+    import sys
+
+    worker = pathlib.Path(__file__).parent / "lora_mesh_worker.py"
+    done = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in (*NAMES, None):
+        for key in ("short", "long"):
+            assert got[f"{name}/{key}"] == _golden(name)[f"greedy_{key}"].tolist(), (name, key)
