@@ -305,3 +305,22 @@ def test_adapters_on_a_tensor_parallel_mesh_give_peft_s_tokens():
     for name in (*NAMES, None):
         for key in ("short", "long"):
             assert got[f"{name}/{key}"] == _golden(name)[f"greedy_{key}"].tolist(), (name, key)
+
+
+@pytest.mark.slow  # 13 s; .ci/run runs it
+def test_nothing_compiles_after_warm_up_with_adapters():
+    # warm_up() compiles each step shape with adapter rows too (what a server with
+    # --lora-modules runs): mixed traffic of adapters and the base model compiles nothing
+    # afterwards and gives peft's tokens.
+    llm = pj.LLM(_base(), max_loras=2, max_lora_rank=8, num_pages=64, page_size=8,
+                 max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                 compilation_cache=False)  # fmt: skip
+    n = len(llm.warm_up(progress=False))
+    for name in NAMES:
+        llm.add_lora(name, GOLDEN / "lora" / name)
+    requests = [(f"{name}-{key}", PROMPTS[key], name) for key in ("short", "mid")
+                for name in (*NAMES, None)]  # fmt: skip
+    got = _run(llm, requests)
+    assert len(llm.compiled_buckets) == n, llm.compiled_buckets[n:]
+    for rid, _, name in requests:
+        assert got[rid] == _golden(name)[f"greedy_{rid.split('-')[1]}"].tolist(), rid

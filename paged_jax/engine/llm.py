@@ -439,8 +439,13 @@ class LLM(EngineCore):
                     merges = token_buckets
                 overlapped = self.async_scheduling and shape.steps == 1
                 self.runner.run_shape(shape, replicas, merges, overlapped)
-                if self.proposer is not None and not shape.decode_only and shape.steps == 1:
+                verify = self.proposer is not None and not shape.decode_only
+                if verify and shape.steps == 1:
                     self.runner.run_shape(shape, replicas, verify=True)  # verify steps
+                if self.max_loras and shape.steps == 1:  # steps with adapter rows
+                    self.runner.run_shape(shape, replicas, (), overlapped, adapters=True)
+                    if verify:
+                        self.runner.run_shape(shape, replicas, verify=True, adapters=True)
                 if progress and not (k + 1) % 8:
                     log.info("%d of %d step shapes ready (%.1f s)", k + 1, len(shapes),
                              time.perf_counter() - t0)  # fmt: skip

@@ -676,6 +676,7 @@ class ModelRunner:
         merges: Sequence[int] = (),
         overlapped: bool = False,
         verify: bool = False,
+        adapters: bool = False,
     ) -> bool:
         """Runs step ``shape`` (``paged_jax.engine.shapes.StepShape``, per replica) once on
         batches that touch only the null page, ``replicas`` of them side by side, and
@@ -684,8 +685,10 @@ class ModelRunner:
         with ``overlapped`` runs it again on such merged tokens (a device array, which
         the jitted step's dispatch keys apart from a host one). ``verify``: the step of
         speculative decoding's verify steps of this shape instead, with ``T`` more
-        sampling rows (``speculative.verify_rows`` with static shapes). Returns whether
-        the step compiled (False: compiled before)."""
+        sampling rows (``speculative.verify_rows`` with static shapes). ``adapters``: the
+        step with each token's adapter (``adapter_ids``, all 0 here), which compiles
+        apart from the step without. Returns whether the step compiled (False: compiled
+        before)."""
         batch = concat_batches(
             [
                 null_batch(
@@ -713,15 +716,16 @@ class ModelRunner:
             src[0] = 0  # one placeholder, taken from row 0's sample
             return self.merge_tokens(outputs[0], src, np.zeros_like(src), np.zeros_like(src))
 
+        ids = np.zeros(batch.token_ids.shape[0], np.int32) if adapters else None
         outputs, _, _, compiled = self.launch(
-            batch, batch.token_ids, sampling, None, 0, steps, replicas
+            batch, batch.token_ids, sampling, None, 0, steps, replicas, adapters=ids
         )
         jax.block_until_ready((outputs, self.cache))
         for t in merges:
             jax.block_until_ready(merged(outputs, t))
         if overlapped:
             tokens = merged(outputs, shape.tokens)
-            more = self.launch(batch, tokens, sampling, None, 0, steps, replicas)
+            more = self.launch(batch, tokens, sampling, None, 0, steps, replicas, adapters=ids)
             jax.block_until_ready((more[0], self.cache))
             compiled = compiled or more[3]
         return compiled
