@@ -940,10 +940,7 @@ def main(argv=None) -> int:
     )
     print(
         table(
-            [
-                {k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in s.items()}
-                for s in splits
-            ],
+            splits,
             [
                 "model",
                 "backend",
@@ -959,18 +956,12 @@ def main(argv=None) -> int:
                 "sampler_top_p_peaked_sort_free_ms",
                 "sampler_top_p_sort_free_other_layout_ms",
             ],
+            digits=2,
         )
     )
     if prefills:
-        print(
-            table(
-                [
-                    {k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in r.items()}
-                    for r in prefills
-                ],
-                ["model", "backend", "sequences", "tokens", "ms", "tflops", "of_peak"],
-            )
-        )
+        columns = ["model", "backend", "sequences", "tokens", "ms", "tflops", "of_peak"]
+        print(table(prefills, columns, digits=2))
     path = save(rows, splits)
     print(f"wrote {path}")
     return 0

@@ -197,8 +197,9 @@ def main(argv=None) -> int:
         )
     print(
         table(
-            [{k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in r.items()} for r in prods],
+            prods,
             ["tokens", "slots", "rank", "projection_ms", "masked_ms", "ragged_ms"],
+            digits=3,
         )
     )
     print(f"wrote {path}")

@@ -131,15 +131,7 @@ def main(argv=None) -> int:
             results=results,
         ),
     )
-    print(
-        table(
-            [
-                {k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in r.items()}
-                for r in results
-            ],
-            ["way", "rows", "ms", "weight_gb_per_s", "tflops"],
-        )
-    )
+    print(table(results, ["way", "rows", "ms", "weight_gb_per_s", "tflops"], digits=2))
     print(f"wrote {path}")
     return 0
 

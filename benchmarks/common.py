@@ -170,9 +170,14 @@ def write_result(name: str, payload: dict) -> pathlib.Path:
     return path
 
 
-def table(rows: list[dict], columns: list[str]) -> str:
-    """A plain-text table of ``rows`` (dicts) in ``columns`` order."""
-    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
+def table(rows: list[dict], columns: list[str], digits: int | None = None) -> str:
+    """A plain-text table of ``rows`` (dicts) in ``columns`` order; ``digits``: floats
+    shown with that many decimals (None: as ``str`` shows them)."""
+
+    def cell(v):
+        return f"{v:.{digits}f}" if digits is not None and isinstance(v, float) else str(v)
+
+    cells = [[cell(r.get(c, "")) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))

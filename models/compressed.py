@@ -51,13 +51,14 @@ def read_safetensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
     ``ml_dtypes`` types). Raises ValueError naming the file for a malformed header or a
     dtype it does not know."""
     path = pathlib.Path(path)
-    raw = path.read_bytes()
+    # Mapped, not read: each tensor is copied out once (the file is not held twice).
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
     try:
-        (n,) = struct.unpack("<Q", raw[:8])
-        header = json.loads(raw[8 : 8 + n])
+        (n,) = struct.unpack("<Q", raw[:8].tobytes())
+        header = json.loads(raw[8 : 8 + n].tobytes())
     except (struct.error, ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not a safetensors header ({e})") from None
-    data = memoryview(raw)[8 + n :]
+    data = raw[8 + n :]
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -76,8 +77,20 @@ def read_safetensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
         ):
             raise ValueError(f"{path}: tensor {name!r}: data_offsets {info['data_offsets']} "
                              f"do not hold {shape} of {info['dtype']}")  # fmt: skip
-        out[name] = np.frombuffer(data[start:stop], dtype=dtype).reshape(shape).copy()
+        out[name] = np.array(data[start:stop].view(dtype).reshape(shape))
     return out
+
+
+def read_json_object(path: pathlib.Path) -> dict:
+    """The JSON object in file ``path``; ValueError naming the file for anything else."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        lines = str(e).strip().splitlines()
+        raise ValueError(f"{path}: {lines[0] if lines else type(e).__name__}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,12 +84,7 @@ def load_tokenizer(path: str | pathlib.Path) -> TextTokenizer | None:
     config, template = {}, None
     cfg_file = root / "tokenizer_config.json"
     if cfg_file.exists():
-        try:
-            config = json.loads(cfg_file.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{cfg_file}: {_first_line(e)}") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"{cfg_file}: expected a JSON object")
+        config = compressed.read_json_object(cfg_file)
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

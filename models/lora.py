@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import json
 import math
 import pathlib
 import re
@@ -36,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .compressed import read_safetensors
+from .compressed import read_json_object, read_safetensors
 from .config import LlamaConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -82,12 +81,7 @@ def load_adapter(path: str | pathlib.Path, cfg: LlamaConfig, name: str | None = 
     for f in (cfg_file, weights_file):
         if not f.exists():
             raise FileNotFoundError(f"{f}: missing (a PEFT adapter directory holds both files)")
-    try:
-        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{cfg_file}: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{cfg_file}: expected a JSON object")
+    raw = read_json_object(cfg_file)
 
     def refuse(field, what):
         raise ValueError(f"{cfg_file}: {field}: {what}")

@@ -122,3 +122,18 @@ def hf_greedy(hf, prompt, n):
             out.append(int(r.logits[0, -1].argmax()))
             inp = torch.tensor([[out[-1]]])
     return out
+
+
+def golden_arrays(ref, new_tokens: int) -> dict:
+    """What a golden.npz holds for reference model ``ref`` (transformers, with or without
+    a peft adapter): ``logits`` (f32[T, V], every position of the "long" prompt) and
+    ``greedy_<prompt>`` (i32[new_tokens], ``hf_greedy``) for each of ``PROMPTS``."""
+    import numpy as np
+    import torch
+
+    with torch.no_grad():
+        logits = ref(torch.tensor([PROMPTS["long"]])).logits[0].numpy().astype(np.float32)
+    arrays = {"logits": logits}
+    for key, prompt in PROMPTS.items():
+        arrays[f"greedy_{key}"] = np.asarray(hf_greedy(ref, prompt, new_tokens), np.int32)
+    return arrays

@@ -27,9 +27,8 @@ sys.path.insert(0, str(HERE.parents[1]))
 from hf_cases import (  # noqa: E402
     COMMON,
     MODEL_CLASSES,
-    PROMPTS,
+    golden_arrays,
     hf_config,
-    hf_greedy,
     randomize,
 )
 
@@ -51,13 +50,7 @@ def main() -> None:
         # The reference runs on exactly the stored weights, upcast.
         ref = getattr(transformers, MODEL_CLASSES[name]).from_pretrained(out, dtype=torch.float32)
         ref.eval()
-        arrays = {}
-        with torch.no_grad():
-            ids = torch.tensor([PROMPTS["long"]])
-            arrays["logits"] = ref(ids).logits[0].numpy().astype(np.float32)
-        for key, prompt in PROMPTS.items():
-            arrays[f"greedy_{key}"] = np.asarray(hf_greedy(ref, prompt, NEW_TOKENS), np.int32)
-        np.savez_compressed(out / "golden.npz", **arrays)
+        np.savez_compressed(out / "golden.npz", **golden_arrays(ref, NEW_TOKENS))
         size = sum(f.stat().st_size for f in out.iterdir())
         print(f"{name}: {size / 1024:.0f} KB, vocab {COMMON['vocab_size']}")
     (HERE / "VERSIONS").write_text(

@@ -31,7 +31,7 @@ import numpy as np
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from hf_cases import PROMPTS, hf_greedy  # noqa: E402
+from hf_cases import golden_arrays  # noqa: E402
 
 BASE = HERE / "hf" / "llama"
 OUT = HERE / "lora"
@@ -66,12 +66,7 @@ def main() -> None:
         # The reference: the saved adapter, loaded back onto the stored base weights.
         fresh = transformers.LlamaForCausalLM.from_pretrained(BASE, dtype=torch.float32)
         ref = peft.PeftModel.from_pretrained(fresh, out).eval()
-        arrays = {}
-        with torch.no_grad():
-            arrays["logits"] = ref(torch.tensor([PROMPTS["long"]])).logits[0].numpy()
-        for key, prompt in PROMPTS.items():
-            arrays[f"greedy_{key}"] = np.asarray(hf_greedy(ref, prompt, NEW_TOKENS), np.int32)
-        np.savez_compressed(out / "golden.npz", **arrays)
+        np.savez_compressed(out / "golden.npz", **golden_arrays(ref, NEW_TOKENS))
         size = sum(f.stat().st_size for f in out.iterdir())
         print(f"{name}: {size / 1024:.0f} KB")
     (OUT / "VERSIONS").write_text(
