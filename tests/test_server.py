@@ -817,12 +817,20 @@ def test_tool_calls_through_the_openai_client(server):
     (call,) = c.message.tool_calls
     assert call.function.name == "get_time" and call.id.startswith("call_")
     assert json.loads(call.function.arguments)["zone"] in ("utc", "cet")
-    name, args, finish = "", "", None
+    name, args, finish, pieces = "", "", None, 0
     for chunk in client.chat.completions.create(**kw, stream=True):
         for d in chunk.choices[0].delta.tool_calls or []:
             assert d.index == 0
             name += d.function.name or ""
             args += d.function.arguments or ""
+            pieces += bool(d.function.arguments)
         finish = chunk.choices[0].finish_reason or finish
     assert name == "get_time" and json.loads(args)["zone"] in ("utc", "cet")
-    assert finish == "tool_calls"
+    assert finish == "tool_calls" and pieces > 1  # the arguments as they were written
+    # the client's own accumulator of streamed deltas (ChatCompletionStreamState)
+    with client.chat.completions.stream(**kw) as stream:
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments)["zone"] in ("utc", "cet")
+    assert final.choices[0].finish_reason == "tool_calls"

@@ -117,6 +117,48 @@ def test_every_output_follows_its_constraint_through_the_engine(engine):
     assert runs[1][0].metrics.num_cached_tokens > 0
 
 
+def test_overlapped_constrained_steps_give_the_tokens_of_one_step_at_a_time(engine):
+    # With overlap on, a constrained row's next step runs its model before the row's
+    # token is known and is sampled once its mask is filled (Launched.deferred). Its
+    # tokens equal those of steps run one at a time, greedy and seeded, across grammars,
+    # a request admitted mid-run and rows that finish while the next step runs.
+    specs = [
+        StructuredOutput(json=SCHEMA),
+        StructuredOutput(regex=r"[a-c]{2}-[0-9]{3}"),
+        StructuredOutput(choice=["red", "green", "blue"]),
+        None,  # a free row in the same steps
+    ]
+    params = [
+        pj.SamplingParams(max_tokens=40, temperature=t, seed=7 * i, structured=spec)
+        for i, spec in enumerate(specs)
+        for t in (0.0, 1.0)
+    ]
+    prompts = [f"case {i} " * (3 + i) for i in range(len(params))]
+    runs = {}
+    for overlap in (True, False):
+        llm = _llm(engine, async_scheduling=overlap)
+        got = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            llm.add_request(i, prompt, p)
+            if i == 3:  # the rest join while the first ones decode
+                for _ in range(3):
+                    for o in llm.step():
+                        got[o.request_id] = o
+        while llm.has_unfinished():
+            for o in llm.step():
+                got[o.request_id] = o
+        runs[overlap] = [got[i].outputs[0].token_ids for i in range(len(params))]
+        if overlap:
+            assert llm.metrics.overlapped_steps > 10, llm.metrics.overlapped_steps
+        else:
+            assert llm.metrics.overlapped_steps == 0
+    assert runs[True] == runs[False]
+    for i, toks in enumerate(runs[True]):
+        spec = specs[i // 2]
+        if spec is not None and spec.kind == "choice":
+            assert engine[1].decode(toks) in ("red", "green", "blue")
+
+
 def test_bad_constraints_are_named():
     with pytest.raises(ValueError, match="structured: expected exactly one of json, "):
         StructuredOutput(json={}, regex="a")

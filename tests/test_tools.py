@@ -142,12 +142,84 @@ def test_streamed_text_is_held_only_where_a_call_may_begin(fmt):
     sent = "".join(f.feed(ch) for ch in lead + call)
     assert sent == lead  # the text before the call went out as it came
     rest, calls = f.finish()
-    assert rest == "" and _calls(calls) == [("get_time", {"zone": "utc"})]
+    assert rest == "" and _calls(_assemble(f.call_deltas() + calls)) == [
+        ("get_time", {"zone": "utc"})
+    ]
     g = StreamFilter(_req(fmt))  # no call: everything goes out, by the end at the latest
     text = "Plain answer, <tool> and [brackets]."
     out = "".join(g.feed(ch) for ch in text)
     rest, calls = g.finish()
     assert out + rest == text and not calls
+
+
+def _assemble(deltas):
+    """Streamed ``tool_calls`` deltas joined as OpenAI's clients join them: by index, the
+    first with the id and name, the arguments' pieces concatenated."""
+    calls = {}
+    for d in deltas:
+        c = calls.setdefault(d["index"], {"id": None, "type": None, "function": {}})
+        for k in ("id", "type"):
+            if d.get(k):
+                assert c[k] is None, ("sent twice", d)
+                c[k] = d[k]
+        fn = d.get("function", {})
+        if "name" in fn:
+            c["function"]["name"] = fn["name"]
+        c["function"]["arguments"] = c["function"].get("arguments", "") + fn.get("arguments", "")
+    assert sorted(calls) == list(range(len(calls)))
+    return [calls[i] for i in range(len(calls))]
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "mistral", "llama3_json"])
+def test_streamed_calls_go_out_as_they_are_written(fmt):
+    # Fed a character at a time, each call goes out with its id and name once the name is
+    # complete, then its arguments piece by piece, before the reply ends; joined, they
+    # are the non-streamed parse's calls. An unknown tool is not streamed; arguments
+    # written as a JSON string go out whole.
+    one = '{"name": "get_weather", "%s": {"city": "Oslo", "n": [1, {"a": "}"}]}}'
+    two = '{"name": "get_time", "%s": "{\\"zone\\": \\"utc\\"}"}'
+    bad = '{"name": "rm_rf", "%s": {}}'
+    key = "parameters" if fmt == "llama3_json" else "arguments"
+    objs = [o % key for o in (one, bad, two)]
+    text = {
+        "hermes": "Sure.\n" + "\n".join(f"<tool_call>\n{o}\n</tool_call>" for o in objs),
+        "mistral": "Sure. [TOOL_CALLS][" + ", ".join(objs) + "]",
+        "llama3_json": "<|python_tag|>" + "; ".join(objs),
+    }[fmt]
+    req = _req(fmt)
+    f = StreamFilter(req)
+    deltas, content, first_args_at = [], "", None
+    for i, ch in enumerate(text):
+        content += f.feed(ch)
+        got = f.call_deltas()
+        if first_args_at is None and any(d["function"].get("arguments") for d in got):
+            first_args_at = i
+        deltas += got
+    rest, last = f.finish()
+    streamed = _assemble(deltas + last)
+    args_deltas = [d for d in deltas if d["index"] == 0 and d["function"].get("arguments")]
+    assert len(args_deltas) > 5  # piece by piece, not at the end
+    assert first_args_at < text.index("Oslo") + 4
+    want_content, want = req.parse(text)
+    known = [("get_weather", {"city": "Oslo", "n": [1, {"a": "}"}]}), ("get_time", {"zone": "utc"})]
+    assert _calls(streamed) == known
+    if fmt == "hermes":  # the unknown tool's block stays content, as unstreamed
+        assert _calls(want) == known
+        assert (content + rest).split() == want_content.split()
+        assert "rm_rf" in rest
+    else:
+        # one unknown tool in the reply's calls makes it all content unstreamed; streamed,
+        # the known calls have gone out before it
+        assert want == [] and want_content == text
+        assert content + rest == ("Sure. " if fmt == "mistral" else "")
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in streamed)
+    assert f.called
+    g = StreamFilter(_req(fmt, choice="required") if fmt != "llama3_json" else req)
+    g.req.parallel = False
+    for ch in text:
+        g.feed(ch)
+    _, last = g.finish()
+    assert [c["function"]["name"] for c in _assemble(g.call_deltas() + last)] == ["get_weather"]
 
 
 # ---------------------------------------------------------------------- the server
@@ -224,10 +296,14 @@ def test_a_streamed_call_arrives_as_a_tool_calls_delta(client):
             if line.startswith("data: ") and line != "data: [DONE]"
         ]
     deltas = [c["choices"][0]["delta"] for c in chunks]
-    calls = [t for d in deltas for t in d.get("tool_calls", [])]
-    assert len(calls) == 1 and calls[0]["index"] == 0
+    calls = _assemble([t for d in deltas for t in d.get("tool_calls", [])])
+    assert len(calls) == 1 and calls[0]["id"].startswith("call_")
     assert calls[0]["function"]["name"] == "get_time"
     assert json.loads(calls[0]["function"]["arguments"])["zone"] in ("utc", "cet")
+    # the arguments came in pieces, in chunks before the one that finishes
+    pieces = [t for d in deltas[:-1] for t in d.get("tool_calls", []) if t["function"].get(
+        "arguments")]  # fmt: skip
+    assert len(pieces) > 1
     assert "".join(d.get("content") or "" for d in deltas) == ""  # nothing leaked as text
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 

@@ -431,6 +431,8 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation, Loras):
                     s.tokens.pop()
             finished += self._complete(prev, overlapped=True)
             done.append(prev)
+            if nxt is not None and nxt.deferred is not None:
+                self._sample_deferred(nxt)  # its grammars have taken prev's tokens
         else:
             nxt = self._launch(None)
         if nxt is not None:
@@ -512,7 +514,9 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation, Loras):
         of a preemption (the next one makes it, from known tokens), and each sampling row
         only appends its token (no beam search, no first token of n samples to fork, no
         penalties, which count the tokens so far), and speculation is off (the next
-        step's proposals follow this step's tokens). A multi-step launch, when one of its
+        step's proposals follow this step's tokens). A grammar's row may overlap: the
+        next step's model call goes before its mask is known, its sampling after
+        (``_sample_deferred``). A multi-step launch, when one of its
         rows has tokens left after it (the next launch goes on from it, ``_continue``);
         the launch that follows a single step may start from its placeholders
         (``_multi_steps``)."""
@@ -525,8 +529,6 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation, Loras):
             if w.sample:
                 p = w.group.params
                 if p.use_beam_search or p.penalized or (p.n > 1 and not w.group.forked):
-                    return False
-                if p.structured is not None:  # its next mask needs this step's token
                     return False
         return True
 

@@ -143,6 +143,12 @@ class Launched:
     # Speculative decoding: {batch row: (proposals, first extra sampling row)} of the rows
     # that verify proposals (``Speculation._verify_rows``); None: none.
     spec: dict | None = None
+    # A step whose rows are sampled once their grammar masks are known (structured output
+    # in an overlapped step, ``Launching._sample_deferred``): the runner's
+    # ``DeferredSample`` and the sampling rows' ``(rows, S_b, params)``; ``outputs`` is
+    # None until then.
+    deferred: Any = None
+    mask_rows: tuple | None = None
 
     def __post_init__(self):
         # read only for a single step (``LLM._tokens``): a launch is followed by
@@ -230,7 +236,10 @@ class Launching:
         sampling = (temp, top_k, top_p, min_p, seeds, out_pos)
         distinct = {id(p): p for p, _, _ in rows.values()}  # requests share params objects
         penalties = self._penalties(placed, rows, S_b, distinct.values())
-        allowed = self._allowed(placed, rows, S_b, distinct.values())
+        # A grammar's mask waits for the running step's token: the model call goes now,
+        # the sampling once prev's tokens are applied (_sample_deferred)
+        defer = prev is not None and any(p.structured is not None for p in distinct.values())
+        allowed = None if defer else self._allowed(placed, rows, S_b, distinct.values())
         spec = None
         if drafts:
             batch, sampling, penalties, allowed, spec = self._verify_rows(
@@ -246,10 +255,26 @@ class Launching:
         replicas = len(batches)
         f = self._send(
             work, placed, stalled, batch, tokens, sampling, penalties, allowed, num_cand,
-            replicas, lane, adapters=adapters,
+            replicas, lane, adapters=adapters, defer=defer,
         )  # fmt: skip
         f.spec = spec
+        if defer:
+            f.mask_rows = (rows, S_b, list(distinct.values()))
         return f
+
+    def _sample_deferred(self, f: Launched) -> None:
+        """Dispatches the sampling of step ``f`` launched with its masks deferred: each
+        constrained row's mask from its matcher, which has now taken the token of the
+        step ``f`` overlapped (its model call has been running meanwhile)."""
+        rows, S_b, params = f.mask_rows
+        allowed = self._allowed(f.placed, rows, S_b, params)
+        f.outputs, seconds, compiled = self.runner.sample(f.deferred, allowed)
+        f.deferred = f.mask_rows = None
+        if compiled:
+            self.metrics.compile_s += seconds
+            self.metrics.compilations += 1
+        else:
+            f.dispatch_s += seconds
 
     def _run_batch(self, lane: Lane, prev: Launched, batch, rows, advance) -> Launched:
         """``_dispatch`` of a batch ``advance_batch`` built from multi-step launch
@@ -306,11 +331,13 @@ class Launching:
         replicas,
         lane,
         adapters=None,
+        defer=False,
     ) -> Launched:
         """Dispatches the jitted step (or, with its rows' ``lane``, a multi-step launch) on
         ``batch`` with input ``tokens`` and the rows' ``sampling`` arrays (temperature,
         top-k, top-p, min-p, seeds, output positions), ``allowed`` token masks (or None)
-        and each token's ``adapters`` (``i32[T_b]`` or None); returns it running."""
+        and each token's ``adapters`` (``i32[T_b]`` or None); returns it running.
+        ``defer``: the model call only, sampled by ``_sample_deferred``."""
         steps = None if lane is None else lane.steps.tolist()
         outputs, last, dispatch_s, compiled = self.runner.launch(
             batch,
@@ -322,6 +349,7 @@ class Launching:
             replicas,
             allowed,
             adapters,
+            defer_sample=defer,
         )
         if compiled:
             self.metrics.compile_s += dispatch_s
@@ -331,7 +359,8 @@ class Launching:
             placed=placed if lane is None else None,
             groups=self._step_groups,
             num_tokens=batch.num_tokens if steps is None else sum(steps),
-            outputs=outputs,
+            outputs=None if defer else outputs,
+            deferred=outputs if defer else None,
             last=last,
             dispatch_s=0.0 if compiled else dispatch_s,
             stalled=stalled,
@@ -532,17 +561,19 @@ class Launching:
     def _allowed(self, placed, rows, S_b, params) -> np.ndarray | None:
         """``i32[S_b, ceil(V / 32)]``: each sampling row's allowed tokens as a bitmask
         (``sample_rows``' ``allowed``; every token for rows without a restriction), or
-        None when no row has one (the step then compiles without it). The hook a
-        per-step mask (a grammar's) fills the same way; today's source is
-        ``SamplingParams.allowed_token_ids``. ``params``: the rows' distinct params."""
+        None when no row has one (the step then compiles without it): a grammar's
+        (``SamplingParams.structured``) and ``SamplingParams.allowed_token_ids``.
+        ``params``: the rows' distinct params."""
         if all(p.allowed_token_ids is None and p.structured is None for p in params):
             return None
         vocab = self.model.config.vocab_size
         masks = np.full((S_b, -(-vocab // 32)), -1, np.int32)  # every bit set
         seqs = {i: w for i, w in placed if i in rows}
         for i, (p, _, _) in rows.items():
-            if p.structured is not None:  # the grammar's next tokens (structured.py)
-                w = seqs[i]
+            w = seqs[i]
+            if p.structured is not None and w.seq.finish_reason is None:
+                # the grammar's next tokens (structured.py); a sequence that ended in the
+                # step this one overlapped keeps every bit (its row's sample is dropped)
                 self._grammars().fill(w.group.matchers[w.seq.seq_id], masks, i)
             if p.allowed_token_ids is not None:
                 masks[i] &= _allowed_row(p.allowed_token_ids, vocab)

@@ -192,6 +192,21 @@ def _small_step_options() -> tuple | None:
     return _SMALL_STEP_OPTIONS
 
 
+@dataclasses.dataclass
+class DeferredSample:
+    """A step launched with ``defer_sample``: what ``ModelRunner.sample`` needs to sample
+    its rows (the logits ``f32[S_b, V]`` on the device, the packed inputs and their
+    layout, the penalties, the sampler's static flags)."""
+
+    logits: Any
+    inputs: Any
+    layout: tuple
+    penalties: Any
+    batch_invariant: bool
+    num_candidates: int
+    greedy_only: bool
+
+
 class _Step:
     """The engine's step: ``default`` (a ``_make_run`` function), or ``small`` (the same
     step compiled with the small-step options) for steps of at most
@@ -224,7 +239,83 @@ STEP_STATIC_ARGS = (
     "num_candidates",
     "greedy_only",
     "num_steps",
+    "logits_only",
 )
+
+
+def _row_sampler(x, penalties, allowed, *, invariant, greedy_only, cpu_kernel, sort_free):
+    """``sample(logits, pos) -> (tokens, log-probs)`` of the step's rows: ``sample_rows``
+    row by row (``rowwise``) with the rows' sampling columns ``x`` (unpacked inputs),
+    ``penalties`` and ``allowed`` masks (or None)."""
+
+    def sample(logits, pos):
+        return rowwise(
+            lambda *rows: sample_rows(
+                *rows, greedy_only=greedy_only, cpu_kernel=cpu_kernel, sort_free=sort_free
+            ),
+            logits,
+            x["temp"],
+            x["top_k"],
+            x["top_p"],
+            x["seeds"],
+            pos,
+            x["min_p"],
+            penalties,
+            allowed,
+            invariant=invariant,
+        )
+
+    return sample
+
+
+def _replicator(mesh):
+    """Constrains an output to be whole on every device of ``mesh`` (identity off one)."""
+
+    def replicated(x):
+        if mesh is None or x is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
+
+    return replicated
+
+
+def _cpu_kernel(mesh) -> bool:
+    # The greedy sampler's C kernel: on CPU where the kernels built (as for packed
+    # weights), off a mesh (XLA would gather a sharded operand for it).
+    return mesh is None and paged_linear.available()
+
+
+@functools.lru_cache(maxsize=8)
+def _make_sample(mesh):
+    """The sampling half of a step run in two (``ModelRunner.launch(defer_sample=True)``):
+    the rows' tokens, log-probs and beam candidates from the logits ``_make_run`` returned
+    with ``logits_only``, for steps whose masks are filled after their model call is
+    dispatched (structured output in overlapped steps)."""
+    replicated = _replicator(mesh)
+    cpu_kernel = _cpu_kernel(mesh)
+    sort_free = jax.default_backend() in SORT_FREE_BACKENDS
+
+    @functools.partial(
+        jax.jit, static_argnames=("layout", "batch_invariant", "num_candidates", "greedy_only")
+    )
+    def sample_step(
+        logits, inputs, penalties, allowed, *, layout, batch_invariant, num_candidates, greedy_only
+    ):
+        x = _unpack_inputs(inputs, layout)
+        sample = _row_sampler(
+            x,
+            penalties,
+            allowed,
+            invariant=batch_invariant,
+            greedy_only=greedy_only,
+            cpu_kernel=cpu_kernel,
+            sort_free=sort_free,
+        )
+        toks, lps = sample(logits, x["out_pos"])
+        cv, ci = beam_candidates(logits, num_candidates) if num_candidates else (None, None)
+        return replicated(toks), replicated(lps), replicated(cv), replicated(ci)
+
+    return sample_step
 
 
 @functools.lru_cache(maxsize=8)
@@ -238,14 +329,8 @@ def _make_run(graphdef, state_def, mesh, compiler_options: tuple | None = None):
     process reads them whole)."""
     from flax import nnx
 
-    def replicated(x):
-        if mesh is None or x is None:
-            return x
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
-
-    # The greedy sampler's C kernel: on CPU where the kernels built (as for packed
-    # weights), off a mesh (XLA would gather a sharded operand for it).
-    cpu_kernel = mesh is None and paged_linear.available()
+    replicated = _replicator(mesh)
+    cpu_kernel = _cpu_kernel(mesh)
     sort_free = jax.default_backend() in SORT_FREE_BACKENDS
 
     @functools.partial(
@@ -269,12 +354,10 @@ def _make_run(graphdef, state_def, mesh, compiler_options: tuple | None = None):
         num_candidates,
         greedy_only,
         num_steps=1,
+        logits_only=False,
     ):
         x = _unpack_inputs(inputs, layout)
         positions, out_pos, steps = x["positions"], x["out_pos"], x.get("steps")
-        temp, top_k, top_p, min_p, seeds = (
-            x[k] for k in ("temp", "top_k", "top_p", "min_p", "seeds")
-        )
         md = AttentionMetadata(
             **{k: x[k] for k in _MD_ARRAYS},
             decode_only=decode_only,
@@ -288,22 +371,15 @@ def _make_run(graphdef, state_def, mesh, compiler_options: tuple | None = None):
             positions = jax.lax.with_sharding_constraint(positions, rows)
         cache = per_replica(lambda c, s, d: c.copy_pages(s, d), cache, md.copy_src, md.copy_dst)
 
-        def sample(logits, pos):
-            return rowwise(
-                lambda *rows: sample_rows(
-                    *rows, greedy_only=greedy_only, cpu_kernel=cpu_kernel, sort_free=sort_free
-                ),
-                logits,
-                temp,
-                top_k,
-                top_p,
-                seeds,
-                pos,
-                min_p,
-                penalties,
-                allowed,
-                invariant=md.batch_invariant,
-            )
+        sample = _row_sampler(
+            x,
+            penalties,
+            allowed,
+            invariant=md.batch_invariant,
+            greedy_only=greedy_only,
+            cpu_kernel=cpu_kernel,
+            sort_free=sort_free,
+        )
 
         if num_steps > 1:  # multi-step decoding: tokens [S, num_steps]
             toks, lps, cache = decode_loop(
@@ -325,6 +401,8 @@ def _make_run(graphdef, state_def, mesh, compiler_options: tuple | None = None):
         logits, cache = check_step_output(
             model(tokens, positions, cache, md, **extra), md.logits_indices.shape[0], vocab_size
         )
+        if logits_only:  # sampled by _make_sample's function once the masks are known
+            return replicated(logits), None, None, None, None, cache
         toks, lps = sample(logits, out_pos)
         if num_candidates:
             cv, ci = beam_candidates(logits, num_candidates)
@@ -598,6 +676,7 @@ class ModelRunner:
         replicas: int,
         allowed: np.ndarray | None = None,
         adapters: np.ndarray | None = None,
+        defer_sample: bool = False,
     ) -> tuple[tuple, Any, float, bool]:
         """Dispatches the jitted step on ``batch`` (``paged_jax.batch.StepBatch``) with input
         ``tokens`` (host or device ``i32[T]``), the rows' ``sampling`` arrays (temperature,
@@ -606,7 +685,9 @@ class ModelRunner:
         each token's ``adapters`` (``i32[T]``, the model's ``adapter_ids``; None: the
         model is called without them) and ``num_candidates`` beam candidates per row;
         ``steps`` (``i32[S]`` or None): a multi-step launch, each row that many decode
-        steps. Does not wait for it.
+        steps. Does not wait for it. ``defer_sample``: run the model only; the rows are
+        sampled by ``sample`` once their ``allowed`` masks are known (``allowed`` must be
+        None here), and ``outputs`` is the ``DeferredSample`` to hand it.
 
         Returns ``(outputs, last, seconds, compiled)``: the step's outputs (tokens,
         log-probs, candidate log-probs and ids, or for a multi-step launch one ``i32[S_b,
@@ -645,6 +726,10 @@ class ModelRunner:
             # greedy row costs an argmax in it too).
             greedy_only=not (temp > 0).any() and not self.deterministic and not self.static_shapes,
         )
+        if defer_sample:
+            if allowed is not None or K > 1:
+                raise ValueError("defer_sample: one step, its masks given to sample()")
+            flags["logits_only"] = True  # (only when set: the other steps' jit key as before)
         with mesh_context(self.mesh):
             toks, lps, cand_v, cand_i, last, self.cache = self.step_fn(
                 self.weights, tokens, inputs, self.cache, penalties, allowed, adapters, **flags
@@ -661,7 +746,34 @@ class ModelRunner:
             self._compiled_keys.add(key)
         if compiled:
             self._compiled(batch, num_candidates, seconds, K)
+        if defer_sample:
+            deferred = DeferredSample(
+                toks, inputs, layout, penalties, flags["batch_invariant"], num_candidates,
+                flags["greedy_only"],
+            )  # fmt: skip
+            return deferred, last, seconds, compiled
         return (toks, lps, cand_v, cand_i), last, seconds, compiled
+
+    def sample(self, deferred: DeferredSample, allowed: np.ndarray | None):
+        """Dispatches the sampling of a step launched with ``defer_sample``: its rows'
+        ``allowed`` masks (``i32[S_b, ceil(V / 32)]`` or None) applied to the logits the
+        model call left on the device. Does not wait for it. Returns ``(outputs, seconds,
+        compiled)`` as ``launch``'s (tokens, log-probs, candidate log-probs and ids)."""
+        fn = _make_sample(self.mesh)
+        before = fn._cache_size()
+        t = time.perf_counter()
+        with mesh_context(self.mesh):
+            out = fn(
+                deferred.logits,
+                deferred.inputs,
+                deferred.penalties,
+                None if allowed is None else jnp.asarray(allowed),
+                layout=deferred.layout,
+                batch_invariant=deferred.batch_invariant,
+                num_candidates=deferred.num_candidates,
+                greedy_only=deferred.greedy_only,
+            )
+        return out, time.perf_counter() - t, fn._cache_size() > before
 
     @property
     def table_width(self) -> int:

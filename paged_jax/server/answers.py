@@ -157,8 +157,8 @@ class Answers:
                 delta = {"role": "assistant"} if role else {}
                 if text is not None:
                     delta["content"] = text
-                if calls:  # all at once, each with its index (OpenAI's chunk shape)
-                    delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(calls)]
+                if calls:  # deltas of calls, each with its index (OpenAI's chunk shape)
+                    delta["tool_calls"] = calls
                 choice = {"index": index, "delta": delta, "finish_reason": finish}
                 choice["logprobs"] = logprobs
             else:
@@ -180,11 +180,16 @@ class Answers:
                 if event.kind == "text":
                     index = self._choice_index(job, k, event.sample)
                     text = event.text
+                    calls = None
                     if tools is not None:  # held from where a call may begin
-                        text = filters.setdefault(index, tools.stream_filter()).feed(text)
+                        held = filters.setdefault(index, tools.stream_filter())
+                        text = held.feed(text)
+                        calls = held.call_deltas()  # the calls as they are written
                         if not text:  # (a held piece's log-probs are not streamed)
+                            if calls:
+                                yield chunk(index, None, None, calls=calls)
                             continue
-                    yield chunk(index, text, None, piece=event.piece)
+                    yield chunk(index, text, None, piece=event.piece, calls=calls)
                 elif event.kind == "error" or event.output.error is not None:
                     outputs[k] = event
                     status = event.status if event.kind == "error" else 500
@@ -204,10 +209,12 @@ class Answers:
                         index = self._choice_index(job, k, c.index)
                         finish = c.finish_reason
                         if index in filters:
-                            rest, calls = filters[index].finish()
+                            held = filters[index]
+                            rest, calls = held.finish()
                             if rest or calls:
                                 yield chunk(index, rest or None, None, calls=calls)
-                            finish = "tool_calls" if calls else finish
+                            if (calls or held.called) and finish != "length":
+                                finish = "tool_calls"  # (a call cut short stays "length")
                         yield chunk(index, None if chat else "", finish)
             if status == 200 and job["include_usage"]:
                 body = dict(base, choices=[], usage=self._usage(job, outputs))

@@ -19,6 +19,7 @@ arguments are not JSON, stays content. No JAX here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -29,6 +30,7 @@ from paged_jax.engine.structured import COMPACT_JSON
 
 FORMATS = ("hermes", "llama3_json", "mistral")
 _ARGS = {"hermes": "arguments", "llama3_json": "parameters", "mistral": "arguments"}
+_ARG_KEYS = ("arguments", "parameters")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _MISTRAL = "[TOOL_CALLS]"
 _PYTHON_TAG = "<|python_tag|>"
@@ -246,25 +248,42 @@ class ToolRequest:
 
 class StreamFilter:
     """One streamed choice of a request with tools: text goes out as it comes until it
-    may be the start of a call; from there it is held, and read as calls or content when
-    the choice ends (``finish``)."""
+    may be the start of a call; from there it is held, and each call goes out as it is
+    written: a first delta with its id and name once the name is complete (and one of
+    the given tools), then its arguments' JSON text as it grows (``call_deltas``); when
+    the choice ends, ``finish`` gives the rest. A call's streamed arguments are the
+    model's own text (whose parse is the non-streamed reply's arguments); arguments the
+    model writes as a JSON string go out whole once complete."""
 
     def __init__(self, req: ToolRequest):
         self.req = req
         self.text = ""  # everything so far
         self.sent = 0  # characters of it sent as content
         self.holding = False
+        self.held_from = 0  # where the held text begins
+        self.streamed: list[list] = []  # per call sent: [id, name, argument chars sent]
+        self._pending: list[dict] = []  # deltas not handed out yet
+
+    @property
+    def called(self) -> bool:
+        """Whether a call has gone out (the choice's finish reason is then
+        ``tool_calls``)."""
+        return bool(self.streamed)
 
     def feed(self, piece: str) -> str:
-        """The part of the text so far that can go out as content now."""
+        """The part of the text so far that can go out as content now (the calls' deltas
+        wait in ``call_deltas``)."""
         self.text += piece
-        if self.holding or not self.req.active:
-            return "" if self.holding else self._flush(len(self.text))
+        if self.holding:
+            self._advance(final=False)
+            return ""
+        if not self.req.active:
+            return self._flush(len(self.text))
         t = self.text
         if self.req.fmt == "llama3_json":  # a call is the whole reply
             head = t.lstrip()
             if head.startswith(("{", _PYTHON_TAG)):
-                self.holding = True
+                self._hold(self.sent)
                 return ""
             if not head or _PYTHON_TAG.startswith(head):
                 return ""  # undecided yet
@@ -272,11 +291,42 @@ class StreamFilter:
         marker = _HERMES_OPEN if self.req.fmt == "hermes" else _MISTRAL
         at = t.find(marker, self.sent)
         if at >= 0:
-            self.holding = True
-            return self._flush(at)
+            out = self._flush(at)
+            self._hold(at)
+            return out
         # keep back a tail that could begin the marker
         keep = next((k for k in range(len(marker) - 1, 0, -1) if t.endswith(marker[:k])), 0)
         return self._flush(len(t) - keep)
+
+    def call_deltas(self) -> list[dict]:
+        """The ``tool_calls`` deltas (OpenAI's chunk shape, each with its ``index``) made
+        since the last call of this."""
+        out, self._pending = self._pending, []
+        return out
+
+    def _hold(self, at: int) -> None:
+        self.holding, self.held_from = True, at
+        self._advance(final=False)
+
+    def _advance(self, final: bool) -> None:
+        """Queues the deltas of the calls in the held text as far as it goes."""
+        calls = [c for c in _scan_calls(self.text, self.held_from, self.req.fmt)]
+        calls = [c for c in calls if c.name in self.req.names]
+        if not self.req.parallel:
+            calls = calls[:1]
+        for k, c in enumerate(calls):
+            if k == len(self.streamed):
+                if c.name is None:
+                    break
+                self.streamed.append(["call_" + uuid.uuid4().hex[:24], c.name, 0])
+                fn = {"name": c.name, "arguments": ""}
+                self._pending.append({"index": k, "id": self.streamed[k][0],
+                                      "type": "function", "function": fn})  # fmt: skip
+            args = c.arguments(self.text, final)
+            sent = self.streamed[k][2]
+            if args is not None and len(args) > sent:
+                self._pending.append({"index": k, "function": {"arguments": args[sent:]}})
+                self.streamed[k][2] = len(args)
 
     def _flush(self, upto: int) -> str:
         out = self.text[self.sent : upto]
@@ -284,14 +334,147 @@ class StreamFilter:
         return out
 
     def finish(self) -> tuple[str, list[dict]]:
-        """``(content not sent yet, tool_calls)`` once the choice has ended."""
+        """``(content not sent yet, tool_calls deltas)`` once the choice has ended: the
+        calls' last deltas (with the calls not streamed yet), or, when the held text made
+        no call, the text itself."""
         rest = self.text[self.sent :]
         if not rest:
-            return "", []
-        content, calls = self.req.parse(rest)
-        if not calls:
-            return rest, []
-        return content or "", calls
+            return "", self.call_deltas()
+        if self.holding:
+            self._advance(final=True)
+        if not self.streamed:
+            content, calls = self.req.parse(rest)
+            if not calls:
+                return rest, []
+            return content or "", [dict(c, index=i) for i, c in enumerate(calls)]
+        content, _ = self.req.parse(rest)
+        return (content or "") if content != rest else "", self.call_deltas()
+
+
+@dataclasses.dataclass
+class _Call:
+    """A call object in a reply as far as it is written: its name once its string is
+    complete, and where its arguments' value lies (``end`` None while it is open)."""
+
+    name: str | None = None
+    start: int | None = None
+    end: int | None = None
+    quoted: bool = False  # the arguments are a JSON string (not an object)
+
+    def arguments(self, text: str, final: bool) -> str | None:
+        """The arguments' text to stream so far: an object's characters as written; a
+        string's decoded value once complete (None before, and when there are none)."""
+        if self.start is None:
+            return None
+        if not self.quoted:
+            return text[self.start : self.end]
+        if self.end is None:
+            return None
+        value = _loads(text[self.start : self.end])
+        return value if isinstance(value, str) else None
+
+
+def _scan_calls(text: str, at: int, fmt: str) -> list[_Call]:
+    """The call objects of the held reply ``text[at:]`` in format ``fmt``, the last one
+    possibly unfinished."""
+    calls = []
+    n = len(text)
+
+    def skip(i: int, chars: str = " \t\r\n") -> int:
+        while i < n and text[i] in chars:
+            i += 1
+        return i
+
+    if fmt == "hermes":
+        i = at
+        while True:
+            i = text.find(_HERMES_OPEN, i)
+            if i < 0:
+                break
+            i = skip(i + len(_HERMES_OPEN))
+            if i >= n or text[i] != "{":
+                continue
+            call, i = _scan_object(text, i)
+            calls.append(call)
+            if i is None:
+                break
+        return calls
+    if fmt == "llama3_json":
+        i = skip(at)
+        if text.startswith(_PYTHON_TAG, i):
+            i = skip(i + len(_PYTHON_TAG))
+        sep = "; \t\r\n"
+    else:
+        i = text.find(_MISTRAL, at)
+        if i < 0:
+            return calls
+        i = skip(i + len(_MISTRAL))
+        if i >= n or text[i] != "[":
+            return calls
+        i = skip(i + 1)
+        sep = ", \t\r\n"
+    while i is not None and i < n and text[i] == "{":
+        call, i = _scan_object(text, i)
+        calls.append(call)
+        if i is not None:
+            i = skip(i, sep)
+    return calls
+
+
+def _scan_object(text: str, i: int) -> tuple[_Call, int | None]:
+    """The call object that opens at ``text[i]`` (a ``{``): its ``_Call`` and the index
+    past its end (None when it does not end in ``text``)."""
+    call = _Call()
+    depth, key, expect = 0, None, "key"
+    in_str = escaped = False
+    lit = 0  # where the string being read began
+    for j in range(i, len(text)):
+        ch = text[j]
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = False
+                if depth == 1 and expect == "key":
+                    key, expect = _loads(text[lit : j + 1]), "colon"
+                elif depth == 1 and expect == "string":
+                    if key == "name":
+                        value = _loads(text[lit : j + 1])
+                        call.name = value if isinstance(value, str) else None
+                    elif key in _ARG_KEYS:
+                        call.end = j + 1
+                    expect = "comma"
+            continue
+        if ch == '"':
+            in_str = True
+            if depth == 1:
+                lit = j
+                if expect == "value":
+                    expect = "string"
+                    if key in _ARG_KEYS:
+                        call.start, call.end, call.quoted = j, None, True
+        elif ch in "{[":
+            depth += 1
+            if depth == 2 and expect == "value":
+                expect = "nested"
+                if key in _ARG_KEYS and ch == "{":
+                    call.start, call.end, call.quoted = j, None, False
+        elif ch in "}]":
+            depth -= 1
+            if depth == 1 and expect == "nested":
+                if key in _ARG_KEYS and call.start is not None and not call.quoted:
+                    call.end = j + 1
+                expect = "comma"
+            elif depth == 0:
+                return call, j + 1
+        elif depth == 1:
+            if ch == ":" and expect == "colon":
+                expect = "value"
+            elif ch == ",":
+                expect = "key"
+    return call, None
 
 
 def _loads(text: str) -> Any:
