@@ -20,7 +20,9 @@ Request k asks, in a chat message, for an object of schema ``k % 10`` about subj
 - ``per step``: the first ``--concurrency`` requests, constrained, against the same
   prompts unconstrained (``ignore_eos``, each ``max_tokens`` the length its constrained
   output had, same seeds): the same rows in every step, so the ratio of the two runs'
-  wall times is the ratio of their step times. Runs alternate in one process.
+  wall times is the ratio of their step times. An engine without prefix caching (each
+  run computes the same steps), each kind run once to compile, then ``--step-repeats``
+  rounds alternating the two; any compile time is taken out of a run's wall.
 - ``compile``: a fresh grammar compiler (``engine.structured.Grammars``) adapting the
   tokenizer, then each schema's first matcher (its compile), ms.
 """
@@ -256,6 +258,7 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=positive_int, default=32)
     ap.add_argument("--max-tokens", type=positive_int, default=384)
     ap.add_argument("--repeats", type=positive_int, default=3)
+    ap.add_argument("--step-repeats", type=positive_int, default=5)
     args = ap.parse_args(argv)
     import paged_jax as pj
     from paged_jax import models
@@ -265,10 +268,10 @@ def main(argv=None) -> int:
         print(f"structured: {msg}", file=sys.stderr, flush=True)
 
     model, tok = models.load(MODEL)
-    llm = pj.LLM(model, tok, kv_cache_bytes=2**30, compilation_cache=False)
     reqs = requests(args.requests)
     names = [r[0] for r in reqs]
-    prompts = llm._chat_prompts([r[1] for r in reqs], True, {})
+    prompts = [tok.apply_chat_template(r[1], add_generation_prompt=True, tokenize=True)
+               for r in reqs]  # fmt: skip
 
     def params(name, seed, **kw):
         kw.setdefault("structured", StructuredOutput(json=SCHEMAS[name]))
@@ -276,6 +279,12 @@ def main(argv=None) -> int:
         return pj.SamplingParams(temperature=0.7, top_p=0.95, seed=seed, **kw)
 
     constrained = [params(n, s) for n, _, s in reqs]
+
+    # An engine without prefix caching: every run of the per-step rounds computes the
+    # same steps (the first of each kind compiles them)
+    C = args.concurrency
+    llm = pj.LLM(model, tok, kv_cache_bytes=2**30, compilation_cache=False,
+                 enable_prefix_caching=False)  # fmt: skip
 
     # Compile: a fresh compiler each repeat (its tokenizer adapted once, then each schema)
     compile_rows = {"tokenizer": []} | {n: [] for n in SCHEMAS}
@@ -290,7 +299,36 @@ def main(argv=None) -> int:
             g.matcher(StructuredOutput(json=SCHEMAS[n]))
             compile_rows[n].append(1e3 * (time.perf_counter() - t))
 
+    # Per step: the same rows constrained and free
+    sub = llm.generate(prompts[:C], constrained[:C], progress=False)
+    lengths = [len(o.outputs[0].token_ids) for o in sub]
+    free = [
+        params(n, s, structured=None, max_tokens=m, ignore_eos=True)
+        for (n, _, s), m in zip(reqs[:C], lengths, strict=True)
+    ]
+    llm.generate(prompts[:C], free, progress=False)  # compile the free buckets
+    ways = {"constrained": constrained[:C], "free": free}
+    walls = {w: [] for w in ways}
+    compiled = {w: [] for w in ways}
+    steps = {}
+    for k in range(args.step_repeats):
+        for w, ps in ways.items():
+            before, compile_before = llm.metrics.steps, llm.metrics.compile_s
+            t = time.perf_counter()
+            outs = llm.generate(prompts[:C], ps, progress=False)
+            compiled[w].append(llm.metrics.compile_s - compile_before)
+            walls[w].append(time.perf_counter() - t - compiled[w][-1])  # (0 once warm)
+            steps[w] = llm.metrics.steps - before
+            got = [len(o.outputs[0].token_ids) for o in outs]
+            if got != lengths:
+                raise RuntimeError(f"{w}: output lengths {got} differ from {lengths}")
+            say(
+                f"per step, round {k}, {w}: {walls[w][-1]:.2f} s, {steps[w]} steps, "
+                f"{compiled[w][-1]:.2f} s compiling"
+            )
+
     # All requests at once (the first run also compiles the step buckets)
+    llm = pj.LLM(model, tok, kv_cache_bytes=2**30, compilation_cache=False)
     llm.generate(prompts[: args.concurrency], constrained[: args.concurrency], progress=False)
     all_runs, validity = [], []
     for k in range(args.repeats):
@@ -303,35 +341,8 @@ def main(argv=None) -> int:
         all_runs.append(dict(wall_s=dt, tokens=gen, tokens_per_s=gen / dt))
         say(f"all, round {k}: {v['valid']}/{v['total']} valid, {dt:.1f} s, {gen / dt:.1f} tok/s")
 
-    # Per step: the same rows constrained and free
-    C = args.concurrency
-    sub = llm.generate(prompts[:C], constrained[:C], progress=False)
-    lengths = [len(o.outputs[0].token_ids) for o in sub]
-    free = [
-        params(n, s, structured=None, max_tokens=m, ignore_eos=True)
-        for (n, _, s), m in zip(reqs[:C], lengths, strict=True)
-    ]
-    llm.generate(prompts[:C], free, progress=False)  # compile the free buckets
-    ways = {"constrained": constrained[:C], "free": free}
-    walls = {w: [] for w in ways}
-    compiled = {w: [] for w in ways}
-    steps = {}
-    for k in range(args.repeats):
-        for w, ps in ways.items():
-            before, compile_before = llm.metrics.steps, llm.metrics.compile_s
-            t = time.perf_counter()
-            outs = llm.generate(prompts[:C], ps, progress=False)
-            walls[w].append(time.perf_counter() - t)
-            steps[w] = llm.metrics.steps - before
-            compiled[w].append(llm.metrics.compile_s - compile_before)
-            got = [len(o.outputs[0].token_ids) for o in outs]
-            if got != lengths:
-                raise RuntimeError(f"{w}: output lengths {got} differ from {lengths}")
-            say(
-                f"per step, round {k}, {w}: {walls[w][-1]:.2f} s, {steps[w]} steps, "
-                f"{compiled[w][-1]:.2f} s compiling"
-            )
     ratio = statistics.median(walls["constrained"]) / statistics.median(walls["free"])
+    pairs = [c / f for c, f in zip(walls["constrained"], walls["free"], strict=True)]
 
     result = dict(
         environment=environment(with_jax=True),
@@ -359,6 +370,7 @@ def main(argv=None) -> int:
                 w: _stats([1e3 * x / max(steps[w], 1) for x in v]) for w, v in walls.items()
             },
             constrained_over_free=round(ratio, 3),
+            constrained_over_free_paired=_stats([round(x, 3) for x in pairs]),
         ),
     )
     path = write_result("structured", result)

@@ -518,3 +518,48 @@ def test_lora_benchmark_products_agree_and_write_where_told(tmp_path, monkeypatc
     ]  # fmt: skip
     assert all(r["masked_ms"] > 0 and r["ragged_ms"] > 0 for r in out["products"])
     assert out["engine"] == []
+
+
+def test_structured_benchmark_schemas_requests_and_validation():
+    # The ten schemas are valid JSON Schema, each closed as OpenAI's strict mode asks
+    # (no other properties, every property required); requests cycle them over the
+    # subjects with one seed each; and the check counts an output that breaks its schema
+    # (or does not parse) as a named failure.
+    import types
+
+    import jsonschema
+
+    from benchmarks import bench_structured as bs
+
+    assert len(bs.SCHEMAS) == 10
+
+    def objects(schema):
+        if isinstance(schema, dict):
+            if schema.get("type") == "object":
+                yield schema
+            for v in schema.values():
+                yield from objects(v)
+        elif isinstance(schema, list):
+            for v in schema:
+                yield from objects(v)
+
+    for name, schema in bs.SCHEMAS.items():
+        jsonschema.Draft202012Validator.check_schema(schema)
+        for obj in objects(schema):
+            assert obj["additionalProperties"] is False, name
+            assert set(obj["required"]) == set(obj["properties"]), name
+    reqs = bs.requests(23)
+    assert [r[0] for r in reqs[:11]] == list(bs.SCHEMAS) + ["person"]
+    assert [r[2] for r in reqs] == list(range(23))
+    assert bs.SUBJECTS[1] in reqs[10][1][0]["content"] and "schema" in reqs[10][1][0]["content"]
+
+    def out(text):
+        c = types.SimpleNamespace(text=text, finish_reason="stop")
+        return types.SimpleNamespace(outputs=[c])
+
+    good = '{"city": "Oslo", "celsius": -3.5, "humidity": 80, "sky": "snow"}'
+    cold = '{"city": "Oslo", "celsius": -99, "humidity": 80, "sky": "snow"}'
+    got = bs.check([out(good), out(cold), out(good[:-1])], ["weather"] * 3)
+    assert got["valid"] == 1 and got["total"] == 3
+    assert [f["schema"] for f in got["failures"]] == ["weather", "weather"]
+    assert "-99" in got["failures"][0]["error"]
