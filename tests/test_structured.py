@@ -159,6 +159,31 @@ def test_overlapped_constrained_steps_give_the_tokens_of_one_step_at_a_time(engi
             assert engine[1].decode(toks) in ("red", "green", "blue")
 
 
+def test_beam_search_keeps_a_grammar_state_per_beam(engine):
+    # Each beam forks its parent's matcher and takes its own token: every beam returned
+    # follows the constraint and ends with "stop", the beams differ, and they come best
+    # first (log-prob per token, length_penalty 1). A choice of two strings allows fewer tokens than the 2 x 3 candidates a
+    # step keeps: the -inf candidates are never taken.
+    llm = _llm(engine)
+    cases = [
+        (StructuredOutput(regex=r"[a-c]{2}-[0-9]{3}"), lambda t: re.fullmatch(r"[a-c]{2}-[0-9]{3}", t)),
+        (StructuredOutput(json=SCHEMA), lambda t: _valid(json.loads(t))),
+        (StructuredOutput(choice=["red", "blue"]), lambda t: t in ("red", "blue")),
+    ]  # fmt: skip
+    params = [
+        pj.SamplingParams(max_tokens=70, beam_width=3, n=3, structured=s) for s, _ in cases
+    ]
+    outs = llm.generate([f"beam {i} " * 5 for i in range(3)], params, progress=False)
+    for (spec, ok), o in zip(cases, outs, strict=True):
+        texts = [c.text for c in o.outputs]
+        assert texts and len(set(texts)) == len(texts), (spec.kind, texts)
+        for c in o.outputs:
+            assert c.finish_reason == "stop" and ok(c.text), (spec.kind, c.text)
+        scores = [c.cumulative_logprob / len(c.token_ids) for c in o.outputs]
+        assert all(np.isfinite(scores)) and scores == sorted(scores, reverse=True)
+    assert len(outs[0].outputs) == 3 and len(outs[2].outputs) <= 2
+
+
 def test_bad_constraints_are_named():
     with pytest.raises(ValueError, match="structured: expected exactly one of json, "):
         StructuredOutput(json={}, regex="a")
@@ -168,8 +193,6 @@ def test_bad_constraints_are_named():
         StructuredOutput(choice="abc")
     with pytest.raises(TypeError, match="structured: expected a StructuredOutput, got dict"):
         pj.SamplingParams(structured={"json": {}})
-    with pytest.raises(ValueError, match="structured: not supported with beam search"):
-        pj.SamplingParams(beam_width=2, structured=StructuredOutput(regex="a"))
 
 
 def test_a_schema_or_grammar_the_library_refuses_is_a_value_error_on_add(engine):

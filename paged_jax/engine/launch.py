@@ -239,12 +239,18 @@ class Launching:
         # A grammar's mask waits for the running step's token: the model call goes now,
         # the sampling once prev's tokens are applied (_sample_deferred)
         defer = prev is not None and any(p.structured is not None for p in distinct.values())
-        allowed = None if defer else self._allowed(placed, rows, S_b, distinct.values())
+        allowed = cand_allowed = None
+        if not defer:
+            allowed, cand_allowed = self._allowed(placed, rows, S_b, distinct.values())
         spec = None
         if drafts:
             batch, sampling, penalties, allowed, spec = self._verify_rows(
                 placed, drafts, batch, sampling, penalties, allowed
             )
+            if cand_allowed is not None:  # the verify rows' candidates: any token
+                extra = batch.logits_indices.shape[0] - cand_allowed.shape[0]
+                pad = np.full((extra, cand_allowed.shape[1]), -1, np.int32)
+                cand_allowed = np.concatenate([cand_allowed, pad])
         tokens = self._tokens(batch, placed, prev, pending)
         adapters = self._adapters(batch, placed)
         lane = (
@@ -255,7 +261,7 @@ class Launching:
         replicas = len(batches)
         f = self._send(
             work, placed, stalled, batch, tokens, sampling, penalties, allowed, num_cand,
-            replicas, lane, adapters=adapters, defer=defer,
+            replicas, lane, adapters=adapters, defer=defer, cand_allowed=cand_allowed,
         )  # fmt: skip
         f.spec = spec
         if defer:
@@ -267,8 +273,8 @@ class Launching:
         constrained row's mask from its matcher, which has now taken the token of the
         step ``f`` overlapped (its model call has been running meanwhile)."""
         rows, S_b, params = f.mask_rows
-        allowed = self._allowed(f.placed, rows, S_b, params)
-        f.outputs, seconds, compiled = self.runner.sample(f.deferred, allowed)
+        allowed, cand_allowed = self._allowed(f.placed, rows, S_b, params)
+        f.outputs, seconds, compiled = self.runner.sample(f.deferred, allowed, cand_allowed)
         f.deferred = f.mask_rows = None
         if compiled:
             self.metrics.compile_s += seconds
@@ -332,12 +338,14 @@ class Launching:
         lane,
         adapters=None,
         defer=False,
+        cand_allowed=None,
     ) -> Launched:
         """Dispatches the jitted step (or, with its rows' ``lane``, a multi-step launch) on
         ``batch`` with input ``tokens`` and the rows' ``sampling`` arrays (temperature,
         top-k, top-p, min-p, seeds, output positions), ``allowed`` token masks (or None)
         and each token's ``adapters`` (``i32[T_b]`` or None); returns it running.
-        ``defer``: the model call only, sampled by ``_sample_deferred``."""
+        ``defer``: the model call only, sampled by ``_sample_deferred``;
+        ``cand_allowed``: the beams' candidate masks (``_allowed``)."""
         steps = None if lane is None else lane.steps.tolist()
         outputs, last, dispatch_s, compiled = self.runner.launch(
             batch,
@@ -350,6 +358,7 @@ class Launching:
             allowed,
             adapters,
             defer_sample=defer,
+            cand_allowed=cand_allowed,
         )
         if compiled:
             self.metrics.compile_s += dispatch_s
@@ -558,14 +567,18 @@ class Launching:
                 out[last - (w.stop - w.start) + 1 : last + 1] = slot[w.group.adapter]
         return out
 
-    def _allowed(self, placed, rows, S_b, params) -> np.ndarray | None:
-        """``i32[S_b, ceil(V / 32)]``: each sampling row's allowed tokens as a bitmask
-        (``sample_rows``' ``allowed``; every token for rows without a restriction), or
-        None when no row has one (the step then compiles without it): a grammar's
+    def _allowed(self, placed, rows, S_b, params) -> tuple:
+        """``(allowed, cand_allowed)``, each ``i32[S_b, ceil(V / 32)]`` or None.
+        ``allowed``: each sampling row's allowed tokens as a bitmask (``sample_rows``'
+        ``allowed``; every token for rows without a restriction), or None when no row has
+        one (the step then compiles without it): a grammar's
         (``SamplingParams.structured``) and ``SamplingParams.allowed_token_ids``.
-        ``params``: the rows' distinct params."""
+        ``cand_allowed``: the same rows for beams under a grammar (their candidates,
+        ``beam_candidates``), every token for other rows (whose candidates are the
+        model's ``top_logprobs``), or None when no beam has a grammar. ``params``: the
+        rows' distinct params."""
         if all(p.allowed_token_ids is None and p.structured is None for p in params):
-            return None
+            return None, None
         vocab = self.model.config.vocab_size
         masks = np.full((S_b, -(-vocab // 32)), -1, np.int32)  # every bit set
         seqs = {i: w for i, w in placed if i in rows}
@@ -577,7 +590,12 @@ class Launching:
                 self._grammars().fill(w.group.matchers[w.seq.seq_id], masks, i)
             if p.allowed_token_ids is not None:
                 masks[i] &= _allowed_row(p.allowed_token_ids, vocab)
-        return masks
+        beams = [i for i, (p, _, _) in rows.items() if p.use_beam_search and p.structured]
+        if not beams:
+            return masks, None
+        cand = np.full_like(masks, -1)
+        cand[beams] = masks[beams]
+        return masks, cand
 
     def _penalties(self, placed, rows, S_b, params) -> Penalties | None:
         """Penalty inputs of the step's sampling rows, or None when no row uses them (the

@@ -6,6 +6,7 @@ launch's rows taken as whole arrays, finished requests turned into outputs. A mi
 
 from __future__ import annotations
 
+import math
 import operator
 import time
 from typing import Any
@@ -224,6 +225,8 @@ class ApplyResults:
         for order, (i, w) in enumerate(items):
             for rank in range(2 * p.beam_width):
                 lp = float(vals[i, rank])
+                if lp == -math.inf:  # fewer tokens than candidates allowed (a grammar)
+                    break
                 candidates.append(
                     (w.seq.cum_logprob + lp, order, rank, w.seq, int(ids[i, rank]), lp)
                 )
@@ -265,6 +268,13 @@ class ApplyResults:
                     sid, list(parent.tokens), parent.prompt_len, 0, cum_logprob=parent.cum_logprob
                 )
             new_beams.append((beam, token, lp))
+        if g.matchers:  # each beam its parent's grammar state, then its token
+            taken = {}
+            for (beam, token, _), (parent, _, _) in zip(new_beams, chosen, strict=True):
+                m = g.matchers[parent.seq_id].deep_copy()
+                m.consume_token(token)
+                taken[beam.seq_id] = m
+            g.matchers = taken
         for old in g.seqs:
             if old.seq_id not in uses:
                 self._bm(g).free(old.seq_id)
@@ -280,8 +290,14 @@ class ApplyResults:
         s.tokens.append(token)
         s.cum_logprob += logprob
         self.metrics.tokens_generated += 1
-        if len(s.output) >= g.params.max_tokens or len(s.tokens) >= self.max_model_len:
-            s.finish_reason = "length"
+        matcher = g.matchers.get(s.seq_id)
+        reason = None
+        if matcher is not None and matcher.is_stopped():  # the grammar allows no more
+            reason = "stop"
+        elif len(s.output) >= g.params.max_tokens or len(s.tokens) >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            s.finish_reason = reason
             self._ended += 1
             self._bm(g).free(s.seq_id)
             g.seqs.remove(s)

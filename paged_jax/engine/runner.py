@@ -299,7 +299,16 @@ def _make_sample(mesh):
         jax.jit, static_argnames=("layout", "batch_invariant", "num_candidates", "greedy_only")
     )
     def sample_step(
-        logits, inputs, penalties, allowed, *, layout, batch_invariant, num_candidates, greedy_only
+        logits,
+        inputs,
+        penalties,
+        allowed,
+        cand_allowed,
+        *,
+        layout,
+        batch_invariant,
+        num_candidates,
+        greedy_only,
     ):
         x = _unpack_inputs(inputs, layout)
         sample = _row_sampler(
@@ -312,7 +321,9 @@ def _make_sample(mesh):
             sort_free=sort_free,
         )
         toks, lps = sample(logits, x["out_pos"])
-        cv, ci = beam_candidates(logits, num_candidates) if num_candidates else (None, None)
+        cv = ci = None
+        if num_candidates:
+            cv, ci = beam_candidates(logits, num_candidates, cand_allowed)
         return replicated(toks), replicated(lps), replicated(cv), replicated(ci)
 
     return sample_step
@@ -347,6 +358,7 @@ def _make_run(graphdef, state_def, mesh, compiler_options: tuple | None = None):
         penalties,
         allowed=None,
         adapters=None,
+        cand_allowed=None,
         *,
         layout,
         decode_only,
@@ -405,7 +417,7 @@ def _make_run(graphdef, state_def, mesh, compiler_options: tuple | None = None):
             return replicated(logits), None, None, None, None, cache
         toks, lps = sample(logits, out_pos)
         if num_candidates:
-            cv, ci = beam_candidates(logits, num_candidates)
+            cv, ci = beam_candidates(logits, num_candidates, cand_allowed)
         else:
             cv = ci = None
         return replicated(toks), replicated(lps), replicated(cv), replicated(ci), None, cache
@@ -677,6 +689,7 @@ class ModelRunner:
         allowed: np.ndarray | None = None,
         adapters: np.ndarray | None = None,
         defer_sample: bool = False,
+        cand_allowed: np.ndarray | None = None,
     ) -> tuple[tuple, Any, float, bool]:
         """Dispatches the jitted step on ``batch`` (``paged_jax.batch.StepBatch``) with input
         ``tokens`` (host or device ``i32[T]``), the rows' ``sampling`` arrays (temperature,
@@ -685,9 +698,11 @@ class ModelRunner:
         each token's ``adapters`` (``i32[T]``, the model's ``adapter_ids``; None: the
         model is called without them) and ``num_candidates`` beam candidates per row;
         ``steps`` (``i32[S]`` or None): a multi-step launch, each row that many decode
-        steps. Does not wait for it. ``defer_sample``: run the model only; the rows are
-        sampled by ``sample`` once their ``allowed`` masks are known (``allowed`` must be
-        None here), and ``outputs`` is the ``DeferredSample`` to hand it.
+        steps. Does not wait for it. ``cand_allowed`` (``i32[S_b, ceil(V / 32)]`` or
+        None): the tokens each row's candidates may be (beams under a grammar).
+        ``defer_sample``: run the model only; the rows are sampled by ``sample`` once
+        their masks are known (``allowed`` and ``cand_allowed`` must be None here), and
+        ``outputs`` is the ``DeferredSample`` to hand it.
 
         Returns ``(outputs, last, seconds, compiled)``: the step's outputs (tokens,
         log-probs, candidate log-probs and ids, or for a multi-step launch one ``i32[S_b,
@@ -710,6 +725,10 @@ class ModelRunner:
             allowed = jnp.asarray(allowed)
         if adapters is not None:
             adapters = jnp.asarray(adapters)
+        if cand_allowed is not None:  # (a keyword only then: other steps' jit key as before)
+            flags_arrays = {"cand_allowed": jnp.asarray(cand_allowed)}
+        else:
+            flags_arrays = {}
         compiled_before = self.step_fn._cache_size()
         t1 = time.perf_counter()
         padded_steps = None if steps is None else _padded(steps, S_b)
@@ -727,20 +746,21 @@ class ModelRunner:
             greedy_only=not (temp > 0).any() and not self.deterministic and not self.static_shapes,
         )
         if defer_sample:
-            if allowed is not None or K > 1:
+            if allowed is not None or cand_allowed is not None or K > 1:
                 raise ValueError("defer_sample: one step, its masks given to sample()")
             flags["logits_only"] = True  # (only when set: the other steps' jit key as before)
         with mesh_context(self.mesh):
             toks, lps, cand_v, cand_i, last, self.cache = self.step_fn(
-                self.weights, tokens, inputs, self.cache, penalties, allowed, adapters, **flags
-            )
+                self.weights, tokens, inputs, self.cache, penalties, allowed, adapters,
+                **flags_arrays, **flags,
+            )  # fmt: skip
         seconds = time.perf_counter() - t1
         # A new entry of the step's cache: a new shape compiled, unless only the kind of
         # the tokens differs from one before (a host array, or a device one merged from a
         # running step's samples: dispatch keys them apart, the compiled code is shared).
         compiled = self.step_fn._cache_size() > compiled_before
         if compiled:
-            arrays = (penalties, allowed, adapters)
+            arrays = (penalties, allowed, adapters, flags_arrays)
             key = (shape, tuple(flags.items()), str(jax.tree.map(jnp.shape, arrays)))
             compiled = key not in self._compiled_keys
             self._compiled_keys.add(key)
@@ -754,11 +774,17 @@ class ModelRunner:
             return deferred, last, seconds, compiled
         return (toks, lps, cand_v, cand_i), last, seconds, compiled
 
-    def sample(self, deferred: DeferredSample, allowed: np.ndarray | None):
+    def sample(
+        self,
+        deferred: DeferredSample,
+        allowed: np.ndarray | None,
+        cand_allowed: np.ndarray | None = None,
+    ):
         """Dispatches the sampling of a step launched with ``defer_sample``: its rows'
         ``allowed`` masks (``i32[S_b, ceil(V / 32)]`` or None) applied to the logits the
-        model call left on the device. Does not wait for it. Returns ``(outputs, seconds,
-        compiled)`` as ``launch``'s (tokens, log-probs, candidate log-probs and ids)."""
+        model call left on the device, and ``cand_allowed`` to its candidates (as
+        ``launch``'s). Does not wait for it. Returns ``(outputs, seconds, compiled)`` as
+        ``launch``'s (tokens, log-probs, candidate log-probs and ids)."""
         fn = _make_sample(self.mesh)
         before = fn._cache_size()
         t = time.perf_counter()
@@ -768,6 +794,7 @@ class ModelRunner:
                 deferred.inputs,
                 deferred.penalties,
                 None if allowed is None else jnp.asarray(allowed),
+                None if cand_allowed is None else jnp.asarray(cand_allowed),
                 layout=deferred.layout,
                 batch_invariant=deferred.batch_invariant,
                 num_candidates=deferred.num_candidates,

@@ -90,7 +90,9 @@ class SamplingParams:
       structured: a ``StructuredOutput`` (``paged_jax.engine.structured``): the output
         follows a JSON schema, any JSON object, a regular expression, a choice or a
         Lark grammar, and ends when the grammar allows nothing more. Needs the
-        ``llguidance`` package and a model with a tokenizer; not with beam search.
+        ``llguidance`` package and a model with a tokenizer. With beam search each beam
+        keeps its own grammar state and its candidates are the tokens its grammar
+        allows, scored by the model's log-probs.
     """
 
     max_tokens: int = 16
@@ -204,10 +206,6 @@ class SamplingParams:
             if not isinstance(self.structured, StructuredOutput):
                 raise TypeError(
                     f"structured: expected a StructuredOutput, got {type(self.structured).__name__}"
-                )
-            if self.beam_width > 1:
-                raise ValueError(
-                    f"structured: not supported with beam search (beam_width={self.beam_width})"
                 )
 
     @property
@@ -490,8 +488,16 @@ def sample_rows(
     return tokens, jnp.take_along_axis(raw, tokens, axis=-1) - lse_raw
 
 
-def beam_candidates(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """The ``k`` best (log-prob f32[R, k], token i32[R, k]) of each row, for beam search."""
+def beam_candidates(
+    logits: jax.Array, k: int, allowed: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """The ``k`` best (log-prob f32[R, k], token i32[R, k]) of each row, for beam search
+    and ``top_logprobs``. ``allowed`` (``i32[R, ceil(V / 32)]`` bitmasks, or None): only
+    these tokens are candidates (a beam's grammar); their log-probs stay the model's
+    (normalized over the whole vocabulary). A row with fewer than ``k`` allowed tokens
+    gets -inf log-probs in the rest."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    if allowed is not None:
+        logp = mask_logits(logp, allowed)
     vals, ids = jax.lax.top_k(logp, k)
     return vals, ids.astype(jnp.int32)
