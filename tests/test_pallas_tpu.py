@@ -54,7 +54,7 @@ def _check(params, seed, **knobs):
     assert_close_to_oracle(out[:-1], ref[:-1], case.expected, what=_id(params))
 
 
-def _first_by_default(grid, keep=2):
+def _first_by_default(grid, keep=1):
     """``grid`` with the cases after the first ``keep`` marked slow (each case takes 10-27
     s in interpret mode on 2 cores; .ci/run runs the rest with -m slow)."""
     return [c if i < keep else pytest.param(c, marks=pytest.mark.slow) for i, c in enumerate(grid)]

@@ -112,6 +112,7 @@ def _check_engine(out: dict, ref: dict) -> None:
         assert r["compilations"] <= r["compiled_steps"] <= 2 * r["compilations"], r
 
 
+@pytest.mark.slow  # 30-40 s on 2 cores (two worker processes); .ci/run runs it
 def test_engine_under_tensor_and_data_parallelism_matches_one_device():
     out = _worker("mesh_worker.py", "engine", "1,2x2")
     ref = out.pop("1")

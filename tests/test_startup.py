@@ -63,6 +63,7 @@ print(json.dumps(dict(tokens=out[0].outputs[0].token_ids, hits=len(hits),
 """
 
 
+@pytest.mark.slow  # 15-20 s: two processes compile and load; .ci/run runs it
 def test_second_process_loads_compiled_steps(tmp_path):
     cache = tmp_path / "xla"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
