@@ -159,14 +159,17 @@ def test_overlapped_constrained_steps_give_the_tokens_of_one_step_at_a_time(engi
             assert engine[1].decode(toks) in ("red", "green", "blue")
 
 
+CODE = r"[a-c]{2}-[0-9]{3}"
+
+
 def test_beam_search_keeps_a_grammar_state_per_beam(engine):
     # Each beam forks its parent's matcher and takes its own token: every beam returned
     # follows the constraint and ends with "stop", the beams differ, and they come best
-    # first (log-prob per token, length_penalty 1). A choice of two strings allows fewer tokens than the 2 x 3 candidates a
-    # step keeps: the -inf candidates are never taken.
+    # first (log-prob per token, length_penalty 1). A choice of two strings allows fewer
+    # tokens than the 2 x 3 candidates a step keeps: the -inf candidates are never taken.
     llm = _llm(engine)
     cases = [
-        (StructuredOutput(regex=r"[a-c]{2}-[0-9]{3}"), lambda t: re.fullmatch(r"[a-c]{2}-[0-9]{3}", t)),
+        (StructuredOutput(regex=CODE), lambda t: re.fullmatch(CODE, t)),
         (StructuredOutput(json=SCHEMA), lambda t: _valid(json.loads(t))),
         (StructuredOutput(choice=["red", "blue"]), lambda t: t in ("red", "blue")),
     ]  # fmt: skip
