@@ -173,9 +173,7 @@ def test_beam_search_keeps_a_grammar_state_per_beam(engine):
         (StructuredOutput(json=SCHEMA), lambda t: _valid(json.loads(t))),
         (StructuredOutput(choice=["red", "blue"]), lambda t: t in ("red", "blue")),
     ]  # fmt: skip
-    params = [
-        pj.SamplingParams(max_tokens=70, beam_width=3, n=3, structured=s) for s, _ in cases
-    ]
+    params = [pj.SamplingParams(max_tokens=70, beam_width=3, n=3, structured=s) for s, _ in cases]
     outs = llm.generate([f"beam {i} " * 5 for i in range(3)], params, progress=False)
     for (spec, ok), o in zip(cases, outs, strict=True):
         texts = [c.text for c in o.outputs]
