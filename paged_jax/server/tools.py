@@ -310,7 +310,7 @@ class StreamFilter:
 
     def _advance(self, final: bool) -> None:
         """Queues the deltas of the calls in the held text as far as it goes."""
-        calls = [c for c in _scan_calls(self.text, self.held_from, self.req.fmt)]
+        calls = _scan_calls(self.text, self.held_from, self.req.fmt)
         calls = [c for c in calls if c.name in self.req.names]
         if not self.req.parallel:
             calls = calls[:1]
@@ -485,24 +485,21 @@ def _loads(text: str) -> Any:
 
 
 def _split_json(text: str) -> list[str]:
-    """``text`` split at the ``;`` between top-level JSON objects."""
-    parts, depth, start, quoted, escaped = [], 0, 0, False, False
-    for i, ch in enumerate(text):
-        if quoted:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                quoted = False
-        elif ch == '"':
-            quoted = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-        elif ch == ";" and depth == 0:
-            parts.append(text[start:i].strip())
-            start = i + 1
-    parts.append(text[start:].strip())
-    return [p for p in parts if p]
+    """``text`` (starting with ``{``) split into the top-level objects the ``;`` between
+    them separate (each read as ``_scan_object`` reads a call); from the first piece that
+    is not one object followed by a ``;`` or the end, the rest is one part as it is (it
+    then parses as no call)."""
+    parts, start, n = [], 0, len(text)
+    while start < n:
+        end = _scan_object(text, start)[1] if text[start] == "{" else None
+        after = end
+        while after is not None and after < n and text[after] in " \t\r\n":
+            after += 1
+        if end is None or (after < n and text[after] != ";"):
+            parts.append(text[start:].strip())
+            break
+        parts.append(text[start:end])
+        start = after + 1
+        while start < n and text[start] in " \t\r\n":
+            start += 1
+    return parts
