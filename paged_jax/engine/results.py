@@ -269,11 +269,15 @@ class ApplyResults:
                 )
             new_beams.append((beam, token, lp))
         if g.matchers:  # each beam its parent's grammar state, then its token
-            taken = {}
-            for (beam, token, _), (parent, _, _) in zip(new_beams, chosen, strict=True):
-                m = g.matchers[parent.seq_id].deep_copy()
-                m.consume_token(token)
-                taken[beam.seq_id] = m
+            # forks copy their parent's state first; a parent's own beam keeps it
+            taken = {
+                beam.seq_id: g.matchers[parent.seq_id].deep_copy()
+                if beam.seq_id != parent.seq_id
+                else g.matchers[parent.seq_id]
+                for (beam, _, _), (parent, _, _) in zip(new_beams, chosen, strict=True)
+            }
+            for beam, token, _ in new_beams:
+                taken[beam.seq_id].consume_token(token)
             g.matchers = taken
         for old in g.seqs:
             if old.seq_id not in uses:
