@@ -30,182 +30,164 @@ Request k asks, in a chat message, for an object of schema ``k % 10`` about subj
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
 import time
 
+from benchmarks.bench_grammar import SCHEMAS as GRAMMAR_SCHEMAS
 from benchmarks.common import environment, positive_int, table, write_result
 
 MODEL = "smollm2-135m-instruct"
 
 _STR = {"type": "string", "maxLength": 40}
 
+
+def _strict(schema):
+    """``schema`` with every object closed as OpenAI's strict mode asks: each property
+    required, no other properties (in place; returns it)."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "object":
+            schema.setdefault("required", list(schema["properties"]))
+            schema.setdefault("additionalProperties", False)
+        for v in schema.values():
+            _strict(v)
+    elif isinstance(schema, list):
+        for v in schema:
+            _strict(v)
+    return schema
+
+
+def _person():
+    """The grammar benchmark's ``person``, its address's city bounded as the others'."""
+    person = copy.deepcopy(GRAMMAR_SCHEMAS["person"][0])
+    person["properties"]["address"]["properties"]["city"] = dict(_STR)
+    return person
+
+
 SCHEMAS = {
-    "person": {
-        "type": "object",
-        "properties": {
-            "name": _STR,
-            "age": {"type": "integer", "minimum": 0, "maximum": 150},
-            "tags": {
-                "type": "array",
-                "items": {"type": "string", "enum": ["a", "bb", "ccc"]},
-                "maxItems": 5,
-            },
-            "address": {
-                "type": "object",
-                "properties": {
-                    "city": _STR,
-                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-                },
-                "required": ["city", "zip"],
-                "additionalProperties": False,
-            },
-        },
-        "required": ["name", "age", "tags", "address"],
-        "additionalProperties": False,
-    },
-    "order": {
-        "type": "object",
-        "properties": {
-            "id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
-            "items": {
-                "type": "array",
-                "minItems": 1,
-                "maxItems": 4,
+    k: _strict(v)
+    for k, v in {
+        "person": _person(),
+        "order": {
+            "type": "object",
+            "properties": {
+                "id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
                 "items": {
-                    "type": "object",
-                    "properties": {
-                        "sku": {"type": "string", "maxLength": 12},
-                        "qty": {"type": "integer", "minimum": 1, "maximum": 99},
-                        "price": {"type": "number", "minimum": 0, "maximum": 10000},
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 4,
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "sku": {"type": "string", "maxLength": 12},
+                            "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                            "price": {"type": "number", "minimum": 0, "maximum": 10000},
+                        },
                     },
-                    "required": ["sku", "qty", "price"],
-                    "additionalProperties": False,
                 },
+                "status": {"enum": ["open", "paid", "shipped"]},
             },
-            "status": {"enum": ["open", "paid", "shipped"]},
         },
-        "required": ["id", "items", "status"],
-        "additionalProperties": False,
-    },
-    "event": {
-        "type": "object",
-        "properties": {
-            "title": _STR,
-            "date": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"},
-            "attendees": {"type": "array", "items": _STR, "minItems": 1, "maxItems": 4},
-            "online": {"type": "boolean"},
+        "event": {
+            "type": "object",
+            "properties": {
+                "title": _STR,
+                "date": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"},
+                "attendees": {"type": "array", "items": _STR, "minItems": 1, "maxItems": 4},
+                "online": {"type": "boolean"},
+            },
         },
-        "required": ["title", "date", "attendees", "online"],
-        "additionalProperties": False,
-    },
-    "weather": {
-        "type": "object",
-        "properties": {
-            "city": _STR,
-            "celsius": {"type": "number", "minimum": -60, "maximum": 60},
-            "humidity": {"type": "integer", "minimum": 0, "maximum": 100},
-            "sky": {"enum": ["clear", "cloudy", "rain", "snow", "fog"]},
+        "weather": {
+            "type": "object",
+            "properties": {
+                "city": _STR,
+                "celsius": {"type": "number", "minimum": -60, "maximum": 60},
+                "humidity": {"type": "integer", "minimum": 0, "maximum": 100},
+                "sky": {"enum": ["clear", "cloudy", "rain", "snow", "fog"]},
+            },
         },
-        "required": ["city", "celsius", "humidity", "sky"],
-        "additionalProperties": False,
-    },
-    "recipe": {
-        "type": "object",
-        "properties": {
-            "name": _STR,
-            "servings": {"type": "integer", "minimum": 1, "maximum": 12},
-            "ingredients": {
-                "type": "array",
-                "minItems": 2,
-                "maxItems": 6,
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "item": {"type": "string", "maxLength": 24},
-                        "grams": {"type": "integer", "minimum": 1, "maximum": 2000},
+        "recipe": {
+            "type": "object",
+            "properties": {
+                "name": _STR,
+                "servings": {"type": "integer", "minimum": 1, "maximum": 12},
+                "ingredients": {
+                    "type": "array",
+                    "minItems": 2,
+                    "maxItems": 6,
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "item": {"type": "string", "maxLength": 24},
+                            "grams": {"type": "integer", "minimum": 1, "maximum": 2000},
+                        },
                     },
-                    "required": ["item", "grams"],
-                    "additionalProperties": False,
                 },
             },
         },
-        "required": ["name", "servings", "ingredients"],
-        "additionalProperties": False,
-    },
-    "transaction": {
-        "type": "object",
-        "properties": {
-            "amount": {"type": "number", "exclusiveMinimum": 0, "maximum": 100000},
-            "currency": {"enum": ["EUR", "USD", "GBP", "JPY"]},
-            "iban": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}[A-Z0-9]{8,16}$"},
-            "memo": {"type": ["string", "null"], "maxLength": 30},
-        },
-        "required": ["amount", "currency", "iban", "memo"],
-        "additionalProperties": False,
-    },
-    "review": {
-        "type": "object",
-        "properties": {
-            "movie": _STR,
-            "stars": {"type": "integer", "minimum": 1, "maximum": 5},
-            "recommend": {"type": "boolean"},
-            "summary": {"type": "string", "maxLength": 80},
-        },
-        "required": ["movie", "stars", "recommend", "summary"],
-        "additionalProperties": False,
-    },
-    "sensor": {
-        "type": "object",
-        "properties": {
-            "id": {"type": "string", "pattern": "^S[0-9]{3}$"},
-            "readings": {
-                "type": "array",
-                "items": {"type": "number", "minimum": 0, "maximum": 1},
-                "minItems": 3,
-                "maxItems": 5,
+        "transaction": {
+            "type": "object",
+            "properties": {
+                "amount": {"type": "number", "exclusiveMinimum": 0, "maximum": 100000},
+                "currency": {"enum": ["EUR", "USD", "GBP", "JPY"]},
+                "iban": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}[A-Z0-9]{8,16}$"},
+                "memo": {"type": ["string", "null"], "maxLength": 30},
             },
-            "unit": {"const": "volt"},
         },
-        "required": ["id", "readings", "unit"],
-        "additionalProperties": False,
-    },
-    "tasks": {
-        "type": "object",
-        "properties": {
-            "project": _STR,
-            "tasks": {
-                "type": "array",
-                "minItems": 1,
-                "maxItems": 3,
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "what": {"type": "string", "maxLength": 30},
-                        "priority": {"enum": ["low", "medium", "high"]},
-                        "done": {"type": "boolean"},
+        "review": {
+            "type": "object",
+            "properties": {
+                "movie": _STR,
+                "stars": {"type": "integer", "minimum": 1, "maximum": 5},
+                "recommend": {"type": "boolean"},
+                "summary": {"type": "string", "maxLength": 80},
+            },
+        },
+        "sensor": {
+            "type": "object",
+            "properties": {
+                "id": {"type": "string", "pattern": "^S[0-9]{3}$"},
+                "readings": {
+                    "type": "array",
+                    "items": {"type": "number", "minimum": 0, "maximum": 1},
+                    "minItems": 3,
+                    "maxItems": 5,
+                },
+                "unit": {"const": "volt"},
+            },
+        },
+        "tasks": {
+            "type": "object",
+            "properties": {
+                "project": _STR,
+                "tasks": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 3,
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "what": {"type": "string", "maxLength": 30},
+                            "priority": {"enum": ["low", "medium", "high"]},
+                            "done": {"type": "boolean"},
+                        },
                     },
-                    "required": ["what", "priority", "done"],
-                    "additionalProperties": False,
                 },
             },
         },
-        "required": ["project", "tasks"],
-        "additionalProperties": False,
-    },
-    "book": {
-        "type": "object",
-        "properties": {
-            "title": _STR,
-            "authors": {"type": "array", "items": _STR, "minItems": 1, "maxItems": 3},
-            "isbn": {"type": "string", "pattern": "^97[89]-[0-9]{10}$"},
-            "year": {"type": "integer", "minimum": 1450, "maximum": 2026},
-            "genre": {"anyOf": [{"enum": ["fiction", "history", "science"]}, {"type": "null"}]},
+        "book": {
+            "type": "object",
+            "properties": {
+                "title": _STR,
+                "authors": {"type": "array", "items": _STR, "minItems": 1, "maxItems": 3},
+                "isbn": {"type": "string", "pattern": "^97[89]-[0-9]{10}$"},
+                "year": {"type": "integer", "minimum": 1450, "maximum": 2026},
+                "genre": {"anyOf": [{"enum": ["fiction", "history", "science"]}, {"type": "null"}]},
+            },
         },
-        "required": ["title", "authors", "isbn", "year", "genre"],
-        "additionalProperties": False,
-    },
+    }.items()
 }
 
 SUBJECTS = (
