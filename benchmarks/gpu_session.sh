@@ -7,13 +7,16 @@
 #            installed). Every other stage runs it first when `import paged_jax.kernels` fails.
 #   env      versions (driver, CUDA, JAX, jaxlib, triton, flax, torch) and the device
 #   kernels  tests/test_pallas_gpu.py, tests/test_pallas_mosaic_gpu.py (default and slow grids)
-#            and tests/test_kernels_in_model.py, the kernels compiled for the GPU (interpret=False)
+#            tests/test_kernels_in_model.py and the sampling kernel's tests in
+#            tests/test_sampling.py, the kernels compiled for the GPU (interpret=False)
 #   models   model, engine, fault, kernel and batch-invariance tests with
 #            PAGED_JAX_BACKEND=pallas_gpu (issue 57's list), and the weight-reads test
 #   dispatch python -m benchmarks dispatch (does a dispatched step overlap the host's work:
 #            the engine's step loop modelled without the engine, way by way)
 #   products python -m benchmarks products (a layer's products: each projection its own
 #            weight against q/k/v and gate/up fused, Llama-3-8B shape, 64 and 256 rows)
+#   draw     python -m benchmarks draw (restricted rows drawn each way sample_rows can: the
+#            candidates and full sort, the XLA radix passes, the Pallas kernel at DRAW_ARGS)
 #   bench    python -m benchmarks kernels --tune  (decode + ragged prefill, tuning sweeps)
 #   engine   python -m benchmarks engine --layout both  (Llama-3-8B / SmolLM2-135M shapes:
 #            tokens/s and the roofline fraction, the engine's layout beside the scanned one)
@@ -22,8 +25,8 @@
 #
 # Logs and result files go to $OUT (default gpu-out/). Every stage has a time limit
 # (seconds, STAGE_LIMIT_<stage> overrides) so a hang cannot eat a lease. KERNEL_TESTS_MARK
-# (default "slow or not slow"), BENCH_ARGS (default --tune), ENGINE_ARGS, SPEC_ARGS, DISPATCH_ARGS and
-# PRODUCTS_ARGS pass through.
+# (default "slow or not slow"), BENCH_ARGS (default --tune), ENGINE_ARGS, SPEC_ARGS, DISPATCH_ARGS,
+# PRODUCTS_ARGS and DRAW_ARGS pass through.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -74,6 +77,8 @@ EOF
         --durations=5 -rf \
         tests/test_pallas_gpu.py tests/test_pallas_mosaic_gpu.py tests/test_kernels_in_model.py \
         tests/test_bad_tables.py tests/test_batch_invariance.py
+      XLA_PYTHON_CLIENT_PREALLOCATE=false run kernels_sampling "$(limit kernels 200)" \
+        $PY -m pytest -q -p no:cacheprovider -rf tests/test_sampling.py -k "sort_free"
       ;;
     models)
       # (cpu too: tests of the CPU's own layouts pin themselves to CPU devices)
@@ -91,6 +96,10 @@ EOF
     products)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 run products "$(limit products 150)" \
         $PY -m benchmarks products --out "$OUT" ${PRODUCTS_ARGS-}
+      ;;
+    draw)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 run draw "$(limit draw 240)" \
+        $PY -m benchmarks draw --out "$OUT" ${DRAW_ARGS-}
       ;;
     bench)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 run bench "$(limit bench 480)" \

@@ -91,10 +91,16 @@ def test_tokens_equal_the_full_sort_definition(monkeypatch, num_candidates):
         assert fallback > 0
 
 
-def test_sort_free_tokens_equal_the_full_sort_definition():
-    # The passes of sort_free.draw against the full-sort definition: ties at the top,
-    # bf16-rounded rows (many equal logits, so the kept prefix and the draw end inside a
-    # group of ties), a row of equal logits, masked (-inf) tokens, two sample columns.
+# The GPU kernel compiled on a GPU (gpu_session.sh's kernels stage), interpreted elsewhere.
+KERNEL_WAY = "pallas_gpu" if jax.default_backend() == "gpu" else "interpret"
+
+
+@pytest.mark.parametrize("way", [True, KERNEL_WAY])
+def test_sort_free_tokens_equal_the_full_sort_definition(way):
+    # The radix passes against the full-sort definition, as XLA reductions (True) and as
+    # the GPU kernel, interpreted: ties at the top, bf16-rounded rows (many equal logits,
+    # so the kept prefix and the draw end inside a group of ties), a row of equal logits,
+    # masked (-inf) tokens, two sample columns.
     rng = np.random.default_rng(7)
     checked = 0
     for vocab in (7, 50, 300):
@@ -106,7 +112,7 @@ def test_sort_free_tokens_equal_the_full_sort_definition():
         logits[15, 5:] = -np.inf
         temp, top_k, top_p, min_p, seeds, pos = _random_params(rng, R, vocab, 0.1, 0.6, 2)
         run = jax.jit(sample_rows, static_argnames="sort_free")
-        toks, lps = run(logits, temp, top_k, top_p, seeds, pos, min_p, sort_free=True)
+        toks, lps = run(logits, temp, top_k, top_p, seeds, pos, min_p, sort_free=way)
         toks = np.asarray(toks)
         for j in range(2):
             u = _uniforms(seeds[:, j], pos)
@@ -122,9 +128,7 @@ def test_sort_free_tokens_equal_the_full_sort_definition():
         )
     assert checked >= 200
     # Nothing in the program sorts or takes a top-k.
-    text = (
-        run.lower(logits, temp, top_k, top_p, seeds, pos, min_p, sort_free=True).as_text().lower()
-    )
+    text = run.lower(logits, temp, top_k, top_p, seeds, pos, min_p, sort_free=way).as_text().lower()
     for op in ("stablehlo.sort", "top_k", "topk"):
         assert op not in text, op
 
@@ -228,9 +232,11 @@ def test_min_p_one_keeps_only_the_top_token_through_the_engine():
         pj.SamplingParams(min_p=1.5)
 
 
-def test_engine_on_a_sort_free_backend_gives_the_same_seeded_tokens(monkeypatch):
+@pytest.mark.parametrize("way", ["xla", KERNEL_WAY])
+def test_engine_on_a_sort_free_backend_gives_the_same_seeded_tokens(monkeypatch, way):
     # The engine's XLA sampler (no C kernel) with the sort-free draw switched on for this
-    # backend, against the candidates: the same seeded top-p/top-k/min-p tokens.
+    # backend (XLA's passes, or the GPU kernel interpreted), against the candidates: the
+    # same seeded top-p/top-k/min-p tokens.
     from paged_jax.engine import runner
 
     monkeypatch.setattr(pj.linear, "available", lambda: False)
@@ -245,8 +251,21 @@ def test_engine_on_a_sort_free_backend_gives_the_same_seeded_tokens(monkeypatch)
         return [o.outputs[0].token_ids for o in outs]
 
     candidates = run()
-    monkeypatch.setattr(runner, "SORT_FREE_BACKENDS", frozenset({jax.default_backend()}))
+    from paged_jax.engine import sampling
+    from paged_jax.kernels.gpu import sample
+
+    traced = []  # the draw the jitted step was traced with (it must be the one asked for)
+    for module, name in ((sampling, "sort_free_draw"), (sample, "restricted_draw")):
+        original = getattr(module, name)
+
+        def counted(*a, _name=name, _original=original, **k):
+            traced.append(_name)
+            return _original(*a, **k)
+
+        monkeypatch.setattr(module, name, counted)
+    monkeypatch.setattr(runner, "SORT_FREE_BACKENDS", {jax.default_backend(): way})
     assert run() == candidates
+    assert set(traced) == {"sort_free_draw" if way == "xla" else "restricted_draw"}
 
 
 def _np_penalties(logits, prompt, output, rep, pres, freq):

@@ -238,11 +238,14 @@ STEP_STATIC_ARGS = (
 
 
 @functools.lru_cache(maxsize=8)
-def _make_run(graphdef, state_def, mesh, compiler_options: tuple | None = None):
+def _make_run(
+    graphdef, state_def, mesh, compiler_options: tuple | None = None, sort_free: bool | str = False
+):
     """The engine's jitted step for one model structure (``graphdef``; its weights, the
     step's first argument, a tuple of arrays ``state_def`` unflattens into its
     ``nnx.State``) on one mesh (or None), compiled with ``compiler_options`` (XLA option
-    name-value pairs; None: the defaults). Cached,
+    name-value pairs; None: the defaults), drawing restricted rows by ``sort_free``
+    (``sample_rows``; the engine passes ``SORT_FREE_BACKENDS``' entry). Cached,
     so engines of the same model (and config) in one process share compiled shape
     buckets. On a mesh, the step's outputs other than the cache are replicated (every
     process reads them whole)."""
@@ -250,7 +253,6 @@ def _make_run(graphdef, state_def, mesh, compiler_options: tuple | None = None):
 
     replicated = _replicator(mesh)
     cpu_kernel = _cpu_kernel(mesh)
-    sort_free = jax.default_backend() in SORT_FREE_BACKENDS
 
     @functools.partial(
         jax.jit,
@@ -520,11 +522,13 @@ class ModelRunner:
         # of YNNPACK's fusions (see _small_step_options); not in deterministic mode,
         # where every bucket must take the same path.
         options = None if deterministic else _small_step_options()
+        # Read when the engine is built (and part of the cache key): how restricted rows
+        # are drawn on this backend.
+        self.sort_free = SORT_FREE_BACKENDS.get(jax.default_backend(), False)
+        run = functools.partial(_make_run, self._graphdef, self._state_def, self.mesh)
         self.step_fn = _Step(
-            _make_run(self._graphdef, self._state_def, self.mesh),
-            None
-            if options is None
-            else _make_run(self._graphdef, self._state_def, self.mesh, options),
+            run(None, self.sort_free),
+            None if options is None else run(options, self.sort_free),
         )
 
     def make_cache(self, num_pages: int):
@@ -642,7 +646,7 @@ class ModelRunner:
         model call left on the device, and ``cand_allowed`` to its candidates (as
         ``launch``'s). Does not wait for it. Returns ``(outputs, seconds, compiled)`` as
         ``launch``'s (tokens, log-probs, candidate log-probs and ids)."""
-        fn = _make_sample(self.mesh)
+        fn = _make_sample(self.mesh, self.sort_free)
         before = fn._cache_size()
         t = time.perf_counter()
         with mesh_context(self.mesh):

@@ -10,6 +10,7 @@ the batch, and sample i of an ``n``-way request equals an ``n = 1`` run with see
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -26,11 +27,14 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 
-# The JAX backends on which the engine draws restricted rows with ``sort_free=True``
-# (``sample_rows``). Empty until a GPU session measures the passes against the
-# candidates and the full sort (``python -m benchmarks engine``'s sampler columns): on
-# CPU the engine's C kernel samples, and XLA's passes there are slower than a top-k.
-SORT_FREE_BACKENDS: frozenset[str] = frozenset()
+# How the engine draws restricted rows on each JAX backend without sorting
+# (``sample_rows``' ``sort_free``): "pallas_gpu", the Pallas kernel
+# (``paged_jax.kernels.gpu.sample``), or "xla", the same passes as XLA reductions. A
+# backend not named here takes the top-k candidates and the full-sort fallback. On CPU
+# the engine's C kernel samples instead. The GPU's entry is from ``python -m benchmarks
+# engine``'s sampler columns (docs/RESULTS.md).
+SORT_FREE_BACKENDS: dict[str, str] = {}
+SORT_FREE_WAYS = ("xla", "pallas_gpu", "interpret")
 
 
 def idle_sampling(rows: int, num_samples: int = 1) -> tuple[np.ndarray, ...]:
@@ -369,7 +373,7 @@ def sample_rows(
     *,
     greedy_only: bool = False,
     cpu_kernel: bool = False,
-    sort_free: bool = False,
+    sort_free: bool | str = False,
 ) -> tuple[jax.Array, jax.Array]:  # (i32[R, J] tokens, f32[R, J] log-probs under the model)
     """``J`` samples per row (column j drawn with ``seeds[:, j]``), and their log-probs.
 
@@ -392,11 +396,13 @@ def sample_rows(
     without sorting the vocabulary even where the candidates above would fall back to a
     full sort (SmolLM2's 32 x 49,152 logits on a 2-core CPU: 0.3 ms greedy, 0.8-1.4 ms
     top-p 0.9, against 1.3 and 5-300 ms here); tokens may differ from this path's only
-    where a decision falls within rounding. ``sort_free`` (static; XLA path only):
-    restricted rows draw by ``sort_free.draw``'s passes over the row instead of the
-    candidates and the full-sort fallback, the same token up to rounding at a cost that
-    does not depend on how flat the row is (for GPUs and TPUs, where ``lax.top_k`` and
-    sorting are slow; on CPU the passes are slower than the candidates). Traceable.
+    where a decision falls within rounding. ``sort_free`` (static; XLA path only; one of
+    ``SORT_FREE_WAYS``, True meaning "xla"): restricted rows draw by ``sort_free.draw``'s
+    radix passes over the row instead of the candidates and the full-sort fallback, the
+    same token up to rounding at a cost that does not depend on how flat the row is:
+    "xla" runs the passes as XLA reductions, "pallas_gpu" in the GPU kernel
+    ``paged_jax.kernels.gpu.sample.restricted_draw`` (one program per row), "interpret"
+    that kernel under Pallas' interpreter (tests on CPU). Traceable.
     """
     raw = logits.astype(jnp.float32)
     R, vocab = raw.shape
@@ -448,9 +454,20 @@ def sample_rows(
     )
 
     if sort_free:
+        way = "xla" if sort_free is True else sort_free
+        if way not in SORT_FREE_WAYS:
+            raise ValueError(
+                f"sort_free: expected False, True or one of {SORT_FREE_WAYS}, got {way!r}"
+            )
+        if way == "xla":
+            draw = sort_free_draw
+        else:
+            from paged_jax.kernels.gpu.sample import restricted_draw
+
+            draw = functools.partial(restricted_draw, interpret=way == "interpret")
         drawn = jax.lax.cond(
             jnp.any(sampled_row & restricted),
-            lambda: sort_free_draw(scaled, top_k, top_p.astype(jnp.float32), min_p, u),
+            lambda: draw(scaled, top_k, top_p.astype(jnp.float32), min_p, u),
             lambda: none,
         )
         sampled = jnp.where(restricted[:, None], drawn, full)

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from paged_jax import linear as paged_linear
-from paged_jax.engine.sampling import SORT_FREE_BACKENDS, beam_candidates, sample_rows
+from paged_jax.engine.sampling import beam_candidates, sample_rows
 from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata
 
@@ -129,14 +129,13 @@ def _cpu_kernel(mesh) -> bool:
 
 
 @functools.lru_cache(maxsize=8)
-def _make_sample(mesh):
+def _make_sample(mesh, sort_free: bool | str = False):
     """The sampling half of a step run in two (``ModelRunner.launch(defer_sample=True)``):
     the rows' tokens, log-probs and beam candidates from the logits ``_make_run`` returned
     with ``logits_only``, for steps whose masks are filled after their model call is
-    dispatched (structured output in overlapped steps)."""
+    dispatched (structured output in overlapped steps). ``sort_free`` as ``_make_run``'s."""
     replicated = _replicator(mesh)
     cpu_kernel = _cpu_kernel(mesh)
-    sort_free = jax.default_backend() in SORT_FREE_BACKENDS
 
     @functools.partial(
         jax.jit, static_argnames=("layout", "batch_invariant", "num_candidates", "greedy_only")

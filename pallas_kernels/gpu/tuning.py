@@ -93,3 +93,10 @@ def check_pow2(name: str, value: int | None) -> None:
         return
     if not isinstance(value, int) or value < 1 or value & (value - 1):
         raise ValueError(f"{name}: expected a power of two >= 1, got {value!r}")
+
+
+# The sampling kernel (``sample.py``): logits per chunk of a row, key bits decided per radix
+# pass (2**bits trial keys compared per logit), warps per program (one program per row).
+SAMPLE_BLOCK = 1024
+SAMPLE_DIGIT_BITS = 4
+SAMPLE_NUM_WARPS = 8

@@ -1,0 +1,241 @@
+"""Restricted sampling rows drawn on an NVIDIA GPU without a sort (Pallas, Triton lowering).
+
+``paged_jax.engine.sort_free.draw`` finds a top-k / top-p / min-p row's token with about 20
+radix passes over the row, each of which XLA runs as a separate reduction over a
+``[R, V, 2**bits]`` comparison (9.4 ms for 256 rows of 128,256 logits on an H200, more than
+the 6.0 ms full sort it was to replace). This kernel runs the same search, pass for pass,
+inside one program per row: the row is streamed in ``block``-wide chunks, the comparisons
+against a round's trial keys stay in registers, and the per-row scalars (the maximum, the
+total weight, the radix prefixes) never leave the program.
+
+Definition and keys are ``sort_free.draw``'s (and so ``sample_rows``'s): the kept prefix in
+descending order of the scaled logits, ties by index, and the draw ``u * W_kept`` along it.
+Sums run in another order than XLA's, so a decision that falls within rounding may go the
+other way. The one case a program cannot finish alone, a draw that lands past the first of
+several tokens with exactly equal logits, returns the rank ``j`` among them, and the caller
+picks that token (``restricted_draw`` does, with one XLA pass, only when some row needs it).
+
+Runs under ``interpret=True`` on CPU (the tests) and lowers through Triton on GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from . import tuning
+
+_I32_MAX = jnp.iinfo(jnp.int32).max
+
+
+def _keys(x):
+    """``i32`` keys of ``f32`` values with the same order (``sort_free.sortable``)."""
+    x = jnp.where(x == 0, jnp.float32(0), x)
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _offset(base, d, span):
+    """``base + min(d, span)``: i32 base, u32 offsets, wrapping mod 2**32 as intended."""
+    return base + jnp.minimum(d, span).astype(jnp.int32)
+
+
+def _kernel(
+    x_ref,  # f32[V] the row's scaled logits
+    top_k_ref,  # i32[R]
+    top_p_ref,  # f32[R]
+    min_p_ref,  # f32[R]
+    u_ref,  # f32[J] the row's uniforms
+    first_ref,  # i32[J] out: the first token (index order) of the drawn key
+    rank_ref,  # i32[J] out: which of that key's equal tokens is drawn (0: the first)
+    key_ref,  # i32[J] out: the drawn key
+    *,
+    vocab,
+    block,
+    bits,
+    columns,
+):
+    r = pl.program_id(0)
+    digits = 1 << bits
+    rounds = 32 // bits
+    blocks = pl.cdiv(vocab, block)
+    lane = jnp.arange(block, dtype=jnp.int32)
+    b = jnp.arange(digits, dtype=jnp.uint32)
+
+    def load(i):  # the i-th chunk: (index, scaled logits); past the row: -inf
+        idx = i * block + lane
+        x = plgpu.load(x_ref.at[pl.ds(i * block, block)], mask=idx < vocab, other=-jnp.inf)
+        return idx, x
+
+    def over_row(body, init):
+        return jax.lax.fori_loop(0, blocks, body, init)
+
+    # The row's largest value (its key is the largest key), then its weights' total and
+    # the lowest key worth reaching (a positive weight of at least min_p).
+    m = over_row(lambda i, acc: jnp.maximum(acc, jnp.max(load(i)[1])), jnp.float32(-jnp.inf))
+    min_p = min_p_ref[r]
+
+    def totals(i, carry):
+        total, lo = carry
+        _, x = load(i)
+        w = jnp.exp(x - m)
+        worth = (w > 0) & (w >= min_p)
+        return total + jnp.sum(w), jnp.minimum(lo, jnp.min(jnp.where(worth, _keys(x), _I32_MAX)))
+
+    total, lo = over_row(totals, (jnp.float32(0), jnp.int32(_I32_MAX)))
+    hi = _keys(m)
+    top_k = top_k_ref[r]
+    limit_k = jnp.where(top_k > 0, top_k, _I32_MAX)
+    limit_p = top_p_ref[r] * total
+
+    def above(t):  # t i32[digits]: (count, weight) of the row's keys above each t
+        def body(i, carry):
+            n, mass = carry
+            _, x = load(i)
+            gt = _keys(x)[:, None] > t[None, :]  # [block, digits]
+            w = jnp.exp(x - m)
+            return (
+                n + jnp.sum(gt.astype(jnp.int32), axis=0),
+                mass + jnp.sum(jnp.where(gt, w[:, None], 0.0), axis=0),
+            )
+
+        return over_row(body, (jnp.zeros(digits, jnp.int32), jnp.zeros(digits, jnp.float32)))
+
+    def radix_last(pred):
+        """The largest u32 offset with ``pred`` true (true at 0, then false), ``bits`` per
+        round from the top; also ``pred`` at offset 0 as round 0 found it."""
+
+        def round_(i, carry):
+            prefix, at_zero = carry
+            shift = jnp.uint32(32 - bits) - jnp.uint32(bits) * i.astype(jnp.uint32)
+            trial = prefix + (b << shift)  # no carry: the bits below are zero
+            holds = pred(trial)
+            at_zero = jnp.where(i == 0, jnp.sum(jnp.where(b == 0, holds, False)) > 0, at_zero)
+            digit = jnp.sum((holds | (b == 0)).astype(jnp.uint32)) - 1
+            return prefix + (digit << shift), at_zero
+
+        return jax.lax.fori_loop(0, rounds, round_, (jnp.uint32(0), jnp.array(False)))
+
+    # 1. v: the smallest key >= lo at which the first token at or below it is kept.
+    span = (hi - lo).astype(jnp.uint32)
+
+    def dropped(d):
+        n, mass = above(_offset(lo, d, span))
+        return ~((n < limit_k) & (mass < limit_p))
+
+    last_dropped, dropped_at_lo = radix_last(dropped)
+    v = jnp.where(dropped_at_lo, _offset(lo, last_dropped + 1, span), lo)
+
+    # 2. How many of v's equal tokens are kept, and the kept weight.
+    def at_v(i, carry):
+        n, mass, n_eq, w_eq = carry
+        _, x = load(i)
+        key = _keys(x)
+        w = jnp.exp(x - m)
+        gt, eq = key > v, key == v
+        return (
+            n + jnp.sum(gt.astype(jnp.int32)),
+            mass + jnp.sum(jnp.where(gt, w, 0.0)),
+            n_eq + jnp.sum(eq.astype(jnp.int32)),
+            jnp.maximum(w_eq, jnp.max(jnp.where(eq, w, 0.0))),
+        )
+
+    zero_i, zero_f = jnp.int32(0), jnp.float32(0)
+    n_above, mass_above, n_at_v, w_v = over_row(at_v, (zero_i, zero_f, zero_i, zero_f))
+    by_p = jnp.ceil((limit_p - mass_above) / jnp.where(w_v > 0, w_v, 1.0))
+    by_p = jnp.clip(by_p, 1, vocab).astype(jnp.int32)
+    kept_at_v = jnp.maximum(jnp.minimum(jnp.minimum(n_at_v, limit_k - n_above), by_p), 1)
+    kept_weight = mass_above + kept_at_v.astype(jnp.float32) * w_v
+    span_v = (hi - v).astype(jnp.uint32)
+
+    # 3. Per column: t, the largest key >= v whose kept weight at or above it exceeds the
+    # draw; then the rank of the drawn token among t's equal tokens.
+    for j in range(columns):
+        target = u_ref[j] * kept_weight
+
+        def reaches(d, target=target):
+            _, mass = above(_offset(v, d, span_v) - 1)  # at or above t
+            return (mass > target) & (d <= span_v)
+
+        t = _offset(v, radix_last(reaches)[0], span_v)
+
+        def at_t(i, carry, t=t):
+            before, w_eq, n_eq, first = carry
+            idx, x = load(i)
+            key = _keys(x)
+            w = jnp.exp(x - m)
+            eq = key == t
+            return (
+                before + jnp.sum(jnp.where(key > t, w, 0.0)),
+                jnp.maximum(w_eq, jnp.max(jnp.where(eq, w, 0.0))),
+                n_eq + jnp.sum(eq.astype(jnp.int32)),
+                jnp.minimum(first, jnp.min(jnp.where(eq, idx, vocab))),
+            )
+
+        before, w_t, n_eq, first = over_row(at_t, (zero_f, zero_f, zero_i, jnp.int32(vocab)))
+        n_at_t = jnp.where(t == v, kept_at_v, n_eq)
+        rank = jnp.floor((target - before) / jnp.where(w_t > 0, w_t, 1.0))
+        rank = jnp.clip(rank, 0, jnp.maximum(n_at_t - 1, 0)).astype(jnp.int32)
+        first_ref[j] = first
+        rank_ref[j] = rank
+        key_ref[j] = t
+
+
+@functools.partial(
+    jax.jit, static_argnames=("block", "bits", "interpret", "num_warps", "num_stages")
+)
+def restricted_draw(
+    scaled: jax.Array,  # f32[R, V] logits / temperature
+    top_k: jax.Array,  # i32[R]  0 = off
+    top_p: jax.Array,  # f32[R]  1 = off
+    min_p: jax.Array,  # f32[R]  0 = off
+    u: jax.Array,  # f32[R, J] uniforms in [0, 1)
+    *,
+    block: int = tuning.SAMPLE_BLOCK,
+    bits: int = tuning.SAMPLE_DIGIT_BITS,
+    interpret: bool = False,
+    num_warps: int = tuning.SAMPLE_NUM_WARPS,
+    num_stages: int = 1,
+) -> jax.Array:  # i32[R, J]
+    """Each column's token of a restricted row, as ``paged_jax.engine.sort_free.draw``
+    defines it (its docstring has the definition), one program per row. ``block`` (a power
+    of two): logits per chunk of the row; ``bits`` (1, 2, 4 or 8): key bits decided per
+    radix pass, ``2**bits`` trial keys compared per logit. Rows whose maximum is not finite
+    give an unspecified token (the caller takes the argmax there)."""
+    tuning.check_pow2("block", block)
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits: expected 1, 2, 4 or 8, got {bits!r}")
+    R, V = scaled.shape
+    J = u.shape[1]
+    full = lambda shape: pl.BlockSpec(shape, lambda r: (0,) * len(shape))  # noqa: E731
+    row = lambda n: pl.BlockSpec((None, n), lambda r: (r, 0))  # noqa: E731
+    out = jax.ShapeDtypeStruct((R, J), jnp.int32)
+    first, rank, key = pl.pallas_call(
+        functools.partial(_kernel, vocab=V, block=block, bits=bits, columns=J),
+        grid=(R,),
+        in_specs=[row(V), full((R,)), full((R,)), full((R,)), row(J)],
+        out_specs=[row(J), row(J), row(J)],
+        out_shape=[out, out, out],
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="restricted_draw",
+    )(
+        scaled.astype(jnp.float32),
+        top_k.astype(jnp.int32),
+        top_p.astype(jnp.float32),
+        min_p.astype(jnp.float32),
+        u.astype(jnp.float32),
+    )
+
+    def jth():  # the rank-th of the drawn key's equal tokens, in index order (rare)
+        at_t = _keys(scaled.astype(jnp.float32))[:, None, :] == key[..., None]  # [R, J, V]
+        index = jax.lax.broadcasted_iota(jnp.int32, at_t.shape, 2)
+        hit = at_t & (jnp.cumsum(at_t, axis=-1, dtype=jnp.int32) == rank[..., None] + 1)
+        return jnp.min(jnp.where(hit, index, V), axis=-1)
+
+    token = jax.lax.cond(jnp.any(rank > 0), jth, lambda: first)
+    return jnp.minimum(token, V - 1).astype(jnp.int32)
