@@ -466,7 +466,19 @@ def engine_runs(model, name, backend, args, layout="per-layer", overlap: bool = 
     rows = []
     for c in args.concurrency:
         prompts = _prompts(c, args.prompt_len, cfg.vocab_size, seed=c)
-        params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+        if args.top_p is None:
+            params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+        else:  # sampled: temperature 1, one seed per request
+            params = [
+                SamplingParams(
+                    max_tokens=args.output_len,
+                    ignore_eos=True,
+                    temperature=1.0,
+                    top_p=args.top_p,
+                    seed=i,
+                )
+                for i in range(c)
+            ]
         before = dataclasses.replace(llm.metrics)
         t = time.perf_counter()
         llm.generate(prompts, params, progress=False)
@@ -519,6 +531,27 @@ def engine_runs(model, name, backend, args, layout="per-layer", overlap: bool = 
             )
         )
     return rows, llm
+
+
+@contextlib.contextmanager
+def _sort_free(way: str):
+    """While active, engines built draw restricted rows ``way`` on this backend ("default":
+    as ``SORT_FREE_BACKENDS`` says; "off": the candidates and the full-sort fallback)."""
+    import jax
+
+    from paged_jax.engine import runner
+
+    saved = runner.SORT_FREE_BACKENDS
+    if way != "default":
+        table = dict(saved)
+        table.pop(jax.default_backend(), None)
+        if way != "off":
+            table[jax.default_backend()] = way
+        runner.SORT_FREE_BACKENDS = table
+    try:
+        yield
+    finally:
+        runner.SORT_FREE_BACKENDS = saved
 
 
 @contextlib.contextmanager
@@ -799,6 +832,21 @@ def main(argv=None) -> int:
         "overlapped engine's runs)",
     )
     ap.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="sample every request at temperature 1 with this top-p (default: greedy)",
+    )
+    ap.add_argument(
+        "--sort-free",
+        nargs="+",
+        default=["default"],
+        choices=["default", "off", "xla", "pallas_gpu"],
+        help="how the engine draws restricted rows on this backend (SORT_FREE_BACKENDS): "
+        "as the engine's default, the top-k candidates with the full-sort fallback (off), "
+        "or sort-free, XLA's passes or the Pallas kernel; each in turn",
+    )
+    ap.add_argument(
         "--transformers",
         action="store_true",
         help="also time transformers generate (needs torch with CUDA)",
@@ -842,6 +890,8 @@ def main(argv=None) -> int:
                     layout=args.layout,
                     num_scheduler_steps=args.num_scheduler_steps,
                     async_scheduling=args.async_scheduling,
+                    top_p=args.top_p,
+                    sort_free=args.sort_free,
                 ),
                 "results": rows,
                 "decode_step_split": splits,
@@ -862,15 +912,17 @@ def main(argv=None) -> int:
                 if len(layouts) > 1:
                     base = f"{base}, {layout}"
                 ways = {"on": [True], "off": [False], "both": [True, False]}
-                for on, overlap in itertools.product(
-                    ways[args.decode_kernel], ways[args.async_scheduling]
+                for on, overlap, sort_free in itertools.product(
+                    ways[args.decode_kernel], ways[args.async_scheduling], args.sort_free
                 ):
                     label = base if on else f"{base}, ragged kernel for decode steps"
                     if not overlap:
                         label = f"{label}, steps one at a time"
+                    if sort_free != "default":
+                        label = f"{label}, sort-free {sort_free}"
                     print(f"{name} / {label} ...", flush=True)
                     try:
-                        with _decode_kernel(on):
+                        with _decode_kernel(on), _sort_free(sort_free):
                             runs, llm = engine_runs(model, name, label, args, layout, overlap)
                             rows.extend(runs)
                             ctx = args.prompt_len + args.output_len // 2

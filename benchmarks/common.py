@@ -178,7 +178,7 @@ def table(rows: list[dict], columns: list[str], digits: int | None = None) -> st
         return f"{v:.{digits}f}" if digits is not None and isinstance(v, float) else str(v)
 
     cells = [[cell(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in cells]

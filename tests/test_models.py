@@ -390,7 +390,11 @@ def test_hold_for_accelerator_keeps_the_logits_and_unrolls_the_layers(name):
         # it reads the fused products too (the engine holds a user's model in place,
         # and tests then compute their reference from it); the last position's logits
         dense = dense_logits(model, ids)[-1:]
-        np.testing.assert_allclose(dense, before, rtol=1e-4, atol=1e-4 * np.abs(before).max())
+        # On a GPU, XLA's f32 dots take TF32 (a 10-bit mantissa) unless told otherwise and
+        # the two programs order their products differently: 7e-4 of logits up to 4.3 on
+        # an H200 (the Llama 3 config), against at most 1e-4 of the largest on CPU.
+        tol = 2e-3 if jax.default_backend() == "gpu" else 1e-4
+        np.testing.assert_allclose(dense, before, rtol=tol, atol=tol * np.abs(before).max())
     assert (after.argmax(-1) == before.argmax(-1)).all()
     # one body per layer: no loop over layers, no switch picking a layer's weights, and
     # no layer's weights sliced out of a stack

@@ -71,12 +71,24 @@ def _kernel(
         x = plgpu.load(x_ref.at[pl.ds(i * block, block)], mask=idx < vocab, other=-jnp.inf)
         return idx, x
 
-    def over_row(body, init):
-        return jax.lax.fori_loop(0, blocks, body, init)
+    def over_row(body, init, reduce):
+        """One pass over the row: ``body(i, carry)`` folds chunk ``i`` into lane-wise
+        accumulators (``init``: arrays with ``block`` leading lanes), which ``reduce``
+        (one function per accumulator) folds over the lanes once, after the last chunk,
+        so no step of the loop waits on a reduction across the program's warps."""
+        acc = jax.lax.fori_loop(0, blocks, body, init)
+        return tuple(f(a, axis=0) for f, a in zip(reduce, acc, strict=True))
+
+    def lanes(value, dtype, *trailing):
+        return jnp.full((block, *trailing), value, dtype)
 
     # The row's largest value (its key is the largest key), then its weights' total and
     # the lowest key worth reaching (a positive weight of at least min_p).
-    m = over_row(lambda i, acc: jnp.maximum(acc, jnp.max(load(i)[1])), jnp.float32(-jnp.inf))
+    (m,) = over_row(
+        lambda i, acc: (jnp.maximum(acc[0], load(i)[1]),),
+        (lanes(-jnp.inf, jnp.float32),),
+        (jnp.max,),
+    )
     min_p = min_p_ref[r]
 
     def totals(i, carry):
@@ -84,26 +96,25 @@ def _kernel(
         _, x = load(i)
         w = jnp.exp(x - m)
         worth = (w > 0) & (w >= min_p)
-        return total + jnp.sum(w), jnp.minimum(lo, jnp.min(jnp.where(worth, _keys(x), _I32_MAX)))
+        return total + w, jnp.minimum(lo, jnp.where(worth, _keys(x), _I32_MAX))
 
-    total, lo = over_row(totals, (jnp.float32(0), jnp.int32(_I32_MAX)))
+    total, lo = over_row(
+        totals, (lanes(0, jnp.float32), lanes(_I32_MAX, jnp.int32)), (jnp.sum, jnp.min)
+    )
     hi = _keys(m)
     top_k = top_k_ref[r]
     limit_k = jnp.where(top_k > 0, top_k, _I32_MAX)
     limit_p = top_p_ref[r] * total
 
-    def above(t):  # t i32[digits]: (count, weight) of the row's keys above each t
+    def above(t, counts=True):  # t i32[digits]: (count, weight) of the keys above each t
         def body(i, carry):
-            n, mass = carry
             _, x = load(i)
             gt = _keys(x)[:, None] > t[None, :]  # [block, digits]
-            w = jnp.exp(x - m)
-            return (
-                n + jnp.sum(gt.astype(jnp.int32), axis=0),
-                mass + jnp.sum(jnp.where(gt, w[:, None], 0.0), axis=0),
-            )
+            mass = carry[-1] + jnp.where(gt, jnp.exp(x - m)[:, None], 0.0)
+            return (carry[0] + gt.astype(jnp.int32), mass) if counts else (mass,)
 
-        return over_row(body, (jnp.zeros(digits, jnp.int32), jnp.zeros(digits, jnp.float32)))
+        init = (lanes(0, jnp.int32, digits),) * counts + (lanes(0, jnp.float32, digits),)
+        return over_row(body, init, (jnp.sum,) * len(init))
 
     def radix_last(pred):
         """The largest u32 offset with ``pred`` true (true at 0, then false), ``bits`` per
@@ -138,14 +149,16 @@ def _kernel(
         w = jnp.exp(x - m)
         gt, eq = key > v, key == v
         return (
-            n + jnp.sum(gt.astype(jnp.int32)),
-            mass + jnp.sum(jnp.where(gt, w, 0.0)),
-            n_eq + jnp.sum(eq.astype(jnp.int32)),
-            jnp.maximum(w_eq, jnp.max(jnp.where(eq, w, 0.0))),
+            n + gt.astype(jnp.int32),
+            mass + jnp.where(gt, w, 0.0),
+            n_eq + eq.astype(jnp.int32),
+            jnp.maximum(w_eq, jnp.where(eq, w, 0.0)),
         )
 
-    zero_i, zero_f = jnp.int32(0), jnp.float32(0)
-    n_above, mass_above, n_at_v, w_v = over_row(at_v, (zero_i, zero_f, zero_i, zero_f))
+    zero_i, zero_f = lanes(0, jnp.int32), lanes(0, jnp.float32)
+    n_above, mass_above, n_at_v, w_v = over_row(
+        at_v, (zero_i, zero_f, zero_i, zero_f), (jnp.sum, jnp.sum, jnp.sum, jnp.max)
+    )
     by_p = jnp.ceil((limit_p - mass_above) / jnp.where(w_v > 0, w_v, 1.0))
     by_p = jnp.clip(by_p, 1, vocab).astype(jnp.int32)
     kept_at_v = jnp.maximum(jnp.minimum(jnp.minimum(n_at_v, limit_k - n_above), by_p), 1)
@@ -158,7 +171,7 @@ def _kernel(
         target = u_ref[j] * kept_weight
 
         def reaches(d, target=target):
-            _, mass = above(_offset(v, d, span_v) - 1)  # at or above t
+            (mass,) = above(_offset(v, d, span_v) - 1, counts=False)  # at or above t
             return (mass > target) & (d <= span_v)
 
         t = _offset(v, radix_last(reaches)[0], span_v)
@@ -170,13 +183,17 @@ def _kernel(
             w = jnp.exp(x - m)
             eq = key == t
             return (
-                before + jnp.sum(jnp.where(key > t, w, 0.0)),
-                jnp.maximum(w_eq, jnp.max(jnp.where(eq, w, 0.0))),
-                n_eq + jnp.sum(eq.astype(jnp.int32)),
-                jnp.minimum(first, jnp.min(jnp.where(eq, idx, vocab))),
+                before + jnp.where(key > t, w, 0.0),
+                jnp.maximum(w_eq, jnp.where(eq, w, 0.0)),
+                n_eq + eq.astype(jnp.int32),
+                jnp.minimum(first, jnp.where(eq, idx, vocab)),
             )
 
-        before, w_t, n_eq, first = over_row(at_t, (zero_f, zero_f, zero_i, jnp.int32(vocab)))
+        before, w_t, n_eq, first = over_row(
+            at_t,
+            (zero_f, zero_f, zero_i, lanes(vocab, jnp.int32)),
+            (jnp.sum, jnp.max, jnp.sum, jnp.min),
+        )
         n_at_t = jnp.where(t == v, kept_at_v, n_eq)
         rank = jnp.floor((target - before) / jnp.where(w_t > 0, w_t, 1.0))
         rank = jnp.clip(rank, 0, jnp.maximum(n_at_t - 1, 0)).astype(jnp.int32)
