@@ -97,6 +97,6 @@ def check_pow2(name: str, value: int | None) -> None:
 
 # The sampling kernel (``sample.py``): logits per chunk of a row, key bits decided per radix
 # pass (2**bits trial keys compared per logit), warps per program (one program per row).
-SAMPLE_BLOCK = 1024
+SAMPLE_BLOCK = 2048
 SAMPLE_DIGIT_BITS = 2
 SAMPLE_NUM_WARPS = 8
