@@ -1,6 +1,8 @@
 """The sampler: exact against a full-sort reference, no sort on the common paths, greedy
 rows at the cost of an argmax, rows independent of their batch."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -230,6 +232,48 @@ def test_min_p_one_keeps_only_the_top_token_through_the_engine():
     assert sampled.outputs[0].token_ids == greedy.outputs[0].token_ids
     with pytest.raises(ValueError, match=r"min_p: expected a float in \[0, 1\], got 1.5"):
         pj.SamplingParams(min_p=1.5)
+
+
+def test_the_gpu_sampler_holds_no_conditional_and_skips_rows_not_drawn():
+    # Lowered for CUDA on this host: the sampler with the GPU kernel launches it once and
+    # holds no stablehlo conditional (a GPU reads a conditional's predicate back to the
+    # host, stalling the step's dispatch), where the candidates' way holds several.
+    from paged_jax.kernels.gpu import aot
+    from paged_jax.kernels.gpu.sample import restricted_draw
+
+    R, V = 8, 1000
+    args = [
+        jax.ShapeDtypeStruct((R, V), jnp.float32),
+        jax.ShapeDtypeStruct((R,), jnp.float32),
+        jax.ShapeDtypeStruct((R,), jnp.int32),
+        jax.ShapeDtypeStruct((R,), jnp.float32),
+        jax.ShapeDtypeStruct((R, 1), jnp.uint32),
+        jax.ShapeDtypeStruct((R,), jnp.int32),
+    ]
+
+    def text(way):
+        fn = functools.partial(sample_rows, sort_free=way)
+        try:
+            lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        except RuntimeError:  # JAX >= 0.11 asks which GPU to target
+            with jax.sharding.use_abstract_mesh(aot._abstract_gpu_mesh()):
+                lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        return lowered.as_text()
+
+    gpu, candidates = text("pallas_gpu"), text(False)
+    assert "stablehlo.case" not in gpu and "stablehlo.if" not in gpu
+    assert gpu.count("__gpu$xla.gpu.triton") == 1, gpu.count("__gpu$xla.gpu.triton")
+    assert "stablehlo.case" in candidates or "stablehlo.if" in candidates
+    # rows left out of the draw are not drawn (token 0), the others are
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((4, 64)).astype(np.float32))
+    active = jnp.array([True, False, True, False])
+    u = jnp.full((4, 1), 0.999, jnp.float32)
+    kw = dict(top_k=jnp.zeros(4, jnp.int32), top_p=jnp.full(4, 0.9), min_p=jnp.zeros(4))
+    tok = np.asarray(restricted_draw(x, u=u, active=active, interpret=True, **kw))[:, 0]
+    every = np.asarray(restricted_draw(x, u=u, interpret=True, **kw))[:, 0]
+    assert tok[1] == tok[3] == 0 and (tok[[0, 2]] == every[[0, 2]]).all()
+    assert (every[[1, 3]] != 0).all()
 
 
 @pytest.mark.parametrize("way", ["xla", KERNEL_WAY])

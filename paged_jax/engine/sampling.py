@@ -10,7 +10,6 @@ the batch, and sample i of an ``n``-way request equals an ``n = 1`` run with see
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -30,10 +29,14 @@ MAX_STOP_STRING_CHARS = 256
 # How the engine draws restricted rows on each JAX backend without sorting
 # (``sample_rows``' ``sort_free``): "pallas_gpu", the Pallas kernel
 # (``paged_jax.kernels.gpu.sample``), or "xla", the same passes as XLA reductions. A
-# backend not named here takes the top-k candidates and the full-sort fallback. On CPU
-# the engine's C kernel samples instead. The GPU's entry is from ``python -m benchmarks
-# engine``'s sampler columns (docs/RESULTS.md).
-SORT_FREE_BACKENDS: dict[str, str] = {}
+# backend not named here takes the top-k candidates and the full-sort fallback; on CPU
+# the engine's C kernel samples instead. Measured on an H200 (128,256 logits, top-p 0.9,
+# benchmarks/results/draw_gpu_h200.json): at 256 rows the kernel took 3.66 ms whatever
+# the rows' shape, the candidates 2.90 on peaked rows and 6.00 on flat ones (a single
+# flat row sends the whole batch to the full sort), XLA's passes 9.6; the Llama-3-8B
+# shape sampling 256 requests at top-p 0.9 ran 1.25x faster on the kernel
+# (engine_gpu_h200_top_p.json).
+SORT_FREE_BACKENDS: dict[str, str] = {"gpu": "pallas_gpu"}
 SORT_FREE_WAYS = ("xla", "pallas_gpu", "interpret")
 
 
@@ -447,27 +450,38 @@ def sample_rows(
     none = jnp.zeros((R, J), jnp.int32)
 
     # Unrestricted rows: the whole distribution, in vocabulary order (no sort, no top-k).
-    full = jax.lax.cond(
-        jnp.any(sampled_row & ~restricted),
-        lambda: _inverse_cdf(jnp.exp(scaled - lse[:, None]), u).astype(jnp.int32),
-        lambda: none,
-    )
+    def unrestricted():
+        return _inverse_cdf(jnp.exp(scaled - lse[:, None]), u).astype(jnp.int32)
 
-    if sort_free:
-        way = "xla" if sort_free is True else sort_free
-        if way not in SORT_FREE_WAYS:
-            raise ValueError(
-                f"sort_free: expected False, True or one of {SORT_FREE_WAYS}, got {way!r}"
-            )
-        if way == "xla":
-            draw = sort_free_draw
-        else:
-            from paged_jax.kernels.gpu.sample import restricted_draw
+    way = "xla" if sort_free is True else sort_free
+    if way and way not in SORT_FREE_WAYS:
+        raise ValueError(f"sort_free: expected False, True or one of {SORT_FREE_WAYS}, got {way!r}")
+    if way in ("pallas_gpu", "interpret"):
+        # No lax.cond: on a GPU a conditional reads its predicate back to the host, which
+        # holds the step's dispatch until the device has run everything before it (the
+        # overlap of host work with the device's then stops). The kernel skips rows that
+        # are not drawn; the unrestricted rows' pass is cheap enough to run always.
+        from paged_jax.kernels.gpu.sample import restricted_draw
 
-            draw = functools.partial(restricted_draw, interpret=way == "interpret")
+        drawn = restricted_draw(
+            scaled,
+            top_k,
+            top_p.astype(jnp.float32),
+            min_p,
+            u,
+            sampled_row & restricted,
+            interpret=way == "interpret",
+        )
+        sampled = jnp.where(restricted[:, None], drawn, unrestricted())
+        tokens = jnp.where(temperature[:, None] > 0, sampled, greedy)
+        return tokens, jnp.take_along_axis(raw, tokens, axis=-1) - lse_raw
+
+    full = jax.lax.cond(jnp.any(sampled_row & ~restricted), unrestricted, lambda: none)
+
+    if way == "xla":
         drawn = jax.lax.cond(
             jnp.any(sampled_row & restricted),
-            lambda: draw(scaled, top_k, top_p.astype(jnp.float32), min_p, u),
+            lambda: sort_free_draw(scaled, top_k, top_p.astype(jnp.float32), min_p, u),
             lambda: none,
         )
         sampled = jnp.where(restricted[:, None], drawn, full)

@@ -11,9 +11,8 @@ total weight, the radix prefixes) never leave the program.
 Definition and keys are ``sort_free.draw``'s (and so ``sample_rows``'s): the kept prefix in
 descending order of the scaled logits, ties by index, and the draw ``u * W_kept`` along it.
 Sums run in another order than XLA's, so a decision that falls within rounding may go the
-other way. The one case a program cannot finish alone, a draw that lands past the first of
-several tokens with exactly equal logits, returns the rank ``j`` among them, and the caller
-picks that token (``restricted_draw`` does, with one XLA pass, only when some row needs it).
+other way. A draw that lands past the first of several tokens with exactly equal logits
+(rare) takes one more radix search, over their indices, inside the program.
 
 Runs under ``interpret=True`` on CPU (the tests) and lowers through Triton on GPU.
 """
@@ -46,20 +45,32 @@ def _offset(base, d, span):
 
 def _kernel(
     x_ref,  # f32[V] the row's scaled logits
+    active_ref,  # i32[R] 0: a row not to draw (its tokens are 0)
     top_k_ref,  # i32[R]
     top_p_ref,  # f32[R]
     min_p_ref,  # f32[R]
     u_ref,  # f32[J] the row's uniforms
-    first_ref,  # i32[J] out: the first token (index order) of the drawn key
-    rank_ref,  # i32[J] out: which of that key's equal tokens is drawn (0: the first)
-    key_ref,  # i32[J] out: the drawn key
+    token_ref,  # i32[J] out
     *,
-    vocab,
-    block,
-    bits,
     columns,
+    **kw,
 ):
     r = pl.program_id(0)
+    active = active_ref[r] != 0
+
+    @pl.when(~active)
+    def _():
+        for j in range(columns):
+            token_ref[j] = jnp.int32(0)
+
+    @pl.when(active)
+    def _():
+        _draw(r, x_ref, top_k_ref, top_p_ref, min_p_ref, u_ref, token_ref, columns=columns, **kw)
+
+
+def _draw(
+    r, x_ref, top_k_ref, top_p_ref, min_p_ref, u_ref, token_ref, *, vocab, block, bits, columns
+):
     digits = 1 << bits
     rounds = 32 // bits
     blocks = pl.cdiv(vocab, block)
@@ -197,9 +208,28 @@ def _kernel(
         n_at_t = jnp.where(t == v, kept_at_v, n_eq)
         rank = jnp.floor((target - before) / jnp.where(w_t > 0, w_t, 1.0))
         rank = jnp.clip(rank, 0, jnp.maximum(n_at_t - 1, 0)).astype(jnp.int32)
-        first_ref[j] = first
-        rank_ref[j] = rank
-        key_ref[j] = t
+
+        def nth(t=t, rank=rank):
+            """The rank-th (from 0) of key t's tokens in index order: the largest index d
+            with at most ``rank`` of them before it, by the same radix search (rare: only
+            a draw past the first of several exactly equal logits)."""
+
+            def few_before(d):  # d u32[digits]
+                def body(i, carry):
+                    idx, x = load(i)
+                    eq = (_keys(x) == t)[:, None]
+                    return (
+                        carry[0]
+                        + (eq & (idx.astype(jnp.uint32)[:, None] < d[None, :])).astype(jnp.int32),
+                    )
+
+                (n,) = over_row(body, (lanes(0, jnp.int32, digits),), (jnp.sum,))
+                return n <= rank
+
+            return radix_last(few_before)[0].astype(jnp.int32)
+
+        token = jax.lax.cond(rank > 0, nth, lambda first=first: first)
+        token_ref[j] = jnp.minimum(token, vocab - 1)
 
 
 @functools.partial(
@@ -211,48 +241,53 @@ def restricted_draw(
     top_p: jax.Array,  # f32[R]  1 = off
     min_p: jax.Array,  # f32[R]  0 = off
     u: jax.Array,  # f32[R, J] uniforms in [0, 1)
+    active: jax.Array | None = None,  # bool[R]  False: not drawn (tokens 0); None: all
     *,
-    block: int = tuning.SAMPLE_BLOCK,
+    block: int | None = None,
     bits: int = tuning.SAMPLE_DIGIT_BITS,
     interpret: bool = False,
-    num_warps: int = tuning.SAMPLE_NUM_WARPS,
+    num_warps: int | None = None,
     num_stages: int = 1,
 ) -> jax.Array:  # i32[R, J]
     """Each column's token of a restricted row, as ``paged_jax.engine.sort_free.draw``
-    defines it (its docstring has the definition), one program per row. ``block`` (a power
-    of two): logits per chunk of the row; ``bits`` (1, 2, 4 or 8): key bits decided per
-    radix pass, ``2**bits`` trial keys compared per logit. Rows whose maximum is not finite
-    give an unspecified token (the caller takes the argmax there)."""
+    defines it (its docstring has the definition), one program per row.
+
+    ``block`` (a power of two) and ``num_warps``: logits per chunk of the row and warps per
+    program (None: ``tuning.sample_block_and_warps`` of the row count). ``bits`` (1, 2, 4
+    or 8): key bits decided per radix pass, ``2**bits`` trial keys compared per logit.
+    ``active``: rows left out return at once with token 0, so the kernel can be launched
+    for every row without a ``lax.cond`` around it (on a GPU a conditional reads its
+    predicate back to the host, holding the step's dispatch until the device gets there).
+    Nothing here branches on the host: the rare draw among tied logits is resolved inside
+    the program. Rows whose maximum is not finite give an unspecified token (the caller
+    takes the argmax there)."""
+    R, V = scaled.shape
+    J = u.shape[1]
+    default_block, default_warps = tuning.sample_block_and_warps(R)
+    block = default_block if block is None else block
+    num_warps = default_warps if num_warps is None else num_warps
     tuning.check_pow2("block", block)
     if bits not in (1, 2, 4, 8):
         raise ValueError(f"bits: expected 1, 2, 4 or 8, got {bits!r}")
-    R, V = scaled.shape
-    J = u.shape[1]
     full = lambda shape: pl.BlockSpec(shape, lambda r: (0,) * len(shape))  # noqa: E731
     row = lambda n: pl.BlockSpec((None, n), lambda r: (r, 0))  # noqa: E731
-    out = jax.ShapeDtypeStruct((R, J), jnp.int32)
-    first, rank, key = pl.pallas_call(
+    if active is None:
+        active = jnp.ones(R, bool)
+    (token,) = pl.pallas_call(
         functools.partial(_kernel, vocab=V, block=block, bits=bits, columns=J),
         grid=(R,),
-        in_specs=[row(V), full((R,)), full((R,)), full((R,)), row(J)],
-        out_specs=[row(J), row(J), row(J)],
-        out_shape=[out, out, out],
+        in_specs=[row(V), full((R,)), full((R,)), full((R,)), full((R,)), row(J)],
+        out_specs=[row(J)],
+        out_shape=[jax.ShapeDtypeStruct((R, J), jnp.int32)],
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="restricted_draw",
     )(
         scaled.astype(jnp.float32),
+        active.astype(jnp.int32),
         top_k.astype(jnp.int32),
         top_p.astype(jnp.float32),
         min_p.astype(jnp.float32),
         u.astype(jnp.float32),
     )
-
-    def jth():  # the rank-th of the drawn key's equal tokens, in index order (rare)
-        at_t = _keys(scaled.astype(jnp.float32))[:, None, :] == key[..., None]  # [R, J, V]
-        index = jax.lax.broadcasted_iota(jnp.int32, at_t.shape, 2)
-        hit = at_t & (jnp.cumsum(at_t, axis=-1, dtype=jnp.int32) == rank[..., None] + 1)
-        return jnp.min(jnp.where(hit, index, V), axis=-1)
-
-    token = jax.lax.cond(jnp.any(rank > 0), jth, lambda: first)
-    return jnp.minimum(token, V - 1).astype(jnp.int32)
+    return token

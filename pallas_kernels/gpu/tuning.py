@@ -95,8 +95,17 @@ def check_pow2(name: str, value: int | None) -> None:
         raise ValueError(f"{name}: expected a power of two >= 1, got {value!r}")
 
 
-# The sampling kernel (``sample.py``): logits per chunk of a row, key bits decided per radix
-# pass (2**bits trial keys compared per logit), warps per program (one program per row).
-SAMPLE_BLOCK = 2048
+# The sampling kernel (``sample.py``, one program per row): logits per chunk of a row, key
+# bits decided per radix pass (2**bits trial keys compared per logit), and warps per
+# program, by how many rows the SMs hold. Measured on an H200 (128,256 logits, top-p 0.9,
+# benchmarks/results/draw_gpu_h200.json, 15 configurations): at 256 rows 2048 x 2 bits x 8
+# warps took 3.66 ms and 4096 x 2 x 16 3.97; at 64 rows (most SMs idle) 4096 x 2 x 16
+# took 1.69 and 2048 x 2 x 8 2.13. 4 bits a pass (16 trial keys) cost more in compares
+# than the passes they save; 1 bit, more in passes.
 SAMPLE_DIGIT_BITS = 2
-SAMPLE_NUM_WARPS = 8
+SAMPLE_FEW_ROWS = 132  # up to one program per SM of an H100 / H200
+
+
+def sample_block_and_warps(rows: int) -> tuple[int, int]:
+    """(logits per chunk, warps per program) of the sampling kernel for ``rows`` rows."""
+    return (4096, 16) if rows <= SAMPLE_FEW_ROWS else (2048, 8)
