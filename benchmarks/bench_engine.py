@@ -22,7 +22,8 @@ of every layer in one jitted call, as the step runs it (``paged_attention``, the
 kernel, since decode-only steps use it) and with ``ragged_paged_attention``); the sampler
 (``sample_rows``: greedy rows as the engine runs them, ``greedy_only``; top-p 0.9 rows on
 flat N(0, 1) logits, which take the full-sort fallback, and on peaked ones, x8; the same
-two with ``sort_free=True``, the passes that neither sort nor take a top-k); the rest of
+two with ``sort_free="xla"``, XLA's passes that neither sort nor take a top-k, and on a
+GPU with ``sort_free="pallas_gpu"``, the same passes in the GPU's kernel, its default); the rest of
 the model is the step minus attention minus the greedy sampler (projections,
 MLP, norms, rotary, KV writes, LM head).
 Host time per step is the engine run's wall time outside its jitted calls, per step.
@@ -727,6 +728,15 @@ def decode_split(llm, name, backend, c, context) -> dict:
     t_free_peaked = _device_time(
         lambda: jax.block_until_ready(samp(peaked, *top_p, sort_free=True))
     )
+    # the GPU's default way (the Pallas kernel, no conditional), where it compiles
+    t_kernel = t_kernel_peaked = None
+    if jax.default_backend() == "gpu":
+        t_kernel = _device_time(
+            lambda: jax.block_until_ready(samp(logits, *top_p, sort_free="pallas_gpu"))
+        )
+        t_kernel_peaked = _device_time(
+            lambda: jax.block_until_ready(samp(peaked, *top_p, sort_free="pallas_gpu"))
+        )
     # the radix rounds' other layout ([R, 16, V]: a reduction per trial), side by side
     from paged_jax.engine import sort_free
 
@@ -757,6 +767,8 @@ def decode_split(llm, name, backend, c, context) -> dict:
         sampler_top_p_peaked_ms=1e3 * t_topp_peaked,
         sampler_top_p_sort_free_ms=1e3 * t_free,
         sampler_top_p_peaked_sort_free_ms=1e3 * t_free_peaked,
+        sampler_top_p_kernel_ms=None if t_kernel is None else 1e3 * t_kernel,
+        sampler_top_p_peaked_kernel_ms=None if t_kernel_peaked is None else 1e3 * t_kernel_peaked,
         sort_free_trials_minor=minor,
         sampler_top_p_sort_free_other_layout_ms=1e3 * t_free_other,
     )
@@ -1006,6 +1018,7 @@ def main(argv=None) -> int:
                 "sampler_top_p_peaked_ms",
                 "sampler_top_p_sort_free_ms",
                 "sampler_top_p_peaked_sort_free_ms",
+                "sampler_top_p_kernel_ms",
                 "sampler_top_p_sort_free_other_layout_ms",
             ],
             digits=2,
