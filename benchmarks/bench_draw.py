@@ -128,8 +128,8 @@ def main(argv=None) -> int:
 
     from paged_jax.kernels.gpu import tuning
 
-    default = (*tuning.sample_block_and_warps(256), tuning.SAMPLE_DIGIT_BITS)
-    default = (default[0], default[2], default[1])  # BLOCK:BITS:WARPS
+    block, warps = tuning.sample_block_and_warps(256)
+    default = (block, tuning.SAMPLE_DIGIT_BITS, warps)  # BLOCK:BITS:WARPS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=positive_int, nargs="+", default=[64, 256])
     ap.add_argument("--vocab", type=positive_int, default=128256)

@@ -26,6 +26,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from paged_jax.kernels.gpu.sample import offset as _offset
+from paged_jax.kernels.gpu.sample import sortable
+
 DIGIT_BITS = 4  # bits of a key decided per pass: 15 trial keys per pass, 8 passes
 _ROUNDS = 32 // DIGIT_BITS
 _DIGITS = 1 << DIGIT_BITS
@@ -33,19 +36,6 @@ _DIGITS = 1 << DIGIT_BITS
 # fastest, so a GPU reduction over V reads each key once for all 16 trials) instead of
 # [R, 16, V] (a reduction per trial, each reading the whole row). The same sums.
 TRIALS_MINOR = True
-
-
-def sortable(x: jax.Array) -> jax.Array:
-    """``i32`` keys of ``f32`` values with the same order (equal values, -0 and +0
-    included, get equal keys; NaNs are not ordered)."""
-    x = jnp.where(x == 0, jnp.float32(0), x)
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
-
-
-def _offset(base: jax.Array, d: jax.Array, span: jax.Array) -> jax.Array:
-    """``base + min(d, span)`` for i32 ``base`` and u32 offsets, without overflow."""
-    return base + jnp.minimum(d, span).astype(jnp.int32)  # wraps mod 2**32 as intended
 
 
 def _radix_last(pred, span: jax.Array) -> jax.Array:

@@ -31,14 +31,16 @@ from . import tuning
 _I32_MAX = jnp.iinfo(jnp.int32).max
 
 
-def _keys(x):
-    """``i32`` keys of ``f32`` values with the same order (``sort_free.sortable``)."""
+def sortable(x: jax.Array) -> jax.Array:
+    """``i32`` keys of ``f32`` values with the same order (equal values, -0 and +0
+    included, get equal keys; NaNs are not ordered). Shared with the XLA passes
+    (``paged_jax.engine.sort_free``), so both search the same keys."""
     x = jnp.where(x == 0, jnp.float32(0), x)
     bits = jax.lax.bitcast_convert_type(x, jnp.int32)
     return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
-def _offset(base, d, span):
+def offset(base: jax.Array, d: jax.Array, span: jax.Array) -> jax.Array:
     """``base + min(d, span)``: i32 base, u32 offsets, wrapping mod 2**32 as intended."""
     return base + jnp.minimum(d, span).astype(jnp.int32)
 
@@ -107,12 +109,12 @@ def _draw(
         _, x = load(i)
         w = jnp.exp(x - m)
         worth = (w > 0) & (w >= min_p)
-        return total + w, jnp.minimum(lo, jnp.where(worth, _keys(x), _I32_MAX))
+        return total + w, jnp.minimum(lo, jnp.where(worth, sortable(x), _I32_MAX))
 
     total, lo = over_row(
         totals, (lanes(0, jnp.float32), lanes(_I32_MAX, jnp.int32)), (jnp.sum, jnp.min)
     )
-    hi = _keys(m)
+    hi = sortable(m)
     top_k = top_k_ref[r]
     limit_k = jnp.where(top_k > 0, top_k, _I32_MAX)
     limit_p = top_p_ref[r] * total
@@ -120,7 +122,7 @@ def _draw(
     def above(t, counts=True):  # t i32[digits]: (count, weight) of the keys above each t
         def body(i, carry):
             _, x = load(i)
-            gt = _keys(x)[:, None] > t[None, :]  # [block, digits]
+            gt = sortable(x)[:, None] > t[None, :]  # [block, digits]
             mass = carry[-1] + jnp.where(gt, jnp.exp(x - m)[:, None], 0.0)
             return (carry[0] + gt.astype(jnp.int32), mass) if counts else (mass,)
 
@@ -146,17 +148,17 @@ def _draw(
     span = (hi - lo).astype(jnp.uint32)
 
     def dropped(d):
-        n, mass = above(_offset(lo, d, span))
+        n, mass = above(offset(lo, d, span))
         return ~((n < limit_k) & (mass < limit_p))
 
     last_dropped, dropped_at_lo = radix_last(dropped)
-    v = jnp.where(dropped_at_lo, _offset(lo, last_dropped + 1, span), lo)
+    v = jnp.where(dropped_at_lo, offset(lo, last_dropped + 1, span), lo)
 
     # 2. How many of v's equal tokens are kept, and the kept weight.
     def at_v(i, carry):
         n, mass, n_eq, w_eq = carry
         _, x = load(i)
-        key = _keys(x)
+        key = sortable(x)
         w = jnp.exp(x - m)
         gt, eq = key > v, key == v
         return (
@@ -182,15 +184,15 @@ def _draw(
         target = u_ref[j] * kept_weight
 
         def reaches(d, target=target):
-            (mass,) = above(_offset(v, d, span_v) - 1, counts=False)  # at or above t
+            (mass,) = above(offset(v, d, span_v) - 1, counts=False)  # at or above t
             return (mass > target) & (d <= span_v)
 
-        t = _offset(v, radix_last(reaches)[0], span_v)
+        t = offset(v, radix_last(reaches)[0], span_v)
 
         def at_t(i, carry, t=t):
             before, w_eq, n_eq, first = carry
             idx, x = load(i)
-            key = _keys(x)
+            key = sortable(x)
             w = jnp.exp(x - m)
             eq = key == t
             return (
@@ -217,7 +219,7 @@ def _draw(
             def few_before(d):  # d u32[digits]
                 def body(i, carry):
                     idx, x = load(i)
-                    eq = (_keys(x) == t)[:, None]
+                    eq = (sortable(x) == t)[:, None]
                     return (
                         carry[0]
                         + (eq & (idx.astype(jnp.uint32)[:, None] < d[None, :])).astype(jnp.int32),
