@@ -30,6 +30,8 @@ that have fp8 units (W8A8) is not built.
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 
@@ -50,38 +52,79 @@ def check_format(quantization) -> str | None:
     )
 
 
-def quantize_int8(w, axis: int) -> tuple[np.ndarray, np.ndarray]:
+def _on_accelerator(w) -> bool:
+    """Whether ``w`` is a JAX array on a device other than the CPU (a GPU or TPU): its
+    quantization then runs there, jitted, instead of in numpy on the host."""
+    import jax
+
+    return isinstance(w, jax.Array) and any(d.platform != "cpu" for d in w.devices())
+
+
+def _way(fn):
+    """``fn(w, axis, ..., xp)`` as a quantizer of float ``w``: in numpy on the host (no
+    XLA program per weight shape) for numpy and CPU arrays, and for an array on an
+    accelerator in ``jax.numpy``, jitted on its device (a 16 GB model's weights are
+    not copied to the host and back). The two agree but for the last bit of a scale
+    (a compiler may divide by a reciprocal), so at most a value on a rounding boundary
+    lands one step over."""
+
+    @functools.wraps(fn)
+    def quantize(w, axis: int, *args):
+        if _on_accelerator(w):
+            import jax
+            import jax.numpy as jnp
+
+            key = (fn, len(args))
+            jitted = _JITTED.get(key)
+            if jitted is None:  # every argument but the weight is static
+                jitted = _JITTED[key] = jax.jit(
+                    functools.partial(fn, xp=jnp), static_argnums=tuple(range(1, 2 + len(args)))
+                )
+            return jitted(w, axis, *args)
+        return fn(w, axis, *args, xp=np)
+
+    return quantize
+
+
+_JITTED: dict = {}
+
+
+@_way
+def quantize_int8(w, axis: int, *, xp=np) -> tuple[np.ndarray, np.ndarray]:
     """``(q int8, scale f32)`` of float ``w``, one scale per slice along every axis but
     ``axis`` (the axis the scale is shared over: ``in`` of a ``[in, out]`` kernel, ``E``
     of a ``[V, E]`` table): ``scale = max |w| / 127`` over ``axis`` (1 where that is 0),
-    ``q = round(w / scale)``. ``scale`` has ``w``'s shape without ``axis``. In numpy, on
-    the host (no XLA program per weight shape)."""
-    w = np.asarray(w, np.float32)
-    scale = np.max(np.abs(w), axis=axis) / 127.0
-    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    q = np.clip(np.rint(w / np.expand_dims(scale, axis)), -127, 127).astype(np.int8)
+    ``q = round(w / scale)``. ``scale`` has ``w``'s shape without ``axis``. In numpy on
+    the host, or on the device of an accelerator's array (``jax.Array`` results)."""
+    w = xp.asarray(w, xp.float32)
+    scale = xp.max(xp.abs(w), axis=axis) / 127.0
+    scale = xp.where(scale > 0, scale, 1.0).astype(xp.float32)
+    q = xp.clip(xp.rint(w / xp.expand_dims(scale, axis)), -127, 127).astype(xp.int8)
     return q, scale
 
 
-def quantize_fp8(w, axis: int) -> tuple[np.ndarray, np.ndarray]:
+@_way
+def quantize_fp8(w, axis: int, *, xp=np) -> tuple[np.ndarray, np.ndarray]:
     """``(q float8_e4m3fn, scale f32)`` of float ``w``, one scale per slice along every
     axis but ``axis`` (as ``quantize_int8``): ``scale = max |w| / 448`` over ``axis`` (1
-    where that is 0), ``q = w / scale`` rounded to the nearest e4m3 value. In numpy, on
-    the host."""
-    w = np.asarray(w, np.float32)
-    scale = np.max(np.abs(w), axis=axis) / FP8_MAX
-    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    q = np.clip(w / np.expand_dims(scale, axis), -FP8_MAX, FP8_MAX).astype(FP8)
+    where that is 0), ``q = w / scale`` rounded to the nearest e4m3 value. In numpy on
+    the host, or on the device of an accelerator's array."""
+    w = xp.asarray(w, xp.float32)
+    scale = xp.max(xp.abs(w), axis=axis) / FP8_MAX
+    scale = xp.where(scale > 0, scale, 1.0).astype(xp.float32)
+    q = xp.clip(w / xp.expand_dims(scale, axis), -FP8_MAX, FP8_MAX).astype(FP8)
     return q, scale
 
 
-def quantize_int4(w, axis: int, group: int = GROUP) -> tuple[np.ndarray, ...]:
+@_way
+def quantize_int4(w, axis: int, group: int = GROUP, *, xp=np) -> tuple[np.ndarray, ...]:
     """``(packed uint8, scale f32, zero f32)`` of float ``w`` in 4-bit groups of ``group``
     along ``axis`` (whose length must be a multiple of ``group``, an even number):
     ``packed`` has ``w``'s shape with ``axis`` halved (entry i of the axis holds indices
     2i, low nibble, and 2i + 1); ``scale`` and ``zero`` (each group's minimum) have it
-    divided by ``group``. In numpy, on the host."""
-    w = np.moveaxis(np.asarray(w, np.float32), axis, -1)
+    divided by ``group``. In numpy on the host, or on the device of an accelerator's
+    array."""
+    w = xp.moveaxis(xp.asarray(w, xp.float32), axis, -1)
     n = w.shape[-1]
     if group % 2 or n % group:
         raise ValueError(
@@ -89,15 +132,15 @@ def quantize_int4(w, axis: int, group: int = GROUP) -> tuple[np.ndarray, ...]:
         )
     g = w.reshape(*w.shape[:-1], n // group, group)
     lo, hi = g.min(-1), g.max(-1)
-    scale = ((hi - lo) / 15.0).astype(np.float32)
-    safe = np.where(scale > 0, scale, 1.0)
-    q = np.clip(np.rint((g - lo[..., None]) / safe[..., None]), 0, 15).astype(np.uint8)
+    scale = ((hi - lo) / 15.0).astype(xp.float32)
+    safe = xp.where(scale > 0, scale, 1.0)
+    q = xp.clip(xp.rint((g - lo[..., None]) / safe[..., None]), 0, 15).astype(xp.uint8)
     q = q.reshape(*w.shape)
     packed = q[..., 0::2] | (q[..., 1::2] << 4)
     return (
-        np.moveaxis(packed, -1, axis),
-        np.moveaxis(scale, -1, axis),
-        np.moveaxis(lo.astype(np.float32), -1, axis),
+        xp.moveaxis(packed, -1, axis),
+        xp.moveaxis(scale, -1, axis),
+        xp.moveaxis(lo.astype(xp.float32), -1, axis),
     )
 
 

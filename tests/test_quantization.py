@@ -52,6 +52,43 @@ def test_fp8_error_is_within_e4m3s_rounding():
     assert np.all(scale[:, 7] == 1.0) and not v[:, :, 7].any() and v[0, 3, 9] == 0.0
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
+def test_quantizing_on_a_device_gives_the_hosts_values(fmt, monkeypatch):
+    # An accelerator's weights are quantized where they lie, in jax.numpy (the same code
+    # as the host's numpy way): the same formats, the same values but for the last bit of
+    # a scale, hence at most a step where a value sits on a rounding boundary.
+    import jax
+    import jax.numpy as jnp
+
+    from paged_jax.models import quantization as quant
+
+    rng = np.random.default_rng(11)
+    w = rng.normal(size=(2, 64, 40)).astype(np.float32) * rng.uniform(0.01, 3, size=40)
+    w[:, :, 5] = 0.0
+    fn = {"int8": quantize_int8, "fp8": quantize_fp8, "int4": quantize_int4}[fmt]
+    # where an array lies picks the way: a host array stays numpy, quantized in numpy
+    assert not quant._on_accelerator(w) and not quant._on_accelerator(jnp.asarray(w))
+    host = fn(w, -2)
+    assert isinstance(host[0], np.ndarray)
+    monkeypatch.setattr(quant, "_on_accelerator", lambda w: True)  # as a GPU's array
+    dev = fn(jnp.asarray(w), -2)
+    assert len(host) == len(dev)
+    for h, d in zip(host, dev, strict=True):
+        assert isinstance(d, jax.Array) and h.dtype == d.dtype and h.shape == d.shape
+    for h, d in zip(host[1:], dev[1:], strict=True):  # scales (and 4-bit minimums)
+        np.testing.assert_allclose(np.asarray(d), h, rtol=2e-7, atol=0)
+    if fmt == "int4":  # the codes, both nibbles of each byte
+        ch = np.stack([host[0] & 15, host[0] >> 4]).astype(np.float32)
+        cd = np.asarray(dev[0])
+        cd = np.stack([cd & 15, cd >> 4]).astype(np.float32)
+    else:
+        ch, cd = host[0].astype(np.float32), np.asarray(dev[0]).astype(np.float32)
+    step = np.abs(ch) / 8 + 2.0**-9 if fmt == "fp8" else 1.0  # one step of the format
+    off = cd != ch
+    assert off.mean() < 0.01  # nearly all equal
+    assert np.all(np.abs(cd - ch) <= step)
+
+
 @pytest.mark.skipif(not linear.available(), reason="the CPU kernels did not build here")
 @pytest.mark.parametrize("layers, n, rows", [(None, 100, None), (3, 48, 5), (2, 7, 0)])
 def test_the_cpu_kernel_multiplies_by_int8_weights_as_defined(layers, n, rows):
