@@ -5,7 +5,7 @@ decode step split into its parts, and transformers ``generate`` on the same devi
 [--concurrency 64 256] [--prompt-len 128] [--output-len 128] [--backends pallas_gpu xla]
 [--repeats 3] [--transformers] [--decode-kernel on|off|both] [--layout per-layer|scan|both]
 [--num-scheduler-steps K] [--async-scheduling on|off|both] [--prefill-tokens N ...]
-[--no-split]``
+[--no-split] [--quantization none int8 fp8 int4] [--lora-adapters 0 8]``
 
 Models: SmolLM2-135M-shaped and Llama-3-8B-shaped decoders (``SHAPE_FIELDS``), random weights,
 bf16 weights, activations and KV cache, built on the device (real checkpoints are not needed
@@ -53,6 +53,13 @@ scanned) instead of ``hold_for_accelerator``'s per-layer weights and unrolled la
 whose peaks ``PEAKS`` knows (H100, H200), each row also has the workload's roofline
 (``roofline_tokens_per_s``) and the fraction of it reached; every row has the first run's
 compile seconds and the wall time per step beside the host's and the device's.
+
+``--quantization`` runs the model with its weights in each format in turn (``none``: bf16
+as built; ``int8``, ``fp8``, ``int4``: ``LlamaForCausalLM.quantize`` on the device, weight
+only, a fresh model each), for the side-by-side ratio; the roofline stays bf16's.
+``--lora-adapters N ...`` runs an engine with ``N`` LoRA slots and ``N`` random adapters
+of rank 16 on every projection (``benchmarks.bench_lora.random_adapter``), the requests
+spread over them in turn (0: an engine without slots, the base model), each in turn.
 
 ``--transformers`` first runs transformers' ``generate`` (greedy, the same shapes, bf16,
 its default attention) in a subprocess that imports no JAX, so the two never share the
@@ -104,6 +111,7 @@ SHAPE_FIELDS = {
     ),
 }
 PAGE = 16
+LORA_RANK = 16  # --lora-adapters' rank, on every projection
 
 
 def _stats(samples: list[float]) -> dict:
@@ -443,9 +451,19 @@ class _Phases:
         return 1e3 * statistics.median(got) if got else None
 
 
-def engine_runs(model, name, backend, args, layout="per-layer", overlap: bool = True) -> list[dict]:
+def engine_runs(
+    model,
+    name,
+    backend,
+    args,
+    layout="per-layer",
+    overlap: bool = True,
+    loras: int = 0,
+    quantization: str | None = None,
+) -> list[dict]:
     import jax
 
+    from benchmarks.bench_lora import random_adapter
     from paged_jax.engine import LLM, SamplingParams
 
     cfg = model.config
@@ -462,7 +480,26 @@ def engine_runs(model, name, backend, args, layout="per-layer", overlap: bool = 
             watermark=0.0,
             num_scheduler_steps=args.num_scheduler_steps,
             async_scheduling=overlap,
+            max_loras=loras,
         )
+    names = [f"a{i}" for i in range(loras)]
+    for i, n in enumerate(names):
+        llm.add_lora(n, random_adapter(cfg, n, LORA_RANK, seed=i))
+
+    def generate(prompts, params):
+        """``llm.generate``, or with adapters each request on the next one in turn."""
+        if not names:
+            return llm.generate(prompts, params, progress=False)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+            llm.add_request(i, prompt, p, lora=names[i % len(names)])
+        done = {}
+        while llm.has_unfinished():
+            for out in llm.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in range(len(prompts))]
+
     peaks = device_peaks(jax.devices()[0].device_kind)
     rows = []
     for c in args.concurrency:
@@ -482,7 +519,7 @@ def engine_runs(model, name, backend, args, layout="per-layer", overlap: bool = 
             ]
         before = dataclasses.replace(llm.metrics)
         t = time.perf_counter()
-        llm.generate(prompts, params, progress=False)
+        generate(prompts, params)
         first = time.perf_counter() - t
         cold = _delta(llm.metrics, before)
         times, m = [], None
@@ -490,7 +527,7 @@ def engine_runs(model, name, backend, args, layout="per-layer", overlap: bool = 
             before = dataclasses.replace(llm.metrics)
             with _Phases(llm) as phases:
                 t = time.perf_counter()
-                res = llm.generate(prompts, params, progress=False)
+                res = generate(prompts, params)
                 times.append(time.perf_counter() - t)
             m = _delta(llm.metrics, before)
         assert all(len(r.outputs[0].token_ids) == args.output_len for r in res)
@@ -505,6 +542,8 @@ def engine_runs(model, name, backend, args, layout="per-layer", overlap: bool = 
                 model=name,
                 system=f"paged-jax ({backend})",
                 layout=layout,
+                quantization=quantization,
+                lora_adapters=loras,
                 num_scheduler_steps=args.num_scheduler_steps,
                 concurrency=c,
                 tokens_per_s=_stats(tps),
@@ -859,6 +898,21 @@ def main(argv=None) -> int:
         "or sort-free, XLA's passes or the Pallas kernel; each in turn",
     )
     ap.add_argument(
+        "--quantization",
+        nargs="+",
+        default=["none"],
+        choices=["none", "int8", "fp8", "int4"],
+        help="the weights in each format in turn (none: bf16), quantized on the device",
+    )
+    ap.add_argument(
+        "--lora-adapters",
+        type=int,
+        nargs="+",
+        default=[0],
+        help=f"engines with N LoRA slots and N random rank-{LORA_RANK} adapters, the requests "
+        "spread over them (0: no slots), each in turn",
+    )
+    ap.add_argument(
         "--transformers",
         action="store_true",
         help="also time transformers generate (needs torch with CUDA)",
@@ -873,6 +927,8 @@ def main(argv=None) -> int:
     ):
         if min(vals) < 1:
             ap.error(f"{flag}: expected integers >= 1, got {vals}")
+    if min(args.lora_adapters) < 0:
+        ap.error(f"--lora-adapters: expected integers >= 0, got {args.lora_adapters}")
     peers = run_transformers(args) if args.transformers else []  # before JAX takes the GPU
     import jax
 
@@ -904,6 +960,9 @@ def main(argv=None) -> int:
                     async_scheduling=args.async_scheduling,
                     top_p=args.top_p,
                     sort_free=args.sort_free,
+                    quantization=args.quantization,
+                    lora_adapters=args.lora_adapters,
+                    lora_rank=LORA_RANK,
                 ),
                 "results": rows,
                 "decode_step_split": splits,
@@ -912,50 +971,61 @@ def main(argv=None) -> int:
         )
 
     layouts = ["per-layer", "scan"] if args.layout == "both" else [args.layout]
-    for name in args.models:
-        for layout in layouts:
-            model = build_model(name)  # a fresh one: the engine holds it in place
-            for backend in args.backends:
-                if backend == "auto":
-                    os.environ.pop(BACKEND_ENV, None)
-                else:
-                    os.environ[BACKEND_ENV] = backend
-                base = backend if backend != "auto" else f"auto: {_auto()}"
-                if len(layouts) > 1:
-                    base = f"{base}, {layout}"
-                ways = {"on": [True], "off": [False], "both": [True, False]}
-                for on, overlap, sort_free in itertools.product(
-                    ways[args.decode_kernel], ways[args.async_scheduling], args.sort_free
-                ):
-                    label = base if on else f"{base}, ragged kernel for decode steps"
-                    if not overlap:
-                        label = f"{label}, steps one at a time"
-                    if sort_free != "default":
-                        label = f"{label}, sort-free {sort_free}"
-                    print(f"{name} / {label} ...", flush=True)
-                    try:
-                        with _decode_kernel(on), _sort_free(sort_free):
-                            runs, llm = engine_runs(model, name, label, args, layout, overlap)
-                            rows.extend(runs)
-                            ctx = args.prompt_len + args.output_len // 2
-                            for c in [] if args.no_split or not overlap else args.concurrency:
-                                splits.append(decode_split(llm, name, label, c, ctx))
-                            P = args.prompt_len
-                            sweep = {t // P for t in args.prefill_tokens if t >= P}
-                            for c in (
-                                []
-                                if args.no_split or not overlap
-                                else sorted(set(args.concurrency) | sweep)
-                            ):
-                                prefills.append(prefill_split(llm, name, label, c, P))
-                        del llm
-                    except Exception as e:  # out of memory, a compile failure: say so, go on
-                        rows.append(
-                            dict(model=name, system=f"paged-jax ({label})", error=repr(e)[-600:])
+    for name, layout, quant in itertools.product(args.models, layouts, args.quantization):
+        model = build_model(name)  # a fresh one: the engine holds it in place
+        quant = None if quant == "none" else quant
+        if quant is not None:
+            model.quantize(quant)
+        for backend in args.backends:
+            if backend == "auto":
+                os.environ.pop(BACKEND_ENV, None)
+            else:
+                os.environ[BACKEND_ENV] = backend
+            base = backend if backend != "auto" else f"auto: {_auto()}"
+            if len(layouts) > 1:
+                base = f"{base}, {layout}"
+            if quant is not None:
+                base = f"{base}, {quant} weights"
+            ways = {"on": [True], "off": [False], "both": [True, False]}
+            for on, overlap, sort_free, loras in itertools.product(
+                ways[args.decode_kernel],
+                ways[args.async_scheduling],
+                args.sort_free,
+                sorted(args.lora_adapters),  # no slots first: slots stay on the model
+            ):
+                label = base if on else f"{base}, ragged kernel for decode steps"
+                if not overlap:
+                    label = f"{label}, steps one at a time"
+                if sort_free != "default":
+                    label = f"{label}, sort-free {sort_free}"
+                if loras:
+                    label = f"{label}, {loras} LoRA adapters"
+                print(f"{name} / {label} ...", flush=True)
+                try:
+                    with _decode_kernel(on), _sort_free(sort_free):
+                        runs, llm = engine_runs(
+                            model, name, label, args, layout, overlap, loras, quant
                         )
-                    save(rows, splits)  # a run cut short keeps what it measured
-            del model
-            jax.clear_caches()
+                        rows.extend(runs)
+                        ctx = args.prompt_len + args.output_len // 2
+                        for c in [] if args.no_split or not overlap else args.concurrency:
+                            splits.append(decode_split(llm, name, label, c, ctx))
+                        P = args.prompt_len
+                        sweep = {t // P for t in args.prefill_tokens if t >= P}
+                        for c in (
+                            []
+                            if args.no_split or not overlap
+                            else sorted(set(args.concurrency) | sweep)
+                        ):
+                            prefills.append(prefill_split(llm, name, label, c, P))
+                    del llm
+                except Exception as e:  # out of memory, a compile failure: say so, go on
+                    rows.append(
+                        dict(model=name, system=f"paged-jax ({label})", error=repr(e)[-600:])
+                    )
+                save(rows, splits)  # a run cut short keeps what it measured
+        del model
+        jax.clear_caches()
     os.environ.pop(BACKEND_ENV, None)
     flat = []
     for r in rows:

@@ -502,6 +502,43 @@ def test_products_benchmark_times_both_ways_over_the_same_bytes(tmp_path, monkey
         assert abs(sep[a] * sep[b] - fused[a] * fused[b]) < 1e-6 * sep[a] * sep[b]
 
 
+def test_products_benchmark_8_bit_ways_read_a_byte_a_weight_and_stay_near_the_floats(
+    tmp_path, monkeypatch
+):
+    import json
+
+    from benchmarks import bench_engine, bench_products
+    from benchmarks.common import OUT_ENV
+
+    monkeypatch.setitem(bench_engine.SHAPE_FIELDS, "tiny-test", TINY_SHAPE)
+    monkeypatch.setenv(OUT_ENV, str(tmp_path))
+    argv = "--shape tiny-test --rows 16 --repeats 2 --formats fp8 int8 --pallas 16:16:4:1"
+    assert bench_products.main([*argv.split(), "--pallas-formats", "bf16", "int8"]) == 0
+    rows = json.loads((tmp_path / "products_cpu.json").read_text())["results"]
+    assert [r["way"] for r in rows] == [
+        "separate",
+        "fused",
+        "fused, fp8 W8A16",
+        "fused, fp8 W8A8",
+        "fused, fp8 W8A8, [out, in]",
+        "fused, int8 W8A16",
+        "fused, int8 W8A8",
+        "fused, Pallas 16:16:4:1",  # the GPU's few-row product, interpreted
+        "fused, int8 W8A16, Pallas 16:16:4:1",
+    ]
+    assert rows[7]["relative_error"] < 1e-5  # f32 on CPU: the same product
+    assert rows[5]["weight_gb_per_s"] * rows[5]["ms"] == pytest.approx(
+        rows[8]["weight_gb_per_s"] * rows[8]["ms"]
+    )
+    fused = rows[1]
+    f32_bytes = fused["weight_gb_per_s"] * fused["ms"]
+    for r in rows[2:7] + rows[8:]:
+        # the same FLOPs; a byte a weight plus an f32 scale per output channel
+        assert abs(r["tflops"] * r["ms"] - fused["tflops"] * fused["ms"]) < 1e-6 * r["ms"]
+        assert f32_bytes / 4 < r["weight_gb_per_s"] * r["ms"] < f32_bytes / 4 * 1.2
+        assert 0 < r["relative_error"] < (0.1 if "fp8" in r["way"] else 0.03)
+
+
 def test_lora_benchmark_products_agree_and_write_where_told(tmp_path, monkeypatch):
     # The two ways of applying each token's adapter give the same sums (checked inside,
     # every case), and the file records each case's times.
