@@ -159,6 +159,36 @@ def test_engine_benchmark_runs_a_tiny_shape_and_writes_where_told(tmp_path, monk
     assert AttentionMetadata.from_batch(build_batch(bm, [ScheduledSeq("a", 2, 3)])).decode_only
 
 
+def test_engine_benchmark_runs_quantized_weights_and_lora_adapters_side_by_side(
+    tmp_path, monkeypatch
+):
+    # --quantization and --lora-adapters (tiny shape on CPU, timings meaningless): a row
+    # per format and adapter count, each labelled, every request its full output.
+    import json
+
+    from benchmarks import bench_engine
+    from benchmarks.common import OUT_ENV
+
+    monkeypatch.setitem(bench_engine.SHAPE_FIELDS, "tiny-test", TINY_SHAPE)
+    monkeypatch.setenv(OUT_ENV, str(tmp_path))
+    argv = "--models tiny-test --concurrency 3 --prompt-len 5 --output-len 4 --repeats 1 "
+    argv += "--backends xla --no-split --quantization none int8 --lora-adapters 2 0"
+    assert bench_engine.main(argv.split()) == 0
+    out = json.loads((tmp_path / "engine_cpu.json").read_text())
+    rows = out["results"]
+    assert [(r.get("quantization"), r.get("lora_adapters")) for r in rows] == [
+        (None, 0),
+        (None, 2),
+        ("int8", 0),
+        ("int8", 2),
+    ], rows
+    assert rows[3]["system"] == "paged-jax (xla, int8 weights, 2 LoRA adapters)"
+    assert all(r["steps"] == 4 and r["tokens_per_s"]["median"] > 0 for r in rows)
+    assert out["parameters"]["lora_adapters"] == [2, 0]
+    with pytest.raises(SystemExit):
+        bench_engine.main(["--models", "tiny-test", "--lora-adapters", "-1"])
+
+
 def test_roofline_of_the_engine_workload():
     from benchmarks.bench_engine import (
         SHAPE_FIELDS,
