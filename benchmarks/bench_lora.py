@@ -19,7 +19,8 @@ adding each token's adapter to a projection of SmolLM2's MLP width (576 -> 1536,
 ``T`` tokens spread over ``S`` slots, timed alone (median of 20): ``masked`` (what the
 model does: every slot's columns, then a mask, ``models.lora.delta``) and ``ragged``
 (rows sorted by slot, ``jax.lax.ragged_dot`` per group with the slot's own A and B, then
-unsorted), each against the projection's own product.
+unsorted), and on CPU ``cpu_kernel`` (``paged_jax.linear.lora_delta``, what the models
+do there: each row its own slot's A and B), each against the projection's own product.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def products(T: int, S: int, R: int, fan_in: int, fan_out: int) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from paged_jax import linear
     from paged_jax.models import lora
 
     dt = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
@@ -95,6 +97,16 @@ def products(T: int, S: int, R: int, fan_in: int, fan_out: int) -> dict:
         samples = time_samples(lambda: jax.block_until_ready(fn(*args)), repeats=20)
         return 1e3 * statistics.median(samples)
 
+    kernel_ms = None
+    if linear.available():  # the CPU's way: each row its own slot (lora.c)
+
+        @jax.jit
+        def kernel(x, slot):
+            return x @ w + linear.lora_delta(x, a_bank[None], b_bank[None], slot + 1, 0, R)
+
+        got = np.asarray(kernel(x, slot))
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+        kernel_ms = ms(kernel, x, slot)
     return dict(
         tokens=T,
         slots=S,
@@ -102,6 +114,7 @@ def products(T: int, S: int, R: int, fan_in: int, fan_out: int) -> dict:
         projection_ms=ms(base, x),
         masked_ms=ms(masked, x, slot),
         ragged_ms=ms(ragged, x, slot),
+        cpu_kernel_ms=kernel_ms,
     )
 
 
@@ -213,7 +226,7 @@ def main(argv=None) -> int:
     print(
         table(
             prods,
-            ["tokens", "slots", "rank", "projection_ms", "masked_ms", "ragged_ms"],
+            ["tokens", "slots", "rank", "projection_ms", "masked_ms", "ragged_ms", "cpu_kernel_ms"],
             digits=3,
         )
     )

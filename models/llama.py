@@ -900,8 +900,7 @@ class LlamaForCausalLM(nnx.Module):
                 f"adapter_ids: expected shape {tokens_T.shape} (one a token), got "
                 f"{adapter_ids.shape}"
             )
-        mask = _lora.token_mask(adapter_ids, self.lora.slots, self.lora.rank, jnp.float32)
-        with _lora.rows(self.lora, mask):
+        with _lora.rows(self.lora, _lora.selector(self.lora, adapter_ids)):
             return self._forward(tokens_T, positions_T, cache, md, backend, interpret)
 
     def _forward(self, tokens_T, positions_T, cache, md, backend, interpret):

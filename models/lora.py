@@ -200,10 +200,24 @@ def _set_columns(a, v, lo: int, axis: int):
     return (_set_cols2 if axis == 2 else _set_cols1)(a, v, jnp.int32(lo))
 
 
-# While a step's layers run with adapters: (the bank, the tokens' mask f[T, S R]).
+# While a step's layers run with adapters: (the bank, the rows' selector: the mask
+# f[T, S R] of ``token_mask``, or on the CPU kernel's way the slot ids i32[T] themselves).
 _LORA: contextvars.ContextVar[tuple[Any, jax.Array] | None] = contextvars.ContextVar(
     "paged_jax_lora", default=None
 )
+
+# Whether a model on the CPU (kernels built, f32 banks) adds its adapters with the C
+# kernel (``paged_jax.linear.lora_delta``: each row its own slot) instead of XLA's
+# products over every slot and a mask. Tests switch it off to compare the two.
+CPU_KERNEL = True
+
+
+def by_kernel(bank) -> bool:
+    """Whether ``bank``'s adapters go through the CPU kernel (``CPU_KERNEL``, the CPU
+    kernels available, f32 banks); the selector is then the rows' ids, not a mask."""
+    from paged_jax import linear
+
+    return CPU_KERNEL and bank.a_q_proj[...].dtype == jnp.float32 and linear.available()
 
 
 def token_mask(adapter_ids: jax.Array, slots: int, rank: int, dtype) -> jax.Array:
@@ -213,10 +227,19 @@ def token_mask(adapter_ids: jax.Array, slots: int, rank: int, dtype) -> jax.Arra
     return (col[None, :] == (adapter_ids.astype(jnp.int32) - 1)[:, None]).astype(dtype)
 
 
+def selector(bank, adapter_ids: jax.Array) -> jax.Array:
+    """What ``rows`` takes for rows of ``adapter_ids`` (i32[T], slot plus one): the ids on
+    the CPU kernel's way (``by_kernel``), else their ``token_mask`` (f32)."""
+    if by_kernel(bank):
+        return adapter_ids.astype(jnp.int32)
+    return token_mask(adapter_ids, bank.slots, bank.rank, jnp.float32)
+
+
 @contextlib.contextmanager
 def rows(bank, mask):
-    """While active, projections of rows ``mask`` (``token_mask``) add their adapters from
-    ``bank``; a None ``mask`` (no adapters this step) leaves them as they are."""
+    """While active, projections of rows ``mask`` (``selector``: a ``token_mask``, or the
+    rows' slot ids) add their adapters from ``bank``; a None ``mask`` (no adapters this
+    step) leaves them as they are."""
     token = _LORA.set(None if mask is None else (bank, mask))
     try:
         yield
@@ -240,6 +263,15 @@ def delta(targets: tuple[str, ...], x: jax.Array, layer) -> jax.Array | None:
     bank, mask = ctx
     outs = []
     for t in targets:
+        if jnp.issubdtype(mask.dtype, jnp.integer):  # the rows' ids: the CPU kernel
+            from paged_jax import linear
+
+            a, b = getattr(bank, f"a_{t}")[...], getattr(bank, f"b_{t}")[...]
+            lead = x.shape[:-1]
+            x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+            d = linear.lora_delta(x2, a, b, mask.reshape(-1), layer, bank.rank)
+            outs.append(d.reshape(*lead, d.shape[-1]))
+            continue
         a = getattr(bank, f"a_{t}")[...][layer]
         b = getattr(bank, f"b_{t}")[...][layer]
         h = jnp.dot(x.astype(a.dtype), a) * mask.astype(a.dtype)

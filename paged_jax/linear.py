@@ -78,4 +78,21 @@ def matmul(
     return cpu.linear(x, packed, n, layer=layer, rows=rows, scales=scales, mins=mins)
 
 
-__all__ = ["available", "matmul", "pack", "pack_scales", "unpack"]
+def lora_delta(
+    x: jax.Array,  # f32[T, K]
+    a: jax.Array,  # f32[L, K, S R]: a target's A bank, every slot side by side
+    b: jax.Array,  # f32[L, S R, N]
+    ids: jax.Array,  # i32[T]: each row's slot plus one, 0 for none
+    layer: jax.Array | int,
+    rank: int,
+) -> jax.Array:  # f32[T, N]
+    """What LoRA adapters add to a projection's rows, by the CPU kernel: row t times its
+    own slot's ``A`` then ``B`` (slot ``ids[t] - 1``; zeros for id 0), the layer's banks
+    read in place. ``models.lora.delta``'s way on CPU; see
+    ``paged_jax.kernels.cpu.lora_delta``."""
+    from paged_jax.kernels import cpu
+
+    return cpu.lora_delta(x, a, b, ids, layer, rank)
+
+
+__all__ = ["available", "lora_delta", "matmul", "pack", "pack_scales", "unpack"]

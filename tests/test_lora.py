@@ -44,10 +44,18 @@ def _logits(model, slot_plus_one):
     return np.asarray(logits)
 
 
+@pytest.mark.parametrize("way", ["cpu kernel", "masked"])
 @pytest.mark.parametrize("held", ["as loaded", "for an accelerator"])
-def test_each_adapter_gives_the_logits_peft_gives(held):
+def test_each_adapter_gives_the_logits_peft_gives(held, way, monkeypatch):
     # Each adapter in the second of two slots, the model as loaded (stacked layers,
-    # scanned) and as an accelerator holds it (per-layer weights, q/k/v and gate/up fused).
+    # scanned) and as an accelerator holds it (per-layer weights, q/k/v and gate/up fused);
+    # each row through the CPU kernel (its own slot only) or XLA's products over every
+    # slot and a mask.
+    from paged_jax import linear
+
+    if way == "cpu kernel" and not linear.available():
+        pytest.skip("the CPU kernels did not build here")
+    monkeypatch.setattr(lora_mod, "CPU_KERNEL", way == "cpu kernel")
     model = _base()
     if held == "for an accelerator":
         model.hold_for_accelerator()
@@ -64,6 +72,9 @@ def test_each_adapter_gives_the_logits_peft_gives(held):
         # slot 1 (id 1) is empty: the base model's logits
         base = _golden(None)["logits"]
         assert np.abs(_logits(model, 1) - base).max() <= 1e-4 * np.abs(base).max()
+    assert lora_mod.by_kernel(bank) == (way == "cpu kernel")
+    ids = jnp.ones(5, jnp.int32)
+    assert lora_mod.selector(bank, ids).dtype == (jnp.int32 if way == "cpu kernel" else jnp.float32)
 
 
 def test_adapters_scale_as_peft_says():
@@ -324,3 +335,38 @@ def test_nothing_compiles_after_warm_up_with_adapters():
     assert len(llm.compiled_buckets) == n, llm.compiled_buckets[n:]
     for rid, _, name in requests:
         assert got[rid] == _golden(name)[f"greedy_{rid.split('-')[1]}"].tolist(), rid
+
+
+def test_the_cpu_kernel_multiplies_each_row_by_its_own_slot_only():
+    import jax
+
+    from paged_jax import linear
+
+    if not linear.available():
+        pytest.skip("the CPU kernels did not build here")
+    rng = np.random.default_rng(3)
+    T, K, N, L, S, R = 9, 40, 24, 3, 4, 8
+    x = rng.normal(size=(T, K)).astype(np.float32)
+    a = rng.normal(size=(L, K, S * R)).astype(np.float32)
+    b = rng.normal(size=(L, S * R, N)).astype(np.float32)
+    ids = np.array([0, 1, 2, 3, 4, 1, 5, 0, 4], np.int32)  # 0: none; 5: past the slots
+    f = jax.jit(lambda x, a, b, i, l: linear.lora_delta(x, a, b, i, l, R))
+    for layer in (0, 2):
+        got = np.asarray(f(x, a, b, ids, jnp.int32(layer)))
+        for t in range(T):
+            s = ids[t] - 1
+            want = np.zeros(N)
+            if 0 <= s < S:
+                want = (x[t] @ a[layer][:, s * R : (s + 1) * R]) @ b[layer][s * R : (s + 1) * R]
+            np.testing.assert_allclose(got[t], want, rtol=1e-5, atol=1e-4)
+        # a row's result does not depend on the other rows
+        alone = np.asarray(f(x[4:5], a, b, ids[4:5], jnp.int32(layer)))
+        assert np.array_equal(alone[0], got[4])
+    with pytest.raises(ValueError, match="rank"):
+        linear.lora_delta(jnp.asarray(x), a, b, jnp.asarray(ids), 0, 5)
+    with pytest.raises(ValueError, match="ids"):
+        linear.lora_delta(jnp.asarray(x), a, b, jnp.asarray(ids[:3]), 0, R)
+    with pytest.raises(ValueError, match="layer"):
+        linear.lora_delta(jnp.asarray(x), a, b, jnp.asarray(ids), 3, R)
+    with pytest.raises(ValueError, match="a, b"):
+        linear.lora_delta(jnp.asarray(x), a[:, :5], b, jnp.asarray(ids), 0, R)

@@ -16,6 +16,8 @@ compiler, or a failed build, leaves ``available()`` False and "auto" on the XLA 
   ``paged_jax.attention`` sends those to XLA. Batch invariant as they are.
 * ``pack_weight``, ``unpack_weight``, ``linear``, ``panel_width``: matrix products
   against weights packed once in column panels (``linear.c``; ``paged_jax.linear``).
+* ``lora_delta``: LoRA adapters' products for rows of different adapters, each row
+  multiplied by its own slot's A and B only (``lora.c``; ``paged_jax.linear``).
 * ``greedy_rows``: each row's argmax and log-sum-exp (``sample.c``), for greedy steps.
 * ``sample_tokens``: the whole sampler (temperature, top-k, top-p, min-p, the draw) without
   sorting the vocabulary (``sample.c``), for steps with sampled rows.
@@ -49,8 +51,9 @@ LINEAR_TARGET = "paged_jax_cpu_linear"
 GREEDY_TARGET = "paged_jax_cpu_greedy_rows"
 SAMPLE_TARGET = "paged_jax_cpu_sample_rows"
 UNINITIALIZED_TARGET = "paged_jax_cpu_uninitialized"
+LORA_TARGET = "paged_jax_cpu_lora_delta"
 _HERE = pathlib.Path(__file__).parent
-_SOURCES = (_HERE / "decode.c", _HERE / "linear.c", _HERE / "sample.c")  # one library
+_SOURCES = tuple(_HERE / f for f in ("decode.c", "linear.c", "sample.c", "lora.c"))  # one .so
 _HEADERS = (_HERE / "pool.h", _HERE / "vec.h")
 # -ffp-contract=fast lets the compiler fuse multiplies and adds (FMA): 12% off the blocked
 # path at 64 sequences x 4k bf16 on a 2-core AMD EPYC with gcc 12.2. Kernel changes are
@@ -127,6 +130,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         greedy_handler = lib.PagedJaxGreedyRows
         sample_handler = lib.PagedJaxSampleRows
         uninitialized_handler = lib.PagedJaxUninitialized
+        lora_handler = lib.PagedJaxLoraDelta
         _state["panel_width"] = int(lib.paged_jax_linear_panel_width())
     except (OSError, AttributeError) as e:
         return None, f"loading {lib_path} failed: {e}"
@@ -138,6 +142,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     jax.ffi.register_ffi_target(
         UNINITIALIZED_TARGET, jax.ffi.pycapsule(uninitialized_handler), platform="cpu"
     )
+    jax.ffi.register_ffi_target(LORA_TARGET, jax.ffi.pycapsule(lora_handler), platform="cpu")
     return lib, ""
 
 
@@ -404,6 +409,49 @@ def linear(
     return call(x2, packed, scales, params).reshape(*x.shape[:-1], n)
 
 
+def lora_delta(
+    x: jax.Array,  # f32[T, K]
+    a: jax.Array,  # f32[L, K, S R]
+    b: jax.Array,  # f32[L, S R, N]
+    ids: jax.Array,  # i32[T]: each row's slot plus one, 0 for none
+    layer: jax.Array | int,
+    rank: int,
+    *,
+    threads: int | None = None,
+) -> jax.Array:  # f32[T, N]
+    """``(x[t] @ a[layer][:, s R : s R + R]) @ b[layer][s R : s R + R]`` for each row t of
+    slot ``s = ids[t] - 1`` (zeros where ``ids[t]`` is 0 or past the slots), by
+    ``lora.c``: the layer's banks read in place (``layer``: an int or a traced i32
+    scalar), each row only its own slot's columns, each output one f32 sum in a fixed
+    order (a row's result depends on no other row). Raises ``ValueError`` for other
+    dtypes or shapes, a ``rank`` that does not divide the banks' width, or a static
+    ``layer`` out of range, and when the kernels are not available."""
+    for name, v, nd in (("x", x, 2), ("a", a, 3), ("b", b, 3)):
+        if v.dtype != jnp.float32 or v.ndim != nd:
+            raise ValueError(
+                f"{name}: expected a float32 array of rank {nd}, got {v.dtype}{list(v.shape)}"
+            )
+    T, K = x.shape
+    L, _, SR = a.shape
+    if a.shape[1] != K or b.shape[:2] != (L, SR):
+        raise ValueError(
+            f"a, b: expected [L, {K}, S R] and [L, S R, N] (x: {list(x.shape)}), got "
+            f"{list(a.shape)} and {list(b.shape)}"
+        )
+    if ids.dtype != jnp.int32 or ids.shape != (T,):
+        raise ValueError(f"ids: expected int32[{T}], got {ids.dtype}{list(ids.shape)}")
+    if not isinstance(rank, int) or not 1 <= rank <= 1024 or SR % rank:
+        raise ValueError(f"rank: expected an int in [1, 1024] dividing {SR}, got {rank!r}")
+    if isinstance(layer, int) and not 0 <= layer < L:
+        raise ValueError(f"layer: expected an int in [0, {L}), got {layer}")
+    _require()
+    params = jnp.stack(
+        [jnp.asarray(layer, jnp.int32), jnp.int32(rank), jnp.int32(_threads(threads))]
+    )
+    call = jax.ffi.ffi_call(LORA_TARGET, jax.ShapeDtypeStruct((T, b.shape[2]), jnp.float32))
+    return call(x, a, b, ids, params)
+
+
 def greedy_rows(
     x: jax.Array,  # f32[R, V]
     *,
@@ -500,6 +548,7 @@ __all__ = [
     "greedy_rows",
     "decode_paged_attention",
     "linear",
+    "lora_delta",
     "pack_weight",
     "panel_width",
     "sample_tokens",
