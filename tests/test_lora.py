@@ -345,7 +345,7 @@ def test_the_cpu_kernel_multiplies_each_row_by_its_own_slot_only():
     if not linear.available():
         pytest.skip("the CPU kernels did not build here")
     rng = np.random.default_rng(3)
-    T, K, N, L, S, R = 9, 40, 24, 3, 4, 8
+    T, K, N, L, S, R = 9, 40, 37, 3, 4, 8  # N: two blocks of 16 outputs and 5 more
     x = rng.normal(size=(T, K)).astype(np.float32)
     a = rng.normal(size=(L, K, S * R)).astype(np.float32)
     b = rng.normal(size=(L, S * R, N)).astype(np.float32)
@@ -359,9 +359,12 @@ def test_the_cpu_kernel_multiplies_each_row_by_its_own_slot_only():
             if 0 <= s < S:
                 want = (x[t] @ a[layer][:, s * R : (s + 1) * R]) @ b[layer][s * R : (s + 1) * R]
             np.testing.assert_allclose(got[t], want, rtol=1e-5, atol=1e-4)
-        # a row's result does not depend on the other rows
-        alone = np.asarray(f(x[4:5], a, b, ids[4:5], jnp.int32(layer)))
-        assert np.array_equal(alone[0], got[4])
+        # a row's result does not depend on the other rows (its group of one slot's rows)
+        for t in range(T):
+            alone = np.asarray(f(x[t : t + 1], a, b, ids[t : t + 1], jnp.int32(layer)))
+            assert np.array_equal(alone[0], got[t]), t
+        pairs = np.asarray(f(x[[1, 5]], a, b, ids[[1, 5]], jnp.int32(layer)))
+        assert np.array_equal(pairs, got[[1, 5]])
     with pytest.raises(ValueError, match="rank"):
         linear.lora_delta(jnp.asarray(x), a, b, jnp.asarray(ids), 0, 5)
     with pytest.raises(ValueError, match="ids"):
