@@ -22,11 +22,17 @@
 #            tokens/s and the roofline fraction, the engine's layout beside the scanned one)
 #   speculative  python -m benchmarks speculative --verify-cost (Llama-3-8B shape: a verify
 #            step of k proposals per sequence against a decode step, 1 to 64 sequences)
+#   quantized  python -m benchmarks engine --quantization none fp8 int8 --no-split (the 8B
+#            shape with 8-bit weights beside bf16, 64 and 256 requests; QUANT_ARGS)
+#   lora     python -m benchmarks engine --lora-adapters 0 8 --no-split (the 8B shape, 64
+#            requests spread over 8 random rank-16 adapters beside the base engine; LORA_ARGS)
+#   sampled  python -m benchmarks engine --top-p 0.9 (the 8B shape, 256 requests sampled
+#            at top-p 0.9 beside greedy, with the decode step's split; SAMPLED_ARGS)
 #
 # Logs and result files go to $OUT (default gpu-out/). Every stage has a time limit
 # (seconds, STAGE_LIMIT_<stage> overrides) so a hang cannot eat a lease. KERNEL_TESTS_MARK
 # (default "slow or not slow"), BENCH_ARGS (default --tune), ENGINE_ARGS, SPEC_ARGS, DISPATCH_ARGS,
-# PRODUCTS_ARGS and DRAW_ARGS pass through.
+# PRODUCTS_ARGS, DRAW_ARGS, QUANT_ARGS, LORA_ARGS and SAMPLED_ARGS pass through.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -112,6 +118,21 @@ EOF
     speculative)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run speculative "$(limit speculative 300)" \
         $PY -m benchmarks speculative --verify-cost --out "$OUT" ${SPEC_ARGS---concurrency 1 4 16 64}
+      ;;
+    quantized)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run quantized "$(limit quantized 360)" \
+        $PY -m benchmarks engine --out "$OUT/quantized" --quantization none fp8 int8 --no-split \
+        ${QUANT_ARGS---models llama3-8b --concurrency 64 256 --repeats 3}
+      ;;
+    lora)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run lora "$(limit lora 240)" \
+        $PY -m benchmarks engine --out "$OUT/lora" --lora-adapters 0 8 --no-split \
+        ${LORA_ARGS---models llama3-8b --concurrency 64 --repeats 3}
+      ;;
+    sampled)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run sampled "$(limit sampled 200)" \
+        $PY -m benchmarks engine --out "$OUT/sampled" --top-p 0.9 \
+        ${SAMPLED_ARGS---models llama3-8b --concurrency 256 --repeats 3}
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
