@@ -687,7 +687,25 @@ class LlamaForCausalLM(nnx.Module):
         if not jnp.issubdtype(dtype, jnp.floating):  # (a quantized table's)
             dtype = self.dtype or jnp.float32
         self.lora = _lora.LoraBank(self.config, slots, rank, dtype)
+        self.lora.regroup(self._lora_groups())
         return self
+
+    def _lora_groups(self) -> tuple:
+        """``LoraBank.regroup``'s groups for the projections as they are now: one a
+        target, but one for each fused projection (``fuse_projections``), named as it
+        (``FUSED``)."""
+        groups = []
+        for _, node in nnx.iter_graph(self.layers):
+            if isinstance(node, Linear) and node.lora_targets:
+                ts = tuple(node.lora_targets)
+                if len(ts) == 1:
+                    name = ts[0]
+                else:
+                    name = next((k for k, v in FUSED.items() if tuple(v) == ts), "_".join(ts))
+                if (name, ts) not in groups:
+                    groups.append((name, ts))
+        order = {t: i for i, t in enumerate(_lora.TARGETS)}
+        return tuple(sorted(groups, key=lambda g: order[g[1][0]]))
 
     def load_lora(self, path, name: str | None = None) -> _lora.LoraAdapter:
         """The PEFT LoRA adapter in directory ``path`` for this model's config
@@ -700,7 +718,10 @@ class LlamaForCausalLM(nnx.Module):
         (``models.lora.slot_arrays``)."""
         if self.lora is None:
             raise ValueError("slot: the model has no LoRA slots (enable_lora)")
-        return _lora.slot_arrays(adapter, self.lora.slots, self.lora.rank, slot, arrays)
+        bank = self.lora
+        return _lora.slot_arrays(
+            adapter, bank.slots, bank.rank, slot, arrays, bank.groups, bank.widths
+        )
 
     @property
     def lora_slots(self) -> int:
@@ -791,6 +812,8 @@ class LlamaForCausalLM(nnx.Module):
         self.split_layer_weights()
         self.layers.self_attn.fuse_projections()
         self.layers.mlp.fuse_projections()
+        if self.lora is not None:  # a fused projection's adapters in one pair
+            self.lora.regroup(self._lora_groups())
         if self.lm_head is None:
             self.embed_tokens.hold_transposed()
         self.unrolled = True

@@ -44,37 +44,65 @@ def _logits(model, slot_plus_one):
     return np.asarray(logits)
 
 
-@pytest.mark.parametrize("way", ["cpu kernel", "masked"])
-@pytest.mark.parametrize("held", ["as loaded", "for an accelerator"])
+@pytest.mark.parametrize(
+    "held, way",
+    [
+        ("as loaded", "cpu kernel"),
+        ("as loaded", "masked"),
+        ("for an accelerator", "grouped"),
+        ("slots, then held for an accelerator", "grouped"),
+    ],
+)
 def test_each_adapter_gives_the_logits_peft_gives(held, way, monkeypatch):
-    # Each adapter in the second of two slots, the model as loaded (stacked layers,
-    # scanned) and as an accelerator holds it (per-layer weights, q/k/v and gate/up fused);
-    # each row through the CPU kernel (its own slot only) or XLA's products over every
-    # slot and a mask.
+    # Each adapter in the second of two slots. The model as loaded (stacked layers,
+    # scanned), each row through the CPU kernel (its own slot only) or XLA's products over
+    # every slot and a mask; or as an accelerator holds it (per-layer weights, q/k/v and
+    # gate/up fused), where the bank holds one pair a fused projection (A side by side,
+    # B block-diagonal: two products for q/k/v), made with the slots (the bank grouped at
+    # enable_lora) or before them (at hold_for_accelerator, the engine's order, an
+    # adapter already in slot 0 carried over).
     from paged_jax import linear
 
     if way == "cpu kernel" and not linear.available():
         pytest.skip("the CPU kernels did not build here")
-    monkeypatch.setattr(lora_mod, "CPU_KERNEL", way == "cpu kernel")
+    monkeypatch.setattr(lora_mod, "CPU_KERNEL", way != "masked")
     model = _base()
+
+    def write(name, slot):
+        adapter = lora_mod.load_adapter(GOLDEN / "lora" / name, model.config)
+        bank = model.lora
+        arrays = {k: getattr(bank, k)[...] for k in vars(bank) if k[:2] in ("a_", "b_")}
+        for k, v in model.lora_slot_arrays(adapter, slot, arrays).items():
+            getattr(bank, k).set_value(v)
+
+    first = None
     if held == "for an accelerator":
         model.hold_for_accelerator()
-    model.enable_lora(2, 8)
+        model.enable_lora(2, 8)
+    else:
+        model.enable_lora(2, 8)
+        if held.startswith("slots"):
+            first = NAMES[0]
+            write(first, 0)
+            model.hold_for_accelerator()
     bank = model.lora
+    grouped = [name for name, ts in bank.groups if len(ts) > 1]
+    assert grouped == ([] if held == "as loaded" else ["qkv_proj", "gate_up_proj"])
     for name in NAMES:
-        adapter = lora_mod.load_adapter(GOLDEN / "lora" / name, model.config)
-        arrays = {k: getattr(bank, k)[...] for k in vars(bank) if k[:2] in ("a_", "b_")}
-        for k, v in lora_mod.slot_arrays(adapter, 2, 8, 1, arrays).items():
-            getattr(bank, k).set_value(v)
+        write(name, 1)
         want = _golden(name)["logits"]
         got = _logits(model, 2)
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), name
-        # slot 1 (id 1) is empty: the base model's logits
-        base = _golden(None)["logits"]
+        # slot 0 (id 1): empty, the base model's logits; or the adapter put there first
+        base = _golden(first)["logits"]
         assert np.abs(_logits(model, 1) - base).max() <= 1e-4 * np.abs(base).max()
+    write(NAMES[2], 0)  # a slot written again, over another adapter
+    want = _golden(NAMES[2])["logits"]
+    assert np.abs(_logits(model, 1) - want).max() <= 1e-4 * np.abs(want).max()
     assert lora_mod.by_kernel(bank) == (way == "cpu kernel")
     ids = jnp.ones(5, jnp.int32)
-    assert lora_mod.selector(bank, ids).dtype == (jnp.int32 if way == "cpu kernel" else jnp.float32)
+    kind = jnp.int32 if way == "cpu kernel" else jnp.float32
+    assert lora_mod.selector(bank, ids).dtype == kind
 
 
 def test_adapters_scale_as_peft_says():
@@ -115,6 +143,33 @@ def test_a_batch_of_adapters_and_the_base_model_gives_each_row_its_own(slots):
         (f"{name}-{key}", PROMPTS[key], name)
         for key in ("short", "long", "mid")
         for name in (*NAMES, None)
+    ]
+    got = _run(llm, requests)
+    for rid, _, name in requests:
+        key = rid.split("-")[1]
+        assert got[rid] == _golden(name)[f"greedy_{key}"].tolist(), rid
+
+
+@pytest.mark.parametrize("slots", [4, 1])
+def test_the_engine_on_an_accelerator_s_layout_gives_each_row_its_own(slots, monkeypatch):
+    # The engine holding the model as it does off the CPU (per-layer weights, fused
+    # projections: the bank in pairs a fused projection, B block-diagonal), on CPU:
+    # adapters swapped into the slots by the engine give peft's tokens, mixed with the
+    # base model in one batch.
+    from paged_jax.engine import runner
+
+    monkeypatch.setattr(runner, "_on_cpu", lambda model: False)
+    llm = pj.LLM(_base(), max_loras=slots, max_lora_rank=8, num_pages=64, page_size=8,
+                 compilation_cache=False)  # fmt: skip
+    assert llm.runner.model.unrolled
+    assert [n for n, ts in llm.runner.model.lora.groups if len(ts) > 1] == [
+        "qkv_proj",
+        "gate_up_proj",
+    ]
+    for name in NAMES:
+        llm.add_lora(name, GOLDEN / "lora" / name)
+    requests = [
+        (f"{name}-{key}", PROMPTS[key], name) for key in ("short", "mid") for name in (*NAMES, None)
     ]
     got = _run(llm, requests)
     for rid, _, name in requests:
