@@ -21,6 +21,7 @@ from flax import nnx
 
 import paged_jax as pj
 from paged_jax import linear
+from paged_jax._quant import quantize_rows
 from paged_jax.cache import PagedKVCache
 from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata
@@ -131,6 +132,9 @@ class Linear(nnx.Linear):
     # float8_e4m3fn, scale f32 [(L,) out]) or "int4" (kernel uint8 [(L,) in / 2, out],
     # two rows a byte; scale and zero f32 [(L,) in / 32, out])
     quantized = None
+    # hold_fp8_activations sets it: an fp8 kernel held [(L,) out, in], each product fp8 by
+    # fp8 with the rows quantized too (W8A8)
+    fp8_activations = False
 
     def quantize(self, fmt: str = "int8") -> Linear:
         """In place: the float kernel ``[(L,) in, out]`` becomes ``fmt`` (``"int8"``:
@@ -186,10 +190,43 @@ class Linear(nnx.Linear):
         self.packed = True
         return self
 
+    def hold_fp8_activations(self) -> Linear:
+        """In place: an fp8 module's products become fp8 by fp8 (W8A8): each row of the
+        input is quantized to e4m3 with a scale of its own (``paged_jax._quant.
+        quantize_rows``: its largest magnitude over 448), multiplied by the fp8 weight in
+        f32, and the result scaled by the row's and the channel's scales. The kernel is
+        held transposed, ``[(L,) out, in]``, the contracted axis last, as the fp8 GEMMs of
+        Hopper and Ada read both operands (with ``[in, out]`` XLA transposed the weight on
+        every call: 47 against 5.0 ms for the Llama-3-8B shape's fused products at 64 rows
+        on an H200, ``benchmarks/results/products_gpu_h200_8bit.json``; held ``[out, in]``
+        they took 5.0 and 5.8 ms at 64 and 256 rows against bf16's 5.5 and 7.1, and the
+        widening W8A16 5.6 and 12.4). Returns the module. Idempotent. After
+        ``split_layer_weights`` and ``fuse_linears``; raises ``ValueError`` for a module
+        that is not fp8 or is packed for the CPU kernels."""
+        if self.fp8_activations:
+            return self
+        if self.quantized != "fp8" or self.packed:
+            raise ValueError(
+                f"kernel: fp8 activations need an fp8 module not packed for the CPU "
+                f"kernels, got {self.quantized or 'float'}{' (packed)' if self.packed else ''}"
+            )
+        kernel = self.kernel.get_value()
+        if isinstance(kernel, tuple):
+            self.kernel.set_value(tuple(jnp.swapaxes(k, -1, -2) for k in kernel))
+        else:
+            self.kernel.set_value(jnp.swapaxes(kernel, -1, -2))
+        self.fp8_activations = True
+        return self
+
     def weight(self) -> jax.Array | tuple:
         """The kernel as ``nnx.Linear`` holds it, ``[(L,) in, out]`` (a tuple of
         ``[in, out]`` for per-layer weights), whichever way it lies."""
         kernel = self.kernel.get_value()
+        if self.fp8_activations:  # held [(L,) out, in]
+            if isinstance(kernel, tuple):
+                kernel = tuple(jnp.swapaxes(k, -1, -2) for k in kernel)
+            else:
+                kernel = jnp.swapaxes(kernel, -1, -2)
         if self.packed:
             kernel = linear.unpack(kernel, self.out_features)
         if not self.quantized:
@@ -254,6 +291,18 @@ class Linear(nnx.Linear):
         return jax.lax.switch(layer, [one(i) for i in range(len(kernel))], inputs)
 
 
+def fp8_units(device=None) -> bool:
+    """Whether ``device`` (default: JAX's first) multiplies fp8 by fp8 in hardware: an
+    NVIDIA GPU of compute capability 8.9 (Ada) or more (Hopper, Blackwell)."""
+    device = jax.devices()[0] if device is None else device
+    if device.platform != "gpu":
+        return False
+    try:
+        return float(getattr(device, "compute_capability", 0) or 0) >= 8.9
+    except (TypeError, ValueError):
+        return False
+
+
 def _dot_layer(
     module: Linear,
     x: jax.Array,
@@ -265,6 +314,14 @@ def _dot_layer(
     """``x @ kernel + bias`` as ``nnx.Linear`` computes it, for one layer's own arrays;
     an int8 ``kernel`` is widened to the compute dtype and its product times ``scale``;
     a 4-bit one (with ``zero``) is dequantized to the compute dtype first."""
+    if module.fp8_activations:  # W8A8: fp8 rows by the fp8 kernel held [out, in]
+        out_dtype = module.dtype or x.dtype
+        xq, xs = quantize_rows(x, jnp.float8_e4m3fn)
+        dims = (((x.ndim - 1,), (1,)), ((), ()))
+        y = jax.lax.dot_general(xq, kernel, dims, preferred_element_type=jnp.float32)
+        y = y * xs[..., None] * jnp.reshape(scale, (1,) * (y.ndim - 1) + (-1,))
+        y = y.astype(out_dtype)
+        return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
     if zero is not None:
         kernel = dequantize_int4(kernel, scale, zero, axis=-2, dtype=module.dtype or x.dtype)
         scale = None
@@ -783,9 +840,13 @@ class LlamaForCausalLM(nnx.Module):
                 node.quantize("int8" if fmt == "int4" else fmt)
         return self
 
-    def hold_for_accelerator(self) -> LlamaForCausalLM:
+    def hold_for_accelerator(self, *, fp8_activations: bool | None = None) -> LlamaForCausalLM:
         """In place: the layout a GPU or TPU reads each weight once per step with; returns
         the model. The engine calls it for a model off the CPU without a mesh. Idempotent.
+
+        ``fp8_activations``: whether fp8 weights multiply fp8 rows (W8A8,
+        ``Linear.hold_fp8_activations``); default, where the device has fp8 units
+        (``fp8_units``: an NVIDIA GPU of compute capability 8.9 or more).
 
         Each layer's linear weights become arrays of their own (``split_layer_weights``)
         and the forward pass runs the layers as an unrolled Python loop, so every product
@@ -814,6 +875,12 @@ class LlamaForCausalLM(nnx.Module):
         self.layers.mlp.fuse_projections()
         if self.lora is not None:  # a fused projection's adapters in one pair
             self.lora.regroup(self._lora_groups())
+        if fp8_activations is None:
+            fp8_activations = fp8_units()
+        if fp8_activations:  # the layers' products (the LM head's logits stay W8A16)
+            for _, node in nnx.iter_graph(self.layers):
+                if isinstance(node, Linear) and node.quantized == "fp8":
+                    node.hold_fp8_activations()
         if self.lm_head is None:
             self.embed_tokens.hold_transposed()
         self.unrolled = True

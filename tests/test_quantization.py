@@ -215,8 +215,8 @@ def test_a_quantized_model_computes_what_its_dequantized_weights_do(cfg, held, f
     quantized, dequantized = _pair(cfg, fmt)
     if held == "xla":
         monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")  # no packing: XLA's products
-    if held == "accelerator":
-        quantized.hold_for_accelerator()
+    if held == "accelerator":  # (weight-only: on a GPU with fp8 units, not its default)
+        quantized.hold_for_accelerator(fp8_activations=False)
         dequantized.hold_for_accelerator()
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [50, 60, 70]]
     p = pj.SamplingParams(max_tokens=10, ignore_eos=True, logprobs=True)
@@ -237,6 +237,59 @@ def test_a_quantized_model_computes_what_its_dequantized_weights_do(cfg, held, f
     for g, w in zip(got, want, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         np.testing.assert_allclose(g.outputs[0].logprobs, w.outputs[0].logprobs, atol=2e-4)
+
+
+def test_fp8_activations_multiply_fp8_rows_by_the_fp8_weight_as_defined():
+    from paged_jax._quant import quantize_rows
+    from paged_jax.models.llama import _linear
+
+    rng = np.random.default_rng(7)
+    lin = _linear(48, 40, True, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+    lin.bias.set_value(jnp.asarray(rng.normal(size=40), jnp.float32))
+    lin.quantize("fp8")
+    w = np.asarray(lin.weight())  # [in, out], the fp8 values times their scales
+    x = rng.normal(size=(5, 48)).astype(np.float32) * rng.uniform(0.1, 10, size=(5, 1))
+    x[3] = 0.0
+    weight_only = np.asarray(lin(jnp.asarray(x)))
+    assert lin.hold_fp8_activations() is lin and lin.hold_fp8_activations() is lin
+    assert lin.kernel.get_value().shape == (40, 48)  # held [out, in]
+    np.testing.assert_array_equal(np.asarray(lin.weight()), w)
+    got = np.asarray(lin(jnp.asarray(x)))
+    xq, xs = quantize_rows(jnp.asarray(x), jnp.float8_e4m3fn)
+    rows = np.asarray(xq, np.float64) * np.asarray(xs, np.float64)[:, None]
+    want = rows @ w + np.asarray(lin.bias.get_value())
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(got[3], np.asarray(lin.bias.get_value()), rtol=0, atol=0)
+    # the rows' own rounding: close to the weight-only product, not equal
+    rel = np.linalg.norm(got - weight_only) / np.linalg.norm(weight_only)
+    assert 0 < rel < 0.08, rel
+    other = _linear(8, 4, False, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="fp8 activations need an fp8 module"):
+        other.quantize("int8").hold_fp8_activations()
+
+
+def test_fp8_activations_on_an_accelerator_s_layout_keep_the_logits_near():
+    # The model held as an accelerator holds it, its layers' fp8 products W8A8 (the
+    # default on GPUs with fp8 units; asked for here on CPU), against the same weights
+    # weight-only: the logits move by the rows' rounding only, the head stays W8A16.
+    from paged_jax.metadata import AttentionMetadata
+
+    def logits(fp8_activations):
+        model = _pair(CFG, "fp8")[0].hold_for_accelerator(fp8_activations=fp8_activations)
+        qkv = model.layers.self_attn.qkv_proj
+        assert qkv.fp8_activations == fp8_activations
+        assert not model.lm_head.fp8_activations
+        ids = np.arange(1, 12)
+        n = len(ids)
+        cache = model.make_cache(8, 8)
+        md = AttentionMetadata.prefill(n, 8 + np.arange(n), [1, 2], logits_all=True)
+        positions = jnp.arange(n, dtype=jnp.int32)
+        out, _ = model(jnp.asarray(ids, jnp.int32), positions, cache, md)
+        return np.asarray(out)
+
+    a8, a16 = logits(True), logits(False)
+    rel = np.linalg.norm(a8 - a16) / np.linalg.norm(a16)
+    assert 0 < rel < 0.1, rel
 
 
 def test_quantized_weights_take_a_quarter_of_the_bytes():
