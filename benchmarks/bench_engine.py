@@ -55,8 +55,10 @@ whose peaks ``PEAKS`` knows (H100, H200), each row also has the workload's roofl
 compile seconds and the wall time per step beside the host's and the device's.
 
 ``--quantization`` runs the model with its weights in each format in turn (``none``: bf16
-as built; ``int8``, ``fp8``, ``int4``: ``LlamaForCausalLM.quantize`` on the device, weight
-only, a fresh model each), for the side-by-side ratio; the roofline stays bf16's.
+as built; ``int8``, ``fp8``, ``int4``: ``LlamaForCausalLM.quantize`` on the device, a
+fresh model each; ``fp8`` multiplies fp8 rows on a GPU with fp8 units, as the engine does
+there, ``fp8-weight-only`` widens the weights instead), for the side-by-side ratio; the
+roofline stays bf16's.
 ``--lora-adapters N ...`` runs an engine with ``N`` LoRA slots and ``N`` random adapters
 of rank 16 on every projection (``benchmarks.bench_lora.random_adapter``), the requests
 spread over them in turn (0: an engine without slots, the base model), each in turn.
@@ -901,8 +903,9 @@ def main(argv=None) -> int:
         "--quantization",
         nargs="+",
         default=["none"],
-        choices=["none", "int8", "fp8", "int4"],
-        help="the weights in each format in turn (none: bf16), quantized on the device",
+        choices=["none", "int8", "fp8", "fp8-weight-only", "int4"],
+        help="the weights in each format in turn (none: bf16), quantized on the device; "
+        "fp8 multiplies fp8 rows where the GPU has fp8 units (W8A8), fp8-weight-only never",
     )
     ap.add_argument(
         "--lora-adapters",
@@ -975,7 +978,9 @@ def main(argv=None) -> int:
         model = build_model(name)  # a fresh one: the engine holds it in place
         quant = None if quant == "none" else quant
         if quant is not None:
-            model.quantize(quant)
+            model.quantize(quant.removesuffix("-weight-only"))
+        if quant == "fp8-weight-only" and jax.default_backend() != "cpu":
+            model.hold_for_accelerator(fp8_activations=False)  # kept by the engine's call
         for backend in args.backends:
             if backend == "auto":
                 os.environ.pop(BACKEND_ENV, None)

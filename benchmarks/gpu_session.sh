@@ -22,8 +22,9 @@
 #            tokens/s and the roofline fraction, the engine's layout beside the scanned one)
 #   speculative  python -m benchmarks speculative --verify-cost (Llama-3-8B shape: a verify
 #            step of k proposals per sequence against a decode step, 1 to 64 sequences)
-#   quantized  python -m benchmarks engine --quantization none fp8 int8 --no-split (the 8B
-#            shape with 8-bit weights beside bf16, 64 and 256 requests; QUANT_ARGS)
+#   quantized  python -m benchmarks engine --quantization none fp8 fp8-weight-only int8
+#            --no-split (the 8B shape with 8-bit weights beside bf16, 64 and 256 requests;
+#            fp8 W8A8 where the GPU has fp8 units, and weight-only; QUANT_ARGS)
 #   lora     python -m benchmarks engine --lora-adapters 0 8 --no-split (the 8B shape, 64
 #            requests spread over 8 random rank-16 adapters beside the base engine; LORA_ARGS)
 #   sampled  python -m benchmarks engine --top-p 0.9 (the 8B shape, 256 requests sampled
@@ -120,8 +121,9 @@ EOF
         $PY -m benchmarks speculative --verify-cost --out "$OUT" ${SPEC_ARGS---concurrency 1 4 16 64}
       ;;
     quantized)
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run quantized "$(limit quantized 360)" \
-        $PY -m benchmarks engine --out "$OUT/quantized" --quantization none fp8 int8 --no-split \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run quantized "$(limit quantized 420)" \
+        $PY -m benchmarks engine --out "$OUT/quantized" --no-split \
+        --quantization none fp8 fp8-weight-only int8 \
         ${QUANT_ARGS---models llama3-8b --concurrency 64 256 --repeats 3}
       ;;
     lora)

@@ -846,7 +846,10 @@ class LlamaForCausalLM(nnx.Module):
 
         ``fp8_activations``: whether fp8 weights multiply fp8 rows (W8A8,
         ``Linear.hold_fp8_activations``); default, where the device has fp8 units
-        (``fp8_units``: an NVIDIA GPU of compute capability 8.9 or more).
+        (``fp8_units``: an NVIDIA GPU of compute capability 8.9 or more). A model held
+        already keeps the choice made then when called again with the default (as the
+        engine calls it), so ``hold_for_accelerator(fp8_activations=False)`` before
+        ``LLM`` keeps fp8 weights weight-only.
 
         Each layer's linear weights become arrays of their own (``split_layer_weights``)
         and the forward pass runs the layers as an unrolled Python loop, so every product
@@ -870,6 +873,8 @@ class LlamaForCausalLM(nnx.Module):
                 "model: its weights are packed for the CPU kernels (hold_for_cpu), which "
                 "only a CPU computes with; load it again to run it on an accelerator"
             )
+        if self.unrolled and fp8_activations is None:  # held already: as it was held
+            return self
         self.split_layer_weights()
         self.layers.self_attn.fuse_projections()
         self.layers.mlp.fuse_projections()

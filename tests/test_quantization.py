@@ -292,6 +292,19 @@ def test_fp8_activations_on_an_accelerator_s_layout_keep_the_logits_near():
     assert 0 < rel < 0.1, rel
 
 
+def test_a_held_model_keeps_its_fp8_choice_when_the_engine_holds_it_again(monkeypatch):
+    from paged_jax.models import llama
+
+    monkeypatch.setattr(llama, "fp8_units", lambda device=None: True)  # as on a Hopper GPU
+    for first, want in [(False, False), (True, True), (None, True)]:
+        model = _pair(CFG, "fp8")[0].hold_for_accelerator(fp8_activations=first)
+        model.hold_for_accelerator()  # what the engine calls
+        assert model.layers.self_attn.qkv_proj.fp8_activations == want, first
+    model = _pair(CFG, "fp8")[0].hold_for_accelerator(fp8_activations=False)
+    model.hold_for_accelerator(fp8_activations=True)  # asked for: applied
+    assert model.layers.mlp.gate_up_proj.fp8_activations
+
+
 def test_quantized_weights_take_a_quarter_of_the_bytes():
     def nbytes(m):
         return sum(x.nbytes for x in jax.tree.leaves(nnx.state(m)))
