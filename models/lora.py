@@ -162,6 +162,10 @@ class LoraWeight(nnx.Variable):
     """A LoRA slot bank's array (``LoraBank``): not a model weight (``nnx.Param``)."""
 
 
+# One pair of bank arrays a target: the layout a bank is made in (``LoraBank.groups``).
+PER_TARGET = tuple((t, (t,)) for t in TARGETS)
+
+
 class LoraBank(nnx.Module):
     """``slots`` adapters of rank up to ``rank`` for every target of ``cfg``'s layers, in
     ``LoraWeight`` arrays, zeros until ``slot_arrays`` fills a slot. As made, one pair a
@@ -177,7 +181,7 @@ class LoraBank(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, slots: int, rank: int, dtype):
         self.slots, self.rank = slots, rank
-        self.groups = tuple((t, (t,)) for t in TARGETS)
+        self.groups = PER_TARGET
         self.widths = tuple((t, target_shape(cfg, t)) for t in TARGETS)  # (in, out)
         L, width = cfg.num_layers, slots * rank
         for t in TARGETS:
@@ -238,7 +242,7 @@ def slot_arrays(
     group of several)."""
     if adapter is not None and adapter.rank > rank:
         raise ValueError(f"adapter {adapter.name!r}: rank {adapter.rank} > the slots' {rank}")
-    groups = tuple((t, (t,)) for t in TARGETS) if groups is None else groups
+    groups = PER_TARGET if groups is None else groups
     widths = {} if widths is None else dict(widths)
     out = {}
     for name, ts in groups:

@@ -43,6 +43,10 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps, compute):
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
+def _kernel_without_scale(x_ref, w_ref, o_ref, **kw):  # a float weight: no scale operand
+    _kernel(x_ref, w_ref, None, o_ref, **kw)
+
+
 def default_split_k(m: int, k: int, n: int, w_bytes: int, block_n: int, block_k: int) -> int:
     """K's slices a product of ``m`` rows by a ``[k, n]`` weight of ``w_bytes`` a value
     takes: doubled while the programs (``n / block_n`` panels times slices) fill less than
@@ -105,12 +109,12 @@ def matmul(
     M, K, N = x.shape[0], *w.shape
     ks = K // split_k
     compute = x.dtype
-    kernel = functools.partial(_kernel, block_k=block_k, steps=ks // block_k, compute=compute)
-    if scale is None:
-        kernel = functools.partial(
-            lambda x_ref, w_ref, o_ref, **kw: _kernel(x_ref, w_ref, None, o_ref, **kw),
-            **kernel.keywords,
-        )
+    kernel = functools.partial(
+        _kernel if scale is not None else _kernel_without_scale,
+        block_k=block_k,
+        steps=ks // block_k,
+        compute=compute,
+    )
     out_dtype = jnp.float32 if split_k > 1 else x.dtype
     in_specs = [
         pl.BlockSpec((M, ks), lambda j, s: (0, s)),
