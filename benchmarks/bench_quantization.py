@@ -17,7 +17,9 @@ process, one engine per format, the float one included, the runs alternated:
   half requests over public-domain passages: ``bench_speculative``'s);
 - log-likelihood: mean log-probability per token of a fixed public-domain text (the
   opening of the US Declaration of Independence), teacher-forced in one prefill step
-  with every position's logits, and its relative change from float;
+  with every position's logits and the weights held as the engine holds them, and its
+  relative change from float; and the mean KL divergence of each position's next-token
+  distribution from float's;
 - with ``--llama-cpp PYTHON`` (a Python with ``llama-cpp-python``, e.g. a venv of its own):
   llama.cpp's batched greedy decoding of the same GGUF file on the same workload
   (``llama_cpp_batched.py``), one run after each round of the engines', and each
@@ -46,9 +48,12 @@ TEXT = (
 )
 
 
-def log_likelihood(model, tokenizer) -> tuple[float, int]:
-    """Mean log-probability per predicted token of ``TEXT`` and the count, teacher-forced
-    in one step (``AttentionMetadata.prefill`` with every position's logits)."""
+def log_likelihood(model, tokenizer) -> tuple[float, int, object]:
+    """Mean log-probability per predicted token of ``TEXT``, the count and every
+    position's log-probabilities (f64 ``[count, V]``, for ``kl_divergence``), teacher-forced
+    in one step (``AttentionMetadata.prefill`` with every position's logits), with the
+    weights held as the engine holds them on this backend (on CPU: packed for the C
+    kernels, whose products by quantized weights quantize the rows too)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -56,6 +61,8 @@ def log_likelihood(model, tokenizer) -> tuple[float, int]:
     import paged_jax as pj
     from paged_jax import models
 
+    if jax.default_backend() == "cpu":
+        model.hold_for_cpu()
     ids = list(tokenizer.encode(TEXT).ids)
     n, page = len(ids), 16
     pages = -(-n // page)
@@ -66,8 +73,19 @@ def log_likelihood(model, tokenizer) -> tuple[float, int]:
     step, state = models.make_step(model)
     logits, _ = step(state, jnp.asarray(ids), jnp.arange(n, dtype=jnp.int32), cache, md)
     logp = jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)
-    picked = np.asarray(logp)[np.arange(n - 1), ids[1:]]
-    return float(picked.mean()), n - 1
+    logp = np.asarray(logp)[: n - 1]
+    picked = logp[np.arange(n - 1), ids[1:]]
+    return float(picked.mean()), n - 1, logp
+
+
+def kl_divergence(base, other) -> float:
+    """Mean over positions of KL(base || other), two ``log_likelihood`` log-probability
+    arrays: how far a format's next-token distributions moved from float's, all of them
+    (steadier than the text's own tokens' log-probabilities, whose sum a few tokens
+    sway)."""
+    import numpy as np
+
+    return float((np.exp(base) * (base - other)).sum(-1).mean())
 
 
 def llama_cpp_run(python: str, prompts, output_len: int) -> tuple[float, list, str | None]:
@@ -119,12 +137,12 @@ def main(argv=None) -> int:
 
     prompts = workload(args.prompts)
     formats = [None, *args.formats]
-    engines, rows = {}, {}
+    engines, rows, logp = {}, {}, {}
     for fmt in formats:
         name = fmt or "f32"
         model, tok = models.load(MODEL, quantization=fmt)
-        ll, count = log_likelihood(model, tok)
-        # a fresh copy for the engine (make_step did not hold the weights)
+        ll, count, logp[name] = log_likelihood(model, tok)
+        # a fresh copy for the engine, which holds its weights itself
         model, tok = models.load(MODEL, quantization=fmt)
         llm = pj.LLM(model, tok, kv_cache_bytes=2**30, compilation_cache=False)
         weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(llm.model)))
@@ -174,6 +192,7 @@ def main(argv=None) -> int:
         r["log_likelihood_change"] = round(
             (r["log_likelihood"] - base["log_likelihood"]) / abs(base["log_likelihood"]), 5
         )
+        r["kl_from_f32"] = round(kl_divergence(logp["f32"], logp[n]), 5)
         r["greedy_prompts_equal_f32"] = sum(
             a == b for a, b in zip(greedy[n], greedy["f32"], strict=True)
         )
@@ -184,6 +203,7 @@ def main(argv=None) -> int:
             f"{n}: {r['tokens_per_s']['median']:.1f} tokens/s ({r['speedup_over_f32']}x f32), "
             f"weights {r['weight_bytes'] / 2**20:.1f} MiB ({r['memory_over_f32']}x), "
             f"log-likelihood {r['log_likelihood']:.4f} ({r['log_likelihood_change']:+.3%}), "
+            f"KL from f32 {r['kl_from_f32']:.4f}, "
             f"greedy equal on {r['greedy_prompts_equal_f32']} of {len(prompts)} prompts of "
             f"random ids, {r['greedy_chats_equal_f32']} of {len(chats)} chat requests"
         )

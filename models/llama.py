@@ -421,9 +421,8 @@ class Embed(nnx.Embed):
         if not self.transposed and not self.packed and not self.quantized:
             return super().__call__(inputs)
         table = self.embedding[...]
-        if self.packed:  # token v: column v % NR of panel v // NR
-            nr = table.shape[-1]
-            rows = table[inputs // nr, :, inputs % nr]
+        if self.packed:  # token v: column v of the head's packed weight
+            rows = linear.packed_columns(table, inputs)
         elif self.transposed:
             rows = jnp.moveaxis(jnp.take(table, inputs, axis=1), 0, -1)
         else:
@@ -431,9 +430,8 @@ class Embed(nnx.Embed):
         if self.quantized == "int4":  # the tokens' groups, dequantized
             scale, zero = self.scale[...], self.zero[...]
             if self.packed:
-                nr = table.shape[-1]
-                scale = scale[inputs // nr, :, inputs % nr]
-                zero = zero[inputs // nr, :, inputs % nr]
+                scale = linear.packed_columns(scale, inputs)
+                zero = linear.packed_columns(zero, inputs)
             else:
                 scale, zero = jnp.take(scale, inputs, axis=0), jnp.take(zero, inputs, axis=0)
             rows = dequantize_int4(rows, scale, zero, axis=-1)

@@ -56,6 +56,17 @@ def unpack(packed: jax.Array, n: int) -> jax.Array:  # [(L,) P, K, NR] -> [(L,) 
     return cpu.unpack_weight(packed, n)
 
 
+def packed_columns(
+    packed: jax.Array,  # [P, K, NR] f32 or int8, or [P, K / 2, NR] uint8 (4-bit)
+    ids: jax.Array,  # int[...]
+) -> jax.Array:  # [..., K] (4-bit: [..., K / 2], two rows a byte)
+    """Columns ``ids`` of the weight ``pack`` packed, each as a row (how a packed tied
+    head's table looks its tokens up)."""
+    from paged_jax.kernels import cpu
+
+    return cpu.packed_columns(packed, ids)
+
+
 def matmul(
     x: jax.Array,  # [..., K] f32
     packed: jax.Array,  # [P, K, NR] or [L, P, K, NR] f32
@@ -69,10 +80,13 @@ def matmul(
     one at ``layer``, read where it lies), by the CPU kernel: one f32 sum per output
     over K in order, so a row's result does not depend on the other rows. ``rows``: only
     the first ``rows`` rows of ``x`` (flattened) are computed, the others' results are 0
-    (None: all). int8 weights (W8A16) need their ``scales``: column j of the product is
-    then multiplied by ``scales[j]``. 4-bit weights (uint8 ``[(L,) P, K / 2, NR]``) need
-    their groups' ``scales`` and ``mins`` (each packed by ``pack`` from ``[(L,) K / G,
-    n]``). Raises ``ValueError`` for mismatched shapes or dtypes."""
+    (None: all). int8 weights need their ``scales``: column j of the weight is ``q[:, j] *
+    scales[j]``. 4-bit weights (uint8 ``[(L,) P, K / 2, NR]``) need their groups'
+    ``scales`` and ``mins`` (each packed by ``pack`` from ``[(L,) K / G, n]``). Quantized
+    weights multiply rows of ``x`` quantized to int8 in blocks of 32 inputs (4-bit: the
+    groups), a scale each, by exact integer dot products (W8A8; see
+    ``paged_jax.kernels.cpu.reference_quantized`` for the definition). Raises
+    ``ValueError`` for mismatched shapes or dtypes."""
     from paged_jax.kernels import cpu
 
     return cpu.linear(x, packed, n, layer=layer, rows=rows, scales=scales, mins=mins)
@@ -95,4 +109,12 @@ def lora_delta(
     return cpu.lora_delta(x, a, b, ids, layer, rank)
 
 
-__all__ = ["available", "lora_delta", "matmul", "pack", "pack_scales", "unpack"]
+__all__ = [
+    "available",
+    "lora_delta",
+    "matmul",
+    "pack",
+    "packed_columns",
+    "pack_scales",
+    "unpack",
+]

@@ -91,7 +91,12 @@ def _checkpoint(tmp_path, kind="float", strategy="channel", qc=None):
 @pytest.mark.parametrize(
     "kind, strategy", [("float", "channel"), ("float", "tensor"), ("int", "channel")]
 )
-def test_a_compressed_checkpoint_computes_what_its_dequantized_weights_do(tmp_path, kind, strategy):
+def test_a_compressed_checkpoint_computes_what_its_dequantized_weights_do(
+    tmp_path, kind, strategy, monkeypatch
+):
+    # XLA's products, weight-only: the C kernel's quantize the rows too (W8A8), which
+    # tests/test_quantization.py checks against its definition.
+    monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")
     qdir, fdir = _checkpoint(tmp_path, kind, strategy)
     quantized, _ = load_hf(qdir, dtype="float32")
     floats, _ = load_hf(fdir, dtype="float32")

@@ -273,38 +273,61 @@ def panel_width() -> int:
 
 
 def pack_weight(w: jax.Array) -> jax.Array:
-    """``w`` in the panel layout ``linear`` reads, NR = ``panel_width()``:
-    ``[K, N] -> [P, K, NR]`` with ``packed[p, k, j] = w[k, p * NR + j]`` (zero past column
-    N, ``P = ceil(N / NR)``), or ``[L, K, N] -> [L, P, K, NR]`` weight by weight. ``w``:
-    float32, int8 (quantized weights, whose scales ``pack_scales`` lays out) or uint8
-    (4-bit weights, two rows a byte, and their groups' scales and minimums, which are
-    packed as float32 weights are). Raises ``ValueError`` for another dtype or rank.
-    Outside ``jit`` the panels are filled in numpy (no XLA program compiled per weight
-    shape)."""
+    """``w`` in the panel layout ``linear`` reads, NR = ``panel_width()``, ``P = ceil(N /
+    NR)`` panels of NR columns (zero past column N), for a ``[K, N]`` weight or each of an
+    ``[L, K, N]`` stack:
+
+    - float32 ``[K, N] -> [P, K, NR]``, ``packed[p, k, j] = w[k, p * NR + j]``; the 4-bit
+      groups' scales and minimums are packed this way too;
+    - int8 ``[K, N] -> [P, K, NR]``, K a multiple of 4, in quads of rows: row i of
+      ``packed[p].reshape(K / 4, 4 * NR)`` holds ``w[4i .. 4i + 3, p * NR + j]`` for each
+      column j in turn (what an integer dot-product instruction reads);
+    - uint8 4-bit weights, two rows a byte (row 2i in the low nibble), ``[K / 2, N] ->
+      [P, K / 2, NR]``, K a multiple of 8, in octets of rows: row i of ``packed[p].
+      reshape(K / 8, 4 * NR)`` holds, for each column j in turn and r = 0 .. 3, ``q[8i + r,
+      j]`` in the low nibble and ``q[8i + 4 + r, j]`` in the high one.
+
+    Raises ``ValueError`` for another dtype, rank or K. Outside ``jit`` the panels are
+    filled in numpy (no XLA program compiled per weight shape)."""
     if w.ndim not in (2, 3) or w.dtype not in (jnp.float32, jnp.int8, jnp.uint8):
         raise ValueError(
             f"w: expected a [K, N] or [L, K, N] float32, int8 or uint8 array, got "
             f"{w.dtype}{list(w.shape)}"
         )
+    if w.dtype == jnp.int8 and w.shape[-2] % 4:
+        raise ValueError(f"w: int8 weights need K a multiple of 4, got {list(w.shape)}")
+    if w.dtype == jnp.uint8 and w.shape[-2] % 4:
+        raise ValueError(
+            f"w: 4-bit weights need K a multiple of 8 (K / 2 rows of bytes a multiple of 4), "
+            f"got {list(w.shape)}"
+        )
     nr = panel_width()
-    *lead, k, n = w.shape
-    p = -(-n // nr)
     try:
         w = np.asarray(w)
     except jax.errors.TracerArrayConversionError:  # under jit: the same panels in jnp
-        w = jnp.pad(w, [(0, 0)] * len(lead) + [(0, 0), (0, p * nr - n)])
-        return jnp.moveaxis(w.reshape(*lead, k, p, nr), -2, -3)
-    packed = np.zeros((*lead, p, k, nr), w.dtype)
-    whole = n // nr  # panels with no padding
-    packed[..., :whole, :, :] = np.moveaxis(
-        w[..., : whole * nr].reshape(*lead, k, whole, nr), -2, -3
-    )
-    if whole < p:
-        packed[..., whole, :, : n - whole * nr] = w[..., whole * nr :]
+        return _panels(w, nr, jnp)
+    packed = _panels(w, nr, np)
     try:  # the new buffer as it is: nothing else holds it (3x faster than a copy)
         return jax.device_put(packed, may_alias=True)
     except TypeError:  # a JAX without may_alias
         return jnp.asarray(packed)
+
+
+def _panels(w, nr: int, xp):
+    """pack_weight's layout of ``w`` (numpy or jax.numpy as ``xp``)."""
+    *lead, k, n = w.shape
+    p = -(-n // nr)
+    if w.dtype == np.uint8:  # two rows a byte -> the rows' values, then octets
+        v = xp.stack([w & 15, w >> 4], axis=-2).reshape(*lead, 2 * k, n)
+        v = v.reshape(*lead, k // 4, 2, 4, n)
+        w = v[..., 0, :, :] | (v[..., 1, :, :] << 4)  # [.., K / 8, 4, N]
+        w = w.reshape(*lead, k, n)  # rows (o, r): octet o, its r-th row pair
+    w = xp.pad(w, [(0, 0)] * len(lead) + [(0, 0), (0, p * nr - n)])
+    if w.dtype == np.float32:
+        return xp.moveaxis(w.reshape(*lead, k, p, nr), -2, -3)
+    # [.., K / 4, 4, P, NR] -> [.., P, K / 4, NR, 4]
+    w = xp.moveaxis(w.reshape(*lead, k // 4, 4, p, nr), (-4, -3, -2, -1), (-3, -1, -4, -2))
+    return w.reshape(*lead, p, k, nr)
 
 
 def pack_scales(scales: jax.Array) -> jax.Array:
@@ -318,9 +341,35 @@ def pack_scales(scales: jax.Array) -> jax.Array:
 
 def unpack_weight(packed: jax.Array, n: int) -> jax.Array:
     """The weight ``pack_weight`` packed: ``[P, K, NR] -> [K, n]`` or
-    ``[L, P, K, NR] -> [L, K, n]`` (any NR)."""
+    ``[L, P, K, NR] -> [L, K, n]`` (any NR; 4-bit: ``[.., P, K / 2, NR] -> [.., K / 2,
+    n]``, two rows a byte as before packing)."""
     *lead, p, k, nr = packed.shape
-    return jnp.moveaxis(packed, -3, -2).reshape(*lead, k, p * nr)[..., :n]
+    if packed.dtype == jnp.float32:
+        return jnp.moveaxis(packed, -3, -2).reshape(*lead, k, p * nr)[..., :n]
+    # [.., P, K / 4, NR, 4] -> [.., K / 4, 4, P, NR]
+    w = packed.reshape(*lead, p, k // 4, nr, 4)
+    w = jnp.moveaxis(w, (-3, -1, -4, -2), (-4, -3, -2, -1)).reshape(*lead, k, p * nr)[..., :n]
+    if packed.dtype != jnp.uint8:
+        return w
+    w = w.reshape(*lead, k // 4, 4, n)  # octets: [.., K / 8, 4, N], two rows a byte
+    v = jnp.stack([w & 15, w >> 4], axis=-3).reshape(*lead, 2 * k, n)  # the K rows in order
+    v = v.reshape(*lead, k, 2, n)
+    return v[..., 0, :] | (v[..., 1, :] << 4)
+
+
+def packed_columns(packed: jax.Array, ids: jax.Array) -> jax.Array:
+    """Columns ``ids`` (int ``[...]``) of the weight ``pack_weight`` packed, each as a row:
+    ``[..., K]`` (4-bit: ``[..., K / 2]``, two rows a byte as before packing). An
+    embedding table packed as its tied head's weight looks its tokens up this way."""
+    nr = packed.shape[-1]
+    if packed.dtype == jnp.float32:
+        return packed[ids // nr, :, ids % nr]
+    p, k, _ = packed.shape
+    quads = packed.reshape(p, k // 4, nr, 4)[ids // nr, :, ids % nr, :]  # [..., K / 4, 4]
+    if packed.dtype != jnp.uint8:
+        return quads.reshape(*ids.shape, k)
+    v = jnp.stack([quads & 15, quads >> 4], axis=-2).reshape(*ids.shape, k, 2)  # in order
+    return v[..., 0] | (v[..., 1] << 4)
 
 
 def linear(
@@ -341,12 +390,17 @@ def linear(
     cores this process may use). ``rows`` (an int or a traced i32 scalar): only the first
     ``rows`` rows of ``x`` (flattened to ``[M, K]``) are computed and the rest of the
     result is 0, so a batch padded to a bucket costs its real rows; None, or a value
-    outside ``[0, M]``: every row. int8 weights (W8A16) come with ``scales``: the product
-    is then ``(x @ q)[:, j] * scales[j]``, each weight widened to f32 as it is read.
-    4-bit weights (uint8, two rows of ``q`` in [0, 15] a byte, the even row in the low
-    nibble) come with ``scales`` and ``mins`` per group of G rows (``pack_weight`` of
-    their ``[K / G, n]`` arrays): the weight is ``scales * q + mins``, and each group's
-    sum is scaled on its own. Raises ``ValueError`` for other dtypes or shapes, a missing
+    outside ``[0, M]``: every row. int8 weights come with ``scales``: the weight is ``q[k,
+    j] * scales[j]`` (``pack_scales`` of ``f32[(L,) n]``), or ``q[k, j] * scales[k // G,
+    j]`` (``pack_weight`` of ``f32[(L,) K / G, n]``, G a multiple of 4: groups as GGUF's
+    Q8_0 blocks). 4-bit weights (uint8, two rows of ``q`` in [0, 15] a byte, the even
+    row in the low nibble) come with ``scales`` and ``mins`` per group of G rows (G a
+    multiple of 8; ``pack_weight`` of their ``[K / G, n]`` arrays): the weight is ``scales
+    * q + mins``. Quantized weights multiply the rows of ``x`` quantized to int8 in blocks
+    (32 inputs for int8 weights, the groups for 4-bit ones), each with a scale of its own
+    (W8A8, as llama.cpp's Q8 and Q4 products): exact integer sums per block, scaled in
+    f32 (``linear.c``'s header has the definition, and ``reference_quantized`` computes
+    it in numpy). Raises ``ValueError`` for other dtypes or shapes, a missing
     or out-of-range static ``layer``, and when the kernels are not available."""
     four = packed.dtype == jnp.uint8
     want = jnp.float32 if scales is None else (jnp.uint8 if mins is not None else jnp.int8)
@@ -392,21 +446,82 @@ def linear(
     if four:
         lead = packed.shape[:-3]
         groups = scales.shape[-2] if scales.ndim == packed.ndim else 0
-        ok = groups > 0 and k % groups == 0 and (k // groups) % 2 == 0
+        ok = groups > 0 and k % groups == 0 and (k // groups) % 8 == 0
         for name, a in (("scales", scales), ("mins", mins)):
             if not ok or a.dtype != jnp.float32 or a.shape != (*lead, p, groups, nr):
                 raise ValueError(
                     f"{name}: expected float32[{', '.join(map(str, (*lead, p)))}, K / G, {nr}] "
-                    f"with K / G dividing {k} into groups of an even size, got "
+                    f"with K / G dividing {k} into groups of a multiple of 8, got "
                     f"{a.dtype}{list(a.shape)}"
                 )
         return call(x2, packed, scales, mins, params).reshape(*x.shape[:-1], n)
-    if scales.dtype != jnp.float32 or scales.shape != (*packed.shape[:-3], p * nr):
+    lead = packed.shape[:-3]
+    groups = scales.shape[-2] if scales.ndim == packed.ndim else 0
+    grouped = groups > 0 and k % groups == 0 and (k // groups) % 4 == 0
+    if scales.dtype != jnp.float32 or (
+        scales.shape != (*lead, p * nr) and not (grouped and scales.shape == (*lead, p, groups, nr))
+    ):
         raise ValueError(
-            f"scales: expected float32{[*packed.shape[:-3], p * nr]} (pack_scales), got "
-            f"{scales.dtype}{list(scales.shape)}"
+            f"scales: expected float32{[*lead, p * nr]} (pack_scales) or float32"
+            f"{[*lead, p, 'K / G', nr]} (pack_weight of [K / G, n] scales, G a multiple of 4 "
+            f"dividing {k}), got {scales.dtype}{list(scales.shape)}"
         )
     return call(x2, packed, scales, params).reshape(*x.shape[:-1], n)
+
+
+def quantize_blocks(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of ``x`` (f32 ``[M, K]``) quantized as ``linear`` quantizes them for
+    quantized weights, in numpy: ``(xq int8[M, K], dx f32[M, ceil(K / block)])``. A block
+    of ``block`` inputs (the last one the rest of K) with largest magnitude ``a`` has
+    ``dx = a / 127`` and ``xq = round(x * (127 / a))`` (ties to even) in [-127, 127], or 0
+    and 0 where ``a = 0``."""
+    x = np.asarray(x, np.float32)
+    m, k = x.shape
+    blocks = -(-k // block)
+    xq = np.zeros((m, k), np.int8)
+    dx = np.zeros((m, blocks), np.float32)
+    for g in range(blocks):
+        part = x[:, g * block : (g + 1) * block]
+        a = np.abs(part).max(axis=1)
+        with np.errstate(divide="ignore"):
+            inv = np.where(a > 0, np.float32(127) / a, np.float32(0)).astype(np.float32)
+        xq[:, g * block : (g + 1) * block] = np.clip(np.rint(part * inv[:, None]), -127, 127)
+        dx[:, g] = a / np.float32(127)
+    return xq, dx
+
+
+def reference_quantized(
+    x: np.ndarray,  # f32[M, K]
+    q: np.ndarray,  # int8[K, N], or uint8[K / 2, N] 4-bit (two rows a byte)
+    scales: np.ndarray,  # int8: f32[N] or f32[K / G, N]; 4-bit: f32[K / G, N]
+    mins: np.ndarray | None = None,  # 4-bit: f32[K / G, N]
+) -> np.ndarray:  # f64[M, N]
+    """What ``linear`` computes for quantized weights (unpacked), in numpy: the rows of
+    ``x`` quantized in blocks (``quantize_blocks``: the weights' groups, or 32 inputs for
+    int8 weights with a scale per column), each block's exact integer sum against the
+    weights, scaled (int8 per column: ``scales[n] * sum over blocks of dx * isum``; int8
+    groups: ``sum over blocks of isum * d * dx``; 4-bit: that ``+ m * dx * (the block's
+    sum of xq)``: the dequantized weights times the quantized rows). In f64, so it
+    differs from the kernel's f32 sums by their rounding only."""
+    x = np.asarray(x, np.float32)
+    four, grouped = mins is not None, np.ndim(scales) == 2
+    if four:
+        q = np.stack([q & 15, q >> 4], axis=-2).reshape(2 * q.shape[0], q.shape[1])
+    k = x.shape[1]
+    block = k // scales.shape[0] if grouped else 32
+    xq, dx = quantize_blocks(x, block)
+    out = np.zeros((x.shape[0], q.shape[1]))
+    for g in range(dx.shape[1]):
+        sl = slice(g * block, (g + 1) * block)
+        isum = xq[:, sl].astype(np.int64) @ q[sl].astype(np.int64)
+        if grouped:
+            out += isum * (scales[g].astype(np.float64) * dx[:, g, None])
+            if four:
+                xs = np.float32(xq[:, sl].astype(np.int64).sum(axis=1)) * dx[:, g]
+                out += mins[g] * xs.astype(np.float64)[:, None]
+        else:
+            out += isum * dx[:, g, None].astype(np.float64)
+    return out if grouped else out * scales.astype(np.float64)
 
 
 def lora_delta(

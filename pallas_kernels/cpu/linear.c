@@ -6,13 +6,18 @@
  *   w        f32[P, K, NR]     a weight W [K, N] in panels of NR columns:
  *                              w[p, k, j] = W[k, p * NR + j], 0 past column N
  *            or f32[L, P, K, NR]  L such weights (a model's layers), one of them used
- *            or s8[(L,) P, K, NR] int8 weights (W8A16: paged_jax.linear.pack with
- *                              int8), with a 4th operand before params:
- *   scales   f32[(L,) P * NR]  column n's scale (its weights are q[k, n] * scales[n])
- *            or u8[(L,) P, K / 2, NR] 4-bit weights in groups of G along K (paged_jax.
- *                              linear.pack of two rows a byte: row 2i in the low nibble,
- *                              row 2i + 1 in the high one, each q in [0, 15]), with a 4th
- *                              and a 5th operand before params:
+ *            or s8[(L,) P, K, NR] int8 weights, K a multiple of 4, in quads of rows:
+ *                              panel p's bytes [4 NR i, 4 NR (i + 1)) hold, for each column
+ *                              j in turn, W[4i .. 4i + 3, p * NR + j] (paged_jax.linear.
+ *                              pack with int8), with a 4th operand before params:
+ *   scales   f32[(L,) P * NR]  column n's scale (its weights are q[k, n] * scales[n]),
+ *            or f32[(L,) P, K / G, NR]  a scale per column and group of G rows (G a
+ *                              multiple of 4, as GGUF's Q8_0 blocks of 32)
+ *            or u8[(L,) P, K / 2, NR] 4-bit weights in groups of G along K (G a multiple
+ *                              of 8), each q in [0, 15], in octets of rows: panel p's bytes
+ *                              [4 NR i, 4 NR (i + 1)) hold, for each column j in turn and
+ *                              r = 0 .. 3, W[8i + r, j] in the low nibble and W[8i + 4 + r,
+ *                              j] in the high one; with a 4th and a 5th operand:
  *   scales   f32[(L,) P, K / G, NR]  each group's scale d and
  *   mins     f32[(L,) P, K / G, NR]  its minimum m: the weights are d * q + m
  *   params   i32[3]            {the weight to use (0 for a 3-D w), at most this many threads,
@@ -26,14 +31,28 @@
  * line after the next, and never repacks a weight the way a general matrix product
  * must for each call.
  *
- * y[m, n] = sum of x[m, k] * W[k, n] for k = 0, 1, ... K - 1, added in that order into
- * one f32 sum per output (fused multiply-adds where the CPU has them). A row's result
- * does not depend on M, on the other rows or on the thread count. With int8 weights the
- * sum is over x[m, k] * q[k, n] (each q widened to f32 as it is read), then multiplied by
- * scales[n]: a quarter of the bytes read per product. With 4-bit weights each group of G
- * rows is summed on its own, sum of x[m, k] * q[k, n] over the group in order, and added
- * to the output as d * that + m * (the group's sum of x[m, k], computed once per call):
- * an eighth of the bytes.
+ * f32 weights: y[m, n] = sum of x[m, k] * W[k, n] for k = 0, 1, ... K - 1, added in that
+ * order into one f32 sum per output (fused multiply-adds where the CPU has them).
+ *
+ * Quantized weights multiply quantized rows of x (W8A8, as llama.cpp's Q8 x Q8 and
+ * Q4 x Q8): each row of x is cut into blocks of B inputs (int8: B = 32, the last block
+ * the rest of K; 4-bit: B = G, the weights' groups), and a block with largest magnitude
+ * a gets the scale dx = a / 127 and the values xq = x * (127 / a) rounded to the nearest
+ * integer (ties to even), in [-127, 127] (a = 0: dx = 0, xq = 0). Each block's sum of
+ * xq[m, k] * q[k, n] is an exact int32, so it does not depend on how the CPU adds it
+ * (VNNI's vpdpbusd, AVX2's vpmaddubsw or plain C give the same bits). Then, with the
+ * blocks b in order, into one f32 sum per output:
+ *   int8:  y[m, n] = scales[n] * sum over b of dx[m, b] * isum[m, b, n]
+ *          (scales per group: sum over b of isum[m, b, n] * (d[b, n] * dx[m, b]), B = G)
+ *   4-bit: y[m, n] = sum over b of isum[m, b, n] * (d[b, n] * dx[m, b])
+ *                                 + m[b, n] * (the block's sum of xq, times dx[m, b])
+ * that is, the dequantized weights times the quantized rows: the rows' rounding errors
+ * meet the weights as they are, d q + m, not the unsigned q (the sum of x itself in the
+ * second term moved SmolLM2's log-likelihood 6% instead of 1%).
+ * Rows are quantized on their own, so a row's result does not depend on M, on the other
+ * rows or on the thread count, on every path. On CPUs with integer dot products this
+ * multiplies four times as many pairs per instruction as f32 does, and reads a quarter
+ * (int8) or an eighth (4-bit) of the bytes.
  *
  * The work: MR rows of x by one panel at a time, in 3 * MR vector accumulators (AVX-512:
  * 8 rows, 24 of its 32 registers); each k loads the panel's NR weights once and
@@ -41,7 +60,8 @@
  * reading the panels of its thread while its x rows stay in cache; within a block a
  * panel is read from memory by its first MR rows and from L2 by the rest. Panels are
  * split over the threads in contiguous runs; the calling thread computes the first run
- * and hands the others to XLA's thread pool (run_jobs).
+ * and hands the others to XLA's thread pool (run_jobs). Quantized weights go QMR rows at
+ * a time: each block's int32 sums and the f32 totals both stay in registers.
  *
  * Measured on a 2-core AMD EPYC (Zen 5), 32 rows, f32, SmolLM2-135M's shapes, 30
  * different weights one after the other: 355-408 GFLOP/s against 140-250 for XLA's own
@@ -69,12 +89,29 @@
 #define MR 4
 #endif
 #define NR (3 * VL)
+#define QMR 4    /* rows of a quantized tile: 3 * QMR int32 and 3 * QMR f32 accumulators */
+#define QBLOCK 32 /* inputs per block of a row quantized for int8 weights */
 #define ROW_BLOCK 64                   /* rows whose x stays in cache over the panels */
 #define MIN_MACS_PER_THREAD (1 << 20) /* a thread only for at least this many products */
 
+/* How a quad of int8 pairs is multiplied and added into an int32 lane: 1 AVX-512 VNNI's
+ * vpdpbusd (unsigned by signed bytes: an int8 weight is read as w + 128 and the block's
+ * 128 * sum of xq taken off after), 2 AVX-512BW's vpmaddubsw, 3 AVX2's (both with the
+ * signs moved onto the weights, so no pair overflows 16 bits), 0 plain C. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QDOT 1
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+#define QDOT 2
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+#define QDOT 3
+#else
+#define QDOT 0
+#endif
+
 typedef float lv __attribute__((vector_size(4 * VL)));
-typedef int8_t qv __attribute__((vector_size(VL)));
-typedef uint8_t uv __attribute__((vector_size(VL)));
+typedef int32_t iv __attribute__((vector_size(4 * VL)));
+typedef int8_t bv __attribute__((vector_size(4 * VL))); /* VL columns x 4 rows of bytes */
+typedef uint8_t ubv __attribute__((vector_size(4 * VL)));
 
 int paged_jax_linear_panel_width(void) { return NR; }
 
@@ -83,9 +120,13 @@ typedef struct {
   const void *w;      /* f32 panels, int8 ones when scale is set, 4-bit ones with mins */
   const float *scale; /* int8: the columns' scales [P * NR]; 4-bit: [P, K / G, NR] */
   const float *mins;  /* 4-bit weights: the groups' minimums [P, K / G, NR], else NULL */
-  const float *xsum;  /* 4-bit weights: each row's sum of x over each group [M, K / G] */
+  const float *xsum;  /* 4-bit weights: each row's quantized sum over each group [M, K / G] */
+  const int8_t *xq;   /* quantized weights: x quantized, [M, K] */
+  const float *dx;    /* and each block's scale [M, blocks] */
+  const int32_t *xc;  /* int8 weights: what each block's int32 sums carry besides x @ q */
   float *y;
-  int64_t M, K, N, G, first, last; /* panels [first, last); G: 4-bit group rows */
+  int64_t M, K, N, B, first, last; /* panels [first, last); B: a block's inputs */
+  int grouped;                      /* int8 weights: scales per group of B rows */
 } LinearJob;
 
 static inline lv load(const float *p) {
@@ -94,54 +135,24 @@ static inline lv load(const float *p) {
   return v;
 }
 
-/* VL weights at element `at` of a panel: f32, or int8 widened to f32 (`q`, a constant
- * wherever this is inlined). */
-static inline __attribute__((always_inline)) lv load_w(const void *w, int64_t at, const int q) {
-  if (!q) return load((const float *)w + at);
-  const int8_t *p = (const int8_t *)w + at;
-#if defined(__AVX512F__)
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#elif defined(__AVX2__)
-  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#else
-  qv v;
-  memcpy(&v, p, sizeof v);
-  const lv f = __builtin_convertvector(v, lv);
-#endif
-  lv out;
-  memcpy(&out, &f, sizeof out);
-  return out;
-}
-
-/* y[0 .. mr) x [n0, n0 + NR) (clipped to N) = x[0 .. mr) @ panel wp [K, NR] (f32, or
- * int8 with `q`, times the panel's scales `sc`). `ahead`: a panel to fetch into the cache
- * meanwhile, row k with row k of this one (or NULL). */
-static inline __attribute__((always_inline)) void tile(const float *x, const void *wp,
-                                                      const void *ahead, float *y, int64_t K,
-                                                      int64_t N, int64_t n0, const int mr,
-                                                      const int q, const float *sc) {
-  const int64_t bytes = q ? 1 : 4; /* of a weight */
+/* y[0 .. mr) x [n0, n0 + NR) (clipped to N) = x[0 .. mr) @ the f32 panel wp [K, NR], into
+ * y (row stride N). `ahead`: a panel to fetch into the cache meanwhile, row k with row k
+ * of this one (or NULL). */
+static inline __attribute__((always_inline)) void tile(const float *x, const float *wp,
+                                                      const float *ahead, float *y, int64_t K,
+                                                      int64_t N, int64_t n0, const int mr) {
   lv c[MR][3];
   for (int i = 0; i < mr; ++i) c[i][0] = c[i][1] = c[i][2] = (lv){};
   for (int64_t k = 0; k < K; ++k) {
     if (ahead)
-      for (int64_t b = 0; b < NR * bytes; b += 64) /* the row's cache lines */
-        __builtin_prefetch((const char *)ahead + k * NR * bytes + b, 0, 3);
-    const lv b0 = load_w(wp, k * NR, q), b1 = load_w(wp, k * NR + VL, q),
-             b2 = load_w(wp, k * NR + 2 * VL, q);
+      for (int64_t b = 0; b < NR * 4; b += 64) /* the row's cache lines */
+        __builtin_prefetch((const char *)(ahead + k * NR) + b, 0, 3);
+    const lv b0 = load(wp + k * NR), b1 = load(wp + k * NR + VL), b2 = load(wp + k * NR + 2 * VL);
     for (int i = 0; i < mr; ++i) {
       const float a = x[i * K + k];
       c[i][0] += a * b0;
       c[i][1] += a * b1;
       c[i][2] += a * b2;
-    }
-  }
-  if (q) {
-    const lv s0 = load(sc), s1 = load(sc + VL), s2 = load(sc + 2 * VL);
-    for (int i = 0; i < mr; ++i) {
-      c[i][0] *= s0;
-      c[i][1] *= s1;
-      c[i][2] *= s2;
     }
   }
   const int64_t cols = N - n0 < NR ? N - n0 : NR;
@@ -161,130 +172,185 @@ static inline __attribute__((always_inline)) void tile(const float *x, const voi
   }
 }
 
-/* VL 4-bit weights at byte `at` of a panel widened to f32: the low nibbles (row 2i)
- * when `high` is 0, else the high ones (row 2i + 1). */
-static inline __attribute__((always_inline)) lv load_nibbles(const uint8_t *w, int64_t at,
-                                                             const int high) {
-  const uint8_t *p = w + at;
-#if defined(__AVX512F__)
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-  const __m512 f = _mm512_cvtepi32_ps(high ? _mm512_srli_epi32(v, 4)
-                                           : _mm512_and_si512(v, _mm512_set1_epi32(15)));
-#elif defined(__AVX2__)
-  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-  const __m256 f = _mm256_cvtepi32_ps(high ? _mm256_srli_epi32(v, 4)
-                                           : _mm256_and_si256(v, _mm256_set1_epi32(15)));
+/* acc[c] + the sum over r < 4 of w[4c + r] * x4's byte r, for the VL columns c of one
+ * quad of rows: w signed int8 weights when `s`, else unsigned 4-bit values in [0, 15];
+ * x4 four int8 of a quantized row. With QDOT 1 and `s` the result also holds 128 * (the
+ * sum of x4's bytes), which the caller takes off (xc). */
+static inline __attribute__((always_inline)) iv qdot(iv acc, bv w, int32_t x4, const int s) {
+#if QDOT == 1
+  const __m512i xb = _mm512_set1_epi32(x4);
+  const __m512i wu = s ? _mm512_xor_si512((__m512i)w, _mm512_set1_epi8((char)0x80)) : (__m512i)w;
+  return (iv)_mm512_dpbusd_epi32((__m512i)acc, wu, xb);
+#elif QDOT == 2
+  const __m512i xb = _mm512_set1_epi32(x4);
+  __m512i p;
+  if (s) { /* |x| times w with x's sign: each pair at most 2 * 127 * 127 in magnitude */
+    const __mmask64 neg = _mm512_movepi8_mask(xb);
+    const __m512i ws = _mm512_mask_sub_epi8((__m512i)w, neg, _mm512_setzero_si512(), (__m512i)w);
+    p = _mm512_maddubs_epi16(_mm512_abs_epi8(xb), ws);
+  } else {
+    p = _mm512_maddubs_epi16((__m512i)w, xb);
+  }
+  return (iv)_mm512_add_epi32((__m512i)acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+#elif QDOT == 3
+  const __m256i xb = _mm256_set1_epi32(x4);
+  const __m256i p = s ? _mm256_maddubs_epi16(_mm256_sign_epi8(xb, xb),
+                                             _mm256_sign_epi8((__m256i)w, xb))
+                      : _mm256_maddubs_epi16((__m256i)w, xb);
+  return (iv)_mm256_add_epi32((__m256i)acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 #else
-  uv b;
-  memcpy(&b, p, sizeof b);
-  const lv f = __builtin_convertvector(high ? (uv)(b >> 4) : (uv)(b & (uint8_t)15), lv);
+  int8_t x[4];
+  memcpy(x, &x4, 4);
+  for (int c = 0; c < VL; ++c)
+    for (int r = 0; r < 4; ++r)
+      acc[c] += (s ? (int32_t)w[4 * c + r] : (int32_t)(uint8_t)w[4 * c + r]) * (int32_t)x[r];
+  return acc;
 #endif
-  lv out;
-  memcpy(&out, &f, sizeof out);
-  return out;
 }
 
-/* The 4-bit counterpart of tile: y[0 .. mr) x [n0, n0 + NR) = for each group g of G rows,
- * d[g] * (x @ q over the group) + m[g] * xs[i, g], with the panel's scales `sc` and
- * minimums `mn` ([K / G, NR]) and the rows' group sums `xs` ([mr, K / G], row stride
- * K / G). A group's sums stay in registers (3 * mr vectors, the weights of one row at a
- * time beside them: 16 registers with AVX2's 4 rows); the running total, touched once
- * per group, lives in memory. */
-static inline __attribute__((always_inline)) void tile4(const float *x, const uint8_t *wp,
-                                                       const uint8_t *ahead, float *y,
-                                                       int64_t K, int64_t N, int64_t n0,
-                                                       const int mr, int64_t G,
-                                                       const float *sc, const float *mn,
-                                                       const float *xs) {
-  const int64_t groups = K / G;
-  float acc[MR][NR];
-  memset(acc, 0, sizeof acc);
-  for (int64_t g = 0; g < groups; ++g) {
-    lv t[MR][3];
-    for (int i = 0; i < mr; ++i) t[i][0] = t[i][1] = t[i][2] = (lv){};
-    for (int64_t k = g * G; k < (g + 1) * G; k += 2) {
-      const int64_t at = (k / 2) * NR;
-      if (ahead) __builtin_prefetch(ahead + at, 0, 3); /* the next panel, as this one */
-      for (int half = 0; half < 2; ++half) {
-        const lv w0 = load_nibbles(wp, at, half), w1 = load_nibbles(wp, at + VL, half),
-                 w2 = load_nibbles(wp, at + 2 * VL, half);
+static inline bv load_b(const int8_t *p) {
+  bv v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline int32_t quad_at(const int8_t *p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+
+/* The quantized counterpart of tile, for one panel and mr <= QMR rows: int8 weights
+ * (`s` 1: wp [K / 4, 4 NR], the panel's column scales sc [NR]; `s` 2: the groups' scales
+ * sc [K / B, NR]) or 4-bit ones (`s` 0: wp [K / 8, 4 NR] bytes, the groups' scales sc and
+ * minimums mn [K / B, NR], the rows' group sums of x xs [mr, blocks]). xq [mr, K]: the rows quantized; dx [mr, blocks] their blocks' scales;
+ * xc [mr, blocks] (int8 weights) what each block's int32 sums carry besides x @ q. */
+static inline __attribute__((always_inline)) void qtile(
+    const int8_t *xq, const float *dx, const int32_t *xc, const float *xs, const int8_t *wp,
+    const int8_t *ahead, float *y, int64_t K, int64_t N, int64_t n0, const int mr, const int s,
+    int64_t B, const float *sc, const float *mn) {
+  const int64_t blocks = (K + B - 1) / B;
+  lv f[QMR][3];
+  for (int i = 0; i < mr; ++i) f[i][0] = f[i][1] = f[i][2] = (lv){};
+  for (int64_t g = 0; g < blocks; ++g) {
+    const int64_t k0 = g * B, k1 = k0 + B < K ? k0 + B : K;
+    iv t[QMR][3];
+    for (int i = 0; i < mr; ++i) t[i][0] = t[i][1] = t[i][2] = (iv){};
+    if (s) {
+      for (int64_t k = k0; k < k1; k += 4) {
+        const int8_t *at = wp + k * NR; /* quad k / 4: 4 * NR bytes */
+        if (ahead)
+          for (int64_t c = 0; c < 4 * NR; c += 64) __builtin_prefetch(ahead + k * NR + c, 0, 3);
+        const bv w0 = load_b(at), w1 = load_b(at + 4 * VL), w2 = load_b(at + 8 * VL);
         for (int i = 0; i < mr; ++i) {
-          const float a = x[i * K + k + half];
-          t[i][0] += a * w0;
-          t[i][1] += a * w1;
-          t[i][2] += a * w2;
+          const int32_t x4 = quad_at(xq + i * K + k);
+          t[i][0] = qdot(t[i][0], w0, x4, 1);
+          t[i][1] = qdot(t[i][1], w1, x4, 1);
+          t[i][2] = qdot(t[i][2], w2, x4, 1);
+        }
+      }
+    } else {
+      for (int64_t k = k0; k < k1; k += 8) {
+        const int8_t *at = wp + k / 2 * NR; /* octet k / 8: 4 * NR bytes */
+        if (ahead)
+          for (int64_t c = 0; c < 4 * NR; c += 64)
+            __builtin_prefetch(ahead + k / 2 * NR + c, 0, 3);
+        const ubv b0 = (ubv)load_b(at), b1 = (ubv)load_b(at + 4 * VL),
+                  b2 = (ubv)load_b(at + 8 * VL);
+        const bv l0 = (bv)(b0 & (uint8_t)15), l1 = (bv)(b1 & (uint8_t)15),
+                 l2 = (bv)(b2 & (uint8_t)15);
+        const bv h0 = (bv)(b0 >> 4), h1 = (bv)(b1 >> 4), h2 = (bv)(b2 >> 4);
+        for (int i = 0; i < mr; ++i) {
+          const int32_t x4 = quad_at(xq + i * K + k), x4h = quad_at(xq + i * K + k + 4);
+          t[i][0] = qdot(qdot(t[i][0], l0, x4, 0), h0, x4h, 0);
+          t[i][1] = qdot(qdot(t[i][1], l1, x4, 0), h1, x4h, 0);
+          t[i][2] = qdot(qdot(t[i][2], l2, x4, 0), h2, x4h, 0);
         }
       }
     }
-    for (int j = 0; j < 3; ++j) {
-      const lv d = load(sc + g * NR + j * VL), m = load(mn + g * NR + j * VL);
-      for (int i = 0; i < mr; ++i) {
-        lv a;
-        memcpy(&a, &acc[i][j * VL], sizeof a);
-        a += t[i][j] * d + xs[i * groups + g] * m;
-        memcpy(&acc[i][j * VL], &a, sizeof a);
+    for (int i = 0; i < mr; ++i) {
+      const float d = dx[i * blocks + g];
+      if (s) {
+        const int32_t c = xc[i * blocks + g];
+        if (s == 2)
+          for (int v = 0; v < 3; ++v)
+            f[i][v] += __builtin_convertvector(t[i][v] - c, lv) * (load(sc + g * NR + v * VL) * d);
+        else
+          for (int v = 0; v < 3; ++v) f[i][v] += __builtin_convertvector(t[i][v] - c, lv) * d;
+      } else {
+        const float sx = xs[i * blocks + g];
+        for (int v = 0; v < 3; ++v)
+          f[i][v] += __builtin_convertvector(t[i][v], lv) * (load(sc + g * NR + v * VL) * d) +
+                     load(mn + g * NR + v * VL) * sx;
       }
     }
   }
+  if (s == 1)
+    for (int i = 0; i < mr; ++i)
+      for (int v = 0; v < 3; ++v) f[i][v] *= load(sc + v * VL);
   const int64_t cols = N - n0 < NR ? N - n0 : NR;
-  for (int i = 0; i < mr; ++i) memcpy(y + i * N + n0, acc[i], sizeof(float) * (size_t)cols);
+  for (int i = 0; i < mr; ++i) {
+    float row[NR];
+    memcpy(row, &f[i][0], sizeof(lv));
+    memcpy(row + VL, &f[i][1], sizeof(lv));
+    memcpy(row + 2 * VL, &f[i][2], sizeof(lv));
+    memcpy(y + i * N + n0, row, sizeof(float) * (size_t)cols);
+  }
 }
 
-static void run_rows4(LinearJob *j) {
-  const int64_t M = j->M, K = j->K, N = j->N, G = j->G, groups = K / G;
-  const int64_t panel = K / 2 * NR; /* bytes */
+/* Rows m0 .. m1 of a quantized product by the panels [first, last) of job j. */
+static inline __attribute__((always_inline)) void run_rows_q(LinearJob *j, const int s) {
+  const int64_t M = j->M, K = j->K, N = j->N, B = j->B, blocks = (K + B - 1) / B;
+  const int64_t panel = s ? K * NR : K / 2 * NR; /* bytes */
   for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
     const int64_t m1 = M - m0 < ROW_BLOCK ? M : m0 + ROW_BLOCK;
     for (int64_t p = j->first; p < j->last; ++p) {
-      const uint8_t *wp = (const uint8_t *)j->w + p * panel;
-      const float *sc = j->scale + p * groups * NR, *mn = j->mins + p * groups * NR;
-      const uint8_t *next = p + 1 < j->last ? wp + panel : NULL;
+      const int8_t *wp = (const int8_t *)j->w + p * panel;
+      const float *sc = s == 1 ? j->scale + p * NR : j->scale + p * blocks * NR;
+      const float *mn = s ? NULL : j->mins + p * blocks * NR;
+      const int8_t *next = p + 1 < j->last ? wp + panel : NULL;
       int64_t m = m0;
-#define TILE4(R) \
-  tile4(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, R, G, sc, mn, j->xsum + m * groups)
-      for (; m + MR <= m1; m += MR, next = NULL) TILE4(MR);
+#define QTILE(R)                                                                         \
+  qtile(j->xq + m * K, j->dx + m * blocks, s ? j->xc + m * blocks : NULL,               \
+        s ? NULL : j->xsum + m * blocks, wp, next, j->y + m * N, K, N, p * NR, R, s, B, sc, \
+        mn)
+      for (; m + QMR <= m1; m += QMR, next = NULL) QTILE(QMR);
       switch (m1 - m) {
-#if MR == 8
-        case 7: TILE4(7); break;
-        case 6: TILE4(6); break;
-        case 5: TILE4(5); break;
-        case 4: TILE4(4); break;
-#endif
-        case 3: TILE4(3); break;
-        case 2: TILE4(2); break;
-        case 1: TILE4(1); break;
+        case 3: QTILE(3); break;
+        case 2: QTILE(2); break;
+        case 1: QTILE(1); break;
         default: break;
       }
-#undef TILE4
+#undef QTILE
     }
   }
 }
 
-static inline __attribute__((always_inline)) void run_rows(LinearJob *j, const int q) {
-  const int64_t M = j->M, K = j->K, N = j->N, panel = K * NR * (q ? 1 : 4); /* bytes */
+static void run_rows(LinearJob *j) {
+  const int64_t M = j->M, K = j->K, N = j->N, panel = K * NR; /* floats */
   for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
     const int64_t m1 = M - m0 < ROW_BLOCK ? M : m0 + ROW_BLOCK;
     for (int64_t p = j->first; p < j->last; ++p) {
-      const char *wp = (const char *)j->w + p * panel;
-      const float *sc = q ? j->scale + p * NR : NULL;
+      const float *wp = (const float *)j->w + p * panel;
       /* The block's first tile fetches the thread's next panel: 7-10% faster at 32 rows x
        * 576 x 1536 and SmolLM2's head on the machine above, the same at 1536 x 576. */
-      const char *next = p + 1 < j->last ? wp + panel : NULL;
+      const float *next = p + 1 < j->last ? wp + panel : NULL;
       int64_t m = m0;
-      for (; m + MR <= m1; m += MR, next = NULL)
-        tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, MR, q, sc);
+#define TILE(R) tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, R)
+      for (; m + MR <= m1; m += MR, next = NULL) TILE(MR);
       switch (m1 - m) { /* the last rows: a tile per count, each fully unrolled */
 #if MR == 8
-        case 7: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 7, q, sc); break;
-        case 6: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 6, q, sc); break;
-        case 5: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 5, q, sc); break;
-        case 4: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 4, q, sc); break;
+        case 7: TILE(7); break;
+        case 6: TILE(6); break;
+        case 5: TILE(5); break;
+        case 4: TILE(4); break;
 #endif
-        case 3: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 3, q, sc); break;
-        case 2: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 2, q, sc); break;
-        case 1: tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, 1, q, sc); break;
+        case 3: TILE(3); break;
+        case 2: TILE(2); break;
+        case 1: TILE(1); break;
         default: break;
       }
+#undef TILE
     }
   }
 }
@@ -292,12 +358,55 @@ static inline __attribute__((always_inline)) void run_rows(LinearJob *j, const i
 static void *run_linear(void *arg) {
   LinearJob *j = (LinearJob *)arg;
   if (j->mins)
-    run_rows4(j);
+    run_rows_q(j, 0); /* a copy per weight type, each with it fixed */
+  else if (j->scale && j->grouped)
+    run_rows_q(j, 2);
   else if (j->scale)
-    run_rows(j, 1); /* two copies, each with its weight type fixed */
+    run_rows_q(j, 1);
   else
-    run_rows(j, 0);
+    run_rows(j);
   return NULL;
+}
+
+/* Rows [0, M) of x [M, K] quantized in blocks of B inputs (the header's definition):
+ * xq [M, K], dx [M, blocks]; with int8 weights (xc not NULL) xc [M, blocks] gets what the
+ * block's int32 sums carry besides x @ q (128 * the sum of its xq where QDOT is 1, else 0);
+ * with 4-bit ones (xs not NULL) xs [M, blocks] gets the block's sum of xq times dx. */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t B, int8_t *xq,
+                          float *dx, int32_t *xc, float *xs) {
+  const int64_t blocks = (K + B - 1) / B;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < blocks; ++g) {
+      const int64_t k0 = g * B, k1 = k0 + B < K ? k0 + B : K;
+      const float *in = x + m * K;
+      float a = 0;
+      for (int64_t k = k0; k < k1; ++k) {
+        const float v = in[k] < 0 ? -in[k] : in[k];
+        a = v > a ? v : a;
+      }
+      const float inv = a > 0 ? 127.0f / a : 0.0f;
+      int32_t total = 0;
+      int64_t k = k0;
+#if defined(__AVX512F__)
+      for (; k + 16 <= k1; k += 16) { /* round to nearest even, as nearbyintf below */
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(in + k),
+                                                           _mm512_set1_ps(inv)));
+        const __m512i c = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)),
+                                           _mm512_set1_epi32(-127));
+        _mm_storeu_si128((__m128i *)(xq + m * K + k), _mm512_cvtepi32_epi8(c));
+        total += _mm512_reduce_add_epi32(c);
+      }
+#endif
+      for (; k < k1; ++k) {
+        float r = __builtin_nearbyintf(in[k] * inv);
+        r = r > 127 ? 127 : r < -127 ? -127 : r;
+        xq[m * K + k] = (int8_t)r;
+        total += (int32_t)r;
+      }
+      dx[m * blocks + g] = a / 127.0f;
+      if (xc) xc[m * blocks + g] = QDOT == 1 ? 128 * total : 0;
+      if (xs) xs[m * blocks + g] = (float)total * (a / 127.0f);
+    }
 }
 
 XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
@@ -328,24 +437,35 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
       N > P * NR || N <= P * NR - NR)
     return fail(frame, "paged_jax linear: operand shapes disagree (w's panels must be this "
                        "build's panel width and cover N)");
-  if (q == 1 && (scales->dtype != XLA_FFI_DataType_F32 || scales->rank != w->rank - 2 ||
-                 scales->dims[scales->rank - 1] != P * NR ||
-                 (w->rank == 4 && scales->dims[0] != L)))
-    return fail(frame, "paged_jax linear: expected f32 scales [(L,) P * NR] with s8 weights");
+  /* int8 weights' scales: one a column [(L,) P * NR], or one a column per group of G
+   * rows [(L,) P, K / G, NR] (grouped: G a multiple of 4, the rows' blocks then G) */
+  const int grouped = q == 1 && scales->rank == w->rank;
+  if (q == 1 && !grouped &&
+      (scales->dtype != XLA_FFI_DataType_F32 || scales->rank != w->rank - 2 ||
+       scales->dims[scales->rank - 1] != P * NR || (w->rank == 4 && scales->dims[0] != L)))
+    return fail(frame, "paged_jax linear: expected f32 scales [(L,) P * NR] or [(L,) P, K / G, "
+                       "NR] with s8 weights");
   int64_t G = 0;
-  if (q == 2) {
-    const int64_t *sd = scales->dims + (scales->rank - 3), *md = mins->dims + (mins->rank - 3);
-    int ok = scales->dtype == XLA_FFI_DataType_F32 && mins->dtype == XLA_FFI_DataType_F32 &&
-             scales->rank == w->rank && mins->rank == w->rank && sd[0] == P && sd[2] == NR &&
-             sd[1] > 0 && md[0] == P && md[1] == sd[1] && md[2] == NR;
-    if (w->rank == 4) ok = ok && scales->dims[0] == L && mins->dims[0] == L;
+  if (q == 1 && K % 4)
+    return fail(frame, "paged_jax linear: int8 weights need K a multiple of 4 (quads of rows)");
+  if (q == 2 || grouped) {
+    const int64_t *sd = scales->dims + (scales->rank - 3);
+    const int64_t *md = q == 2 ? mins->dims + (mins->rank - 3) : sd;
+    int ok = scales->dtype == XLA_FFI_DataType_F32 && scales->rank == w->rank && sd[0] == P &&
+             sd[2] == NR && sd[1] > 0;
+    if (q == 2)
+      ok = ok && mins->dtype == XLA_FFI_DataType_F32 && mins->rank == w->rank && md[0] == P &&
+           md[1] == sd[1] && md[2] == NR;
+    if (w->rank == 4) ok = ok && scales->dims[0] == L && (q == 1 || mins->dims[0] == L);
     if (ok) {
       G = K / sd[1];
-      ok = G * sd[1] == K && G % 2 == 0;
+      ok = G * sd[1] == K && G % (q == 2 ? 8 : 4) == 0;
     }
     if (!ok)
-      return fail(frame, "paged_jax linear: expected f32 scales and minimums [(L,) P, K / G, "
-                         "NR] with u8 weights, G even");
+      return fail(frame, q == 2 ? "paged_jax linear: expected f32 scales and minimums [(L,) P, "
+                                  "K / G, NR] with u8 weights, G a multiple of 8"
+                                : "paged_jax linear: expected f32 scales [(L,) P, K / G, NR] "
+                                  "with s8 weights, G a multiple of 4");
   }
   const int32_t *p = (const int32_t *)params->data;
   if (p[0] < 0 || p[0] >= L) return fail(frame, "paged_jax linear: weight index out of range");
@@ -360,28 +480,34 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
   const size_t wbytes = q == 0 ? 4 : 1, wrows = (size_t)(q == 2 ? K / 2 : K);
   const void *weight = (const char *)w->data + (size_t)p[0] * (size_t)P * wrows * NR * wbytes;
   const float *scale = NULL, *mn = NULL;
-  float *xsum = NULL;
-  if (q == 1) scale = (const float *)scales->data + (size_t)p[0] * (size_t)(P * NR);
-  if (q == 2) {
-    const size_t groups = (size_t)(K / G), per = (size_t)P * groups * NR;
+  const int64_t B = G ? G : QBLOCK, blocks = q ? (K + B - 1) / B : 0;
+  void *buf = NULL; /* quantized rows: xq [M, K], dx and xc or xs [M, blocks] */
+  int8_t *xq = NULL;
+  float *dx = NULL, *xs = NULL;
+  int32_t *xc = NULL;
+  if (q) {
+    const size_t per = (size_t)(M * blocks);
+    buf = malloc(sizeof(float) * per * 2 + (size_t)(M * K));
+    if (!buf) return fail(frame, "paged_jax linear: out of memory");
+    dx = (float *)buf;
+    if (q == 1) xc = (int32_t *)(dx + per);
+    else xs = dx + per;
+    xq = (int8_t *)(dx + 2 * per);
+    quantize_rows((const float *)x->data, M, K, B, xq, dx, xc, xs);
+  }
+  if (q == 1 && !grouped) scale = (const float *)scales->data + (size_t)p[0] * (size_t)(P * NR);
+  if (q == 2 || grouped) {
+    const size_t per = (size_t)P * (size_t)blocks * NR;
     scale = (const float *)scales->data + (size_t)p[0] * per;
-    mn = (const float *)mins->data + (size_t)p[0] * per;
-    xsum = (float *)malloc(sizeof(float) * (size_t)M * groups);
-    if (!xsum) return fail(frame, "paged_jax linear: out of memory");
-    const float *xd = (const float *)x->data;
-    for (int64_t m = 0; m < M; ++m)
-      for (size_t g = 0; g < groups; ++g) {
-        float s = 0;
-        for (int64_t k = (int64_t)g * G; k < ((int64_t)g + 1) * G; ++k) s += xd[m * K + k];
-        xsum[m * (int64_t)groups + (int64_t)g] = s;
-      }
+    if (q == 2) mn = (const float *)mins->data + (size_t)p[0] * per;
   }
   LinearJob jobs[MAX_THREADS];
   for (int64_t t = 0; t < threads; ++t)
     jobs[t] = (LinearJob){.x = (const float *)x->data, .w = weight, .scale = scale, .mins = mn,
-                          .xsum = xsum, .y = (float *)y->data, .M = M, .K = K, .N = N, .G = G,
-                          .first = P * t / threads, .last = P * (t + 1) / threads};
+                          .xsum = xs, .xq = xq, .dx = dx, .xc = xc, .y = (float *)y->data,
+                          .M = M, .K = K, .N = N, .B = B, .first = P * t / threads,
+                          .last = P * (t + 1) / threads, .grouped = grouped};
   run_jobs(frame, jobs, sizeof(LinearJob), threads, run_linear);
-  free(xsum);
+  free(buf);
   return NULL;
 }
