@@ -8,11 +8,13 @@ with a ``weight_scale`` beside it, one per output channel (``[out, 1]``, strateg
 ``channel``) or one for the tensor (``[1]`` or ``[]``, strategy ``tensor``), symmetric
 (no zero point); ``input_scale`` may hold a static activation scale. Such a layer is held
 in ``models.quantization``'s ``fp8`` or ``int8`` format as it is stored (a tensor's scale
-repeated for every channel), never widened to float. Activations are not quantized:
-where the checkpoint asks for 8-bit activations (W8A8), these products run W8A16, the
-stored weights times activations in the model's dtype, and ``input_scale`` is read and
-dropped. Schemes that do not fit (4-bit, groups, zero points, other quantization
-methods such as GPTQ, AWQ or block-wise FP8) are refused, naming what was found.
+repeated for every channel), never widened to float. The checkpoint's own activation
+scheme is not followed: where it asks for 8-bit activations (W8A8), ``input_scale`` is
+read and dropped, and the products run as the backend runs the format (on CPU the C
+kernel quantizes int8 layers' rows in blocks of 32, each with its own scale; XLA's
+products are weight-only; fp8 on GPUs with fp8 units quantizes rows to e4m3). Schemes
+that do not fit (4-bit, groups, zero points, other quantization methods such as GPTQ,
+AWQ or block-wise FP8) are refused, naming what was found.
 
 ``read_safetensors`` reads a file whose tensors numpy's safetensors loader cannot (it has
 no float8 types): its header, then each tensor's bytes viewed as its dtype

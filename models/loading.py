@@ -53,8 +53,9 @@ def load(
         (``paged_jax.tensor_parallel_mesh(n)``): every weight is placed straight into
         its tensor-parallel shards, never whole on one device; pass the same mesh to
         ``LLM``. None: one device.
-      quantization: ``"int8"`` quantizes the float weights as they load (weight-only,
-        one scale per output channel; ``models.quantization``): the linear weights and
+      quantization: ``"int8"`` quantizes the float weights as they load (one scale per
+        output channel; ``models.quantization``; on CPU the C kernel quantizes the
+        activations too, W8A8): the linear weights and
         the embedding table take a quarter of f32's memory; ``"int4"``: 4-bit groups of
         32 inputs with a scale and a minimum each (0.75 bytes a weight, under a fifth of
         f32's); a GGUF file's Q4_0 / Q4_1 tensors keep their own blocks (``load_gguf``).

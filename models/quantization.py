@@ -2,12 +2,16 @@
 weights into them (``LlamaForCausalLM.quantize``; ``paged_jax.models.load(...,
 quantization=)``).
 
-``int8`` (W8A16, weight-only): each output channel of a linear weight ``w [(L,) in,
+``int8`` (weights; the activations as the backend computes: see below): each output
+channel of a linear weight ``w [(L,) in,
 out]`` (each token's row of an embedding table ``[V, E]``) gets one f32 scale, its
 largest magnitude over 127; the weight is held as ``q = round(w / scale)``, int8 in
-``[-127, 127]``, and every product computes ``(x @ q) * scale`` with activations in the
-model's dtype. The weights take a quarter of f32's bytes (plus one f32 per channel), and
-each dequantized weight is within half a scale of the float one.
+``[-127, 127]``. XLA's products compute ``(x @ q) * scale`` with activations in the
+model's dtype (W8A16); the CPU's C kernel quantizes each row of ``x`` to int8 in blocks
+of 32 inputs, a scale each, and sums them by integer dot products (W8A8, as llama.cpp:
+``paged_jax.kernels.cpu.reference_quantized`` defines it). The weights take a quarter of
+f32's bytes (plus one f32 per channel), and each dequantized weight is within half a
+scale of the float one.
 
 ``int4`` (weight-only, 4-bit groups as GGUF's Q4_1): along the input axis (``in`` of a
 linear weight, ``E`` of an embedding table), each group of ``GROUP`` (32) weights of one
@@ -15,7 +19,8 @@ output channel gets a scale ``d = (max - min) / 15`` and its minimum ``m``; a we
 held as ``q = round((w - m) / d)`` in ``[0, 15]``, two of them a byte (the even index of
 the axis in the low nibble), and stands for ``d * q + m``, within half a scale of the
 float one. An eighth of f32's bytes, plus two f32 per group (a quarter more): 0.75 bytes
-a weight.
+a weight. The CPU's C kernel multiplies the groups by rows quantized to int8 in the same
+groups (as llama.cpp's Q4 x Q8); XLA dequantizes them before its product.
 
 ``fp8`` (W8A16, weight-only): as ``int8`` with float8 e4m3 values instead of integers
 (``ml_dtypes.float8_e4m3fn``, JAX's ``jnp.float8_e4m3fn``): one f32 scale per output
@@ -24,8 +29,9 @@ held as ``w / scale`` rounded to e4m3 (3 mantissa bits: within 1/16 of itself, r
 above e4m3's smallest normal 2**-6; below it, within half a step of 2**-9, times the
 scale). A byte a weight, as int8; the format public FP8 checkpoints (compressed-tensors'
 ``float-quantized``) hold, with a per-channel or per-tensor scale. Every product widens
-the weight to the activations' dtype (``(x @ q) * scale``); computing in fp8 on GPUs
-that have fp8 units (W8A8) is not built.
+the weight to the activations' dtype (``(x @ q) * scale``), except on GPUs with fp8
+units, where ``hold_for_accelerator`` holds it for fp8 by fp8 products (W8A8,
+``Linear.hold_fp8_activations``).
 """
 
 from __future__ import annotations
