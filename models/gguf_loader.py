@@ -120,7 +120,9 @@ def load_gguf(
       param_dtype: storage dtype of the weights (default ``dtype``).
       mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` axis: each weight goes straight into
         its tensor-parallel shards; None: one device.
-      quantization: ``"int4"``: Q4_0 and Q4_1 tensors keep their blocks (each block of
+      quantization: ``"int8"`` or ``"int4"``: Q8_0 tensors keep their blocks (int8
+        weights with a scale per group of 32 inputs, ``Linear`` / ``Embed``'s int8 with
+        grouped scales); ``"int4"``: Q4_0 and Q4_1 tensors keep theirs too (each block of
         32 weights becomes a group of ``models.quantization``'s int4 format with the
         block's own scale and minimum: the same weights, never widened to float); the
         model's other weights are quantized from float by ``paged_jax.models.load``.
@@ -137,6 +139,7 @@ def load_gguf(
     arch = _field(reader, "general.architecture", path, kind="str")
     tensors: dict[str, np.ndarray] = {}
     blocks: dict[str, tuple[np.ndarray, ...]] = {}  # Q4 tensors kept as (q, d, m)
+    eight: dict[str, tuple[np.ndarray, ...]] = {}  # Q8_0 tensors kept as (q, d)
     for t in reader.tensors:
         name = _hf_tensor_name(t.name, arch, path)
         if name is None:
@@ -148,13 +151,21 @@ def load_gguf(
                 f"(supported: {', '.join(QUANT_TYPES)})"
             )
         keep = quantization == "int4" and qtype.name in ("Q4_0", "Q4_1") and len(t.shape) == 2
-        parts = _q4_blocks(t, qtype.name) if keep else (_dequantize(t, qtype),)
+        keep8 = quantization in ("int8", "int4") and qtype.name == "Q8_0" and len(t.shape) == 2
+        if keep:
+            parts = _q4_blocks(t, qtype.name)
+        elif keep8:
+            parts = _q8_blocks(t)
+        else:
+            parts = (_dequantize(t, qtype),)
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
         if arch in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
             heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
             parts = tuple(_unpermute(w, heads, t.name, path) for w in parts)
         if keep:
             blocks[name] = parts
+        elif keep8:
+            eight[name] = parts
         else:
             tensors[name] = parts[0]
     model = build_model(
@@ -165,6 +176,7 @@ def load_gguf(
         param_dtype=param_dtype,
         mesh=mesh,
         int4_blocks=blocks,
+        quantized8=("int8", eight) if eight else None,
     )
     return model, gguf_tokenizer(reader, path)
 
@@ -515,6 +527,17 @@ def _q4_blocks(t: Any, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         qs = b[..., 4:]
     q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows, -1)
     return q, d, m
+
+
+def _q8_blocks(t: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(q int8 [out, in], d f32 [out, in / 32])`` of a Q8_0 tensor: each block of 32
+    weights a float16 scale ``d`` and 32 int8 values, the weights ``d * q``."""
+    raw = np.asarray(t.data, np.uint8)
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 34)
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1)
+    return q, d
 
 
 def _unpermute(w: np.ndarray, heads: int, name: str, path: Any) -> np.ndarray:

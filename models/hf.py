@@ -227,10 +227,11 @@ def build_model(
     tensors come so is held in ``models.quantization``'s int4 format as it is; one only
     some layers of which do (a file mixing block formats) is dequantized.
 
-    ``quantized8``: ``(fmt, {name: (q [out, in], scale f32 [out])})``, 8-bit weights
-    ``q * scale`` (``"fp8"`` or ``"int8"``, ``compressed.take_quantized``), held the same
-    way in that format; with a mesh, or for a weight only some layers of which come so,
-    dequantized.
+    ``quantized8``: ``(fmt, {name: (q [out, in], scale f32 [out] or [out, in / G])})``,
+    8-bit weights ``q * scale`` (``"fp8"`` or ``"int8"``, ``compressed.take_quantized``;
+    int8 with a scale per group of G inputs: ``load_gguf``'s Q8_0 blocks, an embedding
+    table's too), held the same way in that format; with a mesh, or for a weight only
+    some layers of which come so, dequantized.
 
     ``dtype`` defaults to the tensors' dtype (f32 if mixed), ``param_dtype`` to ``dtype``.
     ``mesh``: place each weight in its tensor-parallel shards (``sharding.sharder``).
@@ -275,20 +276,24 @@ def build_model(
             continue
         if (
             names[0][0] in eight
-            and all(n in eight and t for n, t in names)  # linear kernels
+            # linear kernels, or a table whose scales are per group of E
+            and all(n in eight and (t or eight[n][1].ndim == 2) for n, t in names)
             and mesh is None
         ):
             want = expected[1:] if stacked else expected
-            for n, _ in names:
-                if tuple(eight[n][0].shape[::-1]) != tuple(want):
+            for n, t in names:
+                if tuple(eight[n][0].shape[:: -1 if t else 1]) != tuple(want):
                     raise ValueError(
                         f"{source}: tensor {n!r} has shape {tuple(eight[n][0].shape)}, "
-                        f"expected {tuple(want)[::-1]}"
+                        f"expected {tuple(want)[:: -1 if t else 1]}"
                     )
+            t = names[0][1]
             qs, scales = zip(*(eight.pop(n) for n, _ in names), strict=True)
             used.update(n for n, _ in names)
-            kernel = np.stack([q.T for q in qs]) if stacked else np.ascontiguousarray(qs[0].T)
-            held8[p[:-1]] = np.stack(scales) if stacked else scales[0]
+            if t:  # [out, in] -> [in, out]; scales [out] or [out, in / G] -> [in / G, out]
+                qs, scales = [q.T for q in qs], [sc.T for sc in scales]
+            kernel = np.stack(qs) if stacked else np.ascontiguousarray(qs[0])
+            held8[p[:-1]] = np.stack(scales) if stacked else np.ascontiguousarray(scales[0])
             filled.append((p, var.replace(jnp.asarray(kernel))))
             continue
         for n, _ in names:  # a file mixing formats across layers: these in float
@@ -297,7 +302,11 @@ def build_model(
                 tensors[n] = q * np.repeat(d, 32, axis=-1) + np.repeat(m, 32, axis=-1)
             if n in eight:
                 q, scale = eight.pop(n)
-                tensors[n] = q.astype(np.float32) * scale[:, None]
+                if scale.ndim == 2:  # per group of the last axis
+                    scale = np.repeat(scale, q.shape[-1] // scale.shape[-1], axis=-1)
+                    tensors[n] = q.astype(np.float32) * scale
+                else:
+                    tensors[n] = q.astype(np.float32) * scale[:, None]
         values = []
         for name, transposed in names:
             if name not in tensors:

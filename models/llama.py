@@ -128,7 +128,8 @@ class Linear(nnx.Linear):
     # The projection a LoRA adapter names it by ("q_proj", ...: models.lora.TARGETS), or
     # a fused module's parts' names; None: no adapter reaches it (the LM head)
     lora_targets: tuple[str, ...] = ()
-    # quantize sets it: "int8" (kernel int8, scale f32 [(L,) out]), "fp8" (kernel
+    # quantize sets it: "int8" (kernel int8, scale f32 [(L,) out], or [(L,) in / 32,
+    # out] for a GGUF's Q8_0 blocks kept: a scale per group of 32 inputs), "fp8" (kernel
     # float8_e4m3fn, scale f32 [(L,) out]) or "int4" (kernel uint8 [(L,) in / 2, out],
     # two rows a byte; scale and zero f32 [(L,) in / 32, out])
     quantized = None
@@ -185,6 +186,8 @@ class Linear(nnx.Linear):
         if self.quantized == "int4":  # the groups' panels, as the weight's
             self.scale = Packed(linear.pack(self.scale.get_value()))
             self.zero = Packed(linear.pack(self.zero.get_value()))
+        elif self.quantized and _grouped(kernel, self.scale.get_value()):  # int8 groups
+            self.scale = Packed(linear.pack(self.scale.get_value()))
         elif self.quantized:  # read whole with the packed stack, by the layer's index
             self.scale = Packed(linear.pack_scales(self.scale.get_value()))
         self.packed = True
@@ -243,11 +246,13 @@ class Linear(nnx.Linear):
                     for k, s, z in zip(kernel, scale, zero, strict=True)
                 )
             return dequantize_int4(kernel, scale, zero, axis=-2)
-        if self.packed:
+        if self.packed and _grouped(self.kernel.get_value(), scale):  # int8 groups
+            scale = linear.unpack(scale, self.out_features)
+        elif self.packed:
             scale = scale[..., : self.out_features]
         if isinstance(kernel, tuple):
-            return tuple(k.astype(jnp.float32) * s for k, s in zip(kernel, scale, strict=True))
-        return kernel.astype(jnp.float32) * jnp.expand_dims(scale, -2)
+            return tuple(_dequantize8(k, s) for k, s in zip(kernel, scale, strict=True))
+        return _dequantize8(kernel, scale)
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         y = self._product(inputs)
@@ -303,6 +308,25 @@ def fp8_units(device=None) -> bool:
         return False
 
 
+def _grouped(kernel, scale) -> bool:
+    """Whether an int8 module's ``scale`` is per group of inputs (``[(L,) in / G, out]``;
+    packed: ``[(L,) P, in / G, NR]``) rather than per output channel (``[(L,) out]``;
+    packed: ``[(L,) P * NR]``), as the module holds both (per-layer tuples alike)."""
+    k = kernel[0] if isinstance(kernel, tuple) else kernel
+    s = scale[0] if isinstance(scale, tuple) else scale
+    return s.ndim == k.ndim
+
+
+def _dequantize8(q, scale):
+    """An 8-bit weight ``[..., in, out]`` times its scales, f32: one per output channel
+    (``scale [..., out]``) or per channel and group of ``in / scale.shape[-2]`` inputs
+    (``scale [..., in / G, out]``)."""
+    q = q.astype(jnp.float32)
+    if scale.ndim == q.ndim:
+        return q * jnp.repeat(scale, q.shape[-2] // scale.shape[-2], axis=-2)
+    return q * jnp.expand_dims(scale, -2)
+
+
 def _dot_layer(
     module: Linear,
     x: jax.Array,
@@ -325,6 +349,9 @@ def _dot_layer(
     if zero is not None:
         kernel = dequantize_int4(kernel, scale, zero, axis=-2, dtype=module.dtype or x.dtype)
         scale = None
+    elif scale is not None and scale.ndim == kernel.ndim:  # int8 groups: dequantized first
+        kernel = _dequantize8(kernel, scale).astype(module.dtype or x.dtype)
+        scale = None
     x, kernel, bias = module.promote_dtype((x, kernel, bias), dtype=module.dtype)
     y = module.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=module.precision)
     if scale is not None:
@@ -341,8 +368,8 @@ class Embed(nnx.Embed):
     transposed = False  # hold_transposed / hold_packed set them on the instance (static)
     packed = False
     # quantize sets it: "int8" or "fp8" (table int8 or float8_e4m3fn, scale f32 [V], one
-    # a token) or "int4" (table uint8 [V, E / 2], scale and zero f32 [V, E / 32]: groups
-    # along E)
+    # a token; int8 kept from a GGUF's Q8_0 blocks: scale [V, E / 32], groups along E) or
+    # "int4" (table uint8 [V, E / 2], scale and zero f32 [V, E / 32]: groups along E)
     quantized = None
 
     def quantize(self, fmt: str = "int8") -> Embed:
@@ -368,10 +395,18 @@ class Embed(nnx.Embed):
         self.quantized = fmt
         return self
 
+    def _groups(self) -> bool:
+        """Whether an int8 table's scales are per group of E (``[V, E / G]``, a GGUF's
+        Q8_0 blocks kept; packed ``[P, E / G, NR]``) rather than one per token."""
+        if self.quantized != "int8":
+            return False
+        table, scale = self.embedding.get_value(), self.scale.get_value()
+        return scale.ndim == table.ndim
+
     def hold_transposed(self) -> Embed:
         """In place: the table becomes ``[E, V]``; returns the module. Idempotent. A 4-bit
         table stays ``[V, E / 2]`` (a tied head dequantizes it as it multiplies)."""
-        if self.quantized == "int4":
+        if self.quantized == "int4" or self._groups():
             return self
         if not self.transposed and not self.packed:
             self.embedding.set_value(jnp.asarray(self.embedding.get_value().T))
@@ -381,16 +416,19 @@ class Embed(nnx.Embed):
     def hold_packed(self) -> Embed:
         """In place: the table becomes ``paged_jax.linear.pack`` of its ``[E, V]``
         transpose, ``[P, E, NR]`` (int8 ones with their scales as ``pack_scales`` lays
-        them out); returns the module. Idempotent. Raises ``ValueError`` for a table that
-        is not f32 or int8, or where the CPU kernels are not available."""
+        them out, or as a weight's for scales per group of E); returns the module.
+        Idempotent. Raises ``ValueError`` for a table that is not f32 or int8, or where
+        the CPU kernels are not available."""
         if self.quantized == "fp8":
             raise ValueError("embedding: an fp8 table is not read by the CPU kernels")
         if not self.packed:
-            raw = self.embedding.get_value()
+            raw, groups = self.embedding.get_value(), self._groups()
             self.embedding.set_value(linear.pack(raw if self.transposed else raw.T))
             if self.quantized == "int4":  # groups along E: [E / 32, V] packed as a weight
                 self.scale.set_value(linear.pack(self.scale.get_value().T))
                 self.zero.set_value(linear.pack(self.zero.get_value().T))
+            elif groups:  # int8 groups along E: [E / G, V] packed as a weight
+                self.scale.set_value(linear.pack(self.scale.get_value().T))
             elif self.quantized:
                 self.scale.set_value(linear.pack_scales(self.scale.get_value()))
             self.transposed, self.packed = False, True
@@ -410,6 +448,11 @@ class Embed(nnx.Embed):
                 scale = linear.unpack(scale, self.num_embeddings).T
                 zero = linear.unpack(zero, self.num_embeddings).T
             return dequantize_int4(table, scale, zero, axis=-1)
+        if self._groups():
+            scale = self.scale.get_value()
+            if self.packed:
+                scale = linear.unpack(scale, self.num_embeddings).T
+            return _dequantize8(table.T, scale.T).T
         if self.quantized:
             scale = self.scale.get_value()[: self.num_embeddings]
             return table.astype(jnp.float32) * scale[:, None]
@@ -435,6 +478,15 @@ class Embed(nnx.Embed):
             else:
                 scale, zero = jnp.take(scale, inputs, axis=0), jnp.take(zero, inputs, axis=0)
             rows = dequantize_int4(rows, scale, zero, axis=-1)
+        elif self._groups():  # the tokens' groups of E
+            scale = self.scale[...]
+            if self.packed:
+                scale = linear.packed_columns(scale, inputs)
+            else:
+                scale = jnp.take(scale, inputs, axis=0)
+            rows = rows.astype(jnp.float32) * jnp.repeat(
+                scale, rows.shape[-1] // scale.shape[-1], -1
+            )
         elif self.quantized:  # (a packed scale's entry v is token v's)
             rows = rows.astype(jnp.float32) * self.scale[...][inputs][..., None]
         (rows,) = self.promote_dtype((rows,), dtype=self.dtype, inexact=False)
@@ -451,6 +503,10 @@ class Embed(nnx.Embed):
             table = dequantize_int4(self.embedding[...], scale, zero, axis=-1, dtype=self.dtype)
             query, table = self.promote_dtype((query, table), dtype=self.dtype)
             return jnp.dot(query, table.T)
+        if self._groups():  # int8 groups along E, [V, E]: dequantized first
+            table = _dequantize8(self.embedding[...].T, scale.T).astype(self.dtype or jnp.float32)
+            query, table = self.promote_dtype((query, table), dtype=self.dtype)
+            return jnp.dot(query, table)
         if not self.transposed and not self.quantized:
             return super().attend(query)
         table = self.embedding[...]

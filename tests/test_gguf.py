@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from model_helpers import dense_logits
 
+import paged_jax as pj
 from paged_jax import models
 from paged_jax.models import GGUFError, LlamaConfig, gguf_chat_template, init_model, load_gguf
 from paged_jax.models.hf import to_hf_tensors
@@ -263,6 +264,64 @@ def test_q4_blocks_are_kept_as_int4_groups(tmp_path, qtype):
     assert nbytes(kept) < 0.2 * nbytes(floats)
     ids = [0, 5, 9, 20, 17, 3, 44]
     np.testing.assert_allclose(dense_logits(kept, ids), dense_logits(floats, ids), atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt, tied", [("int8", False), ("int4", True)])
+def test_q8_0_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, monkeypatch):
+    # quantization="int8" or "int4" keeps a Q8_0 file's blocks: every linear weight and
+    # the table int8 with a scale per group of 32 inputs (llama.cpp's Q/K row order
+    # undone on the blocks), the very weights the dequantizing load gives; packed for the
+    # C kernel, computing what its definition says; on XLA, what the floats compute.
+    import jax
+
+    from paged_jax import linear
+
+    model = _model(tie_word_embeddings=tied)
+    write_gguf(tmp_path / "m.gguf", model, qtype=Q.Q8_0)
+    floats, _ = load_gguf(tmp_path / "m.gguf")
+    kept, _ = models.load(tmp_path / "m.gguf", quantization=fmt)
+    assert kept.config.tie_word_embeddings == tied
+    for module in (kept.layers.self_attn.q_proj, kept.layers.mlp.down_proj, kept.embed_tokens):
+        assert module.quantized == "int8"
+    q_proj = kept.layers.self_attn.q_proj
+    assert q_proj.kernel.get_value().dtype == jnp.int8
+    heads = CFG["num_heads"] * CFG["head_dim"]
+    assert q_proj.scale.get_value().shape == (CFG["num_layers"], CFG["hidden_size"] // 32, heads)
+    got, want = _weights(kept), _weights(floats)
+    assert got.keys() == want.keys()
+    for name, value in got.items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-6, atol=1e-6, err_msg=name)
+
+    def nbytes(m):
+        return sum(x.nbytes for x in jax.tree.leaves(nnx.state(m)))
+
+    assert nbytes(kept) < 0.3 * nbytes(floats)
+    ids = [0, 5, 9, 20, 17, 3, 44]
+    np.testing.assert_allclose(dense_logits(kept, ids), dense_logits(floats, ids), atol=1e-4)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [30, 31, 32]]
+    p = pj.SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True)
+    kw = dict(num_pages=32, page_size=8, compilation_cache=False)
+    if linear.available():  # packed: W8A8, near the floats (the rows are rounded)
+        packed = pj.LLM(kept, **kw).generate(prompts, p, progress=False)
+        assert kept.layers.self_attn.q_proj.packed
+        assert kept.embed_tokens.packed == kept.config.tie_word_embeddings
+        for name, value in _weights(kept).items():  # read back from the packed layout
+            np.testing.assert_allclose(value, want[name], rtol=1e-6, atol=1e-6, err_msg=name)
+        ref = pj.LLM(floats, **kw).generate(prompts, p, progress=False)
+        for g, r in zip(packed, ref, strict=True):
+            np.testing.assert_allclose(
+                g.outputs[0].logprobs[:1], r.outputs[0].logprobs[:1], atol=0.05
+            )
+    monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")  # weight-only: as the floats, exactly
+    ref = pj.LLM(load_gguf(tmp_path / "m.gguf")[0], **kw).generate(prompts, p, progress=False)
+    for accelerator in (False, True):  # per layer; fused and unrolled as for GPUs
+        again, _ = models.load(tmp_path / "m.gguf", quantization=fmt)
+        if accelerator:
+            again.hold_for_accelerator()
+        got = pj.LLM(again, **kw).generate(prompts, p, progress=False)
+        for g, r in zip(got, ref, strict=True):
+            assert g.outputs[0].token_ids == r.outputs[0].token_ids
+            np.testing.assert_allclose(g.outputs[0].logprobs, r.outputs[0].logprobs, atol=2e-4)
 
 
 def _llama_cpp_order_inverse(w, heads):
