@@ -120,11 +120,12 @@ def load_gguf(
       param_dtype: storage dtype of the weights (default ``dtype``).
       mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` axis: each weight goes straight into
         its tensor-parallel shards; None: one device.
-      quantization: ``"int8"`` or ``"int4"``: Q8_0 tensors keep their blocks (int8
-        weights with a scale per group of 32 inputs, ``Linear`` / ``Embed``'s int8 with
-        grouped scales); ``"int4"``: Q4_0 and Q4_1 tensors keep theirs too (each block of
-        32 weights becomes a group of ``models.quantization``'s int4 format with the
-        block's own scale and minimum: the same weights, never widened to float); the
+      quantization: ``"int8"`` or ``"int4"``: Q8_0 and Q6_K tensors keep their blocks
+        (int8 weights with a scale per group of 32 inputs, 16 for Q6_K: ``Linear`` /
+        ``Embed``'s int8 with grouped scales); ``"int4"``: Q4_0, Q4_1 and Q4_K tensors
+        keep theirs too (each block of 32 weights, or each group of 32 of a Q4_K
+        super-block, becomes a group of ``models.quantization``'s int4 format with its
+        own scale and minimum: the same weights, never widened to float); the
         model's other weights are quantized from float by ``paged_jax.models.load``.
         None: every tensor dequantized.
 
@@ -150,12 +151,13 @@ def load_gguf(
                 f"{path}: tensor {t.name!r} is stored as {qtype.name}, which is not supported "
                 f"(supported: {', '.join(QUANT_TYPES)})"
             )
-        keep = quantization == "int4" and qtype.name in ("Q4_0", "Q4_1") and len(t.shape) == 2
-        keep8 = quantization in ("int8", "int4") and qtype.name == "Q8_0" and len(t.shape) == 2
+        matrix = len(t.shape) == 2
+        keep = quantization == "int4" and qtype.name in ("Q4_0", "Q4_1", "Q4_K") and matrix
+        keep8 = quantization in ("int8", "int4") and qtype.name in ("Q8_0", "Q6_K") and matrix
         if keep:
-            parts = _q4_blocks(t, qtype.name)
+            parts = _q4_k_blocks(t) if qtype.name == "Q4_K" else _q4_blocks(t, qtype.name)
         elif keep8:
-            parts = _q8_blocks(t)
+            parts = _q6_k_blocks(t) if qtype.name == "Q6_K" else _q8_blocks(t)
         else:
             parts = (_dequantize(t, qtype),)
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
@@ -527,6 +529,50 @@ def _q4_blocks(t: Any, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         qs = b[..., 4:]
     q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows, -1)
     return q, d, m
+
+
+def _q4_k_blocks(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(q uint8 [out, in] in [0, 15], d f32 [out, in / 32], m f32 [out, in / 32])`` of a
+    Q4_K tensor: each super-block of 256 weights (144 bytes: f16 ``d`` and ``dmin``, 12
+    bytes of 6-bit scales and minimums for its 8 groups of 32, then 128 bytes of 4-bit
+    values) is 8 groups of the int4 format, group j's weights ``(d sc_j) q - dmin m_j``
+    (in pairs of groups: the low nibbles of 32 bytes, then their high ones)."""
+    raw = np.asarray(t.data, np.uint8)
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 144)
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    dmin = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    sc = b[..., 4:16].astype(np.uint8)  # [rows, blocks, 12]
+    scale = np.empty((*sc.shape[:2], 8), np.uint8)
+    low = np.empty_like(scale)
+    scale[..., :4], low[..., :4] = sc[..., 0:4] & 63, sc[..., 4:8] & 63
+    scale[..., 4:] = (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)
+    low[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
+    qs = b[..., 16:].reshape(rows, -1, 4, 32)  # four runs of 32 bytes: groups 2i, 2i + 1
+    q = np.stack([qs & 15, qs >> 4], axis=-2).reshape(rows, -1)  # [rows, blocks * 256]
+    dg = (d[..., None] * scale.astype(np.float32)).reshape(rows, -1)
+    mg = -(dmin[..., None] * low.astype(np.float32)).reshape(rows, -1)
+    return q, dg, mg
+
+
+def _q6_k_blocks(t: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(q int8 [out, in] in [-32, 31], d f32 [out, in / 16])`` of a Q6_K tensor: each
+    super-block of 256 weights (210 bytes: 128 bytes of low 4 bits, 64 of high 2 bits,
+    16 int8 scales, f16 ``d``) is 16 groups of 16 int8 weights with the scale ``d *
+    scales[j]``."""
+    raw = np.asarray(t.data, np.uint8)
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 210)
+    ql = b[..., 0:128].reshape(rows, -1, 2, 64)  # two halves of 128 weights
+    qh = b[..., 128:192].reshape(rows, -1, 2, 32)
+    scales = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
+    d = np.ascontiguousarray(b[..., 208:210]).view(np.float16)[..., 0].astype(np.float32)
+    lo = [ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4]
+    hi = [(qh >> s) & 3 for s in (0, 2, 4, 6)]
+    # each half: its four runs of 32 weights, in order
+    q = np.stack([(a | (h << 4)).astype(np.int16) - 32 for a, h in zip(lo, hi, strict=True)], -2)
+    q = q.astype(np.int8).reshape(rows, -1)
+    return q, (d[..., None] * scales).reshape(rows, -1)
 
 
 def _q8_blocks(t: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -239,9 +239,10 @@ def test_every_block_format_dequantizes_into_place(tmp_path, qtype):
             assert (np.abs(value - ref) <= bound).all(), (g, qtype.name)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
 def test_q4_blocks_are_kept_as_int4_groups(tmp_path, qtype):
-    # quantization="int4" keeps a Q4_0 / Q4_1 file's blocks: every linear weight and the
+    # quantization="int4" keeps a Q4_0 / Q4_1 / Q4_K file's blocks (Q4_K: each group of 32
+    # of a super-block with its scale d sc and minimum -dmin m): every linear weight and the
     # table in the int4 format (llama.cpp's Q/K row order undone on the blocks), standing
     # for the very weights the dequantizing load gives, in under a fifth of their bytes.
     import jax
@@ -266,18 +267,22 @@ def test_q4_blocks_are_kept_as_int4_groups(tmp_path, qtype):
     np.testing.assert_allclose(dense_logits(kept, ids), dense_logits(floats, ids), atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt, tied", [("int8", False), ("int4", True)])
-def test_q8_0_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, monkeypatch):
-    # quantization="int8" or "int4" keeps a Q8_0 file's blocks: every linear weight and
-    # the table int8 with a scale per group of 32 inputs (llama.cpp's Q/K row order
-    # undone on the blocks), the very weights the dequantizing load gives; packed for the
-    # C kernel, computing what its definition says; on XLA, what the floats compute.
+@pytest.mark.parametrize(
+    "fmt, tied, qtype",
+    [("int8", False, Q.Q8_0), ("int4", True, Q.Q8_0), ("int8", True, Q.Q6_K)],
+    ids=["int8-untied-Q8_0", "int4-tied-Q8_0", "int8-tied-Q6_K"],
+)
+def test_8_bit_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, qtype, monkeypatch):
+    # quantization="int8" or "int4" keeps a Q8_0 or Q6_K file's blocks: every linear
+    # weight and the table int8 with a scale per group of 32 (Q6_K: 16) inputs
+    # (llama.cpp's Q/K row order undone on the blocks), the very weights the dequantizing
+    # load gives; packed for the C kernel, near the floats (W8A8); on XLA, exactly.
     import jax
 
     from paged_jax import linear
 
     model = _model(tie_word_embeddings=tied)
-    write_gguf(tmp_path / "m.gguf", model, qtype=Q.Q8_0)
+    write_gguf(tmp_path / "m.gguf", model, qtype=qtype)
     floats, _ = load_gguf(tmp_path / "m.gguf")
     kept, _ = models.load(tmp_path / "m.gguf", quantization=fmt)
     assert kept.config.tie_word_embeddings == tied
@@ -286,7 +291,8 @@ def test_q8_0_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, monkeypatch):
     q_proj = kept.layers.self_attn.q_proj
     assert q_proj.kernel.get_value().dtype == jnp.int8
     heads = CFG["num_heads"] * CFG["head_dim"]
-    assert q_proj.scale.get_value().shape == (CFG["num_layers"], CFG["hidden_size"] // 32, heads)
+    group = 32 if qtype == Q.Q8_0 else 16
+    assert q_proj.scale.get_value().shape == (CFG["num_layers"], CFG["hidden_size"] // group, heads)
     got, want = _weights(kept), _weights(floats)
     assert got.keys() == want.keys()
     for name, value in got.items():
@@ -295,7 +301,8 @@ def test_q8_0_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, monkeypatch):
     def nbytes(m):
         return sum(x.nbytes for x in jax.tree.leaves(nnx.state(m)))
 
-    assert nbytes(kept) < 0.3 * nbytes(floats)
+    # a byte a weight and an f32 scale per group: 1.125 (1.25 for groups of 16) of 4
+    assert nbytes(kept) < (0.3 if group == 32 else 0.33) * nbytes(floats)
     ids = [0, 5, 9, 20, 17, 3, 44]
     np.testing.assert_allclose(dense_logits(kept, ids), dense_logits(floats, ids), atol=1e-4)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [30, 31, 32]]
