@@ -120,8 +120,8 @@ def load_gguf(
       param_dtype: storage dtype of the weights (default ``dtype``).
       mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` axis: each weight goes straight into
         its tensor-parallel shards; None: one device.
-      quantization: ``"int8"`` or ``"int4"``: Q8_0 and Q6_K tensors keep their blocks
-        (int8 weights with a scale per group of 32 inputs, 16 for Q6_K: ``Linear`` /
+      quantization: ``"int8"`` or ``"int4"``: Q8_0, Q6_K and Q5_0 tensors keep their
+        blocks (int8 weights with a scale per group of 32 inputs, 16 for Q6_K: ``Linear`` /
         ``Embed``'s int8 with grouped scales); ``"int4"``: Q4_0, Q4_1 and Q4_K tensors
         keep theirs too (each block of 32 weights, or each group of 32 of a Q4_K
         super-block, becomes a group of ``models.quantization``'s int4 format with its
@@ -153,11 +153,12 @@ def load_gguf(
             )
         matrix = len(t.shape) == 2
         keep = quantization == "int4" and qtype.name in ("Q4_0", "Q4_1", "Q4_K") and matrix
-        keep8 = quantization in ("int8", "int4") and qtype.name in ("Q8_0", "Q6_K") and matrix
+        eights = ("Q8_0", "Q6_K", "Q5_0")
+        keep8 = quantization in ("int8", "int4") and qtype.name in eights and matrix
         if keep:
             parts = _q4_k_blocks(t) if qtype.name == "Q4_K" else _q4_blocks(t, qtype.name)
         elif keep8:
-            parts = _q6_k_blocks(t) if qtype.name == "Q6_K" else _q8_blocks(t)
+            parts = {"Q6_K": _q6_k_blocks, "Q5_0": _q5_0_blocks}.get(qtype.name, _q8_blocks)(t)
         else:
             parts = (_dequantize(t, qtype),)
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
@@ -573,6 +574,20 @@ def _q6_k_blocks(t: Any) -> tuple[np.ndarray, np.ndarray]:
     q = np.stack([(a | (h << 4)).astype(np.int16) - 32 for a, h in zip(lo, hi, strict=True)], -2)
     q = q.astype(np.int8).reshape(rows, -1)
     return q, (d[..., None] * scales).reshape(rows, -1)
+
+
+def _q5_0_blocks(t: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(q int8 [out, in] in [-16, 15], d f32 [out, in / 32])`` of a Q5_0 tensor: each
+    block of 32 weights (22 bytes: f16 ``d``, 32 high bits, 16 bytes of low nibbles, the
+    first 16 weights in the low ones) is a group of int8 weights ``d * q``."""
+    raw = np.asarray(t.data, np.uint8)
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 22)
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    high = np.unpackbits(b[..., 2:6], axis=-1, bitorder="little")  # bit k: weight k's
+    low = np.concatenate([b[..., 6:] & 15, b[..., 6:] >> 4], axis=-1)
+    q = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8)
+    return q.reshape(rows, -1), d
 
 
 def _q8_blocks(t: Any) -> tuple[np.ndarray, np.ndarray]:

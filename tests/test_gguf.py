@@ -269,11 +269,16 @@ def test_q4_blocks_are_kept_as_int4_groups(tmp_path, qtype):
 
 @pytest.mark.parametrize(
     "fmt, tied, qtype",
-    [("int8", False, Q.Q8_0), ("int4", True, Q.Q8_0), ("int8", True, Q.Q6_K)],
-    ids=["int8-untied-Q8_0", "int4-tied-Q8_0", "int8-tied-Q6_K"],
+    [
+        ("int8", False, Q.Q8_0),
+        ("int4", True, Q.Q8_0),
+        ("int8", True, Q.Q6_K),
+        ("int8", True, Q.Q5_0),
+    ],
+    ids=["int8-untied-Q8_0", "int4-tied-Q8_0", "int8-tied-Q6_K", "int8-tied-Q5_0"],
 )
 def test_8_bit_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, qtype, monkeypatch):
-    # quantization="int8" or "int4" keeps a Q8_0 or Q6_K file's blocks: every linear
+    # quantization="int8" or "int4" keeps a Q8_0, Q6_K or Q5_0 file's blocks: every linear
     # weight and the table int8 with a scale per group of 32 (Q6_K: 16) inputs
     # (llama.cpp's Q/K row order undone on the blocks), the very weights the dequantizing
     # load gives; packed for the C kernel, near the floats (W8A8); on XLA, exactly.
@@ -291,7 +296,7 @@ def test_8_bit_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, qtype, monkey
     q_proj = kept.layers.self_attn.q_proj
     assert q_proj.kernel.get_value().dtype == jnp.int8
     heads = CFG["num_heads"] * CFG["head_dim"]
-    group = 32 if qtype == Q.Q8_0 else 16
+    group = 16 if qtype == Q.Q6_K else 32
     assert q_proj.scale.get_value().shape == (CFG["num_layers"], CFG["hidden_size"] // group, heads)
     got, want = _weights(kept), _weights(floats)
     assert got.keys() == want.keys()
