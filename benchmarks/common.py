@@ -94,6 +94,23 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+# The vector extensions the CPU kernels' speed depends on (linear.c's integer products
+# use VNNI where the CPU has it; the panels are AVX-512's or AVX2's width).
+_CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def _cpu_features() -> list[str]:
+    """Which of ``_CPU_FEATURES`` the CPU has (x86 Linux; empty elsewhere)."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in _CPU_FEATURES if f in have]
+    except OSError:
+        pass
+    return []
+
+
 def _gpu_driver() -> str | None:
     """The NVIDIA driver version, where ``nvidia-smi`` answers."""
     import shutil
@@ -121,6 +138,7 @@ def environment(with_jax: bool = False) -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu": _cpu_model(),
+        "cpu_features": _cpu_features(),
         "cpu_count": os.cpu_count(),
         "numpy": _version("numpy"),
         "paged_jax": _version("paged-jax"),
