@@ -140,7 +140,7 @@ def load_gguf(
     arch = _field(reader, "general.architecture", path, kind="str")
     tensors: dict[str, np.ndarray] = {}
     blocks: dict[str, tuple[np.ndarray, ...]] = {}  # Q4 tensors kept as (q, d, m)
-    eight: dict[str, tuple[np.ndarray, ...]] = {}  # Q8_0 tensors kept as (q, d)
+    eight: dict[str, tuple[np.ndarray, ...]] = {}  # Q8_0 / Q6_K / Q5_0 kept as (q, d)
     for t in reader.tensors:
         name = _hf_tensor_name(t.name, arch, path)
         if name is None:
@@ -514,6 +514,12 @@ def _dequantize(t: Any, qtype: Any) -> np.ndarray:
     return quants.dequantize(t.data, qtype).astype(np.float32, copy=False)
 
 
+def _f16(b: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte ``at`` of each block of ``b`` (uint8 ``[..., block bytes]``),
+    as float32 ``[...]``: a block's scale or minimum."""
+    return np.ascontiguousarray(b[..., at : at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
 def _q4_blocks(t: Any, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(q uint8 [out, in] in [0, 15], d f32 [out, in / 32], m f32 [out, in / 32])`` of a
     Q4_0 or Q4_1 tensor, block by block: weight ``d * q + m`` (Q4_0: ``m = -8 d``). A
@@ -522,11 +528,11 @@ def _q4_blocks(t: Any, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     raw = np.asarray(t.data, np.uint8)
     rows = raw.shape[0]
     b = raw.reshape(rows, -1, 18 if qtype == "Q4_0" else 20)
-    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    d = _f16(b, 0)
     if qtype == "Q4_0":
         m, qs = -8.0 * d, b[..., 2:]
     else:
-        m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+        m = _f16(b, 2)
         qs = b[..., 4:]
     q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows, -1)
     return q, d, m
@@ -541,9 +547,9 @@ def _q4_k_blocks(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     raw = np.asarray(t.data, np.uint8)
     rows = raw.shape[0]
     b = raw.reshape(rows, -1, 144)
-    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
-    dmin = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
-    sc = b[..., 4:16].astype(np.uint8)  # [rows, blocks, 12]
+    d = _f16(b, 0)
+    dmin = _f16(b, 2)
+    sc = b[..., 4:16]  # [rows, blocks, 12]
     scale = np.empty((*sc.shape[:2], 8), np.uint8)
     low = np.empty_like(scale)
     scale[..., :4], low[..., :4] = sc[..., 0:4] & 63, sc[..., 4:8] & 63
@@ -567,7 +573,7 @@ def _q6_k_blocks(t: Any) -> tuple[np.ndarray, np.ndarray]:
     ql = b[..., 0:128].reshape(rows, -1, 2, 64)  # two halves of 128 weights
     qh = b[..., 128:192].reshape(rows, -1, 2, 32)
     scales = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
-    d = np.ascontiguousarray(b[..., 208:210]).view(np.float16)[..., 0].astype(np.float32)
+    d = _f16(b, 208)
     lo = [ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4]
     hi = [(qh >> s) & 3 for s in (0, 2, 4, 6)]
     # each half: its four runs of 32 weights, in order
@@ -583,7 +589,7 @@ def _q5_0_blocks(t: Any) -> tuple[np.ndarray, np.ndarray]:
     raw = np.asarray(t.data, np.uint8)
     rows = raw.shape[0]
     b = raw.reshape(rows, -1, 22)
-    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    d = _f16(b, 0)
     high = np.unpackbits(b[..., 2:6], axis=-1, bitorder="little")  # bit k: weight k's
     low = np.concatenate([b[..., 6:] & 15, b[..., 6:] >> 4], axis=-1)
     q = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8)
@@ -596,7 +602,7 @@ def _q8_blocks(t: Any) -> tuple[np.ndarray, np.ndarray]:
     raw = np.asarray(t.data, np.uint8)
     rows = raw.shape[0]
     b = raw.reshape(rows, -1, 34)
-    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    d = _f16(b, 0)
     q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1)
     return q, d
 

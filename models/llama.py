@@ -349,7 +349,7 @@ def _dot_layer(
     if zero is not None:
         kernel = dequantize_int4(kernel, scale, zero, axis=-2, dtype=module.dtype or x.dtype)
         scale = None
-    elif scale is not None and scale.ndim == kernel.ndim:  # int8 groups: dequantized first
+    elif scale is not None and _grouped(kernel, scale):  # int8 groups: dequantized first
         kernel = _dequantize8(kernel, scale).astype(module.dtype or x.dtype)
         scale = None
     x, kernel, bias = module.promote_dtype((x, kernel, bias), dtype=module.dtype)

@@ -183,6 +183,21 @@ def _weights(model) -> dict:
     return {k: np.asarray(v) for k, v in to_hf_tensors(model).items()}
 
 
+def _assert_weights_equal(model, want: dict) -> None:
+    """``model``'s weights (dequantized, however held) are ``want``'s, tensor by tensor."""
+    got = _weights(model)
+    assert got.keys() == want.keys()
+    for name, value in got.items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def _nbytes(model) -> int:
+    """Bytes of the model's arrays as it holds them."""
+    import jax
+
+    return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_f32_gguf_loads_the_same_model(tmp_path, arch):
     model = _model(arch)
@@ -245,7 +260,6 @@ def test_q4_blocks_are_kept_as_int4_groups(tmp_path, qtype):
     # of a super-block with its scale d sc and minimum -dmin m): every linear weight and the
     # table in the int4 format (llama.cpp's Q/K row order undone on the blocks), standing
     # for the very weights the dequantizing load gives, in under a fifth of their bytes.
-    import jax
 
     model = _model()
     write_gguf(tmp_path / "m.gguf", model, qtype=qtype)
@@ -254,15 +268,10 @@ def test_q4_blocks_are_kept_as_int4_groups(tmp_path, qtype):
     for module in (kept.layers.self_attn.q_proj, kept.layers.mlp.down_proj, kept.embed_tokens):
         assert module.quantized == "int4"
     assert kept.layers.self_attn.k_proj.kernel.get_value().dtype == jnp.uint8
-    got, want = _weights(kept), _weights(floats)
-    assert got.keys() == want.keys()
-    for name, value in got.items():
-        np.testing.assert_allclose(value, want[name], rtol=1e-6, atol=1e-6, err_msg=name)
+    want = _weights(floats)
+    _assert_weights_equal(kept, want)
 
-    def nbytes(m):
-        return sum(x.nbytes for x in jax.tree.leaves(nnx.state(m)))
-
-    assert nbytes(kept) < 0.2 * nbytes(floats)
+    assert _nbytes(kept) < 0.2 * _nbytes(floats)
     ids = [0, 5, 9, 20, 17, 3, 44]
     np.testing.assert_allclose(dense_logits(kept, ids), dense_logits(floats, ids), atol=1e-4)
 
@@ -282,7 +291,6 @@ def test_8_bit_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, qtype, monkey
     # weight and the table int8 with a scale per group of 32 (Q6_K: 16) inputs
     # (llama.cpp's Q/K row order undone on the blocks), the very weights the dequantizing
     # load gives; packed for the C kernel, near the floats (W8A8); on XLA, exactly.
-    import jax
 
     from paged_jax import linear
 
@@ -298,16 +306,11 @@ def test_8_bit_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, qtype, monkey
     heads = CFG["num_heads"] * CFG["head_dim"]
     group = 16 if qtype == Q.Q6_K else 32
     assert q_proj.scale.get_value().shape == (CFG["num_layers"], CFG["hidden_size"] // group, heads)
-    got, want = _weights(kept), _weights(floats)
-    assert got.keys() == want.keys()
-    for name, value in got.items():
-        np.testing.assert_allclose(value, want[name], rtol=1e-6, atol=1e-6, err_msg=name)
-
-    def nbytes(m):
-        return sum(x.nbytes for x in jax.tree.leaves(nnx.state(m)))
+    want = _weights(floats)
+    _assert_weights_equal(kept, want)
 
     # a byte a weight and an f32 scale per group: 1.125 (1.25 for groups of 16) of 4
-    assert nbytes(kept) < (0.3 if group == 32 else 0.33) * nbytes(floats)
+    assert _nbytes(kept) < (0.3 if group == 32 else 0.33) * _nbytes(floats)
     ids = [0, 5, 9, 20, 17, 3, 44]
     np.testing.assert_allclose(dense_logits(kept, ids), dense_logits(floats, ids), atol=1e-4)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [30, 31, 32]]
@@ -317,8 +320,7 @@ def test_8_bit_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, qtype, monkey
         packed = pj.LLM(kept, **kw).generate(prompts, p, progress=False)
         assert kept.layers.self_attn.q_proj.packed
         assert kept.embed_tokens.packed == kept.config.tie_word_embeddings
-        for name, value in _weights(kept).items():  # read back from the packed layout
-            np.testing.assert_allclose(value, want[name], rtol=1e-6, atol=1e-6, err_msg=name)
+        _assert_weights_equal(kept, want)  # read back from the packed layout
         ref = pj.LLM(floats, **kw).generate(prompts, p, progress=False)
         for g, r in zip(packed, ref, strict=True):
             np.testing.assert_allclose(
