@@ -481,6 +481,34 @@ def test_a_step_that_stops_the_engine_fails_its_requests_and_the_server_goes_on(
         loop.stop()
 
 
+def test_the_gauges_see_a_step_before_its_answers_are_delivered():
+    """/metrics scraped right after an answer arrived showed the step before it (CI:
+    paged_jax_spec_decode_draft_tokens 18 while the engine had counted 19): on_step ran
+    after the step's outputs were delivered."""
+    import queue
+
+    from paged_jax import models
+    from paged_jax.server.loop import EngineLoop
+
+    model, tokenizer = models.load("tiny-llama")
+    llm = pj.LLM(model, tokenizer, num_pages=64, compilation_cache=False)
+    seen, at_done, events = [], [], queue.Queue()
+
+    def notify(event):  # engine thread: what the gauges had when the answer went out
+        if event.kind == "done":
+            at_done.append((seen[-1] if seen else 0, llm.metrics.steps))
+        events.put(event)
+
+    loop = EngineLoop(llm, on_step=lambda llm: seen.append(llm.metrics.steps))
+    loop.start()
+    try:
+        loop.submit("a", [1, 2, 3], pj.SamplingParams(max_tokens=4, ignore_eos=True), notify)
+        assert events.get(timeout=60).kind == "done"
+    finally:
+        loop.stop()
+    assert at_done and at_done[0][0] == at_done[0][1] > 0, at_done
+
+
 def _in_process(max_request_bytes=None, **kw):
     """A Server on tiny-llama with its engine thread started (no HTTP socket)."""
     from paged_jax import models

@@ -59,10 +59,12 @@ class EngineLoop:
       on_tokens: called on the engine thread with ``(new tokens, seconds since the
         request's previous token or None for its first)`` per request and step
         (metrics).
+      on_step: called on the engine thread after each step with the ``LLM``, before
+        that step's outputs are delivered (a finished request's answer never arrives
+        ahead of the gauges that count it).
 
     Text is settled and sent ("text" events) only for requests submitted with
     ``stream=True``; the others get their text once, in their finished output.
-      on_step: called on the engine thread after each step with the ``LLM``.
     """
 
     def __init__(
@@ -190,9 +192,11 @@ class EngineLoop:
                 if self._stopping.is_set() or not self.llm.has_unfinished():
                     continue
                 outs = self.llm.step()
-                self._deliver(outs)
+                # The gauges first: a client that holds its answer then sees the step
+                # that made it in /metrics.
                 if self._on_step is not None:
                     self._on_step(self.llm)
+                self._deliver(outs)
             except Exception as e:  # noqa: BLE001 (the thread must outlive any one fault)
                 if self.llm.failure is not None:  # stopped: _take recovers it next
                     continue
