@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import mmap
 import numbers
 import os
 import pathlib
@@ -32,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from .config import LlamaConfig
-from .hf import build_model
+from .hf import build_model, release_freed_memory
+from .quantization import quantize_int8
 from .tokenizer import TextTokenizer
 
 # GGUF architecture -> Hugging Face architecture (Mistral files usually say "llama").
@@ -125,9 +127,11 @@ def load_gguf(
         ``Embed``'s int8 with grouped scales); ``"int4"``: Q4_0, Q4_1 and Q4_K tensors
         keep theirs too (each block of 32 weights, or each group of 32 of a Q4_K
         super-block, becomes a group of ``models.quantization``'s int4 format with its
-        own scale and minimum: the same weights, never widened to float); the
-        model's other weights are quantized from float by ``paged_jax.models.load``.
-        None: every tensor dequantized.
+        own scale and minimum: the same weights, never widened to float). ``"int8"``:
+        the other linear weights are quantized (one scale per output channel,
+        ``models.quantization.quantize_int8``) a tensor at a time as they are read, so
+        the load never holds them all in float. The model's remaining float weights are
+        quantized by ``paged_jax.models.load``. None: every tensor dequantized.
 
     The tokenizer is None if the file has none; it carries the file's chat template
     (``tokenizer.apply_chat_template``). Raises FileNotFoundError, and ``GGUFError`` (a
@@ -155,22 +159,34 @@ def load_gguf(
         keep = quantization == "int4" and qtype.name in ("Q4_0", "Q4_1", "Q4_K") and matrix
         eights = ("Q8_0", "Q6_K", "Q5_0")
         keep8 = quantization in ("int8", "int4") and qtype.name in eights and matrix
+        # int8: the other linear weights quantized here, a tensor at a time, as
+        # models.load would quantize the whole float model afterwards (one scale per
+        # output channel): the load never holds them all in f32
+        per_channel = quantization == "int8" and matrix and name != "model.embed_tokens.weight"
         if keep:
             parts = _q4_k_blocks(t) if qtype.name == "Q4_K" else _q4_blocks(t, qtype.name)
         elif keep8:
             parts = {"Q6_K": _q6_k_blocks, "Q5_0": _q5_0_blocks}.get(qtype.name, _q8_blocks)(t)
+        elif per_channel:
+            parts = quantize_int8(_dequantize(t, qtype), axis=1)  # [out, in] -> scale [out]
         else:
             parts = (_dequantize(t, qtype),)
+        reader.release(t)  # (every part is a copy)
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
         if arch in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
             heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
             parts = tuple(_unpermute(w, heads, t.name, path) for w in parts)
         if keep:
             blocks[name] = parts
-        elif keep8:
+        elif keep8 or per_channel:
             eight[name] = parts
         else:
             tensors[name] = parts[0]
+    # The tokenizer first, then the file's map is closed (every array above is a copy):
+    # its pages no longer count while the model is built.
+    tokenizer = gguf_tokenizer(reader, path)
+    reader = t = None
+    release_freed_memory()  # what dequantizing each tensor freed
     model = build_model(
         cfg,
         tensors,
@@ -181,7 +197,7 @@ def load_gguf(
         int4_blocks=blocks,
         quantized8=("int8", eight) if eight else None,
     )
-    return model, gguf_tokenizer(reader, path)
+    return model, tokenizer
 
 
 def _check_layers(reader: Any, path: Any, arch: str, layers: int) -> None:
@@ -401,7 +417,24 @@ def _open(path: str | os.PathLike) -> Any:
 
         @data.setter
         def data(self, value):
+            self._map = getattr(value, "_mmap", None)
             self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+        def release(self, t) -> None:
+            """Drops tensor ``t``'s pages of the map from this process's memory once it
+            is read (``madvise(MADV_DONTNEED)``; the file's pages stay in the page
+            cache, and a page shared with the next tensor is read again from there):
+            a load then never holds the whole file besides the weights made of it.
+            Nothing where the platform has no ``madvise``."""
+            advise = getattr(self._map, "madvise", None)
+            flag = getattr(mmap, "MADV_DONTNEED", None)
+            if advise is None or flag is None:
+                return
+            start = t.data_offset - t.data_offset % mmap.PAGESIZE
+            try:
+                advise(flag, start, t.data_offset + t.n_bytes - start)
+            except (OSError, ValueError):
+                pass
 
     p = pathlib.Path(path)
     if not p.is_file():
@@ -507,8 +540,8 @@ def _dequantize(t: Any, qtype: Any) -> np.ndarray:
     """float32 ``[out, in]`` (numpy order) of a GGUF tensor."""
     from gguf import quants
 
-    if qtype.name == "F32":
-        return np.asarray(t.data, np.float32)
+    if qtype.name == "F32":  # a copy: a view would keep the file's map open
+        return np.array(t.data, np.float32)
     if qtype.name == "F16":
         return np.asarray(t.data).astype(np.float32)
     return quants.dequantize(t.data, qtype).astype(np.float32, copy=False)
@@ -521,7 +554,8 @@ def _f16(b: np.ndarray, at: int) -> np.ndarray:
 
 
 def _q4_blocks(t: Any, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(q uint8 [out, in] in [0, 15], d f32 [out, in / 32], m f32 [out, in / 32])`` of a
+    """``(q uint8 [out, in / 2], d f32 [out, in / 32], m f32 [out, in / 32])`` (``q``:
+    values in [0, 15] two a byte along ``in``, ``_pairs``) of a
     Q4_0 or Q4_1 tensor, block by block: weight ``d * q + m`` (Q4_0: ``m = -8 d``). A
     block is a float16 ``d`` (Q4_1: then a float16 ``m``) and 16 bytes holding its first
     16 weights in their low nibbles and its last 16 in the high ones."""
@@ -535,11 +569,19 @@ def _q4_blocks(t: Any, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         m = _f16(b, 2)
         qs = b[..., 4:]
     q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows, -1)
-    return q, d, m
+    return _pairs(q), d, m
+
+
+def _pairs(q: np.ndarray) -> np.ndarray:
+    """4-bit values ``[out, in]`` (uint8, in [0, 15]) two a byte along ``in``: ``[out,
+    in / 2]``, byte j holding input 2j in its low nibble and 2j + 1 in its high one
+    (``build_model``'s int4 blocks; half the memory while the load holds them)."""
+    return q[:, 0::2] | (q[:, 1::2] << 4)
 
 
 def _q4_k_blocks(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(q uint8 [out, in] in [0, 15], d f32 [out, in / 32], m f32 [out, in / 32])`` of a
+    """``(q uint8 [out, in / 2], d f32 [out, in / 32], m f32 [out, in / 32])`` (``q`` as
+    ``_q4_blocks``') of a
     Q4_K tensor: each super-block of 256 weights (144 bytes: f16 ``d`` and ``dmin``, 12
     bytes of 6-bit scales and minimums for its 8 groups of 32, then 128 bytes of 4-bit
     values) is 8 groups of the int4 format, group j's weights ``(d sc_j) q - dmin m_j``
@@ -559,7 +601,7 @@ def _q4_k_blocks(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     q = np.stack([qs & 15, qs >> 4], axis=-2).reshape(rows, -1)  # [rows, blocks * 256]
     dg = (d[..., None] * scale.astype(np.float32)).reshape(rows, -1)
     mg = -(dmin[..., None] * low.astype(np.float32)).reshape(rows, -1)
-    return q, dg, mg
+    return _pairs(q), dg, mg
 
 
 def _q6_k_blocks(t: Any) -> tuple[np.ndarray, np.ndarray]:

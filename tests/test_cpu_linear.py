@@ -156,7 +156,7 @@ def test_a_padded_step_computes_its_real_tokens_only(monkeypatch):
     from paged_jax.models import llama
 
     model = init_model(TINY_LLAMA, seed=5).hold_for_cpu()
-    assert model.layers.mlp.up_proj.packed
+    assert model.layers.mlp.gate_up_proj.packed
     limited, real = [], linear.matmul
 
     def spy(x, packed, n, layer=None, rows=None, scales=None, mins=None):
@@ -178,7 +178,7 @@ def test_a_padded_step_computes_its_real_tokens_only(monkeypatch):
     limited.clear()
     padded = logits(27)
     np.testing.assert_allclose(padded, alone, rtol=1e-6, atol=1e-6)
-    assert limited.count(True) == 7, limited  # the layer body's products, traced once
+    assert limited.count(True) == 4, limited  # the layer body's 4 products (fused), traced once
 
 
 @needs_cc
@@ -213,7 +213,7 @@ def test_backend_xla_keeps_the_products_on_xla(monkeypatch):
     assert not linear.available()
     assert not init_model(TINY_LLAMA, seed=0).hold_for_cpu().layers.mlp.up_proj.packed
     monkeypatch.delenv("PAGED_JAX_BACKEND")
-    assert init_model(TINY_LLAMA, seed=0).hold_for_cpu().layers.mlp.up_proj.packed
+    assert init_model(TINY_LLAMA, seed=0).hold_for_cpu().layers.mlp.gate_up_proj.packed
 
 
 @needs_cc
@@ -248,5 +248,5 @@ def test_packed_embedding_looks_up_the_same_rows():
 @needs_cc
 def test_splitting_a_packed_model_leaves_its_stacks_whole():
     model = init_model(TINY_LLAMA, seed=0).hold_for_cpu()
-    kernel = model.layers.mlp.up_proj.kernel.get_value()
-    assert model.split_layer_weights().layers.mlp.up_proj.kernel.get_value() is kernel
+    kernel = model.layers.mlp.gate_up_proj.kernel.get_value()
+    assert model.split_layer_weights().layers.mlp.gate_up_proj.kernel.get_value() is kernel

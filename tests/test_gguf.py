@@ -103,8 +103,9 @@ def _writer(path, arch: str, c) -> gguf.GGUFWriter:
 
 def write_gguf(path, model, arch="llama", qtype=Q.F32, *, tokenizer="gpt2", rng=None, extra=None):
     """Writes ``model`` as llama.cpp would: GGUF names, Q/K rows reordered for "llama",
-    2-D weights in ``qtype`` (norms stay F32). Returns {gguf name: the float weights the
-    file holds} (the K-quants' random blocks dequantized)."""
+    2-D weights in ``qtype`` (or ``qtype(gguf name)``: a format a tensor; norms stay F32).
+    Returns {gguf name: the float weights the file holds} (the K-quants' random blocks
+    dequantized)."""
     rng = rng or np.random.default_rng(0)
     c = model.config
     w = _writer(path, arch, c)
@@ -124,10 +125,11 @@ def write_gguf(path, model, arch="llama", qtype=Q.F32, *, tokenizer="gpt2", rng=
         value = value.astype(np.float32)
         if arch == "llama" and (".attn_q." in g or ".attn_k." in g):
             value = _llama_cpp_order(value, c.num_heads if ".attn_q." in g else c.num_kv_heads)
-        if value.ndim == 2 and qtype != Q.F32:
-            raw = _encode(value, qtype, rng)
-            w.add_tensor(g, raw, raw_dtype=qtype)
-            held[g] = quants.dequantize(raw, qtype).astype(np.float32)
+        kind = qtype(g) if callable(qtype) else qtype
+        if value.ndim == 2 and kind != Q.F32:
+            raw = _encode(value, kind, rng)
+            w.add_tensor(g, raw, raw_dtype=kind)
+            held[g] = quants.dequantize(raw, kind).astype(np.float32)
         else:
             w.add_tensor(g, value)
             held[g] = value
@@ -318,7 +320,7 @@ def test_8_bit_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, qtype, monkey
     kw = dict(num_pages=32, page_size=8, compilation_cache=False)
     if linear.available():  # packed: W8A8, near the floats (the rows are rounded)
         packed = pj.LLM(kept, **kw).generate(prompts, p, progress=False)
-        assert kept.layers.self_attn.q_proj.packed
+        assert kept.layers.self_attn.qkv_proj.packed  # q/k/v fused, then packed
         assert kept.embed_tokens.packed == kept.config.tie_word_embeddings
         _assert_weights_equal(kept, want)  # read back from the packed layout
         ref = pj.LLM(floats, **kw).generate(prompts, p, progress=False)
@@ -342,6 +344,56 @@ def _llama_cpp_order_inverse(w, heads):
     return (
         w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
     )
+
+
+def test_int8_load_quantizes_a_tensor_at_a_time_as_the_whole_model_would(tmp_path):
+    """With quantization="int8" a file's float tensors are quantized as they are read,
+    never all held in f32: the weights equal those of the float load quantized whole
+    (F16 tensors; one layer's v_proj in Q8_0, so that projection mixes groups of 32 with
+    per-channel scales across layers and loads through float), and numpy's peak while
+    loading stays below the f32 weights' bytes (the float tensors, then their stacks,
+    took more than that)."""
+    import tracemalloc
+
+    model = _model()
+    write_gguf(
+        tmp_path / "m.gguf", model, qtype=lambda g: Q.Q8_0 if g == "blk.0.attn_v.weight" else Q.F16
+    )
+    floats, _ = load_gguf(tmp_path / "m.gguf")
+    f32_bytes = sum(v.nbytes for v in to_hf_tensors(floats).values())
+    want = nnx.state(floats.quantize("int8"))
+    tracemalloc.start()
+    try:
+        got, _ = models.load(tmp_path / "m.gguf", quantization="int8")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    flat_want, flat_got = nnx.to_flat_state(want), nnx.to_flat_state(nnx.state(got))
+    assert [p for p, _ in flat_got] == [p for p, _ in flat_want]
+    for (p, a), (_, b) in zip(flat_got, flat_want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), p)
+    heads = CFG["num_heads"] * CFG["head_dim"]  # per channel
+    assert got.layers.self_attn.q_proj.scale.get_value().shape == (CFG["num_layers"], heads)
+    assert peak < 0.85 * f32_bytes, (peak, f32_bytes)  # (0.62 here; 1.39 before)
+
+
+def test_a_loaded_model_holds_nothing_of_the_files_map(tmp_path):
+    """The load copies what it reads and closes the file's map: a weight aliasing the map
+    (an F32 norm did) kept the whole file resident as long as the model lived."""
+    maps = pathlib.Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("no /proc/self/maps here")
+    model = _model()
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, qtype=Q.Q4_1)
+    for fmt in (None, "int4", "int8"):
+        loaded, tok = models.load(path, quantization=fmt)
+        assert str(path) not in maps.read_text(), fmt
+        np.testing.assert_allclose(
+            dense_logits(loaded, [1, 2, 3]),
+            dense_logits(load_gguf(path)[0], [1, 2, 3]),
+            atol=0.3 if fmt == "int8" else 1e-4,
+        )
 
 
 def test_quantized_model_still_predicts_like_the_float_one(tmp_path):

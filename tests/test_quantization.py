@@ -357,8 +357,9 @@ def test_a_quantized_model_computes_what_its_dequantized_weights_do(cfg, held, f
     if held == "packed":  # every quantized product and the head traced by the definition
         assert len(calls) >= cfg.num_layers  # traced: the products took the definition
     layers_q = quantized.layers
-    # (held for an accelerator, q/k/v are one fused qkv_proj)
-    q_proj = getattr(getattr(layers_q, "self_attn", None), "q_proj", None)
+    # (packed for the CPU kernels or held for an accelerator, q/k/v are one qkv_proj)
+    attn = getattr(layers_q, "self_attn", None)
+    q_proj = getattr(attn, "q_proj", None) or getattr(attn, "qkv_proj", None)
     if held == "fp8 on CPU by default":  # the engine held it for XLA's products
         assert not q_proj.packed and q_proj.quantized == "fp8"
         assert q_proj.kernel.get_value()[0].dtype == jnp.float8_e4m3fn
