@@ -387,55 +387,48 @@ def _gather(names, take, stacked: bool, dtype=None) -> tuple[np.ndarray, ...]:
     ``stacked``); each position's are stacked ``[L, ...]`` into an array made once
     (``dtype``: cast as they are copied in; default each part's), every layer's dropped
     as soon as it is copied, so a load holds a parameter's layers once and one layer
-    twice, not all of them twice. Unstacked, the one entry's arrays, C-contiguous and
-    owning their memory (a view would keep a file's map or a larger array alive)."""
-    if not stacked:
-        ((name, transposed),) = names
-        return tuple(
-            x.astype(dtype or x.dtype, copy=False)
-            if x.flags.c_contiguous and x.flags.owndata
-            else np.array(x, dtype=dtype or x.dtype, order="C")
-            for x in take(name, transposed)
-        )
+    twice, not all of them twice. Unstacked, the one entry's arrays. Either way in new
+    64-byte aligned buffers of their own (``_aligned``), which ``_on_device`` hands to
+    JAX on a CPU without a copy (a view would keep a file's map or a larger array
+    alive)."""
     out = None
     for i, (name, transposed) in enumerate(names):
         parts = take(name, transposed)
         if out is None:
-            out = tuple(np.empty((len(names), *x.shape), dtype or x.dtype) for x in parts)
+            lead = (len(names),) if stacked else ()
+            out = tuple(_aligned((*lead, *x.shape), dtype or x.dtype) for x in parts)
         for o, x in zip(out, parts, strict=True):
-            o[i] = x
+            if stacked:
+                o[i] = x
+            else:
+                o[...] = x
         del parts
     return out
 
 
+def _aligned(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialized C-ordered array whose data starts on a 64-byte boundary: JAX's
+    CPU client then takes a numpy array as its buffer without copying it
+    (``jax.device_put``; it copies arrays aligned otherwise, as numpy's large ones, 16
+    bytes past a page, are)."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(size + 64, np.uint8)
+    at = -raw.ctypes.data % 64
+    return raw[at : at + size].view(dtype).reshape(shape)
+
+
 def _on_device(host: np.ndarray):
-    """``host`` as a JAX array on the default device. On a CPU device a writeable,
-    aligned numpy array of a type DLPack knows becomes the JAX array's buffer as it is
-    (``jax.dlpack.from_dlpack``: no copy, so a load's weights are not held twice while
-    they move; ``jnp.asarray`` made two: 255 MB of RSS for a 128 MB array, against 146
-    with ``device_put``). The caller hands the array over: it must not be written
-    afterwards. Elsewhere, or for another array, ``jax.device_put`` copies it."""
+    """``host`` as a JAX array on the default device (``jax.device_put``: on a CPU, a
+    64-byte aligned array (``_aligned``) becomes the JAX array's buffer as it is, so a
+    load's weights are not held twice while they move; ``jnp.asarray`` made two copies,
+    255 MB of RSS for a 128 MB array). The caller hands the array over: it must not be
+    written afterwards. (``jax.dlpack.from_dlpack`` also aliases it, but 2 of 6
+    processes that loaded SmolLM2 so then hung at exit, in the CPU client's
+    destructor.)"""
     import jax
 
-    host = np.asarray(host)
-    if (
-        jax.default_backend() == "cpu"
-        and host.flags.c_contiguous
-        and host.flags.writeable
-        and host.dtype in _DLPACK_TYPES
-    ):
-        try:
-            return jax.dlpack.from_dlpack(host)
-        except (BufferError, TypeError, ValueError, RuntimeError):
-            pass
     return jax.device_put(host)
-
-
-# numpy types a DLPack import takes as they are (JAX's default 32-bit types: no 64-bit
-# ones, which jnp.asarray narrows without x64)
-_DLPACK_TYPES = tuple(
-    np.dtype(t) for t in (np.float32, np.float16, np.int8, np.uint8, np.int32, np.uint32)
-)
 
 
 def _int4_layout(blocks, transposed: bool, want: tuple, source: str, name: str):
