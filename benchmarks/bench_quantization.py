@@ -20,6 +20,10 @@ process, one engine per format, the float one included, the runs alternated:
   with every position's logits and the weights held as the engine holds them, and its
   relative change from float; and the mean KL divergence of each position's next-token
   distribution from float's;
+- a reference for accuracy only, not timed: the f32 weights rounded to bf16 and computed
+  in f32 (``bf16_weights``), the agreement a 16-bit float checkpoint would give;
+- load memory: a fresh process per format loading the model, its RSS before the load,
+  its peak and after (``load_memory``, where ``/proc`` exists);
 - with ``--llama-cpp PYTHON`` (a Python with ``llama-cpp-python``, e.g. a venv of its own):
   llama.cpp's batched greedy decoding of the same GGUF file on the same workload
   (``llama_cpp_batched.py``), one run after each round of the engines', and each
@@ -88,6 +92,55 @@ def kl_divergence(base, other) -> float:
     return float((np.exp(base) * (base - other)).sum(-1).mean())
 
 
+_LOAD_MEMORY = """
+import sys
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+def hwm():  # this address space's peak (getrusage's carries the parent's over a fork)
+    line = next(x for x in open("/proc/self/status") if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+import jax.numpy as jnp
+jnp.zeros(1).block_until_ready()
+from paged_jax import models
+start = rss()
+fmt = None if sys.argv[1] == "f32" else sys.argv[1]
+model, tokenizer = models.load(sys.argv[2], quantization=fmt)
+print(start, hwm(), rss())
+"""
+
+
+def load_memory(fmt: str) -> dict | None:
+    """Bytes of resident memory of a fresh process loading ``MODEL`` in ``fmt`` ("f32" or
+    a format): ``start`` (JAX and paged-jax imported, before the load), ``peak`` (the
+    process's peak RSS, ``VmHWM``) and ``after`` (RSS once loaded); None where ``/proc``
+    is missing."""
+    import os
+    import subprocess
+
+    if not os.path.exists("/proc/self/statm"):
+        return None
+    out = subprocess.run([sys.executable, "-c", _LOAD_MEMORY, fmt, MODEL], capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    start, peak, after = map(int, out.stdout.split()[-3:])
+    return dict(start=start, peak=peak, peak_over_start=peak - start, after=after)
+
+
+def bf16_weights(model):
+    """``model`` (f32) with every linear weight and the embedding table rounded to bf16
+    and back: the accuracy a 16-bit float checkpoint would give, computed in f32 (a
+    reference for the formats' greedy agreement, not a format)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from paged_jax.models.llama import Embed, Linear
+
+    for _, node in nnx.iter_graph(model):
+        var = node.kernel if isinstance(node, Linear) else getattr(node, "embedding", None)
+        if isinstance(node, (Linear, Embed)):
+            var.set_value(var.get_value().astype(jnp.bfloat16).astype(jnp.float32))
+    return model
+
+
 def llama_cpp_run(python: str, prompts, output_len: int) -> tuple[float, list, str | None]:
     """Seconds llama.cpp took for ``prompts`` x ``output_len`` greedy tokens of the named
     model's GGUF file (``benchmarks/llama_cpp_batched.py`` under ``python``, as many
@@ -149,9 +202,18 @@ def main(argv=None) -> int:
         engines[name] = llm
         rows[name] = dict(format=name, weight_bytes=int(weights), log_likelihood=ll, runs=[])
         say(f"{name}: weights {weights / 2**20:.1f} MiB, log-likelihood {ll:.4f}/token")
+    # a reference, for accuracy only: the f32 weights rounded to bf16
+    model, tok = models.load(MODEL)
+    ll, _, logp["bf16 weights"] = log_likelihood(bf16_weights(model), tok)
+    rows["bf16 weights"] = dict(format="bf16 weights (a reference: accuracy only)",
+                                log_likelihood=ll)  # fmt: skip
+    model, tok = models.load(MODEL)
+    checked = dict(engines)
+    checked["bf16 weights"] = pj.LLM(bf16_weights(model), tok, kv_cache_bytes=2**30,
+                                     compilation_cache=False)  # fmt: skip
     agree = pj.SamplingParams(max_tokens=args.agree_len, temperature=0.0, ignore_eos=True)
     greedy = {n: [o.outputs[0].token_ids for o in e.generate(prompts, agree, progress=False)]
-              for n, e in engines.items()}  # fmt: skip
+              for n, e in checked.items()}  # fmt: skip
     # and on chat requests in words (random ids give flat distributions, where any change
     # of weights flips near-ties): the speculative benchmark's free-form questions and
     # requests over public-domain passages, half each
@@ -160,7 +222,8 @@ def main(argv=None) -> int:
     half = args.prompts // 2
     chats = free_form(args.prompts - half) + grounded(half)
     greedy_chat = {n: [o.outputs[0].token_ids for o in e.chat(chats, agree, progress=False)]
-                   for n, e in engines.items()}  # fmt: skip
+                   for n, e in checked.items()}  # fmt: skip
+    del checked["bf16 weights"]
     p = pj.SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     for e in engines.values():  # compile every bucket first
         e.generate(prompts, p, progress=False)
@@ -182,13 +245,15 @@ def main(argv=None) -> int:
             say(f"round {k} llama.cpp: {peer['runs'][-1]:.1f} tokens/s")
     base = rows["f32"]
     for n, r in rows.items():
-        r["tokens_per_s"] = dict(
-            min=min(r["runs"]), median=statistics.median(r["runs"]), max=max(r["runs"])
-        )
-        r["speedup_over_f32"] = round(
-            r["tokens_per_s"]["median"] / base["tokens_per_s"]["median"], 3
-        )
-        r["memory_over_f32"] = round(r["weight_bytes"] / base["weight_bytes"], 3)
+        if "runs" in r:  # (the bf16 reference is not timed)
+            r["tokens_per_s"] = dict(
+                min=min(r["runs"]), median=statistics.median(r["runs"]), max=max(r["runs"])
+            )
+            r["speedup_over_f32"] = round(
+                r["tokens_per_s"]["median"] / base["tokens_per_s"]["median"], 3
+            )
+            r["memory_over_f32"] = round(r["weight_bytes"] / base["weight_bytes"], 3)
+            r["load_memory_bytes"] = load_memory(n)
         r["log_likelihood_change"] = round(
             (r["log_likelihood"] - base["log_likelihood"]) / abs(base["log_likelihood"]), 5
         )
@@ -199,9 +264,16 @@ def main(argv=None) -> int:
         r["greedy_chats_equal_f32"] = sum(
             a == b for a, b in zip(greedy_chat[n], greedy_chat["f32"], strict=True)
         )
+        speed = ""
+        if "runs" in r:
+            load = r["load_memory_bytes"]
+            speed = (
+                f"{r['tokens_per_s']['median']:.1f} tokens/s ({r['speedup_over_f32']}x f32), "
+                f"weights {r['weight_bytes'] / 2**20:.1f} MiB ({r['memory_over_f32']}x), "
+                + (f"load peak +{load['peak_over_start'] / 2**20:.0f} MiB, " if load else "")
+            )
         print(
-            f"{n}: {r['tokens_per_s']['median']:.1f} tokens/s ({r['speedup_over_f32']}x f32), "
-            f"weights {r['weight_bytes'] / 2**20:.1f} MiB ({r['memory_over_f32']}x), "
+            f"{n}: {speed}"
             f"log-likelihood {r['log_likelihood']:.4f} ({r['log_likelihood_change']:+.3%}), "
             f"KL from f32 {r['kl_from_f32']:.4f}, "
             f"greedy equal on {r['greedy_prompts_equal_f32']} of {len(prompts)} prompts of "
@@ -211,6 +283,8 @@ def main(argv=None) -> int:
         runs = peer["runs"]
         peer["tokens_per_s"] = dict(min=min(runs), median=statistics.median(runs), max=max(runs))
         for n, r in rows.items():  # ratios of medians, measured side by side
+            if "runs" not in r:
+                continue
             r["over_llama_cpp"] = round(
                 r["tokens_per_s"]["median"] / peer["tokens_per_s"]["median"], 3
             )
@@ -220,7 +294,7 @@ def main(argv=None) -> int:
         peer.pop("tokens")
         print(
             f"llama.cpp: {peer['tokens_per_s']['median']:.1f} tokens/s; "
-            + ", ".join(f"{n} {r['over_llama_cpp']}x" for n, r in rows.items())
+            + ", ".join(f"{n} {r['over_llama_cpp']}x" for n, r in rows.items() if "runs" in r)
         )
     payload = dict(
         environment=environment(),
