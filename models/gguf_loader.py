@@ -34,7 +34,7 @@ import numpy as np
 
 from .config import LlamaConfig
 from .hf import build_model, release_freed_memory
-from .quantization import quantize_int8
+from .quantization import quantize_fp8, quantize_int8
 from .tokenizer import TextTokenizer
 
 # GGUF architecture -> Hugging Face architecture (Mistral files usually say "llama").
@@ -127,10 +127,10 @@ def load_gguf(
         ``Embed``'s int8 with grouped scales); ``"int4"``: Q4_0, Q4_1 and Q4_K tensors
         keep theirs too (each block of 32 weights, or each group of 32 of a Q4_K
         super-block, becomes a group of ``models.quantization``'s int4 format with its
-        own scale and minimum: the same weights, never widened to float). ``"int8"``:
-        the other linear weights are quantized (one scale per output channel,
-        ``models.quantization.quantize_int8``) a tensor at a time as they are read, so
-        the load never holds them all in float. The model's remaining float weights are
+        own scale and minimum: the same weights, never widened to float). ``"int8"``
+        and ``"fp8"``: the other linear weights are quantized (one scale per output
+        channel, ``models.quantization``) a tensor at a time as they are read, so the
+        load never holds them all in float. The model's remaining float weights are
         quantized by ``paged_jax.models.load``. None: every tensor dequantized.
 
     The tokenizer is None if the file has none; it carries the file's chat template
@@ -159,16 +159,19 @@ def load_gguf(
         keep = quantization == "int4" and qtype.name in ("Q4_0", "Q4_1", "Q4_K") and matrix
         eights = ("Q8_0", "Q6_K", "Q5_0")
         keep8 = quantization in ("int8", "int4") and qtype.name in eights and matrix
-        # int8: the other linear weights quantized here, a tensor at a time, as
+        # int8 / fp8: the other linear weights quantized here, a tensor at a time, as
         # models.load would quantize the whole float model afterwards (one scale per
         # output channel): the load never holds them all in f32
-        per_channel = quantization == "int8" and matrix and name != "model.embed_tokens.weight"
+        per_channel = (
+            quantization in ("int8", "fp8") and matrix and name != "model.embed_tokens.weight"
+        )
         if keep:
             parts = _q4_k_blocks(t) if qtype.name == "Q4_K" else _q4_blocks(t, qtype.name)
         elif keep8:
             parts = {"Q6_K": _q6_k_blocks, "Q5_0": _q5_0_blocks}.get(qtype.name, _q8_blocks)(t)
-        elif per_channel:
-            parts = quantize_int8(_dequantize(t, qtype), axis=1)  # [out, in] -> scale [out]
+        elif per_channel:  # [out, in] -> scale [out]
+            by = quantize_fp8 if quantization == "fp8" else quantize_int8
+            parts = by(_dequantize(t, qtype), axis=1)
         else:
             parts = (_dequantize(t, qtype),)
         reader.release(t)  # (every part is a copy)
@@ -195,7 +198,7 @@ def load_gguf(
         param_dtype=param_dtype,
         mesh=mesh,
         int4_blocks=blocks,
-        quantized8=("int8", eight) if eight else None,
+        quantized8=("fp8" if quantization == "fp8" else "int8", eight) if eight else None,
     )
     return model, tokenizer
 

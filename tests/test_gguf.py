@@ -346,11 +346,13 @@ def _llama_cpp_order_inverse(w, heads):
     )
 
 
-def test_int8_load_quantizes_a_tensor_at_a_time_as_the_whole_model_would(tmp_path):
-    """With quantization="int8" a file's float tensors are quantized as they are read,
-    never all held in f32: the weights equal those of the float load quantized whole
-    (F16 tensors; one layer's v_proj in Q8_0, so that projection mixes groups of 32 with
-    per-channel scales across layers and loads through float), and numpy's peak while
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_8_bit_load_quantizes_a_tensor_at_a_time_as_the_whole_model_would(tmp_path, fmt):
+    """With quantization="int8" or "fp8" a file's float tensors are quantized as they are
+    read, never all held in f32: the weights equal those of the float load quantized
+    whole (F16 tensors; one layer's v_proj in Q8_0: with int8 that projection mixes
+    groups of 32 with per-channel scales across layers and loads through float; fp8
+    keeps no block and quantizes it too), and numpy's peak while
     loading stays below the f32 weights' bytes (the float tensors, then their stacks,
     took more than that)."""
     import tracemalloc
@@ -361,10 +363,10 @@ def test_int8_load_quantizes_a_tensor_at_a_time_as_the_whole_model_would(tmp_pat
     )
     floats, _ = load_gguf(tmp_path / "m.gguf")
     f32_bytes = sum(v.nbytes for v in to_hf_tensors(floats).values())
-    want = nnx.state(floats.quantize("int8"))
+    want = nnx.state(floats.quantize(fmt))
     tracemalloc.start()
     try:
-        got, _ = models.load(tmp_path / "m.gguf", quantization="int8")
+        got, _ = models.load(tmp_path / "m.gguf", quantization=fmt)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
