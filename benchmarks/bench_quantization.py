@@ -135,8 +135,8 @@ def bf16_weights(model):
     from paged_jax.models.llama import Embed, Linear
 
     for _, node in nnx.iter_graph(model):
-        var = node.kernel if isinstance(node, Linear) else getattr(node, "embedding", None)
         if isinstance(node, (Linear, Embed)):
+            var = node.kernel if isinstance(node, Linear) else node.embedding
             var.set_value(var.get_value().astype(jnp.bfloat16).astype(jnp.float32))
     return model
 

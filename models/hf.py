@@ -14,6 +14,7 @@ import pathlib
 import re
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -277,7 +278,7 @@ def build_model(
                 stacked,
             )
             int4[p[:-1]] = (scale, zero)
-            filled.append((p, var.replace(_on_device(packed))))
+            filled.append((p, var.replace(jax.device_put(packed))))
             continue
         if (
             names[0][0] in eight
@@ -301,7 +302,7 @@ def build_model(
                 return (q.T, scale.T) if t else (q, scale)
 
             kernel, held8[p[:-1]] = _gather(names, take8, stacked)
-            filled.append((p, var.replace(_on_device(kernel))))
+            filled.append((p, var.replace(jax.device_put(kernel))))
             continue
         for n, _ in names:  # a file mixing formats across layers: these in float
             if n in blocks:
@@ -333,7 +334,7 @@ def build_model(
             dtype=param_dtype,
         )
         if sharding is None:
-            value = _on_device(host)
+            value = jax.device_put(host)
         else:
             host = pad_vocab(p, host, tensor_parallel_size(mesh))
             value = place(host, sharding(p, host.ndim))
@@ -349,12 +350,12 @@ def build_model(
     model = nnx.merge(graphdef, nnx.from_flat_state(filled))
     for path, (scale, zero) in int4.items():
         node = functools.reduce(lambda n, part: getattr(n, str(part)), path, model)
-        node.scale = nnx.Param(_on_device(scale))
-        node.zero = nnx.Param(_on_device(zero))
+        node.scale = nnx.Param(jax.device_put(scale))
+        node.zero = nnx.Param(jax.device_put(zero))
         node.quantized = "int4"
     for path, scale in held8.items():
         node = functools.reduce(lambda n, part: getattr(n, str(part)), path, model)
-        node.scale = nnx.Param(_on_device(scale))
+        node.scale = nnx.Param(jax.device_put(scale))
         node.quantized = fmt8
     return model
 
@@ -388,8 +389,8 @@ def _gather(names, take, stacked: bool, dtype=None) -> tuple[np.ndarray, ...]:
     (``dtype``: cast as they are copied in; default each part's), every layer's dropped
     as soon as it is copied, so a load holds a parameter's layers once and one layer
     twice, not all of them twice. Unstacked, the one entry's arrays. Either way in new
-    64-byte aligned buffers of their own (``_aligned``), which ``_on_device`` hands to
-    JAX on a CPU without a copy (a view would keep a file's map or a larger array
+    64-byte aligned buffers of their own (``_aligned``), which ``jax.device_put`` hands
+    to JAX on a CPU without a copy (a view would keep a file's map or a larger array
     alive)."""
     out = None
     for i, (name, transposed) in enumerate(names):
@@ -408,27 +409,17 @@ def _gather(names, take, stacked: bool, dtype=None) -> tuple[np.ndarray, ...]:
 
 def _aligned(shape: tuple, dtype) -> np.ndarray:
     """An uninitialized C-ordered array whose data starts on a 64-byte boundary: JAX's
-    CPU client then takes a numpy array as its buffer without copying it
-    (``jax.device_put``; it copies arrays aligned otherwise, as numpy's large ones, 16
-    bytes past a page, are)."""
+    CPU client then takes it as a buffer without copying (``jax.device_put``; it copies
+    arrays aligned otherwise, as numpy's large ones, 16 bytes past a page, are), so a
+    load's weights are not held twice while they move (``jnp.asarray`` made two copies:
+    255 MB of RSS for a 128 MB array). The array is handed over: it must not be written
+    afterwards. (``jax.dlpack.from_dlpack`` aliases too, but 2 of 6 processes that
+    loaded SmolLM2 so hung at exit, in the CPU client's destructor.)"""
     dtype = np.dtype(dtype)
     size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.empty(size + 64, np.uint8)
     at = -raw.ctypes.data % 64
     return raw[at : at + size].view(dtype).reshape(shape)
-
-
-def _on_device(host: np.ndarray):
-    """``host`` as a JAX array on the default device (``jax.device_put``: on a CPU, a
-    64-byte aligned array (``_aligned``) becomes the JAX array's buffer as it is, so a
-    load's weights are not held twice while they move; ``jnp.asarray`` made two copies,
-    255 MB of RSS for a 128 MB array). The caller hands the array over: it must not be
-    written afterwards. (``jax.dlpack.from_dlpack`` also aliases it, but 2 of 6
-    processes that loaded SmolLM2 so then hung at exit, in the CPU client's
-    destructor.)"""
-    import jax
-
-    return jax.device_put(host)
 
 
 def _int4_layout(blocks, transposed: bool, want: tuple, source: str, name: str):
