@@ -48,7 +48,16 @@ ARCHITECTURES = {
 }
 _GEMMA = ("gemma2", "gemma3")
 # Block formats read (by name of gguf.GGMLQuantizationType).
-QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
+# Block formats a GGUF file's tensors may come in: every one is dequantized by gguf's
+# numpy code; some are kept quantized with ``quantization=`` (``KEPT_INT4``, ``KEPT_INT8``)
+QUANT_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S",
+    "TQ1_0", "TQ2_0",
+)  # fmt: skip
+KEPT_INT4 = ("Q4_0", "Q4_1", "Q4_K")  # as the int4 format's groups, with "int4"
+KEPT_INT8 = ("Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K")  # as int8 groups, with "int8" or "int4"
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -122,8 +131,9 @@ def load_gguf(
       param_dtype: storage dtype of the weights (default ``dtype``).
       mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` axis: each weight goes straight into
         its tensor-parallel shards; None: one device.
-      quantization: ``"int8"`` or ``"int4"``: Q8_0, Q6_K and Q5_0 tensors keep their
-        blocks (int8 weights with a scale per group of 32 inputs, 16 for Q6_K: ``Linear`` /
+      quantization: ``"int8"`` or ``"int4"``: Q8_0, Q6_K, Q5_0, Q5_1 and Q5_K tensors
+        keep their blocks (int8 weights with a scale per group of 32 inputs, 16 for Q6_K,
+        and for Q5_1 / Q5_K a minimum per group, values in [0, 31]: ``Linear`` /
         ``Embed``'s int8 with grouped scales); ``"int4"``: Q4_0, Q4_1 and Q4_K tensors
         keep theirs too (each block of 32 weights, or each group of 32 of a Q4_K
         super-block, becomes a group of ``models.quantization``'s int4 format with its
@@ -144,7 +154,7 @@ def load_gguf(
     arch = _field(reader, "general.architecture", path, kind="str")
     tensors: dict[str, np.ndarray] = {}
     blocks: dict[str, tuple[np.ndarray, ...]] = {}  # Q4 tensors kept as (q, d, m)
-    eight: dict[str, tuple[np.ndarray, ...]] = {}  # Q8_0 / Q6_K / Q5_0 kept as (q, d)
+    eight: dict[str, tuple[np.ndarray, ...]] = {}  # KEPT_INT8 as (q, d) or (q, d, m)
     for t in reader.tensors:
         name = _hf_tensor_name(t.name, arch, path)
         if name is None:
@@ -156,9 +166,8 @@ def load_gguf(
                 f"(supported: {', '.join(QUANT_TYPES)})"
             )
         matrix = len(t.shape) == 2
-        keep = quantization == "int4" and qtype.name in ("Q4_0", "Q4_1", "Q4_K") and matrix
-        eights = ("Q8_0", "Q6_K", "Q5_0")
-        keep8 = quantization in ("int8", "int4") and qtype.name in eights and matrix
+        keep = quantization == "int4" and qtype.name in KEPT_INT4 and matrix
+        keep8 = quantization in ("int8", "int4") and qtype.name in KEPT_INT8 and matrix
         # int8 / fp8: the other linear weights quantized here, a tensor at a time, as
         # models.load would quantize the whole float model afterwards (one scale per
         # output channel): the load never holds them all in f32
@@ -168,7 +177,7 @@ def load_gguf(
         if keep:
             parts = _q4_k_blocks(t) if qtype.name == "Q4_K" else _q4_blocks(t, qtype.name)
         elif keep8:
-            parts = {"Q6_K": _q6_k_blocks, "Q5_0": _q5_0_blocks}.get(qtype.name, _q8_blocks)(t)
+            parts = _EIGHT_BIT_BLOCKS[qtype.name](t)
         elif per_channel:  # [out, in] -> scale [out]
             by = quantize_fp8 if quantization == "fp8" else quantize_int8
             parts = by(_dequantize(t, qtype), axis=1)
@@ -594,17 +603,63 @@ def _q4_k_blocks(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     b = raw.reshape(rows, -1, 144)
     d = _f16(b, 0)
     dmin = _f16(b, 2)
+    qs = b[..., 16:].reshape(rows, -1, 4, 32)  # four runs of 32 bytes: groups 2i, 2i + 1
+    q = np.stack([qs & 15, qs >> 4], axis=-2).reshape(rows, -1)  # [rows, blocks * 256]
+    dg, mg = _k_groups(b, d, dmin)
+    return _pairs(q), dg, mg
+
+
+def _k_groups(b: np.ndarray, d: np.ndarray, dmin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each group of 32's scale and minimum ``(d sc_j, -dmin m_j)``, f32 ``[rows, blocks *
+    8]``, of Q4_K or Q5_K super-blocks ``b`` (uint8 ``[rows, blocks, bytes]``; ``d``,
+    ``dmin`` f32 ``[rows, blocks]``): bytes 4-16 hold the 8 groups' 6-bit ``sc`` and
+    ``m``, groups 0-3 in the low 6 bits of bytes 0-3 and 4-7, groups 4-7 in the nibbles
+    of bytes 8-11 with their top 2 bits in the top bits of bytes 0-7."""
+    rows = b.shape[0]
     sc = b[..., 4:16]  # [rows, blocks, 12]
     scale = np.empty((*sc.shape[:2], 8), np.uint8)
     low = np.empty_like(scale)
     scale[..., :4], low[..., :4] = sc[..., 0:4] & 63, sc[..., 4:8] & 63
     scale[..., 4:] = (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)
     low[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
-    qs = b[..., 16:].reshape(rows, -1, 4, 32)  # four runs of 32 bytes: groups 2i, 2i + 1
-    q = np.stack([qs & 15, qs >> 4], axis=-2).reshape(rows, -1)  # [rows, blocks * 256]
     dg = (d[..., None] * scale.astype(np.float32)).reshape(rows, -1)
     mg = -(dmin[..., None] * low.astype(np.float32)).reshape(rows, -1)
-    return _pairs(q), dg, mg
+    return dg, mg
+
+
+def _q5_1_blocks(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(q int8 [out, in] in [0, 31], d f32 [out, in / 32], m f32 [out, in / 32])`` of a
+    Q5_1 tensor: each block of 32 weights (24 bytes: f16 ``d`` and ``m``, 32 high bits,
+    16 bytes of low nibbles, the first 16 weights in the low ones) is a group of int8
+    weights ``d * q + m``."""
+    raw = np.asarray(t.data, np.uint8)
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 24)
+    d, m = _f16(b, 0), _f16(b, 2)
+    high = np.unpackbits(b[..., 4:8], axis=-1, bitorder="little")  # bit k: weight k's
+    low = np.concatenate([b[..., 8:] & 15, b[..., 8:] >> 4], axis=-1)
+    return (low | (high << 4)).astype(np.int8).reshape(rows, -1), d, m
+
+
+def _q5_k_blocks(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(q int8 [out, in] in [0, 31], d f32 [out, in / 32], m f32 [out, in / 32])`` of a
+    Q5_K tensor: each super-block of 256 weights (176 bytes: f16 ``d`` and ``dmin``, 12
+    bytes of 6-bit scales and minimums as Q4_K's, 32 bytes of high bits, 128 of low
+    nibbles) is 8 groups of int8 weights ``(d sc_j) q - dmin m_j``. Groups 2i and 2i + 1
+    take the low and high nibbles of the i-th run of 32 bytes, and bits 2i and 2i + 1 of
+    the high-bit bytes."""
+    raw = np.asarray(t.data, np.uint8)
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 176)
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    qh = b[..., None, 16:48]  # [rows, blocks, 1, 32]
+    qs = b[..., 48:].reshape(rows, -1, 4, 32)
+    bit = np.arange(4, dtype=np.uint8)[:, None]  # run i: bits 2i, 2i + 1
+    lo = (qs & 15) | (((qh >> (2 * bit)) & 1) << 4)
+    hi = (qs >> 4) | (((qh >> (2 * bit + 1)) & 1) << 4)
+    q = np.stack([lo, hi], axis=-2).astype(np.int8).reshape(rows, -1)
+    dg, mg = _k_groups(b, d, dmin)
+    return q, dg, mg
 
 
 def _q6_k_blocks(t: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -650,6 +705,16 @@ def _q8_blocks(t: Any) -> tuple[np.ndarray, np.ndarray]:
     d = _f16(b, 0)
     q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1)
     return q, d
+
+
+# How each of KEPT_INT8's formats is read into int8 groups
+_EIGHT_BIT_BLOCKS = {
+    "Q8_0": _q8_blocks,
+    "Q6_K": _q6_k_blocks,
+    "Q5_0": _q5_0_blocks,
+    "Q5_1": _q5_1_blocks,
+    "Q5_K": _q5_k_blocks,
+}
 
 
 def _unpermute(w: np.ndarray, heads: int, name: str, path: Any) -> np.ndarray:

@@ -216,7 +216,7 @@ def build_model(
     param_dtype: Any = None,
     mesh: Any = None,
     int4_blocks: dict[str, tuple[np.ndarray, ...]] | None = None,
-    quantized8: tuple[str, dict[str, tuple[np.ndarray, np.ndarray]]] | None = None,
+    quantized8: tuple[str, dict[str, tuple[np.ndarray, ...]]] | None = None,
 ) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` from numpy tensors under Hugging Face names and layouts
     (``[out, in]`` linear weights, one tensor per layer), as ``load_hf`` and ``load_gguf``
@@ -233,7 +233,9 @@ def build_model(
     8-bit weights ``q * scale`` (``"fp8"`` or ``"int8"``, ``compressed.take_quantized``;
     int8 with a scale per group of G inputs: ``load_gguf``'s Q8_0 blocks, an embedding
     table's too), held the same way in that format; with a mesh, or for a weight only
-    some layers of which come so, dequantized.
+    some layers of which come so, dequantized. An int8 entry with groups may carry a
+    third array, ``m f32 [out, in / G]``, each group's minimum: weights ``q * scale + m``
+    (``load_gguf``'s Q5_1 and Q5_K blocks, ``q`` in [0, 31]).
 
     ``dtype`` defaults to the tensors' dtype (f32 if mixed), ``param_dtype`` to ``dtype``.
     ``mesh``: place each weight in its tensor-parallel shards (``sharding.sharder``).
@@ -261,7 +263,8 @@ def build_model(
     blocks = int4_blocks if int4_blocks is not None else {}
     int4 = {}  # module path: (scale, zero), set after the merge
     fmt8, eight = quantized8 if quantized8 is not None else (None, {})
-    held8 = {}  # module path: scale, set after the merge
+    held8 = {}  # module path: [scale] or [scale, minimums], set after the merge
+    mixed = {}  # module path: [scale, minimums] of int8 groups made of mixed formats
     for p, var in nnx.to_flat_state(abstract_state):
         expected = tuple(var.get_value().shape)
         stacked = str(p[0]) == "layers"  # [L, ...]: one tensor per layer in the checkpoint
@@ -285,8 +288,9 @@ def build_model(
             # linear kernels, or a table whose scales are per group of E
             and all(n in eight and (t or eight[n][1].ndim == 2) for n, t in names)
             # the same scales' shape every layer (a file may mix Q8_0's groups, Q6_K's
-            # and quantize_int8's per channel across layers: those in float)
-            and len({eight[n][1].shape for n, _ in names}) == 1
+            # and quantize_int8's per channel across layers: those in float), and
+            # minimums in every layer or none (Q5_1 / Q5_K beside Q8_0: in float)
+            and len({(eight[n][1].shape, len(eight[n])) for n, _ in names}) == 1
             and mesh is None
         ):
             for n, t in names:
@@ -298,11 +302,34 @@ def build_model(
             used.update(n for n, _ in names)
 
             def take8(n, t):  # [out, in] -> [in, out]; scales [out] or [out, in / G] likewise
-                q, scale = eight.pop(n)
-                return (q.T, scale.T) if t else (q, scale)
+                parts = eight.pop(n)  # (q, scale) or (q, scale, m)
+                return tuple(a.T for a in parts) if t else parts
 
-            kernel, held8[p[:-1]] = _gather(names, take8, stacked)
+            kernel, *held8[p[:-1]] = _gather(names, take8, stacked)
             filled.append((p, var.replace(jax.device_put(kernel))))
+            continue
+        if (
+            stacked
+            and mesh is None
+            and fmt8 != "fp8"
+            and all(n in blocks or n in eight for n, _ in names)
+        ):
+            # The layers' weights kept in different ways (a Q4_K_M file's ffn_down in Q4_K
+            # and Q6_K, a Q5_K_M file's attn_v in Q5_1 and Q8_0): all as int8 groups (with
+            # minimums where any layer has them), the finest groups of them, exactly the
+            # same weights.
+            group = _common_group(names, blocks, eight, want, source)
+            with_mins = any(n in blocks or len(eight[n]) == 3 for n, _ in names)
+            used.update(n for n, _ in names)
+
+            def take_mixed(n, t, group=group, with_mins=with_mins):
+                parts = blocks.pop(n) if n in blocks else eight.pop(n)
+                parts = _int8_groups(parts, group, with_mins)
+                return tuple(a.T for a in parts) if t else parts
+
+            kernel, *mixed[p[:-1]] = _gather(names, take_mixed, stacked)
+            filled.append((p, var.replace(jax.device_put(kernel))))
+            release_freed_memory()
             continue
         for n, _ in names:  # a file mixing formats across layers: these in float
             if n in blocks:
@@ -310,10 +337,12 @@ def build_model(
                 q = np.stack([q & 15, q >> 4], axis=-1).reshape(q.shape[0], -1)
                 tensors[n] = q * np.repeat(d, 32, axis=-1) + np.repeat(m, 32, axis=-1)
             if n in eight:
-                q, scale = eight.pop(n)
+                q, scale, *mins = eight.pop(n)
                 if scale.ndim == 2:  # per group of the last axis
-                    scale = np.repeat(scale, q.shape[-1] // scale.shape[-1], axis=-1)
-                    tensors[n] = q.astype(np.float32) * scale
+                    g = q.shape[-1] // scale.shape[-1]
+                    tensors[n] = q.astype(np.float32) * np.repeat(scale, g, axis=-1)
+                    if mins:
+                        tensors[n] += np.repeat(mins[0], g, axis=-1)
                 else:
                     tensors[n] = q.astype(np.float32) * scale[:, None]
         for name, transposed in names:
@@ -353,11 +382,68 @@ def build_model(
         node.scale = nnx.Param(jax.device_put(scale))
         node.zero = nnx.Param(jax.device_put(zero))
         node.quantized = "int4"
-    for path, scale in held8.items():
+    for path, (scale, *mins) in held8.items():
         node = functools.reduce(lambda n, part: getattr(n, str(part)), path, model)
         node.scale = nnx.Param(jax.device_put(scale))
+        if mins:  # int8 groups with minimums
+            node.zero = nnx.Param(jax.device_put(mins[0]))
         node.quantized = fmt8
+    for path, (scale, *mins) in mixed.items():
+        node = functools.reduce(lambda n, part: getattr(n, str(part)), path, model)
+        node.scale = nnx.Param(jax.device_put(scale))
+        if mins:
+            node.zero = nnx.Param(jax.device_put(mins[0]))
+        node.quantized = "int8"
     return model
+
+
+def _group_of(parts: tuple[np.ndarray, ...], inputs: int) -> int:
+    """The inputs a scale covers in one tensor's kept blocks: ``(q uint8 [out, in / 2], d,
+    m)`` 4-bit groups, ``(q int8 [out, in], d [out, in / G](, m))`` int8 groups, or
+    ``(q, scale [out])`` int8 per channel (the whole row)."""
+    d = parts[1]
+    return inputs if d.ndim == 1 else inputs // d.shape[-1]
+
+
+def _common_group(names, blocks, eight, want: tuple, source: str) -> int:
+    """The group every layer's kept blocks can be cut into (the smallest of theirs, which
+    the others are multiples of: 16, 32, or a whole row), for ``_int8_groups``. Raises
+    ValueError naming the tensor for blocks that do not fit the parameter's shape."""
+    inputs = want[0]  # a linear kernel [in, out]
+    groups = []
+    for n, _ in names:
+        parts = blocks.get(n) if n in blocks else eight[n]
+        q = parts[0]
+        cols = q.shape[1] * (2 if n in blocks else 1)
+        if (cols, q.shape[0]) != tuple(want):
+            raise ValueError(
+                f"{source}: tensor {n!r} has shape {(q.shape[0], cols)}, expected "
+                f"{tuple(want)[::-1]}"
+            )
+        groups.append(_group_of(parts, inputs))
+    group = min(groups)
+    if any(g % group for g in groups):
+        raise ValueError(f"{source}: tensors {[n for n, _ in names][:2]}...: groups {groups} mix")
+    return group
+
+
+def _int8_groups(
+    parts: tuple[np.ndarray, ...], group: int, with_mins: bool
+) -> tuple[np.ndarray, ...]:
+    """One tensor's kept blocks (``_group_of``'s kinds) as int8 groups of ``group`` inputs:
+    ``(q int8 [out, in], d f32 [out, in / group])``, and ``with_mins`` ``m f32 [out, in /
+    group]`` too, the weights ``d q (+ m)`` exactly as before (4-bit values unpacked, each
+    scale and minimum repeated over the smaller groups, 0 where there was no minimum)."""
+    q, d, *m = parts
+    if q.dtype == np.uint8:  # 4-bit values two a byte
+        q = np.stack([q & 15, q >> 4], axis=-1).reshape(q.shape[0], -1).astype(np.int8)
+    if d.ndim == 1:  # one scale a row
+        d = d[:, None]
+    k = q.shape[1] // d.shape[1] // group
+    d = np.repeat(d.astype(np.float32), k, axis=1)
+    if not with_mins:
+        return q, d
+    return q, d, np.repeat(m[0], k, axis=1) if m else np.zeros_like(d)
 
 
 def release_freed_memory() -> None:

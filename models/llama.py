@@ -129,9 +129,11 @@ class Linear(nnx.Linear):
     # a fused module's parts' names; None: no adapter reaches it (the LM head)
     lora_targets: tuple[str, ...] = ()
     # quantize sets it: "int8" (kernel int8, scale f32 [(L,) out], or [(L,) in / 32,
-    # out] for a GGUF's Q8_0 blocks kept: a scale per group of 32 inputs), "fp8" (kernel
-    # float8_e4m3fn, scale f32 [(L,) out]) or "int4" (kernel uint8 [(L,) in / 2, out],
-    # two rows a byte; scale and zero f32 [(L,) in / 32, out])
+    # out] for a GGUF's Q8_0 blocks kept: a scale per group of 32 inputs, and with a
+    # GGUF's Q5_1 / Q5_K blocks a minimum too, zero f32 [(L,) in / 32, out]: weights
+    # scale * q + zero), "fp8" (kernel float8_e4m3fn, scale f32 [(L,) out]) or "int4"
+    # (kernel uint8 [(L,) in / 2, out], two rows a byte; scale and zero f32 [(L,) in /
+    # 32, out])
     quantized = None
     # hold_fp8_activations sets it: an fp8 kernel held [(L,) out, in], each product fp8 by
     # fp8 with the rows quantized too (W8A8)
@@ -181,6 +183,8 @@ class Linear(nnx.Linear):
             self.zero = Packed(linear.pack(self.zero.get_value()))
         elif self.quantized and _grouped(kernel, self.scale.get_value()):  # int8 groups
             self.scale = Packed(linear.pack(self.scale.get_value()))
+            if _zero_of(self) is not None:  # and their minimums
+                self.zero = Packed(linear.pack(self.zero.get_value()))
         elif self.quantized:  # read whole with the packed stack, by the layer's index
             self.scale = Packed(linear.pack_scales(self.scale.get_value()))
         self.packed = True
@@ -245,9 +249,8 @@ class Linear(nnx.Linear):
             kernel = linear.unpack(kernel, self.out_features)
         if not self.quantized:
             return kernel
-        scale = self.scale.get_value()
+        scale, zero = self.scale.get_value(), _zero_of(self)
         if self.quantized == "int4":
-            zero = self.zero.get_value()
             if self.packed:
                 scale = linear.unpack(scale, self.out_features)
                 zero = linear.unpack(zero, self.out_features)
@@ -259,11 +262,16 @@ class Linear(nnx.Linear):
             return dequantize_int4(kernel, scale, zero, axis=-2)
         if self.packed and _grouped(self.kernel.get_value(), scale):  # int8 groups
             scale = linear.unpack(scale, self.out_features)
+            if zero is not None:
+                zero = linear.unpack(zero, self.out_features)
         elif self.packed:
             scale = scale[..., : self.out_features]
         if isinstance(kernel, tuple):
-            return tuple(_dequantize8(k, s) for k, s in zip(kernel, scale, strict=True))
-        return _dequantize8(kernel, scale)
+            zeros = zero if zero is not None else (None,) * len(kernel)
+            return tuple(
+                _dequantize8(k, s, z) for k, s, z in zip(kernel, scale, zeros, strict=True)
+            )
+        return _dequantize8(kernel, scale, zero)
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         y = self._product(inputs)
@@ -276,7 +284,7 @@ class Linear(nnx.Linear):
         kernel = self.kernel.get_value()
         bias = None if self.bias is None else self.bias.get_value()
         scale = self.scale.get_value() if self.quantized else None
-        zero = self.zero.get_value() if self.quantized == "int4" else None
+        zero = _zero_of(self)
 
         def add_bias(y, b):
             return y if b is None else y + jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,))
@@ -328,13 +336,23 @@ def _grouped(kernel, scale) -> bool:
     return s.ndim == k.ndim
 
 
-def _dequantize8(q, scale):
+def _zero_of(module):
+    """A quantized module's minimums (``zero``: 4-bit groups, or int8 groups kept from a
+    GGUF's Q5_1 / Q5_K blocks), as held, or None."""
+    zero = getattr(module, "zero", None) if module.quantized else None
+    return None if zero is None else zero.get_value()
+
+
+def _dequantize8(q, scale, zero=None):
     """An 8-bit weight ``[..., in, out]`` times its scales, f32: one per output channel
     (``scale [..., out]``) or per channel and group of ``in / scale.shape[-2]`` inputs
-    (``scale [..., in / G, out]``)."""
+    (``scale [..., in / G, out]``, and with ``zero [..., in / G, out]`` plus each group's
+    minimum)."""
     q = q.astype(jnp.float32)
     if scale.ndim == q.ndim:
-        return q * jnp.repeat(scale, q.shape[-2] // scale.shape[-2], axis=-2)
+        g = q.shape[-2] // scale.shape[-2]
+        w = q * jnp.repeat(scale, g, axis=-2)
+        return w if zero is None else w + jnp.repeat(zero, g, axis=-2)
     return q * jnp.expand_dims(scale, -2)
 
 
@@ -347,8 +365,9 @@ def _dot_layer(
     zero: jax.Array | None = None,
 ):
     """``x @ kernel + bias`` as ``nnx.Linear`` computes it, for one layer's own arrays;
-    an int8 ``kernel`` is widened to the compute dtype and its product times ``scale``;
-    a 4-bit one (with ``zero``) is dequantized to the compute dtype first."""
+    an int8 ``kernel`` is widened to the compute dtype and its product times ``scale``
+    (with scales per group, and ``zero``: dequantized first); a 4-bit one (with
+    ``zero``) is dequantized to the compute dtype first."""
     if module.fp8_activations:  # W8A8: fp8 rows by the fp8 kernel held [out, in]
         out_dtype = module.dtype or x.dtype
         xq, xs = quantize_rows(x, jnp.float8_e4m3fn)
@@ -357,11 +376,11 @@ def _dot_layer(
         y = y * xs[..., None] * jnp.reshape(scale, (1,) * (y.ndim - 1) + (-1,))
         y = y.astype(out_dtype)
         return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-    if zero is not None:
+    if zero is not None and module.quantized == "int4":
         kernel = dequantize_int4(kernel, scale, zero, axis=-2, dtype=module.dtype or x.dtype)
         scale = None
     elif scale is not None and _grouped(kernel, scale):  # int8 groups: dequantized first
-        kernel = _dequantize8(kernel, scale).astype(module.dtype or x.dtype)
+        kernel = _dequantize8(kernel, scale, zero).astype(module.dtype or x.dtype)
         scale = None
     x, kernel, bias = module.promote_dtype((x, kernel, bias), dtype=module.dtype)
     y = module.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=module.precision)
@@ -379,8 +398,9 @@ class Embed(nnx.Embed):
     transposed = False  # hold_transposed / hold_packed set them on the instance (static)
     packed = False
     # quantize sets it: "int8" or "fp8" (table int8 or float8_e4m3fn, scale f32 [V], one
-    # a token; int8 kept from a GGUF's Q8_0 blocks: scale [V, E / 32], groups along E) or
-    # "int4" (table uint8 [V, E / 2], scale and zero f32 [V, E / 32]: groups along E)
+    # a token; int8 kept from a GGUF's Q8_0 blocks: scale [V, E / 32], groups along E,
+    # and from Q5_1 / Q5_K blocks zero [V, E / 32] too, their minimums) or "int4" (table
+    # uint8 [V, E / 2], scale and zero f32 [V, E / 32]: groups along E)
     quantized = None
 
     def quantize(self, fmt: str = "int8") -> Embed:
@@ -440,6 +460,8 @@ class Embed(nnx.Embed):
                 self.zero.set_value(linear.pack(self.zero.get_value().T))
             elif groups:  # int8 groups along E: [E / G, V] packed as a weight
                 self.scale.set_value(linear.pack(self.scale.get_value().T))
+                if _zero_of(self) is not None:
+                    self.zero.set_value(linear.pack(self.zero.get_value().T))
             elif self.quantized:
                 self.scale.set_value(linear.pack_scales(self.scale.get_value()))
             self.transposed, self.packed = False, True
@@ -460,10 +482,12 @@ class Embed(nnx.Embed):
                 zero = linear.unpack(zero, self.num_embeddings).T
             return dequantize_int4(table, scale, zero, axis=-1)
         if self._groups():
-            scale = self.scale.get_value()
+            scale, zero = self.scale.get_value(), _zero_of(self)
             if self.packed:
                 scale = linear.unpack(scale, self.num_embeddings).T
-            return _dequantize8(table.T, scale.T).T
+                if zero is not None:
+                    zero = linear.unpack(zero, self.num_embeddings).T
+            return _dequantize8(table.T, scale.T, None if zero is None else zero.T).T
         if self.quantized:
             scale = self.scale.get_value()[: self.num_embeddings]
             return table.astype(jnp.float32) * scale[:, None]
@@ -489,15 +513,16 @@ class Embed(nnx.Embed):
             else:
                 scale, zero = jnp.take(scale, inputs, axis=0), jnp.take(zero, inputs, axis=0)
             rows = dequantize_int4(rows, scale, zero, axis=-1)
-        elif self._groups():  # the tokens' groups of E
-            scale = self.scale[...]
+        elif self._groups():  # the tokens' groups of E (and their minimums)
+            held = [self.scale[...]] + ([] if _zero_of(self) is None else [self.zero[...]])
             if self.packed:
-                scale = linear.packed_columns(scale, inputs)
+                held = [linear.packed_columns(a, inputs) for a in held]
             else:
-                scale = jnp.take(scale, inputs, axis=0)
-            rows = rows.astype(jnp.float32) * jnp.repeat(
-                scale, rows.shape[-1] // scale.shape[-1], -1
-            )
+                held = [jnp.take(a, inputs, axis=0) for a in held]
+            g = rows.shape[-1] // held[0].shape[-1]
+            rows = rows.astype(jnp.float32) * jnp.repeat(held[0], g, -1)
+            if len(held) == 2:
+                rows = rows + jnp.repeat(held[1], g, -1)
         elif self.quantized:  # (a packed scale's entry v is token v's)
             rows = rows.astype(jnp.float32) * self.scale[...][inputs][..., None]
         (rows,) = self.promote_dtype((rows,), dtype=self.dtype, inexact=False)
@@ -505,17 +530,18 @@ class Embed(nnx.Embed):
 
     def attend(self, query: jax.Array) -> jax.Array:  # [..., E] -> [..., V]
         scale = self.scale[...] if self.quantized else None
-        zero = self.zero[...] if self.quantized == "int4" else None
+        zero = _zero_of(self)
         if self.packed:
             x = query.astype(jnp.float32)
             y = linear.matmul(x, self.embedding[...], self.num_embeddings, scales=scale, mins=zero)
             return y.astype(self.dtype or y.dtype)
-        if zero is not None:
+        if self.quantized == "int4":
             table = dequantize_int4(self.embedding[...], scale, zero, axis=-1, dtype=self.dtype)
             query, table = self.promote_dtype((query, table), dtype=self.dtype)
             return jnp.dot(query, table.T)
         if self._groups():  # int8 groups along E, [V, E]: dequantized first
-            table = _dequantize8(self.embedding[...].T, scale.T).astype(self.dtype or jnp.float32)
+            z = None if zero is None else zero.T
+            table = _dequantize8(self.embedding[...].T, scale.T, z).astype(self.dtype or jnp.float32)
             query, table = self.promote_dtype((query, table), dtype=self.dtype)
             return jnp.dot(query, table)
         if not self.transposed and not self.quantized:
@@ -555,9 +581,13 @@ def fuse_linears(linears: list[Linear]) -> Linear | None:
     if len({m.bias is None for m in linears}) != 1:
         return None
 
+    if len({_zero_of(m) is None for m in linears}) != 1:  # minimums in some parts only
+        return None
     del kernels
     extra = {"int8": ["scale"], "fp8": ["scale"], "int4": ["scale", "zero"]}
     names = ["kernel", "bias"] + extra.get(first.quantized, [])
+    if first.quantized == "int8" and _zero_of(first) is not None:
+        names.append("zero")
     for name in names[2:]:  # the same groups of inputs (or none) in every part
         shapes = {_first(getattr(m, name).get_value()).shape[:-1] for m in linears}
         if len(shapes) != 1:

@@ -11,7 +11,10 @@ model's dtype (W8A16); the CPU's C kernel quantizes each row of ``x`` to int8 in
 of 32 inputs, a scale each, and sums them by integer dot products (W8A8, as llama.cpp:
 ``paged_jax.kernels.cpu.reference_quantized`` defines it). The weights take a quarter of
 f32's bytes (plus one f32 per channel), and each dequantized weight is within half a
-scale of the float one.
+scale of the float one. A GGUF file's blocks kept as they are (``load_gguf``) give int8
+with a scale per output channel and group of inputs instead (``scale [(L,) in / G,
+out]``), and Q5_1 / Q5_K blocks a minimum per group too (``zero``, the same shape: the
+weights ``scale * q + zero``, q in [0, 31]).
 
 ``int4`` (weight-only, 4-bit groups as GGUF's Q4_1): along the input axis (``in`` of a
 linear weight, ``E`` of an embedding table), each group of ``GROUP`` (32) weights of one

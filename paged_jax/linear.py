@@ -73,15 +73,16 @@ def matmul(
     n: int,
     layer: jax.Array | int | None = None,  # i32 scalar: which of L weights
     rows: jax.Array | int | None = None,  # i32 scalar: rows of x to compute
-    scales: jax.Array | None = None,  # f32[(L,) P * NR]: int8 weights' (pack_scales)
-    mins: jax.Array | None = None,  # 4-bit weights: scales and mins f32[(L,) P, K / G, NR]
+    scales: jax.Array | None = None,  # int8: f32[(L,) P * NR] (pack_scales) or groups'
+    mins: jax.Array | None = None,  # 4-bit, int8 groups: scales and mins f32[(L,) P, K / G, NR]
 ) -> jax.Array:  # [..., n] f32
     """``x @ w`` for the ``[K, n]`` weight ``w`` packed as ``packed`` (of a stack of L, the
     one at ``layer``, read where it lies), by the CPU kernel: one f32 sum per output
     over K in order, so a row's result does not depend on the other rows. ``rows``: only
     the first ``rows`` rows of ``x`` (flattened) are computed, the others' results are 0
     (None: all). int8 weights need their ``scales``: column j of the weight is ``q[:, j] *
-    scales[j]``. 4-bit weights (uint8 ``[(L,) P, K / 2, NR]``) need their groups'
+    scales[j]``, or with scales per group of rows (``[(L,) P, K / G, NR]``) ``q[k, j] *
+    scales[k // G, j]``, plus ``mins[k // G, j]`` where ``mins`` are given. 4-bit weights (uint8 ``[(L,) P, K / 2, NR]``) need their groups'
     ``scales`` and ``mins`` (each packed by ``pack`` from ``[(L,) K / G, n]``). Quantized
     weights multiply rows of ``x`` quantized to int8 in blocks of 32 inputs (4-bit: the
     groups), a scale each, by exact integer dot products (W8A8; see

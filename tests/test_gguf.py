@@ -70,18 +70,30 @@ def _llama_cpp_order(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+# Where each block of the formats gguf cannot quantize holds its float16 scales (d, and
+# dmin for those with minimums), from the formats' definitions
+RANDOM_BLOCKS = {
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+    Q.TQ2_0: (64,),
+}
+
+
 def _encode(values: np.ndarray, qtype: Q, rng) -> np.ndarray:
-    """Bytes of ``values`` in ``qtype``; the K-quants, which gguf cannot quantize, get random
-    blocks with finite scales instead (the test then compares against their dequantization)."""
-    if qtype in (Q.Q4_K, Q.Q6_K):
+    """Bytes of ``values`` in ``qtype``; the formats gguf cannot quantize (``RANDOM_BLOCKS``)
+    get random blocks with finite scales instead (the test then compares against their
+    dequantization)."""
+    if qtype in RANDOM_BLOCKS:
         block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
         raw = rng.integers(0, 256, (values.shape[0], values.shape[1] // block, nbytes), np.uint8)
-        scale = rng.uniform(0.001, 0.01, raw.shape[:2]).astype(np.float16).view(np.uint8)
-        if qtype == Q.Q4_K:  # d, dmin: the first 4 bytes
-            raw[..., 0:2] = scale.reshape(*raw.shape[:2], 2)
-            raw[..., 2:4] = scale.reshape(*raw.shape[:2], 2)
-        else:  # Q6_K: d is the last 2 bytes
-            raw[..., -2:] = scale.reshape(*raw.shape[:2], 2)
+        for at in RANDOM_BLOCKS[qtype]:
+            scale = rng.uniform(0.001, 0.01, raw.shape[:2]).astype(np.float16)
+            raw[..., at : at + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
         return raw.reshape(values.shape[0], -1)
     return quants.quantize(values, qtype)
 
@@ -235,7 +247,7 @@ QUANT_TOL = {
 }
 
 
-@pytest.mark.parametrize("qtype", [*QUANT_TOL, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [*QUANT_TOL, *RANDOM_BLOCKS], ids=lambda q: q.name)
 def test_every_block_format_dequantizes_into_place(tmp_path, qtype):
     model = _model()
     held = write_gguf(tmp_path / "m.gguf", model, qtype=qtype)
@@ -285,14 +297,24 @@ def test_q4_blocks_are_kept_as_int4_groups(tmp_path, qtype):
         ("int4", True, Q.Q8_0),
         ("int8", True, Q.Q6_K),
         ("int8", True, Q.Q5_0),
+        ("int8", True, Q.Q5_1),
+        ("int4", False, Q.Q5_K),
     ],
-    ids=["int8-untied-Q8_0", "int4-tied-Q8_0", "int8-tied-Q6_K", "int8-tied-Q5_0"],
+    ids=[
+        "int8-untied-Q8_0",
+        "int4-tied-Q8_0",
+        "int8-tied-Q6_K",
+        "int8-tied-Q5_0",
+        "int8-tied-Q5_1",
+        "int4-untied-Q5_K",
+    ],
 )
 def test_8_bit_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, qtype, monkeypatch):
-    # quantization="int8" or "int4" keeps a Q8_0, Q6_K or Q5_0 file's blocks: every linear
-    # weight and the table int8 with a scale per group of 32 (Q6_K: 16) inputs
-    # (llama.cpp's Q/K row order undone on the blocks), the very weights the dequantizing
-    # load gives; packed for the C kernel, near the floats (W8A8); on XLA, exactly.
+    # quantization="int8" or "int4" keeps a Q8_0, Q6_K, Q5_0, Q5_1 or Q5_K file's blocks:
+    # every linear weight and the table int8 with a scale per group of 32 (Q6_K: 16)
+    # inputs, and for Q5_1 / Q5_K a minimum per group (values in [0, 31]) (llama.cpp's
+    # Q/K row order undone on the blocks), the very weights the dequantizing load gives;
+    # packed for the C kernel, near the floats (W8A8); on XLA, exactly.
 
     from paged_jax import linear
 
@@ -308,11 +330,19 @@ def test_8_bit_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, qtype, monkey
     heads = CFG["num_heads"] * CFG["head_dim"]
     group = 16 if qtype == Q.Q6_K else 32
     assert q_proj.scale.get_value().shape == (CFG["num_layers"], CFG["hidden_size"] // group, heads)
+    with_mins = qtype in (Q.Q5_1, Q.Q5_K)
+    for module in (q_proj, kept.layers.mlp.down_proj, kept.embed_tokens):
+        assert (getattr(module, "zero", None) is not None) == with_mins
+    if with_mins:  # the file's 5-bit values as they are
+        q = np.asarray(q_proj.kernel.get_value())
+        assert q.min() >= 0 and q.max() <= 31
+        assert q_proj.zero.get_value().shape == q_proj.scale.get_value().shape
     want = _weights(floats)
     _assert_weights_equal(kept, want)
 
-    # a byte a weight and an f32 scale per group: 1.125 (1.25 for groups of 16) of 4
-    assert _nbytes(kept) < (0.3 if group == 32 else 0.33) * _nbytes(floats)
+    # a byte a weight and an f32 scale per group: 1.125 of 4 (1.25 for groups of 16, or
+    # with a minimum per group too)
+    assert _nbytes(kept) < (0.3 if group == 32 and not with_mins else 0.33) * _nbytes(floats)
     ids = [0, 5, 9, 20, 17, 3, 44]
     np.testing.assert_allclose(dense_logits(kept, ids), dense_logits(floats, ids), atol=1e-4)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [30, 31, 32]]
@@ -340,6 +370,50 @@ def test_8_bit_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, qtype, monkey
             np.testing.assert_allclose(g.outputs[0].logprobs, r.outputs[0].logprobs, atol=2e-4)
 
 
+@pytest.mark.parametrize(
+    "fmt, first, rest, group, with_mins",
+    [
+        ("int4", Q.Q4_K, Q.Q6_K, 16, True),  # a Q4_K_M file's ffn_down and attn_v
+        ("int8", Q.Q5_1, Q.Q8_0, 32, True),  # a Q5_K_M file's attn_v (576 wide: Q5_1)
+        ("int8", Q.Q8_0, Q.Q6_K, 16, False),
+    ],
+    ids=["int4-Q4_K-Q6_K", "int8-Q5_1-Q8_0", "int8-Q8_0-Q6_K"],
+)
+def test_layers_in_different_block_formats_are_kept_as_int8_groups(
+    tmp_path, fmt, first, rest, group, with_mins
+):
+    # llama.cpp's mixes (Q4_K_M, Q5_K_M) give some layers of a weight one block format
+    # and the others another: each such weight is held as int8 groups, the finest of its
+    # layers' groups (16 from Q6_K), with minimums where any layer has them (0 for the
+    # others), the very weights the dequantizing load gives, never widened to float.
+    from paged_jax import linear
+
+    model = _model(tie_word_embeddings=False)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, qtype=lambda g: first if g.startswith("blk.0.") else rest)
+    floats, _ = load_gguf(path)
+    kept, _ = models.load(path, quantization=fmt)
+    for module in (kept.layers.self_attn.q_proj, kept.layers.mlp.down_proj):
+        assert module.quantized == "int8"
+        assert module.kernel.get_value().dtype == jnp.int8
+        assert module.scale.get_value().shape[:2] == (CFG["num_layers"], module.in_features // group)
+        assert (getattr(module, "zero", None) is not None) == with_mins
+    _assert_weights_equal(kept, _weights(floats))
+    ids = [0, 5, 9, 20, 17, 3, 44]
+    np.testing.assert_allclose(dense_logits(kept, ids), dense_logits(floats, ids), atol=1e-4)
+    if linear.available():  # packed for the C kernel (W8A8): near the floats' log-probs
+        prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [30, 31, 32]]
+        p = pj.SamplingParams(max_tokens=4, ignore_eos=True, logprobs=True)
+        kw = dict(num_pages=32, page_size=8, compilation_cache=False)
+        got = pj.LLM(kept, **kw).generate(prompts, p, progress=False)
+        assert kept.layers.mlp.down_proj.packed
+        ref = pj.LLM(floats, **kw).generate(prompts, p, progress=False)
+        for g, r in zip(got, ref, strict=True):
+            np.testing.assert_allclose(
+                g.outputs[0].logprobs[:1], r.outputs[0].logprobs[:1], atol=0.05
+            )
+
+
 def _llama_cpp_order_inverse(w, heads):
     return (
         w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -350,15 +424,15 @@ def _llama_cpp_order_inverse(w, heads):
 def test_8_bit_load_quantizes_a_tensor_at_a_time_as_the_whole_model_would(tmp_path, fmt):
     """With quantization="int8" or "fp8" a file's float tensors are quantized as they are
     read, never all held in f32: the weights equal those of the float load quantized
-    whole (F16 tensors; one layer's v_proj in Q8_0: with int8 that projection mixes
-    groups of 32 with per-channel scales across layers and loads through float; fp8
-    keeps no block and quantizes it too), and numpy's peak while
+    whole (F16 tensors; one layer's v_proj in Q8_0: with int8 that projection keeps the
+    layer's blocks and holds the other layer's per-channel scales in the same groups of
+    32; fp8 keeps no block and quantizes it too), and numpy's peak while
     loading stays below the f32 weights' bytes (the float tensors, then their stacks,
     took more than that)."""
     import tracemalloc
 
     model = _model()
-    write_gguf(
+    held = write_gguf(
         tmp_path / "m.gguf", model, qtype=lambda g: Q.Q8_0 if g == "blk.0.attn_v.weight" else Q.F16
     )
     floats, _ = load_gguf(tmp_path / "m.gguf")
@@ -371,6 +445,15 @@ def test_8_bit_load_quantizes_a_tensor_at_a_time_as_the_whole_model_would(tmp_pa
     finally:
         tracemalloc.stop()
     flat_want, flat_got = nnx.to_flat_state(want), nnx.to_flat_state(nnx.state(got))
+    if fmt == "int8":  # v_proj: layer 0's Q8_0 blocks kept, layer 1 per channel, as groups
+        v = floats.layers.self_attn.v_proj
+        layer1 = np.asarray(v.weight()[1])  # the whole model's int8 per channel
+        v_got = np.asarray(got.layers.self_attn.v_proj.weight())
+        assert got.layers.self_attn.v_proj.scale.get_value().ndim == 3  # [L, in / 32, out]
+        np.testing.assert_array_equal(v_got[1], layer1)
+        np.testing.assert_allclose(v_got[0], held["blk.0.attn_v.weight"].T, rtol=1e-6, atol=1e-6)
+        flat_want = [(p, a) for p, a in flat_want if "v_proj" not in map(str, p)]
+        flat_got = [(p, a) for p, a in flat_got if "v_proj" not in map(str, p)]
     assert [p for p, _ in flat_got] == [p for p, _ in flat_want]
     for (p, a), (_, b) in zip(flat_got, flat_want, strict=True):
         np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), p)
@@ -423,15 +506,16 @@ def test_unsupported_files_are_named_errors(tmp_path):
         load_gguf(tmp_path / "a.gguf")
     rng = np.random.default_rng(0)
     held = write_gguf(tmp_path / "ok.gguf", model)
-    # a Q2_K tensor: rewrite the file with one tensor in a format the loader does not read
+    # a Q8_K tensor (llama.cpp's intermediate format, which gguf cannot dequantize): the
+    # file rewritten with one tensor in a format the loader does not read
     w = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "llama")
     w.add_block_count(2)
     w.add_embedding_length(256)
     w.add_feed_forward_length(256)
     w.add_head_count(4)
     w.add_context_length(64)
-    raw = rng.integers(0, 256, (300, gguf.GGML_QUANT_SIZES[Q.Q2_K][1]), np.uint8)
-    w.add_tensor("token_embd.weight", raw, raw_dtype=Q.Q2_K)
+    raw = rng.integers(0, 256, (300, gguf.GGML_QUANT_SIZES[Q.Q8_K][1]), np.uint8)
+    w.add_tensor("token_embd.weight", raw, raw_dtype=Q.Q8_K)
     for name, value in held.items():
         if name != "token_embd.weight":
             w.add_tensor(name, value)
@@ -439,7 +523,7 @@ def test_unsupported_files_are_named_errors(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(GGUFError, match=r"'token_embd.weight' is stored as Q2_K"):
+    with pytest.raises(GGUFError, match=r"'token_embd.weight' is stored as Q8_K"):
         load_gguf(tmp_path / "q.gguf")
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(GGUFError, match=r"junk\.gguf: not a readable GGUF file"):

@@ -144,27 +144,45 @@ def test_the_cpu_kernel_multiplies_by_int8_weights_as_defined(layers, n, rows):
 
 @pytest.mark.skipif(not linear.available(), reason="the CPU kernels did not build here")
 @pytest.mark.parametrize("layers, n, group", [(None, 100, 32), (3, 48, 16), (2, 7, 96)])
-def test_the_cpu_kernel_multiplies_by_int8_groups_as_defined(layers, n, group):
+@pytest.mark.parametrize("with_mins", [False, True], ids=["scales", "scales-mins"])
+def test_the_cpu_kernel_multiplies_by_int8_groups_as_defined(layers, n, group, with_mins):
     # A scale per column and group of rows (GGUF's Q8_0 blocks): the rows' blocks follow.
+    # With a minimum per group too (GGUF's Q5_1 / Q5_K: q in [0, 31], weights d q + m).
     rng = np.random.default_rng(7)
     lead = () if layers is None else (layers,)
-    w = rng.normal(size=(*lead, 96, n)).astype(np.float32)
+    w = rng.normal(size=(*lead, 96, n)).astype(np.float32) + (1.5 if with_mins else 0.0)
     g = w.reshape(*lead, 96 // group, group, n)
-    scale = (np.abs(g).max(axis=-2) / 127).astype(np.float32)  # [(L,) K / G, n]
-    q = np.rint(g / scale[..., None, :]).astype(np.int8).reshape(w.shape)
+    if with_mins:
+        lo = g.min(axis=-2)
+        scale = ((g.max(axis=-2) - lo) / 31).astype(np.float32)
+        q = np.rint((g - lo[..., None, :]) / scale[..., None, :]).astype(np.int8).reshape(w.shape)
+        mins = lo.astype(np.float32)
+    else:
+        scale = (np.abs(g).max(axis=-2) / 127).astype(np.float32)  # [(L,) K / G, n]
+        q = np.rint(g / scale[..., None, :]).astype(np.int8).reshape(w.shape)
+        mins = None
     x = rng.normal(size=(9, 96)).astype(np.float32)
     layer = None if layers is None else layers - 1
     pk, ps = linear.pack(jnp.asarray(q)), linear.pack(jnp.asarray(scale))
-    got = np.asarray(linear.matmul(jnp.asarray(x), pk, n, layer=layer, scales=ps))
+    pm = None if mins is None else linear.pack(jnp.asarray(mins))
+    got = np.asarray(linear.matmul(jnp.asarray(x), pk, n, layer=layer, scales=ps, mins=pm))
     pick = (lambda a: a) if layers is None else (lambda a: a[layer])
-    want = cpu.reference_quantized(x, pick(q), pick(scale))
+    want = cpu.reference_quantized(x, pick(q), pick(scale), None if mins is None else pick(mins))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
-    deq = (q.reshape(g.shape) * scale[..., None, :]).reshape(w.shape)
-    exact = x.astype(np.float64) @ pick(deq)
+    deq = q.reshape(g.shape) * scale[..., None, :]
+    if with_mins:
+        deq = deq + mins[..., None, :]
+    exact = x.astype(np.float64) @ pick(deq.reshape(w.shape))
     assert np.abs(got - exact).max() <= 0.02 * np.abs(exact).max()
+    if with_mins:  # the minimums count: without them the product is far off
+        bare = np.asarray(linear.matmul(jnp.asarray(x), pk, n, layer=layer, scales=ps))
+        assert np.abs(bare - exact).max() > 0.1 * np.abs(exact).max()
+        with pytest.raises(ValueError, match="mins: expected float32"):
+            twice = jnp.concatenate([pm, pm], axis=-2)  # not the scales' groups
+            linear.matmul(jnp.asarray(x), pk, n, layer=layer, scales=ps, mins=twice)
     with pytest.raises(ValueError, match="G a multiple of 4"):
         six = linear.pack(jnp.zeros((*lead, 16, n), jnp.float32))  # groups of 6 rows
-        linear.matmul(jnp.asarray(x), pk, n, layer=layer, scales=six)
+        linear.matmul(jnp.asarray(x), pk, n, layer=layer, scales=six, mins=None if pm is None else six)
 
 
 @pytest.mark.skipif(not linear.available(), reason="the CPU kernels did not build here")

@@ -380,8 +380,8 @@ def linear(
     layer: jax.Array | int | None = None,
     rows: jax.Array | int | None = None,
     threads: int | None = None,
-    scales: jax.Array | None = None,  # int8: f32[(L,) P * NR]; uint8: f32[(L,) P, K / G, NR]
-    mins: jax.Array | None = None,  # uint8: f32[(L,) P, K / G, NR]
+    scales: jax.Array | None = None,  # int8: f32[(L,) P * NR] or [(L,) P, K / G, NR]
+    mins: jax.Array | None = None,  # uint8, int8 with groups: f32[(L,) P, K / G, NR]
 ) -> jax.Array:  # [..., n] f32
     """``x @ w`` for the ``[K, n]`` weight ``w`` that ``pack_weight`` made ``packed`` (for
     an ``[L, ...]`` stack, weight ``layer``: an int or a traced i32 scalar, read in place,
@@ -393,7 +393,8 @@ def linear(
     outside ``[0, M]``: every row. int8 weights come with ``scales``: the weight is ``q[k,
     j] * scales[j]`` (``pack_scales`` of ``f32[(L,) n]``), or ``q[k, j] * scales[k // G,
     j]`` (``pack_weight`` of ``f32[(L,) K / G, n]``, G a multiple of 4: groups as GGUF's
-    Q8_0 blocks). 4-bit weights (uint8, two rows of ``q`` in [0, 15] a byte, the even
+    Q8_0 blocks), and with grouped scales ``mins`` too (the same layout): ``q[k, j] *
+    scales[k // G, j] + mins[k // G, j]`` (GGUF's Q5_1 and Q5_K blocks). 4-bit weights (uint8, two rows of ``q`` in [0, 15] a byte, the even
     row in the low nibble) come with ``scales`` and ``mins`` per group of G rows (G a
     multiple of 8; ``pack_weight`` of their ``[K / G, n]`` arrays): the weight is ``scales
     * q + mins``. Quantized weights multiply the rows of ``x`` quantized to int8 in blocks
@@ -404,6 +405,8 @@ def linear(
     or out-of-range static ``layer``, and when the kernels are not available."""
     four = packed.dtype == jnp.uint8
     want = jnp.float32 if scales is None else (jnp.uint8 if mins is not None else jnp.int8)
+    if want == jnp.uint8 and packed.dtype == jnp.int8:  # int8 groups with minimums
+        want = jnp.int8
     if x.dtype != jnp.float32 or packed.dtype != want:
         expected = {
             jnp.float32: "float32",
@@ -443,15 +446,16 @@ def linear(
     call = jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
     if scales is None:
         return call(x2, packed, params).reshape(*x.shape[:-1], n)
-    if four:
+    if mins is not None:  # 4-bit weights, or int8 ones with groups
         lead = packed.shape[:-3]
         groups = scales.shape[-2] if scales.ndim == packed.ndim else 0
-        ok = groups > 0 and k % groups == 0 and (k // groups) % 8 == 0
+        multiple = 8 if four else 4
+        ok = groups > 0 and k % groups == 0 and (k // groups) % multiple == 0
         for name, a in (("scales", scales), ("mins", mins)):
             if not ok or a.dtype != jnp.float32 or a.shape != (*lead, p, groups, nr):
                 raise ValueError(
                     f"{name}: expected float32[{', '.join(map(str, (*lead, p)))}, K / G, {nr}] "
-                    f"with K / G dividing {k} into groups of a multiple of 8, got "
+                    f"with K / G dividing {k} into groups G a multiple of {multiple}, got "
                     f"{a.dtype}{list(a.shape)}"
                 )
         return call(x2, packed, scales, mins, params).reshape(*x.shape[:-1], n)
@@ -494,17 +498,18 @@ def reference_quantized(
     x: np.ndarray,  # f32[M, K]
     q: np.ndarray,  # int8[K, N], or uint8[K / 2, N] 4-bit (two rows a byte)
     scales: np.ndarray,  # int8: f32[N] or f32[K / G, N]; 4-bit: f32[K / G, N]
-    mins: np.ndarray | None = None,  # 4-bit: f32[K / G, N]
+    mins: np.ndarray | None = None,  # 4-bit, int8 with groups: f32[K / G, N]
 ) -> np.ndarray:  # f64[M, N]
     """What ``linear`` computes for quantized weights (unpacked), in numpy: the rows of
     ``x`` quantized in blocks (``quantize_blocks``: the weights' groups, or 32 inputs for
     int8 weights with a scale per column), each block's exact integer sum against the
     weights, scaled (int8 per column: ``scales[n] * sum over blocks of dx * isum``; int8
-    groups: ``sum over blocks of isum * d * dx``; 4-bit: that ``+ m * dx * (the block's
-    sum of xq)``: the dequantized weights times the quantized rows). In f64, so it
-    differs from the kernel's f32 sums by their rounding only."""
+    groups: ``sum over blocks of isum * d * dx``; 4-bit and int8 groups with ``mins``:
+    that ``+ m * dx * (the block's sum of xq)``: the dequantized weights times the
+    quantized rows). In f64, so it differs from the kernel's f32 sums by their rounding
+    only."""
     x = np.asarray(x, np.float32)
-    four, grouped = mins is not None, np.ndim(scales) == 2
+    four, grouped = q.dtype == np.uint8, np.ndim(scales) == 2
     if four:
         q = np.stack([q & 15, q >> 4], axis=-2).reshape(2 * q.shape[0], q.shape[1])
     k = x.shape[1]
@@ -516,7 +521,7 @@ def reference_quantized(
         isum = xq[:, sl].astype(np.int64) @ q[sl].astype(np.int64)
         if grouped:
             out += isum * (scales[g].astype(np.float64) * dx[:, g, None])
-            if four:
+            if mins is not None:
                 xs = np.float32(xq[:, sl].astype(np.int64).sum(axis=1)) * dx[:, g]
                 out += mins[g] * xs.astype(np.float64)[:, None]
         else:

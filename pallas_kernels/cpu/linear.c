@@ -20,6 +20,8 @@
  *                              j] in the high one; with a 4th and a 5th operand:
  *   scales   f32[(L,) P, K / G, NR]  each group's scale d and
  *   mins     f32[(L,) P, K / G, NR]  its minimum m: the weights are d * q + m
+ *            (int8 weights with scales per group take mins too: GGUF's Q5_1 and Q5_K
+ *            blocks, q in [0, 31], as d * q + m)
  *   params   i32[3]            {the weight to use (0 for a 3-D w), at most this many threads,
  *                              the rows to compute (R; outside [0, M]: all M)}
  * Result: y f32[M, N], N in (P * NR - NR, P * NR]; rows R .. M - 1 are 0. A step padded
@@ -44,7 +46,8 @@
  * blocks b in order, into one f32 sum per output:
  *   int8:  y[m, n] = scales[n] * sum over b of dx[m, b] * isum[m, b, n]
  *          (scales per group: sum over b of isum[m, b, n] * (d[b, n] * dx[m, b]), B = G)
- *   4-bit: y[m, n] = sum over b of isum[m, b, n] * (d[b, n] * dx[m, b])
+ *   4-bit, and int8 groups with mins:
+ *          y[m, n] = sum over b of isum[m, b, n] * (d[b, n] * dx[m, b])
  *                                 + m[b, n] * (the block's sum of xq, times dx[m, b])
  * that is, the dequantized weights times the quantized rows: the rows' rounding errors
  * meet the weights as they are, d q + m, not the unsigned q (the sum of x itself in the
@@ -119,8 +122,8 @@ typedef struct {
   const float *x;
   const void *w;      /* f32 panels, int8 ones when scale is set, 4-bit ones with mins */
   const float *scale; /* int8: the columns' scales [P * NR]; 4-bit: [P, K / G, NR] */
-  const float *mins;  /* 4-bit weights: the groups' minimums [P, K / G, NR], else NULL */
-  const float *xsum;  /* 4-bit weights: each row's quantized sum over each group [M, K / G] */
+  const float *mins;  /* the groups' minimums [P, K / G, NR] (4-bit, int8 groups), or NULL */
+  const float *xsum;  /* with mins: each row's quantized sum over each group [M, K / G] */
   const int8_t *xq;   /* quantized weights: x quantized, [M, K] */
   const float *dx;    /* and each block's scale [M, blocks] */
   const int32_t *xc;  /* int8 weights: what each block's int32 sums carry besides x @ q */
@@ -222,9 +225,11 @@ static inline int32_t quad_at(const int8_t *p) {
 
 /* The quantized counterpart of tile, for one panel and mr <= QMR rows: int8 weights
  * (`s` 1: wp [K / 4, 4 NR], the panel's column scales sc [NR]; `s` 2: the groups' scales
- * sc [K / B, NR]) or 4-bit ones (`s` 0: wp [K / 8, 4 NR] bytes, the groups' scales sc and
- * minimums mn [K / B, NR], the rows' group sums of x xs [mr, blocks]). xq [mr, K]: the rows quantized; dx [mr, blocks] their blocks' scales;
- * xc [mr, blocks] (int8 weights) what each block's int32 sums carry besides x @ q. */
+ * sc [K / B, NR]; `s` 3: those and the groups' minimums mn [K / B, NR]) or 4-bit ones
+ * (`s` 0: wp [K / 8, 4 NR] bytes, the groups' scales sc and minimums mn [K / B, NR]).
+ * xq [mr, K]: the rows quantized; dx [mr, blocks] their blocks' scales; xc [mr, blocks]
+ * (int8 weights) what each block's int32 sums carry besides x @ q; xs [mr, blocks] (with
+ * minimums) each block's sum of xq times its scale. */
 static inline __attribute__((always_inline)) void qtile(
     const int8_t *xq, const float *dx, const int32_t *xc, const float *xs, const int8_t *wp,
     const int8_t *ahead, float *y, int64_t K, int64_t N, int64_t n0, const int mr, const int s,
@@ -272,7 +277,12 @@ static inline __attribute__((always_inline)) void qtile(
       const float d = dx[i * blocks + g];
       if (s) {
         const int32_t c = xc[i * blocks + g];
-        if (s == 2)
+        if (s == 3) {
+          const float sx = xs[i * blocks + g];
+          for (int v = 0; v < 3; ++v)
+            f[i][v] += __builtin_convertvector(t[i][v] - c, lv) * (load(sc + g * NR + v * VL) * d) +
+                       load(mn + g * NR + v * VL) * sx;
+        } else if (s == 2)
           for (int v = 0; v < 3; ++v)
             f[i][v] += __builtin_convertvector(t[i][v] - c, lv) * (load(sc + g * NR + v * VL) * d);
         else
@@ -307,12 +317,12 @@ static inline __attribute__((always_inline)) void run_rows_q(LinearJob *j, const
     for (int64_t p = j->first; p < j->last; ++p) {
       const int8_t *wp = (const int8_t *)j->w + p * panel;
       const float *sc = s == 1 ? j->scale + p * NR : j->scale + p * blocks * NR;
-      const float *mn = s ? NULL : j->mins + p * blocks * NR;
+      const float *mn = s == 0 || s == 3 ? j->mins + p * blocks * NR : NULL;
       const int8_t *next = p + 1 < j->last ? wp + panel : NULL;
       int64_t m = m0;
-#define QTILE(R)                                                                         \
-  qtile(j->xq + m * K, j->dx + m * blocks, s ? j->xc + m * blocks : NULL,               \
-        s ? NULL : j->xsum + m * blocks, wp, next, j->y + m * N, K, N, p * NR, R, s, B, sc, \
+#define QTILE(R)                                                                          \
+  qtile(j->xq + m * K, j->dx + m * blocks, s ? j->xc + m * blocks : NULL,                \
+        mn ? j->xsum + m * blocks : NULL, wp, next, j->y + m * N, K, N, p * NR, R, s, B, sc, \
         mn)
       for (; m + QMR <= m1; m += QMR, next = NULL) QTILE(QMR);
       switch (m1 - m) {
@@ -357,8 +367,10 @@ static void run_rows(LinearJob *j) {
 
 static void *run_linear(void *arg) {
   LinearJob *j = (LinearJob *)arg;
-  if (j->mins)
-    run_rows_q(j, 0); /* a copy per weight type, each with it fixed */
+  if (j->mins && j->grouped)
+    run_rows_q(j, 3); /* a copy per weight type, each with it fixed */
+  else if (j->mins)
+    run_rows_q(j, 0);
   else if (j->scale && j->grouped)
     run_rows_q(j, 2);
   else if (j->scale)
@@ -415,12 +427,14 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
   const int64_t nargs = frame->args.size;
   if (nargs < 3 || nargs > 5 || frame->rets.size != 1)
     return fail(frame, "paged_jax linear: expected 3 to 5 operands and 1 result");
-  /* q: 0 f32 weights, 1 int8 ones and their scales, 2 4-bit ones, scales and minimums */
-  const int q = (int)nargs - 3;
-  const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1],
-                       *scales = q ? frame->args.args[2] : NULL,
-                       *mins = q == 2 ? frame->args.args[3] : NULL,
-                       *params = frame->args.args[2 + q], *y = frame->rets.rets[0];
+  /* q: 0 f32 weights, 1 int8 ones and their scales (and minimums: mins8), 2 4-bit ones,
+   * scales and minimums */
+  const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1];
+  const int mins8 = nargs == 5 && w->dtype == XLA_FFI_DataType_S8;
+  const int q = mins8 ? 1 : (int)nargs - 3, extra = (int)nargs - 3;
+  const XLA_FFI_Buffer *scales = q ? frame->args.args[2] : NULL,
+                       *mins = extra == 2 ? frame->args.args[3] : NULL,
+                       *params = frame->args.args[2 + extra], *y = frame->rets.rets[0];
   if (x->rank != 2 || (w->rank != 3 && w->rank != 4) || params->rank != 1 || y->rank != 2)
     return fail(frame, "paged_jax linear: expected x[M,K], w[(L,)P,K,NR], params[3], y[M,N]");
   const XLA_FFI_DataType wt = q == 0 ? XLA_FFI_DataType_F32
@@ -440,6 +454,8 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
   /* int8 weights' scales: one a column [(L,) P * NR], or one a column per group of G
    * rows [(L,) P, K / G, NR] (grouped: G a multiple of 4, the rows' blocks then G) */
   const int grouped = q == 1 && scales->rank == w->rank;
+  if (mins8 && !grouped)
+    return fail(frame, "paged_jax linear: int8 weights take mins only with scales per group");
   if (q == 1 && !grouped &&
       (scales->dtype != XLA_FFI_DataType_F32 || scales->rank != w->rank - 2 ||
        scales->dims[scales->rank - 1] != P * NR || (w->rank == 4 && scales->dims[0] != L)))
@@ -450,13 +466,13 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
     return fail(frame, "paged_jax linear: int8 weights need K a multiple of 4 (quads of rows)");
   if (q == 2 || grouped) {
     const int64_t *sd = scales->dims + (scales->rank - 3);
-    const int64_t *md = q == 2 ? mins->dims + (mins->rank - 3) : sd;
+    const int64_t *md = mins ? mins->dims + (mins->rank - 3) : sd;
     int ok = scales->dtype == XLA_FFI_DataType_F32 && scales->rank == w->rank && sd[0] == P &&
              sd[2] == NR && sd[1] > 0;
-    if (q == 2)
+    if (mins)
       ok = ok && mins->dtype == XLA_FFI_DataType_F32 && mins->rank == w->rank && md[0] == P &&
            md[1] == sd[1] && md[2] == NR;
-    if (w->rank == 4) ok = ok && scales->dims[0] == L && (q == 1 || mins->dims[0] == L);
+    if (w->rank == 4) ok = ok && scales->dims[0] == L && (!mins || mins->dims[0] == L);
     if (ok) {
       G = K / sd[1];
       ok = G * sd[1] == K && G % (q == 2 ? 8 : 4) == 0;
@@ -481,25 +497,25 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
   const void *weight = (const char *)w->data + (size_t)p[0] * (size_t)P * wrows * NR * wbytes;
   const float *scale = NULL, *mn = NULL;
   const int64_t B = G ? G : QBLOCK, blocks = q ? (K + B - 1) / B : 0;
-  void *buf = NULL; /* quantized rows: xq [M, K], dx and xc or xs [M, blocks] */
+  void *buf = NULL; /* quantized rows: xq [M, K], dx, xc and xs [M, blocks] (as needed) */
   int8_t *xq = NULL;
   float *dx = NULL, *xs = NULL;
   int32_t *xc = NULL;
   if (q) {
     const size_t per = (size_t)(M * blocks);
-    buf = malloc(sizeof(float) * per * 2 + (size_t)(M * K));
+    buf = malloc(sizeof(float) * per * 3 + (size_t)(M * K));
     if (!buf) return fail(frame, "paged_jax linear: out of memory");
     dx = (float *)buf;
     if (q == 1) xc = (int32_t *)(dx + per);
-    else xs = dx + per;
-    xq = (int8_t *)(dx + 2 * per);
+    if (mins) xs = dx + (q == 1 ? 2 : 1) * per;
+    xq = (int8_t *)(dx + 3 * per);
     quantize_rows((const float *)x->data, M, K, B, xq, dx, xc, xs);
   }
   if (q == 1 && !grouped) scale = (const float *)scales->data + (size_t)p[0] * (size_t)(P * NR);
   if (q == 2 || grouped) {
     const size_t per = (size_t)P * (size_t)blocks * NR;
     scale = (const float *)scales->data + (size_t)p[0] * per;
-    if (q == 2) mn = (const float *)mins->data + (size_t)p[0] * per;
+    if (mins) mn = (const float *)mins->data + (size_t)p[0] * per;
   }
   LinearJob jobs[MAX_THREADS];
   for (int64_t t = 0; t < threads; ++t)
