@@ -293,6 +293,15 @@ class PagedKVCache:
         offsets = slot_mapping % self.page_size
         # mode="drop": an out-of-range slot must never wrap around onto a live page.
         pages = jnp.where(slot_mapping < 0, self.num_pages, pages)
+        if _narrow_on_cpu(self.kv_pages):  # 8- and 16-bit values by the CPU kernel
+            from paged_jax.kernels import cpu
+
+            scales = self.kv_scales  # (a quantized cache's f32 scales: XLA's scatter)
+            if self.quantized:
+                kv, row_scales = _quant.quantize_rows(kv, self.dtype)
+                scales = scales.at[layer, pages, offsets].set(row_scales, mode="drop")
+            new_kv = cpu.write_rows(self.kv_pages, kv.astype(self.dtype), slot_mapping, layer)
+            return dataclasses.replace(self, kv_pages=new_kv, kv_scales=scales)
         if self.quantized:
             kv_q, scales = _quant.quantize_rows(kv, self.dtype)
             new_kv = self.kv_pages.at[layer, pages, offsets].set(kv_q, mode="drop")
@@ -316,7 +325,12 @@ class PagedKVCache:
         if src.shape != dst.shape:
             raise ValueError(f"dst: expected shape {tuple(src.shape)} (as src), got {dst.shape}")
         src, dst = self._read_ids(src), self._write_ids(dst)
-        new_kv = self.kv_pages.at[:, dst].set(self.kv_pages[:, src], mode="drop")
+        if _narrow_on_cpu(self.kv_pages):
+            from paged_jax.kernels import cpu
+
+            new_kv = cpu.copy_pages(self.kv_pages, src, dst)
+        else:
+            new_kv = self.kv_pages.at[:, dst].set(self.kv_pages[:, src], mode="drop")
         new_scales = self.kv_scales
         if self.quantized:
             new_scales = self.kv_scales.at[:, dst].set(self.kv_scales[:, src], mode="drop")
@@ -329,6 +343,10 @@ class PagedKVCache:
         For a quantized cache also fetch ``read_page_scales(pages)``.
         """
         _check_index_array("pages", pages, ndim=1)
+        if _narrow_on_cpu(self.kv_pages):
+            from paged_jax.kernels import cpu
+
+            return cpu.read_pages(self.kv_pages, self._read_ids(pages))
         return self.kv_pages[:, self._read_ids(pages)]
 
     def read_page_scales(self, pages: jax.Array) -> jax.Array:  # pages: i32[n]
@@ -355,7 +373,12 @@ class PagedKVCache:
             need = "required" if self.quantized else "not allowed"
             raise ValueError(f"scales: {need} for a {self.dtype} cache")
         pages = self._write_ids(pages)
-        new_kv = self.kv_pages.at[:, pages].set(data, mode="drop")
+        if _narrow_on_cpu(self.kv_pages):
+            from paged_jax.kernels import cpu
+
+            new_kv = cpu.write_pages(self.kv_pages, data, pages)
+        else:
+            new_kv = self.kv_pages.at[:, pages].set(data, mode="drop")
         new_scales = self.kv_scales
         if self.quantized:
             if tuple(scales.shape) != expected[:4]:
@@ -384,6 +407,21 @@ class PagedKVCache:
         uniq, counts = np.unique(live, return_counts=True)
         if (counts > 1).any():
             raise ValueError(f"slot_mapping: slot {uniq[counts > 1][0]} is written twice")
+
+
+def _narrow_on_cpu(pool: jax.Array) -> bool:
+    """Whether ``pool``'s rows and pages are written (and pages read) by the CPU kernels
+    (``kernels.cpu.write_rows``, ``copy_pages``, ``write_pages``, ``read_pages``) rather
+    than by XLA's scatter and gather: a pool of 8- or 16-bit values (bf16, f16, fp8, int8)
+    where the CPU kernels run (``paged_jax.linear.available``: the CPU, the kernels
+    built, ``PAGED_JAX_BACKEND`` not ``xla``) on one device (a pool sharded over several
+    CPU devices keeps XLA's ops, which its partitioner splits). XLA:CPU widens a bf16
+    pool to f32 and back around each scatter: 2.5 s a step for SmolLM2 at 32 sequences."""
+    if pool.dtype.itemsize >= 4 or jax.device_count() != 1:
+        return False
+    from paged_jax import linear
+
+    return linear.available()
 
 
 def _check_layer(layer, num_layers: int) -> None:

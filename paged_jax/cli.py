@@ -129,6 +129,7 @@ _FLAGS = {
     "page_size": "--page-size",
     "max_model_len": "--max-model-len",
     "quantization": "--quantization",
+    "cache_dtype": "--kv-cache-dtype",
     "num_pages": "--num-pages",
     "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens",
@@ -205,6 +206,7 @@ def _generate(args) -> int:
                 False if args.compilation_cache == "off" else args.compilation_cache
             ),
             mesh=mesh,
+            cache_dtype=_kv_cache_dtype(args),
             max_loras=len(loras),
             max_lora_rank=max((r for *_, r in loras), default=16),
         )
@@ -295,6 +297,7 @@ def _chat(args) -> int:
             max_num_seqs=1,  # one conversation: the fewest step shapes
             compilation_cache=False if args.compilation_cache == "off" else args.compilation_cache,
             mesh=mesh,
+            cache_dtype=_kv_cache_dtype(args),
             max_loras=len(loras),
             max_lora_rank=max((r for *_, r in loras), default=16),
         )
@@ -386,6 +389,7 @@ def _serve(args) -> int:
             speculative=_speculative(args),
             compilation_cache=False if args.compilation_cache == "off" else args.compilation_cache,
             mesh=mesh,
+            cache_dtype=_kv_cache_dtype(args),
             max_loras=max_loras,
             max_lora_rank=max((r for *_, r in loras), default=16),
         )
@@ -520,6 +524,16 @@ def _failed(outputs) -> int:
     if bad:
         print(f"paged-jax: error: prompt(s) {bad} failed (see above)", file=sys.stderr)
     return 1 if bad else 0
+
+
+def _kv_cache_dtype(args):
+    """``--kv-cache-dtype`` as ``LLM(cache_dtype=)`` takes it: a jnp dtype, or None (auto)."""
+    import jax.numpy as jnp
+
+    from paged_jax._cli_flags import KV_CACHE_DTYPES
+
+    name = KV_CACHE_DTYPES[getattr(args, "kv_cache_dtype", "auto")]
+    return None if name is None else jnp.dtype(name)
 
 
 def _load_model(name: str, dtype: str | None = None, mesh=None, quantization=None):

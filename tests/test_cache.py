@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import paged_jax as pj
+from paged_jax import linear
 
 L, N, P, K, D = 2, 9, 4, 2, 8
 
@@ -165,9 +166,10 @@ def test_donated_ops_update_the_pool_in_place(op, dtype):
     # The output pool aliases the input pool and no pool-sized temporary exists...
     assert stats.alias_size_in_bytes >= pool_bytes, stats.alias_size_in_bytes
     limit = pool_bytes / 8
-    if dtype == "bfloat16" and jax.default_backend() == "cpu":
+    if dtype == "bfloat16" and jax.default_backend() == "cpu" and not linear.available():
         # ...except that XLA:CPU has no bf16 scatter: its float-normalization pass scatters
-        # into an f32 copy of the pool (2x its bytes; measured with jax 0.10.2). f32 and
+        # into an f32 copy of the pool (2x its bytes; measured with jax 0.10.2), which is
+        # why the CPU kernels write 8- and 16-bit pools where they are built. f32 and
         # int8 pools, and 16-bit pools on GPU/TPU, have no such copy.
         limit = 2 * pool_bytes + pool_bytes / 8
     assert stats.temp_size_in_bytes < limit, stats.temp_size_in_bytes
@@ -175,6 +177,47 @@ def test_donated_ops_update_the_pool_in_place(op, dtype):
     out = fn(cache)
     assert out.kv_pages.unsafe_buffer_pointer() == ptr
     assert cache.kv_pages.is_deleted()
+
+
+@pytest.mark.skipif(not linear.available(), reason="the CPU kernels did not build here")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8", "float8_e4m3fn"])
+def test_cpu_kernels_write_and_move_narrow_pools_as_xla_does(dtype, monkeypatch):
+    # 8- and 16-bit pools on CPU: rows and pages go through cache.c, bitwise what XLA's
+    # scatter and gather give (PAGED_JAX_BACKEND=xla), out-of-range ids included.
+    def run():
+        c = pj.PagedKVCache.create(L, N, P, K, D, dtype=jnp.dtype(dtype))
+        c = c.write(0, *_kv(1, 4), jnp.array([5, -1, N * P + 2, 17], jnp.int32))
+        c = c.write(1, *_kv(2, 1), jnp.array([9], jnp.int32))
+        c = c.write(1, *_kv(3, 3), jnp.array([18, 19, 9], jnp.int32))  # slot 9 again
+        c = c.copy_pages(jnp.array([1, 2, 99], jnp.int32), jnp.array([3, N + 1, 4], jnp.int32))
+        pages = c.read_pages(jnp.array([4, 1, -2], jnp.int32))
+        scales = c.read_page_scales(jnp.array([4, 1, -2], jnp.int32)) if c.quantized else None
+        c = c.write_pages(jnp.array([6, 7, -1], jnp.int32), pages, scales)
+        return [np.asarray(a) for a in (c.kv_pages, c.kv_scales, pages) if a is not None]
+
+    got = run()
+    monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")
+    want = run()
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
+    assert got[0].view(np.uint8).any()  # something was written
+
+
+@pytest.mark.skipif(not linear.available(), reason="the CPU kernels did not build here")
+def test_a_bf16_step_never_widens_the_pool():
+    # XLA:CPU's scatter and gather of a bf16 pool convert all of it to f32 and back: in a
+    # compiled step with the CPU kernels, no op makes a pool-sized f32 array.
+    cache = pj.PagedKVCache.create(L, 512, P, K, D, dtype=jnp.bfloat16)
+
+    def step(c):
+        c = c.copy_pages(jnp.array([1], jnp.int32), jnp.array([2], jnp.int32))
+        return c.write(0, *_kv(4, 3), jnp.array([5, 6, 7], jnp.int32))
+
+    hlo = _donating(step).lower(cache).compile().as_text()
+    pool = ",".join(map(str, cache.kv_pages.shape))
+    assert f"f32[{pool}]" not in hlo
 
 
 def test_one_row_write_lands_in_its_slot_only():

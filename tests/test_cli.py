@@ -466,3 +466,32 @@ def test_ctrl_c_while_the_parser_is_built_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_parser", interrupted)
     assert cli.main(["generate"]) == 130
     assert capsys.readouterr().err == "paged-jax: interrupted\n"
+
+
+def test_kv_cache_dtype_picks_the_pools_dtype(monkeypatch, capsys):
+    # --kv-cache-dtype: auto keeps the model's compute dtype (f32 for tiny-llama), the
+    # others give the pool theirs; the tokens come either way.
+    import json
+
+    import jax.numpy as jnp
+
+    from paged_jax import cli
+    from paged_jax.engine import LLM
+
+    seen = []
+    init = LLM.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        seen.append(self.cache.dtype)
+
+    monkeypatch.setattr(LLM, "__init__", spy)
+    argv = ["generate", "--model", "tiny-llama", "--max-tokens", "3", "--prompt", "hi"]
+    for flag, want in (("auto", jnp.float32), ("bfloat16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn)):
+        assert cli.main([*argv, "--kv-cache-dtype", flag, "--json", "--no-progress"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert len(out["outputs"][0]["completions"][0]["token_ids"]) == 3
+        assert seen[-1] == jnp.dtype(want), flag
+    with pytest.raises(SystemExit):  # argparse: not among the choices
+        cli.main([*argv, "--kv-cache-dtype", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
