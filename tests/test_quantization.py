@@ -517,3 +517,23 @@ def test_the_cli_quantizes_on_load(capsys):
     with pytest.raises(SystemExit):  # argparse: not among the choices
         cli.main(["generate", "--quantization", "int3"])
     assert "invalid choice: 'int3'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not linear.available(), reason="the CPU kernels did not build here")
+def test_quantized_weights_on_cpu_default_to_a_bf16_pool(monkeypatch):
+    # Packed int8 / int4 weights: the pool is bf16 unless asked otherwise; float weights,
+    # and XLA's products (PAGED_JAX_BACKEND=xla), keep the model's f32.
+    kw = dict(num_pages=16, page_size=8, compilation_cache=False)
+    for fmt, want in ((None, jnp.float32), ("int8", jnp.bfloat16), ("int4", jnp.bfloat16)):
+        model = models.init_model(CFG, seed=0)
+        if fmt:
+            model.quantize(fmt)
+        llm = pj.LLM(model, **kw)
+        assert llm.cache.dtype == jnp.dtype(want), fmt
+        out = llm.generate([[1, 2, 3]], pj.SamplingParams(max_tokens=2), progress=False)
+        assert len(out[0].outputs[0].token_ids) == 2
+    asked = pj.LLM(models.init_model(CFG, seed=0).quantize("int8"), cache_dtype=jnp.float32, **kw)
+    assert asked.cache.dtype == jnp.float32
+    monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")
+    xla = pj.LLM(models.init_model(CFG, seed=0).quantize("int8"), **kw)
+    assert xla.cache.dtype == jnp.float32
