@@ -286,9 +286,9 @@ def _kv_cache_flag(parser: argparse.ArgumentParser) -> None:
         choices=list(KV_CACHE_DTYPES),
         help="the KV cache's dtype: auto, the model's compute dtype (bfloat16 for int8 and "
         "int4 weights on CPU); bfloat16 or float16 "
-        "halve f32's bytes (on CPU the decode kernel then reads half as much: SmolLM2 int4 "
-        "at 32 sequences, 850 against 685 tokens/s); int8 or fp8 (e4m3) quarter them, with "
-        "a scale per token and head",
+        "halve f32's bytes (twice the tokens in the same memory; on CPU the decode kernel "
+        "reads half as much); int8 or fp8 (e4m3) quarter them, with a scale per token and "
+        "head",
     )
 
 
