@@ -82,8 +82,9 @@ def matmul(
     the first ``rows`` rows of ``x`` (flattened) are computed, the others' results are 0
     (None: all). int8 weights need their ``scales``: column j of the weight is ``q[:, j] *
     scales[j]``, or with scales per group of rows (``[(L,) P, K / G, NR]``) ``q[k, j] *
-    scales[k // G, j]``, plus ``mins[k // G, j]`` where ``mins`` are given. 4-bit weights (uint8 ``[(L,) P, K / 2, NR]``) need their groups'
-    ``scales`` and ``mins`` (each packed by ``pack`` from ``[(L,) K / G, n]``). Quantized
+    scales[k // G, j]``, plus ``mins[k // G, j]`` where ``mins`` are given. 4-bit
+    weights (uint8 ``[(L,) P, K / 2, NR]``) need their groups' ``scales`` and ``mins``
+    (each packed by ``pack`` from ``[(L,) K / G, n]``). Quantized
     weights multiply rows of ``x`` quantized to int8 in blocks of 32 inputs (4-bit: the
     groups), a scale each, by exact integer dot products (W8A8; see
     ``paged_jax.kernels.cpu.reference_quantized`` for the definition). Raises

@@ -487,7 +487,11 @@ def test_kv_cache_dtype_picks_the_pools_dtype(monkeypatch, capsys):
 
     monkeypatch.setattr(LLM, "__init__", spy)
     argv = ["generate", "--model", "tiny-llama", "--max-tokens", "3", "--prompt", "hi"]
-    for flag, want in (("auto", jnp.float32), ("bfloat16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn)):
+    for flag, want in (
+        ("auto", jnp.float32),
+        ("bfloat16", jnp.bfloat16),
+        ("fp8", jnp.float8_e4m3fn),
+    ):
         assert cli.main([*argv, "--kv-cache-dtype", flag, "--json", "--no-progress"]) == 0
         out = json.loads(capsys.readouterr().out)
         assert len(out["outputs"][0]["completions"][0]["token_ids"]) == 3

@@ -396,7 +396,10 @@ def test_layers_in_different_block_formats_are_kept_as_int8_groups(
     for module in (kept.layers.self_attn.q_proj, kept.layers.mlp.down_proj):
         assert module.quantized == "int8"
         assert module.kernel.get_value().dtype == jnp.int8
-        assert module.scale.get_value().shape[:2] == (CFG["num_layers"], module.in_features // group)
+        assert module.scale.get_value().shape[:2] == (
+            CFG["num_layers"],
+            module.in_features // group,
+        )
         assert (getattr(module, "zero", None) is not None) == with_mins
     _assert_weights_equal(kept, _weights(floats))
     ids = [0, 5, 9, 20, 17, 3, 44]

@@ -182,7 +182,9 @@ def test_the_cpu_kernel_multiplies_by_int8_groups_as_defined(layers, n, group, w
             linear.matmul(jnp.asarray(x), pk, n, layer=layer, scales=ps, mins=twice)
     with pytest.raises(ValueError, match="G a multiple of 4"):
         six = linear.pack(jnp.zeros((*lead, 16, n), jnp.float32))  # groups of 6 rows
-        linear.matmul(jnp.asarray(x), pk, n, layer=layer, scales=six, mins=None if pm is None else six)
+        linear.matmul(
+            jnp.asarray(x), pk, n, layer=layer, scales=six, mins=None if pm is None else six
+        )
 
 
 @pytest.mark.skipif(not linear.available(), reason="the CPU kernels did not build here")

@@ -400,8 +400,8 @@ def linear(
     j] * scales[j]`` (``pack_scales`` of ``f32[(L,) n]``), or ``q[k, j] * scales[k // G,
     j]`` (``pack_weight`` of ``f32[(L,) K / G, n]``, G a multiple of 4: groups as GGUF's
     Q8_0 blocks), and with grouped scales ``mins`` too (the same layout): ``q[k, j] *
-    scales[k // G, j] + mins[k // G, j]`` (GGUF's Q5_1 and Q5_K blocks). 4-bit weights (uint8, two rows of ``q`` in [0, 15] a byte, the even
-    row in the low nibble) come with ``scales`` and ``mins`` per group of G rows (G a
+    scales[k // G, j] + mins[k // G, j]`` (GGUF's Q5_1 and Q5_K blocks). 4-bit weights
+    (uint8, two rows of ``q`` in [0, 15] a byte, the even row in the low nibble) come with ``scales`` and ``mins`` per group of G rows (G a
     multiple of 8; ``pack_weight`` of their ``[K / G, n]`` arrays): the weight is ``scales
     * q + mins``. Quantized weights multiply the rows of ``x`` quantized to int8 in blocks
     (32 inputs for int8 weights, the groups for 4-bit ones), each with a scale of its own
@@ -623,7 +623,9 @@ def write_rows(
     if rows.dtype != pool.dtype:
         raise ValueError(f"rows: expected the pool's dtype {pool.dtype}, got {rows.dtype}")
     if slots.shape != rows.shape[:1] or slots.dtype != jnp.int32:
-        raise ValueError(f"slots: expected int32[{rows.shape[0]}], got {slots.dtype}{list(slots.shape)}")
+        raise ValueError(
+            f"slots: expected int32[{rows.shape[0]}], got {slots.dtype}{list(slots.shape)}"
+        )
     params = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.int32(pool.dtype.itemsize)])
     call = jax.ffi.ffi_call(
         WRITE_TARGET, jax.ShapeDtypeStruct(pool.shape, pool.dtype), input_output_aliases={0: 0}
@@ -661,7 +663,9 @@ def write_pages(pool: jax.Array, data: jax.Array, dst: jax.Array) -> jax.Array:
     dst = _page_ids("dst", dst)
     want = (pool.shape[0], dst.shape[0], *pool.shape[2:])
     if pool.ndim != 5 or data.shape != want or data.dtype != pool.dtype:
-        raise ValueError(f"data: expected {pool.dtype}{list(want)}, got {data.dtype}{list(data.shape)}")
+        raise ValueError(
+            f"data: expected {pool.dtype}{list(want)}, got {data.dtype}{list(data.shape)}"
+        )
     params = jnp.asarray([1, pool.dtype.itemsize], jnp.int32)
     call = jax.ffi.ffi_call(
         PAGES_TARGET, jax.ShapeDtypeStruct(pool.shape, pool.dtype), input_output_aliases={0: 0}
@@ -678,7 +682,9 @@ def read_pages(pool: jax.Array, src: jax.Array) -> jax.Array:
         raise ValueError(f"pool: expected [L, N, P, R, D], got {list(pool.shape)}")
     params = jnp.asarray([2, pool.dtype.itemsize], jnp.int32)
     shape = (pool.shape[0], src.shape[0], *pool.shape[2:])
-    return jax.ffi.ffi_call(PAGES_TARGET, jax.ShapeDtypeStruct(shape, pool.dtype))(pool, src, params)
+    return jax.ffi.ffi_call(PAGES_TARGET, jax.ShapeDtypeStruct(shape, pool.dtype))(
+        pool, src, params
+    )
 
 
 def uninitialized(shape: tuple[int, ...], dtype) -> jax.Array:
