@@ -389,26 +389,27 @@ def linear(
     scales: jax.Array | None = None,  # int8: f32[(L,) P * NR] or [(L,) P, K / G, NR]
     mins: jax.Array | None = None,  # uint8, int8 with groups: f32[(L,) P, K / G, NR]
 ) -> jax.Array:  # [..., n] f32
-    """``x @ w`` for the ``[K, n]`` weight ``w`` that ``pack_weight`` made ``packed`` (for
-    an ``[L, ...]`` stack, weight ``layer``: an int or a traced i32 scalar, read in place,
-    never sliced out), computed by ``linear.c``: each output one f32 sum over K in order,
-    so a row's result does not depend on the other rows or on ``threads`` (default: the
-    cores this process may use). ``rows`` (an int or a traced i32 scalar): only the first
-    ``rows`` rows of ``x`` (flattened to ``[M, K]``) are computed and the rest of the
-    result is 0, so a batch padded to a bucket costs its real rows; None, or a value
-    outside ``[0, M]``: every row. int8 weights come with ``scales``: the weight is ``q[k,
-    j] * scales[j]`` (``pack_scales`` of ``f32[(L,) n]``), or ``q[k, j] * scales[k // G,
-    j]`` (``pack_weight`` of ``f32[(L,) K / G, n]``, G a multiple of 4: groups as GGUF's
-    Q8_0 blocks), and with grouped scales ``mins`` too (the same layout): ``q[k, j] *
-    scales[k // G, j] + mins[k // G, j]`` (GGUF's Q5_1 and Q5_K blocks). 4-bit weights
-    (uint8, two rows of ``q`` in [0, 15] a byte, the even row in the low nibble) come with ``scales`` and ``mins`` per group of G rows (G a
-    multiple of 8; ``pack_weight`` of their ``[K / G, n]`` arrays): the weight is ``scales
-    * q + mins``. Quantized weights multiply the rows of ``x`` quantized to int8 in blocks
-    (32 inputs for int8 weights, the groups for 4-bit ones), each with a scale of its own
-    (W8A8, as llama.cpp's Q8 and Q4 products): exact integer sums per block, scaled in
-    f32 (``linear.c``'s header has the definition, and ``reference_quantized`` computes
-    it in numpy). Raises ``ValueError`` for other dtypes or shapes, a missing
-    or out-of-range static ``layer``, and when the kernels are not available."""
+    """``x @ w`` for the ``[K, n]`` weight ``w`` that ``pack_weight`` made ``packed`` (for an
+    ``[L, ...]`` stack, weight ``layer``: an int or a traced i32 scalar, read in place,
+    never sliced out), computed by ``linear.c``: each output one f32 sum over K in order, so
+    a row's result does not depend on the other rows or on ``threads`` (default: the cores
+    this process may use). ``rows`` (an int or a traced i32 scalar): only the first ``rows``
+    rows of ``x`` (flattened to ``[M, K]``) are computed and the rest of the result is 0, so
+    a batch padded to a bucket costs its real rows; None, or a value outside ``[0, M]``:
+    every row. int8 weights come with ``scales``: the weight is ``q[k, j] * scales[j]``
+    (``pack_scales`` of ``f32[(L,) n]``), or ``q[k, j] * scales[k // G, j]``
+    (``pack_weight`` of ``f32[(L,) K / G, n]``, G a multiple of 4: groups as GGUF's Q8_0
+    blocks), and with grouped scales ``mins`` too (the same layout): ``q[k, j] * scales[k //
+    G, j] + mins[k // G, j]`` (GGUF's Q5_1 and Q5_K blocks). 4-bit weights (uint8, two rows
+    of ``q`` in [0, 15] a byte, the even row in the low nibble) come with ``scales`` and
+    ``mins`` per group of G rows (G a multiple of 8; ``pack_weight`` of their ``[K / G, n]``
+    arrays): the weight is ``scales * q + mins``. Quantized weights multiply the rows of
+    ``x`` quantized to int8 in blocks (32 inputs for int8 weights, the groups for 4-bit
+    ones), each with a scale of its own (W8A8, as llama.cpp's Q8 and Q4 products): exact
+    integer sums per block, scaled in f32 (``linear.c``'s header has the definition, and
+    ``reference_quantized`` computes it in numpy). Raises ``ValueError`` for other dtypes or
+    shapes, a missing or out-of-range static ``layer``, and when the kernels are not
+    available."""
     four = packed.dtype == jnp.uint8
     want = jnp.float32 if scales is None else (jnp.uint8 if mins is not None else jnp.int8)
     if want == jnp.uint8 and packed.dtype == jnp.int8:  # int8 groups with minimums
