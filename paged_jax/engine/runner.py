@@ -110,17 +110,6 @@ def _on_cpu(model: Any) -> bool:
     )
 
 
-def _packed_quantized(model: Any) -> bool:
-    """Whether ``model`` (held for the CPU) multiplies by int8 or 4-bit weights packed for
-    the C kernels: its default KV pool is then bf16 (``ModelRunner``)."""
-    from flax import nnx
-
-    return any(
-        getattr(node, "packed", False) and getattr(node, "quantized", None) in ("int8", "int4")
-        for _, node in nnx.iter_graph(model)
-    )
-
-
 def _on_mesh(model: Any, mesh: Mesh) -> bool:
     """Whether every array of ``model`` already lives on ``mesh``."""
     from flax import nnx
@@ -379,8 +368,7 @@ class ModelRunner:
         as the CPU (``hold_for_cpu``) or an accelerator (``hold_for_accelerator``) reads
         it fastest, where the model has those methods.
       mesh: a mesh from ``resolve_mesh``, or None (one device).
-      page_size, cache_dtype: the pool's page size and dtype (None: the model's; bf16
-        for int8 or 4-bit weights packed for the CPU's C kernels).
+      page_size, cache_dtype: the pool's page size and dtype (None: the model's).
       num_pages: pages in the pool, every data-parallel replica's together; None sizes
         it from ``kv_cache_bytes`` (default: what ``max_num_seqs`` sequences at the
         model's longest context could use, at most half the accelerator's free memory,
@@ -426,13 +414,6 @@ class ModelRunner:
         if mesh is None and _on_cpu(model) and hasattr(model, "hold_for_cpu"):
             # packed for the C kernels where they built, else XLA:CPU's fastest layouts
             model = model.hold_for_cpu()
-            if cache_dtype is None and _packed_quantized(model):
-                # Quantized weights on CPU: a bf16 pool by default, twice the tokens in
-                # the same memory. Decode attention there is bound by the bytes it reads
-                # (SmolLM2 int4 at 32 sequences: 8.0 against 12.4 ms a step), and bf16
-                # keys and values cost nothing visible next to the weights' rounding (32
-                # prompts x 64 greedy tokens: 16 of 32 equal to f32's with either pool).
-                cache_dtype = jnp.bfloat16
         elif mesh is None and not _on_cpu(model) and hasattr(model, "hold_for_accelerator"):
             # each weight read where it lies, once per step (no copies out of a stack)
             model = model.hold_for_accelerator()
