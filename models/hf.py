@@ -287,9 +287,9 @@ def build_model(
             names[0][0] in eight
             # linear kernels, or a table whose scales are per group of E
             and all(n in eight and (t or eight[n][1].ndim == 2) for n, t in names)
-            # the same scales' shape every layer (a file may mix Q8_0's groups, Q6_K's
-            # and quantize_int8's per channel across layers: those in float), and
-            # minimums in every layer or none (Q5_1 / Q5_K beside Q8_0: in float)
+            # the same scales' shape every layer, and minimums in every layer or none
+            # (a file may mix Q8_0's groups, Q6_K's, Q5_1's with minimums and
+            # quantize_int8's per channel across layers: those take the next branch)
             and len({(eight[n][1].shape, len(eight[n])) for n, _ in names}) == 1
             and mesh is None
         ):
@@ -331,7 +331,7 @@ def build_model(
             filled.append((p, var.replace(jax.device_put(kernel))))
             release_freed_memory()
             continue
-        for n, _ in names:  # a file mixing formats across layers: these in float
+        for n, _ in names:  # kept blocks with a mesh, or beside float layers: in float
             if n in blocks:
                 q, d, m = blocks.pop(n)
                 q = np.stack([q & 15, q >> 4], axis=-1).reshape(q.shape[0], -1)
@@ -423,7 +423,10 @@ def _common_group(names, blocks, eight, want: tuple, source: str) -> int:
         groups.append(_group_of(parts, inputs))
     group = min(groups)
     if any(g % group for g in groups):
-        raise ValueError(f"{source}: tensors {[n for n, _ in names][:2]}...: groups {groups} mix")
+        raise ValueError(
+            f"{source}: tensors {names[0][0]!r}...: blocks of {sorted(set(groups))} inputs "
+            "across layers, not all multiples of the smallest"
+        )
     return group
 
 
