@@ -635,10 +635,7 @@ def _q5_1_blocks(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     raw = np.asarray(t.data, np.uint8)
     rows = raw.shape[0]
     b = raw.reshape(rows, -1, 24)
-    d, m = _f16(b, 0), _f16(b, 2)
-    high = np.unpackbits(b[..., 4:8], axis=-1, bitorder="little")  # bit k: weight k's
-    low = np.concatenate([b[..., 8:] & 15, b[..., 8:] >> 4], axis=-1)
-    return (low | (high << 4)).astype(np.int8).reshape(rows, -1), d, m
+    return _five_bits(b, 4).astype(np.int8).reshape(rows, -1), _f16(b, 0), _f16(b, 2)
 
 
 def _q5_k_blocks(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -689,11 +686,17 @@ def _q5_0_blocks(t: Any) -> tuple[np.ndarray, np.ndarray]:
     raw = np.asarray(t.data, np.uint8)
     rows = raw.shape[0]
     b = raw.reshape(rows, -1, 22)
-    d = _f16(b, 0)
-    high = np.unpackbits(b[..., 2:6], axis=-1, bitorder="little")  # bit k: weight k's
-    low = np.concatenate([b[..., 6:] & 15, b[..., 6:] >> 4], axis=-1)
-    q = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8)
-    return q.reshape(rows, -1), d
+    q = (_five_bits(b, 2).astype(np.int16) - 16).astype(np.int8)
+    return q.reshape(rows, -1), _f16(b, 0)
+
+
+def _five_bits(b: np.ndarray, at: int) -> np.ndarray:
+    """The 32 values in [0, 31] (uint8 ``[rows, blocks, 32]``) of Q5_0 / Q5_1 blocks ``b``
+    (uint8 ``[rows, blocks, bytes]``) whose 4 bytes of high bits start at byte ``at``,
+    followed by 16 bytes of low nibbles (the first 16 values in the low ones)."""
+    high = np.unpackbits(b[..., at : at + 4], axis=-1, bitorder="little")  # bit k: value k's
+    nibbles = b[..., at + 4 : at + 20]
+    return np.concatenate([nibbles & 15, nibbles >> 4], axis=-1) | (high << 4)
 
 
 def _q8_blocks(t: Any) -> tuple[np.ndarray, np.ndarray]:

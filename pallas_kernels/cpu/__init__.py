@@ -411,9 +411,12 @@ def linear(
     shapes, a missing or out-of-range static ``layer``, and when the kernels are not
     available."""
     four = packed.dtype == jnp.uint8
-    want = jnp.float32 if scales is None else (jnp.uint8 if mins is not None else jnp.int8)
-    if want == jnp.uint8 and packed.dtype == jnp.int8:  # int8 groups with minimums
-        want = jnp.int8
+    # f32 weights alone; int8 ones with scales (and with grouped scales perhaps mins);
+    # 4-bit ones with scales and mins
+    if scales is None:
+        want = jnp.float32
+    else:
+        want = jnp.int8 if mins is None or packed.dtype == jnp.int8 else jnp.uint8
     if x.dtype != jnp.float32 or packed.dtype != want:
         expected = {
             jnp.float32: "float32",

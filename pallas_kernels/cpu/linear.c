@@ -427,12 +427,15 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
   const int64_t nargs = frame->args.size;
   if (nargs < 3 || nargs > 5 || frame->rets.size != 1)
     return fail(frame, "paged_jax linear: expected 3 to 5 operands and 1 result");
-  /* q: 0 f32 weights, 1 int8 ones and their scales (and minimums: mins8), 2 4-bit ones,
-   * scales and minimums */
+  /* q, by the weights' dtype: 0 f32 weights, alone; 1 int8 ones, with their scales (and
+   * with scales per group perhaps minimums); 2 4-bit ones, with scales and minimums */
   const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1];
-  const int mins8 = nargs == 5 && w->dtype == XLA_FFI_DataType_S8;
-  const int q = mins8 ? 1 : (int)nargs - 3, extra = (int)nargs - 3;
-  const XLA_FFI_Buffer *scales = q ? frame->args.args[2] : NULL,
+  const int q = w->dtype == XLA_FFI_DataType_S8 ? 1 : w->dtype == XLA_FFI_DataType_U8 ? 2 : 0;
+  const int extra = (int)nargs - 3; /* operands between the weights and params */
+  if (extra != q && !(q == 1 && extra == 2))
+    return fail(frame, "paged_jax linear: expected f32 weights alone, s8 ones with scales (and "
+                       "mins), u8 ones with scales and mins");
+  const XLA_FFI_Buffer *scales = extra ? frame->args.args[2] : NULL,
                        *mins = extra == 2 ? frame->args.args[3] : NULL,
                        *params = frame->args.args[2 + extra], *y = frame->rets.rets[0];
   if (x->rank != 2 || (w->rank != 3 && w->rank != 4) || params->rank != 1 || y->rank != 2)
@@ -454,7 +457,7 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
   /* int8 weights' scales: one a column [(L,) P * NR], or one a column per group of G
    * rows [(L,) P, K / G, NR] (grouped: G a multiple of 4, the rows' blocks then G) */
   const int grouped = q == 1 && scales->rank == w->rank;
-  if (mins8 && !grouped)
+  if (q == 1 && mins && !grouped)
     return fail(frame, "paged_jax linear: int8 weights take mins only with scales per group");
   if (q == 1 && !grouped &&
       (scales->dtype != XLA_FFI_DataType_F32 || scales->rank != w->rank - 2 ||
@@ -507,7 +510,7 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
     if (!buf) return fail(frame, "paged_jax linear: out of memory");
     dx = (float *)buf;
     if (q == 1) xc = (int32_t *)(dx + per);
-    if (mins) xs = dx + (q == 1 ? 2 : 1) * per;
+    if (mins) xs = dx + 2 * per;
     xq = (int8_t *)(dx + 3 * per);
     quantize_rows((const float *)x->data, M, K, B, xq, dx, xc, xs);
   }
