@@ -1,7 +1,7 @@
 """Restricted rows drawn on the device: each way ``sample_rows`` can take, side by side.
 
 ``python -m benchmarks draw [--out DIR] [--rows 64 256] [--vocab 128256] [--repeats 3]
-[--configs BLOCK:BITS:WARPS ...]``, written to ``draw.json``.
+[--configs BLOCK:BITS:WARPS[:p] ...]``, written to ``draw.json``.
 
 Rows of ``--vocab`` random logits, top-p 0.9 at temperature 1 (one sample column), as
 ``sample_rows`` is jitted in the engine's step, on two kinds of rows: flat, N(0, 1), where
@@ -10,7 +10,8 @@ and peaked (the same x 8, as trained models give), where the top-k candidates su
 Ways: "candidates" (the default: ``lax.top_k`` of 256, the full sort where a row needs
 it), "xla" (``sort_free.draw``'s radix passes as XLA reductions) and "pallas_gpu" (the
 passes in ``paged_jax.kernels.gpu.sample``, one program per row) at each of
-``--configs`` (the first is the kernel's default). Greedy rows are timed beside them:
+``--configs`` (the first is the kernel's default; a trailing ``:p`` has each pass load
+its next chunk ahead, ``prefetch``). Greedy rows are timed beside them:
 the sampler's floor. Each time: min/median/max over ``--repeats`` rounds of the median
 of 20 samples (``time_samples``), the ways alternating within a round. The kernel's
 tokens are checked against the XLA passes' (they may differ only where a decision falls
@@ -29,12 +30,22 @@ import statistics
 from benchmarks.common import environment, positive_int, progress, table, time_samples, write_result
 
 
-def _config(text: str) -> tuple[int, int, int]:
+def _config(text: str) -> tuple[int, int, int, bool]:
+    parts = text.split(":")
+    prefetch = len(parts) == 4 and parts[3] == "p"
     try:
-        block, bits, warps = (int(x) for x in text.split(":"))
+        if len(parts) != 3 and not prefetch:
+            raise ValueError
+        block, bits, warps = (int(x) for x in parts[:3])
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected BLOCK:BITS:WARPS, got {text!r}") from None
-    return block, bits, warps
+        raise argparse.ArgumentTypeError(
+            f"expected BLOCK:BITS:WARPS or BLOCK:BITS:WARPS:p, got {text!r}"
+        ) from None
+    return block, bits, warps, prefetch
+
+
+def _label(config: tuple) -> str:
+    return ":".join(map(str, config[:3])) + (":p" if config[3] else "")
 
 
 def _ways(R: int, vocab: int, configs: list[tuple]) -> tuple[dict, dict]:
@@ -63,7 +74,7 @@ def _ways(R: int, vocab: int, configs: list[tuple]) -> tuple[dict, dict]:
         ways[f"xla/{kind}"] = functools.partial(samp, logits, *params, sort_free="xla")
         ref = np.asarray(ways[f"xla/{kind}"]()[0])
         for c in configs:
-            name = f"pallas_gpu {c[0]}:{c[1]}:{c[2]}/{kind}"
+            name = f"pallas_gpu {_label(c)}/{kind}"
             ways[name] = _kernel_call(logits, params, c)
             differing[name] = int((np.asarray(ways[name]()[0]) != ref).sum())
     return ways, differing
@@ -98,17 +109,23 @@ def measure(rows: list[int], vocab: int, repeats: int, configs: list[tuple]) -> 
 
 def _kernel_call(logits, params, config):
     """A jitted ``sample_rows`` whose restricted rows go to the kernel at ``config``
-    (``BLOCK:BITS:WARPS``): the kernel, so configured, stands in for the XLA passes while
-    the function is traced, so everything around the draw is the engine's own."""
+    (``BLOCK:BITS:WARPS`` and prefetch): the kernel, so configured, stands in for the XLA
+    passes while the function is traced, so everything around the draw is the engine's
+    own."""
     import jax
 
     from paged_jax.engine import sampling
     from paged_jax.kernels.gpu.sample import restricted_draw
 
-    block, bits, warps = config
+    block, bits, warps, prefetch = config
     interpret = jax.default_backend() != "gpu"  # off a GPU: a check that it runs, not speed
     draw = functools.partial(
-        restricted_draw, block=block, bits=bits, num_warps=warps, interpret=interpret
+        restricted_draw,
+        block=block,
+        bits=bits,
+        num_warps=warps,
+        prefetch=prefetch,
+        interpret=interpret,
     )
 
     @jax.jit
@@ -129,7 +146,7 @@ def main(argv=None) -> int:
     from paged_jax.kernels.gpu import tuning
 
     block, warps = tuning.sample_block_and_warps(256)
-    default = (block, tuning.SAMPLE_DIGIT_BITS, warps)  # BLOCK:BITS:WARPS
+    default = (block, tuning.SAMPLE_DIGIT_BITS, warps, tuning.SAMPLE_PREFETCH)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=positive_int, nargs="+", default=[64, 256])
     ap.add_argument("--vocab", type=positive_int, default=128256)
@@ -143,7 +160,7 @@ def main(argv=None) -> int:
             rows=a.rows,
             vocab=a.vocab,
             repeats=a.repeats,
-            configs=a.configs,
+            configs=[_label(c) for c in a.configs],
             top_p=0.9,
             kernel_interpreted=jax.default_backend() != "gpu",
         ),

@@ -16,7 +16,8 @@
 #   products python -m benchmarks products (a layer's products: each projection its own
 #            weight against q/k/v and gate/up fused, Llama-3-8B shape, 64 and 256 rows)
 #   draw     python -m benchmarks draw (restricted rows drawn each way sample_rows can: the
-#            candidates and full sort, the XLA radix passes, the Pallas kernel at DRAW_ARGS)
+#            candidates and full sort, the XLA radix passes, the Pallas kernel at DRAW_ARGS,
+#            default: its configuration beside three that load each chunk ahead)
 #   bench    python -m benchmarks kernels --tune  (decode + ragged prefill, tuning sweeps)
 #   engine   python -m benchmarks engine --layout both  (Llama-3-8B / SmolLM2-135M shapes:
 #            tokens/s and the roofline fraction, the engine's layout beside the scanned one)
@@ -106,7 +107,7 @@ EOF
       ;;
     draw)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 run draw "$(limit draw 240)" \
-        $PY -m benchmarks draw --out "$OUT" ${DRAW_ARGS-}
+        $PY -m benchmarks draw --out "$OUT" ${DRAW_ARGS---configs 2048:2:8 2048:2:8:p 1024:2:8:p 4096:2:16:p}
       ;;
     bench)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 run bench "$(limit bench 480)" \

@@ -135,6 +135,43 @@ def test_sort_free_tokens_equal_the_full_sort_definition(way):
         assert op not in text, op
 
 
+def test_the_kernels_prefetching_passes_draw_the_definitions_tokens():
+    # The GPU kernel, interpreted, with each pass loading its next chunk ahead (prefetch)
+    # and without: the definition's tokens either way, in rows of several chunks whose
+    # last is partial (vocab 300, blocks of 64), with ties at the top, few distinct values
+    # and masked tokens.
+    from paged_jax.kernels.gpu.sample import restricted_draw
+
+    rng = np.random.default_rng(11)
+    R, vocab = 24, 300
+    logits = rng.standard_normal((R, vocab)).astype(np.float32) * rng.uniform(0.5, 6, (R, 1))
+    logits[:3, :3] = logits[:3, :1]
+    logits[3:9] = np.round(logits[3:9] * 2) / 2
+    logits[9, 100:] = -np.inf
+    top_k = np.where(np.arange(R) % 3 == 0, rng.integers(1, 40, R), 0).astype(np.int32)
+    min_p = np.where(np.arange(R) % 4 == 2, 0.05, 0.0).astype(np.float32)
+    # every row restricted (the kernel's rows): top-p wherever neither of the others is on
+    on = (np.arange(R) % 3 != 1) | ((top_k == 0) & (min_p == 0))
+    top_p = np.where(on, rng.uniform(0.1, 0.95, R), 1.0).astype(np.float32)
+    u = rng.random((R, 2)).astype(np.float32)
+    args = (jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(min_p))
+    tokens = {
+        prefetch: np.asarray(
+            restricted_draw(*args, jnp.asarray(u), block=64, prefetch=prefetch, interpret=True)
+        )
+        for prefetch in (False, True)
+    }
+    np.testing.assert_array_equal(tokens[True], tokens[False])
+    checked = 0
+    for r in range(R):
+        for j in range(2):
+            ref, amb = _reference(logits[r], 1.0, top_k[r], top_p[r], min_p[r], u[r, j])
+            if not amb:
+                assert tokens[True][r, j] == ref, (r, j)
+                checked += 1
+    assert checked >= 40
+
+
 def test_argmax_rows_is_jnp_argmax_with_ties_nans_and_infinities():
     rng = np.random.default_rng(3)
     x = rng.standard_normal((8, 300)).astype(np.float32)

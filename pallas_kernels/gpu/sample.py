@@ -71,7 +71,19 @@ def _kernel(
 
 
 def _draw(
-    r, x_ref, top_k_ref, top_p_ref, min_p_ref, u_ref, token_ref, *, vocab, block, bits, columns
+    r,
+    x_ref,
+    top_k_ref,
+    top_p_ref,
+    min_p_ref,
+    u_ref,
+    token_ref,
+    *,
+    vocab,
+    block,
+    bits,
+    columns,
+    prefetch,
 ):
     digits = 1 << bits
     rounds = 32 // bits
@@ -85,11 +97,23 @@ def _draw(
         return idx, x
 
     def over_row(body, init, reduce):
-        """One pass over the row: ``body(i, carry)`` folds chunk ``i`` into lane-wise
-        accumulators (``init``: arrays with ``block`` leading lanes), which ``reduce``
-        (one function per accumulator) folds over the lanes once, after the last chunk,
-        so no step of the loop waits on a reduction across the program's warps."""
-        acc = jax.lax.fori_loop(0, blocks, body, init)
+        """One pass over the row: ``body(chunk, carry)`` folds a chunk (``load``'s
+        ``(index, logits)``) into lane-wise accumulators (``init``: arrays with ``block``
+        leading lanes), which ``reduce`` (one function per accumulator) folds over the
+        lanes once, after the last chunk, so no step of the loop waits on a reduction
+        across the program's warps. With ``prefetch`` each step issues the next chunk's
+        load before it computes on this one, so the load's latency overlaps the work (a
+        load past the row's end is masked off: it reads nothing)."""
+        if prefetch:
+
+            def step(i, carry):
+                x, acc = carry
+                ahead = load(i + 1)[1]
+                return ahead, body((i * block + lane, x), acc)
+
+            _, acc = jax.lax.fori_loop(0, blocks, step, (load(0)[1], init))
+        else:
+            acc = jax.lax.fori_loop(0, blocks, lambda i, acc: body(load(i), acc), init)
         return tuple(f(a, axis=0) for f, a in zip(reduce, acc, strict=True))
 
     def lanes(value, dtype, *trailing):
@@ -98,15 +122,15 @@ def _draw(
     # The row's largest value (its key is the largest key), then its weights' total and
     # the lowest key worth reaching (a positive weight of at least min_p).
     (m,) = over_row(
-        lambda i, acc: (jnp.maximum(acc[0], load(i)[1]),),
+        lambda chunk, acc: (jnp.maximum(acc[0], chunk[1]),),
         (lanes(-jnp.inf, jnp.float32),),
         (jnp.max,),
     )
     min_p = min_p_ref[r]
 
-    def totals(i, carry):
+    def totals(chunk, carry):
         total, lo = carry
-        _, x = load(i)
+        _, x = chunk
         w = jnp.exp(x - m)
         worth = (w > 0) & (w >= min_p)
         return total + w, jnp.minimum(lo, jnp.where(worth, sortable(x), _I32_MAX))
@@ -120,8 +144,8 @@ def _draw(
     limit_p = top_p_ref[r] * total
 
     def above(t, counts=True):  # t i32[digits]: (count, weight) of the keys above each t
-        def body(i, carry):
-            _, x = load(i)
+        def body(chunk, carry):
+            _, x = chunk
             gt = sortable(x)[:, None] > t[None, :]  # [block, digits]
             mass = carry[-1] + jnp.where(gt, jnp.exp(x - m)[:, None], 0.0)
             return (carry[0] + gt.astype(jnp.int32), mass) if counts else (mass,)
@@ -155,9 +179,9 @@ def _draw(
     v = jnp.where(dropped_at_lo, offset(lo, last_dropped + 1, span), lo)
 
     # 2. How many of v's equal tokens are kept, and the kept weight.
-    def at_v(i, carry):
+    def at_v(chunk, carry):
         n, mass, n_eq, w_eq = carry
-        _, x = load(i)
+        _, x = chunk
         key = sortable(x)
         w = jnp.exp(x - m)
         gt, eq = key > v, key == v
@@ -189,9 +213,9 @@ def _draw(
 
         t = offset(v, radix_last(reaches)[0], span_v)
 
-        def at_t(i, carry, t=t):
+        def at_t(chunk, carry, t=t):
             before, w_eq, n_eq, first = carry
-            idx, x = load(i)
+            idx, x = chunk
             key = sortable(x)
             w = jnp.exp(x - m)
             eq = key == t
@@ -217,8 +241,8 @@ def _draw(
             a draw past the first of several exactly equal logits)."""
 
             def few_before(d):  # d u32[digits]
-                def body(i, carry):
-                    idx, x = load(i)
+                def body(chunk, carry):
+                    idx, x = chunk
                     eq = (sortable(x) == t)[:, None]
                     return (
                         carry[0]
@@ -235,7 +259,8 @@ def _draw(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("block", "bits", "interpret", "num_warps", "num_stages")
+    jax.jit,
+    static_argnames=("block", "bits", "interpret", "num_warps", "num_stages", "prefetch"),
 )
 def restricted_draw(
     scaled: jax.Array,  # f32[R, V] logits / temperature
@@ -250,6 +275,7 @@ def restricted_draw(
     interpret: bool = False,
     num_warps: int | None = None,
     num_stages: int = 1,
+    prefetch: bool = tuning.SAMPLE_PREFETCH,
 ) -> jax.Array:  # i32[R, J]
     """Each column's token of a restricted row, as ``paged_jax.engine.sort_free.draw``
     defines it (its docstring has the definition), one program per row.
@@ -257,6 +283,9 @@ def restricted_draw(
     ``block`` (a power of two) and ``num_warps``: logits per chunk of the row and warps per
     program (None: ``tuning.sample_block_and_warps`` of the row count). ``bits`` (1, 2, 4
     or 8): key bits decided per radix pass, ``2**bits`` trial keys compared per logit.
+    ``prefetch``: each pass over the row loads its next chunk before computing on the
+    current one (the same tokens; only the overlap of a load's latency with the work
+    differs).
     ``active``: rows left out return at once with token 0, so the kernel can be launched
     for every row without a ``lax.cond`` around it (on a GPU a conditional reads its
     predicate back to the host, holding the step's dispatch until the device gets there).
@@ -276,7 +305,9 @@ def restricted_draw(
     if active is None:
         active = jnp.ones(R, bool)
     (token,) = pl.pallas_call(
-        functools.partial(_kernel, vocab=V, block=block, bits=bits, columns=J),
+        functools.partial(
+            _kernel, vocab=V, block=block, bits=bits, columns=J, prefetch=bool(prefetch)
+        ),
         grid=(R,),
         in_specs=[row(V), full((R,)), full((R,)), full((R,)), full((R,)), row(J)],
         out_specs=[row(J)],

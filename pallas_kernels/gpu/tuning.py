@@ -103,6 +103,10 @@ def check_pow2(name: str, value: int | None) -> None:
 # took 1.69 and 2048 x 2 x 8 2.13. 4 bits a pass (16 trial keys) cost more in compares
 # than the passes they save; 1 bit, more in passes.
 SAMPLE_DIGIT_BITS = 2
+# Whether each pass loads the next chunk before computing on this one. Not yet measured
+# on a GPU (the kernel above was timed without it; ``python -m benchmarks draw`` compares
+# both: ``--configs 2048:2:8 2048:2:8:p``), so off until a GPU says otherwise.
+SAMPLE_PREFETCH = False
 SAMPLE_FEW_ROWS = 132  # up to one program per SM of an H100 / H200
 
 
