@@ -392,22 +392,32 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t B, int8_
       const int64_t k0 = g * B, k1 = k0 + B < K ? k0 + B : K;
       const float *in = x + m * K;
       float a = 0;
-      for (int64_t k = k0; k < k1; ++k) {
+      int64_t k = k0;
+#if defined(__AVX512F__)
+      /* the largest magnitude 16 lanes at a time (a NaN is passed over, as below: maxps
+       * returns its second operand when either is NaN) */
+      __m512 top = _mm512_setzero_ps();
+      for (; k + 16 <= k1; k += 16) top = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(in + k)), top);
+      a = _mm512_reduce_max_ps(top);
+#endif
+      for (; k < k1; ++k) {
         const float v = in[k] < 0 ? -in[k] : in[k];
         a = v > a ? v : a;
       }
       const float inv = a > 0 ? 127.0f / a : 0.0f;
       int32_t total = 0;
-      int64_t k = k0;
+      k = k0;
 #if defined(__AVX512F__)
+      __m512i sum = _mm512_setzero_si512();
       for (; k + 16 <= k1; k += 16) { /* round to nearest even, as nearbyintf below */
         const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(in + k),
                                                            _mm512_set1_ps(inv)));
         const __m512i c = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)),
                                            _mm512_set1_epi32(-127));
         _mm_storeu_si128((__m128i *)(xq + m * K + k), _mm512_cvtepi32_epi8(c));
-        total += _mm512_reduce_add_epi32(c);
+        sum = _mm512_add_epi32(sum, c);
       }
+      total = _mm512_reduce_add_epi32(sum);
 #endif
       for (; k < k1; ++k) {
         float r = __builtin_nearbyintf(in[k] * inv);
