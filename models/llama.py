@@ -857,6 +857,8 @@ class LlamaForCausalLM(nnx.Module):
             dtype = self.dtype or jnp.float32
         self.lora = _lora.LoraBank(self.config, slots, rank, dtype)
         self.lora.regroup(self._lora_groups())
+        if self.unrolled:  # held for an accelerator: the bank per layer, as the weights
+            self.lora.split_layers()
         return self
 
     def _lora_groups(self) -> tuple:
@@ -990,8 +992,8 @@ class LlamaForCausalLM(nnx.Module):
         self.split_layer_weights()
         self.layers.self_attn.fuse_projections()
         self.layers.mlp.fuse_projections()
-        if self.lora is not None:  # a fused projection's adapters in one pair
-            self.lora.regroup(self._lora_groups())
+        if self.lora is not None:  # a fused projection's adapters in one pair, per layer
+            self.lora.regroup(self._lora_groups()).split_layers()
         if fp8_activations is None:
             fp8_activations = fp8_units()
         if fp8_activations:  # the layers' products (the LM head's logits stay W8A16)
@@ -1032,6 +1034,8 @@ class LlamaForCausalLM(nnx.Module):
           seconds). No weight is copied: the memory held stays the same.
         """
         self.unrolled = False  # the CPU's layouts are read in place by the scanned layers
+        if self.lora is not None:  # (held for an accelerator before: stacked again)
+            self.lora.join_layers()
         linears = [n for _, n in nnx.iter_graph(self) if isinstance(n, Linear)]
         if pack is None:
             pack = (

@@ -25,7 +25,11 @@ a fused projection's targets' A side by side and their B block-diagonal, so it a
 adapters with two products, not two a target (8 products a layer instead of 14). On an
 H200 each product of a decode step costs about 9 us beyond its bytes
 (``benchmarks/results/products_chain_h200.json``), and 8 adapters on the Llama-3-8B
-shape took the step from 5.59 to 7.60 ms at 64 requests with one pair a target. On the
+shape took the step from 5.59 to 7.60 ms at 64 requests with one pair a target, the bank
+stacked ``[L, ...]``.
+Since, the bank is held per layer there too (``LoraBank.split_layers``), as the model's
+own weights are: XLA copied each layer's static slice of a stacked array out before its
+product, 8 copies a layer and step (not yet measured on a GPU). On the
 CPU (f32 banks, the C kernels built) each row is multiplied by its own slot's A and B
 only (``paged_jax.linear.lora_delta``; ``CPU_KERNEL``).
 """
@@ -177,7 +181,10 @@ class LoraBank(nnx.Module):
     block-diagonal ``b_<group>`` ``[L, n S R, out_1 + ... + out_n]`` (target j's rows
     ``[j S R, (j + 1) S R)`` feed its own outputs only; zeros elsewhere). ``groups``:
     ``((name, targets), ...)``, the pairs held; ``widths``: ``((target, (in, out)),
-    ...)``."""
+    ...)``. ``split_layers`` holds each array as a tuple of its L layers' (``per_layer``),
+    as an accelerator holds the model's own weights."""
+
+    per_layer = False  # split_layers sets it on the instance (a static attribute)
 
     def __init__(self, cfg: LlamaConfig, slots: int, rank: int, dtype):
         self.slots, self.rank = slots, rank
@@ -200,6 +207,8 @@ class LoraBank(nnx.Module):
         groups = tuple((name, tuple(ts)) for name, ts in groups)
         if groups == self.groups:
             return self
+        if self.per_layer:
+            raise ValueError("groups: the bank is split by layer already; regroup before")
         if any(len(ts) != 1 for _, ts in self.groups):
             raise ValueError("groups: the bank is grouped already; regroup from one a target")
         if sorted(t for _, ts in groups for t in ts) != sorted(TARGETS):
@@ -225,6 +234,36 @@ class LoraBank(nnx.Module):
         self.groups = groups
         return self
 
+    def split_layers(self) -> LoraBank:
+        """In place: each array ``[L, ...]`` becomes a tuple of its L layers' arrays, so a
+        layer's products read its own where it lies (``LlamaForCausalLM.
+        hold_for_accelerator``, whose layers run unrolled; there a static slice of a
+        stack is copied before its product, as the model's own stacked weights were on
+        an H100). Returns the bank. Idempotent; after ``regroup``."""
+        if self.per_layer:
+            return self
+        for name in self.arrays():
+            var = getattr(self, name)
+            w = var.get_value()
+            var.set_value(tuple(w[i] for i in range(w.shape[0])))
+        self.per_layer = True
+        return self
+
+    def join_layers(self) -> LoraBank:
+        """In place: ``split_layers`` undone, each array one ``[L, ...]`` stack again (for
+        scanned layers: ``LlamaForCausalLM.hold_for_cpu``). Returns the bank."""
+        if not self.per_layer:
+            return self
+        for name in self.arrays():
+            var = getattr(self, name)
+            var.set_value(jnp.stack(var.get_value()))
+        self.per_layer = False
+        return self
+
+    def arrays(self) -> list[str]:
+        """The names of the bank's arrays (``a_<group>``, ``b_<group>``), in order."""
+        return [f"{side}_{name}" for name, _ in self.groups for side in ("a", "b")]
+
 
 def slot_arrays(
     adapter: LoraAdapter | None,
@@ -247,27 +286,39 @@ def slot_arrays(
     out = {}
     for name, ts in groups:
         a, b = arrays[f"a_{name}"], arrays[f"b_{name}"]
+        # a split bank (LoraBank.split_layers): tuples of per-layer [in, S R] / [S R, out]
+        first_a = a[0]  # (a split bank: its first layer; a stack: its first slice)
+        layers = len(a) if isinstance(a, tuple) else a.shape[0]
         width = slots * rank
         col = 0
         for j, t in enumerate(ts):
-            fan_out = b.shape[2] if len(ts) == 1 else widths[t][1]
-            A = np.zeros((a.shape[0], a.shape[1], rank), np.float32)
-            B = np.zeros((b.shape[0], rank, fan_out), np.float32)
+            fan_out = _first(b).shape[-1] if len(ts) == 1 else widths[t][1]
+            A = np.zeros((layers, first_a.shape[0], rank), np.float32)
+            B = np.zeros((layers, rank, fan_out), np.float32)
             if adapter is not None and t in adapter.weights:
                 src_a, src_b = adapter.weights[t]
                 A[..., : adapter.rank] = src_a
                 B[:, : adapter.rank] = src_b
             lo = j * width + slot * rank
-            a = _set_block(a, jnp.asarray(A, a.dtype), jnp.int32(0), jnp.int32(lo))
-            b = _set_block(b, jnp.asarray(B, b.dtype), jnp.int32(lo), jnp.int32(col))
+            dtype = first_a.dtype
+            a = _set_block(a, jnp.asarray(A, dtype), jnp.int32(0), jnp.int32(lo))
+            b = _set_block(b, jnp.asarray(B, dtype), jnp.int32(lo), jnp.int32(col))
             col += fan_out
         out[f"a_{name}"], out[f"b_{name}"] = a, b
     return out
 
 
+def _first(w):
+    """An array, or the first of a tuple of per-layer arrays."""
+    return w[0] if isinstance(w, tuple) else w
+
+
 @jax.jit
 def _set_block(a, v, row, col):
-    """``a`` (3-D) with ``v`` at ``[:, row:, col:]``."""
+    """``a`` (3-D ``[L, ...]``, or a tuple of its L layers' 2-D arrays) with ``v`` (3-D)
+    at ``[:, row:, col:]``: one call either way."""
+    if isinstance(a, tuple):
+        return tuple(jax.lax.dynamic_update_slice(w, v[i], (row, col)) for i, w in enumerate(a))
     return jax.lax.dynamic_update_slice(a, v, (jnp.int32(0), row, col))
 
 
@@ -337,8 +388,8 @@ def delta(targets: tuple[str, ...], x: jax.Array, layer) -> jax.Array | None:
     group = bank.group_of(targets) if len(targets) > 1 else None
     if group is not None and not jnp.issubdtype(mask.dtype, jnp.integer):
         # one pair for the fused projection: its targets' A side by side, B block-diagonal
-        a = getattr(bank, f"a_{group}")[...][layer]
-        b = getattr(bank, f"b_{group}")[...][layer]
+        a = _layer(bank, f"a_{group}", layer)
+        b = _layer(bank, f"b_{group}", layer)
         m = jnp.tile(mask.astype(a.dtype), (1, len(targets)))
         return jnp.dot(jnp.dot(x.astype(a.dtype), a) * m, b)
     outs = []
@@ -352,8 +403,18 @@ def delta(targets: tuple[str, ...], x: jax.Array, layer) -> jax.Array | None:
             d = linear.lora_delta(x2, a, b, mask.reshape(-1), layer, bank.rank)
             outs.append(d.reshape(*lead, d.shape[-1]))
             continue
-        a = getattr(bank, f"a_{t}")[...][layer]
-        b = getattr(bank, f"b_{t}")[...][layer]
+        a, b = _layer(bank, f"a_{t}", layer), _layer(bank, f"b_{t}", layer)
         h = jnp.dot(x.astype(a.dtype), a) * mask.astype(a.dtype)
         outs.append(jnp.dot(h, b))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-1)
+
+
+def _layer(bank, name: str, layer):
+    """Layer ``layer``'s array of the bank's ``name``: a split bank's own (its model runs
+    the layers unrolled, ``layer`` a Python int), else the stack's slice."""
+    w = getattr(bank, name).get_value()
+    if not isinstance(w, tuple):
+        return w[layer]
+    if isinstance(layer, (int, np.integer)):
+        return w[int(layer)]
+    return jax.lax.switch(layer, [lambda v=v: v for v in w])  # (a traced index)

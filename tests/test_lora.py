@@ -7,6 +7,7 @@ import json
 import pathlib
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -71,7 +72,7 @@ def test_each_adapter_gives_the_logits_peft_gives(held, way, monkeypatch):
     def write(name, slot):
         adapter = lora_mod.load_adapter(GOLDEN / "lora" / name, model.config)
         bank = model.lora
-        arrays = {k: getattr(bank, k)[...] for k in vars(bank) if k[:2] in ("a_", "b_")}
+        arrays = {k: getattr(bank, k).get_value() for k in bank.arrays()}
         for k, v in model.lora_slot_arrays(adapter, slot, arrays).items():
             getattr(bank, k).set_value(v)
 
@@ -103,6 +104,66 @@ def test_each_adapter_gives_the_logits_peft_gives(held, way, monkeypatch):
     ids = jnp.ones(5, jnp.int32)
     kind = jnp.int32 if way == "cpu kernel" else jnp.float32
     assert lora_mod.selector(bank, ids).dtype == kind
+
+
+def test_an_accelerator_s_bank_is_read_per_layer_in_place(monkeypatch):
+    # Held for an accelerator the layers run unrolled, each product reading its layer's
+    # own array: the bank is split by layer as the weights are, so the compiled step
+    # slices nothing out of a stacked bank (XLA materializes such a slice before its
+    # product: one copy per array, layer and step), and an adapter written into a slot
+    # still gives peft's logits.
+    import re
+
+    from flax import nnx
+
+    def compiled(model):
+        ids = np.asarray(PROMPTS["long"])
+        n = len(ids)
+        md = AttentionMetadata.prefill(n, 8 + np.arange(n), [1, 2, 3, 4], logits_all=True)
+        graphdef, state = nnx.split(model)  # the weights as arguments, not constants
+        step = jax.jit(lambda st, *a: nnx.merge(graphdef, st)(*a[:3], md, adapter_ids=a[3])[0])
+        args = (state, jnp.asarray(ids, jnp.int32), jnp.arange(n, dtype=jnp.int32),
+                model.make_cache(8, 8), jnp.full(n, 2, jnp.int32))  # fmt: skip
+        return step.lower(*args).compile().as_text()
+
+    def sliced(model, hlo):  # ops whose result has one layer's shape of a bank array
+        bank = model.lora
+        shapes = {
+            "[" + ",".join(map(str, getattr(bank, k).get_value()[0].shape)) + "]"
+            for k in bank.arrays()
+        }
+        return sum(
+            1
+            for line in hlo.splitlines()
+            if " slice(" in line or ("bitcast(" in line and "slice" in line)
+            if (m := re.search(r" = (\S+) ", line)) and any(s in m.group(1) for s in shapes)
+        )
+
+    model = _base()
+    model.hold_for_accelerator()
+    model.enable_lora(2, 8)
+    bank = model.lora
+    assert bank.per_layer and all(
+        isinstance(getattr(bank, k).get_value(), tuple) for k in bank.arrays()
+    )
+    adapter = lora_mod.load_adapter(GOLDEN / "lora" / "all", model.config)
+    arrays = {k: getattr(bank, k).get_value() for k in bank.arrays()}
+    for k, v in model.lora_slot_arrays(adapter, 1, arrays).items():
+        getattr(bank, k).set_value(v)
+    want = _golden("all")["logits"]
+    assert np.abs(_logits(model, 2) - want).max() <= 1e-4 * np.abs(want).max()
+    assert sliced(model, compiled(model)) == 0
+    # held for the CPU again (scanned layers): the bank one stack an array again
+    model.hold_for_cpu(pack=False)
+    assert not bank.per_layer and bank.a_qkv_proj.get_value().ndim == 3
+    assert np.abs(_logits(model, 2) - want).max() <= 1e-4 * np.abs(want).max()
+    # the same with the bank left stacked: a slice per array and layer
+    stacked = _base()
+    monkeypatch.setattr(lora_mod.LoraBank, "split_layers", lambda self: self)
+    stacked.hold_for_accelerator()
+    stacked.enable_lora(2, 8)
+    layers = stacked.config.num_layers
+    assert sliced(stacked, compiled(stacked)) >= layers * len(stacked.lora.arrays())
 
 
 def test_adapters_scale_as_peft_says():
@@ -161,7 +222,7 @@ def test_the_engine_on_an_accelerator_s_layout_gives_each_row_its_own(slots, mon
     monkeypatch.setattr(runner, "_on_cpu", lambda model: False)
     llm = pj.LLM(_base(), max_loras=slots, max_lora_rank=8, num_pages=64, page_size=8,
                  compilation_cache=False)  # fmt: skip
-    assert llm.runner.model.unrolled
+    assert llm.runner.model.unrolled and llm.runner.model.lora.per_layer  # slots per layer
     assert [n for n, ts in llm.runner.model.lora.groups if len(ts) > 1] == [
         "qkv_proj",
         "gate_up_proj",

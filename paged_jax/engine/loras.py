@@ -32,7 +32,9 @@ class Loras:
         self._slot_of: dict[int, int] = {}  # id -> device slot
         self._lora_clock: dict[int, int] = {}  # id -> the last step that used it
         self._lora_steps = 0
-        self._bank_leaves: dict[str, int] = {}
+        # each bank array's leaves in the runner's weights: one, or a split bank's one a
+        # layer (models.lora.LoraBank.split_layers), in order
+        self._bank_leaves: dict[str, list[int]] = {}
         if not max_loras:
             return
         import jax
@@ -42,7 +44,7 @@ class Loras:
         for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
             keys = [str(getattr(k, "key", k)) for k in path]
             if keys and keys[0] == "lora" and len(keys) >= 2:
-                self._bank_leaves[keys[1]] = i
+                self._bank_leaves.setdefault(keys[1], []).append(i)
         for sc in self.schedulers:
             sc.adapter_slots = max_loras
 
@@ -144,8 +146,13 @@ class Loras:
         """Puts ``adapter`` in device slot ``slot`` (new bank arrays in the weights the
         step takes; a step still running keeps reading the old ones)."""
         weights = list(self.runner.weights)
-        arrays = {name: weights[i] for name, i in self._bank_leaves.items()}
+        split = self.runner.model.lora.per_layer
+        arrays = {
+            name: tuple(weights[i] for i in at) if split else weights[at[0]]
+            for name, at in self._bank_leaves.items()
+        }
         new = self.runner.model.lora_slot_arrays(adapter, slot, arrays)
         for name, value in new.items():
-            weights[self._bank_leaves[name]] = value
+            for i, v in zip(self._bank_leaves[name], value if split else (value,), strict=True):
+                weights[i] = v
         self.runner.weights = tuple(weights)
