@@ -167,13 +167,17 @@ class Linear(nnx.Linear):
         per-layer ones, stacked again) becomes a ``Packed`` ``[(L,) P, in, NR]``, which
         ``paged_jax.linear.matmul`` multiplies by; a tuple of biases is stacked again too.
         Returns the module. Idempotent. Raises ``ValueError`` for another dtype or where
-        the CPU kernels are not available."""
+        the CPU kernels are not available. An fp8 kernel is packed as bf16 (every e4m3
+        value is one: the same weights at 2 bytes, which the kernel multiplies by rows
+        rounded to bf16)."""
         if self.packed:
             return self
         self.check_packable()
         kernel = self.kernel.get_value()
         if isinstance(kernel, tuple):
             kernel = jnp.stack(kernel)
+        if self.quantized == "fp8":
+            kernel = kernel.astype(jnp.bfloat16)
         self.kernel = Packed(linear.pack(kernel))
         for var in (self.bias, getattr(self, "scale", None), getattr(self, "zero", None)):
             if var is not None and isinstance(var.get_value(), tuple):
@@ -191,16 +195,19 @@ class Linear(nnx.Linear):
         return self
 
     def check_packable(self) -> None:
-        """Raises ``ValueError`` where ``hold_packed`` cannot pack the kernel: fp8, or
-        not an f32 (int8, 4-bit) ``[(L,) in, out]`` array or tuple of per-layer ones."""
+        """Raises ``ValueError`` where ``hold_packed`` cannot pack the kernel: not an f32
+        (int8, 4-bit, fp8) ``[(L,) in, out]`` array or tuple of per-layer ones, or fp8
+        held for fp8 activations (``[out, in]``, an accelerator's)."""
         if self.packed:
             return
-        if self.quantized == "fp8":
-            raise ValueError("kernel: fp8 weights are not read by the CPU kernels (XLA's path)")
+        if self.fp8_activations:
+            raise ValueError("kernel: held for fp8 activations ([out, in]), an accelerator's")
         kernel = self.kernel.get_value()
         first = _first(kernel)
         ndim = first.ndim + isinstance(kernel, tuple)
-        want = {None: jnp.float32, "int8": jnp.int8, "int4": jnp.uint8}[self.quantized]
+        want = {None: jnp.float32, "int8": jnp.int8, "int4": jnp.uint8, "fp8": jnp.float8_e4m3fn}[
+            self.quantized
+        ]
         if ndim not in (2, 3) or first.dtype != want:
             shape = [len(kernel), *first.shape] if isinstance(kernel, tuple) else first.shape
             raise ValueError(
@@ -449,11 +456,12 @@ class Embed(nnx.Embed):
         transpose, ``[P, E, NR]`` (int8 ones with their scales as ``pack_scales`` lays
         them out, or as a weight's for scales per group of E); returns the module.
         Idempotent. Raises ``ValueError`` for a table that is not f32 or int8, or where
-        the CPU kernels are not available."""
-        if self.quantized == "fp8":
-            raise ValueError("embedding: an fp8 table is not read by the CPU kernels")
+        the CPU kernels are not available. An fp8 table is packed as bf16, with its
+        per-token scales as int8's (the same values: every e4m3 value is a bf16 one)."""
         if not self.packed:
             raw, groups = self.embedding.get_value(), self._groups()
+            if self.quantized == "fp8":
+                raw = raw.astype(jnp.bfloat16)
             self.embedding.set_value(linear.pack(raw if self.transposed else raw.T))
             if self.quantized == "int4":  # groups along E: [E / 32, V] packed as a weight
                 self.scale.set_value(linear.pack(self.scale.get_value().T))
@@ -1010,8 +1018,8 @@ class LlamaForCausalLM(nnx.Module):
         The engine calls it for a model on CPU without a mesh (the mesh's shardings are
         given for the loaded layouts). Idempotent.
 
-        ``pack`` (default: where the model computes in f32 with f32, int8 or int4 weights
-        and ``paged_jax.linear.available()``; fp8 weights take XLA's way below): every
+        ``pack`` (default: where the model computes in f32 with f32, int8, int4 or fp8
+        weights and ``paged_jax.linear.available()``; fp8 ones are packed as bf16): every
         linear weight, stacked layers included, and a tied embedding table are packed
         for the C matrix-product kernel (``Linear.hold_packed``, ``Embed.hold_packed``);
         a layer's product reads its weight in the stack by index. SmolLM2-135M f32
@@ -1043,11 +1051,10 @@ class LlamaForCausalLM(nnx.Module):
                 and linear.available()
                 and all(
                     n.packed
-                    or n.quantized in ("int8", "int4")
+                    or (n.quantized in ("int8", "int4", "fp8") and not n.fp8_activations)
                     or (not n.quantized and _dtype(n.kernel.get_value()) == jnp.float32)
                     for n in linears
                 )
-                and self.embed_tokens.quantized != "fp8"
             )
         if pack:
             for node in linears:  # (before anything changes)

@@ -30,10 +30,11 @@ def available() -> bool:
     return cpu.available()
 
 
-def pack(w: jax.Array) -> jax.Array:  # [(L,) K, N] f32, int8 or uint8 -> [(L,) P, K, NR]
+def pack(w: jax.Array) -> jax.Array:  # [(L,) K, N] f32, int8, uint8, bf16 -> [(L,) P, K, NR]
     """``w`` in column panels of the kernel's width NR (``P = ceil(N / NR)``, zero past
     column N), each of a stack ``[L, K, N]`` alike; float32, int8 (quantized weights,
-    whose scales ``pack_scales`` lays out) or uint8 (4-bit weights, two rows a byte).
+    whose scales ``pack_scales`` lays out), uint8 (4-bit weights, two rows a byte) or
+    bfloat16 (K even; fp8 weights are held so on CPU, with column scales).
     Raises ``ValueError`` for another dtype or rank, or where the kernels are not
     available."""
     from paged_jax.kernels import cpu
@@ -84,7 +85,9 @@ def matmul(
     scales[j]``, or with scales per group of rows (``[(L,) P, K / G, NR]``) ``q[k, j] *
     scales[k // G, j]``, plus ``mins[k // G, j]`` where ``mins`` are given. 4-bit
     weights (uint8 ``[(L,) P, K / 2, NR]``) need their groups' ``scales`` and ``mins``
-    (each packed by ``pack`` from ``[(L,) K / G, n]``). Quantized
+    (each packed by ``pack`` from ``[(L,) K / G, n]``). bf16 weights multiply rows rounded
+    to bf16, each product exact in f32, times column ``scales`` if given
+    (``paged_jax.kernels.cpu.reference_bf16``). Quantized
     weights multiply rows of ``x`` quantized to int8 in blocks of 32 inputs (4-bit: the
     groups), a scale each, by exact integer dot products (W8A8; see
     ``paged_jax.kernels.cpu.reference_quantized`` for the definition). Raises

@@ -132,9 +132,61 @@ def test_boundary_errors():
     with pytest.raises(ValueError, match=r"layer: expected an int in \[0, 1\), got 1"):
         cpu.linear(x, packed, 20, layer=1)  # one weight, not a stack
     with pytest.raises(
-        ValueError, match=r"w: expected a \[K, N\] or \[L, K, N\] float32, int8 or uint8 array"
+        ValueError,
+        match=r"w: expected a \[K, N\] or \[L, K, N\] float32, int8, uint8 or bfloat16 array",
     ):
         cpu.pack_weight(jnp.asarray(w, jnp.float16))
+
+
+@needs_cc
+@pytest.mark.parametrize("layers, k, n, rows", [(None, 100, 37, None), (3, 576, 96, 5)])
+def test_bf16_weights_multiply_rows_rounded_to_bf16(layers, k, n, rows):
+    # bf16 weights (fp8 ones are held so) by rows rounded to bf16, each product exact in
+    # f32: the f64 reference within the f32 sums' rounding, with and without column
+    # scales, a stack read by index, rows past `rows` zero; K = 100 leaves a tail
+    # past the vector conversion's 32. Packing unpacks exactly and looks columns up.
+    import ml_dtypes
+
+    rng = np.random.default_rng(5)
+    lead = () if layers is None else (layers,)
+    w = rng.standard_normal((*lead, k, n)).astype(ml_dtypes.bfloat16)
+    x = rng.standard_normal((2, 9, k)).astype(np.float32)
+    scales = rng.uniform(0.5, 2.0, (*lead, n)).astype(np.float32)
+    packed = cpu.pack_weight(jnp.asarray(w))
+    assert packed.dtype == jnp.bfloat16 and packed.shape[-2:] == (k, cpu.panel_width())
+    np.testing.assert_array_equal(
+        np.asarray(cpu.unpack_weight(packed, n)).astype(np.float32), w.astype(np.float32)
+    )
+    layer = None if layers is None else layers - 1
+    pick = (lambda a: a) if layers is None else (lambda a: a[layer])
+    if layers is None:
+        ids = jnp.asarray([[0, n - 1], [3, 3]])
+        got = np.asarray(cpu.packed_columns(packed, ids)).astype(np.float32)
+        np.testing.assert_array_equal(got, np.moveaxis(w.astype(np.float32)[:, ids], 0, -1))
+    for sc in (None, scales):
+        got = cpu.linear(
+            jnp.asarray(x), packed, n, layer=layer, rows=rows,
+            scales=None if sc is None else cpu.pack_scales(jnp.asarray(sc)),
+        )  # fmt: skip
+        want = cpu.reference_bf16(x.reshape(18, k), pick(w), None if sc is None else pick(sc))
+        if rows is not None:
+            want[rows:] = 0.0
+        np.testing.assert_allclose(
+            np.asarray(got).reshape(18, n), want, rtol=0, atol=1e-5 * np.abs(want).max()
+        )
+        # rounding the rows matters: the f32 rows' product is further off than that
+        exact = x.reshape(18, k).astype(np.float64) @ pick(w).astype(np.float64)
+        if sc is not None:
+            exact = exact * pick(sc)
+        if rows is not None:
+            exact[rows:] = 0.0
+        assert np.abs(exact - want).max() > 1e-4 * np.abs(want).max()
+    with pytest.raises(ValueError, match="mins: bf16 weights take none"):
+        cpu.linear(jnp.asarray(x), packed, n, layer=layer, mins=jnp.zeros(3))
+    with pytest.raises(ValueError, match="scales: expected float32"):
+        cpu.linear(jnp.asarray(x), packed, n, layer=layer, scales=jnp.zeros(3))
+    with pytest.raises(ValueError, match="w: bf16 weights need K even"):
+        cpu.pack_weight(jnp.zeros((5, 4), jnp.bfloat16))
 
 
 def test_without_the_kernels_the_model_keeps_xla_products(monkeypatch):

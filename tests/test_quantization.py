@@ -313,6 +313,12 @@ def _w8a8_definition(calls):
         q = linear.unpack(packed, n)
         x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
         m, k = x2.shape
+        if packed.dtype == jnp.bfloat16:  # fp8 held as bf16: rows rounded to bf16
+            xb = x2.astype(jnp.bfloat16).astype(jnp.float32)
+            y = jnp.dot(xb, q.astype(jnp.float32), precision="highest") * scales[None, :n]
+            if rows is not None:
+                y = jnp.where(jnp.arange(m)[:, None] < rows, y, 0.0)
+            return y.reshape(*x.shape[:-1], n)
         if mins is not None:  # the groups' scales and minimums [K / G, n]
             d, mn = linear.unpack(scales, n), linear.unpack(mins, n)
             block = k // d.shape[0]
@@ -349,14 +355,11 @@ def test_a_quantized_model_computes_what_its_dequantized_weights_do(cfg, held, f
     """Through the engine, each way it holds weights: packed for the C kernel (CPU),
     per layer for XLA:CPU, per layer and unrolled (GPUs and TPUs); greedy tokens and
     their log-probs equal those of the float model with the dequantized weights. Packed,
-    the kernel quantizes the rows too (W8A8): they equal those of the same model whose
-    quantized products follow the kernel's definition in jnp instead."""
+    the kernel quantizes the rows too (W8A8; fp8 weights, held as bf16, by rows rounded
+    to bf16): they equal those of the same model whose quantized products follow the
+    kernel's definition in jnp instead."""
     if held == "packed" and not linear.available():
         pytest.skip("the CPU kernels did not build here")
-    if held == "packed" and fmt == "fp8":  # the kernels do not read fp8: XLA's way instead
-        with pytest.raises(ValueError, match="fp8 weights are not read by the CPU kernels"):
-            _pair(cfg, fmt)[0].hold_for_cpu(pack=True)
-        held = "fp8 on CPU by default"
     quantized, dequantized = _pair(cfg, fmt)
     calls = []
     if held == "packed":  # the kernel quantizes the rows too (W8A8): its definition instead
@@ -380,13 +383,11 @@ def test_a_quantized_model_computes_what_its_dequantized_weights_do(cfg, held, f
     # (packed for the CPU kernels or held for an accelerator, q/k/v are one qkv_proj)
     attn = getattr(layers_q, "self_attn", None)
     q_proj = getattr(attn, "q_proj", None) or getattr(attn, "qkv_proj", None)
-    if held == "fp8 on CPU by default":  # the engine held it for XLA's products
-        assert not q_proj.packed and q_proj.quantized == "fp8"
-        assert q_proj.kernel.get_value()[0].dtype == jnp.float8_e4m3fn
-    if held == "packed" and q_proj is not None:
-        dtype = jnp.int8 if fmt == "int8" else jnp.uint8
+    if held == "packed" and q_proj is not None:  # (fp8: packed as bf16, the same values)
+        dtype = {"int8": jnp.int8, "fp8": jnp.bfloat16}.get(fmt, jnp.uint8)
         table = quantized.embed_tokens.embedding.get_value().dtype
-        assert table == (jnp.uint8 if fmt == "int4-table" else jnp.int8)
+        fp8_table = jnp.bfloat16 if cfg.tie_word_embeddings else jnp.float8_e4m3fn  # (a head)
+        assert table == {"int4-table": jnp.uint8, "fp8": fp8_table}.get(fmt, jnp.int8)
         assert q_proj.packed and q_proj.kernel.get_value().dtype == dtype
     for g, w in zip(got, want, strict=True):
         if held == "packed":

@@ -288,6 +288,9 @@ def pack_weight(w: jax.Array) -> jax.Array:
     - int8 ``[K, N] -> [P, K, NR]``, K a multiple of 4, in quads of rows: row i of
       ``packed[p].reshape(K / 4, 4 * NR)`` holds ``w[4i .. 4i + 3, p * NR + j]`` for each
       column j in turn (what an integer dot-product instruction reads);
+    - bfloat16 ``[K, N] -> [P, K, NR]``, K even, in pairs of rows: row i of
+      ``packed[p].reshape(K / 2, 2 * NR)`` holds ``w[2i, p * NR + j], w[2i + 1, p * NR +
+      j]`` for each column j in turn (what a bf16 dot-product instruction reads);
     - uint8 4-bit weights, two rows a byte (row 2i in the low nibble), ``[K / 2, N] ->
       [P, K / 2, NR]``, K a multiple of 8, in octets of rows: row i of ``packed[p].
       reshape(K / 8, 4 * NR)`` holds, for each column j in turn and r = 0 .. 3, ``q[8i + r,
@@ -295,11 +298,13 @@ def pack_weight(w: jax.Array) -> jax.Array:
 
     Raises ``ValueError`` for another dtype, rank or K. Outside ``jit`` the panels are
     filled in numpy (no XLA program compiled per weight shape)."""
-    if w.ndim not in (2, 3) or w.dtype not in (jnp.float32, jnp.int8, jnp.uint8):
+    if w.ndim not in (2, 3) or w.dtype not in (jnp.float32, jnp.int8, jnp.uint8, jnp.bfloat16):
         raise ValueError(
-            f"w: expected a [K, N] or [L, K, N] float32, int8 or uint8 array, got "
+            f"w: expected a [K, N] or [L, K, N] float32, int8, uint8 or bfloat16 array, got "
             f"{w.dtype}{list(w.shape)}"
         )
+    if w.dtype == jnp.bfloat16 and w.shape[-2] % 2:
+        raise ValueError(f"w: bf16 weights need K even, got {list(w.shape)}")
     if w.dtype == jnp.int8 and w.shape[-2] % 4:
         raise ValueError(f"w: int8 weights need K a multiple of 4, got {list(w.shape)}")
     if w.dtype == jnp.uint8 and w.shape[-2] % 4:
@@ -331,9 +336,15 @@ def _panels(w, nr: int, xp):
     w = xp.pad(w, [(0, 0)] * len(lead) + [(0, 0), (0, p * nr - n)])
     if w.dtype == np.float32:
         return xp.moveaxis(w.reshape(*lead, k, p, nr), -2, -3)
-    # [.., K / 4, 4, P, NR] -> [.., P, K / 4, NR, 4]
-    w = xp.moveaxis(w.reshape(*lead, k // 4, 4, p, nr), (-4, -3, -2, -1), (-3, -1, -4, -2))
+    g = _row_group(w.dtype)  # [.., K / g, g, P, NR] -> [.., P, K / g, NR, g]
+    w = xp.moveaxis(w.reshape(*lead, k // g, g, p, nr), (-4, -3, -2, -1), (-3, -1, -4, -2))
     return w.reshape(*lead, p, k, nr)
+
+
+def _row_group(dtype) -> int:
+    """Rows of a column side by side in a packed panel: 2 for bf16 weights (a 32-bit
+    lane's pair), 4 for 8-bit ones (a lane's quad)."""
+    return 2 if jnp.dtype(dtype) == jnp.bfloat16 else 4
 
 
 def pack_scales(scales: jax.Array) -> jax.Array:
@@ -352,8 +363,8 @@ def unpack_weight(packed: jax.Array, n: int) -> jax.Array:
     *lead, p, k, nr = packed.shape
     if packed.dtype == jnp.float32:
         return jnp.moveaxis(packed, -3, -2).reshape(*lead, k, p * nr)[..., :n]
-    # [.., P, K / 4, NR, 4] -> [.., K / 4, 4, P, NR]
-    w = packed.reshape(*lead, p, k // 4, nr, 4)
+    g = _row_group(packed.dtype)  # [.., P, K / g, NR, g] -> [.., K / g, g, P, NR]
+    w = packed.reshape(*lead, p, k // g, nr, g)
     w = jnp.moveaxis(w, (-3, -1, -4, -2), (-4, -3, -2, -1)).reshape(*lead, k, p * nr)[..., :n]
     if packed.dtype != jnp.uint8:
         return w
@@ -371,7 +382,8 @@ def packed_columns(packed: jax.Array, ids: jax.Array) -> jax.Array:
     if packed.dtype == jnp.float32:
         return packed[ids // nr, :, ids % nr]
     p, k, _ = packed.shape
-    quads = packed.reshape(p, k // 4, nr, 4)[ids // nr, :, ids % nr, :]  # [..., K / 4, 4]
+    g = _row_group(packed.dtype)
+    quads = packed.reshape(p, k // g, nr, g)[ids // nr, :, ids % nr, :]  # [..., K / g, g]
     if packed.dtype != jnp.uint8:
         return quads.reshape(*ids.shape, k)
     v = jnp.stack([quads & 15, quads >> 4], axis=-2).reshape(*ids.shape, k, 2)  # in order
@@ -380,13 +392,13 @@ def packed_columns(packed: jax.Array, ids: jax.Array) -> jax.Array:
 
 def linear(
     x: jax.Array,  # [..., K] f32
-    packed: jax.Array,  # [(L,) P, K, NR] f32 or int8, or [(L,) P, K / 2, NR] uint8
+    packed: jax.Array,  # [(L,) P, K, NR] f32, int8 or bf16, or [(L,) P, K / 2, NR] uint8
     n: int,
     *,
     layer: jax.Array | int | None = None,
     rows: jax.Array | int | None = None,
     threads: int | None = None,
-    scales: jax.Array | None = None,  # int8: f32[(L,) P * NR] or [(L,) P, K / G, NR]
+    scales: jax.Array | None = None,  # int8, bf16: f32[(L,) P * NR]; int8: [(L,) P, K / G, NR]
     mins: jax.Array | None = None,  # uint8, int8 with groups: f32[(L,) P, K / G, NR]
 ) -> jax.Array:  # [..., n] f32
     """``x @ w`` for the ``[K, n]`` weight ``w`` that ``pack_weight`` made ``packed`` (for an
@@ -403,7 +415,10 @@ def linear(
     G, j] + mins[k // G, j]`` (GGUF's Q5_1 and Q5_K blocks). 4-bit weights (uint8, two rows
     of ``q`` in [0, 15] a byte, the even row in the low nibble) come with ``scales`` and
     ``mins`` per group of G rows (G a multiple of 8; ``pack_weight`` of their ``[K / G, n]``
-    arrays): the weight is ``scales * q + mins``. Quantized weights multiply the rows of
+    arrays): the weight is ``scales * q + mins``. bf16 weights (K even) may come with
+    column ``scales`` (``pack_scales``; an fp8 weight held as bf16: ``q[k, j] *
+    scales[j]``); they multiply the rows of ``x`` rounded to bf16, each product exact and
+    added into an f32 sum per output (``reference_bf16``). Quantized weights multiply the rows of
     ``x`` quantized to int8 in blocks (32 inputs for int8 weights, the groups for 4-bit
     ones), each with a scale of its own (W8A8, as llama.cpp's Q8 and Q4 products): exact
     integer sums per block, scaled in f32 (``linear.c``'s header has the definition, and
@@ -411,6 +426,8 @@ def linear(
     shapes, a missing or out-of-range static ``layer``, and when the kernels are not
     available."""
     four = packed.dtype == jnp.uint8
+    if packed.dtype == jnp.bfloat16:
+        return _linear_bf16(x, packed, n, layer, rows, threads, scales, mins)
     # f32 weights alone; int8 ones with scales (and with grouped scales perhaps mins);
     # 4-bit ones with scales and mins
     if scales is None:
@@ -481,6 +498,62 @@ def linear(
             f"dividing {k}), got {scales.dtype}{list(scales.shape)}"
         )
     return call(x2, packed, scales, params).reshape(*x.shape[:-1], n)
+
+
+def _linear_bf16(x, packed, n, layer, rows, threads, scales, mins):
+    """``linear`` for bf16 weights (perhaps with column scales)."""
+    nr = panel_width()
+    if x.dtype != jnp.float32:
+        raise ValueError(f"x: expected float32 rows for bf16 weights, got {x.dtype}")
+    if mins is not None:
+        raise ValueError("mins: bf16 weights take none (column scales at most)")
+    if packed.ndim not in (3, 4) or packed.shape[-1] != nr or packed.shape[-2] % 2:
+        raise ValueError(
+            f"packed: expected [(L,) P, K, {nr}] bf16, K even, got {list(packed.shape)}"
+        )
+    p, k, _ = packed.shape[-3:]
+    lead = packed.shape[:-3]
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(f"x: expected [..., {k}] (packed's K), got {list(x.shape)}")
+    if not isinstance(n, int) or not p * nr - nr < n <= p * nr:
+        raise ValueError(f"n: expected an int in ({p * nr - nr}, {p * nr}], got {n!r}")
+    if packed.ndim == 4 and layer is None:
+        raise ValueError(f"layer: expected an index into packed's {packed.shape[0]} weights")
+    if isinstance(layer, int) and not 0 <= layer < (packed.shape[0] if lead else 1):
+        raise ValueError(
+            f"layer: expected an int in [0, {packed.shape[0] if lead else 1}), got {layer}"
+        )
+    if scales is not None and (scales.dtype != jnp.float32 or scales.shape != (*lead, p * nr)):
+        raise ValueError(
+            f"scales: expected float32{[*lead, p * nr]} (pack_scales), got "
+            f"{scales.dtype}{list(scales.shape)}"
+        )
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)
+    params = jnp.stack(
+        [
+            jnp.asarray(0 if layer is None else layer, jnp.int32),
+            jnp.int32(_threads(threads)),
+            jnp.asarray(-1 if rows is None else rows, jnp.int32),
+        ]
+    )
+    call = jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
+    operands = (x2, packed) + (() if scales is None else (scales,)) + (params,)
+    return call(*operands).reshape(*x.shape[:-1], n)
+
+
+def reference_bf16(
+    x: np.ndarray,  # f32[M, K]
+    w: np.ndarray,  # bf16[K, N]
+    scales: np.ndarray | None = None,  # f32[N]
+) -> np.ndarray:  # f64[M, N]
+    """What ``linear`` computes for bf16 weights (unpacked), in numpy: the rows of ``x``
+    rounded to bf16 (to nearest, ties to even), times ``w``, in f64 (so it differs from
+    the kernel's f32 sums by their rounding only), times the column ``scales``."""
+    import ml_dtypes
+
+    xb = np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    out = xb @ np.asarray(w).astype(np.float64)
+    return out if scales is None else out * np.asarray(scales, np.float64)
 
 
 def quantize_blocks(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:

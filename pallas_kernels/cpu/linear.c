@@ -22,6 +22,11 @@
  *   mins     f32[(L,) P, K / G, NR]  its minimum m: the weights are d * q + m
  *            (int8 weights with scales per group take mins too: GGUF's Q5_1 and Q5_K
  *            blocks, q in [0, 31], as d * q + m)
+ *            or bf16[(L,) P, K, NR] 16-bit float weights, K even, in pairs of rows: panel p's
+ *                              values [2 NR i, 2 NR (i + 1)) hold, for each column j in turn,
+ *                              W[2i, j] and W[2i + 1, j]; perhaps with a 3rd operand before
+ *                              params: scales f32[(L,) P * NR], column n's (fp8 weights held
+ *                              so, an e4m3 value being a bf16 one: q[k, n] * scales[n])
  *   params   i32[3]            {the weight to use (0 for a 3-D w), at most this many threads,
  *                              the rows to compute (R; outside [0, M]: all M)}
  * Result: y f32[M, N], N in (P * NR - NR, P * NR]; rows R .. M - 1 are 0. A step padded
@@ -52,6 +57,14 @@
  * that is, the dequantized weights times the quantized rows: the rows' rounding errors
  * meet the weights as they are, d q + m, not the unsigned q (the sum of x itself in the
  * second term moved SmolLM2's log-likelihood 6% instead of 1%).
+ * bf16 weights multiply the rows of x rounded to bf16 (to nearest, ties to even):
+ *   y[m, n] = scales[n] * sum over pairs i, in order, of bf16(x[m, 2i]) * W[2i, n]
+ *                                                     + bf16(x[m, 2i + 1]) * W[2i + 1, n]
+ * into one f32 sum per output (each product of two bf16 values is exact in f32; how a
+ * pair's two are added in is the instruction's: AVX-512 BF16's vdpbf16ps, which also
+ * reads bf16 subnormals as 0, or two FMAs elsewhere, so the paths agree to f32
+ * rounding, not bitwise). Twice the multiply-adds an instruction of f32's FMA, half the
+ * bytes.
  * Rows are quantized on their own, so a row's result does not depend on M, on the other
  * rows or on the thread count, on every path. On CPUs with integer dot products this
  * multiplies four times as many pairs per instruction as f32 does, and reads a quarter
@@ -115,6 +128,14 @@ typedef float lv __attribute__((vector_size(4 * VL)));
 typedef int32_t iv __attribute__((vector_size(4 * VL)));
 typedef int8_t bv __attribute__((vector_size(4 * VL))); /* VL columns x 4 rows of bytes */
 typedef uint8_t ubv __attribute__((vector_size(4 * VL)));
+typedef uint32_t uv __attribute__((vector_size(4 * VL))); /* VL columns x 2 rows of bf16 */
+
+/* bf16 weights by AVX-512 BF16's dot product of pairs, or widened to f32 and two FMAs */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define BDOT 1
+#else
+#define BDOT 0
+#endif
 
 int paged_jax_linear_panel_width(void) { return NR; }
 
@@ -130,6 +151,7 @@ typedef struct {
   float *y;
   int64_t M, K, N, B, first, last; /* panels [first, last); B: a block's inputs */
   int grouped;                      /* int8 weights: scales per group of B rows */
+  const uint32_t *xb;               /* bf16 weights: x's rows in bf16 pairs [M, K / 2] */
 } LinearJob;
 
 static inline lv load(const float *p) {
@@ -365,9 +387,92 @@ static void run_rows(LinearJob *j) {
   }
 }
 
+static inline uv load_u(const uint32_t *p) {
+  uv v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+/* bf16 weights: y[0 .. mr) x [n0, n0 + NR) = the rows xb [mr, K / 2] (bf16 pairs) @ the
+ * panel wp [K / 2, NR] (a column's pair in each u32), times the column scales sc [NR]
+ * (or NULL); `ahead` as in tile. */
+static inline __attribute__((always_inline)) void btile(const uint32_t *xb, const uint32_t *wp,
+                                                       const uint32_t *ahead, float *y,
+                                                       int64_t K2, int64_t N, int64_t n0,
+                                                       const int mr, const float *sc) {
+  lv c[MR][3];
+  for (int i = 0; i < mr; ++i) c[i][0] = c[i][1] = c[i][2] = (lv){};
+  for (int64_t k = 0; k < K2; ++k) {
+    if (ahead)
+      for (int64_t b = 0; b < NR * 4; b += 64) __builtin_prefetch((const char *)(ahead + k * NR) + b, 0, 3);
+    const uv w[3] = {load_u(wp + k * NR), load_u(wp + k * NR + VL), load_u(wp + k * NR + 2 * VL)};
+#if BDOT
+    for (int i = 0; i < mr; ++i) {
+      const __m512bh xb2 = (__m512bh)_mm512_set1_epi32((int)xb[i * K2 + k]);
+      for (int v = 0; v < 3; ++v)
+        c[i][v] = (lv)_mm512_dpbf16_ps((__m512)c[i][v], (__m512bh)w[v], xb2);
+    }
+#else
+    lv lo[3], hi[3]; /* the pair's even and odd rows, widened */
+    for (int v = 0; v < 3; ++v) {
+      lo[v] = (lv)(w[v] << 16);
+      hi[v] = (lv)(w[v] & 0xFFFF0000u);
+    }
+    for (int i = 0; i < mr; ++i) {
+      const uint32_t x2 = xb[i * K2 + k], xl = x2 << 16, xh = x2 & 0xFFFF0000u;
+      float a, b;
+      memcpy(&a, &xl, 4);
+      memcpy(&b, &xh, 4);
+      for (int v = 0; v < 3; ++v) c[i][v] = c[i][v] + a * lo[v] + b * hi[v];
+    }
+#endif
+  }
+  if (sc)
+    for (int i = 0; i < mr; ++i)
+      for (int v = 0; v < 3; ++v) c[i][v] *= load(sc + v * VL);
+  const int64_t cols = N - n0 < NR ? N - n0 : NR;
+  for (int i = 0; i < mr; ++i) {
+    float row[NR];
+    memcpy(row, &c[i][0], sizeof(lv));
+    memcpy(row + VL, &c[i][1], sizeof(lv));
+    memcpy(row + 2 * VL, &c[i][2], sizeof(lv));
+    memcpy(y + i * N + n0, row, sizeof(float) * (size_t)cols);
+  }
+}
+
+static void run_rows_b(LinearJob *j) {
+  const int64_t M = j->M, K2 = j->K / 2, N = j->N, panel = K2 * NR; /* u32 */
+  for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+    const int64_t m1 = M - m0 < ROW_BLOCK ? M : m0 + ROW_BLOCK;
+    for (int64_t p = j->first; p < j->last; ++p) {
+      const uint32_t *wp = (const uint32_t *)j->w + p * panel;
+      const uint32_t *next = p + 1 < j->last ? wp + panel : NULL;
+      const float *sc = j->scale ? j->scale + p * NR : NULL;
+      int64_t m = m0;
+#define BTILE(R) btile(j->xb + m * K2, wp, next, j->y + m * N, K2, N, p * NR, R, sc)
+      for (; m + MR <= m1; m += MR, next = NULL) BTILE(MR);
+      switch (m1 - m) {
+#if MR == 8
+        case 7: BTILE(7); break;
+        case 6: BTILE(6); break;
+        case 5: BTILE(5); break;
+        case 4: BTILE(4); break;
+#endif
+        case 3: BTILE(3); break;
+        case 2: BTILE(2); break;
+        case 1: BTILE(1); break;
+        default: break;
+      }
+#undef BTILE
+    }
+  }
+}
+
 static void *run_linear(void *arg) {
   LinearJob *j = (LinearJob *)arg;
-  if (j->mins && j->grouped)
+  if (j->xb)
+    run_rows_b(j);
+  else if (j->mins && j->grouped)
     run_rows_q(j, 3); /* a copy per weight type, each with it fixed */
   else if (j->mins)
     run_rows_q(j, 0);
@@ -431,6 +536,32 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t B, int8_
     }
 }
 
+/* x rounded to bf16, to nearest with ties to even (a NaN stays a NaN). */
+static inline uint16_t bf16_of(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Rows [0, M) of x [M, K] (K even) in bf16, two a u32, even input in the low half: xb
+ * [M, K / 2], what vdpbf16ps reads as a pair. */
+static void round_rows_bf16(const float *x, int64_t M, int64_t K, uint32_t *xb) {
+  uint16_t *out = (uint16_t *)xb; /* the pairs' halves in order, little-endian */
+  for (int64_t m = 0; m < M; ++m) {
+    const float *in = x + m * K;
+    uint16_t *o = out + m * K;
+    int64_t k = 0;
+#if BDOT
+    for (; k + 32 <= K; k += 32) { /* the same rounding as bf16_of */
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(in + k + 16), _mm512_loadu_ps(in + k));
+      _mm512_storeu_si512((void *)(o + k), (__m512i)v);
+    }
+#endif
+    for (; k < K; ++k) o[k] = bf16_of(in[k]);
+  }
+}
+
 XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
   if (ffi_metadata(frame)) return NULL;
   if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
@@ -440,17 +571,19 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
   /* q, by the weights' dtype: 0 f32 weights, alone; 1 int8 ones, with their scales (and
    * with scales per group perhaps minimums); 2 4-bit ones, with scales and minimums */
   const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1];
+  const int bf = w->dtype == XLA_FFI_DataType_BF16; /* bf16 weights, perhaps column scales */
   const int q = w->dtype == XLA_FFI_DataType_S8 ? 1 : w->dtype == XLA_FFI_DataType_U8 ? 2 : 0;
   const int extra = (int)nargs - 3; /* operands between the weights and params */
-  if (extra != q && !(q == 1 && extra == 2))
+  if (bf ? extra > 1 : extra != q && !(q == 1 && extra == 2))
     return fail(frame, "paged_jax linear: expected f32 weights alone, s8 ones with scales (and "
-                       "mins), u8 ones with scales and mins");
+                       "mins), u8 ones with scales and mins, bf16 ones perhaps with scales");
   const XLA_FFI_Buffer *scales = extra ? frame->args.args[2] : NULL,
                        *mins = extra == 2 ? frame->args.args[3] : NULL,
                        *params = frame->args.args[2 + extra], *y = frame->rets.rets[0];
   if (x->rank != 2 || (w->rank != 3 && w->rank != 4) || params->rank != 1 || y->rank != 2)
     return fail(frame, "paged_jax linear: expected x[M,K], w[(L,)P,K,NR], params[3], y[M,N]");
-  const XLA_FFI_DataType wt = q == 0 ? XLA_FFI_DataType_F32
+  const XLA_FFI_DataType wt = bf       ? XLA_FFI_DataType_BF16
+                              : q == 0 ? XLA_FFI_DataType_F32
                               : q == 1 ? XLA_FFI_DataType_S8
                                        : XLA_FFI_DataType_U8;
   if (x->dtype != XLA_FFI_DataType_F32 || w->dtype != wt || y->dtype != XLA_FFI_DataType_F32 ||
@@ -466,6 +599,12 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
                        "build's panel width and cover N)");
   /* int8 weights' scales: one a column [(L,) P * NR], or one a column per group of G
    * rows [(L,) P, K / G, NR] (grouped: G a multiple of 4, the rows' blocks then G) */
+  if (bf && (K % 2 || (scales && (scales->dtype != XLA_FFI_DataType_F32 ||
+                                  scales->rank != w->rank - 2 ||
+                                  scales->dims[scales->rank - 1] != P * NR ||
+                                  (w->rank == 4 && scales->dims[0] != L)))))
+    return fail(frame, "paged_jax linear: bf16 weights need K even, and f32 scales [(L,) P * "
+                       "NR] if any");
   const int grouped = q == 1 && scales->rank == w->rank;
   if (q == 1 && mins && !grouped)
     return fail(frame, "paged_jax linear: int8 weights take mins only with scales per group");
@@ -506,7 +645,7 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
     return NULL;
   }
   const int64_t threads = clamp_threads(p[1], M * K * P * NR / MIN_MACS_PER_THREAD, P);
-  const size_t wbytes = q == 0 ? 4 : 1, wrows = (size_t)(q == 2 ? K / 2 : K);
+  const size_t wbytes = bf ? 2 : q == 0 ? 4 : 1, wrows = (size_t)(q == 2 ? K / 2 : K);
   const void *weight = (const char *)w->data + (size_t)p[0] * (size_t)P * wrows * NR * wbytes;
   const float *scale = NULL, *mn = NULL;
   const int64_t B = G ? G : QBLOCK, blocks = q ? (K + B - 1) / B : 0;
@@ -524,7 +663,14 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
     xq = (int8_t *)(dx + 3 * per);
     quantize_rows((const float *)x->data, M, K, B, xq, dx, xc, xs);
   }
-  if (q == 1 && !grouped) scale = (const float *)scales->data + (size_t)p[0] * (size_t)(P * NR);
+  if ((q == 1 && !grouped) || (bf && scales))
+    scale = (const float *)scales->data + (size_t)p[0] * (size_t)(P * NR);
+  uint32_t *xb = NULL; /* bf16 weights: the rows in bf16 pairs */
+  if (bf) {
+    xb = malloc(sizeof(uint32_t) * (size_t)(M * (K / 2)));
+    if (!xb) return fail(frame, "paged_jax linear: out of memory");
+    round_rows_bf16((const float *)x->data, M, K, xb);
+  }
   if (q == 2 || grouped) {
     const size_t per = (size_t)P * (size_t)blocks * NR;
     scale = (const float *)scales->data + (size_t)p[0] * per;
@@ -535,8 +681,9 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
     jobs[t] = (LinearJob){.x = (const float *)x->data, .w = weight, .scale = scale, .mins = mn,
                           .xsum = xs, .xq = xq, .dx = dx, .xc = xc, .y = (float *)y->data,
                           .M = M, .K = K, .N = N, .B = B, .first = P * t / threads,
-                          .last = P * (t + 1) / threads, .grouped = grouped};
+                          .last = P * (t + 1) / threads, .grouped = grouped, .xb = xb};
   run_jobs(frame, jobs, sizeof(LinearJob), threads, run_linear);
   free(buf);
+  free(xb);
   return NULL;
 }
