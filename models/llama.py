@@ -163,9 +163,10 @@ class Linear(nnx.Linear):
         return self
 
     def hold_packed(self) -> Linear:
-        """In place: the f32 kernel ``[in, out]`` or ``[L, in, out]`` (or a tuple of
-        per-layer ones, stacked again) becomes a ``Packed`` ``[(L,) P, in, NR]``, which
-        ``paged_jax.linear.matmul`` multiplies by; a tuple of biases is stacked again too.
+        """In place: the f32 (bf16, int8, 4-bit) kernel ``[in, out]`` or ``[L, in, out]``
+        (or a tuple of per-layer ones, stacked again) becomes a ``Packed`` ``[(L,) P, in,
+        NR]``, which ``paged_jax.linear.matmul`` multiplies by; a tuple of biases is
+        stacked again too.
         Returns the module. Idempotent. Raises ``ValueError`` for another dtype or where
         the CPU kernels are not available. An fp8 kernel is packed as bf16 (every e4m3
         value is one: the same weights at 2 bytes, which the kernel multiplies by rows
@@ -208,6 +209,8 @@ class Linear(nnx.Linear):
         want = {None: jnp.float32, "int8": jnp.int8, "int4": jnp.uint8, "fp8": jnp.float8_e4m3fn}[
             self.quantized
         ]
+        if not self.quantized and first.dtype == jnp.bfloat16:  # bf16 panels
+            want = jnp.bfloat16
         if ndim not in (2, 3) or first.dtype != want:
             shape = [len(kernel), *first.shape] if isinstance(kernel, tuple) else first.shape
             raise ValueError(
@@ -455,8 +458,8 @@ class Embed(nnx.Embed):
         """In place: the table becomes ``paged_jax.linear.pack`` of its ``[E, V]``
         transpose, ``[P, E, NR]`` (int8 ones with their scales as ``pack_scales`` lays
         them out, or as a weight's for scales per group of E); returns the module.
-        Idempotent. Raises ``ValueError`` for a table that is not f32 or int8, or where
-        the CPU kernels are not available. An fp8 table is packed as bf16, with its
+        Idempotent. Raises ``ValueError`` for a table that is not f32, bf16 or quantized,
+        or where the CPU kernels are not available. An fp8 table is packed as bf16, with its
         per-token scales as int8's (the same values: every e4m3 value is a bf16 one)."""
         if not self.packed:
             raw, groups = self.embedding.get_value(), self._groups()
@@ -1019,7 +1022,9 @@ class LlamaForCausalLM(nnx.Module):
         given for the loaded layouts). Idempotent.
 
         ``pack`` (default: where the model computes in f32 with f32, int8, int4 or fp8
-        weights and ``paged_jax.linear.available()``; fp8 ones are packed as bf16): every
+        weights, or in bf16 with bf16 ones or those, and ``paged_jax.linear.available()``;
+        fp8 ones are packed as bf16; a bf16 model's products take f32 sums of its bf16
+        rows' exact products, then round to bf16): every
         linear weight, stacked layers included, and a tied embedding table are packed
         for the C matrix-product kernel (``Linear.hold_packed``, ``Embed.hold_packed``);
         a layer's product reads its weight in the stack by index. SmolLM2-135M f32
@@ -1046,14 +1051,24 @@ class LlamaForCausalLM(nnx.Module):
             self.lora.join_layers()
         linears = [n for _, n in nnx.iter_graph(self) if isinstance(n, Linear)]
         if pack is None:
+            # f32 compute with f32 weights; bf16 compute with bf16 ones (the kernel rounds
+            # its rows to bf16: exact for bf16 rows); quantized ones with either
+            compute = None if self.dtype is None else jnp.dtype(self.dtype)
+            table = self.embed_tokens
             pack = (
-                self.dtype == jnp.float32
+                compute in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
                 and linear.available()
                 and all(
                     n.packed
                     or (n.quantized in ("int8", "int4", "fp8") and not n.fp8_activations)
-                    or (not n.quantized and _dtype(n.kernel.get_value()) == jnp.float32)
+                    or (not n.quantized and _dtype(n.kernel.get_value()) == compute)
                     for n in linears
+                )
+                and (
+                    self.lm_head is not None
+                    or table.packed
+                    or bool(table.quantized)
+                    or table.embedding.get_value().dtype == compute
                 )
             )
         if pack:

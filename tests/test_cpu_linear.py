@@ -7,6 +7,7 @@ here everywhere).
 """
 
 import concurrent.futures
+import dataclasses
 import itertools
 
 import jax
@@ -269,13 +270,44 @@ def test_backend_xla_keeps_the_products_on_xla(monkeypatch):
 
 
 @needs_cc
-def test_only_f32_models_are_packed():
-    # bf16 compute, or f32 compute on bf16 weights: XLA's products (packing would compute
-    # in f32, or widen the weights), split per layer as before
-    for dtype, param_dtype in ((jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.bfloat16)):
-        model = init_model(TINY_LLAMA, seed=0, dtype=dtype, param_dtype=param_dtype)
-        up = model.hold_for_cpu().layers.mlp.up_proj
-        assert not up.packed and isinstance(up.kernel.get_value(), tuple)
+def test_f32_and_bf16_models_are_packed_with_their_own_weights():
+    # f32 compute on bf16 weights: XLA's products (packing would round f32 rows to bf16),
+    # split per layer as before. bf16 compute on bf16 weights: packed as bf16 (the
+    # kernel's rounding of bf16 rows is exact), the tied table too, and the logits near
+    # XLA's (bf16 outputs: their rounding apart).
+    from paged_jax.metadata import AttentionMetadata
+
+    model = init_model(TINY_LLAMA, seed=0, dtype=jnp.float32, param_dtype=jnp.bfloat16)
+    up = model.hold_for_cpu().layers.mlp.up_proj
+    assert not up.packed and isinstance(up.kernel.get_value(), tuple)
+    if not linear.available():
+        return
+
+    def logits(cfg, pack):
+        model = init_model(cfg, seed=0, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+        model.hold_for_cpu(pack=pack)
+        ids = jnp.arange(3, 20, dtype=jnp.int32)
+        md = AttentionMetadata.prefill(
+            len(ids), 8 + np.arange(len(ids)), [1, 2, 3], logits_all=True
+        )
+        out, _ = model(ids, jnp.arange(len(ids), dtype=jnp.int32), model.make_cache(8, 8), md)
+        return model, np.asarray(out, np.float32)
+
+    tied = dataclasses.replace(TINY_LLAMA, tie_word_embeddings=True)
+    for cfg in (TINY_LLAMA, tied):
+        packed, got = logits(cfg, None)  # the default
+        gate_up = packed.layers.mlp.gate_up_proj
+        assert gate_up.packed and gate_up.kernel.get_value().dtype == jnp.bfloat16
+        if cfg is tied:
+            head = packed.embed_tokens
+            assert head.packed and head.embedding.get_value().dtype == jnp.bfloat16
+        else:
+            head = packed.lm_head
+            assert head.packed and head.kernel.get_value().dtype == jnp.bfloat16
+        _, want = logits(cfg, False)
+        assert got.shape == want.shape == (17, cfg.vocab_size)
+        assert np.abs(got - want).max() <= 0.03 * np.abs(want).max()
+        assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
 
 
 @needs_cc
