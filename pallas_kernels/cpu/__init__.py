@@ -425,12 +425,12 @@ def linear(
     ``reference_quantized`` computes it in numpy). Raises ``ValueError`` for other dtypes or
     shapes, a missing or out-of-range static ``layer``, and when the kernels are not
     available."""
-    four = packed.dtype == jnp.uint8
-    if packed.dtype == jnp.bfloat16:
-        return _linear_bf16(x, packed, n, layer, rows, threads, scales, mins)
+    four, half = packed.dtype == jnp.uint8, packed.dtype == jnp.bfloat16
     # f32 weights alone; int8 ones with scales (and with grouped scales perhaps mins);
-    # 4-bit ones with scales and mins
-    if scales is None:
+    # 4-bit ones with scales and mins; bf16 ones perhaps with column scales
+    if half:
+        want = jnp.bfloat16
+    elif scales is None:
         want = jnp.float32
     else:
         want = jnp.int8 if mins is None or packed.dtype == jnp.int8 else jnp.uint8
@@ -439,6 +439,7 @@ def linear(
             jnp.float32: "float32",
             jnp.int8: "float32 and int8 (with scales)",
             jnp.uint8: "float32 and uint8 (with scales and mins)",
+            jnp.bfloat16: "float32 and bfloat16",
         }[want]
         hint = ""
         if packed.dtype == jnp.int8:
@@ -471,10 +472,20 @@ def linear(
         ]
     )
     call = jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
+    lead = packed.shape[:-3]
+    if half:
+        if mins is not None:
+            raise ValueError("mins: bf16 weights take none (column scales at most)")
+        if k % 2:
+            raise ValueError(f"packed: bf16 weights need K even, got {list(packed.shape)}")
+        if scales is not None and (scales.dtype != jnp.float32 or scales.shape != (*lead, p * nr)):
+            raise ValueError(
+                f"scales: expected float32{[*lead, p * nr]} (pack_scales), got "
+                f"{scales.dtype}{list(scales.shape)}"
+            )
     if scales is None:
         return call(x2, packed, params).reshape(*x.shape[:-1], n)
     if mins is not None:  # 4-bit weights, or int8 ones with groups
-        lead = packed.shape[:-3]
         groups = scales.shape[-2] if scales.ndim == packed.ndim else 0
         multiple = 8 if four else 4
         ok = groups > 0 and k % groups == 0 and (k // groups) % multiple == 0
@@ -486,7 +497,8 @@ def linear(
                     f"{a.dtype}{list(a.shape)}"
                 )
         return call(x2, packed, scales, mins, params).reshape(*x.shape[:-1], n)
-    lead = packed.shape[:-3]
+    if half:
+        return call(x2, packed, scales, params).reshape(*x.shape[:-1], n)
     groups = scales.shape[-2] if scales.ndim == packed.ndim else 0
     grouped = groups > 0 and k % groups == 0 and (k // groups) % 4 == 0
     if scales.dtype != jnp.float32 or (
@@ -498,47 +510,6 @@ def linear(
             f"dividing {k}), got {scales.dtype}{list(scales.shape)}"
         )
     return call(x2, packed, scales, params).reshape(*x.shape[:-1], n)
-
-
-def _linear_bf16(x, packed, n, layer, rows, threads, scales, mins):
-    """``linear`` for bf16 weights (perhaps with column scales)."""
-    nr = panel_width()
-    if x.dtype != jnp.float32:
-        raise ValueError(f"x: expected float32 rows for bf16 weights, got {x.dtype}")
-    if mins is not None:
-        raise ValueError("mins: bf16 weights take none (column scales at most)")
-    if packed.ndim not in (3, 4) or packed.shape[-1] != nr or packed.shape[-2] % 2:
-        raise ValueError(
-            f"packed: expected [(L,) P, K, {nr}] bf16, K even, got {list(packed.shape)}"
-        )
-    p, k, _ = packed.shape[-3:]
-    lead = packed.shape[:-3]
-    if x.ndim < 1 or x.shape[-1] != k:
-        raise ValueError(f"x: expected [..., {k}] (packed's K), got {list(x.shape)}")
-    if not isinstance(n, int) or not p * nr - nr < n <= p * nr:
-        raise ValueError(f"n: expected an int in ({p * nr - nr}, {p * nr}], got {n!r}")
-    if packed.ndim == 4 and layer is None:
-        raise ValueError(f"layer: expected an index into packed's {packed.shape[0]} weights")
-    if isinstance(layer, int) and not 0 <= layer < (packed.shape[0] if lead else 1):
-        raise ValueError(
-            f"layer: expected an int in [0, {packed.shape[0] if lead else 1}), got {layer}"
-        )
-    if scales is not None and (scales.dtype != jnp.float32 or scales.shape != (*lead, p * nr)):
-        raise ValueError(
-            f"scales: expected float32{[*lead, p * nr]} (pack_scales), got "
-            f"{scales.dtype}{list(scales.shape)}"
-        )
-    x2 = x.reshape(math.prod(x.shape[:-1]), k)
-    params = jnp.stack(
-        [
-            jnp.asarray(0 if layer is None else layer, jnp.int32),
-            jnp.int32(_threads(threads)),
-            jnp.asarray(-1 if rows is None else rows, jnp.int32),
-        ]
-    )
-    call = jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    operands = (x2, packed) + (() if scales is None else (scales,)) + (params,)
-    return call(*operands).reshape(*x.shape[:-1], n)
 
 
 def reference_bf16(

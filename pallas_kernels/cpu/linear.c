@@ -358,35 +358,6 @@ static inline __attribute__((always_inline)) void run_rows_q(LinearJob *j, const
   }
 }
 
-static void run_rows(LinearJob *j) {
-  const int64_t M = j->M, K = j->K, N = j->N, panel = K * NR; /* floats */
-  for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-    const int64_t m1 = M - m0 < ROW_BLOCK ? M : m0 + ROW_BLOCK;
-    for (int64_t p = j->first; p < j->last; ++p) {
-      const float *wp = (const float *)j->w + p * panel;
-      /* The block's first tile fetches the thread's next panel: 7-10% faster at 32 rows x
-       * 576 x 1536 and SmolLM2's head on the machine above, the same at 1536 x 576. */
-      const float *next = p + 1 < j->last ? wp + panel : NULL;
-      int64_t m = m0;
-#define TILE(R) tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, R)
-      for (; m + MR <= m1; m += MR, next = NULL) TILE(MR);
-      switch (m1 - m) { /* the last rows: a tile per count, each fully unrolled */
-#if MR == 8
-        case 7: TILE(7); break;
-        case 6: TILE(6); break;
-        case 5: TILE(5); break;
-        case 4: TILE(4); break;
-#endif
-        case 3: TILE(3); break;
-        case 2: TILE(2); break;
-        case 1: TILE(1); break;
-        default: break;
-      }
-#undef TILE
-    }
-  }
-}
-
 static inline uv load_u(const uint32_t *p) {
   uv v;
   memcpy(&v, p, sizeof v);
@@ -440,30 +411,38 @@ static inline __attribute__((always_inline)) void btile(const uint32_t *xb, cons
   }
 }
 
-static void run_rows_b(LinearJob *j) {
-  const int64_t M = j->M, K2 = j->K / 2, N = j->N, panel = K2 * NR; /* u32 */
+/* Rows of an f32 (`half` 0) or a bf16 (`half` 1) product by the panels [first, last) of
+ * job j, in 4-byte lanes: NR floats a row of an f32 panel, NR pairs of a bf16 one. */
+static inline __attribute__((always_inline)) void run_rows(LinearJob *j, const int half) {
+  const int64_t M = j->M, K = j->K, N = j->N, K2 = K / 2;
+  const int64_t panel = half ? K2 * NR : K * NR; /* lanes */
   for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
     const int64_t m1 = M - m0 < ROW_BLOCK ? M : m0 + ROW_BLOCK;
     for (int64_t p = j->first; p < j->last; ++p) {
-      const uint32_t *wp = (const uint32_t *)j->w + p * panel;
-      const uint32_t *next = p + 1 < j->last ? wp + panel : NULL;
-      const float *sc = j->scale ? j->scale + p * NR : NULL;
+      const float *wp = (const float *)j->w + p * panel;
+      /* The block's first tile fetches the thread's next panel: 7-10% faster at 32 rows x
+       * 576 x 1536 and SmolLM2's head on the machine above, the same at 1536 x 576. */
+      const float *next = p + 1 < j->last ? wp + panel : NULL;
+      const float *sc = half && j->scale ? j->scale + p * NR : NULL; /* bf16: the columns' */
       int64_t m = m0;
-#define BTILE(R) btile(j->xb + m * K2, wp, next, j->y + m * N, K2, N, p * NR, R, sc)
-      for (; m + MR <= m1; m += MR, next = NULL) BTILE(MR);
-      switch (m1 - m) {
+#define TILE(R)                                                                             \
+  (half ? btile(j->xb + m * K2, (const uint32_t *)wp, (const uint32_t *)next, j->y + m * N, \
+                K2, N, p * NR, R, sc)                                                       \
+        : tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, R))
+      for (; m + MR <= m1; m += MR, next = NULL) TILE(MR);
+      switch (m1 - m) { /* the last rows: a tile per count, each fully unrolled */
 #if MR == 8
-        case 7: BTILE(7); break;
-        case 6: BTILE(6); break;
-        case 5: BTILE(5); break;
-        case 4: BTILE(4); break;
+        case 7: TILE(7); break;
+        case 6: TILE(6); break;
+        case 5: TILE(5); break;
+        case 4: TILE(4); break;
 #endif
-        case 3: BTILE(3); break;
-        case 2: BTILE(2); break;
-        case 1: BTILE(1); break;
+        case 3: TILE(3); break;
+        case 2: TILE(2); break;
+        case 1: TILE(1); break;
         default: break;
       }
-#undef BTILE
+#undef TILE
     }
   }
 }
@@ -471,7 +450,7 @@ static void run_rows_b(LinearJob *j) {
 static void *run_linear(void *arg) {
   LinearJob *j = (LinearJob *)arg;
   if (j->xb)
-    run_rows_b(j);
+    run_rows(j, 1);
   else if (j->mins && j->grouped)
     run_rows_q(j, 3); /* a copy per weight type, each with it fixed */
   else if (j->mins)
@@ -481,7 +460,7 @@ static void *run_linear(void *arg) {
   else if (j->scale)
     run_rows_q(j, 1);
   else
-    run_rows(j);
+    run_rows(j, 0);
   return NULL;
 }
 
