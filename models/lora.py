@@ -287,20 +287,19 @@ def slot_arrays(
     for name, ts in groups:
         a, b = arrays[f"a_{name}"], arrays[f"b_{name}"]
         # a split bank (LoraBank.split_layers): tuples of per-layer [in, S R] / [S R, out]
-        first_a = a[0]  # (a split bank: its first layer; a stack: its first slice)
         layers = len(a) if isinstance(a, tuple) else a.shape[0]
+        fan_in, dtype = _first(a).shape[-2], _first(a).dtype
         width = slots * rank
         col = 0
         for j, t in enumerate(ts):
             fan_out = _first(b).shape[-1] if len(ts) == 1 else widths[t][1]
-            A = np.zeros((layers, first_a.shape[0], rank), np.float32)
+            A = np.zeros((layers, fan_in, rank), np.float32)
             B = np.zeros((layers, rank, fan_out), np.float32)
             if adapter is not None and t in adapter.weights:
                 src_a, src_b = adapter.weights[t]
                 A[..., : adapter.rank] = src_a
                 B[:, : adapter.rank] = src_b
             lo = j * width + slot * rank
-            dtype = first_a.dtype
             a = _set_block(a, jnp.asarray(A, dtype), jnp.int32(0), jnp.int32(lo))
             b = _set_block(b, jnp.asarray(B, dtype), jnp.int32(lo), jnp.int32(col))
             col += fan_out
@@ -410,11 +409,8 @@ def delta(targets: tuple[str, ...], x: jax.Array, layer) -> jax.Array | None:
 
 
 def _layer(bank, name: str, layer):
-    """Layer ``layer``'s array of the bank's ``name``: a split bank's own (its model runs
-    the layers unrolled, ``layer`` a Python int), else the stack's slice."""
+    """Layer ``layer``'s array of the bank's ``name``: a split bank's own (only a model
+    whose layers run unrolled splits its bank, so ``layer`` is a Python int), else the
+    stack's slice."""
     w = getattr(bank, name).get_value()
-    if not isinstance(w, tuple):
-        return w[layer]
-    if isinstance(layer, (int, np.integer)):
-        return w[int(layer)]
-    return jax.lax.switch(layer, [lambda v=v: v for v in w])  # (a traced index)
+    return w[int(layer)] if isinstance(w, tuple) else w[layer]
