@@ -18,11 +18,15 @@ alternated:
 - greedy agreement: prompts whose first ``--agree-len`` greedy tokens equal float's, on
   the random-id prompts and on as many chat requests in words (half free-form questions,
   half requests over public-domain passages: ``bench_speculative``'s);
-- log-likelihood: mean log-probability per token of a fixed public-domain text (the
-  opening of the US Declaration of Independence), teacher-forced in one prefill step
-  with every position's logits and the weights held as the engine holds them, and its
-  relative change from float; and the mean KL divergence of each position's next-token
-  distribution from float's;
+- log-likelihood: mean log-probability per token of a fixed public-domain text
+  (``likelihood_text``: Lincoln's two speeches and the openings of the Declaration of
+  Independence and the Constitution, 812 tokens), teacher-forced in one prefill step
+  with every position's logits and the weights held as the engine holds them, its
+  relative change from float and that change's standard error over the text's tokens
+  (a short text's few tokens sway it: the Declaration's opening alone, 123 tokens,
+  gave errors of about 1%); and the mean KL divergence of each position's next-token
+  distribution from float's (the steadier measure: KL over the float log-likelihood's
+  size is the relative change a format's distributions make on average);
 - a reference for accuracy only, not timed: the f32 weights rounded to bf16 and computed
   in f32 (``bf16_weights``), the agreement a 16-bit float checkpoint would give;
 - load memory: a fresh process per format loading the model, its RSS before the load,
@@ -43,6 +47,7 @@ import time
 from benchmarks.common import environment, positive_int, write_result
 
 MODEL = "smollm2-135m-instruct"
+# The Declaration of Independence's opening (bench_speculative's second passage opens with it)
 TEXT = (
     "When in the Course of human events, it becomes necessary for one people to dissolve "
     "the political bands which have connected them with another, and to assume among the "
@@ -55,8 +60,16 @@ TEXT = (
 )
 
 
+def likelihood_text() -> str:
+    """The log-likelihood's text: ``bench_speculative.PASSAGES`` joined (its second
+    passage opens with ``TEXT``)."""
+    from benchmarks.bench_speculative import PASSAGES
+
+    return " ".join(PASSAGES)
+
+
 def log_likelihood(model, tokenizer) -> tuple[float, int, object]:
-    """Mean log-probability per predicted token of ``TEXT``, the count and every
+    """Mean log-probability per predicted token of ``likelihood_text()``, the count and every
     position's log-probabilities (f64 ``[count, V]``, for ``kl_divergence``), teacher-forced
     in one step (``AttentionMetadata.prefill`` with every position's logits), with the
     weights held as the engine holds them on this backend (on CPU: packed for the C
@@ -70,7 +83,7 @@ def log_likelihood(model, tokenizer) -> tuple[float, int, object]:
 
     if jax.default_backend() == "cpu":
         model.hold_for_cpu()
-    ids = list(tokenizer.encode(TEXT).ids)
+    ids = list(tokenizer.encode(likelihood_text()).ids)
     n, page = len(ids), 16
     pages = -(-n // page)
     cache = model.make_cache(pages + 1, page, jnp.float32)
@@ -83,6 +96,18 @@ def log_likelihood(model, tokenizer) -> tuple[float, int, object]:
     logp = np.asarray(logp)[: n - 1]
     picked = logp[np.arange(n - 1), ids[1:]]
     return float(picked.mean()), n - 1, logp
+
+
+def change_se(base, other, tokenizer) -> float:
+    """The standard error of the relative change in mean log-likelihood between two
+    ``log_likelihood`` log-probability arrays (float's ``base``): the per-token changes'
+    standard deviation over the root of their count, over float's mean's magnitude."""
+    import numpy as np
+
+    ids = np.asarray(tokenizer.encode(likelihood_text()).ids[1:])
+    at = np.arange(len(ids))
+    d = other[at, ids] - base[at, ids]
+    return float(d.std() / np.sqrt(len(d)) / abs(base[at, ids].mean()))
 
 
 def kl_divergence(base, other) -> float:
@@ -278,6 +303,7 @@ def main(argv=None) -> int:
         r["log_likelihood_change"] = round(
             (r["log_likelihood"] - base["log_likelihood"]) / abs(base["log_likelihood"]), 5
         )
+        r["log_likelihood_change_se"] = round(change_se(logp["f32"], logp[n], tok), 5)
         r["kl_from_f32"] = round(kl_divergence(logp["f32"], logp[n]), 5)
         r["greedy_prompts_equal_f32"] = sum(
             a == b for a, b in zip(greedy[n], greedy["f32"], strict=True)
@@ -295,7 +321,8 @@ def main(argv=None) -> int:
             )
         print(
             f"{n}: {speed}"
-            f"log-likelihood {r['log_likelihood']:.4f} ({r['log_likelihood_change']:+.3%}), "
+            f"log-likelihood {r['log_likelihood']:.4f} ({r['log_likelihood_change']:+.3%} "
+            f"+- {r['log_likelihood_change_se']:.3%}), "
             f"KL from f32 {r['kl_from_f32']:.4f}, "
             f"greedy equal on {r['greedy_prompts_equal_f32']} of {len(prompts)} prompts of "
             f"random ids, {r['greedy_chats_equal_f32']} of {len(chats)} chat requests"

@@ -34,7 +34,7 @@ import numpy as np
 
 from .config import LlamaConfig
 from .hf import build_model, release_freed_memory
-from .quantization import quantize_fp8, quantize_int8
+from .quantization import int8_group, quantize_fp8, quantize_int8
 from .tokenizer import TextTokenizer
 
 # GGUF architecture -> Hugging Face architecture (Mistral files usually say "llama").
@@ -138,8 +138,9 @@ def load_gguf(
         keep theirs too (each block of 32 weights, or each group of 32 of a Q4_K
         super-block, becomes a group of ``models.quantization``'s int4 format with its
         own scale and minimum: the same weights, never widened to float). ``"int8"``
-        and ``"fp8"``: the other linear weights are quantized (one scale per output
-        channel, ``models.quantization``) a tensor at a time as they are read, so the
+        and ``"fp8"``: the other linear weights are quantized (``models.quantization``'s
+        scales: int8's per group of 32 inputs for the CPU, else per output channel) a
+        tensor at a time as they are read, so the
         load never holds them all in float. The model's remaining float weights are
         quantized by ``paged_jax.models.load``. None: every tensor dequantized.
 
@@ -169,18 +170,20 @@ def load_gguf(
         keep = quantization == "int4" and qtype.name in KEPT_INT4 and matrix
         keep8 = quantization in ("int8", "int4") and qtype.name in KEPT_INT8 and matrix
         # int8 / fp8: the other linear weights quantized here, a tensor at a time, as
-        # models.load would quantize the whole float model afterwards (one scale per
-        # output channel): the load never holds them all in f32
-        per_channel = (
+        # models.load would quantize the whole float model afterwards (the same scales):
+        # the load never holds them all in f32
+        requantize = (
             quantization in ("int8", "fp8") and matrix and name != "model.embed_tokens.weight"
         )
         if keep:
             parts = _q4_k_blocks(t) if qtype.name == "Q4_K" else _q4_blocks(t, qtype.name)
         elif keep8:
             parts = _EIGHT_BIT_BLOCKS[qtype.name](t)
-        elif per_channel:  # [out, in] -> scale [out]
-            by = quantize_fp8 if quantization == "fp8" else quantize_int8
-            parts = by(_dequantize(t, qtype), axis=1)
+        elif requantize and quantization == "fp8":  # [out, in] -> scale [out]
+            parts = quantize_fp8(_dequantize(t, qtype), axis=1)
+        elif requantize:  # [out, in] -> scale [out] or [out, in / 32] (int8_group)
+            w = _dequantize(t, qtype)
+            parts = quantize_int8(w, 1, int8_group(w, 1))
         else:
             parts = (_dequantize(t, qtype),)
         reader.release(t)  # (every part is a copy)
@@ -190,7 +193,7 @@ def load_gguf(
             parts = tuple(_unpermute(w, heads, t.name, path) for w in parts)
         if keep:
             blocks[name] = parts
-        elif keep8 or per_channel:
+        elif keep8 or requantize:
             eight[name] = parts
         else:
             tensors[name] = parts[0]

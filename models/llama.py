@@ -31,6 +31,7 @@ from .config import LayerKind, LinearRopeScaling, LlamaConfig, RopeScaling
 from .quantization import (
     check_format,
     dequantize_int4,
+    int8_group,
     quantize_fp8,
     quantize_int4,
     quantize_int8,
@@ -128,9 +129,10 @@ class Linear(nnx.Linear):
     # The projection a LoRA adapter names it by ("q_proj", ...: models.lora.TARGETS), or
     # a fused module's parts' names; None: no adapter reaches it (the LM head)
     lora_targets: tuple[str, ...] = ()
-    # quantize sets it: "int8" (kernel int8, scale f32 [(L,) out], or [(L,) in / 32,
-    # out] for a GGUF's Q8_0 blocks kept: a scale per group of 32 inputs, and with a
-    # GGUF's Q5_1 / Q5_K blocks a minimum too, zero f32 [(L,) in / 32, out]: weights
+    # quantize sets it: "int8" (kernel int8, scale f32 [(L,) out], or [(L,) in / G,
+    # out]: a scale per group of G inputs, as quantize gives for the CPU (G 32) and a
+    # GGUF's Q8_0 / Q6_K blocks kept hold, and with a GGUF's Q5_1 / Q5_K blocks a minimum
+    # too, zero f32 [(L,) in / 32, out]: weights
     # scale * q + zero), "fp8" (kernel float8_e4m3fn, scale f32 [(L,) out]) or "int4"
     # (kernel uint8 [(L,) in / 2, out], two rows a byte; scale and zero f32 [(L,) in /
     # 32, out])
@@ -141,7 +143,8 @@ class Linear(nnx.Linear):
 
     def quantize(self, fmt: str = "int8") -> Linear:
         """In place: the float kernel ``[(L,) in, out]`` becomes ``fmt`` (``"int8"``:
-        int8 with one f32 scale per output channel, ``self.scale``; ``"int4"``: 4-bit
+        int8 with f32 scales ``self.scale``, ``[(L,) in / 32, out]`` for the CPU and
+        ``[(L,) out]`` elsewhere, ``models.quantization.int8_group``; ``"int4"``: 4-bit
         groups of 32 inputs with a scale and a minimum each, ``self.scale`` and
         ``self.zero``; see ``models.quantization``); returns the module. Idempotent.
         Before ``hold_packed`` and ``split_layer_weights`` (raises ``ValueError`` after
@@ -155,8 +158,10 @@ class Linear(nnx.Linear):
         if fmt == "int4":
             q, scale, zero = quantize_int4(kernel, axis=-2)
             self.zero = nnx.Param(jnp.asarray(zero))
+        elif fmt == "int8":
+            q, scale = quantize_int8(kernel, -2, int8_group(kernel, -2))
         else:
-            q, scale = (quantize_fp8 if fmt == "fp8" else quantize_int8)(kernel, axis=-2)
+            q, scale = quantize_fp8(kernel, axis=-2)
         self.kernel.set_value(jnp.asarray(q))
         self.scale = nnx.Param(jnp.asarray(scale))
         self.quantized = fmt
@@ -408,16 +413,18 @@ class Embed(nnx.Embed):
     transposed = False  # hold_transposed / hold_packed set them on the instance (static)
     packed = False
     # quantize sets it: "int8" or "fp8" (table int8 or float8_e4m3fn, scale f32 [V], one
-    # a token; int8 kept from a GGUF's Q8_0 blocks: scale [V, E / 32], groups along E,
+    # a token; int8 for the CPU or kept from a GGUF's Q8_0 blocks: scale [V, E / 32],
+    # groups along E,
     # and from Q5_1 / Q5_K blocks zero [V, E / 32] too, their minimums) or "int4" (table
     # uint8 [V, E / 2], scale and zero f32 [V, E / 32]: groups along E)
     quantized = None
 
     def quantize(self, fmt: str = "int8") -> Embed:
-        """In place: the float table ``[V, E]`` becomes ``fmt`` (``"int8"``: int8 with one
-        f32 scale per token, ``self.scale``, so a lookup and a tied LM head's output
-        column use the same scale; ``"int4"``: 4-bit groups of 32 along E with a scale
-        and a minimum each, ``self.scale`` and ``self.zero``); returns the module.
+        """In place: the float table ``[V, E]`` becomes ``fmt`` (``"int8"``: int8 with f32
+        scales ``self.scale``, ``[V, E / 32]`` for the CPU and one a token, ``[V]``,
+        elsewhere, ``models.quantization.int8_group``; ``"int4"``: 4-bit groups of 32
+        along E with a scale and a minimum each, ``self.scale`` and ``self.zero``);
+        returns the module.
         Idempotent. Before ``hold_transposed`` / ``hold_packed`` (raises ``ValueError``
         after them)."""
         check_format(fmt)
@@ -425,12 +432,14 @@ class Embed(nnx.Embed):
             return self
         if self.transposed or self.packed:
             raise ValueError("embedding: quantize before transposing or packing the table")
+        table = self.embedding.get_value()
         if fmt == "int4":
-            q, scale, zero = quantize_int4(self.embedding.get_value(), axis=-1)
+            q, scale, zero = quantize_int4(table, axis=-1)
             self.zero = nnx.Param(jnp.asarray(zero))
+        elif fmt == "int8":
+            q, scale = quantize_int8(table, -1, int8_group(table, -1))
         else:
-            by = quantize_fp8 if fmt == "fp8" else quantize_int8
-            q, scale = by(self.embedding.get_value(), axis=-1)
+            q, scale = quantize_fp8(table, axis=-1)
         self.embedding.set_value(jnp.asarray(q))
         self.scale = nnx.Param(jnp.asarray(scale))
         self.quantized = fmt

@@ -53,10 +53,11 @@ def load(
         (``paged_jax.tensor_parallel_mesh(n)``): every weight is placed straight into
         its tensor-parallel shards, never whole on one device; pass the same mesh to
         ``LLM``. None: one device.
-      quantization: ``"int8"`` quantizes the float weights as they load (one scale per
-        output channel; ``models.quantization``; on CPU the C kernel quantizes the
-        activations too, W8A8): the linear weights and the embedding table take a
-        quarter of f32's memory; ``"int4"``: 4-bit groups of 32 inputs with a scale and
+      quantization: ``"int8"`` quantizes the float weights as they load (on the CPU a
+        scale per output channel and group of 32 inputs, elsewhere per output channel:
+        ``models.quantization``; on CPU the C kernel quantizes the activations too,
+        W8A8): the linear weights and the embedding table take about a quarter of f32's
+        memory; ``"int4"``: 4-bit groups of 32 inputs with a scale and
         a minimum each (0.75 bytes a weight, under a fifth of f32's). A GGUF file's Q8_0,
         Q6_K and Q5_0 tensors keep their own blocks with either (int8 with a scale per
         group of 32 or 16), and its Q4_0 / Q4_1 / Q4_K tensors with ``"int4"``

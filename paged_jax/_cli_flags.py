@@ -260,10 +260,11 @@ def _quantization_flag(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default=None,
         choices=["int8", "int4", "fp8"],
-        help="quantize the weights as they load: int8, one scale per output channel (a "
-        "quarter of f32's memory), int4, 4-bit groups of 32 with a scale and a minimum "
-        "(under a fifth), or fp8, e4m3 values with one scale per output channel (as int8; "
-        "XLA's products on CPU); default: as stored",
+        help="quantize the weights as they load: int8, a scale per output channel and "
+        "group of 32 inputs on CPU, per output channel on a GPU or TPU (about a quarter "
+        "of f32's memory), int4, 4-bit groups of 32 with a scale and a minimum (under a "
+        "fifth), or fp8, e4m3 values with one scale per output channel (held as bf16 for "
+        "the CPU's kernel); default: as stored",
     )
 
 

@@ -17,6 +17,7 @@ from paged_jax.models.llama import Embed, Linear
 from paged_jax.models.quantization import (
     FP8,
     dequantize_int4,
+    int8_group,
     quantize_fp8,
     quantize_int4,
     quantize_int8,
@@ -33,6 +34,37 @@ def test_int8_error_is_within_half_a_scale():
     assert np.all(err <= scale[:, None, :] / 2 * (1 + 1e-6))
     assert np.all(scale[:, 7] == 1.0) and not q[:, :, 7].any()
     assert np.all(np.abs(q).max(axis=-2)[:, np.arange(40) != 7] == 127)
+
+
+def test_int8_groups_scale_each_group_of_inputs_on_its_own():
+    rng = np.random.default_rng(2)
+    w = rng.normal(size=(3, 64, 40)).astype(np.float32)
+    w[1, 5, :] = 50.0  # an outlier input row: its group's step grows, not the channel's
+    w[:, 32:, 7] = 0.0  # a group of zeros: scale 1, q 0
+    q, scale = quantize_int8(w, -2, 32)
+    assert q.dtype == np.int8 and scale.shape == (3, 2, 40)
+    per_input = np.repeat(scale, 32, axis=-2)
+    assert np.all(np.abs(q * per_input - w) <= per_input / 2 * (1 + 1e-6))
+    assert np.all(scale[:, 1, 7] == 1.0) and not q[:, 32:, 7].any()
+    np.testing.assert_allclose(scale[1, 0], 50.0 / 127)
+    assert np.all(np.delete(scale[1, 1], 7) < 5.0 / 127)  # the other group: a fine step
+    _, whole = quantize_int8(w, axis=-2)
+    assert np.all(whole[1] >= 50.0 / 127)  # (per channel the outlier sets every step)
+    # an embedding table's groups run along E, its last axis
+    qt, st = quantize_int8(w[0].T, -1, 32)
+    np.testing.assert_array_equal(qt, q[0].T)
+    np.testing.assert_array_equal(st, scale[0].T)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_int8(w[:, :48], -2, 32)
+
+
+def test_int8_is_grouped_where_the_cpu_computes_it(monkeypatch):
+    w = np.zeros((2, 96, 8), np.float32)
+    assert int8_group(w, -2) == 32  # numpy, JAX's default backend the CPU
+    assert int8_group(jnp.asarray(w), -2) == 32  # a CPU array
+    assert int8_group(w[:, :48], -2) is None  # 32 does not divide 48: per channel
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert int8_group(w, -2) is None  # for a GPU: per channel, scaled after the dot
 
 
 def test_fp8_error_is_within_e4m3s_rounding():
@@ -319,10 +351,13 @@ def _w8a8_definition(calls):
             if rows is not None:
                 y = jnp.where(jnp.arange(m)[:, None] < rows, y, 0.0)
             return y.reshape(*x.shape[:-1], n)
-        if mins is not None:  # the groups' scales and minimums [K / G, n]
-            d, mn = linear.unpack(scales, n), linear.unpack(mins, n)
+        grouped = scales.ndim == packed.ndim  # [P, K / G, NR], not [P * NR]
+        if grouped:  # the groups' scales (and 4-bit's minimums) [K / G, n]
+            d = linear.unpack(scales, n)
+            mn = None if mins is None else linear.unpack(mins, n)
             block = k // d.shape[0]
-            q = jnp.stack([q & 15, q >> 4], axis=-2).reshape(k, n)
+            if q.dtype == jnp.uint8:
+                q = jnp.stack([q & 15, q >> 4], axis=-2).reshape(k, n)
         else:
             block = 32
         blocks = -(-k // block)
@@ -336,6 +371,8 @@ def _w8a8_definition(calls):
         if mins is not None:
             xs = jnp.sum(xq, axis=-1).astype(jnp.float32) * dx  # the quantized rows' sums
             y = jnp.sum(isum * d[None] * dx[..., None] + mn[None] * xs[..., None], axis=1)
+        elif grouped:
+            y = jnp.sum(isum * d[None] * dx[..., None], axis=1)
         else:
             y = jnp.sum(isum * dx[..., None], axis=1) * scales[None, :n]
         if rows is not None:
@@ -479,7 +516,19 @@ def test_quantized_weights_take_a_quarter_of_the_bytes():
     int4 = models.init_model(CFG, seed=0).quantize("int4")
     assert nbytes(int4) < 0.21 * nbytes(f32)
     fp8 = models.init_model(CFG, seed=0).quantize("fp8")
-    assert nbytes(fp8) == nbytes(int8)  # a byte a weight and an f32 a channel, as int8
+    scales = lambda m: sum(  # noqa: E731
+        n.scale.get_value().nbytes for _, n in nnx.iter_graph(m) if isinstance(n, (Linear, Embed))
+    )
+    assert nbytes(fp8) - scales(fp8) == nbytes(int8) - scales(int8)  # a byte a weight
+    # Scales: fp8's one an output channel; int8's, computed on the CPU (as here), one per
+    # channel and group of 32 inputs where 32 divides the inputs (int8_group)
+    for _, n in nnx.iter_graph(int8):
+        if isinstance(n, Linear):
+            k = n.kernel.get_value()
+            *lead, k_in, k_out = k.shape
+            want = (*lead, k_in // 32, k_out) if k_in % 32 == 0 else (*lead, k_out)
+            assert n.scale.get_value().shape == want, (k.shape, n.scale.get_value().shape)
+    assert int8.layers.mlp.down_proj.scale.get_value().ndim == 3  # (CFG's 96 inputs)
 
 
 def test_load_quantizes_and_names_what_it_cannot_do():
