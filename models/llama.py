@@ -1108,6 +1108,23 @@ class LlamaForCausalLM(nnx.Module):
 
         return shard_model(self, mesh)
 
+    def preferred_cache_dtype(self):
+        """The KV pool's dtype the engine gives this model when none is asked for
+        (``LLM(cache_dtype=None)``): ``jnp.bfloat16`` where its linear weights are
+        quantized and packed for the CPU's C kernels (``hold_for_cpu``; the pool then
+        written and read by the C kernels too, ``cache.narrow_pools_by_cpu_kernels``),
+        else None (``make_cache``'s default, the compute dtype). On those weights the
+        pool's rounding costs little beside theirs and the decode step reads half the
+        bytes: SmolLM2 int4 at 32 sequences, 27.5 against 29.7 ms a step (8 of 8
+        alternated rounds); next-token KL from f32 0.0111 against 0.0120 (int8: 0.0196
+        against 0.0208), where a bf16 pool under f32 weights adds 0.0002."""
+        from paged_jax.cache import narrow_pools_by_cpu_kernels
+
+        quantized = any(
+            isinstance(n, Linear) and n.packed and n.quantized for _, n in nnx.iter_graph(self)
+        )
+        return jnp.bfloat16 if quantized and narrow_pools_by_cpu_kernels() else None
+
     def make_cache(
         self, num_pages: int, page_size: int, dtype=None, *, hybrid: bool = False
     ) -> PagedKVCache:

@@ -269,7 +269,7 @@ def _quantization_flag(parser: argparse.ArgumentParser) -> None:
 
 
 # --kv-cache-dtype's choices: the KV pool's dtype (``LLM(cache_dtype=)``); "auto" the
-# model's compute dtype
+# engine's default (the model's preferred_cache_dtype, else its compute dtype)
 KV_CACHE_DTYPES = {
     "auto": None,
     "float32": "float32",
@@ -285,7 +285,8 @@ def _kv_cache_flag(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=list(KV_CACHE_DTYPES),
-        help="the KV cache's dtype: auto, the model's compute dtype; bfloat16 or float16 "
+        help="the KV cache's dtype: auto, the model's compute dtype (bfloat16 for "
+        "quantized weights on CPU); bfloat16 or float16 "
         "halve f32's bytes (twice the tokens in the same memory; on CPU the decode kernel "
         "reads half as much); int8 or fp8 (e4m3) quarter them, with a scale per token and "
         "head",

@@ -413,11 +413,17 @@ def _narrow_on_cpu(pool: jax.Array) -> bool:
     """Whether ``pool``'s rows and pages are written (and pages read) by the CPU kernels
     (``kernels.cpu.write_rows``, ``copy_pages``, ``write_pages``, ``read_pages``) rather
     than by XLA's scatter and gather: a pool of 8- or 16-bit values (bf16, f16, fp8, int8)
-    where the CPU kernels run (``paged_jax.linear.available``: the CPU, the kernels
-    built, ``PAGED_JAX_BACKEND`` not ``xla``) on one device (a pool sharded over several
-    CPU devices keeps XLA's ops, which its partitioner splits). XLA:CPU widens a bf16
-    pool to f32 and back around each scatter: 2.5 s a step for SmolLM2 at 32 sequences."""
-    if pool.dtype.itemsize >= 4 or jax.device_count() != 1:
+    where ``narrow_pools_by_cpu_kernels()``. XLA:CPU widens a bf16 pool to f32 and back
+    around each scatter: 2.5 s a step for SmolLM2 at 32 sequences."""
+    return pool.dtype.itemsize < 4 and narrow_pools_by_cpu_kernels()
+
+
+def narrow_pools_by_cpu_kernels() -> bool:
+    """Whether a KV pool of 8- or 16-bit values is written and read by the CPU kernels
+    here: they run (``paged_jax.linear.available``: the CPU, the kernels built,
+    ``PAGED_JAX_BACKEND`` not ``xla``) on one device (a pool sharded over several CPU
+    devices keeps XLA's ops, which its partitioner splits)."""
+    if jax.device_count() != 1:
         return False
     from paged_jax import linear
 

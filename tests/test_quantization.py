@@ -506,6 +506,23 @@ def test_a_held_model_keeps_its_fp8_choice_when_the_engine_holds_it_again(monkey
     assert model.layers.mlp.gate_up_proj.fp8_activations
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+def test_quantized_weights_on_the_cpu_kernels_get_a_bf16_pool_unasked(fmt, monkeypatch):
+    """The engine's default pool for weights the C kernels compute is bf16
+    (``preferred_cache_dtype``); asked for, another dtype stays; a float model, and
+    quantized weights on XLA's products, keep the compute dtype."""
+    kw = dict(num_pages=16, page_size=8, compilation_cache=False)
+    quantized = _pair(CFG, fmt)[0]
+    want = jnp.bfloat16 if linear.available() else jnp.float32
+    assert pj.LLM(quantized, **kw).cache.dtype == want
+    assert quantized.preferred_cache_dtype() == (jnp.bfloat16 if linear.available() else None)
+    assert pj.LLM(_pair(CFG, fmt)[0], cache_dtype=jnp.float32, **kw).cache.dtype == jnp.float32
+    assert pj.LLM(models.init_model(CFG, seed=3), **kw).cache.dtype == jnp.float32
+    monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")  # not packed: XLA's products
+    xla = pj.LLM(_pair(CFG, fmt)[0], **kw)
+    assert xla.cache.dtype == jnp.float32 and xla.model.preferred_cache_dtype() is None
+
+
 def test_quantized_weights_take_a_quarter_of_the_bytes():
     def nbytes(m):
         return sum(x.nbytes for x in jax.tree.leaves(nnx.state(m)))
@@ -573,15 +590,15 @@ def test_the_cli_quantizes_on_load(capsys):
 
 @pytest.mark.skipif(not linear.available(), reason="the CPU kernels did not build here")
 def test_quantized_weights_run_on_a_bf16_pool_near_an_f32_one():
-    # The pool keeps the model's f32 unless asked; packed int4 weights on a bf16 pool
-    # (written by cache.c) give log-probs near the f32 pool's.
+    # Packed int4 weights on a bf16 pool (written by cache.c; their default) give
+    # log-probs near an f32 pool's.
     kw = dict(num_pages=16, page_size=8, compilation_cache=False)
     p = pj.SamplingParams(max_tokens=3, ignore_eos=True, logprobs=True)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [30, 31, 32]]
     out = {}
-    for pool in (None, jnp.bfloat16):
+    for pool in (jnp.float32, jnp.bfloat16):
         llm = pj.LLM(models.init_model(CFG, seed=0).quantize("int4"), cache_dtype=pool, **kw)
-        assert llm.cache.dtype == jnp.dtype(pool or jnp.float32)
+        assert llm.cache.dtype == jnp.dtype(pool)
         out[pool] = llm.generate(prompts, p, progress=False)
-    for a, b in zip(out[None], out[jnp.bfloat16], strict=True):
+    for a, b in zip(out[jnp.float32], out[jnp.bfloat16], strict=True):
         np.testing.assert_allclose(a.outputs[0].logprobs[:1], b.outputs[0].logprobs[:1], atol=0.05)

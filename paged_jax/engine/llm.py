@@ -96,9 +96,12 @@ class LLM(EngineCore):
       num_host_pages: host page slots for swapping (default: as many as the pool; split
         evenly among data-parallel replicas).
       watermark: fraction of pages kept back from admissions.
-      cache_dtype: KV cache dtype (default: the model's compute dtype). ``jnp.bfloat16``
-        holds twice f32's tokens in the same memory (on CPU decode attention, bound by
-        the bytes it reads, then reads half as many).
+      cache_dtype: KV cache dtype (default: the model's ``preferred_cache_dtype()``,
+        bf16 for a ``LlamaForCausalLM`` whose quantized weights the CPU's C kernels
+        compute, else the model's compute dtype). ``jnp.bfloat16`` holds twice f32's
+        tokens in the same memory (on CPU decode attention, bound by the bytes it
+        reads, then reads half as many); ``jnp.float32`` keeps a quantized model's pool
+        in f32.
       checked: validate every step's arrays on the host before the device call
         (``paged_jax.validate_batch``: page ids, lengths, positions, slots, token ids);
         a failure raises ``ValueError`` as a failed step. Default: the environment

@@ -15,6 +15,10 @@ A model is any ``flax.nnx.Module`` with
   layer, metadata)`` and returns ``f32[R, V]`` logits of the rows
   ``metadata.logits_indices`` (gather them before the LM head) with the new cache.
 
+Optionally ``preferred_cache_dtype() -> dtype | None``: the pool's dtype when ``LLM`` is
+given no ``cache_dtype`` (None: ``make_cache``'s default); the engine asks after holding
+the weights for the device (``hold_for_cpu``).
+
 ``models.LlamaForCausalLM`` is one; docs/BRING_YOUR_OWN_MODEL.md builds others from
 scratch (an NNX and a Linen decoder).
 """

@@ -456,6 +456,8 @@ class ModelRunner:
             if hybrid and "hybrid" in inspect.signature(model.make_cache).parameters
             else {}
         )
+        if cache_dtype is None and hasattr(model, "preferred_cache_dtype"):
+            cache_dtype = model.preferred_cache_dtype()  # (after the weights are held)
         self._cache_dtype = cache_dtype
         probe = model.make_cache(2, page_size, cache_dtype, **self._cache_kw)
         self.hybrid_kv_cache = probe.layer_groups is not None
