@@ -140,9 +140,9 @@ def load_gguf(
         own scale and minimum: the same weights, never widened to float). ``"int8"``
         and ``"fp8"``: the other linear weights are quantized (``models.quantization``'s
         scales: int8's per group of 32 inputs for the CPU, else per output channel) a
-        tensor at a time as they are read, so the
-        load never holds them all in float. The model's remaining float weights are
-        quantized by ``paged_jax.models.load``. None: every tensor dequantized.
+        tensor at a time as they are read, so the load never holds them all in float.
+        The model's remaining float weights are quantized by ``paged_jax.models.load``.
+        None: every tensor dequantized.
 
     The tokenizer is None if the file has none; it carries the file's chat template
     (``tokenizer.apply_chat_template``). Raises FileNotFoundError, and ``GGUFError`` (a

@@ -129,13 +129,12 @@ class Linear(nnx.Linear):
     # The projection a LoRA adapter names it by ("q_proj", ...: models.lora.TARGETS), or
     # a fused module's parts' names; None: no adapter reaches it (the LM head)
     lora_targets: tuple[str, ...] = ()
-    # quantize sets it: "int8" (kernel int8, scale f32 [(L,) out], or [(L,) in / G,
-    # out]: a scale per group of G inputs, as quantize gives for the CPU (G 32) and a
-    # GGUF's Q8_0 / Q6_K blocks kept hold, and with a GGUF's Q5_1 / Q5_K blocks a minimum
-    # too, zero f32 [(L,) in / 32, out]: weights
-    # scale * q + zero), "fp8" (kernel float8_e4m3fn, scale f32 [(L,) out]) or "int4"
-    # (kernel uint8 [(L,) in / 2, out], two rows a byte; scale and zero f32 [(L,) in /
-    # 32, out])
+    # quantize sets it: "int8" (kernel int8, scale f32 [(L,) out], or [(L,) in / G, out]:
+    # a scale per group of G inputs, as quantize gives for the CPU (G 32) and a GGUF's
+    # Q8_0 / Q6_K blocks kept hold; with a GGUF's Q5_1 / Q5_K blocks a minimum too, zero
+    # f32 [(L,) in / 32, out]: weights scale * q + zero), "fp8" (kernel float8_e4m3fn,
+    # scale f32 [(L,) out]) or "int4" (kernel uint8 [(L,) in / 2, out], two rows a byte;
+    # scale and zero f32 [(L,) in / 32, out])
     quantized = None
     # hold_fp8_activations sets it: an fp8 kernel held [(L,) out, in], each product fp8 by
     # fp8 with the rows quantized too (W8A8)
@@ -414,9 +413,8 @@ class Embed(nnx.Embed):
     packed = False
     # quantize sets it: "int8" or "fp8" (table int8 or float8_e4m3fn, scale f32 [V], one
     # a token; int8 for the CPU or kept from a GGUF's Q8_0 blocks: scale [V, E / 32],
-    # groups along E,
-    # and from Q5_1 / Q5_K blocks zero [V, E / 32] too, their minimums) or "int4" (table
-    # uint8 [V, E / 2], scale and zero f32 [V, E / 32]: groups along E)
+    # groups along E, and from Q5_1 / Q5_K blocks zero [V, E / 32] too, their minimums)
+    # or "int4" (table uint8 [V, E / 2], scale and zero f32 [V, E / 32]: groups along E)
     quantized = None
 
     def quantize(self, fmt: str = "int8") -> Embed:
@@ -424,9 +422,8 @@ class Embed(nnx.Embed):
         scales ``self.scale``, ``[V, E / 32]`` for the CPU and one a token, ``[V]``,
         elsewhere, ``models.quantization.int8_group``; ``"int4"``: 4-bit groups of 32
         along E with a scale and a minimum each, ``self.scale`` and ``self.zero``);
-        returns the module.
-        Idempotent. Before ``hold_transposed`` / ``hold_packed`` (raises ``ValueError``
-        after them)."""
+        returns the module. Idempotent. Before ``hold_transposed`` / ``hold_packed``
+        (raises ``ValueError`` after them)."""
         check_format(fmt)
         if self.quantized:
             return self

@@ -57,8 +57,8 @@ def load(
         scale per output channel and group of 32 inputs, elsewhere per output channel:
         ``models.quantization``; on CPU the C kernel quantizes the activations too,
         W8A8): the linear weights and the embedding table take about a quarter of f32's
-        memory; ``"int4"``: 4-bit groups of 32 inputs with a scale and
-        a minimum each (0.75 bytes a weight, under a fifth of f32's). A GGUF file's Q8_0,
+        memory; ``"int4"``: 4-bit groups of 32 inputs with a scale and a minimum each
+        (0.75 bytes a weight, under a fifth of f32's). A GGUF file's Q8_0,
         Q6_K and Q5_0 tensors keep their own blocks with either (int8 with a scale per
         group of 32 or 16), and its Q4_0 / Q4_1 / Q4_K tensors with ``"int4"``
         (``load_gguf``). None: as loaded.
