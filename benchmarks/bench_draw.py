@@ -11,7 +11,9 @@ Ways: "candidates" (the default: ``lax.top_k`` of 256, the full sort where a row
 it), "xla" (``sort_free.draw``'s radix passes as XLA reductions) and "pallas_gpu" (the
 passes in ``paged_jax.kernels.gpu.sample``, one program per row) at each of
 ``--configs`` (the first is the kernel's default; a trailing ``:p`` has each pass load
-its next chunk ahead, ``prefetch``). Greedy rows are timed beside them:
+its next chunk ahead, ``prefetch``), and "pallas_gpu_split" (XLA's passes with each
+radix round summed by ``trial_counts``, a row over several programs, on a GPU only).
+Greedy rows are timed beside them:
 the sampler's floor. Each time: min/median/max over ``--repeats`` rounds of the median
 of 20 samples (``time_samples``), the ways alternating within a round. The kernel's
 tokens are checked against the XLA passes' (they may differ only where a decision falls
@@ -73,6 +75,10 @@ def _ways(R: int, vocab: int, configs: list[tuple]) -> tuple[dict, dict]:
         ways[f"candidates/{kind}"] = functools.partial(samp, logits, *params, sort_free=False)
         ways[f"xla/{kind}"] = functools.partial(samp, logits, *params, sort_free="xla")
         ref = np.asarray(ways[f"xla/{kind}"]()[0])
+        if jax.default_backend() == "gpu":  # (elsewhere only interpreted: not a speed)
+            name = f"pallas_gpu_split/{kind}"
+            ways[name] = functools.partial(samp, logits, *params, sort_free="pallas_gpu_split")
+            differing[name] = int((np.asarray(ways[name]()[0]) != ref).sum())
         for c in configs:
             name = f"pallas_gpu {_label(c)}/{kind}"
             ways[name] = _kernel_call(logits, params, c)

@@ -894,10 +894,11 @@ def main(argv=None) -> int:
         "--sort-free",
         nargs="+",
         default=["default"],
-        choices=["default", "off", "xla", "pallas_gpu"],
+        choices=["default", "off", "xla", "pallas_gpu", "pallas_gpu_split"],
         help="how the engine draws restricted rows on this backend (SORT_FREE_BACKENDS): "
         "as the engine's default, the top-k candidates with the full-sort fallback (off), "
-        "or sort-free, XLA's passes or the Pallas kernel; each in turn",
+        "or sort-free, XLA's passes, the Pallas kernel (a program per row) or XLA's passes "
+        "over the split kernel's sums; each in turn",
     )
     ap.add_argument(
         "--quantization",

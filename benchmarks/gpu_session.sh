@@ -17,7 +17,8 @@
 #            weight against q/k/v and gate/up fused, Llama-3-8B shape, 64 and 256 rows)
 #   draw     python -m benchmarks draw (restricted rows drawn each way sample_rows can: the
 #            candidates and full sort, the XLA radix passes, the Pallas kernel at DRAW_ARGS,
-#            default: its configuration beside three that load each chunk ahead)
+#            default: its configuration beside three that load each chunk ahead; on a GPU
+#            the split way, pallas_gpu_split, is timed beside them)
 #   bench    python -m benchmarks kernels --tune  (decode + ragged prefill, tuning sweeps)
 #   engine   python -m benchmarks engine --layout both  (Llama-3-8B / SmolLM2-135M shapes:
 #            tokens/s and the roofline fraction, the engine's layout beside the scanned one)
@@ -28,8 +29,9 @@
 #            fp8 W8A8 where the GPU has fp8 units, and weight-only; QUANT_ARGS)
 #   lora     python -m benchmarks engine --lora-adapters 0 8 --no-split (the 8B shape, 64
 #            requests spread over 8 random rank-16 adapters beside the base engine; LORA_ARGS)
-#   sampled  python -m benchmarks engine --top-p 0.9 (the 8B shape, 256 requests sampled
-#            at top-p 0.9 beside greedy, with the decode step's split; SAMPLED_ARGS)
+#   sampled  python -m benchmarks engine --top-p 0.9 --sort-free default pallas_gpu_split
+#            (the 8B shape, 256 requests sampled at top-p 0.9 beside greedy, with the
+#            decode step's split, the default kernel and the split one; SAMPLED_ARGS)
 #
 # Logs and result files go to $OUT (default gpu-out/). Every stage has a time limit
 # (seconds, STAGE_LIMIT_<stage> overrides) so a hang cannot eat a lease. KERNEL_TESTS_MARK
@@ -133,9 +135,9 @@ EOF
         ${LORA_ARGS---models llama3-8b --concurrency 64 --repeats 3}
       ;;
     sampled)
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run sampled "$(limit sampled 200)" \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run sampled "$(limit sampled 300)" \
         $PY -m benchmarks engine --out "$OUT/sampled" --top-p 0.9 \
-        ${SAMPLED_ARGS---models llama3-8b --concurrency 256 --repeats 3}
+        ${SAMPLED_ARGS---models llama3-8b --concurrency 256 --repeats 3 --sort-free default pallas_gpu_split}
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

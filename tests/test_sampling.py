@@ -95,14 +95,18 @@ def test_tokens_equal_the_full_sort_definition(monkeypatch, num_candidates):
 
 # The GPU kernel compiled on a GPU (gpu_session.sh's kernels stage), interpreted elsewhere.
 KERNEL_WAY = "pallas_gpu" if jax.default_backend() == "gpu" else "interpret"
+# The XLA passes with the rounds' sums by the split kernel (trial_counts) and ties ranked
+# by nth_tied: compiled on a GPU, interpreted elsewhere.
+SPLIT_WAY = "pallas_gpu_split" if jax.default_backend() == "gpu" else "interpret_split"
 
 
-@pytest.mark.parametrize("way", [True, KERNEL_WAY])
+@pytest.mark.parametrize("way", [True, KERNEL_WAY, SPLIT_WAY])
 def test_sort_free_tokens_equal_the_full_sort_definition(way):
-    # The radix passes against the full-sort definition, as XLA reductions (True) and as
-    # the GPU kernel, interpreted: ties at the top, bf16-rounded rows (many equal logits,
-    # so the kept prefix and the draw end inside a group of ties), a row of equal logits,
-    # masked (-inf) tokens, two sample columns.
+    # The radix passes against the full-sort definition, as XLA reductions (True), as
+    # the GPU kernel and as XLA's passes over the split kernel's sums, interpreted: ties
+    # at the top, bf16-rounded rows (many equal logits, so the kept prefix and the draw
+    # end inside a group of ties), a row of equal logits, masked (-inf) tokens, two
+    # sample columns.
     rng = np.random.default_rng(7)
     checked = 0
     for vocab in (7, 50, 300):
@@ -133,6 +137,37 @@ def test_sort_free_tokens_equal_the_full_sort_definition(way):
     text = run.lower(logits, temp, top_k, top_p, seeds, pos, min_p, sort_free=way).as_text().lower()
     for op in ("stablehlo.sort", "top_k", "topk"):
         assert op not in text, op
+
+
+def test_the_split_kernels_count_above_trials_and_rank_ties():
+    # trial_counts: a row over several programs (slices of 64 logits, the last partial;
+    # -inf tokens weigh nothing); the counts exact, the weights within f32 sums. nth_tied:
+    # the j-th index of a key among equal logits, and `first` where j is 0.
+    from paged_jax.kernels.gpu.sample import nth_tied, sortable, trial_counts
+
+    rng = np.random.default_rng(12)
+    R, V = 3, 300
+    x = rng.standard_normal((R, V)).astype(np.float32)
+    x[1, 100:] = -np.inf
+    m = x.max(1)
+    key = np.asarray(sortable(jnp.asarray(x)))
+    t = key[np.arange(R)[:, None], rng.integers(0, 100, (R, 5))]  # 5 trials: padded to 8
+    n, w = trial_counts(jnp.asarray(x), jnp.asarray(m), jnp.asarray(t), interpret=True, split=64)
+    above = key[:, None, :] > t[:, :, None]
+    np.testing.assert_array_equal(np.asarray(n), above.sum(-1))
+    weights = np.where(above, np.exp(x - m[:, None])[:, None, :], 0.0).sum(-1)
+    np.testing.assert_allclose(np.asarray(w), weights, rtol=1e-5)
+    x = np.round(x * 2) / 2  # many ties
+    key = np.asarray(sortable(jnp.asarray(x)))
+    t = key[:, :2]
+    j = np.array([[0, 1], [2, 0], [3, 1]], np.int32)
+    tied = [[np.flatnonzero(key[r] == t[r, c]) for c in range(2)] for r in range(R)]
+    first = np.array([[tied[r][c][0] for c in range(2)] for r in range(R)], np.int32)
+    want = np.array([[tied[r][c][j[r, c]] for c in range(2)] for r in range(R)])
+    assert all(len(tied[r][c]) > j[r, c] for r in range(R) for c in range(2))
+    assert (want != first).sum() >= 3  # (ranks past the first tie)
+    got = nth_tied(*map(jnp.asarray, (x, t, j, first)), interpret=True, block=64)
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_the_kernels_prefetching_passes_draw_the_definitions_tokens():
@@ -313,7 +348,7 @@ def test_the_gpu_sampler_holds_no_conditional_and_skips_rows_not_drawn():
     assert (every[[1, 3]] != 0).all()
 
 
-@pytest.mark.parametrize("way", ["xla", KERNEL_WAY])
+@pytest.mark.parametrize("way", ["xla", KERNEL_WAY, SPLIT_WAY])
 def test_engine_on_a_sort_free_backend_gives_the_same_seeded_tokens(monkeypatch, way):
     # The engine's XLA sampler (no C kernel) with the sort-free draw switched on for this
     # backend (XLA's passes, or the GPU kernel interpreted), against the candidates: the
@@ -336,7 +371,8 @@ def test_engine_on_a_sort_free_backend_gives_the_same_seeded_tokens(monkeypatch,
     from paged_jax.kernels.gpu import sample
 
     traced = []  # the draw the jitted step was traced with (it must be the one asked for)
-    for module, name in ((sampling, "sort_free_draw"), (sample, "restricted_draw")):
+    names = ((sampling, "sort_free_draw"), (sample, "restricted_draw"), (sample, "trial_counts"))
+    for module, name in names:
         original = getattr(module, name)
 
         def counted(*a, _name=name, _original=original, **k):
@@ -346,7 +382,8 @@ def test_engine_on_a_sort_free_backend_gives_the_same_seeded_tokens(monkeypatch,
         monkeypatch.setattr(module, name, counted)
     monkeypatch.setattr(runner, "SORT_FREE_BACKENDS", {jax.default_backend(): way})
     assert run() == candidates
-    assert set(traced) == {"sort_free_draw" if way == "xla" else "restricted_draw"}
+    want = {"xla": {"sort_free_draw"}, SPLIT_WAY: {"sort_free_draw", "trial_counts"}}
+    assert set(traced) == want.get(way, {"restricted_draw"})
 
 
 def _np_penalties(logits, prompt, output, rep, pres, freq):

@@ -10,6 +10,7 @@ the batch, and sample i of an ``n``-way request equals an ``n = 1`` run with see
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -36,8 +37,10 @@ MAX_STOP_STRING_CHARS = 256
 # flat row sends the whole batch to the full sort), XLA's passes 9.6; the Llama-3-8B
 # shape sampling 256 requests at top-p 0.9 ran 1.25x faster on the kernel
 # (engine_gpu_h200_top_p.json).
+# "pallas_gpu_split" (not yet timed on a GPU): XLA's passes with each radix round's sums
+# by ``paged_jax.kernels.gpu.sample.trial_counts``, a row over several programs.
 SORT_FREE_BACKENDS: dict[str, str] = {"gpu": "pallas_gpu"}
-SORT_FREE_WAYS = ("xla", "pallas_gpu", "interpret")
+SORT_FREE_WAYS = ("xla", "pallas_gpu", "interpret", "pallas_gpu_split", "interpret_split")
 
 
 def idle_sampling(rows: int, num_samples: int = 1) -> tuple[np.ndarray, ...]:
@@ -405,7 +408,10 @@ def sample_rows(
     same token up to rounding at a cost that does not depend on how flat the row is:
     "xla" runs the passes as XLA reductions, "pallas_gpu" in the GPU kernel
     ``paged_jax.kernels.gpu.sample.restricted_draw`` (one program per row), "interpret"
-    that kernel under Pallas' interpreter (tests on CPU). Traceable.
+    that kernel under Pallas' interpreter (tests on CPU); "pallas_gpu_split" the XLA
+    passes with each radix round summed by ``...gpu.sample.trial_counts`` (a row over
+    several programs) and ties ranked by ``nth_tied``, "interpret_split" those
+    interpreted. Traceable.
     """
     raw = logits.astype(jnp.float32)
     R, vocab = raw.shape
@@ -471,6 +477,23 @@ def sample_rows(
             u,
             sampled_row & restricted,
             interpret=way == "interpret",
+        )
+        sampled = jnp.where(restricted[:, None], drawn, unrestricted())
+        tokens = jnp.where(temperature[:, None] > 0, sampled, greedy)
+        return tokens, jnp.take_along_axis(raw, tokens, axis=-1) - lse_raw
+
+    if way in ("pallas_gpu_split", "interpret_split"):  # no lax.cond either (as above)
+        from paged_jax.kernels.gpu.sample import nth_tied, trial_counts
+
+        interpret = way == "interpret_split"
+        drawn = sort_free_draw(
+            scaled,
+            top_k,
+            top_p.astype(jnp.float32),
+            min_p,
+            u,
+            counts=functools.partial(trial_counts, interpret=interpret),
+            nth=functools.partial(nth_tied, interpret=interpret),
         )
         sampled = jnp.where(restricted[:, None], drawn, unrestricted())
         tokens = jnp.where(temperature[:, None] > 0, sampled, greedy)

@@ -61,13 +61,23 @@ def draw(
     top_p: jax.Array,  # f32[R]  1 = off
     min_p: jax.Array,  # f32[R]  0 = off
     u: jax.Array,  # f32[R, J] uniforms in [0, 1)
+    *,
+    counts=None,
+    nth=None,
 ) -> jax.Array:  # i32[R, J]
     """Each column's token of a restricted row by ``sample_rows``' definition: the
     first token in descending order of ``scaled`` (ties by index) whose running weight
     over the kept prefix exceeds ``u`` times the kept weight; kept: rank < top_k, weight
     before < top_p x the total, weight >= min_p x the largest (the first token always).
     Rows whose maximum is not finite give an unspecified token (the caller takes the
-    argmax there). Traceable; no sort, no top-k."""
+    argmax there). Traceable; no sort, no top-k.
+
+    ``counts(scaled, m, trials)`` (default: XLA reductions): for trial keys ``i32[R, T]``,
+    the count ``i32[R, T]`` and weight ``f32[R, T]`` of each row's keys above each, the
+    radix rounds' passes (``paged_jax.kernels.gpu.sample.trial_counts``: a row over
+    several programs). ``nth(scaled, t, j, first)`` (default: a cumulative count under
+    ``lax.cond``): the ``j``-th index of key ``t`` in index order, ``first`` where ``j`` is
+    0, without a conditional on the host (``...gpu.sample.nth_tied``)."""
     R, V = scaled.shape
     index = jax.lax.broadcasted_iota(jnp.int32, (R, V), 1)
     m = jnp.max(scaled, axis=-1, keepdims=True)
@@ -85,6 +95,9 @@ def draw(
     span = (hi - lo).astype(jnp.uint32)  # hi >= lo: the maximum is worth reaching
 
     def above(t):  # t i32[R, ...]: (count, weight) of the keys above each t
+        if counts is not None:
+            n, mass = counts(scaled, m[:, 0], t.reshape(R, -1))
+            return n.reshape(t.shape), mass.reshape(t.shape)
         if TRIALS_MINOR and t.ndim > 1:  # [R, ..., V, B]: the trials vary fastest
             lead = (R,) + (1,) * (t.ndim - 2)
             gt = key.reshape(lead + (V, 1)) > t[..., None, :]
@@ -137,7 +150,10 @@ def draw(
     )
     keyed = key[:, None, :]  # [R, 1, V]
     at_t = keyed == t[..., None]  # [R, J, V]
-    weight_before = jnp.sum(jnp.where(keyed > t[..., None], w[:, None, :], 0.0), axis=-1)
+    if counts is None:
+        weight_before = jnp.sum(jnp.where(keyed > t[..., None], w[:, None, :], 0.0), axis=-1)
+    else:  # (the same sums as the search's, in the kernel's order)
+        weight_before = above(t)[1]
     w_t = jnp.max(jnp.where(at_t, w[:, None, :], 0.0), axis=-1)
     n_at_t = jnp.where(t == v[:, None], kept_at_v[:, None], jnp.sum(at_t, axis=-1, dtype=jnp.int32))
     j = jnp.floor((target - weight_before) / jnp.where(w_t > 0, w_t, 1.0))
@@ -151,5 +167,8 @@ def draw(
         hit = at_t & (rank == j[..., None] + 1)
         return jnp.min(jnp.where(hit, index[:, None, :], V), axis=-1)
 
-    token = jax.lax.cond(jnp.any(j > 0), jth, lambda: first)
+    if nth is not None:
+        token = nth(scaled, t, j, first)
+    else:
+        token = jax.lax.cond(jnp.any(j > 0), jth, lambda: first)
     return jnp.minimum(token, V - 1).astype(jnp.int32)

@@ -324,3 +324,150 @@ def restricted_draw(
         u.astype(jnp.float32),
     )
     return token
+
+
+# -- The same search with each row split over several programs --------------------------
+#
+# ``restricted_draw`` runs about 36 dependent passes over its row inside one program, so
+# at 64 rows (the row in L2) a pass took about 59 us on an H200: latency, not bandwidth.
+# Here each radix round is one launch over a grid of (row, slice of the row) programs,
+# each summing its slice against the round's trial keys; XLA adds the slices' partials
+# and decides the digit (``paged_jax.engine.sort_free.draw`` with ``counts=``), so every
+# pass has the whole GPU. Rounds are launched one after another from the traced program:
+# nothing reads a predicate back to the host.
+
+SPLIT_LOGITS = 16384  # logits of a row per program of ``trial_counts``
+SPLIT_LANES = 32  # trial keys x logits per thread and chunk: a chunk's accumulators
+
+
+def _counts_kernel(x_ref, m_ref, t_ref, n_ref, w_ref, *, vocab, block, chunks):
+    r, s = pl.program_id(0), pl.program_id(1)
+    t = t_ref[...]  # i32[T]
+    m = m_ref[r]
+    lane = jnp.arange(block, dtype=jnp.int32)
+
+    def body(c, carry):
+        n, w = carry
+        idx = (s * chunks + c) * block + lane
+        valid = idx < vocab
+        x = plgpu.load(x_ref.at[pl.ds((s * chunks + c) * block, block)], mask=valid, other=0.0)
+        gt = valid[:, None] & (sortable(x)[:, None] > t[None, :])  # [block, T]
+        weight = jnp.where(valid, jnp.exp(x - m), 0.0)
+        return n + gt.astype(jnp.int32), w + jnp.where(gt, weight[:, None], 0.0)
+
+    zeros = (jnp.zeros((block, t.shape[0]), jnp.int32), jnp.zeros((block, t.shape[0]), jnp.float32))
+    n, w = jax.lax.fori_loop(0, chunks, body, zeros)
+    n_ref[...] = jnp.sum(n, axis=0)
+    w_ref[...] = jnp.sum(w, axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "split"))
+def trial_counts(
+    scaled: jax.Array,  # f32[R, V]
+    m: jax.Array,  # f32[R] each row's largest value (weights exp(x - m))
+    trials: jax.Array,  # i32[R, T] trial keys (``sortable``'s)
+    *,
+    interpret: bool = False,
+    num_warps: int = 4,
+    split: int = SPLIT_LOGITS,
+) -> tuple[jax.Array, jax.Array]:  # i32[R, T], f32[R, T]
+    """For each row and trial key: how many of the row's keys lie above it and their
+    weights' sum, ``exp(x - m)`` (a logit past the row, or -inf, weighs 0 and is never
+    above). The row is cut into slices of about ``split`` logits, one program per row
+    and slice, whose partial sums are added here in slice order. Runs under
+    ``interpret=True`` on CPU and lowers through Triton on GPU."""
+    R, V = scaled.shape
+    T0 = trials.shape[1]
+    T = 1 << max(0, (T0 - 1).bit_length())  # a power of two (Triton's shapes); the padding
+    trials = jnp.pad(trials.astype(jnp.int32), ((0, 0), (0, T - T0)), constant_values=_I32_MAX)
+    threads = 32 * num_warps
+    block = max(16, threads * max(1, SPLIT_LANES // T))  # logits a chunk
+    block = min(block, 1 << max(4, (V - 1).bit_length()))
+    chunks_all = pl.cdiv(V, block)
+    slices = max(1, min(chunks_all, pl.cdiv(V, split)))
+    chunks = pl.cdiv(chunks_all, slices)
+    slices = pl.cdiv(chunks_all, chunks)
+    full = lambda shape: pl.BlockSpec(shape, lambda r, s: (0,) * len(shape))  # noqa: E731
+    n, w = pl.pallas_call(
+        functools.partial(_counts_kernel, vocab=V, block=block, chunks=chunks),
+        grid=(R, slices),
+        in_specs=[
+            pl.BlockSpec((None, V), lambda r, s: (r, 0)),
+            full((R,)),
+            pl.BlockSpec((None, T), lambda r, s: (r, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, T), lambda r, s: (r, s, 0)),
+            pl.BlockSpec((None, None, T), lambda r, s: (r, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((R, slices, T), jnp.int32),
+            jax.ShapeDtypeStruct((R, slices, T), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        name="trial_counts",
+    )(scaled.astype(jnp.float32), m.astype(jnp.float32), trials.astype(jnp.int32))
+    return jnp.sum(n, axis=1)[:, :T0], jnp.sum(w, axis=1)[:, :T0]  # (the padding: nothing above)
+
+
+def _nth_kernel(x_ref, t_ref, j_ref, first_ref, token_ref, *, vocab, block, bits, columns):
+    digits = 1 << bits
+    rounds = pl.cdiv(max(1, (vocab - 1).bit_length()), bits)
+    lane = jnp.arange(block, dtype=jnp.int32)
+    b = jnp.arange(digits, dtype=jnp.int32)
+
+    for col in range(columns):
+        t, rank = t_ref[col], j_ref[col]
+        token_ref[col] = first_ref[col]
+
+        @pl.when(rank > 0)
+        def _(t=t, rank=rank, col=col):
+            def few_before(d):  # d i32[digits]: at most `rank` tokens of key t below d
+                def body(c, n):
+                    idx = c * block + lane
+                    x = plgpu.load(x_ref.at[pl.ds(c * block, block)], mask=idx < vocab, other=0.0)
+                    eq = ((sortable(x) == t) & (idx < vocab))[:, None]
+                    return n + (eq & (idx[:, None] < d[None, :])).astype(jnp.int32)
+
+                zero = jnp.zeros((block, digits), jnp.int32)
+                n = jnp.sum(jax.lax.fori_loop(0, pl.cdiv(vocab, block), body, zero), axis=0)
+                return n <= rank
+
+            def round_(i, prefix):
+                shift = bits * (rounds - 1 - i)
+                holds = few_before(prefix + (b << shift)) | (b == 0)
+                return prefix + ((jnp.sum(holds.astype(jnp.int32)) - 1) << shift)
+
+            token_ref[col] = jnp.minimum(jax.lax.fori_loop(0, rounds, round_, 0), vocab - 1)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block"))
+def nth_tied(
+    scaled: jax.Array,  # f32[R, V]
+    t: jax.Array,  # i32[R, J] a key of each row and column
+    j: jax.Array,  # i32[R, J] a rank, from 0
+    first: jax.Array,  # i32[R, J] the first index of key t (what rank 0 gives)
+    *,
+    interpret: bool = False,
+    block: int = 1024,
+) -> jax.Array:  # i32[R, J]
+    """The index of the ``j``-th (from 0) of a row's tokens whose key is ``t``, in index
+    order; ``first`` where ``j`` is 0 (nearly always: only a draw past the first of several
+    exactly equal logits asks more), else a radix search over the indices inside the
+    row's program. A branch in the program, not on the host."""
+    R, V = scaled.shape
+    J = t.shape[1]
+    block = min(block, 1 << max(4, (V - 1).bit_length()))
+    row = lambda n: pl.BlockSpec((None, n), lambda r: (r, 0))  # noqa: E731
+    (token,) = pl.pallas_call(
+        functools.partial(_nth_kernel, vocab=V, block=block, bits=2, columns=J),
+        grid=(R,),
+        in_specs=[row(V), row(J), row(J), row(J)],
+        out_specs=[row(J)],
+        out_shape=[jax.ShapeDtypeStruct((R, J), jnp.int32)],
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        name="nth_tied",
+    )(scaled.astype(jnp.float32), t.astype(jnp.int32), j.astype(jnp.int32), first.astype(jnp.int32))
+    return token
