@@ -462,39 +462,22 @@ def sample_rows(
     way = "xla" if sort_free is True else sort_free
     if way and way not in SORT_FREE_WAYS:
         raise ValueError(f"sort_free: expected False, True or one of {SORT_FREE_WAYS}, got {way!r}")
-    if way in ("pallas_gpu", "interpret"):
+    if way in ("pallas_gpu", "interpret", "pallas_gpu_split", "interpret_split"):
         # No lax.cond: on a GPU a conditional reads its predicate back to the host, which
         # holds the step's dispatch until the device has run everything before it (the
         # overlap of host work with the device's then stops). The kernel skips rows that
         # are not drawn; the unrestricted rows' pass is cheap enough to run always.
-        from paged_jax.kernels.gpu.sample import restricted_draw
+        from paged_jax.kernels.gpu.sample import nth_tied, restricted_draw, trial_counts
 
-        drawn = restricted_draw(
-            scaled,
-            top_k,
-            top_p.astype(jnp.float32),
-            min_p,
-            u,
-            sampled_row & restricted,
-            interpret=way == "interpret",
-        )
-        sampled = jnp.where(restricted[:, None], drawn, unrestricted())
-        tokens = jnp.where(temperature[:, None] > 0, sampled, greedy)
-        return tokens, jnp.take_along_axis(raw, tokens, axis=-1) - lse_raw
-
-    if way in ("pallas_gpu_split", "interpret_split"):  # no lax.cond either (as above)
-        from paged_jax.kernels.gpu.sample import nth_tied, trial_counts
-
-        interpret = way == "interpret_split"
-        drawn = sort_free_draw(
-            scaled,
-            top_k,
-            top_p.astype(jnp.float32),
-            min_p,
-            u,
-            counts=functools.partial(trial_counts, interpret=interpret),
-            nth=functools.partial(nth_tied, interpret=interpret),
-        )
+        interpret = way.startswith("interpret")
+        p = top_p.astype(jnp.float32)
+        if way.endswith("_split"):
+            counts = functools.partial(trial_counts, interpret=interpret)
+            nth = functools.partial(nth_tied, interpret=interpret)
+            drawn = sort_free_draw(scaled, top_k, p, min_p, u, counts=counts, nth=nth)
+        else:
+            active = sampled_row & restricted
+            drawn = restricted_draw(scaled, top_k, p, min_p, u, active, interpret=interpret)
         sampled = jnp.where(restricted[:, None], drawn, unrestricted())
         tokens = jnp.where(temperature[:, None] > 0, sampled, greedy)
         return tokens, jnp.take_along_axis(raw, tokens, axis=-1) - lse_raw

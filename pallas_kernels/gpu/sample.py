@@ -236,26 +236,38 @@ def _draw(
         rank = jnp.clip(rank, 0, jnp.maximum(n_at_t - 1, 0)).astype(jnp.int32)
 
         def nth(t=t, rank=rank):
-            """The rank-th (from 0) of key t's tokens in index order: the largest index d
-            with at most ``rank`` of them before it, by the same radix search (rare: only
-            a draw past the first of several exactly equal logits)."""
-
-            def few_before(d):  # d u32[digits]
-                def body(chunk, carry):
-                    idx, x = chunk
-                    eq = (sortable(x) == t)[:, None]
-                    return (
-                        carry[0]
-                        + (eq & (idx.astype(jnp.uint32)[:, None] < d[None, :])).astype(jnp.int32),
-                    )
-
-                (n,) = over_row(body, (lanes(0, jnp.int32, digits),), (jnp.sum,))
-                return n <= rank
-
-            return radix_last(few_before)[0].astype(jnp.int32)
+            return _nth_index(x_ref, t, rank, vocab=vocab, block=block, bits=bits)
 
         token = jax.lax.cond(rank > 0, nth, lambda first=first: first)
         token_ref[j] = jnp.minimum(token, vocab - 1)
+
+
+def _nth_index(x_ref, t, rank, *, vocab, block, bits):
+    """The ``rank``-th (from 0) of the row's tokens of key ``t`` in index order: the
+    largest index d with at most ``rank`` of them before it, found ``bits`` of the index
+    a round, each round a pass over the row in ``block``-wide chunks (rare: only a draw
+    past the first of several exactly equal logits asks for it)."""
+    digits = 1 << bits
+    rounds = pl.cdiv(max(1, (vocab - 1).bit_length()), bits)
+    lane = jnp.arange(block, dtype=jnp.int32)
+    b = jnp.arange(digits, dtype=jnp.int32)
+
+    def few_before(d):  # d i32[digits]: at most `rank` tokens of key t below d
+        def body(c, n):
+            idx = c * block + lane
+            x = plgpu.load(x_ref.at[pl.ds(c * block, block)], mask=idx < vocab, other=0.0)
+            eq = ((sortable(x) == t) & (idx < vocab))[:, None]
+            return n + (eq & (idx[:, None] < d[None, :])).astype(jnp.int32)
+
+        zero = jnp.zeros((block, digits), jnp.int32)
+        return jnp.sum(jax.lax.fori_loop(0, pl.cdiv(vocab, block), body, zero), axis=0) <= rank
+
+    def round_(i, prefix):
+        shift = bits * (rounds - 1 - i)
+        holds = few_before(prefix + (b << shift)) | (b == 0)
+        return prefix + ((jnp.sum(holds.astype(jnp.int32)) - 1) << shift)
+
+    return jax.lax.fori_loop(0, rounds, round_, jnp.int32(0))
 
 
 @functools.partial(
@@ -412,34 +424,14 @@ def trial_counts(
 
 
 def _nth_kernel(x_ref, t_ref, j_ref, first_ref, token_ref, *, vocab, block, bits, columns):
-    digits = 1 << bits
-    rounds = pl.cdiv(max(1, (vocab - 1).bit_length()), bits)
-    lane = jnp.arange(block, dtype=jnp.int32)
-    b = jnp.arange(digits, dtype=jnp.int32)
-
     for col in range(columns):
         t, rank = t_ref[col], j_ref[col]
         token_ref[col] = first_ref[col]
 
         @pl.when(rank > 0)
         def _(t=t, rank=rank, col=col):
-            def few_before(d):  # d i32[digits]: at most `rank` tokens of key t below d
-                def body(c, n):
-                    idx = c * block + lane
-                    x = plgpu.load(x_ref.at[pl.ds(c * block, block)], mask=idx < vocab, other=0.0)
-                    eq = ((sortable(x) == t) & (idx < vocab))[:, None]
-                    return n + (eq & (idx[:, None] < d[None, :])).astype(jnp.int32)
-
-                zero = jnp.zeros((block, digits), jnp.int32)
-                n = jnp.sum(jax.lax.fori_loop(0, pl.cdiv(vocab, block), body, zero), axis=0)
-                return n <= rank
-
-            def round_(i, prefix):
-                shift = bits * (rounds - 1 - i)
-                holds = few_before(prefix + (b << shift)) | (b == 0)
-                return prefix + ((jnp.sum(holds.astype(jnp.int32)) - 1) << shift)
-
-            token_ref[col] = jnp.minimum(jax.lax.fori_loop(0, rounds, round_, 0), vocab - 1)
+            index = _nth_index(x_ref, t, rank, vocab=vocab, block=block, bits=bits)
+            token_ref[col] = jnp.minimum(index, vocab - 1)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block"))
