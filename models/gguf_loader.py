@@ -27,6 +27,7 @@ import mmap
 import numbers
 import os
 import pathlib
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from .config import LlamaConfig
 from .hf import build_model, release_freed_memory
-from .quantization import int8_group, quantize_fp8, quantize_int8
+from .quantization import int8_group, quantize_fp8, quantize_int8, rotate_inputs
 from .tokenizer import TextTokenizer
 
 # GGUF architecture -> Hugging Face architecture (Mistral files usually say "llama").
@@ -156,6 +157,10 @@ def load_gguf(
     tensors: dict[str, np.ndarray] = {}
     blocks: dict[str, tuple[np.ndarray, ...]] = {}  # Q4 tensors kept as (q, d, m)
     eight: dict[str, tuple[np.ndarray, ...]] = {}  # KEPT_INT8 as (q, d) or (q, d, m)
+    # int8 quantized here in groups for the CPU: rotated first (Linear.rotated), where
+    # every layer's tensor of that weight is quantized here (none keeps its blocks)
+    rotated: set[str] = set()
+    rotatable = _rotatable(reader, arch, path) if quantization == "int8" and mesh is None else set()
     for t in reader.tensors:
         name = _hf_tensor_name(t.name, arch, path)
         if name is None:
@@ -183,7 +188,11 @@ def load_gguf(
             parts = quantize_fp8(_dequantize(t, qtype), axis=1)
         elif requantize:  # [out, in] -> scale [out] or [out, in / 32] (int8_group)
             w = _dequantize(t, qtype)
-            parts = quantize_int8(w, 1, int8_group(w, 1))
+            group = int8_group(w, 1)
+            if group is not None and _weight_of(name) in rotatable:
+                w = rotate_inputs(w, 1)
+                rotated.add(name)
+            parts = quantize_int8(w, 1, group)
         else:
             parts = (_dequantize(t, qtype),)
         reader.release(t)  # (every part is a copy)
@@ -211,8 +220,32 @@ def load_gguf(
         mesh=mesh,
         int4_blocks=blocks,
         quantized8=("fp8" if quantization == "fp8" else "int8", eight) if eight else None,
+        rotated8=frozenset(rotated),
     )
     return model, tokenizer
+
+
+def _weight_of(name: str) -> str:
+    """A Hugging Face tensor name without its layer's index: the weight it is a layer of."""
+    return re.sub(r"\.layers\.\d+\.", ".layers.*.", name)
+
+
+def _rotatable(reader: Any, arch: str, path: Any) -> set[str]:
+    """The weights (``_weight_of``) all of whose tensors ``load_gguf(...,
+    quantization="int8")`` quantizes from float (matrices in no ``KEPT_INT8`` format,
+    not the embedding table): those it may hold rotated, every layer alike."""
+    import gguf
+
+    kinds: dict[str, bool] = {}
+    for t in reader.tensors:
+        name = _hf_tensor_name(t.name, arch, path)
+        if name is None:
+            continue
+        qtype = gguf.GGMLQuantizationType(int(t.tensor_type)).name
+        ok = len(t.shape) == 2 and qtype not in KEPT_INT8 and name != "model.embed_tokens.weight"
+        kind = _weight_of(name)
+        kinds[kind] = kinds.get(kind, True) and ok
+    return {k for k, ok in kinds.items() if ok}
 
 
 def _check_layers(reader: Any, path: Any, arch: str, layers: int) -> None:

@@ -24,6 +24,7 @@ from paged_jax.sharding import tensor_parallel_size
 from . import compressed
 from .config import LlamaConfig
 from .llama import FUSED, LlamaForCausalLM
+from .quantization import rotate_inputs
 from .sharding import pad_vocab, place, sharder
 from .tokenizer import TextTokenizer
 
@@ -217,6 +218,7 @@ def build_model(
     mesh: Any = None,
     int4_blocks: dict[str, tuple[np.ndarray, ...]] | None = None,
     quantized8: tuple[str, dict[str, tuple[np.ndarray, ...]]] | None = None,
+    rotated8: frozenset[str] = frozenset(),
 ) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` from numpy tensors under Hugging Face names and layouts
     (``[out, in]`` linear weights, one tensor per layer), as ``load_hf`` and ``load_gguf``
@@ -235,7 +237,10 @@ def build_model(
     table's too), held the same way in that format; with a mesh, or for a weight only
     some layers of which come so, dequantized. An int8 entry with groups may carry a
     third array, ``m f32 [out, in / G]``, each group's minimum: weights ``q * scale + m``
-    (``load_gguf``'s Q5_1 and Q5_K blocks, ``q`` in [0, 31]).
+    (``load_gguf``'s Q5_1 and Q5_K blocks, ``q`` in [0, 31]). ``rotated8``: the names
+    among them whose int8 weights are rotated along ``in`` (``Linear.rotated``,
+    ``models.quantization.rotate_inputs``; every layer of a weight or none), rotated
+    back where dequantized.
 
     ``dtype`` defaults to the tensors' dtype (f32 if mixed), ``param_dtype`` to ``dtype``.
     ``mesh``: place each weight in its tensor-parallel shards (``sharding.sharder``).
@@ -264,6 +269,7 @@ def build_model(
     int4 = {}  # module path: (scale, zero), set after the merge
     fmt8, eight = quantized8 if quantized8 is not None else (None, {})
     held8 = {}  # module path: [scale] or [scale, minimums], set after the merge
+    rot8 = set()  # module paths of held8's whose weights are rotated
     mixed = {}  # module path: [scale, minimums] of int8 groups made of mixed formats
     for p, var in nnx.to_flat_state(abstract_state):
         expected = tuple(var.get_value().shape)
@@ -305,6 +311,10 @@ def build_model(
                 parts = eight.pop(n)  # (q, scale) or (q, scale, m)
                 return tuple(a.T for a in parts) if t else parts
 
+            if len({n in rotated8 for n, _ in names}) != 1:
+                raise ValueError(f"{source}: {p}: some layers' int8 weights are rotated, not all")
+            if names[0][0] in rotated8:
+                rot8.add(p[:-1])
             kernel, *held8[p[:-1]] = _gather(names, take8, stacked)
             filled.append((p, var.replace(jax.device_put(kernel))))
             continue
@@ -321,6 +331,9 @@ def build_model(
             group = _common_group(names, blocks, eight, want, source)
             with_mins = any(n in blocks or len(eight[n]) == 3 for n, _ in names)
             used.update(n for n, _ in names)
+
+            if any(n in rotated8 for n, _ in names):
+                raise ValueError(f"{source}: {p}: rotated int8 weights mixed with other layouts")
 
             def take_mixed(n, t, group=group, with_mins=with_mins):
                 parts = blocks.pop(n) if n in blocks else eight.pop(n)
@@ -345,6 +358,8 @@ def build_model(
                         tensors[n] += np.repeat(mins[0], g, axis=-1)
                 else:
                     tensors[n] = q.astype(np.float32) * scale[:, None]
+                if n in rotated8:  # [out, in]: back along in
+                    tensors[n] = rotate_inputs(tensors[n], 1)
         for name, transposed in names:
             if name not in tensors:
                 raise ValueError(f"{source}: tensor {name!r} is missing from the checkpoint")
@@ -388,6 +403,8 @@ def build_model(
         if mins:  # int8 groups with minimums
             node.zero = nnx.Param(jax.device_put(mins[0]))
         node.quantized = fmt8
+        if path in rot8:
+            node.rotated = True
     for path, (scale, *mins) in mixed.items():
         node = functools.reduce(lambda n, part: getattr(n, str(part)), path, model)
         node.scale = nnx.Param(jax.device_put(scale))

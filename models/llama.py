@@ -35,6 +35,7 @@ from .quantization import (
     quantize_fp8,
     quantize_int4,
     quantize_int8,
+    rotate_inputs,
 )
 
 
@@ -136,6 +137,10 @@ class Linear(nnx.Linear):
     # scale f32 [(L,) out]) or "int4" (kernel uint8 [(L,) in / 2, out], two rows a byte;
     # scale and zero f32 [(L,) in / 32, out])
     quantized = None
+    # quantize sets it for int8 groups made for the CPU (and the GGUF loader where it
+    # quantizes so): the kernel is R w, w rotated along its inputs in blocks of 32
+    # (models.quantization.rotate_inputs), and each product rotates its rows likewise
+    rotated = False
     # hold_fp8_activations sets it: an fp8 kernel held [(L,) out, in], each product fp8 by
     # fp8 with the rows quantized too (W8A8)
     fp8_activations = False
@@ -143,7 +148,8 @@ class Linear(nnx.Linear):
     def quantize(self, fmt: str = "int8") -> Linear:
         """In place: the float kernel ``[(L,) in, out]`` becomes ``fmt`` (``"int8"``:
         int8 with f32 scales ``self.scale``, ``[(L,) in / 32, out]`` for the CPU and
-        ``[(L,) out]`` elsewhere, ``models.quantization.int8_group``; ``"int4"``: 4-bit
+        ``[(L,) out]`` elsewhere, ``models.quantization.int8_group``, the groups' weights
+        rotated first, ``self.rotated``; ``"int4"``: 4-bit
         groups of 32 inputs with a scale and a minimum each, ``self.scale`` and
         ``self.zero``; see ``models.quantization``); returns the module. Idempotent.
         Before ``hold_packed`` and ``split_layer_weights`` (raises ``ValueError`` after
@@ -158,7 +164,11 @@ class Linear(nnx.Linear):
             q, scale, zero = quantize_int4(kernel, axis=-2)
             self.zero = nnx.Param(jnp.asarray(zero))
         elif fmt == "int8":
-            q, scale = quantize_int8(kernel, -2, int8_group(kernel, -2))
+            group = int8_group(kernel, -2)
+            if group is not None:  # for the CPU: rotated, then in groups
+                kernel = rotate_inputs(kernel, -2)
+                self.rotated = True
+            q, scale = quantize_int8(kernel, -2, group)
         else:
             q, scale = quantize_fp8(kernel, axis=-2)
         self.kernel.set_value(jnp.asarray(q))
@@ -280,12 +290,13 @@ class Linear(nnx.Linear):
                 zero = linear.unpack(zero, self.out_features)
         elif self.packed:
             scale = scale[..., : self.out_features]
+        back = (lambda w: rotate_inputs(w, -2)) if self.rotated else (lambda w: w)
         if isinstance(kernel, tuple):
             zeros = zero if zero is not None else (None,) * len(kernel)
             return tuple(
-                _dequantize8(k, s, z) for k, s, z in zip(kernel, scale, zeros, strict=True)
+                back(_dequantize8(k, s, z)) for k, s, z in zip(kernel, scale, zeros, strict=True)
             )
-        return _dequantize8(kernel, scale, zero)
+        return back(_dequantize8(kernel, scale, zero))
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         y = self._product(inputs)
@@ -311,7 +322,16 @@ class Linear(nnx.Linear):
             step = _ROWS.get()
             rows = step[1] if step is not None and inputs.shape[:-1] == (step[0],) else None
             x = inputs.astype(jnp.float32)
-            y = linear.matmul(x, kernel, self.out_features, layer, rows, scales=scale, mins=zero)
+            y = linear.matmul(
+                x,
+                kernel,
+                self.out_features,
+                layer,
+                rows,
+                scales=scale,
+                mins=zero,
+                rotated=self.rotated,
+            )
             return add_bias(y.astype(self.dtype or y.dtype), bias)
         if not isinstance(kernel, tuple):
             if scale is None:
@@ -396,6 +416,8 @@ def _dot_layer(
     elif scale is not None and _grouped(kernel, scale):  # int8 groups: dequantized first
         kernel = _dequantize8(kernel, scale, zero).astype(module.dtype or x.dtype)
         scale = None
+    if module.rotated:  # (x R)(R w) = x w
+        x = rotate_inputs(x, -1).astype(x.dtype)
     x, kernel, bias = module.promote_dtype((x, kernel, bias), dtype=module.dtype)
     y = module.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=module.precision)
     if scale is not None:
@@ -595,7 +617,10 @@ def fuse_linears(linears: list[Linear]) -> Linear | None:
     kernels = [m.kernel.get_value() for m in linears]
     if len({isinstance(k, tuple) for k in kernels}) != 1 or any(m.packed for m in linears):
         return None
-    if len({(m.quantized, _dtype(k)) for m, k in zip(linears, kernels, strict=True)}) != 1:
+    if (
+        len({(m.quantized, m.rotated, _dtype(k)) for m, k in zip(linears, kernels, strict=True)})
+        != 1
+    ):
         return None
     if len({m.bias is None for m in linears}) != 1:
         return None

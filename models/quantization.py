@@ -28,6 +28,20 @@ file's other 8-bit blocks kept as they are (``load_gguf``) are int8 groups too: 
 of 16, and Q5_1 / Q5_K blocks with a minimum per group (``zero``, the same shape: the
 weights ``scale * q + zero``, q in [0, 31]).
 
+Where the groups are for the CPU, the weights are also **rotated** first (``rotated``
+on the module; ``rotate_inputs``): ``w`` becomes ``R w``, ``R`` the orthonormal
+Hadamard matrix of order 32 applied to each block of 32 inputs, and the C kernel
+rotates each row of ``x`` the same way before quantizing it (``R`` is symmetric and its
+own inverse: ``(x R)(R w) = x w``). The rotation spreads a block's outlier, in the
+weights and in the rows, over its 32 entries, so the block's scale stops rounding its
+other entries to nothing. SmolLM2's next-token KL from f32 over the 812-token text fell
+from 0.0196 to 0.0100 in the engine (2026-11-28; in a jnp simulation without the LM
+head, 0.018 to 0.009 with the rows quantized, 0.0075 to 0.0069 with float rows), for
+about 1% more time in the products (the rows' 80 additions and 32 multiplies per 32
+inputs, vectorized). Only weights quantized from float are rotated: a GGUF file's
+blocks kept as they are (and a weight some of whose layers keep them) are not, nor is
+the embedding table (rotating a tied head moved SmolLM2's KL from 0.0100 to 0.0099).
+
 ``int4`` (weight-only, 4-bit groups as GGUF's Q4_1): along the input axis (``in`` of a
 linear weight, ``E`` of an embedding table), each group of ``GROUP`` (32) weights of one
 output channel gets a scale ``d = (max - min) / 15`` and its minimum ``m``; a weight is
@@ -124,6 +138,18 @@ def int8_group(w, axis: int) -> int | None:
     if isinstance(w, jax.Array):
         return None if _on_accelerator(w) else INT8_GROUP
     return INT8_GROUP if jax.default_backend() == "cpu" else None
+
+
+def rotate_inputs(w, axis: int):
+    """``w`` rotated along ``axis`` (its inputs) in blocks of 32, as rotated int8 weights
+    are held (``paged_jax.linear.rotate``; in numpy for a numpy array, in
+    ``jax.numpy`` for a JAX array, which it stays). Its own inverse, to f32 rounding."""
+    import jax
+    import jax.numpy as jnp
+
+    from paged_jax import linear
+
+    return linear.rotate(w, axis, xp=jnp if isinstance(w, jax.Array) else np)  # (tracers too)
 
 
 @_way

@@ -76,6 +76,7 @@ def matmul(
     rows: jax.Array | int | None = None,  # i32 scalar: rows of x to compute
     scales: jax.Array | None = None,  # int8: f32[(L,) P * NR] (pack_scales) or groups'
     mins: jax.Array | None = None,  # 4-bit, int8 groups: scales and mins f32[(L,) P, K / G, NR]
+    rotated: bool = False,  # static: quantized weights rotated along K (below)
 ) -> jax.Array:  # [..., n] f32
     """``x @ w`` for the ``[K, n]`` weight ``w`` packed as ``packed`` (of a stack of L, the
     one at ``layer``, read where it lies), by the CPU kernel: one f32 sum per output
@@ -90,11 +91,28 @@ def matmul(
     (``paged_jax.kernels.cpu.reference_bf16``). Quantized
     weights multiply rows of ``x`` quantized to int8 in blocks of 32 inputs (4-bit: the
     groups), a scale each, by exact integer dot products (W8A8; see
-    ``paged_jax.kernels.cpu.reference_quantized`` for the definition). Raises
+    ``paged_jax.kernels.cpu.reference_quantized`` for the definition). ``rotated``: the
+    quantized weights are ``R w`` (``paged_jax.kernels.cpu.rotate_blocks`` along K, blocks
+    of 32), and each row of ``x`` is rotated likewise before it is quantized, which
+    leaves the product ``x @ w`` and spreads a block's outlier over its inputs. Raises
     ``ValueError`` for mismatched shapes or dtypes."""
     from paged_jax.kernels import cpu
 
-    return cpu.linear(x, packed, n, layer=layer, rows=rows, scales=scales, mins=mins)
+    return cpu.linear(
+        x, packed, n, layer=layer, rows=rows, scales=scales, mins=mins, rotated=rotated
+    )
+
+
+def rotate(x, axis: int = -1, *, xp=None):
+    """``x`` rotated along ``axis`` in blocks of 32 as ``matmul(..., rotated=True)``
+    rotates its rows (``paged_jax.kernels.cpu.rotate_blocks``: the orthonormal Hadamard
+    matrix of order 32, its own inverse; the same bits). ``xp``: ``numpy`` (default) or
+    ``jax.numpy``. Needs no C build."""
+    import numpy as np
+
+    from paged_jax.kernels.cpu import rotate_blocks
+
+    return rotate_blocks(x, axis, xp=np if xp is None else xp)
 
 
 def lora_delta(
@@ -121,5 +139,6 @@ __all__ = [
     "pack",
     "packed_columns",
     "pack_scales",
+    "rotate",
     "unpack",
 ]

@@ -212,9 +212,9 @@ def test_a_padded_step_computes_its_real_tokens_only(monkeypatch):
     assert model.layers.mlp.gate_up_proj.packed
     limited, real = [], linear.matmul
 
-    def spy(x, packed, n, layer=None, rows=None, scales=None, mins=None):
+    def spy(x, packed, n, layer=None, rows=None, scales=None, mins=None, rotated=False):
         limited.append(rows is not None)
-        return real(x, packed, n, layer, rows, scales=scales, mins=mins)
+        return real(x, packed, n, layer, rows, scales=scales, mins=mins, rotated=rotated)
 
     monkeypatch.setattr(llama.linear, "matmul", spy)
     ids = list(range(3, 40))

@@ -20,6 +20,7 @@ import paged_jax as pj
 from paged_jax import models
 from paged_jax.models import GGUFError, LlamaConfig, gguf_chat_template, init_model, load_gguf
 from paged_jax.models.hf import to_hf_tensors
+from paged_jax.models.quantization import quantize_int8
 from paged_jax.models.registry import FetchError, RemoteModel, fetch
 
 # hidden and intermediate sizes of 256: the K-quants' blocks are 256 values of a row
@@ -441,6 +442,7 @@ def test_8_bit_load_quantizes_a_tensor_at_a_time_as_the_whole_model_would(tmp_pa
     )
     floats, _ = load_gguf(tmp_path / "m.gguf")
     f32_bytes = sum(v.nbytes for v in to_hf_tensors(floats).values())
+    v_float = np.asarray(floats.layers.self_attn.v_proj.kernel.get_value()[1])  # [in, out]
     want = nnx.state(floats.quantize(fmt))
     tracemalloc.start()
     try:
@@ -450,11 +452,14 @@ def test_8_bit_load_quantizes_a_tensor_at_a_time_as_the_whole_model_would(tmp_pa
         tracemalloc.stop()
     flat_want, flat_got = nnx.to_flat_state(want), nnx.to_flat_state(nnx.state(got))
     if fmt == "int8":  # v_proj: layer 0's Q8_0 blocks kept, layer 1 quantized in groups
-        v = floats.layers.self_attn.v_proj
-        layer1 = np.asarray(v.weight()[1])  # the whole model's int8
+        # (not rotated, as the whole model's are: its layers must agree, and layer 0's
+        # blocks are the file's)
+        q, scale = quantize_int8(v_float, 0, 32)
         v_got = np.asarray(got.layers.self_attn.v_proj.weight())
         assert got.layers.self_attn.v_proj.scale.get_value().ndim == 3  # [L, in / 32, out]
-        np.testing.assert_array_equal(v_got[1], layer1)
+        assert not got.layers.self_attn.v_proj.rotated
+        assert got.layers.self_attn.q_proj.rotated and floats.layers.self_attn.q_proj.rotated
+        np.testing.assert_array_equal(v_got[1], q * np.repeat(scale, 32, axis=0))
         np.testing.assert_allclose(v_got[0], held["blk.0.attn_v.weight"].T, rtol=1e-6, atol=1e-6)
         flat_want = [(p, a) for p, a in flat_want if "v_proj" not in map(str, p)]
         flat_got = [(p, a) for p, a in flat_got if "v_proj" not in map(str, p)]

@@ -13,7 +13,7 @@ from flax import nnx
 import paged_jax as pj
 from paged_jax import linear, models
 from paged_jax.kernels import cpu
-from paged_jax.models.llama import Embed, Linear
+from paged_jax.models.llama import Embed, Linear, fuse_linears
 from paged_jax.models.quantization import (
     FP8,
     dequantize_int4,
@@ -219,6 +219,117 @@ def test_the_cpu_kernel_multiplies_by_int8_groups_as_defined(layers, n, group, w
         )
 
 
+def test_rotating_blocks_is_its_own_inverse_and_keeps_products():
+    # The orthonormal Hadamard rotation of each block of 32: numpy and jnp give the same
+    # bits, twice is the identity (to f32 rounding), and it moves from rows to weights.
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(5, 96)).astype(np.float32)
+    w = rng.normal(size=(96, 7)).astype(np.float32)
+    r = cpu.rotate_blocks(x)
+    assert r.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(cpu.rotate_blocks(jnp.asarray(x), xp=jnp)), r)
+    np.testing.assert_allclose(cpu.rotate_blocks(r), x, atol=1e-6)
+    np.testing.assert_allclose(r @ cpu.rotate_blocks(w, axis=0), x @ w, atol=1e-4)
+    one = np.zeros((1, 32), np.float32)
+    one[0, 5] = 1.0  # a lone input spreads over the block: +-1/sqrt(32) each
+    np.testing.assert_allclose(np.abs(cpu.rotate_blocks(one)), 32**-0.5, rtol=1e-6)
+    with pytest.raises(ValueError, match="a multiple of 32"):
+        cpu.rotate_blocks(x[:, :40])
+
+
+@pytest.mark.skipif(not linear.available(), reason="the CPU kernels did not build here")
+@pytest.mark.parametrize("kind", ["int8", "int8-groups", "int8-groups-mins", "int4"])
+def test_the_cpu_kernel_rotates_rows_for_rotated_weights(kind):
+    # Rotated weights R w: the kernel rotates each row before quantizing it, as the
+    # definition does (reference_quantized(rotated=True): the same rows to the bit), and
+    # the product stays x @ w. With an outlier input the rotated int8 product is closer
+    # to the float one than the plain (the outlier no longer sets its block's step alone).
+    rng = np.random.default_rng(12)
+    k, n = 96, 40
+    w = rng.normal(size=(2, k, n)).astype(np.float32)
+    x = rng.normal(size=(6, k)).astype(np.float32)
+    x[:, 3] *= 60.0  # one outlier channel, as LLM activations have
+    exact = x.astype(np.float64) @ w[1].astype(np.float64)
+
+    def product(weights, rotated):
+        mins = None
+        if kind == "int4":
+            q, scale, mins = quantize_int4(weights, axis=-2)
+            kw = dict(scales=linear.pack(jnp.asarray(scale)), mins=linear.pack(jnp.asarray(mins)))
+        elif kind == "int8":
+            q, scale = quantize_int8(weights, axis=-2)
+            kw = dict(scales=linear.pack_scales(jnp.asarray(scale)))
+        else:
+            q, scale = quantize_int8(weights, -2, 32)
+            if kind.endswith("mins"):  # GGUF's Q5_1 layout: weights d q + m (m all 0 here)
+                mins = np.zeros_like(scale)
+                kw = dict(
+                    scales=linear.pack(jnp.asarray(scale)), mins=linear.pack(jnp.asarray(mins))
+                )
+            else:
+                kw = dict(scales=linear.pack(jnp.asarray(scale)))
+        got = linear.matmul(
+            jnp.asarray(x), linear.pack(jnp.asarray(q)), n, layer=1, rotated=rotated, **kw
+        )
+        want = cpu.reference_quantized(
+            x, q[1], scale[1], None if mins is None else mins[1], rotated=rotated
+        )
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-5)
+        return np.abs(np.asarray(got) - exact).max()
+
+    plain = product(w, False)
+    rotated = product(np.asarray(cpu.rotate_blocks(w, axis=-2)), True)
+    if kind != "int4":  # (4-bit weights' own rounding dominates; they are not rotated)
+        assert rotated < 0.6 * plain, (rotated, plain)
+        assert rotated <= 0.01 * np.abs(exact).max()
+
+
+@pytest.mark.skipif(not linear.available(), reason="the CPU kernels did not build here")
+def test_rotated_rows_need_quantized_weights_and_blocks_of_32():
+    x = jnp.ones((2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="rotated: needs int8 or 4-bit weights"):
+        linear.matmul(x, linear.pack(jnp.ones((64, 8), jnp.float32)), 8, rotated=True)
+    q, scale = quantize_int8(np.ones((48, 8), np.float32), axis=-2)
+    with pytest.raises(ValueError, match="K a multiple of 32, got int8 weights and K 48"):
+        linear.matmul(
+            x[:, :48],
+            linear.pack(jnp.asarray(q)),
+            8,
+            scales=linear.pack_scales(jnp.asarray(scale)),
+            rotated=True,
+        )
+
+
+def test_int8_for_the_cpu_is_rotated_and_keeps_its_float_product(monkeypatch):
+    # Linear.quantize("int8") on the CPU: R w in groups of 32 (rotated); weight() gives
+    # the float weights back within the rounding, and XLA's product (which rotates the
+    # rows) equals x @ weight(). An accelerator's per-channel int8 is not rotated; a
+    # rotated module does not fuse with one that is not.
+    from paged_jax.models import quantization as quant
+
+    rng = np.random.default_rng(13)
+    w = rng.normal(size=(64, 24)).astype(np.float32)
+
+    def module(seed=0):
+        lin = Linear(64, 24, use_bias=False, rngs=nnx.Rngs(seed))
+        lin.kernel.set_value(jnp.asarray(w))
+        return lin
+
+    lin = module().quantize("int8")
+    assert lin.rotated and lin.scale.get_value().shape == (2, 24)
+    back = np.asarray(lin.weight())
+    step = np.abs(w).max() / 127  # a rotated weight's step is at most the largest one's
+    assert np.abs(back - w).max() <= np.sqrt(32) * step / 2 * 1.01
+    assert np.abs(back - w).max() > 0  # (quantized: not the float weights themselves)
+    x = jnp.asarray(rng.normal(size=(3, 64)).astype(np.float32))
+    np.testing.assert_allclose(np.asarray(lin(x)), np.asarray(x) @ back, rtol=1e-4, atol=1e-4)
+    other = module(1)
+    monkeypatch.setattr(quant, "_on_accelerator", lambda w: True)  # as a GPU's array
+    other.quantize("int8")
+    assert not other.rotated and other.scale.get_value().shape == (24,)
+    assert fuse_linears([lin, other]) is None
+
+
 @pytest.mark.skipif(not linear.available(), reason="the CPU kernels did not build here")
 def test_quantized_rows_do_not_depend_on_the_batch():
     # Each row is quantized on its own: alone or among others, the same bits.
@@ -335,10 +446,12 @@ def _w8a8_definition(calls):
     ``calls`` each time it is traced."""
     real = linear.matmul
 
-    def matmul(x, packed, n, layer=None, rows=None, scales=None, mins=None):
+    def matmul(x, packed, n, layer=None, rows=None, scales=None, mins=None, rotated=False):
         if scales is None:
             return real(x, packed, n, layer, rows)
         calls.append(packed.shape)
+        if rotated:  # rows rotated as the weights were, then quantized
+            x = cpu.rotate_blocks(x, xp=jnp)
         if packed.ndim == 4:  # a stack, by the layer's index
             packed, scales = packed[layer], scales[layer]
             mins = None if mins is None else mins[layer]

@@ -400,6 +400,7 @@ def linear(
     threads: int | None = None,
     scales: jax.Array | None = None,  # int8, bf16: f32[(L,) P * NR]; int8: [(L,) P, K / G, NR]
     mins: jax.Array | None = None,  # uint8, int8 with groups: f32[(L,) P, K / G, NR]
+    rotated: bool = False,
 ) -> jax.Array:  # [..., n] f32
     """``x @ w`` for the ``[K, n]`` weight ``w`` that ``pack_weight`` made ``packed`` (for an
     ``[L, ...]`` stack, weight ``layer``: an int or a traced i32 scalar, read in place,
@@ -422,9 +423,13 @@ def linear(
     ``x`` quantized to int8 in blocks (32 inputs for int8 weights, the groups for 4-bit
     ones), each with a scale of its own (W8A8, as llama.cpp's Q8 and Q4 products): exact
     integer sums per block, scaled in f32 (``linear.c``'s header has the definition, and
-    ``reference_quantized`` computes it in numpy). Raises ``ValueError`` for other dtypes or
-    shapes, a missing or out-of-range static ``layer``, and when the kernels are not
-    available."""
+    ``reference_quantized`` computes it in numpy). ``rotated`` (static; int8 or 4-bit
+    weights, K a multiple of 32): the weights were rotated along K (``rotate_blocks`` of
+    ``w`` along its rows: ``R w``), and each row of ``x`` is rotated the same way before
+    it is quantized, so the product is still ``x @ w`` with w the weights before their
+    rotation. Raises ``ValueError`` for other dtypes or shapes, a missing or out-of-range
+    static ``layer``, ``rotated`` with f32 or bf16 weights or K not a multiple of 32, and
+    when the kernels are not available."""
     four, half = packed.dtype == jnp.uint8, packed.dtype == jnp.bfloat16
     # f32 weights alone; int8 ones with scales (and with grouped scales perhaps mins);
     # 4-bit ones with scales and mins; bf16 ones perhaps with column scales
@@ -462,6 +467,11 @@ def linear(
     weights = packed.shape[0] if packed.ndim == 4 else 1
     if isinstance(layer, int) and not 0 <= layer < weights:
         raise ValueError(f"layer: expected an int in [0, {weights}), got {layer}")
+    if rotated and (packed.dtype not in (jnp.int8, jnp.uint8) or k % ROTATION):
+        raise ValueError(
+            f"rotated: needs int8 or 4-bit weights and K a multiple of {ROTATION}, got "
+            f"{packed.dtype} weights and K {k}"
+        )
     count = _threads(threads)
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
     params = jnp.stack(
@@ -469,6 +479,7 @@ def linear(
             jnp.asarray(0 if layer is None else layer, jnp.int32),
             jnp.int32(count),
             jnp.asarray(-1 if rows is None else rows, jnp.int32),
+            jnp.int32(1 if rotated else 0),
         ]
     )
     call = jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
@@ -527,6 +538,32 @@ def reference_bf16(
     return out if scales is None else out * np.asarray(scales, np.float64)
 
 
+ROTATION = 32  # inputs a rotation mixes: linear.c's ROTATION
+
+
+def rotate_blocks(x, axis: int = -1, *, xp=np):
+    """``x`` (float, its ``axis`` a multiple of ``ROTATION``) times the orthonormal
+    Hadamard matrix of order 32 along ``axis``, each block of 32 entries on its own, in
+    f32, as ``linear`` rotates the rows of ``x`` for rotated weights (the same bits: the
+    butterflies in ``linear.c``'s order, then the f32 nearest ``1 / sqrt(32)``). The
+    matrix is symmetric and its own inverse, so rotating twice gives ``x`` back (to f32
+    rounding) and ``rotate_blocks(x) @ rotate_blocks(w, axis=0) = x @ w`` for ``w [K,
+    N]``. ``xp``: ``numpy`` (default) or ``jax.numpy`` (traceable)."""
+    x = xp.moveaxis(xp.asarray(x, xp.float32), axis, -1)
+    shape = x.shape
+    if shape[-1] % ROTATION:
+        raise ValueError(f"x: expected axis {axis} a multiple of {ROTATION}, got {list(shape)}")
+    v = x.reshape(-1, ROTATION)
+    h = 1
+    while h < ROTATION:
+        v = v.reshape(-1, ROTATION // (2 * h), 2, h)
+        a, c = v[:, :, 0], v[:, :, 1]
+        v = xp.stack([a + c, a - c], axis=2)
+        h *= 2
+    v = v.reshape(shape) * xp.float32(0.17677669529663687)
+    return xp.moveaxis(v, -1, axis)
+
+
 def quantize_blocks(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     """The rows of ``x`` (f32 ``[M, K]``) quantized as ``linear`` quantizes them for
     quantized weights, in numpy: ``(xq int8[M, K], dx f32[M, ceil(K / block)])``. A block
@@ -553,6 +590,7 @@ def reference_quantized(
     q: np.ndarray,  # int8[K, N], or uint8[K / 2, N] 4-bit (two rows a byte)
     scales: np.ndarray,  # int8: f32[N] or f32[K / G, N]; 4-bit: f32[K / G, N]
     mins: np.ndarray | None = None,  # 4-bit, int8 with groups: f32[K / G, N]
+    rotated: bool = False,
 ) -> np.ndarray:  # f64[M, N]
     """What ``linear`` computes for quantized weights (unpacked), in numpy: the rows of
     ``x`` quantized in blocks (``quantize_blocks``: the weights' groups, or 32 inputs for
@@ -560,9 +598,12 @@ def reference_quantized(
     weights, scaled (int8 per column: ``scales[n] * sum over blocks of dx * isum``; int8
     groups: ``sum over blocks of isum * d * dx``; 4-bit and int8 groups with ``mins``:
     that ``+ m * dx * (the block's sum of xq)``: the dequantized weights times the
-    quantized rows). In f64, so it differs from the kernel's f32 sums by their rounding
-    only."""
+    quantized rows). ``rotated``: ``q`` holds rotated weights (``linear``'s ``rotated``),
+    and the rows are rotated by ``rotate_blocks`` before they are quantized. In f64, so
+    it differs from the kernel's f32 sums by their rounding only."""
     x = np.asarray(x, np.float32)
+    if rotated:
+        x = rotate_blocks(x)
     four, grouped = q.dtype == np.uint8, np.ndim(scales) == 2
     if four:
         q = np.stack([q & 15, q >> 4], axis=-2).reshape(2 * q.shape[0], q.shape[1])
@@ -810,6 +851,7 @@ __all__ = [
     "lora_delta",
     "pack_weight",
     "panel_width",
+    "rotate_blocks",
     "sample_tokens",
     "uninitialized",
     "unavailable_reason",

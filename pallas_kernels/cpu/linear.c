@@ -27,8 +27,10 @@
  *                              W[2i, j] and W[2i + 1, j]; perhaps with a 3rd operand before
  *                              params: scales f32[(L,) P * NR], column n's (fp8 weights held
  *                              so, an e4m3 value being a bf16 one: q[k, n] * scales[n])
- *   params   i32[3]            {the weight to use (0 for a 3-D w), at most this many threads,
- *                              the rows to compute (R; outside [0, M]: all M)}
+ *   params   i32[3] or i32[4]  {the weight to use (0 for a 3-D w), at most this many threads,
+ *                              the rows to compute (R; outside [0, M]: all M), and (int8 or
+ *                              4-bit weights, K a multiple of 32) 1 where the weights were
+ *                              rotated along K (below), else 0}
  * Result: y f32[M, N], N in (P * NR - NR, P * NR]; rows R .. M - 1 are 0. A step padded
  * to a power-of-two count of tokens thus pays only for its real ones.
  *
@@ -57,6 +59,14 @@
  * that is, the dequantized weights times the quantized rows: the rows' rounding errors
  * meet the weights as they are, d q + m, not the unsigned q (the sum of x itself in the
  * second term moved SmolLM2's log-likelihood 6% instead of 1%).
+ * With rotated weights (params[3] = 1: the weights are R W, R the orthonormal Hadamard
+ * matrix of order 32 applied to each block of 32 rows of W), each row of x is rotated the
+ * same way before it is quantized, x R (R is symmetric and its own inverse), so that
+ * (x R)(R W) = x W: within each block of 32 inputs, from the first: for h = 1, 2, 4, 8,
+ * 16, each pair (v[i], v[i + h]) with i's bit h clear becomes (v[i] + v[i + h], v[i] -
+ * v[i + h]), then every value is multiplied by the f32 nearest 1 / sqrt(32) (in f32, so
+ * paged_jax.kernels.cpu.rotate_blocks gives the same bits). A block's outlier is spread
+ * over its 32 inputs, and the block's scale no longer rounds its other inputs to 0.
  * bf16 weights multiply the rows of x rounded to bf16 (to nearest, ties to even):
  *   y[m, n] = scales[n] * sum over pairs i, in order, of bf16(x[m, 2i]) * W[2i, n]
  *                                                     + bf16(x[m, 2i + 1]) * W[2i + 1, n]
@@ -464,17 +474,61 @@ static void *run_linear(void *arg) {
   return NULL;
 }
 
-/* Rows [0, M) of x [M, K] quantized in blocks of B inputs (the header's definition):
+/* v[0, K) rotated in place, each block of ROTATION values on its own, as the header
+ * defines it (K a multiple of ROTATION). */
+#define ROTATION 32
+static void rotate_row(float *v, int64_t K) {
+#if defined(__AVX512F__)
+  /* The same additions in the same order, 16 lanes at a time: for h < 16 each lane meets
+   * its partner (lane ^ h) by a permute, a lane with bit h clear keeping v + partner
+   * (a + c) and one with it set partner - v (a - c); then h = 16 across the halves. */
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __mmask16 high[4] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00};
+  const __m512 norm = _mm512_set1_ps(0.17677669529663687f);
+  for (int64_t b = 0; b < K; b += ROTATION) {
+    __m512 lo = _mm512_loadu_ps(v + b), hi = _mm512_loadu_ps(v + b + 16);
+    for (int i = 0; i < 4; ++i) {
+      const __m512i idx = _mm512_xor_si512(lane, _mm512_set1_epi32(1 << i));
+      const __m512 pl = _mm512_permutexvar_ps(idx, lo), ph = _mm512_permutexvar_ps(idx, hi);
+      lo = _mm512_mask_blend_ps(high[i], _mm512_add_ps(lo, pl), _mm512_sub_ps(pl, lo));
+      hi = _mm512_mask_blend_ps(high[i], _mm512_add_ps(hi, ph), _mm512_sub_ps(ph, hi));
+    }
+    const __m512 a = _mm512_add_ps(lo, hi), c = _mm512_sub_ps(lo, hi);
+    _mm512_storeu_ps(v + b, _mm512_mul_ps(a, norm));
+    _mm512_storeu_ps(v + b + 16, _mm512_mul_ps(c, norm));
+  }
+  return;
+#endif
+  for (int64_t b = 0; b < K; b += ROTATION) {
+    float *r = v + b;
+    for (int h = 1; h < ROTATION; h <<= 1)
+      for (int i = 0; i < ROTATION; i += 2 * h)
+        for (int k = i; k < i + h; ++k) {
+          const float a = r[k], c = r[k + h];
+          r[k] = a + c;
+          r[k + h] = a - c;
+        }
+    for (int k = 0; k < ROTATION; ++k) r[k] *= 0.17677669529663687f; /* 1 / sqrt(32) */
+  }
+}
+
+/* Rows [0, M) of x [M, K] quantized in blocks of B inputs (the header's definition),
+ * each rotated first where `rot` (into `tmp`, K floats):
  * xq [M, K], dx [M, blocks]; with int8 weights (xc not NULL) xc [M, blocks] gets what the
  * block's int32 sums carry besides x @ q (128 * the sum of its xq where QDOT is 1, else 0);
  * with 4-bit ones (xs not NULL) xs [M, blocks] gets the block's sum of xq times dx. */
 static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t B, int8_t *xq,
-                          float *dx, int32_t *xc, float *xs) {
+                          float *dx, int32_t *xc, float *xs, float *tmp) {
   const int64_t blocks = (K + B - 1) / B;
-  for (int64_t m = 0; m < M; ++m)
+  for (int64_t m = 0; m < M; ++m) {
+    const float *in = x + m * K;
+    if (tmp) {
+      memcpy(tmp, in, sizeof(float) * (size_t)K);
+      rotate_row(tmp, K);
+      in = tmp;
+    }
     for (int64_t g = 0; g < blocks; ++g) {
       const int64_t k0 = g * B, k1 = k0 + B < K ? k0 + B : K;
-      const float *in = x + m * K;
       float a = 0;
       int64_t k = k0;
 #if defined(__AVX512F__)
@@ -513,6 +567,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t B, int8_
       if (xc) xc[m * blocks + g] = QDOT == 1 ? 128 * total : 0;
       if (xs) xs[m * blocks + g] = (float)total * (a / 127.0f);
     }
+  }
 }
 
 /* x rounded to bf16, to nearest with ties to even (a NaN stays a NaN). */
@@ -560,15 +615,15 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
                        *mins = extra == 2 ? frame->args.args[3] : NULL,
                        *params = frame->args.args[2 + extra], *y = frame->rets.rets[0];
   if (x->rank != 2 || (w->rank != 3 && w->rank != 4) || params->rank != 1 || y->rank != 2)
-    return fail(frame, "paged_jax linear: expected x[M,K], w[(L,)P,K,NR], params[3], y[M,N]");
+    return fail(frame, "paged_jax linear: expected x[M,K], w[(L,)P,K,NR], params[3 or 4], y[M,N]");
   const XLA_FFI_DataType wt = bf       ? XLA_FFI_DataType_BF16
                               : q == 0 ? XLA_FFI_DataType_F32
                               : q == 1 ? XLA_FFI_DataType_S8
                                        : XLA_FFI_DataType_U8;
   if (x->dtype != XLA_FFI_DataType_F32 || w->dtype != wt || y->dtype != XLA_FFI_DataType_F32 ||
-      params->dtype != XLA_FFI_DataType_S32 || params->dims[0] != 3)
+      params->dtype != XLA_FFI_DataType_S32 || (params->dims[0] != 3 && params->dims[0] != 4))
     return fail(frame, "paged_jax linear: expected f32 x and y, f32 w (s8 with scales, u8 with "
-                       "scales and minimums), and i32[3] params");
+                       "scales and minimums), and i32[3] or i32[4] params");
   const int64_t *wd = w->dims + (w->rank - 3); /* P, K (K / 2 for 4-bit), NR */
   const int64_t L = w->rank == 4 ? w->dims[0] : 1;
   const int64_t K = x->dims[1], P = wd[0], N = y->dims[1];
@@ -616,6 +671,10 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
   }
   const int32_t *p = (const int32_t *)params->data;
   if (p[0] < 0 || p[0] >= L) return fail(frame, "paged_jax linear: weight index out of range");
+  const int rot = params->dims[0] == 4 && p[3] != 0;
+  if (rot && (!q || K % ROTATION))
+    return fail(frame, "paged_jax linear: rotated rows need int8 or 4-bit weights and K a "
+                       "multiple of 32");
   const int64_t M = (p[2] >= 0 && p[2] < x->dims[0]) ? p[2] : x->dims[0]; /* rows computed */
   memset((float *)y->data + M * N, 0, sizeof(float) * (size_t)((x->dims[0] - M) * N));
   if (M == 0 || N == 0) return NULL;
@@ -634,13 +693,15 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
   int32_t *xc = NULL;
   if (q) {
     const size_t per = (size_t)(M * blocks);
-    buf = malloc(sizeof(float) * per * 3 + (size_t)(M * K));
+    /* dx, xc, xs, then a rotated row (where rotated), then xq */
+    const size_t tmp = rot ? (size_t)K : 0;
+    buf = malloc(sizeof(float) * (per * 3 + tmp) + (size_t)(M * K));
     if (!buf) return fail(frame, "paged_jax linear: out of memory");
     dx = (float *)buf;
     if (q == 1) xc = (int32_t *)(dx + per);
     if (mins) xs = dx + 2 * per;
-    xq = (int8_t *)(dx + 3 * per);
-    quantize_rows((const float *)x->data, M, K, B, xq, dx, xc, xs);
+    xq = (int8_t *)(dx + 3 * per + tmp);
+    quantize_rows((const float *)x->data, M, K, B, xq, dx, xc, xs, rot ? dx + 3 * per : NULL);
   }
   if ((q == 1 && !grouped) || (bf && scales))
     scale = (const float *)scales->data + (size_t)p[0] * (size_t)(P * NR);
