@@ -1125,9 +1125,19 @@ class LlamaForCausalLM(nnx.Module):
         """Moves the weights into their tensor-parallel shards on ``mesh`` (its ``"tp"``
         axis; ``paged_jax.models.sharding``) and returns the model. The engine calls it
         for a model it is given off the mesh; ``paged_jax.models.load(name, mesh=...)``
-        loads straight into the shards instead."""
+        loads straight into the shards instead. Raises ``ValueError`` for quantized
+        weights (``quantize``), which have no tensor-parallel layout yet."""
         from .sharding import shard_model
 
+        held = sorted(
+            {n.quantized for _, n in nnx.iter_graph(self) if isinstance(n, (Linear, Embed))}
+            - {None}
+        )
+        if held:
+            raise ValueError(
+                f"model: quantized weights ({', '.join(held)}) cannot be sharded over a mesh "
+                "yet; run them without a mesh, or shard the float model"
+            )
         return shard_model(self, mesh)
 
     def preferred_cache_dtype(self):

@@ -202,3 +202,49 @@ def test_two_processes_form_one_mesh():
         assert main["kv_heads"] == kv_heads, spec
         assert main["device_cache_bytes"] * 8 == main["total_cache_bytes"], spec
         assert main["pool_collectives"] == 0 and main["all_reduces"] > 0, spec
+
+
+_EXPLICIT_MESH = """
+import json, jax
+import paged_jax as pj
+from paged_jax.models import LlamaConfig, init_model
+cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=16)
+p = pj.SamplingParams(max_tokens=6)
+one = pj.LLM(init_model(cfg, seed=0)).generate([[1, 2, 3]], p, progress=False)
+mesh = jax.make_mesh((2,), ("tp",))  # Explicit axes, JAX's default
+got = pj.LLM(init_model(cfg, seed=0), mesh=mesh).generate([[1, 2, 3]], p, progress=False)
+try:
+    pj.LLM(init_model(cfg, seed=0).quantize("int8"), mesh=mesh)
+    refused = None
+except ValueError as e:
+    refused = str(e)
+print(json.dumps({"axis_types": [str(t) for t in mesh.axis_types],
+                  "one": one[0].outputs[0].token_ids, "mesh": got[0].outputs[0].token_ids,
+                  "refused": refused}))
+"""
+
+
+@pytest.mark.slow  # a process of its own with 2 fake devices, 10-15 s; .ci/run runs it
+def test_a_mesh_of_explicit_axes_and_quantized_weights_on_a_mesh(tmp_path):
+    """``jax.make_mesh`` gives Explicit axes by default, under which every request failed
+    at its first step (the embedding's gather could not resolve its sharding): the
+    engine takes the mesh's devices with Auto axes and gives one device's tokens.
+    Quantized weights have no tensor-parallel layout: refused when the engine shards
+    the model, naming the format, instead of failing each request."""
+    import os
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    done = subprocess.run(
+        [sys.executable, "-c", _EXPLICIT_MESH],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "Explicit" in out["axis_types"][0], out  # (the case: not Auto already)
+    assert out["mesh"] == out["one"] and len(out["one"]) == 6, out
+    assert out["refused"] and "quantized weights (int8)" in out["refused"], out

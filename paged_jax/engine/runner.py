@@ -59,6 +59,18 @@ from paged_jax.sharding import tensor_parallel_size as tensor_parallel_size_of
 log = logging.getLogger("paged_jax")
 
 
+def _auto_axes(mesh: Mesh) -> Mesh:
+    """``mesh`` with every axis of type ``Auto`` (the same devices and names): the
+    engine's steps leave shardings to XLA's propagation, which an ``Explicit`` axis (what
+    ``jax.make_mesh`` gives by default) refuses for the embedding's gather, so every
+    request failed at its first step."""
+    types = getattr(mesh, "axis_types", None)
+    auto = jax.sharding.AxisType.Auto
+    if types is None or all(t == auto for t in types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(auto,) * len(mesh.axis_names))
+
+
 def resolve_mesh(tensor_parallel_size: Any, data_parallel_size: Any, mesh: Any) -> Mesh | None:
     """The engine's mesh from its arguments (None: one device), checked."""
     sizes = {TENSOR_AXIS: tensor_parallel_size, DATA_AXIS: data_parallel_size}
@@ -83,6 +95,7 @@ def resolve_mesh(tensor_parallel_size: Any, data_parallel_size: Any, mesh: Any) 
                     f"{names[axis]}: {size!r} differs from the mesh's {axis!r} axis, "
                     f"{mesh.shape.get(axis, 1)}"
                 )
+        mesh = _auto_axes(mesh)
     elif tensor_parallel_size is None and data_parallel_size is None:
         return None
     else:
