@@ -1125,18 +1125,26 @@ class LlamaForCausalLM(nnx.Module):
         """Moves the weights into their tensor-parallel shards on ``mesh`` (its ``"tp"``
         axis; ``paged_jax.models.sharding``) and returns the model. The engine calls it
         for a model it is given off the mesh; ``paged_jax.models.load(name, mesh=...)``
-        loads straight into the shards instead. Raises ``ValueError`` for quantized
-        weights (``quantize``), which have no tensor-parallel layout yet."""
+        loads straight into the shards instead. Quantized weights (``quantize``) are
+        split as their float kernels are, their scales and minimums along (the row-split
+        o and down projections' scales whole on every device); they compute by XLA's
+        products there (W8A16, weight-only). Raises ``ValueError`` for weights held for
+        one device's kernels (``hold_for_cpu``'s packing, fp8 activations), which have
+        no split layout."""
         from .sharding import shard_model
 
         held = sorted(
-            {n.quantized for _, n in nnx.iter_graph(self) if isinstance(n, (Linear, Embed))}
-            - {None}
+            {
+                "packed for the CPU kernels" if n.packed else "held for fp8 activations"
+                for _, n in nnx.iter_graph(self)
+                if isinstance(n, (Linear, Embed))
+                and (n.packed or getattr(n, "fp8_activations", False))
+            }
         )
         if held:
             raise ValueError(
-                f"model: quantized weights ({', '.join(held)}) cannot be sharded over a mesh "
-                "yet; run them without a mesh, or shard the float model"
+                f"model: weights {' and '.join(held)} cannot be sharded over a mesh; shard "
+                "the model as loaded (or as quantized), before the engine holds it for one device"
             )
         return shard_model(self, mesh)
 

@@ -61,8 +61,10 @@ def load(
         (0.75 bytes a weight, under a fifth of f32's). A GGUF file's Q8_0,
         Q6_K and Q5_0 tensors keep their own blocks with either (int8 with a scale per
         group of 32 or 16), and its Q4_0 / Q4_1 / Q4_K tensors with ``"int4"``
-        (``load_gguf``). None: as loaded.
-        Not with a mesh yet.
+        (``load_gguf``). None: as loaded. With a ``mesh`` the float weights are placed
+        in their shards first, then quantized and placed again (per output channel on
+        accelerators; a GGUF file's blocks are not kept): the products are XLA's,
+        weight-only (W8A16).
 
     Returns ``(model, tokenizer)``; the tokenizer is None for a checkpoint without
     ``tokenizer.json`` or a GGUF file without tokenizer metadata. Raises ``TypeError``
@@ -73,11 +75,13 @@ def load(
     if not isinstance(name, (str, os.PathLike)):
         raise TypeError(f"name: expected a preset name or a directory, got {type(name).__name__}")
     check_format(quantization)
-    if quantization is not None and mesh is not None:
-        raise ValueError("quantization: not supported with a mesh (tensor parallelism) yet")
-    model, tokenizer = _load(name, dtype, seed, mesh, quantization)
+    # With a mesh the loaders place float weights (a GGUF file's blocks, kept, have no
+    # split layout); the whole model is quantized after and placed in its shards again
+    model, tokenizer = _load(name, dtype, seed, mesh, quantization if mesh is None else None)
     if quantization is not None:
         model.quantize(quantization)
+        if mesh is not None:
+            model.shard(mesh)
     return model, tokenizer
 
 

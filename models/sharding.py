@@ -41,14 +41,16 @@ def _names(path: tuple) -> list[str]:
     ]
 
 
-def vocab_axis(path: tuple) -> int | None:
-    """The vocabulary axis of the parameter at ``path``: 0 for the embedding table
-    ``[V, E]`` and an LM head's bias, 1 for its kernel ``[E, V]``; None for the rest."""
+def vocab_axis(path: tuple, ndim: int) -> int | None:
+    """The vocabulary axis of the parameter at ``path`` of rank ``ndim``: the first for
+    the embedding table ``[V, E]`` and its quantized scales (``[V]``, or ``[V, E / G]``
+    per group) and minimums; the last for an LM head's kernel ``[E, V]``, bias ``[V]``,
+    scales (``[V]`` or ``[E / G, V]``) and minimums; None for the rest."""
     names = _names(path)
     if names[0] == "embed_tokens":
         return 0
     if names[0] == "lm_head":
-        return 1 if names[-1] == "kernel" else 0
+        return ndim - 1
     return None
 
 
@@ -58,7 +60,7 @@ def pad_vocab(path: tuple, value: Any, tp: int) -> Any:
     pads it: no token id reads the padding rows, and the logits of the padding columns
     are dropped (``LlamaForCausalLM._logits`` keeps ``config.vocab_size``). Other
     parameters, and a vocabulary ``tp`` divides, are returned as they are."""
-    axis = vocab_axis(path)
+    axis = vocab_axis(path, value.ndim)
     if axis is None or value.shape[axis] % tp == 0:
         return value
     widths = [(0, 0)] * value.ndim
@@ -73,16 +75,21 @@ def weight_spec(path: tuple, ndim: int, *, replicate_kv: bool = False) -> P:
     every KV head and keeps the one its query heads read)."""
     names = _names(path)
     leaf = names[-1]
-    if names[0] == "embed_tokens":
-        return P(TENSOR_AXIS, None)  # [V, E]
-    if names[0] == "lm_head":
-        return P(None, TENSOR_AXIS) if leaf == "kernel" else P(TENSOR_AXIS)
+    if names[0] == "embed_tokens":  # [V, E]; quantized: scale [V] or [V, E / G] alike
+        return P(TENSOR_AXIS, *([None] * (ndim - 1)))
+    if names[0] == "lm_head":  # kernel [E, V], bias [V], scale [V] or [E / G, V]
+        return P(*([None] * (ndim - 1)), TENSOR_AXIS)
     for name in names:
         if replicate_kv and name in _KV:
             return P()
         if name in _BY_OUTPUT:
-            return P(*([None] * (ndim - 1)), TENSOR_AXIS)  # kernel [L, E, out], bias [L, out]
+            # kernel [L, E, out] (4-bit: [L, E / 2, out]), bias [L, out], and a quantized
+            # kernel's scales [L, out] or [L, E / G, out] and minimums alike
+            return P(*([None] * (ndim - 1)), TENSOR_AXIS)
         if name in _BY_INPUT:
+            # kernel [L, in, out] (4-bit: [L, in / 2, out]); the bias and the scales
+            # ([L, out], or [L, in / G, out] per group: a few percent of the kernel's
+            # bytes, replicated so no group need divide evenly) whole on every device
             return P(None, TENSOR_AXIS, None) if leaf == "kernel" else P()
     return P()
 

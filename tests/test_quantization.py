@@ -668,9 +668,12 @@ def test_load_quantizes_and_names_what_it_cannot_do():
     match = "quantization: expected one of 'int8', 'int4', 'fp8' or None, got 'q3'"
     with pytest.raises(ValueError, match=match):
         models.load("tiny-llama", quantization="q3")
+    # with a mesh: quantized after the float weights are placed, and placed again
+    # (several devices: tests/test_sharding.py, -m slow)
     mesh = pj.tensor_parallel_mesh(1)
-    with pytest.raises(ValueError, match="quantization: not supported with a mesh"):
-        models.load("tiny-llama", quantization="int8", mesh=mesh)
+    on_mesh, _ = models.load("tiny-llama", quantization="int8", mesh=mesh)
+    kernel = on_mesh.layers.self_attn.q_proj.kernel.get_value()
+    assert kernel.dtype == jnp.int8 and kernel.sharding.mesh.shape == mesh.shape
     lin = Linear(8, 8, rngs=nnx.Rngs(0))
     lin.kernel.set_value((lin.kernel.get_value(),))  # held per layer already
     with pytest.raises(ValueError, match="quantize before packing or splitting"):

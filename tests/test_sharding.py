@@ -8,7 +8,10 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+from paged_jax import linear
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -204,47 +207,87 @@ def test_two_processes_form_one_mesh():
         assert main["pool_collectives"] == 0 and main["all_reduces"] > 0, spec
 
 
-_EXPLICIT_MESH = """
-import json, jax
+_MESH_CASES = """
+import json, os, jax, numpy as np
 import paged_jax as pj
+from paged_jax import models
 from paged_jax.models import LlamaConfig, init_model
+out = {}
+p = pj.SamplingParams(max_tokens=6, logprobs=True)
+prompts = [[1, 2, 3], [5, 6]]
+
+def run(model, mesh=None):
+    got = pj.LLM(model, mesh=mesh).generate(prompts, p, progress=False)
+    return [(o.outputs[0].token_ids, [float(x) for x in o.outputs[0].logprobs]) for o in got]
+
 cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16)
-p = pj.SamplingParams(max_tokens=6)
-one = pj.LLM(init_model(cfg, seed=0)).generate([[1, 2, 3]], p, progress=False)
-mesh = jax.make_mesh((2,), ("tp",))  # Explicit axes, JAX's default
-got = pj.LLM(init_model(cfg, seed=0), mesh=mesh).generate([[1, 2, 3]], p, progress=False)
+explicit = jax.make_mesh((2,), ("tp",))  # Explicit axes, JAX's default
+out["explicit"] = {"axis_types": [str(t) for t in explicit.axis_types],
+                   "one": run(init_model(cfg, seed=0)),
+                   "mesh": run(init_model(cfg, seed=0), explicit)}
+mesh = pj.parallel_mesh(2, 1)
+for tied in (False, True):  # a vocabulary of 131: padded to 132 over 2 devices
+    cfg = LlamaConfig(vocab_size=131, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=tied)
+    for fmt in ("int8", "int4", "fp8"):
+        m = init_model(cfg, seed=3).quantize(fmt)
+        mesh_run = run(m, mesh)
+        down = m.layers.mlp.down_proj
+        out[f"{fmt}-{'tied' if tied else 'untied'}"] = {
+            "one": run(init_model(cfg, seed=3).quantize(fmt)), "mesh": mesh_run,
+            "down_spec": str(down.kernel.get_value().sharding.spec), "rotated": down.rotated}
+m, _ = models.load("tiny-llama", mesh=mesh, quantization="int8")
+out["load"] = {"q_spec": str(m.layers.self_attn.q_proj.kernel.get_value().sharding.spec),
+               "q_dtype": str(m.layers.self_attn.q_proj.kernel.get_value().dtype)}
+os.environ.pop("PAGED_JAX_BACKEND")  # the C kernels' packing, where they build
 try:
-    pj.LLM(init_model(cfg, seed=0).quantize("int8"), mesh=mesh)
-    refused = None
+    init_model(cfg, seed=3).quantize("int8").hold_for_cpu().shard(mesh)
+    out["packed"] = None
 except ValueError as e:
-    refused = str(e)
-print(json.dumps({"axis_types": [str(t) for t in mesh.axis_types],
-                  "one": one[0].outputs[0].token_ids, "mesh": got[0].outputs[0].token_ids,
-                  "refused": refused}))
+    out["packed"] = str(e)
+print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # a process of its own with 2 fake devices, 10-15 s; .ci/run runs it
-def test_a_mesh_of_explicit_axes_and_quantized_weights_on_a_mesh(tmp_path):
+@pytest.mark.slow  # a process of its own with 2 fake devices, 20-30 s; .ci/run runs it
+def test_explicit_axes_and_quantized_weights_on_a_mesh(tmp_path):
     """``jax.make_mesh`` gives Explicit axes by default, under which every request failed
     at its first step (the embedding's gather could not resolve its sharding): the
     engine takes the mesh's devices with Auto axes and gives one device's tokens.
-    Quantized weights have no tensor-parallel layout: refused when the engine shards
-    the model, naming the format, instead of failing each request."""
+    Quantized weights (int8 rotated in groups, int4, fp8; tied and untied heads; a
+    vocabulary the mesh pads) split as their float kernels, scales alongside: the same
+    tokens and log-probs as one device with XLA's products; ``models.load`` quantizes
+    into the shards; weights packed for the CPU kernels are refused by ``shard``."""
     import os
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        PAGED_JAX_BACKEND="xla",  # one device computes as the mesh does (W8A16)
+    )
     done = subprocess.run(
-        [sys.executable, "-c", _EXPLICIT_MESH],
+        [sys.executable, "-c", _MESH_CASES],
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=600,
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "Explicit" in out["axis_types"][0], out  # (the case: not Auto already)
-    assert out["mesh"] == out["one"] and len(out["one"]) == 6, out
-    assert out["refused"] and "quantized weights (int8)" in out["refused"], out
+    explicit = out.pop("explicit")
+    assert "Explicit" in explicit["axis_types"][0], explicit  # (the case: not Auto already)
+    out["explicit"] = explicit  # the same tokens and log-probs, below
+    load, packed = out.pop("load"), out.pop("packed")
+    assert load["q_dtype"] == "int8" and "tp" in load["q_spec"], load
+    if linear.available():  # (packed only where the C kernels built)
+        assert packed and "packed for the CPU kernels" in packed, packed
+    assert len(out) == 7
+    for case, r in out.items():
+        if case != "explicit":
+            assert r["down_spec"] == "P(None, 'tp', None)", (case, r)
+            assert r["rotated"] == case.startswith("int8"), (case, r)
+        for (ids1, lp1), (ids2, lp2) in zip(r["one"], r["mesh"], strict=True):
+            assert ids1 == ids2 and len(ids1) == 6, (case, r)
+            np.testing.assert_allclose(lp2, lp1, atol=1e-4, err_msg=case)
