@@ -33,9 +33,11 @@ from typing import Any
 
 import numpy as np
 
+from paged_jax import linear
+
 from .config import LlamaConfig
 from .hf import build_model, release_freed_memory
-from .quantization import int8_group, quantize_fp8, quantize_int8, rotate_inputs
+from .quantization import int8_group, quantize_fp8, quantize_int8
 from .tokenizer import TextTokenizer
 
 # GGUF architecture -> Hugging Face architecture (Mistral files usually say "llama").
@@ -190,7 +192,7 @@ def load_gguf(
             w = _dequantize(t, qtype)
             group = int8_group(w, 1)
             if group is not None and _weight_of(name) in rotatable:
-                w = rotate_inputs(w, 1)
+                w = linear.rotate(w, 1)
                 rotated.add(name)
             parts = quantize_int8(w, 1, group)
         else:

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from paged_jax import linear
 from paged_jax.sharding import tensor_parallel_size
 
 from . import compressed
 from .config import LlamaConfig
 from .llama import FUSED, LlamaForCausalLM
-from .quantization import rotate_inputs
 from .sharding import pad_vocab, place, sharder
 from .tokenizer import TextTokenizer
 
@@ -239,7 +239,7 @@ def build_model(
     third array, ``m f32 [out, in / G]``, each group's minimum: weights ``q * scale + m``
     (``load_gguf``'s Q5_1 and Q5_K blocks, ``q`` in [0, 31]). ``rotated8``: the names
     among them whose int8 weights are rotated along ``in`` (``Linear.rotated``,
-    ``models.quantization.rotate_inputs``; every layer of a weight or none), rotated
+    ``paged_jax.linear.rotate``; every layer of a weight or none), rotated
     back where dequantized.
 
     ``dtype`` defaults to the tensors' dtype (f32 if mixed), ``param_dtype`` to ``dtype``.
@@ -311,9 +311,7 @@ def build_model(
                 parts = eight.pop(n)  # (q, scale) or (q, scale, m)
                 return tuple(a.T for a in parts) if t else parts
 
-            if len({n in rotated8 for n, _ in names}) != 1:
-                raise ValueError(f"{source}: {p}: some layers' int8 weights are rotated, not all")
-            if names[0][0] in rotated8:
+            if names[0][0] in rotated8:  # (every layer of a weight or none: load_gguf)
                 rot8.add(p[:-1])
             kernel, *held8[p[:-1]] = _gather(names, take8, stacked)
             filled.append((p, var.replace(jax.device_put(kernel))))
@@ -331,9 +329,6 @@ def build_model(
             group = _common_group(names, blocks, eight, want, source)
             with_mins = any(n in blocks or len(eight[n]) == 3 for n, _ in names)
             used.update(n for n, _ in names)
-
-            if any(n in rotated8 for n, _ in names):
-                raise ValueError(f"{source}: {p}: rotated int8 weights mixed with other layouts")
 
             def take_mixed(n, t, group=group, with_mins=with_mins):
                 parts = blocks.pop(n) if n in blocks else eight.pop(n)
@@ -359,7 +354,7 @@ def build_model(
                 else:
                     tensors[n] = q.astype(np.float32) * scale[:, None]
                 if n in rotated8:  # [out, in]: back along in
-                    tensors[n] = rotate_inputs(tensors[n], 1)
+                    tensors[n] = linear.rotate(tensors[n], 1)
         for name, transposed in names:
             if name not in tensors:
                 raise ValueError(f"{source}: tensor {name!r} is missing from the checkpoint")

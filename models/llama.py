@@ -35,7 +35,6 @@ from .quantization import (
     quantize_fp8,
     quantize_int4,
     quantize_int8,
-    rotate_inputs,
 )
 
 
@@ -139,7 +138,7 @@ class Linear(nnx.Linear):
     quantized = None
     # quantize sets it for int8 groups made for the CPU (and the GGUF loader where it
     # quantizes so): the kernel is R w, w rotated along its inputs in blocks of 32
-    # (models.quantization.rotate_inputs), and each product rotates its rows likewise
+    # (paged_jax.linear.rotate), and each product rotates its rows likewise
     rotated = False
     # hold_fp8_activations sets it: an fp8 kernel held [(L,) out, in], each product fp8 by
     # fp8 with the rows quantized too (W8A8)
@@ -166,7 +165,7 @@ class Linear(nnx.Linear):
         elif fmt == "int8":
             group = int8_group(kernel, -2)
             if group is not None:  # for the CPU: rotated, then in groups
-                kernel = rotate_inputs(kernel, -2)
+                kernel = linear.rotate(kernel, -2)
                 self.rotated = True
             q, scale = quantize_int8(kernel, -2, group)
         else:
@@ -290,7 +289,7 @@ class Linear(nnx.Linear):
                 zero = linear.unpack(zero, self.out_features)
         elif self.packed:
             scale = scale[..., : self.out_features]
-        back = (lambda w: rotate_inputs(w, -2)) if self.rotated else (lambda w: w)
+        back = (lambda w: linear.rotate(w, -2)) if self.rotated else (lambda w: w)
         if isinstance(kernel, tuple):
             zeros = zero if zero is not None else (None,) * len(kernel)
             return tuple(
@@ -417,7 +416,7 @@ def _dot_layer(
         kernel = _dequantize8(kernel, scale, zero).astype(module.dtype or x.dtype)
         scale = None
     if module.rotated:  # (x R)(R w) = x w
-        x = rotate_inputs(x, -1).astype(x.dtype)
+        x = linear.rotate(x, -1).astype(x.dtype)
     x, kernel, bias = module.promote_dtype((x, kernel, bias), dtype=module.dtype)
     y = module.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=module.precision)
     if scale is not None:

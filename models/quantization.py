@@ -29,7 +29,7 @@ of 16, and Q5_1 / Q5_K blocks with a minimum per group (``zero``, the same shape
 weights ``scale * q + zero``, q in [0, 31]).
 
 Where the groups are for the CPU, the weights are also **rotated** first (``rotated``
-on the module; ``rotate_inputs``): ``w`` becomes ``R w``, ``R`` the orthonormal
+on the module; ``paged_jax.linear.rotate``): ``w`` becomes ``R w``, ``R`` the orthonormal
 Hadamard matrix of order 32 applied to each block of 32 inputs, and the C kernel
 rotates each row of ``x`` the same way before quantizing it (``R`` is symmetric and its
 own inverse: ``(x R)(R w) = x w``). The rotation spreads a block's outlier, in the
@@ -138,18 +138,6 @@ def int8_group(w, axis: int) -> int | None:
     if isinstance(w, jax.Array):
         return None if _on_accelerator(w) else INT8_GROUP
     return INT8_GROUP if jax.default_backend() == "cpu" else None
-
-
-def rotate_inputs(w, axis: int):
-    """``w`` rotated along ``axis`` (its inputs) in blocks of 32, as rotated int8 weights
-    are held (``paged_jax.linear.rotate``; in numpy for a numpy array, in
-    ``jax.numpy`` for a JAX array, which it stays). Its own inverse, to f32 rounding."""
-    import jax
-    import jax.numpy as jnp
-
-    from paged_jax import linear
-
-    return linear.rotate(w, axis, xp=jnp if isinstance(w, jax.Array) else np)  # (tracers too)
 
 
 @_way

@@ -103,16 +103,18 @@ def matmul(
     )
 
 
-def rotate(x, axis: int = -1, *, xp=None):
+def rotate(x, axis: int = -1):
     """``x`` rotated along ``axis`` in blocks of 32 as ``matmul(..., rotated=True)``
-    rotates its rows (``paged_jax.kernels.cpu.rotate_blocks``: the orthonormal Hadamard
-    matrix of order 32, its own inverse; the same bits). ``xp``: ``numpy`` (default) or
-    ``jax.numpy``. Needs no C build."""
+    rotates its rows, and as rotated quantized weights are held along their inputs
+    (``paged_jax.kernels.cpu.rotate_blocks``: the orthonormal Hadamard matrix of order
+    32, its own inverse; the same bits): in ``jax.numpy`` for a JAX array (a tracer
+    too), which it stays, else in numpy. Needs no C build."""
+    import jax.numpy as jnp
     import numpy as np
 
     from paged_jax.kernels.cpu import rotate_blocks
 
-    return rotate_blocks(x, axis, xp=np if xp is None else xp)
+    return rotate_blocks(x, axis, xp=jnp if isinstance(x, jax.Array) else np)
 
 
 def lora_delta(

@@ -16,15 +16,17 @@ from paged_jax import linear
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def _worker(script: str, *args: str, timeout: int = 600) -> dict:
+def _run(argv: list[str], timeout: int = 600, **kw) -> dict:
+    """The JSON object a Python process prints last (``argv`` after the interpreter)."""
     done = subprocess.run(
-        [sys.executable, str(HERE / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        [sys.executable, *argv], capture_output=True, text=True, timeout=timeout, **kw
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _worker(script: str, *args: str, timeout: int = 600) -> dict:
+    return _run([str(HERE / script), *args], timeout)
 
 
 def _check_steps(out: dict) -> None:
@@ -266,16 +268,7 @@ def test_explicit_axes_and_quantized_weights_on_a_mesh(tmp_path):
         XLA_FLAGS="--xla_force_host_platform_device_count=2",
         PAGED_JAX_BACKEND="xla",  # one device computes as the mesh does (W8A16)
     )
-    done = subprocess.run(
-        [sys.executable, "-c", _MESH_CASES],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = _run(["-c", _MESH_CASES], env=env, cwd=tmp_path)
     explicit = out.pop("explicit")
     assert "Explicit" in explicit["axis_types"][0], explicit  # (the case: not Auto already)
     out["explicit"] = explicit  # the same tokens and log-probs, below
