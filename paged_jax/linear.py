@@ -13,6 +13,7 @@ against 7.5-8.3. XLA's own product on the packed layout was 5-30% slower than it
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -109,12 +110,22 @@ def rotate(x, axis: int = -1):
     (``paged_jax.kernels.cpu.rotate_blocks``: the orthonormal Hadamard matrix of order
     32, its own inverse; the same bits): in ``jax.numpy`` for a JAX array (a tracer
     too), which it stays, else in numpy. Needs no C build."""
-    import jax.numpy as jnp
     import numpy as np
 
     from paged_jax.kernels.cpu import rotate_blocks
 
-    return rotate_blocks(x, axis, xp=jnp if isinstance(x, jax.Array) else np)
+    if isinstance(x, jax.Array):  # one program (not an op at a time: ~25 compiles a shape)
+        return _rotate_jnp(x, axis)
+    return rotate_blocks(x, axis, xp=np)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _rotate_jnp(x: jax.Array, axis: int) -> jax.Array:
+    import jax.numpy as jnp
+
+    from paged_jax.kernels.cpu import rotate_blocks
+
+    return rotate_blocks(x, axis, xp=jnp)
 
 
 def lora_delta(
