@@ -42,11 +42,12 @@ def _reference(logits, temp, top_k, top_p, min_p, u):
     keep[0] = True
     amb = bool(top_p < 1 and np.any(np.abs(before - top_p) < EPS))
     amb |= bool(min_p > 0 and np.any(np.abs(ps - min_p * ps[0]) < EPS))
-    w = np.where(keep, ps, 0.0)
-    cdf = np.cumsum(w)
+    kept = np.zeros(len(ps), bool)
+    kept[order] = keep  # the kept set, drawn from in vocabulary order
+    cdf = np.cumsum(np.where(kept, p, 0.0))
     t = u * cdf[-1]
     amb |= bool(np.min(np.abs(cdf - t)) < EPS)
-    return int(order[np.searchsorted(cdf, t, side="right")]), amb
+    return int(np.searchsorted(cdf, t, side="right")), amb
 
 
 def _random_params(rng, R, vocab, greedy, top_p_share, columns):
@@ -137,6 +138,52 @@ def test_sort_free_tokens_equal_the_full_sort_definition(way):
     text = run.lower(logits, temp, top_k, top_p, seeds, pos, min_p, sort_free=way).as_text().lower()
     for op in ("stablehlo.sort", "top_k", "topk"):
         assert op not in text, op
+
+
+@pytest.mark.parametrize("way", ["candidates", True, KERNEL_WAY, SPLIT_WAY, "cpu-kernel"])
+def test_the_kept_tokens_are_drawn_in_vocabulary_order_with_ties_cut(way):
+    # Tokens 10 and 200 on top, the rest tied below. top_k 4 keeps those two and the
+    # first two tied tokens in index order (0 and 1; the cut runs through the ties), and
+    # the draw walks {0, 1, 10, 200} in that order: u below 1/7.4 gives 0, and so on.
+    # top_p 0.5 over 300 equal logits keeps the first 150 and draws token floor(150 u).
+    from paged_jax.kernels import cpu
+
+    if way == "cpu-kernel" and not cpu.available():
+        pytest.skip("the CPU kernels did not build here")
+    V, J = 300, 16
+    logits = np.zeros((2, V), np.float32)
+    logits[0, [10, 200]] = 1.0
+    temp = np.ones(2, np.float32)
+    top_k = np.array([4, 0], np.int32)
+    top_p = np.array([1.0, 0.5], np.float32)
+    seeds = np.arange(2 * J, dtype=np.uint32).reshape(2, J)
+    pos = np.array([3, 4], np.int32)
+    kw = {"cpu_kernel": True} if way == "cpu-kernel" else {"sort_free": way != "candidates" and way}
+    run = jax.jit(functools.partial(sample_rows, **kw))
+    toks = np.asarray(run(logits, temp, top_k, top_p, seeds, pos)[0])
+    for j in range(J):
+        u = _uniforms(seeds[:, j], pos)
+        assert toks[1, j] == int(150 * u[1]), (j, u[1])
+        ref, amb = _reference(logits[0], 1.0, 4, 1.0, 0.0, u[0])
+        assert ref in (0, 1, 10, 200)
+        if not amb:
+            assert toks[0, j] == ref, (j, u[0])
+    assert {0, 1} <= set(toks[0]) and set(toks[0]) <= {0, 1, 10, 200}
+
+
+def test_inverse_cdf_never_draws_a_zero_weight_entry():
+    # A draw at the very top (u = 1, the sums exact) falls past every running sum: the
+    # last entry of positive weight is drawn, not a zero-weight entry after it, in one
+    # block and in several (whole zero blocks at the end).
+    from paged_jax.engine.sort_free import inverse_cdf
+
+    for C, last in ((40, 30), (1000, 600)):
+        w = np.zeros((2, C), np.float32)
+        w[:, : last + 1 : 3] = 2.0
+        w[1, last] = 1.0
+        u = np.array([[1.0, 0.0], [1.0, 0.0]], np.float32)
+        got = np.asarray(inverse_cdf(jnp.asarray(w), jnp.asarray(u)))
+        np.testing.assert_array_equal(got, [[last, 0], [last, 0]])
 
 
 def test_the_split_kernels_count_above_trials_and_rank_ties():

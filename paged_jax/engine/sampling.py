@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.engine.sort_free import draw as sort_free_draw
+from paged_jax.engine.sort_free import inverse_cdf as _inverse_cdf
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 # Bounds on SamplingParams.stop: each sampled token searches the text it can have
@@ -286,37 +287,12 @@ def _uniforms(seeds, positions):
 NUM_CANDIDATES = 256
 
 
-_CDF_BLOCK = 256
-
-
-def _search(cdf: jax.Array, target: jax.Array) -> jax.Array:
-    """Per row, how many entries of ``cdf`` f32[R, C] are <= each ``target`` f32[R, J]."""
-    return jax.vmap(lambda c, t: jnp.searchsorted(c, t, side="right"))(cdf, target)
-
-
-def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
-    """Index of the draw ``u`` (f32[R, J] in [0, 1)) from unnormalized ``weights`` f32[R, C]:
-    the first i whose running sum exceeds ``u * total`` (never a zero-weight entry).
-
-    Wider than one block, it goes in two levels (a cumulative sum of block sums, then one
-    within the chosen block): a scan over the whole vocabulary was most of the cost on
-    CPU."""
-    R, C = weights.shape
-    if C <= _CDF_BLOCK:
-        cdf = jnp.cumsum(weights, axis=-1)
-        return jnp.minimum(_search(cdf, u * cdf[:, -1:]), C - 1)
-    nb = -(-C // _CDF_BLOCK)
-    w = jnp.pad(weights, ((0, 0), (0, nb * _CDF_BLOCK - C))).reshape(R, nb, _CDF_BLOCK)
-    block_sum = w.sum(-1)  # [R, nb]
-    block_cdf = jnp.cumsum(block_sum, axis=-1)
-    target = u * block_cdf[:, -1:]  # [R, J]
-    blk = jnp.minimum(_search(block_cdf, target), nb - 1)  # [R, J]
-    start = jnp.take_along_axis(block_cdf - block_sum, blk, axis=-1)  # mass before the block
-    inner = jnp.cumsum(jnp.take_along_axis(w, blk[:, :, None], axis=1), axis=-1)  # [R, J, B]
-    J = u.shape[1]
-    within = _search(inner.reshape(R * J, _CDF_BLOCK), (target - start).reshape(R * J, 1))
-    idx = blk * _CDF_BLOCK + jnp.minimum(within.reshape(R, J), _CDF_BLOCK - 1)
-    return jnp.minimum(idx, C - 1)
+def _in_vocabulary_order(keep: jax.Array, index: jax.Array, vocab: int) -> jax.Array:
+    """``bool[R, V]``: the tokens ``index`` (i32[R, C]) with ``keep`` (bool[R, C]) set,
+    as a mask over the vocabulary (a scatter per row; ``index`` holds distinct tokens)."""
+    R = keep.shape[0]
+    rows = jnp.broadcast_to(jnp.arange(R)[:, None], index.shape)
+    return jnp.zeros((R, vocab), bool).at[rows, index].set(keep, unique_indices=True)
 
 
 def _kept(sorted_scaled, lse, top_k, top_p, min_p):
@@ -386,13 +362,15 @@ def sample_rows(
     Greedy rows (temperature 0) return the argmax in every column; ``greedy_only=True``
     (static: the engine sets it when no row samples) computes nothing else. Sampled rows
     divide the logits by the temperature, keep the tokens that top-k, top-p and min-p
-    allow (``_kept``), and draw one uniform per column, keyed by (seed, position),
-    mapped through the kept tokens' CDF: in descending order for restricted rows, in
-    vocabulary order for unrestricted ones. Nothing sorts the vocabulary unless a
-    restricted row's kept set could reach past the ``NUM_CANDIDATES`` largest logits; that
-    row alone then takes a full sort, giving the token the candidates would have given
-    (the same kept prefix and draw). A row's token depends only on its own inputs.
-    ``penalties`` (``apply_penalties``) change the logits first, greedy rows included;
+    allow (``_kept``: a prefix of the tokens in descending order of the scaled logits,
+    ties by index), and draw one uniform per column, keyed by (seed, position), mapped
+    through the kept tokens' CDF in vocabulary order (the first token whose running kept
+    weight exceeds ``u`` times the kept total), restricted or not. Nothing sorts the
+    vocabulary unless a restricted row's kept set could reach past the ``NUM_CANDIDATES``
+    largest logits; that row alone then takes a full sort, giving the token the
+    candidates would have given (the same kept set and draw). A row's token depends only
+    on its own inputs. ``penalties`` (``apply_penalties``) change the logits first, greedy
+    rows included;
     then ``allowed`` (``mask_logits``: a bitmask per row, at least one token allowed in
     each) sets every other token's logit to -inf, so nothing else is picked.
     Log-probabilities are those of the model's raw distribution. ``cpu_kernel`` (static;
@@ -494,13 +472,17 @@ def sample_rows(
         tokens = jnp.where(temperature[:, None] > 0, sampled, greedy)
         return tokens, jnp.take_along_axis(raw, tokens, axis=-1) - lse_raw
 
-    # Restricted rows: the kept prefix of the candidates, in descending order.
+    # Restricted rows: the kept prefix of the candidates (in descending order), drawn in
+    # vocabulary order: the kept candidates sorted by index (C of them, not V).
     C = min(vocab, NUM_CANDIDATES)
 
     def candidates():
         vals, idx = jax.lax.top_k(scaled, C)
         probs, keep = _kept(vals, lse, top_k, top_p, min_p)
-        tok = jnp.take_along_axis(idx, _inverse_cdf(jnp.where(keep, probs, 0.0), u), axis=-1)
+        by_index = jnp.argsort(jnp.where(keep, idx, vocab), axis=-1)  # kept first, by index
+        weights = jnp.take_along_axis(jnp.where(keep, probs, 0.0), by_index, axis=-1)
+        at = jnp.take_along_axis(by_index, _inverse_cdf(weights, u), axis=-1)
+        tok = jnp.take_along_axis(idx, at, axis=-1)
         return tok.astype(jnp.int32), keep[:, -1] & (C < vocab)
 
     cand, past_c = jax.lax.cond(
@@ -514,8 +496,9 @@ def sample_rows(
         order = jnp.argsort(-scaled, axis=-1)
         srt = jnp.take_along_axis(scaled, order, axis=-1)
         p, k = _kept(srt, lse, top_k, top_p, min_p)
-        tok = jnp.take_along_axis(order, _inverse_cdf(jnp.where(k, p, 0.0), u), axis=-1)
-        return tok.astype(jnp.int32)
+        kept = _in_vocabulary_order(k, order, vocab)
+        weights = jnp.where(kept, jnp.exp(scaled - lse[:, None]), 0.0)
+        return _inverse_cdf(weights, u).astype(jnp.int32)
 
     exact = jax.lax.cond(jnp.any(overflow), sorted_draw, lambda: cand)
     sampled = jnp.where(

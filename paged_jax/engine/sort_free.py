@@ -1,23 +1,24 @@
 """Top-k, top-p and min-p draws without sorting the vocabulary, for GPUs and TPUs.
 
-``sample_rows`` defines a restricted row's token as a draw along the row's tokens in
-descending order of the scaled logits (ties: the lower index first), over the prefix that
-top-k, top-p and min-p keep. Sorting 128k logits per row, or taking their few hundred
-largest with ``lax.top_k``, cost 3-7 ms of a 22 ms Llama-3-8B decode step at 256 rows on
-an H100 (issue 57). This module finds the same token with passes over the row that only
-compare and add, which a GPU streams at its memory bandwidth:
+``sample_rows`` defines a restricted row's kept tokens as the prefix of its tokens in
+descending order of the scaled logits (ties: the lower index first) that top-k, top-p and
+min-p keep, and its token as a draw from them in vocabulary order. Sorting 128k logits
+per row, or taking their few hundred largest with ``lax.top_k``, cost 3-7 ms of a 22 ms
+Llama-3-8B decode step at 256 rows on an H100 (issue 57). This module finds the same
+token with passes over the row that only compare and add, which a GPU streams at its
+memory bandwidth:
 
 1. Each logit becomes an integer key with the same order (``sortable``). The kept prefix
    ends inside one group of equal keys, ``v``: the smallest key at which the first token
    at or below it would still be kept. A radix search finds ``v`` 4 bits at a time, each
    round one pass that counts the tokens and sums the weights above 15 trial keys.
-2. How many of ``v``'s equal tokens are kept, and so the kept weight ``W_k``, follows from
-   the counts above ``v`` (equal logits have equal weights).
-3. The draw ``u * W_k`` falls in the group of key ``t``: the largest key whose kept weight
-   at or above it exceeds the draw, found by the same radix search. Within the group, the
-   ``j``-th of the equal tokens in index order is drawn, ``j`` from the weight above ``t``.
+2. How many of ``v``'s equal tokens are kept follows from the counts above ``v`` (equal
+   logits have equal weights): all of them, unless exactly equal logits straddle the
+   cut, and then those up to the index of the last one kept.
+3. The draw ``u * W_kept`` walks the kept weights in vocabulary order (``inverse_cdf``:
+   block sums, then one block), so it needs no second search.
 
-About 18 passes over the ``[R, V]`` logits for any row, peaked or flat. The token is the
+About 14 passes over the ``[R, V]`` logits for any row, peaked or flat. The token is the
 definition's except where a decision falls within rounding (sums in another order).
 """
 
@@ -36,6 +37,51 @@ _DIGITS = 1 << DIGIT_BITS
 # fastest, so a GPU reduction over V reads each key once for all 16 trials) instead of
 # [R, 16, V] (a reduction per trial, each reading the whole row). The same sums.
 TRIALS_MINOR = True
+
+
+_CDF_BLOCK = 256
+
+
+def _search(cdf: jax.Array, target: jax.Array) -> jax.Array:
+    """Per row, how many entries of ``cdf`` f32[R, C] are <= each ``target`` f32[R, J]."""
+    return jax.vmap(lambda c, t: jnp.searchsorted(c, t, side="right"))(cdf, target)
+
+
+def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
+    """Index of the draw ``u`` (f32[R, J] in [0, 1)) from unnormalized ``weights`` f32[R, C]
+    (each row with a positive weight): the first i whose running sum exceeds ``u *
+    total``, never a zero-weight entry (where rounding leaves the running sum at or below
+    the target to the end, the last entry of positive weight).
+
+    Wider than one block, it goes in two levels (a cumulative sum of block sums, then one
+    within the chosen block): a scan over the whole vocabulary was most of the cost on
+    CPU."""
+    R, C = weights.shape
+    lane = jax.lax.broadcasted_iota(jnp.int32, (R, min(C, _CDF_BLOCK)), 1)
+
+    def last_positive(w):  # i32[R, 1]: the last index of a positive entry (0 if none)
+        return jnp.max(jnp.where(w > 0, lane[:, : w.shape[1]], 0), axis=-1, keepdims=True)
+
+    if C <= _CDF_BLOCK:
+        cdf = jnp.cumsum(weights, axis=-1)
+        return jnp.minimum(_search(cdf, u * cdf[:, -1:]), last_positive(weights))
+    nb = -(-C // _CDF_BLOCK)
+    w = jnp.pad(weights, ((0, 0), (0, nb * _CDF_BLOCK - C))).reshape(R, nb, _CDF_BLOCK)
+    block_sum = w.sum(-1)  # [R, nb]
+    block_cdf = jnp.cumsum(block_sum, axis=-1)
+    target = u * block_cdf[:, -1:]  # [R, J]
+    blocks = jax.lax.broadcasted_iota(jnp.int32, (R, nb), 1)
+    last_block = jnp.max(jnp.where(block_sum > 0, blocks, 0), axis=-1, keepdims=True)
+    blk = jnp.minimum(_search(block_cdf, target), last_block)  # [R, J]
+    start = jnp.take_along_axis(block_cdf - block_sum, blk, axis=-1)  # mass before the block
+    chosen = jnp.take_along_axis(w, blk[:, :, None], axis=1)  # [R, J, B]
+    inner = jnp.cumsum(chosen, axis=-1)
+    J = u.shape[1]
+    flat = chosen.reshape(R * J, _CDF_BLOCK)
+    within = _search(inner.reshape(R * J, _CDF_BLOCK), (target - start).reshape(R * J, 1))
+    within = jnp.minimum(within, jnp.max(jnp.where(flat > 0, lane[:1], 0), axis=-1, keepdims=True))
+    idx = blk * _CDF_BLOCK + within.reshape(R, J)
+    return jnp.minimum(idx, C - 1)
 
 
 def _radix_last(pred, span: jax.Array) -> jax.Array:
@@ -66,9 +112,10 @@ def draw(
     nth=None,
 ) -> jax.Array:  # i32[R, J]
     """Each column's token of a restricted row by ``sample_rows``' definition: the
-    first token in descending order of ``scaled`` (ties by index) whose running weight
-    over the kept prefix exceeds ``u`` times the kept weight; kept: rank < top_k, weight
-    before < top_p x the total, weight >= min_p x the largest (the first token always).
+    first token in vocabulary order whose running kept weight exceeds ``u`` times the
+    kept weight, where the kept tokens are a prefix of the tokens in descending order of
+    ``scaled`` (ties by index): rank < top_k, weight before < top_p x the total, weight
+    >= min_p x the largest (the first token always).
     Rows whose maximum is not finite give an unspecified token (the caller takes the
     argmax there). Traceable; no sort, no top-k.
 
@@ -133,42 +180,22 @@ def draw(
     by_p = jnp.ceil((limit_p - mass_above) / jnp.where(w_v > 0, w_v, 1.0))
     by_p = jnp.clip(by_p, 1, V).astype(jnp.int32)
     kept_at_v = jnp.maximum(jnp.minimum(jnp.minimum(n_at_v, limit_k - n_above), by_p), 1)
-    kept_weight = mass_above + kept_at_v.astype(jnp.float32) * w_v
-    target = u * kept_weight[:, None]  # [R, J]
 
-    # 3. t: the largest key >= v whose kept weight at or above it exceeds the target.
-    span_v = (hi - v).astype(jnp.uint32)
-    J = u.shape[1]
-
-    def reaches(d):  # d u32[R, J, B]
-        t = _offset(v[:, None, None], d, span_v[:, None, None])
-        _, mass = above(t - 1)  # at or above t (t > v: every such token is kept)
-        return (mass > target[..., None]) & (d <= span_v[:, None, None])
-
-    t = _offset(
-        v[:, None], _radix_last(reaches, jnp.broadcast_to(span_v[:, None], (R, J))), span_v[:, None]
-    )
-    keyed = key[:, None, :]  # [R, 1, V]
-    at_t = keyed == t[..., None]  # [R, J, V]
-    if counts is None:
-        weight_before = jnp.sum(jnp.where(keyed > t[..., None], w[:, None, :], 0.0), axis=-1)
-    else:  # (the same sums as the search's, in the kernel's order)
-        weight_before = above(t)[1]
-    w_t = jnp.max(jnp.where(at_t, w[:, None, :], 0.0), axis=-1)
-    n_at_t = jnp.where(t == v[:, None], kept_at_v[:, None], jnp.sum(at_t, axis=-1, dtype=jnp.int32))
-    j = jnp.floor((target - weight_before) / jnp.where(w_t > 0, w_t, 1.0))
-    j = jnp.clip(j, 0, jnp.maximum(n_at_t - 1, 0)).astype(jnp.int32)  # [R, J]
-
-    # The j-th token of key t in index order: the first one unless ties split the draw.
-    first = jnp.min(jnp.where(at_t, index[:, None, :], V), axis=-1)
-
-    def jth():
-        rank = jnp.cumsum(at_t, axis=-1, dtype=jnp.int32)  # [R, J, V]
-        hit = at_t & (rank == j[..., None] + 1)
-        return jnp.min(jnp.where(hit, index[:, None, :], V), axis=-1)
-
-    if nth is not None:
-        token = nth(scaled, t, j, first)
+    # 3. The kept tokens: keys above v, and v's first kept_at_v equal tokens in index
+    # order (all of them unless exactly equal logits straddle the cut: then the index of
+    # the last kept one, by a radix search over indices). The draw runs in index order.
+    partial = kept_at_v < n_at_v
+    first_v = jnp.min(jnp.where(at_v, index, V), axis=-1)  # [R]
+    if nth is not None:  # (rank 0 gives `first`: V, all of them, where none is cut)
+        rank = jnp.where(partial, kept_at_v - 1, 0)[:, None]
+        last_v = nth(scaled, v[:, None], rank, jnp.where(partial, first_v, V)[:, None])[:, 0]
     else:
-        token = jax.lax.cond(jnp.any(j > 0), jth, lambda: first)
-    return jnp.minimum(token, V - 1).astype(jnp.int32)
+
+        def jth():
+            ranks = jnp.cumsum(at_v, axis=-1, dtype=jnp.int32)
+            hit = at_v & (ranks == kept_at_v[:, None])
+            return jnp.where(partial, jnp.min(jnp.where(hit, index, V), axis=-1), V)
+
+        last_v = jax.lax.cond(jnp.any(partial), jth, lambda: jnp.full(R, V, jnp.int32))
+    kept = (key > v[:, None]) | (at_v & (index <= last_v[:, None]))
+    return inverse_cdf(jnp.where(kept, w, 0.0), u).astype(jnp.int32)

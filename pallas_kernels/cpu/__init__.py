@@ -801,8 +801,9 @@ def sample_tokens(
     Greedy rows (temperature 0) and rows whose largest logit (or its quotient by the
     temperature) is not finite take the argmax (``jnp.argmax``: the first NaN wins).
     Unrestricted sampled rows draw from ``softmax(x / temperature)`` in vocabulary order;
-    rows with top-k, top-p or min-p draw from the kept prefix of their tokens in
-    descending order of ``x / temperature`` (ties: the lower index first). ``sample.c``
+    rows with top-k, top-p or min-p keep a prefix of their tokens in descending order of
+    ``x / temperature`` (ties: the lower index first) and draw from it in vocabulary
+    order. ``sample.c``
     does this without sorting the vocabulary (it sorts the few tokens that can be kept),
     so the token equals the full-sort definition's except where a keep decision or the
     draw falls within rounding of a boundary. A row's result does not depend on the others

@@ -24,13 +24,15 @@
  *     weights exceeds u times their total. A restricted row keeps a prefix of its tokens
  *     in descending order of s (ties: the lower index first): rank < top_k (when > 0),
  *     weight before the token < top_p times the total, weight >= min_p times the
- *     largest (the first token always), and draws the same way along that order.
+ *     largest (the first token always), and draws the same way among the kept tokens,
+ *     in vocabulary order.
  * Nothing sorts the vocabulary. A pass over the row keeps each block of BLOCK logits'
  * maximum and sum of exponentials; a restricted row then gathers the tokens with
  * s >= c, trying lower bounds c until one provably holds the kept prefix (at least top_k
  * tokens, enough weight for top-p with a margin of 1e-4 for rounding, or c below min_p's
  * bound), reading only the blocks whose maximum reaches c, and sorts what it gathered
- * (a radix sort on the bits of s, stable, so ties keep their index order). SmolLM2's
+ * (a radix sort on the bits of s, stable, so ties keep their index order) to find the
+ * kept prefix; the draw then walks the gathered tokens in index order. SmolLM2's
  * peaked rows gather tens of tokens, flat ones at temperature 1 a few thousand.
  *
  * Rows are split over threads in contiguous runs, the calling thread computing the first
@@ -436,7 +438,8 @@ static int sample_row(const float *x, int64_t V, float t, int32_t top_k, float t
   }
 
   /* Restricted: gather the tokens with s >= c for lower and lower c until the gathered
-   * set provably holds the kept prefix, sort it, walk it. */
+   * set provably holds the kept prefix, sort it to find that prefix, then walk the kept
+   * tokens in index order. */
   static const double reach[] = {3.0, 6.0, 10.0, 16.0, 24.0, 40.0, INFINITY}; /* smax - c */
   const double min_p_bound = min_p > 0.0f ? smax + log((double)min_p) - 1e-3 : -INFINITY;
   int64_t n = 0;
@@ -472,18 +475,53 @@ static int sample_row(const float *x, int64_t V, float t, int32_t top_k, float t
       break;
     kept += e;
   }
+  /* The draw walks the kept tokens in index order, which the gathered tokens are in.
+   * Their weights are summed per chunk of BLOCK gathered tokens (a scatter from the sorted
+   * order, into the row's block sums' room: those are spent), and only the chunk the draw
+   * falls in is walked token by token. There a token is kept when its key is below the
+   * cut's, or equal to it at or before the cut's position (the sort is stable: equal keys
+   * keep their index order); s = x / t again gives gather's bits. */
+  const int64_t chunks = (n + BLOCK - 1) / BLOCK;
+  double *const chunk = w->k.raw;
+  for (int64_t c = 0; c < chunks; ++c) chunk[c] = 0.0;
+  for (int64_t i = 0; i < count; ++i) chunk[order[i] / BLOCK] += w->e[order[i]];
+  const int32_t cut = order[count - 1];
+  const uint32_t cut_key = descending_key(x[w->idx[cut]] / t);
   for (int64_t j = 0; j < J; ++j) {
     const double target = (double)u[j] * kept;
-    double run = 0.0;
-    int64_t pick = count - 1;
-    for (int64_t i = 0; i < count; ++i) {
-      run += w->e[order[i]];
-      if (run > target) {
+    /* the chunk where the running sum passes the target; where rounding leaves it short
+     * to the end, the last chunk holding kept weight */
+    int64_t c = -1, last_c = 0;
+    double run = 0.0, before = 0.0, last_before = 0.0;
+    for (int64_t k = 0; k < chunks; ++k) {
+      if (chunk[k] > 0.0) {
+        last_c = k;
+        last_before = run;
+        if (run + chunk[k] > target) {
+          c = k;
+          before = run;
+          break;
+        }
+      }
+      run += chunk[k];
+    }
+    if (c < 0) {
+      c = last_c;
+      before = last_before;
+    }
+    int64_t pick = -1, last = cut;
+    const int64_t end = c * BLOCK + BLOCK < n ? c * BLOCK + BLOCK : n;
+    for (int64_t i = c * BLOCK; i < end; ++i) {
+      const uint32_t key = descending_key(x[w->idx[i]] / t);
+      if (key > cut_key || (key == cut_key && i > cut)) continue;
+      last = i;
+      before += w->e[i];
+      if (before > target) {
         pick = i;
         break;
       }
     }
-    token[j] = w->idx[order[pick]];
+    token[j] = w->idx[pick >= 0 ? pick : last];
   }
   return 1;
 }

@@ -1,18 +1,22 @@
 """Restricted sampling rows drawn on an NVIDIA GPU without a sort (Pallas, Triton lowering).
 
-``paged_jax.engine.sort_free.draw`` finds a top-k / top-p / min-p row's token with about 20
-radix passes over the row, each of which XLA runs as a separate reduction over a
+``paged_jax.engine.sort_free.draw`` finds a top-k / top-p / min-p row's token with radix
+passes over the row, each of which XLA runs as a separate reduction over a
 ``[R, V, 2**bits]`` comparison (9.4 ms for 256 rows of 128,256 logits on an H200, more than
-the 6.0 ms full sort it was to replace). This kernel runs the same search, pass for pass,
-inside one program per row: the row is streamed in ``block``-wide chunks, the comparisons
-against a round's trial keys stay in registers, and the per-row scalars (the maximum, the
-total weight, the radix prefixes) never leave the program.
+the 6.0 ms full sort it was to replace, when the draw took a second search). This kernel
+runs the same search, pass for pass, inside one program per row: the row is streamed in
+``block``-wide chunks, the comparisons against a round's trial keys stay in registers, and
+the per-row scalars (the maximum, the total weight, the radix prefixes) never leave the
+program.
 
 Definition and keys are ``sort_free.draw``'s (and so ``sample_rows``'s): the kept prefix in
-descending order of the scaled logits, ties by index, and the draw ``u * W_kept`` along it.
-Sums run in another order than XLA's, so a decision that falls within rounding may go the
-other way. A draw that lands past the first of several tokens with exactly equal logits
-(rare) takes one more radix search, over their indices, inside the program.
+descending order of the scaled logits, ties by index, and the draw ``u * W_kept`` over the
+kept tokens in vocabulary order. About 20 passes over the row with ``bits=2``: the maximum,
+the total, 16 radix rounds, the kept count at the cut, and the draw (one pass summing
+each chunk, then a cumulative sum within the chunk it lands in). Sums run in another order
+than XLA's, so a decision that falls within rounding may go the other way. A cut through
+several tokens with exactly equal logits (rare) takes one more radix search, over their
+indices, inside the program.
 
 Runs under ``interpret=True`` on CPU (the tests) and lowers through Triton on GPU.
 """
@@ -200,53 +204,57 @@ def _draw(
     by_p = jnp.clip(by_p, 1, vocab).astype(jnp.int32)
     kept_at_v = jnp.maximum(jnp.minimum(jnp.minimum(n_at_v, limit_k - n_above), by_p), 1)
     kept_weight = mass_above + kept_at_v.astype(jnp.float32) * w_v
-    span_v = (hi - v).astype(jnp.uint32)
 
-    # 3. Per column: t, the largest key >= v whose kept weight at or above it exceeds the
-    # draw; then the rank of the drawn token among t's equal tokens.
-    for j in range(columns):
-        target = u_ref[j] * kept_weight
+    # 3. The kept tokens: keys above v, and v's first kept_at_v equal tokens in index
+    # order: all of them unless exactly equal logits straddle the cut (rare), and then
+    # those up to the index of the last kept one, found by a radix search over indices.
+    def last_kept_at_v(rank):
+        return _nth_index(x_ref, v, rank, vocab=vocab, block=block, bits=bits)
 
-        def reaches(d, target=target):
-            (mass,) = above(offset(v, d, span_v) - 1, counts=False)  # at or above t
-            return (mass > target) & (d <= span_v)
+    # (the branches take an operand: Triton's lowering wants a traced value from each)
+    last_v = jax.lax.cond(
+        kept_at_v < n_at_v, last_kept_at_v, lambda rank: rank * 0 + vocab, kept_at_v - 1
+    )
 
-        t = offset(v, radix_last(reaches)[0], span_v)
+    def kept_weights(chunk):
+        idx, x = chunk
+        key = sortable(x)
+        keep = (key > v) | ((key == v) & (idx <= last_v))
+        return jnp.where(keep, jnp.exp(x - m), 0.0)
 
-        def at_t(chunk, carry, t=t):
-            before, w_eq, n_eq, first = carry
-            idx, x = chunk
-            key = sortable(x)
-            w = jnp.exp(x - m)
-            eq = key == t
-            return (
-                before + jnp.where(key > t, w, 0.0),
-                jnp.maximum(w_eq, jnp.where(eq, w, 0.0)),
-                n_eq + eq.astype(jnp.int32),
-                jnp.minimum(first, jnp.where(eq, idx, vocab)),
-            )
+    # 4. The draw, in index order: one pass summing each chunk's kept weight finds, per
+    # column, the chunk where the running sum passes u times the kept weight (or, where
+    # rounding leaves it short to the end, the last chunk holding a kept token); then a
+    # cumulative sum within that chunk finds the token.
+    targets = [u_ref[j] * kept_weight for j in range(columns)]
 
-        before, w_t, n_eq, first = over_row(
-            at_t,
-            (zero_f, zero_f, zero_i, lanes(vocab, jnp.int32)),
-            (jnp.sum, jnp.max, jnp.sum, jnp.min),
+    def passes(i, carry):
+        run, last, last_before, found = carry
+        s = jnp.sum(kept_weights(load(i)))
+        hit = [(c < 0) & (run + s > t) for (c, _), t in zip(found, targets, strict=True)]
+        found = tuple(
+            (jnp.where(h, i, c), jnp.where(h, run, before))
+            for h, (c, before) in zip(hit, found, strict=True)
         )
-        n_at_t = jnp.where(t == v, kept_at_v, n_eq)
-        rank = jnp.floor((target - before) / jnp.where(w_t > 0, w_t, 1.0))
-        rank = jnp.clip(rank, 0, jnp.maximum(n_at_t - 1, 0)).astype(jnp.int32)
+        last, last_before = jnp.where(s > 0, i, last), jnp.where(s > 0, run, last_before)
+        return run + s, last, last_before, found
 
-        def nth(t=t, rank=rank):
-            return _nth_index(x_ref, t, rank, vocab=vocab, block=block, bits=bits)
-
-        token = jax.lax.cond(rank > 0, nth, lambda first=first: first)
-        token_ref[j] = jnp.minimum(token, vocab - 1)
+    none = (jnp.int32(-1), jnp.float32(0))
+    init = (jnp.float32(0), jnp.int32(0), jnp.float32(0), (none,) * columns)
+    _, last, last_before, found = jax.lax.fori_loop(0, blocks, passes, init)
+    for j, (c, before) in enumerate(found):
+        c, before = jnp.where(c >= 0, c, last), jnp.where(c >= 0, before, last_before)
+        wk = kept_weights(load(c))
+        crossed = jnp.sum((before + jnp.cumsum(wk) <= targets[j]).astype(jnp.int32))
+        last_lane = jnp.max(jnp.where(wk > 0, lane, 0))
+        token_ref[j] = jnp.minimum(c * block + jnp.minimum(crossed, last_lane), vocab - 1)
 
 
 def _nth_index(x_ref, t, rank, *, vocab, block, bits):
     """The ``rank``-th (from 0) of the row's tokens of key ``t`` in index order: the
     largest index d with at most ``rank`` of them before it, found ``bits`` of the index
-    a round, each round a pass over the row in ``block``-wide chunks (rare: only a draw
-    past the first of several exactly equal logits asks for it)."""
+    a round, each round a pass over the row in ``block``-wide chunks (rare: only a cut of the
+    kept set through several exactly equal logits asks for it)."""
     digits = 1 << bits
     rounds = pl.cdiv(max(1, (vocab - 1).bit_length()), bits)
     lane = jnp.arange(block, dtype=jnp.int32)
@@ -340,8 +348,9 @@ def restricted_draw(
 
 # -- The same search with each row split over several programs --------------------------
 #
-# ``restricted_draw`` runs about 36 dependent passes over its row inside one program, so
-# at 64 rows (the row in L2) a pass took about 59 us on an H200: latency, not bandwidth.
+# ``restricted_draw`` runs about 20 dependent passes over its row inside one program (36
+# when the draw took a second search), and at 64 rows (the row in L2) a pass took about
+# 59 us on an H200: latency, not bandwidth.
 # Here each radix round is one launch over a grid of (row, slice of the row) programs,
 # each summing its slice against the round's trial keys; XLA adds the slices' partials
 # and decides the digit (``paged_jax.engine.sort_free.draw`` with ``counts=``), so every
@@ -445,9 +454,9 @@ def nth_tied(
     block: int = 1024,
 ) -> jax.Array:  # i32[R, J]
     """The index of the ``j``-th (from 0) of a row's tokens whose key is ``t``, in index
-    order; ``first`` where ``j`` is 0 (nearly always: only a draw past the first of several
-    exactly equal logits asks more), else a radix search over the indices inside the
-    row's program. A branch in the program, not on the host."""
+    order; ``first`` where ``j`` is 0 (nearly always: only a cut of the kept set through
+    several exactly equal logits asks more), else a radix search over the indices inside
+    the row's program. A branch in the program, not on the host."""
     R, V = scaled.shape
     J = t.shape[1]
     block = min(block, 1 << max(4, (V - 1).bit_length()))
