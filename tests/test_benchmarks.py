@@ -630,3 +630,30 @@ def test_structured_benchmark_schemas_requests_and_validation():
     assert got["valid"] == 1 and got["total"] == 3
     assert [f["schema"] for f in got["failures"]] == ["weather", "weather"]
     assert "-99" in got["failures"][0]["error"]
+
+
+def test_throughput_benchmark_times_both_schemes_in_rounds(tmp_path, monkeypatch):
+    # Static batching and the paged engine alternate in each timed round; the file holds
+    # each scheme's rounds and min / median / max, the ratio of the medians, each
+    # round's ratio, and how many requests got the same greedy tokens from both.
+    import json
+
+    from benchmarks import bench_throughput
+    from benchmarks.common import OUT_ENV
+
+    monkeypatch.setenv(OUT_ENV, str(tmp_path))
+    assert bench_throughput.main(["--requests", "4", "--budget", "1024", "--repeats", "2"]) == 0
+    out = json.loads((tmp_path / "throughput.json").read_text())
+    assert out["parameters"]["repeats"] == 2 and out["identical_outputs"] == 4
+    static, paged, sync = out["results"]
+    assert sync["scheme"] == "paged, one step at a time"
+    for row in (static, paged, sync):
+        assert len(row["rounds_s"]) == 2 and all(t > 0 for t in row["rounds_s"])
+        s = row["seconds"]
+        assert s["min"] <= s["median"] <= s["max"] == max(row["rounds_s"])
+    assert out["ratio"] == pytest.approx(static["seconds"]["median"] / paged["seconds"]["median"])
+    want = static["seconds"]["median"] / sync["seconds"]["median"]
+    assert out["ratio_one_step_at_a_time"] == pytest.approx(want)
+    assert out["round_ratios"] == pytest.approx(
+        [a / b for a, b in zip(static["rounds_s"], paged["rounds_s"], strict=True)]
+    )
