@@ -88,7 +88,7 @@ EOF
         tests/test_pallas_gpu.py tests/test_pallas_mosaic_gpu.py tests/test_kernels_in_model.py \
         tests/test_bad_tables.py tests/test_batch_invariance.py
       XLA_PYTHON_CLIENT_PREALLOCATE=false run kernels_sampling "$(limit kernels 200)" \
-        $PY -m pytest -q -p no:cacheprovider -rf tests/test_sampling.py -k "sort_free"
+        $PY -m pytest -q -p no:cacheprovider -rf tests/test_sampling.py -k "sort_free or vocabulary_order"
       ;;
     models)
       # (cpu too: tests of the CPU's own layouts pin themselves to CPU devices)
