@@ -509,12 +509,12 @@ static int sample_row(const float *x, int64_t V, float t, int32_t top_k, float t
       c = last_c;
       before = last_before;
     }
-    int64_t pick = -1, last = cut;
+    int64_t pick = -1, last = order[0]; /* (the top token: weight 1) */
     const int64_t end = c * BLOCK + BLOCK < n ? c * BLOCK + BLOCK : n;
     for (int64_t i = c * BLOCK; i < end; ++i) {
       const uint32_t key = descending_key(x[w->idx[i]] / t);
-      if (key > cut_key || (key == cut_key && i > cut)) continue;
-      last = i;
+      if (key > cut_key || (key == cut_key && i > cut) || !(w->e[i] > 0.0f)) continue;
+      last = i; /* the last kept token of positive weight so far */
       before += w->e[i];
       if (before > target) {
         pick = i;
