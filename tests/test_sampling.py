@@ -355,8 +355,9 @@ def test_min_p_one_keeps_only_the_top_token_through_the_engine():
 
 def test_the_gpu_sampler_holds_no_conditional_and_skips_rows_not_drawn():
     # Lowered for CUDA on this host: the sampler with the GPU kernel launches it once and
-    # holds no stablehlo conditional (a GPU reads a conditional's predicate back to the
-    # host, stalling the step's dispatch), where the candidates' way holds several.
+    # holds no stablehlo conditional or loop (a GPU reads a conditional's predicate, and a
+    # loop's whose count XLA does not see, back to the host, stalling the step's
+    # dispatch), where the candidates' way holds several.
     from paged_jax.kernels.gpu import aot
     from paged_jax.kernels.gpu.sample import restricted_draw
 
@@ -381,6 +382,7 @@ def test_the_gpu_sampler_holds_no_conditional_and_skips_rows_not_drawn():
 
     gpu, candidates = text("pallas_gpu"), text(False)
     assert "stablehlo.case" not in gpu and "stablehlo.if" not in gpu
+    assert "stablehlo.while" not in gpu  # (nor a loop: the draw's searches compare all)
     assert gpu.count("__gpu$xla.gpu.triton") == 1, gpu.count("__gpu$xla.gpu.triton")
     assert "stablehlo.case" in candidates or "stablehlo.if" in candidates
     # rows left out of the draw are not drawn (token 0), the others are

@@ -43,8 +43,11 @@ _CDF_BLOCK = 256
 
 
 def _search(cdf: jax.Array, target: jax.Array) -> jax.Array:
-    """Per row, how many entries of ``cdf`` f32[R, C] are <= each ``target`` f32[R, J]."""
-    return jax.vmap(lambda c, t: jnp.searchsorted(c, t, side="right"))(cdf, target)
+    """Per row, how many entries of ``cdf`` f32[R, C] are <= each ``target`` f32[R, J].
+    By comparing with all of them (C is at most a few hundred here), not a binary search:
+    that is a loop, and a GPU whose loop count XLA does not see reads each iteration's
+    predicate back to the host, stalling the step's dispatch."""
+    return jnp.sum(cdf[:, None, :] <= target[:, :, None], axis=-1, dtype=jnp.int32)
 
 
 def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
