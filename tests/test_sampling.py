@@ -383,6 +383,8 @@ def test_the_gpu_sampler_holds_no_conditional_and_skips_rows_not_drawn():
     gpu, candidates = text("pallas_gpu"), text(False)
     assert "stablehlo.case" not in gpu and "stablehlo.if" not in gpu
     assert "stablehlo.while" not in gpu  # (nor a loop: the draw's searches compare all)
+    split = text("pallas_gpu_split")  # (its radix rounds unrolled)
+    assert not any(op in split for op in ("stablehlo.case", "stablehlo.if", "stablehlo.while"))
     assert gpu.count("__gpu$xla.gpu.triton") == 1, gpu.count("__gpu$xla.gpu.triton")
     assert "stablehlo.case" in candidates or "stablehlo.if" in candidates
     # rows left out of the draw are not drawn (token 0), the others are

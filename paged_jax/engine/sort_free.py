@@ -101,7 +101,9 @@ def _radix_last(pred, span: jax.Array) -> jax.Array:
         digit = jnp.sum(holds, axis=-1, dtype=jnp.uint32) - 1  # monotone: a count
         return prefix + (digit << shift)
 
-    return jax.lax.fori_loop(0, _ROUNDS, round_, jnp.zeros(span.shape, jnp.uint32))
+    # unrolled: no loop for a GPU runtime to count (a loop it cannot count reads its
+    # predicate back to the host every iteration)
+    return jax.lax.fori_loop(0, _ROUNDS, round_, jnp.zeros(span.shape, jnp.uint32), unroll=True)
 
 
 def draw(
