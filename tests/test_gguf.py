@@ -578,6 +578,48 @@ def test_malformed_metadata_is_a_gguf_error_naming_file_and_key(tmp_path, key):
         assert repr(key) in str(e.value)
 
 
+def test_metadata_arrays_read_as_gguf_reads_them(tmp_path):
+    # The loader's reader builds a metadata array's parts without a numpy view per entry
+    # (strings as slices of the file, scalars as one array): every field's contents and
+    # types, and every tensor, equal gguf's own reader's, for arrays of each scalar type,
+    # of strings (empty, multi-byte) and an array of arrays (left to gguf; gguf's writer
+    # refuses empty arrays, which are left to gguf too).
+    from paged_jax.models import gguf_loader
+
+    extra = {
+        "x.u8": ([0, 7, 255], T.ARRAY, T.UINT8),
+        "x.i16": ([-3, 4], T.ARRAY, T.INT16),
+        "x.u64": ([2**40, 1], T.ARRAY, T.UINT64),
+        "x.f64": ([0.5, -1e300], T.ARRAY, T.FLOAT64),
+        "x.f32": ([1.5, -2.25, 3.0], T.ARRAY, T.FLOAT32),
+        "x.bools": ([True, False, True], T.ARRAY, T.BOOL),
+        "x.strs": (["", "a b", "日本語 😀", "x" * 300], T.ARRAY, T.STRING),
+        "x.nested": ([[1, 2], [3]], T.ARRAY, T.ARRAY),
+    }
+    write_gguf(tmp_path / "m.gguf", _model(), extra=extra)
+    ours, theirs = gguf_loader._open(tmp_path / "m.gguf"), gguf.GGUFReader(tmp_path / "m.gguf")
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in ours.fields.items():
+        other = theirs.fields[key]
+        assert field.contents() == other.contents(), key
+        assert field.types == other.types, key
+    assert ours.fields["x.strs"].contents() == extra["x.strs"][0]
+    assert isinstance(ours.fields["x.strs"].parts[-1], memoryview)  # (the fast way)
+    assert ours.fields["tokenizer.ggml.tokens"].contents()[:2] == ["<s>", "</s>"]
+
+    def info(reader):
+        return [(t.name, t.tensor_type, t.data_offset, tuple(t.shape)) for t in reader.tensors]
+
+    assert info(ours) == info(theirs) and info(ours)
+    # a string whose declared length runs past the file: an error naming the file
+    data = bytearray((tmp_path / "m.gguf").read_bytes())
+    at = data.index(b"x" * 300) - 8
+    data[at : at + 8] = (2**40).to_bytes(8, "little")
+    (tmp_path / "cut.gguf").write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match=r"cut\.gguf: not a readable GGUF file \(a metadata string"):
+        load_gguf(tmp_path / "cut.gguf")
+
+
 def test_declared_counts_are_checked_before_anything_is_built(tmp_path, monkeypatch):
     # A Hugging Face config declaring 2**31 - 1 layers over two layers' weights, and a
     # GGUF metadata array longer than any vocabulary: refused at once, naming the file.
