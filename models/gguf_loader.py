@@ -477,14 +477,17 @@ def _open(path: str | os.PathLike) -> Any:
             only data part (``contents()`` gives the same list). Strings: each entry's
             length and bytes as ``memoryview`` slices of the file (``contents()`` reads
             them with ``tobytes()``). None for other arrays (the reader's own way)."""
-            if self.byte_order != "I" or sys.byteorder != "little" or n == 0:
+            scalars = getattr(self, "gguf_scalar_to_np", None)  # (the reader's internals)
+            if getattr(self, "byte_order", None) != "I" or sys.byteorder != "little":
+                return None
+            if scalars is None or n == 0:
                 return None
             T = gguf.GGUFValueType
             head = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
             itype = T(int(head[0][0]))
             offs = orig_offs + 12
             size = len(self._plain)
-            nptype = self.gguf_scalar_to_np.get(itype)
+            nptype = scalars.get(itype)
             if nptype is not None:
                 end = offs + n * np.dtype(nptype).itemsize
                 if end > size:
