@@ -370,9 +370,9 @@ def sample_rows(
     largest logits; that row alone then takes a full sort, giving the token the
     candidates would have given (the same kept set and draw). A row's token depends only
     on its own inputs. ``penalties`` (``apply_penalties``) change the logits first, greedy
-    rows included;
-    then ``allowed`` (``mask_logits``: a bitmask per row, at least one token allowed in
-    each) sets every other token's logit to -inf, so nothing else is picked.
+    rows included; then ``allowed`` (``mask_logits``: a bitmask per row, at least one
+    token allowed in each) sets every other token's logit to -inf, so nothing else is
+    picked.
     Log-probabilities are those of the model's raw distribution. ``cpu_kernel`` (static;
     the engine sets it on CPU where the kernels built, without a mesh): the C kernels pick
     the tokens, ``paged_jax.kernels.cpu.greedy_rows`` for a greedy-only step and
