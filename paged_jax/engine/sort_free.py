@@ -50,6 +50,13 @@ def _search(cdf: jax.Array, target: jax.Array) -> jax.Array:
     return jnp.sum(cdf[:, None, :] <= target[:, :, None], axis=-1, dtype=jnp.int32)
 
 
+def _last_positive(w: jax.Array) -> jax.Array:
+    """``i32[..., 1]``: the last index along ``w``'s last axis holding a positive entry
+    (0 where none does)."""
+    index = jax.lax.broadcasted_iota(jnp.int32, w.shape, w.ndim - 1)
+    return jnp.max(jnp.where(w > 0, index, 0), axis=-1, keepdims=True)
+
+
 def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
     """Index of the draw ``u`` (f32[R, J] in [0, 1)) from unnormalized ``weights`` f32[R, C]
     (each row with a positive weight): the first i whose running sum exceeds ``u *
@@ -60,31 +67,20 @@ def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
     within the chosen block): a scan over the whole vocabulary was most of the cost on
     CPU."""
     R, C = weights.shape
-    lane = jax.lax.broadcasted_iota(jnp.int32, (R, min(C, _CDF_BLOCK)), 1)
-
-    def last_positive(w):  # i32[R, 1]: the last index of a positive entry (0 if none)
-        return jnp.max(jnp.where(w > 0, lane[:, : w.shape[1]], 0), axis=-1, keepdims=True)
-
     if C <= _CDF_BLOCK:
         cdf = jnp.cumsum(weights, axis=-1)
-        return jnp.minimum(_search(cdf, u * cdf[:, -1:]), last_positive(weights))
+        return jnp.minimum(_search(cdf, u * cdf[:, -1:]), _last_positive(weights))
     nb = -(-C // _CDF_BLOCK)
     w = jnp.pad(weights, ((0, 0), (0, nb * _CDF_BLOCK - C))).reshape(R, nb, _CDF_BLOCK)
     block_sum = w.sum(-1)  # [R, nb]
     block_cdf = jnp.cumsum(block_sum, axis=-1)
     target = u * block_cdf[:, -1:]  # [R, J]
-    blocks = jax.lax.broadcasted_iota(jnp.int32, (R, nb), 1)
-    last_block = jnp.max(jnp.where(block_sum > 0, blocks, 0), axis=-1, keepdims=True)
-    blk = jnp.minimum(_search(block_cdf, target), last_block)  # [R, J]
+    blk = jnp.minimum(_search(block_cdf, target), _last_positive(block_sum))  # [R, J]
     start = jnp.take_along_axis(block_cdf - block_sum, blk, axis=-1)  # mass before the block
-    chosen = jnp.take_along_axis(w, blk[:, :, None], axis=1)  # [R, J, B]
-    inner = jnp.cumsum(chosen, axis=-1)
-    J = u.shape[1]
-    flat = chosen.reshape(R * J, _CDF_BLOCK)
-    within = _search(inner.reshape(R * J, _CDF_BLOCK), (target - start).reshape(R * J, 1))
-    within = jnp.minimum(within, jnp.max(jnp.where(flat > 0, lane[:1], 0), axis=-1, keepdims=True))
-    idx = blk * _CDF_BLOCK + within.reshape(R, J)
-    return jnp.minimum(idx, C - 1)
+    chosen = jnp.take_along_axis(w, blk[:, :, None], axis=1).reshape(-1, _CDF_BLOCK)  # [R J, B]
+    within = _search(jnp.cumsum(chosen, axis=-1), (target - start).reshape(-1, 1))
+    within = jnp.minimum(within, _last_positive(chosen)).reshape(blk.shape)
+    return jnp.minimum(blk * _CDF_BLOCK + within, C - 1)
 
 
 def _radix_last(pred, span: jax.Array) -> jax.Array:
@@ -177,7 +173,7 @@ def draw(
         dropped(jnp.zeros((R, 1), jnp.uint32))[:, 0], _offset(lo, last_dropped + 1, span), lo
     )
 
-    # 2. How many of v's equal tokens are kept, and the kept weight.
+    # 2. How many of v's equal tokens are kept.
     n_above, mass_above = above(v)
     at_v = key == v[:, None]
     n_at_v = jnp.sum(at_v, axis=-1, dtype=jnp.int32)

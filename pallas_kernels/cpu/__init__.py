@@ -803,12 +803,12 @@ def sample_tokens(
     Unrestricted sampled rows draw from ``softmax(x / temperature)`` in vocabulary order;
     rows with top-k, top-p or min-p keep a prefix of their tokens in descending order of
     ``x / temperature`` (ties: the lower index first) and draw from it in vocabulary
-    order. ``sample.c``
-    does this without sorting the vocabulary (it sorts the few tokens that can be kept),
-    so the token equals the full-sort definition's except where a keep decision or the
-    draw falls within rounding of a boundary. A row's result does not depend on the others
-    or on ``threads`` (default: the cores this process may use). Raises ``ValueError``
-    for arguments of other dtypes or shapes, and when the kernels are not available."""
+    order. ``sample.c`` does this without sorting the vocabulary (it sorts the few tokens
+    that can be kept), so the token equals the full-sort definition's except where a keep
+    decision or the draw falls within rounding of a boundary. A row's result does not
+    depend on the others or on ``threads`` (default: the cores this process may use).
+    Raises ``ValueError`` for arguments of other dtypes or shapes, and when the kernels
+    are not available."""
     if x.dtype != jnp.float32 or x.ndim != 2 or x.shape[1] < 1:
         raise ValueError(f"x: expected f32[R, V] with V >= 1, got {x.dtype}{list(x.shape)}")
     r = x.shape[0]
