@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -36,6 +35,7 @@ from benchmarks.workloads import sample_lengths
 from paged_jax import models
 from paged_jax.batch import bucket
 from paged_jax.engine import LLM, SamplingParams
+from paged_jax.engine.runner import hold_for_device
 from paged_jax.metadata import AttentionMetadata
 
 PAGE = 16
@@ -67,10 +67,8 @@ class StaticBatcher:
     """Padded static batches on a contiguous per-slot cache layout."""
 
     def __init__(self, budget):
-        model = models.init_model(models.TINY_LLAMA, seed=0)
-        # held as the engine holds its model on this device (paged_jax.engine.runner)
-        on_cpu = jax.default_backend() == "cpu"
-        self.model = model.hold_for_cpu() if on_cpu else model.hold_for_accelerator()
+        # held as the engine holds its model on this device
+        self.model = hold_for_device(models.init_model(models.TINY_LLAMA, seed=0))
         self.step, self.state = models.make_step(self.model)
         self.slots = budget // MAX_LEN
         self.per_slot = MAX_LEN // PAGE

@@ -123,6 +123,17 @@ def _on_cpu(model: Any) -> bool:
     )
 
 
+def hold_for_device(model: Any) -> Any:
+    """``model`` (one device's, off a mesh) with its weights held the way its device
+    reads them fastest, as the engine holds the model it is given: ``hold_for_cpu`` on a
+    CPU (packed for the C kernels where they built, else XLA:CPU's fastest layouts),
+    ``hold_for_accelerator`` elsewhere (each weight read where it lies, once per step, no
+    copies out of a stack); a model with neither as it is."""
+    if _on_cpu(model):
+        return model.hold_for_cpu() if hasattr(model, "hold_for_cpu") else model
+    return model.hold_for_accelerator() if hasattr(model, "hold_for_accelerator") else model
+
+
 def _on_mesh(model: Any, mesh: Mesh) -> bool:
     """Whether every array of ``model`` already lives on ``mesh``."""
     from flax import nnx
@@ -424,12 +435,8 @@ class ModelRunner:
                     f"weights on the mesh), {type(model).__name__} has none"
                 )
             model = model.shard(mesh)
-        if mesh is None and _on_cpu(model) and hasattr(model, "hold_for_cpu"):
-            # packed for the C kernels where they built, else XLA:CPU's fastest layouts
-            model = model.hold_for_cpu()
-        elif mesh is None and not _on_cpu(model) and hasattr(model, "hold_for_accelerator"):
-            # each weight read where it lies, once per step (no copies out of a stack)
-            model = model.hold_for_accelerator()
+        if mesh is None:
+            model = hold_for_device(model)
         self.model = model
         self.page_size = page_size
         self.deterministic = deterministic
