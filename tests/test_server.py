@@ -218,7 +218,8 @@ def test_a_client_gone_mid_stream_frees_its_pages(server):
         (dict(n="2"), 400, "n", "n: expected an int >= 1"),
         (dict(logprobs=25), 400, "logprobs", "logprobs: expected an int in [0, 20], got 25"),
         (dict(response_format={"type": "xml"}), 400, "response_format", "response_"),
-        (dict(echo=True), 400, "echo", "echo: echoing the prompt is not supported"),
+        (dict(echo="yes"), 400, "echo", "echo: expected a bool, got 'yes'"),
+        (dict(max_tokens=0), 400, "max_tokens", "max_tokens: expected an int >= 1, got 0"),
         # issue 51, item 2: the engine used to cap it silently (a newcomer's 1,000,000
         # decoded for minutes)
         (
@@ -290,6 +291,88 @@ def test_openai_and_vllm_conformance(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert post("/tokenize", json=dict(model="gpt-4", prompt="x")).status_code == 404
     assert httpx.post(base + "/tokenize", json=dict(prompt="x")).status_code == 401
+    # /tokenizer_info: what lm-evaluation-harness's remote tokenizer reads (it needs
+    # "eos_token", then encodes it through /tokenize without special tokens)
+    r = httpx.get(base + "/tokenizer_info", headers=headers)
+    info = r.json()
+    assert r.status_code == 200 and info["chat_template"] == tok.chat_template
+    assert info["eos_token"] == tok.special_tokens["eos_token"]
+    assert info["model_max_length"] == 512
+    eos = post("/tokenize", json=dict(prompt=info["eos_token"], add_special_tokens=False))
+    assert eos.json()["tokens"] == [tok.token_to_id(info["eos_token"])]
+    assert httpx.get(base + "/tokenizer_info").status_code == 401
+
+
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server):
+    """``echo`` with ``logprobs`` on /v1/completions: the prompt's tokens, their
+    log-probs (the first None) and top log-probs, then the generated token's, as
+    lm-evaluation-harness's ``local-completions`` asks for a log-likelihood (token-id
+    prompts, ``max_tokens`` 1, ``logprobs`` 1, ``echo``) and reads them back
+    (``token_logprobs[ctxlen:-1]``, greedy when each equals its position's best)."""
+    tok = server["tokenizer"]
+    ctx, cont = [5, 17, 42, 8, 99, 3], [13, 21, 13]
+    prompts = [ctx + cont, [7, 8, 9]]
+    greedy = pj.SamplingParams(max_tokens=1, logprobs=True, prompt_logprobs=1)
+    want = _offline(server, prompts, greedy)
+    body = dict(model=NAME, prompt=prompts, temperature=0, max_tokens=1, logprobs=1, echo=True)
+    r = httpx.post(
+        server["base"] + "/v1/completions", json=body | {"seed": 1234},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    for choice, w in zip(choices, want, strict=True):
+        lp = choice["logprobs"]
+        ids = w.prompt_token_ids
+        assert len(lp["tokens"]) == len(ids) + 1 == len(lp["top_logprobs"])
+        assert lp["tokens"][: len(ids)] == [tok.decode([t]) for t in ids]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:-1] == pytest.approx(w.prompt_logprobs[1:], abs=1e-5)
+        assert lp["token_logprobs"][-1] == pytest.approx(w.outputs[0].logprobs[0], abs=1e-5)
+        assert choice["text"] == tok.decode(ids) + w.outputs[0].text
+        assert all(len(d) == 1 for d in lp["top_logprobs"][1:])  # (logprobs 1)
+    lp = choices[0]["logprobs"]
+    is_greedy = all(
+        t == max(d.values())
+        for t, d in zip(lp["token_logprobs"][len(ctx) : -1], lp["top_logprobs"][len(ctx) : -1],
+                        strict=True)
+    )  # fmt: skip
+    best = [top[0][0] for top in want[0].prompt_top_logprobs[len(ctx) :]]
+    assert is_greedy == (best == cont)
+    assert sum(lp["token_logprobs"][len(ctx) : -1]) == pytest.approx(
+        sum(want[0].prompt_logprobs[len(ctx) :]), abs=1e-4
+    )
+    # echo with max_tokens 0: the prompt alone, and its log-probs
+    client = _client(server)
+    got = client.completions.create(
+        model=NAME, prompt="Paged attention", max_tokens=0, echo=True, logprobs=2
+    )
+    c = got.choices[0]
+    assert c.text == "Paged attention" and c.finish_reason == "length"
+    assert got.usage.completion_tokens == 0
+    n = got.usage.prompt_tokens
+    assert len(c.logprobs.tokens) == n and c.logprobs.token_logprobs[0] is None
+    # (keyed by text: two tokens of the same text, bytes of a character, share a key)
+    assert all(1 <= len(d) <= 2 for d in c.logprobs.top_logprobs[1:])
+    # streamed: the echo first, then the generated text; the same log-probs
+    kw = dict(model=NAME, prompt="Paged attention", max_tokens=4, echo=True, logprobs=0)
+    whole = client.completions.create(temperature=0.0, **kw).choices[0]
+    assert whole.text.startswith("Paged attention") and len(whole.text) > len("Paged attention")
+    chunks = list(client.completions.create(temperature=0.0, stream=True, **kw))
+    texts = [c.text for ch in chunks for c in ch.choices]
+    assert texts[0] == "Paged attention" and "".join(texts) == whole.text
+    streamed = [
+        x for ch in chunks for c in ch.choices if c.logprobs for x in c.logprobs.token_logprobs
+    ]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-5)
+    assert whole.logprobs.top_logprobs is None
+    r = httpx.post(
+        server["base"] + "/v1/chat/completions",
+        json=dict(model=NAME, messages=[{"role": "user", "content": "hi"}], echo=True),
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
 
 
 def test_top_logprobs_streamed_or_not_equal_the_engines(server):

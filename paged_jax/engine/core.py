@@ -41,6 +41,23 @@ from paged_jax.engine.speculative import Speculation, SpeculativeConfig
 log = logging.getLogger("paged_jax")
 
 
+def _keep_scores(scoring: list, scores: tuple) -> None:
+    """Stores a step's prompt scores (``ModelRunner.launch``'s ``scored``) with their
+    requests: ``scoring`` lists ``(group, positions)``, the rows in order, position t's
+    row scoring prompt token t + 1."""
+    lp, top_v, top_i = (None if a is None else np.asarray(a) for a in scores)
+    j = 0
+    for g, ts in scoring:
+        k = g.params.prompt_logprobs
+        for t in ts:
+            g.prompt_lp[t + 1] = float(lp[j])
+            if k:
+                g.prompt_top[t + 1] = list(
+                    zip(top_i[j, :k].tolist(), top_v[j, :k].tolist(), strict=True)
+                )
+            j += 1
+
+
 class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation, Loras):
     """Continuous batching of requests on a ``ModelRunner`` (see the module docstring and
     ``LLM``, which builds it and documents every option).
@@ -325,6 +342,13 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation, Loras):
             max_len=min(len(ids) + params.max_tokens, self.max_model_len),
             adapter=adapter,
         )
+        if params.prompt_logprobs is not None:
+            # every prompt token computed here, so each gets its logits row: a chain of
+            # the prefix cache of its own (a recompute after a preemption may still hit
+            # its own pages, whose tokens' log-probs were kept when their step completed)
+            g.salt = ("prompt_logprobs", g.arrival, g.salt)
+            g.prompt_lp = [None] * len(ids)
+            g.prompt_top = [[] for _ in ids] if params.prompt_logprobs else None
         g.seqs.append(Seq(f"{g.arrival}/0", list(ids), len(ids), 0))
         if params.structured is not None:
             g.matchers[g.seqs[0].seq_id] = self._grammars().matcher(params.structured)
@@ -540,7 +564,7 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation, Loras):
         self._phase = "schedule"  # a fault surfacing here is the step's, as at dispatch
         self._step_groups = f.groups
         t1 = time.perf_counter()
-        toks, lps, cand_v, cand_i = f.outputs
+        toks, lps, cand_v, cand_i, scores = f.outputs
         if f.steps is not None:  # i32[S_b, 2 K]: the tokens, then the log-probs' bits
             both = np.asarray(toks)
             K = both.shape[1] // 2
@@ -555,6 +579,8 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation, Loras):
         self.metrics.tokens_computed += f.num_tokens
         if f.steps is not None:
             return self._apply_steps(f, toks, lps, t2)
+        if f.scoring:  # before _process, which may finish (and output) their requests
+            _keep_scores(f.scoring, scores)
         live = [(i, w) for i, w in f.placed if w.seq.finish_reason is None]
         emit, computed = self._accept_drafts(f, live, toks, lps) if f.spec else (None, {})
         if not overlapped:  # (overlapped: _place marked them)

@@ -149,6 +149,10 @@ class Launched:
     # None until then.
     deferred: Any = None
     mask_rows: tuple | None = None
+    # Prompt log-probs (``SamplingParams.prompt_logprobs``) the step computes: ``(group,
+    # prompt positions)`` in the order of its score rows (``Launching._prompt_rows``);
+    # None: none.
+    scoring: list | None = None
 
     def __post_init__(self):
         # read only for a single step (``LLM._tokens``): a launch is followed by
@@ -218,6 +222,7 @@ class Launching:
         S_r = S_b // len(batches)
         placed = [(r * S_r + i, w) for r, ws in enumerate(works) for i, w in enumerate(ws)]
         rows, num_samples, num_cand = self._sampling_rows(placed)
+        scored, scoring = self._prompt_rows(batch, placed)
         temp, top_k, top_p, min_p, seeds, out_pos = idle_sampling(S_b, num_samples)
         if rows:  # one array write per column, not per row
             at = list(rows)
@@ -262,8 +267,10 @@ class Launching:
         f = self._send(
             work, placed, stalled, batch, tokens, sampling, penalties, allowed, num_cand,
             replicas, lane, adapters=adapters, defer=defer, cand_allowed=cand_allowed,
+            scored=scored,
         )  # fmt: skip
         f.spec = spec
+        f.scoring = scoring
         if defer:
             f.mask_rows = (rows, S_b, list(distinct.values()))
         return f
@@ -339,13 +346,15 @@ class Launching:
         adapters=None,
         defer=False,
         cand_allowed=None,
+        scored=None,
     ) -> Launched:
         """Dispatches the jitted step (or, with its rows' ``lane``, a multi-step launch) on
         ``batch`` with input ``tokens`` and the rows' ``sampling`` arrays (temperature,
         top-k, top-p, min-p, seeds, output positions), ``allowed`` token masks (or None)
         and each token's ``adapters`` (``i32[T_b]`` or None); returns it running.
         ``defer``: the model call only, sampled by ``_sample_deferred``;
-        ``cand_allowed``: the beams' candidate masks (``_allowed``)."""
+        ``cand_allowed``: the beams' candidate masks (``_allowed``); ``scored``: the
+        prompt positions scored (``_prompt_rows``)."""
         steps = None if lane is None else lane.steps.tolist()
         outputs, last, dispatch_s, compiled = self.runner.launch(
             batch,
@@ -359,6 +368,7 @@ class Launching:
             adapters,
             defer_sample=defer,
             cand_allowed=cand_allowed,
+            scored=scored,
         )
         if compiled:
             self.metrics.compile_s += dispatch_s
@@ -550,6 +560,41 @@ class Launching:
             else:
                 rows[i] = (p, [g.seed + s.sample_index], pos)
         return rows, num_samples, num_cand
+
+    def _prompt_rows(self, batch, placed) -> tuple:
+        """``(scored, scoring)``: the token rows of the step whose logits score the next
+        prompt token (requests with ``SamplingParams.prompt_logprobs``), for
+        ``ModelRunner.launch``'s ``scored`` (``(rows i32[E_b], targets i32[E_b], k)``,
+        ``E_b`` a power of two >= 8, ``k`` the most top tokens a request asks, rounded up
+        to a power of two, or 0), and ``Launched.scoring`` (``[(group, positions)]``, the
+        rows' order); ``(None, None)`` when no request of the step asks. Prompt token t
+        (t < prompt length - 1) is scored by its own row, unless a completed step has
+        already scored it (a recompute after a preemption); a group's sequences
+        computing the same prompt (forks recomputed) are scored once."""
+        rows, targets, scoring, top = [], [], [], 0
+        seen = set()
+        for i, w in placed:
+            g = w.group
+            stop = min(w.stop, len(g.prompt) - 1)
+            if g.prompt_lp is None or w.start >= stop or id(g) in seen:
+                continue
+            seen.add(id(g))
+            first = int(batch.logits_indices[i]) - (w.stop - w.start) + 1  # row of w.start
+            ts = [t for t in range(w.start, stop) if g.prompt_lp[t + 1] is None]
+            if not ts:
+                continue
+            rows += [first + t - w.start for t in ts]
+            targets += [g.prompt[t + 1] for t in ts]
+            scoring.append((g, ts))
+            top = max(top, g.params.prompt_logprobs)
+        if not rows:
+            return None, None
+        E_b = bucket(len(rows), 8)
+        at = np.zeros(E_b, np.int32)
+        at[: len(rows)] = rows
+        to = np.zeros(E_b, np.int32)
+        to[: len(rows)] = targets
+        return (at, to, bucket(top, 2) if top else 0), scoring
 
     def _adapters(self, batch, placed) -> np.ndarray | None:
         """``i32[T_b]``: each token's adapter (``Group.adapter``, as its LoRA slot plus one

@@ -359,8 +359,8 @@ class LLM(EngineCore):
         sampler, which leaves one shape per pair of token and sequence buckets
         (``step_shapes()``; ``paged_jax.engine.shapes``). Each is run once on a batch
         that touches only the null page. Requests with beam search, ``n > 1``, penalties,
-        ``allowed_token_ids``, ``structured`` or ``top_logprobs`` still compile their own
-        steps on first use.
+        ``allowed_token_ids``, ``structured``, ``top_logprobs`` or ``prompt_logprobs``
+        still compile their own steps on first use.
 
         ``warm_up(num_seqs, prompt_len, max_tokens)`` instead runs that workload once on
         random token ids (``ignore_eos``), compiling exactly the buckets the scheduler

@@ -46,6 +46,10 @@ class StreamOutput:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # on the request's first piece, when it asked (SamplingParams.prompt_logprobs): as
+    # RequestOutput's (every prompt token's is known once the first token is)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclasses.dataclass
@@ -71,6 +75,11 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # set when the engine failed the request (finish_reason "error")
+    # SamplingParams.prompt_logprobs: each prompt token's log-prob given the tokens before
+    # it (None for the first), and each one's most likely tokens as [(token, log-prob)]
+    # (with prompt_logprobs k > 0; [] for the first); None when not asked
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class IncrementalText:
@@ -228,6 +237,10 @@ class OutputProcessor:
                 if c.top_logprobs is not None:
                     piece.top_logprobs = c.top_logprobs[n:]
                 pieces.append(piece)
+            if pieces and out.prompt_logprobs is not None and (rid, "prompt") not in sent:
+                sent[(rid, "prompt")] = True
+                pieces[0].prompt_logprobs = out.prompt_logprobs
+                pieces[0].prompt_top_logprobs = out.prompt_top_logprobs
             return pieces
         for sq in [] if g is None else [*g.seqs, *g.done]:
             text = self.settled_text(sq, g.params.stop)
@@ -244,6 +257,10 @@ class OutputProcessor:
                 if p.top_logprobs:
                     piece.top_logprobs = sq.top_logprobs[n : n + len(piece.token_ids)]
                 sent[key] = sent.get(key, 0) + len(piece.token_ids)
+                if g.prompt_lp is not None and (rid, "prompt") not in sent:
+                    sent[(rid, "prompt")] = True
+                    piece.prompt_logprobs = list(g.prompt_lp)
+                    piece.prompt_top_logprobs = None if g.prompt_top is None else list(g.prompt_top)
                 pieces.append(piece)
         return pieces
 
@@ -282,5 +299,12 @@ class OutputProcessor:
             g.num_preemptions,
         )
         return RequestOutput(
-            g.request_id, list(g.prompt), outs, g.status is Status.FINISHED, m, g.error
+            g.request_id,
+            list(g.prompt),
+            outs,
+            g.status is Status.FINISHED,
+            m,
+            g.error,
+            prompt_logprobs=None if g.prompt_lp is None else list(g.prompt_lp),
+            prompt_top_logprobs=None if g.prompt_top is None else list(g.prompt_top),
         )

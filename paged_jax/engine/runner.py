@@ -31,6 +31,7 @@ from paged_jax.engine.sampling import (
     SORT_FREE_BACKENDS,
     beam_candidates,
     idle_sampling,
+    prompt_scores,
 )
 from paged_jax.engine.step_io import (  # noqa: F401 (_SAMPLING: tests read it here)
     _MD_ARRAYS,
@@ -258,6 +259,7 @@ STEP_STATIC_ARGS = (
     "greedy_only",
     "num_steps",
     "logits_only",
+    "score_top",
 )
 
 
@@ -293,6 +295,7 @@ def _make_run(
         allowed=None,
         adapters=None,
         cand_allowed=None,
+        scored=None,
         *,
         layout,
         decode_only,
@@ -301,6 +304,7 @@ def _make_run(
         greedy_only,
         num_steps=1,
         logits_only=False,
+        score_top=0,
     ):
         x = _unpack_inputs(inputs, layout)
         positions, out_pos, steps = x["positions"], x["out_pos"], x.get("steps")
@@ -342,19 +346,29 @@ def _make_run(
             both = jnp.concatenate(
                 [toks.astype(jnp.int32), jax.lax.bitcast_convert_type(lps, jnp.int32)], axis=1
             )
-            return replicated(both), None, None, None, replicated(last), cache
+            return replicated(both), None, None, None, replicated(last), None, cache
         extra = {} if adapters is None else {"adapter_ids": adapters}
+        R = md.logits_indices.shape[0]  # the sampling rows
+        if scored is not None:  # prompt positions' rows after them (prompt_logprobs)
+            md = dataclasses.replace(
+                md, logits_indices=jnp.concatenate([md.logits_indices, scored[0]])
+            )
         logits, cache = check_step_output(
             model(tokens, positions, cache, md, **extra), md.logits_indices.shape[0], vocab_size
         )
+        scores = None
+        if scored is not None:
+            scores = tuple(map(replicated, prompt_scores(logits[R:], scored[1], score_top)))
+            logits = logits[:R]
         if logits_only:  # sampled by _make_sample's function once the masks are known
-            return replicated(logits), None, None, None, None, cache
+            return replicated(logits), None, None, None, None, scores, cache
         toks, lps = sample(logits, out_pos)
         if num_candidates:
             cv, ci = beam_candidates(logits, num_candidates, cand_allowed)
         else:
             cv = ci = None
-        return replicated(toks), replicated(lps), replicated(cv), replicated(ci), None, cache
+        toks, lps, cv, ci = map(replicated, (toks, lps, cv, ci))
+        return toks, lps, cv, ci, None, scores, cache
 
     return run
 
@@ -573,6 +587,7 @@ class ModelRunner:
         adapters: np.ndarray | None = None,
         defer_sample: bool = False,
         cand_allowed: np.ndarray | None = None,
+        scored: tuple[np.ndarray, np.ndarray, int] | None = None,
     ) -> tuple[tuple, Any, float, bool]:
         """Dispatches the jitted step on ``batch`` (``paged_jax.batch.StepBatch``) with input
         ``tokens`` (host or device ``i32[T]``), the rows' ``sampling`` arrays (temperature,
@@ -583,14 +598,18 @@ class ModelRunner:
         ``steps`` (``i32[S]`` or None): a multi-step launch, each row that many decode
         steps. Does not wait for it. ``cand_allowed`` (``i32[S_b, ceil(V / 32)]`` or
         None): the tokens each row's candidates may be (beams under a grammar).
+        ``scored`` (or None): ``(rows i32[E_b], targets i32[E_b], k)``, prompt positions
+        whose log-probs the step returns (``SamplingParams.prompt_logprobs``): each token
+        row's log-prob of its target and its ``k`` most likely tokens (``prompt_scores``).
         ``defer_sample``: run the model only; the rows are sampled by ``sample`` once
         their masks are known (``allowed`` and ``cand_allowed`` must be None here), and
         ``outputs`` is the ``DeferredSample`` to hand it.
 
         Returns ``(outputs, last, seconds, compiled)``: the step's outputs (tokens,
         log-probs, candidate log-probs and ids, or for a multi-step launch one ``i32[S_b,
-        2 K]`` array and Nones), the last sample of each row (multi-step; else None), the
-        dispatch call's seconds and whether it compiled a new shape bucket."""
+        2 K]`` array and Nones; then the prompt scores, ``prompt_scores``' three arrays
+        or None), the last sample of each row (multi-step; else None), the dispatch
+        call's seconds and whether it compiled a new shape bucket."""
         K = 1 if steps is None else self.num_scheduler_steps
         S_b = batch.kv_lens.shape[0]
         temp = sampling[0]
@@ -608,10 +627,11 @@ class ModelRunner:
             allowed = jnp.asarray(allowed)
         if adapters is not None:
             adapters = jnp.asarray(adapters)
-        if cand_allowed is not None:  # (a keyword only then: other steps' jit key as before)
-            flags_arrays = {"cand_allowed": jnp.asarray(cand_allowed)}
-        else:
-            flags_arrays = {}
+        flags_arrays = {}  # (keywords only when given: other steps' jit keys as before)
+        if cand_allowed is not None:
+            flags_arrays["cand_allowed"] = jnp.asarray(cand_allowed)
+        if scored is not None:
+            flags_arrays["scored"] = (jnp.asarray(scored[0]), jnp.asarray(scored[1]))
         compiled_before = self.step_fn._cache_size()
         t1 = time.perf_counter()
         padded_steps = None if steps is None else _padded(steps, S_b)
@@ -632,8 +652,10 @@ class ModelRunner:
             if allowed is not None or cand_allowed is not None or K > 1:
                 raise ValueError("defer_sample: one step, its masks given to sample()")
             flags["logits_only"] = True  # (only when set: the other steps' jit key as before)
+        if scored is not None:
+            flags["score_top"] = scored[2]
         with mesh_context(self.mesh):
-            toks, lps, cand_v, cand_i, last, self.cache = self.step_fn(
+            toks, lps, cand_v, cand_i, last, scores, self.cache = self.step_fn(
                 self.weights, tokens, inputs, self.cache, penalties, allowed, adapters,
                 **flags_arrays, **flags,
             )  # fmt: skip
@@ -652,10 +674,10 @@ class ModelRunner:
         if defer_sample:
             deferred = DeferredSample(
                 toks, inputs, layout, penalties, flags["batch_invariant"], num_candidates,
-                flags["greedy_only"],
+                flags["greedy_only"], scores,
             )  # fmt: skip
             return deferred, last, seconds, compiled
-        return (toks, lps, cand_v, cand_i), last, seconds, compiled
+        return (toks, lps, cand_v, cand_i, scores), last, seconds, compiled
 
     def sample(
         self,
@@ -667,7 +689,8 @@ class ModelRunner:
         ``allowed`` masks (``i32[S_b, ceil(V / 32)]`` or None) applied to the logits the
         model call left on the device, and ``cand_allowed`` to its candidates (as
         ``launch``'s). Does not wait for it. Returns ``(outputs, seconds, compiled)`` as
-        ``launch``'s (tokens, log-probs, candidate log-probs and ids)."""
+        ``launch``'s (tokens, log-probs, candidate log-probs and ids, the model call's
+        prompt scores)."""
         fn = _make_sample(self.mesh, self.sort_free)
         before = fn._cache_size()
         t = time.perf_counter()
@@ -683,7 +706,7 @@ class ModelRunner:
                 num_candidates=deferred.num_candidates,
                 greedy_only=deferred.greedy_only,
             )
-        return out, time.perf_counter() - t, fn._cache_size() > before
+        return (*out, deferred.scores), time.perf_counter() - t, fn._cache_size() > before
 
     @property
     def table_width(self) -> int:

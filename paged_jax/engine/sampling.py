@@ -104,6 +104,12 @@ class SamplingParams:
         ``llguidance`` package and a model with a tokenizer. With beam search each beam
         keeps its own grammar state and its candidates are the tokens its grammar
         allows, scored by the model's log-probs.
+      prompt_logprobs: None (off), or an int k in [0, ``MAX_TOP_LOGPROBS``]: the output's
+        ``prompt_logprobs`` holds each prompt token's log-probability given the tokens
+        before it (None for the first), and ``prompt_top_logprobs`` the k most likely
+        tokens at each prompt position (0: none). Under the model's raw distribution.
+        Such a request computes its whole prompt (no prefix cache hits) and its steps
+        compute a logits row per prompt token.
     """
 
     max_tokens: int = 16
@@ -126,6 +132,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     allowed_token_ids: tuple[int, ...] | None = None
     structured: Any = None  # a StructuredOutput
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         def bad(name, expected):
@@ -211,6 +218,10 @@ class SamplingParams:
                     f"(beam_width={self.beam_width})"
                 )
             object.__setattr__(self, "allowed_token_ids", ids)
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            bad("prompt_logprobs", f"None or an int in [0, {MAX_TOP_LOGPROBS}]")
         if self.structured is not None:
             from paged_jax.engine.structured import StructuredOutput
 
@@ -506,6 +517,23 @@ def sample_rows(
     ).astype(jnp.int32)
     tokens = jnp.where(temperature[:, None] > 0, sampled, greedy)
     return tokens, jnp.take_along_axis(raw, tokens, axis=-1) - lse_raw
+
+
+def prompt_scores(
+    logits: jax.Array, targets: jax.Array, k: int
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """Prompt log-probs (``SamplingParams.prompt_logprobs``) of rows ``logits`` (``f32[E,
+    V]``, each a prompt position's): ``(log-prob f32[E] of each row's next prompt token
+    ``targets`` (``i32[E]``), the ``k`` most likely tokens' log-probs f32[E, k] and ids
+    i32[E, k])``, the last two None for ``k`` 0. Under the model's raw distribution, as
+    the sampled tokens' log-probs; a row's target's log-prob equals its entry among the
+    ``k`` bit for bit (one ``log_softmax``)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    target = jnp.take_along_axis(logp, targets.astype(jnp.int32)[:, None], axis=1)[:, 0]
+    if not k:
+        return target, None, None
+    vals, ids = jax.lax.top_k(logp, k)
+    return target, vals, ids.astype(jnp.int32)
 
 
 def beam_candidates(

@@ -212,6 +212,10 @@ class Group:
     # The model's adapter this request runs with (0: none); every token of it carries
     # the index into the model (``EngineCore.add_request(adapter=)``, the LoRA hook)
     adapter: int = 0
+    # SamplingParams.prompt_logprobs: each prompt token's log-prob (None until its step
+    # completes; the first token's stays None) and, with k > 0, its k most likely tokens
+    prompt_lp: list | None = None
+    prompt_top: list | None = None
 
     def new_seq_id(self) -> str:
         # Keyed by the engine's arrival counter, not the request id: request 1 and "1"

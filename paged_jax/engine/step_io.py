@@ -75,7 +75,8 @@ def _unpack_inputs(inputs: jax.Array, layout: tuple) -> dict[str, jax.Array]:
 class DeferredSample:
     """A step launched with ``defer_sample``: what ``ModelRunner.sample`` needs to sample
     its rows (the logits ``f32[S_b, V]`` on the device, the packed inputs and their
-    layout, the penalties, the sampler's static flags)."""
+    layout, the penalties, the sampler's static flags), and the model call's prompt
+    scores (``prompt_scores``' arrays, or None)."""
 
     logits: Any
     inputs: Any
@@ -84,6 +85,7 @@ class DeferredSample:
     batch_invariant: bool
     num_candidates: int
     greedy_only: bool
+    scores: Any = None
 
 
 def _row_sampler(x, penalties, allowed, *, invariant, greedy_only, cpu_kernel, sort_free):

@@ -5,6 +5,7 @@ log-probs and tool calls. No JAX here."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Any
 
@@ -51,6 +52,8 @@ class Answers:
         choices = []
         for k, out in enumerate(outputs):
             for c in out.outputs:
+                if job.get("echo_only"):  # (its one sampled token left out)
+                    c = _without_tokens(c)
                 choice: dict[str, Any] = {
                     "index": self._choice_index(job, k, c.index),
                     "finish_reason": c.finish_reason,
@@ -58,6 +61,10 @@ class Answers:
                     if job["logprobs"]
                     else None,
                 }
+                if job.get("echo") is not None:
+                    choice["text"] = job["echo"][k]
+                    if job["logprobs"]:
+                        choice["logprobs"] = self._echoed(job, k, out, choice["logprobs"])
                 if job["chat"]:
                     choice["message"] = {"role": "assistant", "content": c.text}
                     if job["tools"] is not None:
@@ -66,7 +73,7 @@ class Answers:
                             choice["message"].update(content=content, tool_calls=calls)
                             choice["finish_reason"] = "tool_calls"
                 else:
-                    choice["text"] = c.text
+                    choice["text"] = choice.get("text", "") + (c.text or "")
                 choices.append(choice)
         self.metrics.request(endpoint, 200)
         return JSONResponse(
@@ -88,6 +95,8 @@ class Answers:
     def _usage(self, job, outputs) -> dict:
         prompt = sum(len(ids) for ids in job["prompts"])
         done = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        if job.get("echo_only"):
+            done = 0
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
     def _logprob_body(self, job, ids, logprobs, top, offset: int = 0) -> dict:
@@ -122,6 +131,23 @@ class Answers:
             else [{self.llm.decode([a]) or "": b for a, b in alt} for alt in alts],
             "text_offset": offsets,
         }
+
+    def _echoed(self, job, k, scored, generated: dict | None) -> dict:
+        """Completions' ``logprobs`` of prompt ``k`` echoed, from ``scored`` (its request's
+        output, or its first stream piece: ``prompt_logprobs`` and
+        ``prompt_top_logprobs``), followed by ``generated`` (the generated tokens' own,
+        their ``text_offset`` moved past the prompt's text)."""
+        tops = scored.prompt_top_logprobs
+        body = self._logprob_body(job, job["prompts"][k], scored.prompt_logprobs, tops)
+        if tops is not None:  # OpenAI's first prompt token: no log-prob, no alternatives
+            body["top_logprobs"][0] = None
+        if generated is not None:
+            shift = len(job["echo"][k])
+            for key in ("tokens", "token_logprobs", "top_logprobs"):
+                both = body[key] is not None and generated[key] is not None
+                body[key] = body[key] + generated[key] if both else None
+            body["text_offset"] += [o + shift for o in generated["text_offset"]]
+        return body
 
     async def _stream(self, job, rids, queue, endpoint):
         chat = job["chat"]
@@ -169,6 +195,27 @@ class Answers:
                 body["usage"] = None
             return f"data: {json.dumps(body)}\n\n"
 
+        echoed: set[int] = set()  # prompts whose text (echo) was sent
+
+        def echo(k: int, event) -> list[str]:
+            """Prompt ``k``'s echo, one chunk per choice, before its first piece: its
+            text, and its tokens' log-probs from the request's first piece or output."""
+            echoed.add(k)
+            source = event.piece if event.kind == "text" else event.output
+            text = job["echo"][k]
+            chunks = []
+            for j in range(job["params"].n):
+                index = self._choice_index(job, k, j)
+                choice = {"index": index, "text": text, "finish_reason": None, "logprobs": None}
+                if job["logprobs"] and source.prompt_logprobs is not None:
+                    choice["logprobs"] = self._echoed(job, k, source, None)
+                offsets[index] = len(text)
+                body = dict(base, choices=[choice])
+                if job["include_usage"]:
+                    body["usage"] = None
+                chunks.append(f"data: {json.dumps(body)}\n\n")
+            return chunks
+
         status = 200
         try:
             if chat:
@@ -177,6 +224,11 @@ class Answers:
                         yield chunk(self._choice_index(job, k, j), "", None, role=True)
             while any(o is None for o in outputs):
                 k, event = await queue.get()
+                if job.get("echo") is not None and k not in echoed and event.kind != "error":
+                    for c in echo(k, event):
+                        yield c
+                if event.kind == "text" and job.get("echo_only"):
+                    continue  # (its one sampled token left out)
                 if event.kind == "text":
                     index = self._choice_index(job, k, event.sample)
                     text = event.text
@@ -208,6 +260,8 @@ class Answers:
                     for c in event.output.outputs:
                         index = self._choice_index(job, k, c.index)
                         finish = c.finish_reason
+                        if job.get("echo_only"):
+                            finish = "length"
                         if index in filters:
                             held = filters[index]
                             rest, calls = held.finish()
@@ -226,3 +280,15 @@ class Answers:
             raise
         finally:
             self.metrics.request(endpoint, status)
+
+
+def _without_tokens(c):
+    """Completion ``c`` with no generated tokens (``echo`` with ``max_tokens`` 0)."""
+    return dataclasses.replace(
+        c,
+        token_ids=[],
+        text="",
+        logprobs=None if c.logprobs is None else [],
+        top_logprobs=None if c.top_logprobs is None else [],
+        finish_reason="length",
+    )

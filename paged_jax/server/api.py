@@ -56,7 +56,6 @@ _SAMPLING = {
 }
 # accepted only at their default (value -> "why not")
 _UNSUPPORTED = {
-    "echo": (False, "echoing the prompt is not supported"),
     "suffix": (None, "suffixes are not supported"),
     "logit_bias": (None, "logit_bias is not supported"),
     "functions": (None, "functions are not supported"),
@@ -168,6 +167,7 @@ class Server(Answers):
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
+                Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
             ],
             lifespan=lifespan,
             exception_handlers={HTTPException: self._http_error, Exception: self._crash},
@@ -247,6 +247,27 @@ class Server(Answers):
     async def detokenize(self, request: Request) -> Response:
         """vLLM's ``POST /detokenize``: ``{"tokens": [ids]}`` to ``{"prompt": text}``."""
         return await self._extra(request, self._detokenize)
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """vLLM's ``GET /tokenizer_info``: the tokenizer's special tokens' text (None where
+        it has none), its chat template and the context length. With ``/tokenize`` and
+        ``/detokenize`` it is what lm-evaluation-harness's remote tokenizer reads, so a
+        served GGUF model needs no Hugging Face tokenizer beside it."""
+        if (denied := self._auth(request)) is not None:
+            return denied
+        tok = self.llm.tokenizer
+        special = getattr(tok, "special_tokens", None) or {}
+        return JSONResponse(
+            {
+                "tokenizer_class": type(tok).__name__,
+                "bos_token": special.get("bos_token"),
+                "eos_token": special.get("eos_token"),
+                "pad_token": special.get("pad_token"),
+                "unk_token": special.get("unk_token"),
+                "chat_template": getattr(tok, "chat_template", None),
+                "model_max_length": self.llm.max_model_len,
+            }
+        )
 
     async def _extra(self, request: Request, answer) -> Response:
         if (denied := self._auth(request)) is not None:
@@ -412,6 +433,12 @@ class Server(Answers):
         ):
             raise ApiError(400, "stream_options: expected {include_usage: bool}", "stream_options")
         logprobs, top_logprobs = self._logprobs(body, chat)
+        echo = body.get("echo", False)
+        if echo not in (None, True, False):
+            raise ApiError(400, f"echo: expected a bool, got {echo!r:.40}", "echo")
+        if echo and chat:
+            raise ApiError(400, "echo: only /v1/completions echoes its prompt", "echo")
+        echo = bool(echo)
         tools = None
         if chat:
             try:
@@ -439,6 +466,11 @@ class Server(Answers):
             if isinstance(kw.get(name), list):
                 kw[name] = tuple(kw[name])
         longest = max(len(ids) for ids in prompts)
+        # echo with max_tokens 0: the prompt (and its log-probs) only; the engine samples
+        # one token, which the answer leaves out
+        echo_only = echo and kw.get("max_tokens") == 0
+        if echo_only:
+            kw["max_tokens"] = 1
         if "max_tokens" not in kw:  # chat: up to the context; completions: OpenAI's 16
             kw["max_tokens"] = self.llm.max_model_len - longest if chat else 16
         elif isinstance(kw["max_tokens"], int) and longest + kw["max_tokens"] > (
@@ -465,6 +497,8 @@ class Server(Answers):
             structured = StructuredOutput(grammar=grammar)
         if structured is not None:
             kw["structured"] = structured
+        if echo and logprobs:  # the prompt's tokens get log-probs too
+            kw["prompt_logprobs"] = top_logprobs
         try:
             params = SamplingParams(logprobs=logprobs, top_logprobs=top_logprobs, **kw)
             for ids in prompts:  # the engine's limits, before any answer starts (a stream's
@@ -483,8 +517,22 @@ class Server(Answers):
             tools=tools if tools is not None and tools.active else None,
             include_usage=bool(options.get("include_usage", False)),
             logprobs=logprobs,
+            echo=self._prompt_texts(body.get("prompt"), prompts) if echo else None,
+            echo_only=echo_only,
             created=int(time.time()),
         )
+
+    def _prompt_texts(self, prompt: Any, prompts: list[list[int]]) -> list[str]:
+        """What ``echo`` repeats of each prompt: its text as given, or for token ids their
+        decoded text."""
+        batch = (
+            isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+        )
+        given = prompt if batch else [prompt]  # (as _prompts reads it)
+        return [
+            p if isinstance(p, str) else self.llm.decode(ids) or ""
+            for p, ids in zip(given, prompts, strict=True)
+        ]
 
     def _logprobs(self, body: Mapping, chat: bool) -> tuple[bool, int]:
         """(log-probs of the sampled tokens, how many most likely tokens with each):

@@ -230,7 +230,8 @@ class EngineLoop:
                 live.tokens, live.last_token_time = tokens, now
             if live.stream and (out is not None or counts is not None):
                 for piece in self.llm.text_deltas(rid, out, live.sent):
-                    if piece.text or piece.logprobs:  # (tokens whose text is held back)
+                    # (tokens whose text is held back wait, but not a prompt's log-probs)
+                    if piece.text or piece.logprobs or piece.prompt_logprobs is not None:
                         live.notify(
                             Event("text", sample=piece.sample, text=piece.text, piece=piece)
                         )
