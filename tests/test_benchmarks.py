@@ -1,5 +1,6 @@
 """The benchmarks' measures on small cases where the answer is known (memory, peers)."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -657,3 +658,47 @@ def test_throughput_benchmark_times_both_schemes_in_rounds(tmp_path, monkeypatch
     assert out["round_ratios"] == pytest.approx(
         [a / b for a, b in zip(static["rounds_s"], paged["rounds_s"], strict=True)]
     )
+
+
+def test_lm_eval_benchmark_writes_its_tasks_and_compares_two_runs(tmp_path, monkeypatch, capsys):
+    """The harness's side (lm_eval, torch) is not installed here: its task files, and
+    the comparison of two runs' sample files in the layout lm_eval 0.4 writes."""
+    from benchmarks import bench_lm_eval as b
+
+    d = b.write_tasks(tmp_path)
+    docs = [json.loads(line) for line in open(d / "pj_mc.jsonl")]
+    assert len(docs) == len(b.QUESTIONS) == 30
+    assert all(0 <= q["answer"] < len(q["choices"]) == 4 for q in docs)
+    assert f"test: {d.resolve()}/pj_ppl.jsonl" in (d / "pj_ppl.yaml").read_text()
+    assert 'doc_to_choice: "{{choices}}"' in (d / "pj_mc.yaml").read_text()
+
+    def run(name, mc, rolling, acc):
+        where = tmp_path / name / "model"
+        where.mkdir(parents=True)
+        results = {
+            "pj_mc": {"acc,none": acc},
+            "pj_ppl": {"word_perplexity,none": 19.0, "bits_per_byte,none": 0.76},
+        }
+        (where / "results_1.json").write_text(json.dumps({"results": results}))
+        with open(where / "samples_pj_mc_1.jsonl", "w") as f:
+            for i, choices in enumerate(mc):
+                resps = [[[str(ll), str(g)]] for ll, g in choices]
+                f.write(json.dumps({"doc_id": i, "resps": resps}) + "\n")
+        with open(where / "samples_pj_ppl_1.jsonl", "w") as f:
+            f.write(json.dumps({"doc_id": 0, "resps": [[str(rolling)]]}) + "\n")
+        return b.read_run(tmp_path / name)
+
+    ours = run("a", [[(-0.25, True), (-6.0, False)], [(-1.0, False), (-0.5, True)]], -2054.65, 1.0)
+    theirs = run("b", [[(-0.26, True), (-6.0, False)], [(-1.0, True), (-0.5, False)]], -2054.6, 0.5)
+    assert ours[0]["pj_mc"]["acc"] == 1.0 and theirs[0]["pj_ppl"]["bits_per_byte"] == 0.76
+    got = b.compare(ours[1], theirs[1])
+    assert got["requests"] == 5 and got["greedy_flags"] == 4 and got["greedy_flags_equal"] == 2
+    assert got["max_abs_loglikelihood_diff"] == pytest.approx(0.05)
+    assert got["mean_abs_loglikelihood_diff"] == pytest.approx(0.06 / 5)
+    fewer = dict(list(theirs[1].items())[:-1])
+    with pytest.raises(ValueError, match="different requests"):
+        b.compare(ours[1], fewer)
+    monkeypatch.delenv("LM_EVAL_PYTHON", raising=False)
+    with pytest.raises(SystemExit):
+        b.main([])
+    assert "--lm-eval-python" in capsys.readouterr().err
