@@ -266,6 +266,8 @@ def test_the_sampler_with_the_kernels_gives_the_xla_paths_tokens():
         frequency=jnp.full(R, 0.2),
         output_tokens=jnp.asarray(rng.integers(0, V, (R, 6)), jnp.int32),
         prompt_tokens=jnp.asarray(rng.integers(-1, V, (R, 9)), jnp.int32),
+        bias_tokens=jnp.asarray(rng.integers(-1, V, (R, 4)), jnp.int32),
+        bias_values=jnp.asarray(rng.uniform(-5, 5, (R, 4)), jnp.float32),
     )
     f = jax.jit(sample_rows, static_argnames=("greedy_only", "cpu_kernel"))
     for penalties in (None, pen):

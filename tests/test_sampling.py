@@ -465,6 +465,61 @@ def test_penalties_hand_worked_and_padding_ignored():
     )
 
 
+def test_logit_bias_adds_to_its_tokens_after_the_penalties():
+    logits = jnp.array([[2.0, -1.0, 0.5, 3.0, 1.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    pen = sampling.Penalties(
+        repetition=jnp.array([2.0, 1.0]),
+        presence=jnp.zeros(2),
+        frequency=jnp.zeros(2),
+        output_tokens=jnp.array([[3, -1], [-1, -1]], jnp.int32),
+        prompt_tokens=jnp.full((2, 1), -1, jnp.int32),
+        # row 0: -100 on token 3 (penalized first: 3 / 2 - 100), +1.5 on 1; padding -1
+        # and an id past the vocabulary (a row's own padding) change nothing
+        bias_tokens=jnp.array([[1, 3, -1], [4, 9, -1]], jnp.int32),
+        bias_values=jnp.array([[1.5, -100.0, 7.0], [2.0, 5.0, 3.0]]),
+    )
+    out = np.asarray(sampling.apply_penalties(logits, pen))
+    np.testing.assert_allclose(out[0], [2.0, 0.5, 0.5, -98.5, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(out[1], [0.0, 0.0, 0.0, 0.0, 2.0], rtol=1e-6)
+    # keys given as JSON's text, kept sorted by token
+    assert pj.SamplingParams(logit_bias={"7": -1, 2: 0.5}).logit_bias == ((2, 0.5), (7, -1.0))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logit_bias_through_the_engine_equals_the_definition(temperature):
+    # Greedy: each token the argmax of the dense logits plus the bias; sampled with a
+    # +100 bias on one token: that token every time. Log-probs stay the raw model's.
+    from model_helpers import dense_logits
+
+    llm = pj.LLM(*models.load("tiny-llama"), num_pages=64, page_size=8)
+    prompt = [7, 7, 9, 200, 3]
+    plain = llm.generate([prompt], pj.SamplingParams(max_tokens=6, ignore_eos=True), progress=False)
+    first = plain[0].outputs[0].token_ids
+    bias = {first[0]: -100.0, first[1]: -100.0, 17: 2.5}
+    if temperature:
+        bias = {42: 100.0}
+    p = pj.SamplingParams(
+        max_tokens=6, temperature=temperature, seed=3, logit_bias=bias, logprobs=True,
+        ignore_eos=True,
+    )  # fmt: skip
+    got = llm.generate([prompt], p, progress=False)[0].outputs[0]
+    model = models.init_model(models.TINY_LLAMA, seed=0)
+    ids = list(prompt)
+    for k, token in enumerate(got.token_ids):
+        raw = dense_logits(model, ids)[-1].astype(np.float64)
+        row = raw.copy()
+        for t, b in bias.items():
+            row[t] += b
+        if temperature:
+            assert token == 42
+        else:
+            assert token == int(np.argmax(row))
+        lse = np.log(np.exp(raw - raw.max()).sum()) + raw.max()
+        assert got.logprobs[k] == pytest.approx(raw[token] - lse, abs=1e-4)
+        ids.append(token)
+    assert got.token_ids != first
+
+
 def test_penalized_greedy_through_the_engine_equals_the_definition():
     # Greedy with all three penalties: each token is the argmax of the penalized dense
     # logits of everything before it (prompt and output so far).
@@ -498,6 +553,13 @@ def test_penalized_greedy_through_the_engine_equals_the_definition():
         (dict(presence_penalty=2.5), r"presence_penalty: expected a float in \[-2, 2\]"),
         (dict(frequency_penalty=float("nan")), r"frequency_penalty: expected a float in"),
         (dict(beam_width=2, presence_penalty=1.0), "not supported with beam search"),
+        (dict(logit_bias={3: 101.0}), r"logit_bias\[3\]: expected a float in \[-100, 100\]"),
+        (dict(logit_bias={"a": 1.0}), "logit_bias: keys must be token ids >= 0, got 'a'"),
+        (dict(logit_bias={-2: 1.0}), "logit_bias: keys must be token ids >= 0, got -2"),
+        (dict(logit_bias={1: float("inf")}), r"logit_bias\[1\]: expected a float"),
+        (dict(logit_bias=[1, 2]), r"logit_bias: expected None or \{token id: bias\}"),
+        (dict(logit_bias=dict.fromkeys(range(1025), 1.0)), "at most 1024 tokens, got 1025"),
+        (dict(beam_width=2, logit_bias={1: 1.0}), "logit_bias: not supported with beam search"),
     ],
 )
 def test_penalty_params_are_checked(kwargs, msg):

@@ -219,6 +219,18 @@ def test_a_client_gone_mid_stream_frees_its_pages(server):
         (dict(logprobs=25), 400, "logprobs", "logprobs: expected an int in [0, 20], got 25"),
         (dict(response_format={"type": "xml"}), 400, "response_format", "response_"),
         (dict(echo="yes"), 400, "echo", "echo: expected a bool, got 'yes'"),
+        (
+            dict(logit_bias={"5": 300}),
+            400,
+            "logit_bias",
+            "logit_bias['5']: expected a float in [-100, 100], got 300",
+        ),
+        (
+            dict(logit_bias={"5": 1, "9999": 1}),
+            400,
+            "logit_bias",
+            "params.logit_bias: token ids must lie in",
+        ),
         (dict(max_tokens=0), 400, "max_tokens", "max_tokens: expected an int >= 1, got 0"),
         # issue 51, item 2: the engine used to cap it silently (a newcomer's 1,000,000
         # decoded for minutes)
@@ -301,6 +313,23 @@ def test_openai_and_vllm_conformance(server):
     eos = post("/tokenize", json=dict(prompt=info["eos_token"], add_special_tokens=False))
     assert eos.json()["tokens"] == [tok.token_to_id(info["eos_token"])]
     assert httpx.get(base + "/tokenizer_info").status_code == 401
+
+
+def test_logit_bias_steers_the_tokens_as_offline(server):
+    """OpenAI's ``logit_bias`` (JSON's string keys): a ban and a push, as
+    ``SamplingParams.logit_bias`` gives offline."""
+    client = _client(server)
+    kw = dict(model=NAME, prompt="Paged attention", max_tokens=6, temperature=0.0)
+    free = client.completions.create(**kw).choices[0].text
+    first = server["tokenizer"].encode(free, add_special_tokens=False).ids[0]
+    bias = {str(first): -100, "66": 5}
+    want = _offline(
+        server,
+        ["Paged attention"],
+        pj.SamplingParams(max_tokens=6, logit_bias={first: -100, 66: 5}),
+    )[0].outputs[0]
+    got = client.completions.create(logit_bias=bias, **kw).choices[0].text
+    assert got == want.text and got != free and first not in want.token_ids
 
 
 def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server):

@@ -264,6 +264,11 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation, Loras):
             raise ValueError(
                 f"params.allowed_token_ids: token ids must lie in [0, {vocab}), got {max(allowed)}"
             )
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:
+            raise ValueError(
+                f"params.logit_bias: token ids must lie in [0, {vocab}), got "
+                f"{params.logit_bias[-1][0]}"
+            )
         if min(ids) < 0 or max(ids) >= vocab:
             k = next(i for i, t in enumerate(ids) if not 0 <= t < vocab)
             raise ValueError(f"prompt: token ids must lie in [0, {vocab}), prompt[{k}] is {ids[k]}")

@@ -645,7 +645,8 @@ class Launching:
     def _penalties(self, placed, rows, S_b, params) -> Penalties | None:
         """Penalty inputs of the step's sampling rows, or None when no row uses them (the
         step then compiles without them). Token arrays are padded with -1 to power-of-two
-        widths. ``params``: the rows' distinct params."""
+        widths; the logit biases' arrays exist only when some row has one. ``params``: the
+        rows' distinct params."""
         if not any(p.penalized for p in params):
             return None
         seqs = {i: w.seq for i, w in placed if i in rows}
@@ -656,6 +657,12 @@ class Launching:
         rep = np.ones(S_b, np.float32)
         pres = np.zeros(S_b, np.float32)
         freq = np.zeros(S_b, np.float32)
+        biased = [len(p.logit_bias) for p in params if p.logit_bias]
+        bias_tokens = bias_values = None
+        if biased:
+            B_b = bucket(max(biased), 8)
+            bias_tokens = np.full((S_b, B_b), -1, np.int32)
+            bias_values = np.zeros((S_b, B_b), np.float32)
         for i, (p, _, _) in rows.items():
             if not p.penalized:
                 continue
@@ -663,7 +670,12 @@ class Launching:
             out[i, : len(s.output)] = s.output
             prompt[i, : s.prompt_len] = s.tokens[: s.prompt_len]
             rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-        return Penalties(rep, pres, freq, out, prompt)  # the runner puts them on the device
+            if p.logit_bias:
+                ids, values = zip(*p.logit_bias, strict=True)
+                bias_tokens[i, : len(ids)] = ids
+                bias_values[i, : len(ids)] = values
+        # (the runner puts them on the device)
+        return Penalties(rep, pres, freq, out, prompt, bias_tokens, bias_values)
 
 
 @functools.lru_cache(maxsize=256)

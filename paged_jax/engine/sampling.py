@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -23,6 +23,7 @@ from paged_jax.engine.sort_free import draw as sort_free_draw
 from paged_jax.engine.sort_free import inverse_cdf as _inverse_cdf
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+MAX_LOGIT_BIAS = 1024  # tokens a request may bias (SamplingParams.logit_bias)
 # Bounds on SamplingParams.stop: each sampled token searches the text it can have
 # completed for all of them (OpenAI's API takes 4; vLLM's server bounds them too).
 MAX_STOP_STRINGS = 64
@@ -104,6 +105,12 @@ class SamplingParams:
         ``llguidance`` package and a model with a tokenizer. With beam search each beam
         keeps its own grammar state and its candidates are the tokens its grammar
         allows, scored by the model's log-probs.
+      logit_bias: None, or ``{token id: bias}``, as OpenAI's: each bias, in [-100, 100], is
+        added to its token's logit after the penalties, before anything picks a token
+        (greedy rows too; -100 all but bans a token, 100 all but forces it); at most
+        ``MAX_LOGIT_BIAS`` tokens. Its rows run as penalized ones do (one step a launch,
+        not overlapped, not speculated; not with beam search). Log-probabilities stay
+        those of the model's raw distribution.
       prompt_logprobs: None (off), or an int k in [0, ``MAX_TOP_LOGPROBS``]: the output's
         ``prompt_logprobs`` holds each prompt token's log-probability given the tokens
         before it (None for the first), and ``prompt_top_logprobs`` the k most likely
@@ -133,6 +140,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     structured: Any = None  # a StructuredOutput
     prompt_logprobs: int | None = None
+    logit_bias: Any = None  # {token id: bias}, kept as a sorted tuple of pairs
 
     def __post_init__(self):
         def bad(name, expected):
@@ -180,6 +188,12 @@ class SamplingParams:
                     f"top_logprobs: not supported with beam search (beam_width={self.beam_width})"
                 )
             object.__setattr__(self, "logprobs", True)
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
+            if self.beam_width > 1:
+                raise ValueError(
+                    f"logit_bias: not supported with beam search (beam_width={self.beam_width})"
+                )
         if self.beam_width > 1 and self.penalized:
             raise ValueError(
                 "repetition_penalty, presence_penalty, frequency_penalty: not supported "
@@ -236,12 +250,39 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether any of the three penalties is on."""
+        """Whether any of the three penalties, or a logit bias, is on (``Penalties``)."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
         )
+
+
+def _checked_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+    """``SamplingParams.logit_bias`` as ``((token, bias), ...)`` sorted by token; a
+    ValueError naming it for anything but a mapping of ids >= 0 (ints, or their decimal
+    text, as JSON's keys are) to finite floats in [-100, 100]."""
+    if isinstance(bias, tuple) and all(isinstance(x, tuple) for x in bias):
+        bias = dict(bias)  # (already checked: a copy of a SamplingParams)
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias: expected None or {{token id: bias}}, got {bias!r:.60}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias: expected at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+    out = {}
+    for key, value in bias.items():
+        token = key
+        if isinstance(key, str) and key.isdecimal():
+            token = int(key)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias: keys must be token ids >= 0, got {key!r:.40}")
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or not -100.0 <= value <= 100.0:
+            raise ValueError(
+                f"logit_bias[{key!r:.40}]: expected a float in [-100, 100], got {value!r:.40}"
+            )
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
 
 
 @jax.tree_util.register_dataclass
@@ -250,17 +291,23 @@ class Penalties:
     """Per-row penalty inputs of ``sample_rows`` (rows without penalties: 1, 0, 0).
 
     ``output_tokens`` / ``prompt_tokens``: ``i32[R, O]`` / ``i32[R, P]`` each row's
-    generated and prompt token ids, padded with -1."""
+    generated and prompt token ids, padded with -1. ``bias_tokens`` / ``bias_values``:
+    ``i32[R, B]`` / ``f32[R, B]`` each row's logit bias (``SamplingParams.logit_bias``),
+    padded with -1 / 0, or None when no row has one."""
 
     repetition: jax.Array  # f32[R]
     presence: jax.Array  # f32[R]
     frequency: jax.Array  # f32[R]
     output_tokens: jax.Array  # i32[R, O]
     prompt_tokens: jax.Array  # i32[R, P]
+    bias_tokens: jax.Array | None = None  # i32[R, B]
+    bias_values: jax.Array | None = None  # f32[R, B]
 
 
 def apply_penalties(logits: jax.Array, pen: Penalties) -> jax.Array:  # f32[R, V]
-    """vLLM's repetition, presence and frequency penalties on ``logits`` f32[R, V]."""
+    """vLLM's repetition, presence and frequency penalties on ``logits`` f32[R, V], then
+    each row's logit bias (added; a token listed twice would add twice, which
+    ``SamplingParams`` rules out)."""
     R, V = logits.shape
     rows = jnp.arange(R)[:, None]
 
@@ -272,11 +319,15 @@ def apply_penalties(logits: jax.Array, pen: Penalties) -> jax.Array:  # f32[R, V
     seen = (out_count > 0) | (counts(pen.prompt_tokens) > 0)
     rep = pen.repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    return (
+    logits = (
         logits
         - pen.frequency[:, None] * out_count
         - pen.presence[:, None] * (out_count > 0).astype(jnp.float32)
     )
+    if pen.bias_tokens is None:
+        return logits
+    ids = jnp.where((pen.bias_tokens >= 0) & (pen.bias_tokens < V), pen.bias_tokens, V)
+    return logits.at[rows, ids].add(pen.bias_values, mode="drop")
 
 
 def _keys(seeds, positions):

@@ -46,6 +46,7 @@ _SAMPLING = {
     "seed": "seed",
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
+    "logit_bias": "logit_bias",
     # vLLM's extensions
     "top_k": "top_k",
     "min_p": "min_p",
@@ -57,7 +58,6 @@ _SAMPLING = {
 # accepted only at their default (value -> "why not")
 _UNSUPPORTED = {
     "suffix": (None, "suffixes are not supported"),
-    "logit_bias": (None, "logit_bias is not supported"),
     "functions": (None, "functions are not supported"),
 }
 
