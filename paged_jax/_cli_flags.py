@@ -203,6 +203,41 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _parallel_flags(s, processes=False)
+    x = sub.add_parser(
+        "perplexity",
+        help="a model's perplexity on a text: every token scored given the ones before it, "
+        "in strided windows batched by the engine",
+    )
+    x.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="'smollm2-135m-instruct' (default, downloaded once), a Hugging Face checkpoint "
+        "dir or a .gguf file (with a tokenizer)",
+    )
+    x.add_argument("--file", required=True, help="the text (UTF-8); '-' reads standard input")
+    x.add_argument(
+        "--context",
+        type=int,
+        default=512,
+        help="tokens a window holds (at most the model's length minus one)",
+    )
+    x.add_argument(
+        "--stride",
+        type=int,
+        default=None,
+        help="tokens from one window to the next (default: half the context; equal to it: "
+        "disjoint windows)",
+    )
+    x.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    x.add_argument("--page-size", type=int, default=16)
+    x.add_argument("--num-pages", type=int, default=None, help="default: from a memory budget")
+    x.add_argument("--max-num-seqs", type=int, default=64)
+    x.add_argument("--max-num-batched-tokens", type=int, default=512)
+    x.add_argument(
+        "--compilation-cache", default=None, help="directory of compiled steps, or 'off'"
+    )
+    x.add_argument("--no-progress", action="store_true")
+    x.add_argument("--json", action="store_true", help="print the result as JSON")
     b = sub.add_parser(
         "bench",
         help="run a benchmark (from a source checkout); --out DIR among its arguments "
@@ -210,7 +245,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("name", choices=BENCHMARKS)
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
-    for name in ("generate", "chat", "serve"):
+    for name in ("generate", "chat", "serve", "perplexity"):
         _quantization_flag(sub.choices[name])
         _kv_cache_flag(sub.choices[name])
     for name in ("generate", "chat"):

@@ -552,6 +552,91 @@ def _load_model(name: str, dtype: str | None = None, mesh=None, quantization=Non
         raise Unavailable(f"--model: {e}") from None
 
 
+def _read_text(where: str) -> str:
+    """``--file``'s text: a UTF-8 file, or standard input for '-'."""
+    if where == "-":
+        return sys.stdin.read()
+    f = pathlib.Path(where)
+    if f.is_dir():
+        raise UsageError(f"--file: {f} is a directory, expected a text file")
+    if not f.is_file():
+        raise UsageError(f"--file: {f} does not exist")
+    try:
+        return f.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--file: {f} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise UsageError(f"--file: cannot read {f} ({e.strerror})") from None
+
+
+def _perplexity(args) -> int:
+    """``paged-jax perplexity``: ``engine.scoring.perplexity`` of ``--file`` under
+    ``--model``, printed (or as JSON)."""
+    if os.sep in args.model and not pathlib.Path(args.model).exists():  # before JAX starts
+        raise UsageError(f"--model: {args.model}: no such checkpoint directory or GGUF file")
+    text = _read_text(args.file)
+    if not text.strip():
+        raise UsageError(f"--file: {args.file} holds no text")
+    if args.context < 2:
+        raise UsageError(f"--context: expected an int >= 2, got {args.context}")
+    if args.stride is not None and not 1 <= args.stride <= args.context:
+        raise UsageError(
+            f"--stride: expected an int in [1, --context={args.context}], got {args.stride}"
+        )
+    _start_jax(args)
+    from paged_jax.engine import LLM
+    from paged_jax.engine.scoring import perplexity
+
+    model, tokenizer = _load_model(args.model, args.dtype, None, args.quantization)
+    if tokenizer is None:
+        raise UsageError(f"--model: {args.model} has no tokenizer to read --file with")
+    longest = model.config.max_position_embeddings
+    if args.context >= longest:
+        raise UsageError(
+            f"--context: expected at most {longest - 1} (the model's length minus one, for "
+            f"the token each window samples), got {args.context}"
+        )
+    try:
+        llm = LLM(
+            model,
+            tokenizer=tokenizer,
+            num_pages=args.num_pages,
+            page_size=args.page_size,
+            max_model_len=args.context + 1,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=False,  # (scored prompts never share pages)
+            compilation_cache=(
+                False if args.compilation_cache == "off" else args.compilation_cache
+            ),
+            cache_dtype=_kv_cache_dtype(args),
+        )
+        ids = llm.encode(text)
+        got = perplexity(
+            llm,
+            ids,
+            context=args.context,
+            stride=args.stride,
+            progress=not (args.no_progress or args.json),
+        )
+    except ValueError as e:
+        message = str(e)
+        for name, flag in (("context", "--context"), ("stride", "--stride")):
+            if message.startswith(name + ":"):
+                message = flag + message[len(name) :]
+        raise UsageError(_flag_names(message)) from None
+    if args.json:
+        print(json.dumps(dict(got.as_dict(), model=args.model, file=args.file), indent=2))
+        return 0
+    print(
+        f"perplexity {got.perplexity:.4f} over {got.tokens} tokens (mean log-prob "
+        f"{got.mean_logprob:.4f}; {got.windows} window{'s' if got.windows > 1 else ''} of "
+        f"up to {got.context} tokens, "
+        f"{got.stride} apart; {got.seconds:.1f} s)"
+    )
+    return 0
+
+
 def _bench(args) -> int:
     root = pathlib.Path(__file__).resolve().parents[1]
     if (root / "benchmarks").is_dir() and str(root) not in sys.path:
@@ -643,7 +728,13 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     try:
         args = _parser().parse_args(argv)
-        run = {"generate": _generate, "chat": _chat, "serve": _serve, "bench": _bench}[args.command]
+        run = {
+            "generate": _generate,
+            "chat": _chat,
+            "serve": _serve,
+            "perplexity": _perplexity,
+            "bench": _bench,
+        }[args.command]
         code = run(args)
         sys.stdout.flush()  # a write error shows here, not as a traceback at exit
         return code

@@ -157,3 +157,70 @@ def test_stream_carries_the_prompt_log_probs_on_the_first_piece(reference):
 def test_prompt_logprobs_is_checked(value):
     with pytest.raises(ValueError, match=r"prompt_logprobs: expected None or an int in \[0, 20\]"):
         pj.SamplingParams(prompt_logprobs=value)
+
+
+@pytest.mark.parametrize("n", [2, 3, 17, 40])
+@pytest.mark.parametrize("context,stride", [(2, 1), (4, 4), (8, 3), (16, 8), (16, 16), (64, 5)])
+def test_windows_score_every_token_but_the_first_once(n, context, stride):
+    from paged_jax.engine.scoring import windows
+
+    plan = windows(n, context, stride)
+    scored = [t for _, e, first in plan for t in range(first, e)]
+    assert all(e - b <= context and b < first for b, e, first in plan)
+    if stride < context:  # every token after the first, given some token before it
+        assert scored == list(range(1, n))
+    else:  # disjoint windows: each one's first token has nothing before it
+        assert scored == [t for t in range(1, n) if t % context]
+    assert [b for b, _, _ in plan] == [k * stride for k in range(len(plan))]
+
+
+def test_perplexity_sums_each_windows_log_probs_by_the_definition(reference):
+    from paged_jax.engine.scoring import perplexity
+
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, 256, 70).tolist()
+    llm = _llm()
+    got = perplexity(llm, ids, context=24, stride=10, progress=False)
+    nll = 0.0
+    from paged_jax.engine.scoring import windows
+
+    for b, e, first in windows(len(ids), 24, 10):
+        logp = reference(ids[b:e])
+        nll -= sum(logp[t - b - 1, ids[t]] for t in range(first, e))
+    assert got.tokens == 69 and got.windows == 6
+    assert got.nll == pytest.approx(nll, abs=69 * TOL)
+    assert got.perplexity == pytest.approx(np.exp(nll / 69), rel=1e-3)
+    for kw, message in (
+        (dict(context=1), r"context: expected an int in \[2, "),
+        (dict(context=24, stride=25), r"stride: expected an int in \[1, context=24\]"),
+        (dict(context=10**6), r"\(max_model_len - 1\)"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            perplexity(llm, ids, progress=False, **kw)
+
+
+def test_perplexity_command_prints_what_the_library_computes(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from paged_jax.engine.scoring import perplexity
+
+    text = "Paged attention keeps the KV cache in pages. " * 6
+    f = tmp_path / "t.txt"
+    f.write_text(text)
+    cli = [sys.executable, "-m", "paged_jax.cli", "perplexity", "--model", "tiny-llama"]
+    args = ["--file", str(f), "--context", "48", "--stride", "48", "--page-size", "8"]
+    proc = subprocess.run([*cli, *args, "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    llm = _llm(max_model_len=49)
+    want = perplexity(llm, llm.encode(text), context=48, stride=48, progress=False)
+    assert got["tokens"] == want.tokens and got["windows"] == want.windows == 6
+    assert got["perplexity"] == pytest.approx(want.perplexity, rel=1e-4)
+    bad = subprocess.run([*cli, *args[:4], "--stride", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--stride: expected an int in [1, --context=48]" in bad.stderr
+    long = subprocess.run([*cli, *args[:2], "--context", "5000"], capture_output=True, text=True)
+    assert long.returncode == 2 and "--context: expected at most 4095" in long.stderr
+    gone = subprocess.run([*cli, "--file", str(tmp_path / "none")], capture_output=True, text=True)
+    assert gone.returncode == 2 and "--file:" in gone.stderr and "does not exist" in gone.stderr
