@@ -32,9 +32,10 @@ def _engine(speculative=None):
 
 
 def _params(rng) -> pj.SamplingParams:
-    kind = int(rng.integers(0, 5))
+    kind = int(rng.integers(0, 7))
     common = dict(max_tokens=int(rng.integers(1, 9)), ignore_eos=True)
     seed = int(rng.integers(0, 2**31))
+    banned = {int(t): -100.0 for t in rng.integers(0, VOCAB, 3)}
     return pj.SamplingParams(
         **common,
         **(
@@ -43,6 +44,8 @@ def _params(rng) -> pj.SamplingParams:
             dict(temperature=1.0, n=2, seed=seed),
             dict(temperature=0.7, top_k=20, repetition_penalty=1.3, seed=seed),
             dict(beam_width=2),
+            dict(prompt_logprobs=2),  # scored prompt: rows of its own in its steps
+            dict(temperature=0.8, seed=seed, logit_bias=banned, prompt_logprobs=0),
         )[kind],
     )
 
@@ -61,12 +64,14 @@ def _bad_request(rng, live_ids):
     return "bad", [1, 2], pj.SamplingParams(n=7, temperature=1.0)  # wider than a step
 
 
-def _alone(prompt, params):
+def _alone(prompt, params, prompt_logprobs: bool = False):
+    """The request's tokens alone (each sample's), or with ``prompt_logprobs`` its
+    prompt's log-probs alone."""
     key = (tuple(prompt), params)
     if key not in _ALONE:
         out = _ALONE_ENGINE[0].generate([prompt], params, progress=False)[0]
-        _ALONE[key] = [o.token_ids for o in out.outputs]
-    return _ALONE[key]
+        _ALONE[key] = ([o.token_ids for o in out.outputs], out.prompt_logprobs)
+    return _ALONE[key][1 if prompt_logprobs else 0]
 
 
 _ALONE: dict = {}
@@ -199,6 +204,13 @@ def drive(seed: int, num_ops: int, speculative=None):
                 mismatches += sum(g != r[: len(g)] for g, r in zip(got, ref, strict=False))
         else:
             mismatches += got != ref
+            if params.prompt_logprobs is not None:  # every position scored, as alone
+                want = _alone(prompt, params, prompt_logprobs=True)
+                assert out.prompt_logprobs[0] is None and None not in out.prompt_logprobs[1:]
+                np.testing.assert_allclose(out.prompt_logprobs[1:], want[1:], atol=1e-5)
+            if params.logit_bias:
+                banned = {t for t, _ in params.logit_bias}
+                assert not banned & {t for g in got for t in g}
     assert mismatches == 0
     if speculative is not None:
         counts["proposed"] = llm.metrics.spec_draft_tokens
