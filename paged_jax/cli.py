@@ -612,6 +612,8 @@ def _perplexity(args) -> int:
             cache_dtype=_kv_cache_dtype(args),
         )
         ids = llm.encode(text)
+        if len(ids) < 2:
+            raise UsageError(f"--file: {args.file} holds {len(ids)} token; at least 2 are scored")
         got = perplexity(
             llm,
             ids,
@@ -629,7 +631,8 @@ def _perplexity(args) -> int:
         print(json.dumps(dict(got.as_dict(), model=args.model, file=args.file), indent=2))
         return 0
     print(
-        f"perplexity {got.perplexity:.4f} over {got.tokens} tokens (mean log-prob "
+        f"perplexity {got.perplexity:.4f} over {got.tokens} token{'s' if got.tokens > 1 else ''}"
+        f" (mean log-prob "
         f"{got.mean_logprob:.4f}; {got.windows} window{'s' if got.windows > 1 else ''} of "
         f"up to {got.context} tokens, "
         f"{got.stride} apart; {got.seconds:.1f} s)"
