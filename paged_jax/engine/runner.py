@@ -358,7 +358,8 @@ def _make_run(
         )
         scores = None
         if scored is not None:
-            scores = tuple(map(replicated, prompt_scores(logits[R:], scored[1], score_top)))
+            scored_rows = prompt_scores(logits[R:], scored[1], score_top, cpu_kernel=cpu_kernel)
+            scores = tuple(map(replicated, scored_rows))
             logits = logits[:R]
         if logits_only:  # sampled by _make_sample's function once the masks are known
             return replicated(logits), None, None, None, None, scores, cache

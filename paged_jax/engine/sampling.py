@@ -571,20 +571,28 @@ def sample_rows(
 
 
 def prompt_scores(
-    logits: jax.Array, targets: jax.Array, k: int
+    logits: jax.Array, targets: jax.Array, k: int, *, cpu_kernel: bool = False
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """Prompt log-probs (``SamplingParams.prompt_logprobs``) of rows ``logits`` (``f32[E,
     V]``, each a prompt position's): ``(log-prob f32[E] of each row's next prompt token
     ``targets`` (``i32[E]``), the ``k`` most likely tokens' log-probs f32[E, k] and ids
     i32[E, k])``, the last two None for ``k`` 0. Under the model's raw distribution, as
-    the sampled tokens' log-probs; a row's target's log-prob equals its entry among the
-    ``k`` bit for bit (one ``log_softmax``)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    target = jnp.take_along_axis(logp, targets.astype(jnp.int32)[:, None], axis=1)[:, 0]
+    the sampled tokens' log-probs, and computed as they are (a logit minus the row's
+    log-sum-exp, summed by the C kernel ``cpu.greedy_rows`` with ``cpu_kernel``, static,
+    as ``sample_rows`` does there: 9 against 71 ms for XLA's at 512 x 49,152 on the
+    2-core EPYC): a row's target's log-prob equals its entry among the ``k`` bit for bit."""
+    raw = logits.astype(jnp.float32)
+    if cpu_kernel:
+        from paged_jax.kernels import cpu
+
+        lse = cpu.greedy_rows(raw)[1]
+    else:
+        lse = jax.nn.logsumexp(raw, axis=-1)
+    target = jnp.take_along_axis(raw, targets.astype(jnp.int32)[:, None], axis=1)[:, 0] - lse
     if not k:
         return target, None, None
-    vals, ids = jax.lax.top_k(logp, k)
-    return target, vals, ids.astype(jnp.int32)
+    vals, ids = jax.lax.top_k(raw, k)
+    return target, vals - lse[:, None], ids.astype(jnp.int32)
 
 
 def beam_candidates(
