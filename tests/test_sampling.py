@@ -520,6 +520,47 @@ def test_logit_bias_through_the_engine_equals_the_definition(temperature):
     assert got.token_ids != first
 
 
+def test_min_tokens_holds_back_stop_tokens_and_stop_strings():
+    # Greedy with a stop token the model picks at once: before min_tokens each token is
+    # the argmax of the dense logits with the stop tokens (and the model's end of
+    # sequence) at -inf; from then on the sequence ends at its first stop token. A stop
+    # string in the text before min_tokens does not end it either.
+    from model_helpers import dense_logits
+
+    llm = pj.LLM(*models.load("tiny-llama"), num_pages=64, page_size=8)
+    prompt = [5, 6, 7, 8]
+    free = llm.generate([prompt], pj.SamplingParams(max_tokens=8), progress=False)[0].outputs[0]
+    stop = free.token_ids[0]
+    eos = llm.model.config.eos_token_ids
+    model = models.init_model(models.TINY_LLAMA, seed=0)
+    for min_tokens in (1, 3, 5):
+        p = pj.SamplingParams(max_tokens=12, stop_token_ids=(stop,), min_tokens=min_tokens)
+        got = llm.generate([prompt], p, progress=False)[0].outputs[0]
+        ids, want = list(prompt), []
+        while len(want) < 12:
+            row = dense_logits(model, ids)[-1].astype(np.float64)
+            if len(want) < min_tokens:
+                row[[stop, *eos]] = -np.inf
+            want.append(int(np.argmax(row)))
+            ids.append(want[-1])
+            if want[-1] in (stop, *eos):
+                break
+        assert got.token_ids == want and len(want) >= min_tokens
+        assert got.finish_reason == ("stop" if want[-1] in (stop, *eos) else "length")
+    # a stop string (the first token's text): searched for only in text from the
+    # min_tokens-th token on
+    free = llm.generate([prompt], pj.SamplingParams(max_tokens=12), progress=False)[0].outputs[0]
+    first = free.text[:1]
+    plain = pj.SamplingParams(max_tokens=12, stop=(first,))
+    held = pj.SamplingParams(max_tokens=12, stop=(first,), min_tokens=3)
+    a, b = (llm.generate([prompt], q, progress=False)[0].outputs[0] for q in (plain, held))
+    assert a.text == "" and a.finish_reason == "stop"
+    before = llm.tokenizer.decode(free.token_ids[:2])  # the text of the tokens before the 3rd
+    at = free.text.find(first, len(before))
+    assert b.text == (free.text if at < 0 else free.text[:at])
+    assert b.finish_reason == ("length" if at < 0 else "stop")
+
+
 def test_penalized_greedy_through_the_engine_equals_the_definition():
     # Greedy with all three penalties: each token is the argmax of the penalized dense
     # logits of everything before it (prompt and output so far).
@@ -560,6 +601,9 @@ def test_penalized_greedy_through_the_engine_equals_the_definition():
         (dict(logit_bias=[1, 2]), r"logit_bias: expected None or \{token id: bias\}"),
         (dict(logit_bias=dict.fromkeys(range(1025), 1.0)), "at most 1024 tokens, got 1025"),
         (dict(beam_width=2, logit_bias={1: 1.0}), "logit_bias: not supported with beam search"),
+        (dict(max_tokens=4, min_tokens=5), r"min_tokens: expected an int in \[0, max_tokens=4\]"),
+        (dict(min_tokens=True), r"min_tokens: expected an int in \[0, max_tokens=16\]"),
+        (dict(beam_width=2, min_tokens=1), "min_tokens: not supported with beam search"),
     ],
 )
 def test_penalty_params_are_checked(kwargs, msg):

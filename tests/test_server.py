@@ -332,6 +332,33 @@ def test_logit_bias_steers_the_tokens_as_offline(server):
     assert got == want.text and got != free and first not in want.token_ids
 
 
+def test_min_tokens_and_stop_token_ids_as_offline(server):
+    """vLLM's ``stop_token_ids`` and ``min_tokens`` extensions: the first greedy token as
+    a stop token ends the text at once, unless ``min_tokens`` holds it back."""
+    client = _client(server)
+    kw = dict(model=NAME, prompt="Paged attention", max_tokens=8, temperature=0.0)
+    first = _offline(server, ["Paged attention"], pj.SamplingParams(max_tokens=1))[0]
+    stop = first.outputs[0].token_ids[0]
+    want = _offline(
+        server,
+        ["Paged attention"],
+        pj.SamplingParams(max_tokens=8, stop_token_ids=(stop,), min_tokens=3),
+    )[0].outputs[0]
+    at_once = client.completions.create(extra_body={"stop_token_ids": [stop]}, **kw).choices[0]
+    # (a stop token stays in the output: its text, if it has one, is all there is)
+    assert at_once.text == first.outputs[0].text and at_once.finish_reason == "stop"
+    body = {"stop_token_ids": [stop], "min_tokens": 3}
+    held = client.completions.create(extra_body=body, **kw).choices[0]
+    assert held.text == want.text and len(want.token_ids) >= 3
+    assert stop not in want.token_ids[:3]
+    r = httpx.post(
+        server["base"] + "/v1/completions",
+        json=dict(kw, min_tokens=9),
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+
+
 def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server):
     """``echo`` with ``logprobs`` on /v1/completions: the prompt's tokens, their
     log-probs (the first None) and top log-probs, then the generated token's, as

@@ -657,12 +657,25 @@ class Launching:
         rep = np.ones(S_b, np.float32)
         pres = np.zeros(S_b, np.float32)
         freq = np.zeros(S_b, np.float32)
-        biased = [len(p.logit_bias) for p in params if p.logit_bias]
+        # each row's logit bias: its own, and -inf on the tokens that would stop it while
+        # it has fewer than min_tokens (SamplingParams.min_tokens)
+        biases = {}
+        for i, (p, _, _) in rows.items():
+            bias = list(p.logit_bias or ())
+            if p.min_tokens and len(seqs[i].output) < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+                bias += [(t, -np.inf) for t in sorted(stops)]
+            if bias:
+                biases[i] = bias
         bias_tokens = bias_values = None
-        if biased:
-            B_b = bucket(max(biased), 8)
+        if biases:
+            B_b = bucket(max(map(len, biases.values())), 8)
             bias_tokens = np.full((S_b, B_b), -1, np.int32)
             bias_values = np.zeros((S_b, B_b), np.float32)
+            for i, bias in biases.items():
+                ids, values = zip(*bias, strict=True)
+                bias_tokens[i, : len(ids)] = ids
+                bias_values[i, : len(ids)] = values
         for i, (p, _, _) in rows.items():
             if not p.penalized:
                 continue
@@ -670,10 +683,6 @@ class Launching:
             out[i, : len(s.output)] = s.output
             prompt[i, : s.prompt_len] = s.tokens[: s.prompt_len]
             rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-            if p.logit_bias:
-                ids, values = zip(*p.logit_bias, strict=True)
-                bias_tokens[i, : len(ids)] = ids
-                bias_values[i, : len(ids)] = values
         # (the runner puts them on the device)
         return Penalties(rep, pres, freq, out, prompt, bias_tokens, bias_values)
 

@@ -163,12 +163,19 @@ class OutputProcessor:
         """Why ``s``, which has just had ``token`` appended, ends ("stop", "length"), or
         None: a stop token (or the model's end of sequence unless ``ignore_eos``), a stop
         string in its text (``cut_at_stop_string`` sets ``s.stop_text``), ``max_tokens``
-        generated or the model's length reached."""
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if p.stop and self.cut_at_stop_string(s, p):
-            return "stop"
+        generated or the model's length reached; only the last two before ``min_tokens``
+        (whose stop tokens the sampler never picks, and whose text so far is never
+        searched for a stop string)."""
         n = len(s.tokens)
+        if n - s.prompt_len < p.min_tokens:
+            if p.stop:  # the text so far is not searched, now or later
+                self.text(s)
+                s.detok.checked = len(s.detok.committed)
+        else:
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+                return "stop"
+            if p.stop and self.cut_at_stop_string(s, p):
+                return "stop"
         if n - s.prompt_len >= p.max_tokens or n >= self.max_model_len:
             return "length"
         return None

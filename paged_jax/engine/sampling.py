@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -105,6 +106,11 @@ class SamplingParams:
         ``llguidance`` package and a model with a tokenizer. With beam search each beam
         keeps its own grammar state and its candidates are the tokens its grammar
         allows, scored by the model's log-probs.
+      min_tokens: generated tokens before a stop token, the model's end of sequence or a
+        stop string may end the sequence, as vLLM's (0: off; at most ``max_tokens``):
+        until then those tokens' logits are -inf (greedy rows too) and no stop string is
+        looked for in the text so far. Its rows run as penalized ones do; not with beam
+        search or structured output (whose grammar decides where the output ends).
       logit_bias: None, or ``{token id: bias}``, as OpenAI's: each bias, in [-100, 100], is
         added to its token's logit after the penalties, before anything picks a token
         (greedy rows too; -100 all but bans a token, 100 all but forces it); at most
@@ -141,6 +147,7 @@ class SamplingParams:
     structured: Any = None  # a StructuredOutput
     prompt_logprobs: int | None = None
     logit_bias: Any = None  # {token id: bias}, kept as a sorted tuple of pairs
+    min_tokens: int = 0
 
     def __post_init__(self):
         def bad(name, expected):
@@ -188,6 +195,16 @@ class SamplingParams:
                     f"top_logprobs: not supported with beam search (beam_width={self.beam_width})"
                 )
             object.__setattr__(self, "logprobs", True)
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"an int in [0, max_tokens={self.max_tokens}]")
+        if self.min_tokens and self.beam_width > 1:
+            raise ValueError(
+                f"min_tokens: not supported with beam search (beam_width={self.beam_width})"
+            )
+        if self.min_tokens and self.structured is not None:
+            raise ValueError(
+                "min_tokens: not with structured output (its grammar decides where it ends)"
+            )
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
             if self.beam_width > 1:
@@ -203,7 +220,14 @@ class SamplingParams:
             raise ValueError(
                 f"n: expected <= beam_width={self.beam_width} with beam search, got {self.n}"
             )
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        ids = self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            bad("stop_token_ids", "a list of token ids >= 0")
+        if not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids
+        ):
+            bad("stop_token_ids", "a list of token ids >= 0")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (tuple, list)) or not all(isinstance(x, str) and x for x in stop):
             bad("stop", "a string or a list of non-empty strings")
@@ -250,12 +274,14 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether any of the three penalties, or a logit bias, is on (``Penalties``)."""
+        """Whether any of the three penalties, a logit bias or ``min_tokens`` is on: its
+        rows carry ``Penalties``."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or bool(self.logit_bias)
+            or self.min_tokens > 0
         )
 
 

@@ -54,6 +54,8 @@ _SAMPLING = {
     "ignore_eos": "ignore_eos",
     "include_stop_str_in_output": "include_stop_str_in_output",
     "allowed_token_ids": "allowed_token_ids",
+    "stop_token_ids": "stop_token_ids",
+    "min_tokens": "min_tokens",
 }
 # accepted only at their default (value -> "why not")
 _UNSUPPORTED = {
@@ -462,7 +464,7 @@ class Server(Answers):
         for name, field in _SAMPLING.items():
             if body.get(name) is not None:
                 kw[field] = body[name]
-        for name in ("stop", "allowed_token_ids"):
+        for name in ("stop", "allowed_token_ids", "stop_token_ids"):
             if isinstance(kw.get(name), list):
                 kw[name] = tuple(kw[name])
         longest = max(len(ids) for ids in prompts)
