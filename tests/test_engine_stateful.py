@@ -45,7 +45,14 @@ def _params(rng) -> pj.SamplingParams:
             dict(temperature=0.7, top_k=20, repetition_penalty=1.3, seed=seed),
             dict(beam_width=2),
             dict(prompt_logprobs=2),  # scored prompt: rows of its own in its steps
-            dict(temperature=0.8, seed=seed, logit_bias=banned, prompt_logprobs=0),
+            dict(
+                temperature=0.8,
+                seed=seed,
+                logit_bias=banned,
+                prompt_logprobs=0,
+                stop_token_ids=(int(rng.integers(0, VOCAB)),),
+                min_tokens=common["max_tokens"] // 2,
+            ),
         )[kind],
     )
 

@@ -518,6 +518,7 @@ def test_logit_bias_through_the_engine_equals_the_definition(temperature):
         assert got.logprobs[k] == pytest.approx(raw[token] - lse, abs=1e-4)
         ids.append(token)
     assert got.token_ids != first
+    assert llm.metrics.failed_steps == 0  # (generate recovers from one: it would hide it)
 
 
 def test_min_tokens_holds_back_stop_tokens_and_stop_strings():
@@ -559,6 +560,7 @@ def test_min_tokens_holds_back_stop_tokens_and_stop_strings():
     at = free.text.find(first, len(before))
     assert b.text == (free.text if at < 0 else free.text[:at])
     assert b.finish_reason == ("length" if at < 0 else "stop")
+    assert llm.metrics.failed_steps == 0
 
 
 def test_penalized_greedy_through_the_engine_equals_the_definition():

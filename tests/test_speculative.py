@@ -111,7 +111,14 @@ def _requests():
         pj.SamplingParams(max_tokens=25, ignore_eos=True),
         pj.SamplingParams(max_tokens=20, temperature=1.0, n=2, seed=7, ignore_eos=True),
         pj.SamplingParams(max_tokens=6, beam_width=2, ignore_eos=True),
-        pj.SamplingParams(max_tokens=10, repetition_penalty=1.4, presence_penalty=0.3),
+        pj.SamplingParams(
+            max_tokens=10,
+            repetition_penalty=1.4,
+            presence_penalty=0.3,
+            logit_bias={5: -100.0, 9: 2.0},
+            stop_token_ids=(11,),
+            min_tokens=4,
+        ),  # fmt: skip
         pj.SamplingParams(max_tokens=35, stop_token_ids=(3, 17), ignore_eos=True),
         pj.SamplingParams(max_tokens=33, temperature=0.7, top_k=5, seed=1, ignore_eos=True),
     ]
@@ -345,3 +352,31 @@ def test_stop_strings_and_streams_cut_where_decoding_without_it_does(tiny):
     pieces = "".join(piece.text for piece in llm.stream([prompt], p))
     assert pieces == want.text
     assert llm.metrics.spec_draft_tokens > 0
+
+
+def test_a_biased_row_beside_verifying_rows_keeps_its_bias():
+    """A request with a logit bias (and min_tokens) in a step whose other rows verify
+    proposals: the proposals' extra rows get neutral biases (they once got none, and the
+    step failed on the arrays' shapes)."""
+    loop = [9, 4, 7, 1, 3, 8] * 5
+    params = [
+        pj.SamplingParams(max_tokens=24, ignore_eos=True),
+        pj.SamplingParams(
+            max_tokens=12,
+            logit_bias={5: -100.0, 9: 3.0},
+            stop_token_ids=(7,),
+            min_tokens=6,
+            ignore_eos=True,
+        ),  # fmt: skip
+    ]
+    prompts = [loop, [2, 9, 4, 7]]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    kw = dict(num_pages=64, page_size=8, max_num_seqs=8)
+    plain = pj.LLM(*models.load("tiny-llama"), **kw).generate(prompts, params, progress=False)
+    llm = pj.LLM(*models.load("tiny-llama"), speculative=spec, **kw)
+    got = llm.generate(prompts, params, progress=False)
+    # (the engine recovered from those failed steps: the tokens alone could not tell)
+    assert llm.metrics.spec_draft_tokens > 0 and llm.metrics.failed_steps == 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    biased = got[1].outputs[0].token_ids
+    assert 5 not in biased and 7 not in biased[:6]

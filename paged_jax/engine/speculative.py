@@ -338,6 +338,12 @@ class Speculation:
                 output_tokens=_more_rows(pen.output_tokens, E_b, -1),
                 prompt_tokens=_more_rows(pen.prompt_tokens, E_b, -1),
             )
+            if pen.bias_tokens is not None:  # (logit biases: none on the proposals' rows)
+                penalties = dataclasses.replace(
+                    penalties,
+                    bias_tokens=_more_rows(pen.bias_tokens, E_b, -1),
+                    bias_values=_more_rows(pen.bias_values, E_b, 0),
+                )
         if allowed is not None:  # every token allowed
             allowed = _more_rows(allowed, E_b, -1)
         return batch, (temp, top_k, top_p, min_p, seeds, out_pos), penalties, allowed, spec
