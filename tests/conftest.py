@@ -58,3 +58,36 @@ def _trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+_METRICS: list = []
+
+
+@pytest.fixture(autouse=True)
+def _no_failed_steps(request):
+    """Fails a test any of whose engines had a failed step, unless it is marked
+    ``failing_steps`` (it makes steps fail on purpose). The engine undoes a failed step
+    and runs its requests again (``LLM.generate`` goes on), so the outputs alone can be
+    right while every step of some kind fails: a speculative engine once failed each
+    step that verified proposals beside a row with a logit bias, and recovered."""
+    from paged_jax.engine import metrics
+
+    original = metrics.EngineMetrics.__init__
+
+    def init(self, *a, **k):
+        original(self, *a, **k)
+        _METRICS.append(self)
+
+    metrics.EngineMetrics.__init__ = init
+    _METRICS.clear()
+    try:
+        yield
+    finally:
+        metrics.EngineMetrics.__init__ = original
+    failed = [m.failed_steps for m in _METRICS if m.failed_steps]
+    _METRICS.clear()
+    if failed and request.node.get_closest_marker("failing_steps") is None:
+        pytest.fail(
+            f"engine steps failed and were recovered from ({failed}); mark the test "
+            "failing_steps if it makes them fail on purpose"
+        )

@@ -220,6 +220,7 @@ def test_checked_engine_validates_every_step(monkeypatch):
         pj.LLM(*models.load("tiny-llama"), num_pages=32, checked="yes")
 
 
+@pytest.mark.failing_steps
 def test_checked_engine_fails_the_request_whose_step_is_invalid(monkeypatch):
     from paged_jax.engine import launch as engine_launch
 

@@ -14,6 +14,9 @@ from paged_jax import models
 from paged_jax.engine import faults as engine_faults
 from paged_jax.engine import launch as engine_launch
 
+# every test here makes engine steps fail on purpose
+pytestmark = pytest.mark.failing_steps
+
 PAGE = 8
 STAGES = ("schedule", "swap", "build", "device_before", "device_after")
 

@@ -10,6 +10,9 @@ import pytest
 import paged_jax as pj
 from paged_jax import models
 
+# every test here makes engine steps fail on purpose
+pytestmark = pytest.mark.failing_steps
+
 VOCAB = 256
 
 
@@ -194,6 +197,7 @@ def drive(seed: int, num_ops: int, speculative=None):
         for out in llm.step():
             deliver(out)
     assert not llm.has_unfinished() and not accepted, "an accepted request never finished"
+    assert llm.metrics.failed_steps == counts["faults"]  # only the injected ones failed
     # Nothing is left behind.
     assert llm.bm.stats()["pages_used"] == 0
     assert llm.bm.num_host_free_pages == llm.bm.num_host_pages

@@ -98,6 +98,7 @@ def test_the_guides_make_cache_recipe_works_as_written():
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+@pytest.mark.failing_steps
 @pytest.mark.parametrize(
     "how, message",
     [

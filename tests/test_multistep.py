@@ -181,6 +181,7 @@ class _Fault(Exception):
     pass
 
 
+@pytest.mark.failing_steps
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_a_failed_launch_loses_nothing_and_changes_no_token(requests, when):
     """A fault before the device call, or after it (the cache donated, the reserved tokens
