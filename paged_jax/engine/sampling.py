@@ -332,8 +332,8 @@ class Penalties:
 
 def apply_penalties(logits: jax.Array, pen: Penalties) -> jax.Array:  # f32[R, V]
     """vLLM's repetition, presence and frequency penalties on ``logits`` f32[R, V], then
-    each row's logit bias (added; a token listed twice would add twice, which
-    ``SamplingParams`` rules out)."""
+    each row's logit bias (added: a token listed twice gets both, as a stop token that
+    ``min_tokens`` holds back at -inf and that has a bias of its own)."""
     R, V = logits.shape
     rows = jnp.arange(R)[:, None]
 
