@@ -12,7 +12,9 @@ import paged_jax as pj
 from paged_jax import models
 
 PAGE = 8
-TOL = 2e-4  # C kernels against XLA's f32, on tiny-llama's logits
+# C kernels against XLA's f32 on CPU; a GPU's f32 dots take TF32 (benchmarks/gpu_session.sh
+# runs this file in its models stage)
+TOL = 2e-4 if jax.default_backend() == "cpu" else 2e-3
 
 
 @pytest.fixture(scope="module")
