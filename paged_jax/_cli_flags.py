@@ -41,7 +41,9 @@ def _parser() -> argparse.ArgumentParser:
         "checkpoint dir or a .gguf file",
     )
     g.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
-    g.add_argument("--prompts-file", type=pathlib.Path, help="one prompt per line (UTF-8)")
+    g.add_argument(
+        "--prompts-file", type=pathlib.Path, help="one prompt per line (UTF-8; '-': standard input)"
+    )
     g.add_argument(
         "--prompt-ids",
         action="append",

@@ -87,18 +87,7 @@ def _prompts(args) -> list[str | list[int]]:
             raise UsageError(f"--prompt: prompt {k + 1} is empty")
     if args.prompts_file:
         f = args.prompts_file
-        if f.is_dir():
-            raise UsageError(f"--prompts-file: {f} is a directory, expected a text file")
-        if not f.is_file():
-            raise UsageError(f"--prompts-file: {f} does not exist")
-        try:
-            text = f.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise UsageError(
-                f"--prompts-file: {f} is not UTF-8 text (byte {e.start}: {e.reason})"
-            ) from None
-        except OSError as e:
-            raise UsageError(f"--prompts-file: cannot read {f} ({e.strerror})") from None
+        text = _read_text(str(f), "--prompts-file")
         lines = [line for line in text.splitlines() if line.strip()]
         if not lines:
             raise UsageError(f"--prompts-file: {f} has no prompts (every line is blank)")
@@ -552,21 +541,22 @@ def _load_model(name: str, dtype: str | None = None, mesh=None, quantization=Non
         raise Unavailable(f"--model: {e}") from None
 
 
-def _read_text(where: str) -> str:
-    """``--file``'s text: a UTF-8 file, or standard input for '-'."""
+def _read_text(where: str, flag: str) -> str:
+    """The text of ``flag``'s file (UTF-8), or of standard input for '-'; a UsageError
+    naming the flag and the file for anything else."""
     if where == "-":
         return sys.stdin.read()
     f = pathlib.Path(where)
     if f.is_dir():
-        raise UsageError(f"--file: {f} is a directory, expected a text file")
+        raise UsageError(f"{flag}: {f} is a directory, expected a text file")
     if not f.is_file():
-        raise UsageError(f"--file: {f} does not exist")
+        raise UsageError(f"{flag}: {f} does not exist")
     try:
         return f.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise UsageError(f"--file: {f} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+        raise UsageError(f"{flag}: {f} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     except OSError as e:
-        raise UsageError(f"--file: cannot read {f} ({e.strerror})") from None
+        raise UsageError(f"{flag}: cannot read {f} ({e.strerror})") from None
 
 
 def _perplexity(args) -> int:
@@ -574,7 +564,7 @@ def _perplexity(args) -> int:
     ``--model``, printed (or as JSON)."""
     if os.sep in args.model and not pathlib.Path(args.model).exists():  # before JAX starts
         raise UsageError(f"--model: {args.model}: no such checkpoint directory or GGUF file")
-    text = _read_text(args.file)
+    text = _read_text(args.file, "--file")
     if not text.strip():
         raise UsageError(f"--file: {args.file} holds no text")
     if args.context < 2:
