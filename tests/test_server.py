@@ -359,6 +359,35 @@ def test_min_tokens_and_stop_token_ids_as_offline(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
 
 
+def test_prompt_logprobs_as_vllm_returns_them(server):
+    """vLLM's ``prompt_logprobs`` extension: per choice (completions) or beside the
+    choices (chat), None for the first prompt token, then each token's log-prob and its
+    position's most likely tokens, keyed by token id; refused with a stream."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    want = _offline(server, ["Paged attention"], pj.SamplingParams(max_tokens=2, prompt_logprobs=2))
+    body = dict(model=NAME, prompt="Paged attention", max_tokens=2, prompt_logprobs=2)
+    r = httpx.post(server["base"] + "/v1/completions", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    w = want[0]
+    assert len(got) == len(w.prompt_token_ids) and got[0] is None
+    for t in range(1, len(got)):
+        token = str(w.prompt_token_ids[t])
+        assert got[t][token]["logprob"] == pytest.approx(w.prompt_logprobs[t], abs=1e-5)
+        best = [str(a) for a, _ in w.prompt_top_logprobs[t]]
+        assert set(got[t]) == {token, *best}  # the token itself and the top 2
+    chat = dict(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    r = httpx.post(
+        server["base"] + "/v1/chat/completions", json=chat | {"prompt_logprobs": 0},
+        headers=headers,
+    )  # fmt: skip
+    scored = r.json()["prompt_logprobs"]
+    assert r.status_code == 200 and scored[0] is None and all(len(d) == 1 for d in scored[1:])
+    for bad in (dict(prompt_logprobs=21), dict(prompt_logprobs=1, stream=True)):
+        r = httpx.post(server["base"] + "/v1/completions", json=body | bad, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server):
     """``echo`` with ``logprobs`` on /v1/completions: the prompt's tokens, their
     log-probs (the first None) and top log-probs, then the generated token's, as

@@ -74,8 +74,13 @@ class Answers:
                             choice["finish_reason"] = "tool_calls"
                 else:
                     choice["text"] = choice.get("text", "") + (c.text or "")
+                    if job.get("prompt_logprobs") is not None:
+                        choice["prompt_logprobs"] = self._prompt_logprobs(job, out)
                 choices.append(choice)
         self.metrics.request(endpoint, 200)
+        extra = {}
+        if job["chat"] and job.get("prompt_logprobs") is not None:  # vLLM's place for chat
+            extra["prompt_logprobs"] = self._prompt_logprobs(job, outputs[0])
         return JSONResponse(
             {
                 "id": job["id"],
@@ -83,6 +88,7 @@ class Answers:
                 "created": job["created"],
                 "model": job["model"],
                 "choices": choices,
+                **extra,
                 "usage": self._usage(job, outputs),
             }
         )
@@ -131,6 +137,25 @@ class Answers:
             else [{self.llm.decode([a]) or "": b for a, b in alt} for alt in alts],
             "text_offset": offsets,
         }
+
+    def _prompt_logprobs(self, job, out) -> list:
+        """vLLM's ``prompt_logprobs`` of a request's output: None for the first prompt
+        token, then for each one ``{"token id": {"logprob", "rank", "decoded_token"}}`` of
+        the token itself and its position's most likely ``prompt_logprobs`` tokens (no
+        rank is computed: None)."""
+        k = job["prompt_logprobs"]
+        ids, lps = out.prompt_token_ids, out.prompt_logprobs
+        tops = out.prompt_top_logprobs or [[] for _ in ids]
+        body: list = [None]
+        for t in range(1, len(ids)):
+            entries = [(ids[t], lps[t]), *tops[t][:k]]
+            body.append(
+                {
+                    str(a): {"logprob": b, "rank": None, "decoded_token": self.llm.decode([a])}
+                    for a, b in entries
+                }
+            )
+        return body
 
     def _echoed(self, job, k, scored, generated: dict | None) -> dict:
         """Completions' ``logprobs`` of prompt ``k`` echoed, from ``scored`` (its request's

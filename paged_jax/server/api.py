@@ -441,6 +441,18 @@ class Server(Answers):
         if echo and chat:
             raise ApiError(400, "echo: only /v1/completions echoes its prompt", "echo")
         echo = bool(echo)
+        scored = body.get("prompt_logprobs")  # vLLM's extension: the prompt's log-probs
+        most = MAX_TOP_LOGPROBS
+        if scored is not None and (
+            isinstance(scored, bool) or not isinstance(scored, int) or not 0 <= scored <= most
+        ):
+            raise ApiError(
+                400,
+                f"prompt_logprobs: expected an int in [0, {most}], got {scored!r:.40}",
+                "prompt_logprobs",
+            )
+        if scored is not None and body.get("stream"):
+            raise ApiError(400, "prompt_logprobs: not with stream", "prompt_logprobs")
         tools = None
         if chat:
             try:
@@ -501,6 +513,8 @@ class Server(Answers):
             kw["structured"] = structured
         if echo and logprobs:  # the prompt's tokens get log-probs too
             kw["prompt_logprobs"] = top_logprobs
+        if scored is not None:
+            kw["prompt_logprobs"] = max(scored, kw.get("prompt_logprobs", 0))
         try:
             params = SamplingParams(logprobs=logprobs, top_logprobs=top_logprobs, **kw)
             for ids in prompts:  # the engine's limits, before any answer starts (a stream's
@@ -521,6 +535,7 @@ class Server(Answers):
             logprobs=logprobs,
             echo=self._prompt_texts(body.get("prompt"), prompts) if echo else None,
             echo_only=echo_only,
+            prompt_logprobs=scored,
             created=int(time.time()),
         )
 
