@@ -1,6 +1,7 @@
 """The sampler: exact against a full-sort reference, no sort on the common paths, greedy
 rows at the cost of an argmax, rows independent of their batch."""
 
+import dataclasses
 import functools
 
 import jax
@@ -483,6 +484,27 @@ def test_logit_bias_adds_to_its_tokens_after_the_penalties():
     np.testing.assert_allclose(out[1], [0.0, 0.0, 0.0, 0.0, 2.0], rtol=1e-6)
     # keys given as JSON's text, kept sorted by token
     assert pj.SamplingParams(logit_bias={"7": -1, 2: 0.5}).logit_bias == ((2, 0.5), (7, -1.0))
+
+
+def test_neutral_penalty_rows_change_no_logit():
+    # A speculative step's verify rows: every field (those added later too) padded with
+    # a value that leaves the logits as they are; the first rows keep their penalties.
+    pen = sampling.Penalties(
+        repetition=np.array([2.0], np.float32),
+        presence=np.array([0.5], np.float32),
+        frequency=np.array([0.25], np.float32),
+        output_tokens=np.array([[3, 1]], np.int32),
+        prompt_tokens=np.array([[0]], np.int32),
+        bias_tokens=np.array([[4]], np.int32),
+        bias_values=np.array([-7.0], np.float32)[:, None],
+    )
+    more = pen.with_neutral_rows(3)
+    assert all(getattr(more, f.name).shape[0] == 4 for f in dataclasses.fields(more))
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 5)), jnp.float32)
+    out = np.asarray(sampling.apply_penalties(logits, jax.tree.map(jnp.asarray, more)))
+    np.testing.assert_array_equal(out[1:], np.asarray(logits)[1:])
+    first = sampling.apply_penalties(logits[:1], jax.tree.map(jnp.asarray, pen))
+    np.testing.assert_array_equal(out[:1], np.asarray(first))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

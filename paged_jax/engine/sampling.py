@@ -329,6 +329,29 @@ class Penalties:
     bias_tokens: jax.Array | None = None  # i32[R, B]
     bias_values: jax.Array | None = None  # f32[R, B]
 
+    def with_neutral_rows(self, rows: int) -> Penalties:
+        """These (host, numpy) inputs with ``rows`` more rows that change no logit (a
+        speculative step's verify rows): every field padded with its neutral value."""
+        more = {}
+        for f in dataclasses.fields(self):
+            a = getattr(self, f.name)
+            if a is not None:
+                pad = np.full((rows, *a.shape[1:]), _NEUTRAL[f.name], a.dtype)
+                more[f.name] = np.concatenate([a, pad])
+        return dataclasses.replace(self, **more)
+
+
+# each Penalties field's value on a row without penalties
+_NEUTRAL = dict(
+    repetition=1.0,
+    presence=0.0,
+    frequency=0.0,
+    output_tokens=-1,
+    prompt_tokens=-1,
+    bias_tokens=-1,
+    bias_values=0.0,
+)
+
 
 def apply_penalties(logits: jax.Array, pen: Penalties) -> jax.Array:  # f32[R, V]
     """vLLM's repetition, presence and frequency penalties on ``logits`` f32[R, V], then

@@ -329,21 +329,7 @@ class Speculation:
         pad = slice(S_b + E, None)  # padding rows: greedy, unrestricted, position 0
         temp[pad], top_k[pad], top_p[pad], min_p[pad], seeds[pad], out_pos[pad] = 0, 0, 1, 0, 0, 0
         if penalties is not None:  # neutral rows for the proposals
-            pen = penalties
-            penalties = dataclasses.replace(
-                pen,
-                repetition=_more_rows(pen.repetition, E_b, 1),
-                presence=_more_rows(pen.presence, E_b, 0),
-                frequency=_more_rows(pen.frequency, E_b, 0),
-                output_tokens=_more_rows(pen.output_tokens, E_b, -1),
-                prompt_tokens=_more_rows(pen.prompt_tokens, E_b, -1),
-            )
-            if pen.bias_tokens is not None:  # (logit biases: none on the proposals' rows)
-                penalties = dataclasses.replace(
-                    penalties,
-                    bias_tokens=_more_rows(pen.bias_tokens, E_b, -1),
-                    bias_values=_more_rows(pen.bias_values, E_b, 0),
-                )
+            penalties = penalties.with_neutral_rows(E_b)
         if allowed is not None:  # every token allowed
             allowed = _more_rows(allowed, E_b, -1)
         return batch, (temp, top_k, top_p, min_p, seeds, out_pos), penalties, allowed, spec
