@@ -88,6 +88,15 @@ def default_max_request_bytes(max_model_len: int) -> int:
     return max(2**20, 64 * max_model_len)
 
 
+def _prompt_list(prompt: Any) -> Any:
+    """Completions' ``prompt`` as a list of prompts: itself when it is one (a non-empty
+    list of strings or of token-id lists), else ``[prompt]`` (one string, or one list of
+    token ids)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return prompt
+    return [prompt]
+
+
 class Server(Answers):
     """The routes of one served model; ``app`` is the ASGI application.
 
@@ -542,10 +551,7 @@ class Server(Answers):
     def _prompt_texts(self, prompt: Any, prompts: list[list[int]]) -> list[str]:
         """What ``echo`` repeats of each prompt: its text as given, or for token ids their
         decoded text."""
-        batch = (
-            isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
-        )
-        given = prompt if batch else [prompt]  # (as _prompts reads it)
+        given = _prompt_list(prompt)
         return [
             p if isinstance(p, str) else self.llm.decode(ids) or ""
             for p, ids in zip(given, prompts, strict=True)
@@ -601,7 +607,8 @@ class Server(Answers):
                 raise ApiError(400, f"{where}: token ids must lie in [0, {vocab})", "prompt")
             return ids
 
-        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        given = _prompt_list(prompt)
+        if given is prompt:  # a list of prompts
             return [one(p, f"prompt[{k}]") for k, p in enumerate(prompt)]
         return [one(prompt, "prompt")]
 
