@@ -575,8 +575,10 @@ class Launching:
         seen = set()
         for i, w in placed:
             g = w.group
+            if g.prompt_lp is None:  # (most rows: one attribute read a step)
+                continue
             stop = min(w.stop, len(g.prompt) - 1)
-            if g.prompt_lp is None or w.start >= stop or id(g) in seen:
+            if w.start >= stop or id(g) in seen:
                 continue
             seen.add(id(g))
             first = int(batch.logits_indices[i]) - (w.stop - w.start) + 1  # row of w.start
