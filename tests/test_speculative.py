@@ -313,6 +313,30 @@ def test_the_draft_recomputes_what_its_pool_dropped(tiny):
     d.bm.check_invariants()
 
 
+def test_the_draft_splits_long_steps_and_proposes_what_one_step_does(tiny):
+    """With ``max_step_tokens`` 8, 39 prompt tokens go through the draft in steps of at
+    most 8 tokens (a prompt split across steps as chunked prefill splits it), and the
+    proposals are those of the draft computing them in one step."""
+    from paged_jax.engine.draft import DraftModelProposer
+
+    model = tiny[0]
+    rng = np.random.default_rng(6)
+    reqs = [DraftRequest(k, rng.integers(0, 256, n).astype(np.int32), 4) for k, n in
+            enumerate((14, 20, 5))]  # fmt: skip
+    whole = DraftModelProposer(model, vocab_size=320, page_size=4, num_pages=64)
+    want = whole.propose(reqs)
+    d = DraftModelProposer(model, vocab_size=320, page_size=4, num_pages=64, max_step_tokens=8)
+    sizes = []
+    run = d._run
+    d._run = lambda sch: (sizes.append(sum(s.stop - s.start for s in sch)), run(sch))[1]
+    assert d.propose(reqs) == want
+    assert sizes[:5] == [8, 8, 8, 8, 7]  # the prompts: 39 tokens
+    assert sizes[5:] == [3, 3, 3]  # then one token a sequence a step
+    d.bm.check_invariants()
+    with pytest.raises(ValueError, match="max_step_tokens: expected an int >= 1, got 0"):
+        DraftModelProposer(model, vocab_size=320, page_size=4, num_pages=8, max_step_tokens=0)
+
+
 @pytest.mark.parametrize(
     "value,exc,msg",
     [

@@ -167,6 +167,26 @@ def test_nothing_compiles_after_warm_up_with_speculative_decoding(tiny):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
+def test_nothing_compiles_after_warm_up_with_a_draft_model(tiny):
+    """A draft model's own steps (speculative decoding) are compiled by warm-up too, at
+    the width of ``max_model_len``'s tables: traffic afterwards compiles neither the
+    target's steps nor the draft's, and the tokens are those of plain decoding."""
+    draft, _ = models.load("tiny-llama", seed=1)  # other weights: proposals get rejected
+    spec = {"method": "draft", "draft_model": draft, "num_speculative_tokens": 3}
+    llm = _engine(tiny, speculative=spec, num_pages=200)
+    buckets = llm.warm_up(progress=False)
+    drafts = [b for b in buckets if b.get("draft")]
+    assert len(drafts) <= len(llm.proposer.step_shapes()) == 4  # T 8/16/32 x S 8, a decode
+    assert all(b["pages_per_seq"] == llm.runner.table_width for b in drafts)
+    rng = np.random.default_rng(4)
+    prompts, params = _requests(rng, 12, tiny.config.vocab_size)
+    want = _engine(tiny, num_pages=200).generate(prompts, params, progress=False)
+    got = llm.generate(prompts, params, progress=False)
+    assert llm.metrics.spec_draft_tokens > 0 and llm.proposer.steps > 0
+    assert len(llm.compiled_buckets) == len(buckets), llm.compiled_buckets[len(buckets) :]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
 def test_nothing_compiles_after_warm_up_on_a_hybrid_pool():
     model, _ = models.load_hf(GOLDEN / "gemma3", dtype=jnp.float32)
     llm = _engine(model, max_model_len=96, num_pages=200)

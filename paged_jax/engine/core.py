@@ -112,6 +112,10 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation, Loras):
                 vocab_size=runner.model.config.vocab_size,
                 page_size=runner.page_size,
                 num_pages=block_manager_args["num_pages"],
+                max_model_len=runner.max_model_len,
+                max_step_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                on_compile=runner.compiled_buckets.append,
             )
         )
         self._bm_args = block_manager_args

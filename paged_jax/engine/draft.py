@@ -12,23 +12,37 @@ it samples without speculation (``paged_jax.engine.speculative``). Sequences it 
 been asked about lately are dropped when its pool runs short (least recently used
 first); a sequence dropped or preempted is simply recomputed from its tokens when next
 asked about.
+
+A step computes at most ``max_step_tokens`` tokens (the target's
+``max_num_batched_tokens``): tokens beyond go to further steps, prompts split into chunks
+as chunked prefill splits them, so no draft step is larger than the target's. With static
+shapes (``warm_up``, which ``LLM.warm_up()`` runs) every block table is padded to
+``max_model_len``'s pages, and the draft's steps have one shape per pair of token and
+sequence buckets, all compiled before real work.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.batch import ScheduledSeq, build_batch
+from paged_jax.batch import ScheduledSeq, bucket, build_batch, null_batch
 from paged_jax.block_manager import BlockManager, OutOfPages
+from paged_jax.engine.shapes import StepShape, step_shapes
 from paged_jax.engine.speculative import DraftRequest
 from paged_jax.metadata import AttentionMetadata
+
+log = logging.getLogger("paged_jax")
+
+_MIN_TOKENS = _MIN_SEQS = 8  # a draft step's smallest buckets
 
 
 @functools.lru_cache(maxsize=4)
@@ -50,7 +64,14 @@ def _draft_step(graphdef):
 class DraftModelProposer:
     """Greedy proposals of ``model`` (a ``PagedDecoder`` with the target's vocabulary) on
     a pool of ``num_pages`` pages of ``page_size`` tokens (``cache_dtype``: its K/V
-    dtype, None for the model's default)."""
+    dtype, None for the model's default).
+
+    ``max_model_len``: the longest sequence (the width of a static block table);
+    ``max_step_tokens``: the most tokens one draft step computes (more go to further
+    steps); ``max_num_seqs``: the most sequences one ``propose`` call names (what
+    ``warm_up`` compiles for); ``on_compile``: called with a dict (``draft``,
+    ``tokens``, ``seqs``, ``pages_per_seq``, ``seconds``) for each step shape compiled
+    (the engine's ``compiled_buckets`` take them)."""
 
     def __init__(
         self,
@@ -60,8 +81,19 @@ class DraftModelProposer:
         page_size: int,
         num_pages: int,
         cache_dtype: Any = None,
+        max_model_len: int | None = None,
+        max_step_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        on_compile: Callable[[dict], None] | None = None,
     ):
         from flax import nnx
+
+        for name, v in (("max_step_tokens", max_step_tokens), ("max_num_seqs", max_num_seqs)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        bad_len = isinstance(max_model_len, bool) or not isinstance(max_model_len, int | None)
+        if bad_len or (max_model_len is not None and max_model_len < 2):
+            raise ValueError(f"max_model_len: expected an int >= 2 or None, got {max_model_len!r}")
 
         draft_vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         if draft_vocab is None or not callable(getattr(model, "make_cache", None)):
@@ -82,6 +114,11 @@ class DraftModelProposer:
         self._step = _draft_step(graphdef)
         self._recent: OrderedDict = OrderedDict()  # seq_id -> None, least recently asked first
         self.steps = 0  # draft steps run (metrics, tests)
+        self.max_model_len = max_model_len
+        self.max_step_tokens = max_step_tokens
+        self.max_num_seqs = max_num_seqs
+        self.on_compile = on_compile
+        self.static_shapes = False  # block tables padded to max_model_len (warm_up)
 
     def release(self, seq_id) -> None:
         """Forgets a sequence (its pages back to the pool)."""
@@ -89,17 +126,116 @@ class DraftModelProposer:
             self.bm.free(seq_id)
         self._recent.pop(seq_id, None)
 
-    def _run(self, scheduled: list[ScheduledSeq]) -> np.ndarray:
-        """One draft step over ``scheduled``; the argmax token of each row's last position."""
-        batch = build_batch(self.bm, scheduled, min_tokens=8, min_seqs=8)
+    @property
+    def table_width(self) -> int:
+        """Pages per block-table row with static shapes (the bucket of ``max_model_len``'s
+        pages)."""
+        if self.max_model_len is None:
+            raise ValueError("max_model_len: static shapes need the longest sequence, got None")
+        return bucket(-(-self.max_model_len // self.page_size), 4)
+
+    def step_shapes(self) -> list[StepShape]:
+        """Every shape a draft step takes with static shapes: ``T`` a power of two from 8
+        to the bucket of ``max_step_tokens``, ``S`` from 8 to that of ``max_num_seqs``
+        (at most ``T``), a decode-only variant where ``T == S``."""
+        return step_shapes(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_step_tokens,
+            pages_per_seq=self.table_width,
+            min_tokens=_MIN_TOKENS,
+            min_seqs=lambda _: _MIN_SEQS,
+        )
+
+    def warm_up(self, progress: bool = True) -> int:
+        """Switches to static shapes and compiles every ``step_shapes()`` shape, each run
+        once on a batch that touches only the null page; returns how many compiled (the
+        rest were compiled before, by this draft model's other proposers)."""
+        self.static_shapes = True
+        shapes = self.step_shapes()
+        compiled = 0
+        t0 = time.perf_counter()
+        for k, shape in enumerate(shapes):
+            batch = null_batch(
+                shape.tokens, shape.seqs, shape.pages_per_seq, decode_only=shape.decode_only
+            )
+            ids, compiled_now = self._launch(batch)
+            jax.block_until_ready(ids)
+            compiled += compiled_now
+            if progress and not (k + 1) % 8:
+                log.info("%d of %d draft step shapes ready (%.1f s)", k + 1, len(shapes),
+                         time.perf_counter() - t0)  # fmt: skip
+        log.info("every draft step shape ready: %d compiled, %d already compiled, in %.1f s",
+                 compiled, len(shapes) - compiled, time.perf_counter() - t0)  # fmt: skip
+        return compiled
+
+    def _launch(self, batch) -> tuple[jax.Array, bool]:
+        """Runs the jitted step on ``batch`` (the pool updated in place); returns its
+        argmax ids (on the device) and whether it compiled."""
+        before = self._step._cache_size()
+        t = time.perf_counter()
         md = AttentionMetadata.from_batch(batch)
         ids, self.cache = self._step(
             self.state, jnp.asarray(batch.token_ids), jnp.asarray(batch.positions), self.cache, md
         )
+        if self._step._cache_size() == before:
+            return ids, False
+        jax.block_until_ready(ids)
+        b = dict(
+            draft=True,
+            tokens=int(batch.token_ids.shape[0]),
+            seqs=int(batch.kv_lens.shape[0]),
+            pages_per_seq=int(batch.page_indices.shape[-1]),
+            seconds=round(time.perf_counter() - t, 2),
+        )
+        log.info("compiled a draft step in %.1f s: %s", b["seconds"], b)
+        if self.on_compile is not None:
+            self.on_compile(b)
+        return ids, True
+
+    def _run(self, scheduled: list[ScheduledSeq]) -> np.ndarray:
+        """One draft step over ``scheduled`` (at most ``max_step_tokens`` tokens); the
+        argmax token of each row's last position."""
+        batch = build_batch(
+            self.bm,
+            scheduled,
+            min_tokens=_MIN_TOKENS,
+            min_seqs=_MIN_SEQS,
+            min_pages=self.table_width if self.static_shapes else 4,
+        )
+        ids, _ = self._launch(batch)
         self.steps += 1
         for s in scheduled:
             self.bm.mark_computed(s.seq_id, s.stop)
         return np.asarray(ids)[: len(scheduled)]
+
+    def _compute(self, scheduled: list[ScheduledSeq]) -> np.ndarray:
+        """Computes the tokens of ``scheduled`` in as few steps of at most
+        ``max_step_tokens`` tokens as they fit (a sequence's tokens split across steps in
+        order, as chunked prefill splits a prompt); the argmax token after each
+        sequence's last one."""
+        out = np.zeros(len(scheduled), np.int32)
+        step: list[ScheduledSeq] = []
+        ends: list[tuple[int, int]] = []  # (index in scheduled, row in step) of last chunks
+        used = 0
+        for i, s in enumerate(scheduled):
+            a = s.start
+            while a < s.stop:
+                take = min(s.stop - a, self.max_step_tokens - used)
+                step.append(ScheduledSeq(s.seq_id, a, a + take))
+                a += take
+                used += take
+                if a == s.stop:
+                    ends.append((i, len(step) - 1))
+                if used == self.max_step_tokens:
+                    ids = self._run(step)
+                    for j, r in ends:
+                        out[j] = ids[r]
+                    step, ends, used = [], [], 0
+        if step:
+            ids = self._run(step)
+            for j, r in ends:
+                out[j] = ids[r]
+        return out
 
     def _sync(self, r: DraftRequest, keep: set) -> int | None:
         """Readies sequence ``r.seq_id`` to compute its unseen tokens; returns the first of
@@ -145,7 +281,7 @@ class DraftModelProposer:
             scheduled.append(ScheduledSeq(r.seq_id, start, len(r.tokens)))
         if not live:
             return out
-        nxt = self._run(scheduled)
+        nxt = self._compute(scheduled)
         for (i, _), tok in zip(live, nxt.tolist(), strict=True):
             out[i].append(tok)
         for _ in range(1, max(r.max_tokens for _, r in live)):
@@ -160,7 +296,7 @@ class DraftModelProposer:
                 scheduled.append((i, ScheduledSeq(r.seq_id, n - 1, n)))
             if not scheduled:
                 break
-            nxt = self._run([s for _, s in scheduled])
+            nxt = self._compute([s for _, s in scheduled])
             for (i, _), tok in zip(scheduled, nxt.tolist(), strict=True):
                 out[i].append(tok)
         return out

@@ -358,7 +358,8 @@ class LLM(EngineCore):
         is padded to ``max_model_len``'s pages and greedy and sampled rows share one
         sampler, which leaves one shape per pair of token and sequence buckets
         (``step_shapes()``; ``paged_jax.engine.shapes``). Each is run once on a batch
-        that touches only the null page. Requests with beam search, ``n > 1``, penalties,
+        that touches only the null page, and so is each shape of a draft model's own
+        steps (speculative decoding). Requests with beam search, ``n > 1``, penalties,
         ``allowed_token_ids``, ``structured``, ``top_logprobs`` or ``prompt_logprobs``
         still compile their own steps on first use.
 
@@ -454,11 +455,15 @@ class LLM(EngineCore):
                 if progress and not (k + 1) % 8:
                     log.info("%d of %d step shapes ready (%.1f s)", k + 1, len(shapes),
                              time.perf_counter() - t0)  # fmt: skip
-            new = self.compiled_buckets[before:]
+            n = len(self.compiled_buckets) - before
             log.info(
                 "every step shape ready: %d compiled, %d already compiled, in %.1f s",
-                len(new), len(shapes) - len(new), time.perf_counter() - t0,
+                n, len(shapes) - n, time.perf_counter() - t0,
             )  # fmt: skip
+            draft_warm_up = getattr(self.proposer, "warm_up", None)
+            if draft_warm_up is not None:  # a draft model's own steps
+                draft_warm_up(progress)
+            new = self.compiled_buckets[before:]
         self.metrics = EngineMetrics()
         return new
 

@@ -103,14 +103,21 @@ class SpeculativeConfig:
             f"speculative: expected None, a SpeculativeConfig or a dict, got {type(value).__name__}"
         )
 
-    def proposer(self, *, vocab_size: int, page_size: int, num_pages: int) -> Proposer:
+    def proposer(
+        self, *, vocab_size: int, page_size: int, num_pages: int, **draft_args: Any
+    ) -> Proposer:
         """The proposer this config describes, for a target of ``vocab_size`` tokens (a
-        draft gets a pool of ``num_pages`` pages of ``page_size`` tokens)."""
+        draft gets a pool of ``num_pages`` pages of ``page_size`` tokens, and
+        ``draft_args``: ``DraftModelProposer``'s limits and compile callback)."""
         if self.method == "draft":
             from paged_jax.engine.draft import DraftModelProposer
 
             return DraftModelProposer(
-                self.draft_model, vocab_size=vocab_size, page_size=page_size, num_pages=num_pages
+                self.draft_model,
+                vocab_size=vocab_size,
+                page_size=page_size,
+                num_pages=num_pages,
+                **draft_args,
             )
         return NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max)
 
