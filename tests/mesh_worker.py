@@ -3,6 +3,7 @@ count is fixed when JAX starts): the engine (``LLM``) under tensor and data para
 
     python tests/mesh_worker.py engine MESH[,MESH...] [tiny-llama|gemma3]   one process, 8 devices
     python tests/mesh_worker.py host PID PORT MESH[,MESH...] one of 2 processes x 4 devices
+    python tests/mesh_worker.py routing                      2 replicas on 2 devices
 
 A MESH is ``TP`` or ``TPxDP`` (tensor- x data-parallel size). The model is one with 8
 query and 2 KV heads, the ``tiny-llama`` preset (4 and 2), or ``gemma3``, the golden
@@ -20,7 +21,8 @@ import sys
 
 MODE = sys.argv[1]
 MODEL = sys.argv[3] if MODE == "engine" and len(sys.argv) > 3 else "gqa-8-2"
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 if MODE == 'engine' else 4}"
+DEVICES = {"engine": 8, "host": 4, "routing": 2}[MODE]
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
@@ -164,7 +166,38 @@ def errors() -> list[str]:
     return found
 
 
+def routing() -> dict:
+    """Two waves of requests on 2 replicas: first a prompt of family A and one of B (a
+    24-token system prompt each), then two of each family in the order A A B B with
+    other endings. Per router (prefix routing, and the least loaded replica alone): the
+    replica of each request, the prefix-cache hits of the second wave, the tokens."""
+    rng = __import__("numpy").random.default_rng(0)
+    a, b = (rng.integers(1, 256, 24).tolist() for _ in range(2))
+    ends = [rng.integers(1, 256, 5).tolist() for _ in range(6)]
+    waves = [[a + ends[0], b + ends[1]], [a + ends[2], a + ends[3], b + ends[4], b + ends[5]]]
+    p = pj.SamplingParams(max_tokens=6, ignore_eos=True)
+    out = {}
+    for name, kw in (("one", {}), ("prefix", {"data_parallel_size": 2}),
+                     ("least_loaded", {"data_parallel_size": 2})):  # fmt: skip
+        model, _ = models.load("tiny-llama")  # each engine its own (one device packs it)
+        llm = pj.LLM(model, num_pages=64, page_size=PAGE, compilation_cache=False, **kw)
+        llm.router.enabled = name != "least_loaded"
+        sent = []
+        for r, sc in enumerate(llm.schedulers):
+            sc.add = lambda g, add=sc.add, r=r, sent=sent: (sent.append(r), add(g))
+        tokens, hits = [], 0
+        for k, wave in enumerate(waves):
+            outs = llm.generate(wave, p, progress=False)
+            tokens += [o.outputs[0].token_ids for o in outs]
+            hits += sum(o.metrics.num_cached_tokens for o in outs) if k else 0
+        out[name] = dict(replicas=sent, hits=hits, tokens=tokens)
+    return out
+
+
 def main() -> None:
+    if MODE == "routing":
+        print(json.dumps(routing()))
+        return
     specs = sys.argv[2 if MODE == "engine" else 4].split(",")
     out = {spec: run(spec) for spec in specs}
     if MODE == "engine":

@@ -117,6 +117,19 @@ def _check_engine(out: dict, ref: dict) -> None:
         assert r["compilations"] <= r["compiled_steps"] <= 2 * r["compilations"], r
 
 
+def test_data_parallel_requests_go_where_their_prefix_is_cached():
+    """2 replicas, a wave of one prompt of each of two families (a 24-token system
+    prompt each), then a wave of A A B B: routed by prefix, each family stays on its
+    replica and every request of the second wave hits its 3 pages (least loaded
+    alone, half of them land where their prefix is not); the tokens are one device's."""
+    out = _worker("mesh_worker.py", "routing")
+    one, prefix, least = out["one"], out["prefix"], out["least_loaded"]
+    assert prefix["tokens"] == least["tokens"] == one["tokens"]
+    assert prefix["replicas"] == [0, 1, 0, 0, 1, 1]
+    assert least["replicas"] == [0, 1, 0, 1, 0, 1]
+    assert prefix["hits"] == one["hits"] == 4 * 24 and least["hits"] == 2 * 24
+
+
 @pytest.mark.slow  # 30-40 s on 2 cores (two worker processes); .ci/run runs it
 def test_engine_under_tensor_and_data_parallelism_matches_one_device():
     out = _worker("mesh_worker.py", "engine", "1,2x2")

@@ -33,6 +33,7 @@ from paged_jax.engine.loras import Loras
 from paged_jax.engine.metrics import EngineMetrics, record_step
 from paged_jax.engine.outputs import OutputProcessor, RequestOutput
 from paged_jax.engine.results import ApplyResults
+from paged_jax.engine.routing import PrefixRouter
 from paged_jax.engine.runner import ModelRunner
 from paged_jax.engine.sampling import SamplingParams
 from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status
@@ -131,6 +132,15 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation, Loras):
             for _ in range(num_replicas)
         ]
         self._load = [0] * num_replicas  # unfinished sequences routed to each replica
+        # Requests go where their prompt's leading pages were sent before (its prefix
+        # hits), within a margin of the least loaded replica (paged_jax.engine.routing)
+        self.router = PrefixRouter(
+            num_replicas,
+            self.page_size,
+            slack=max(2, max_num_seqs // 8),
+            capacity=num_replicas * block_manager_args["num_pages"],
+            enabled=block_manager_args.get("enable_prefix_caching", True),
+        )
         self.metrics = EngineMetrics()
         self._groups: dict[Hashable, Group] = {}
         self._arrivals = 0
@@ -361,8 +371,9 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation, Loras):
         g.seqs.append(Seq(f"{g.arrival}/0", list(ids), len(ids), 0))
         if params.structured is not None:
             g.matchers[g.seqs[0].seq_id] = self._grammars().matcher(params.structured)
-        # the least loaded replica (deterministic: every process routes alike)
-        g.replica = min(range(len(self._load)), key=lambda r: (self._load[r], r))
+        # where its prefix was sent, else the least loaded replica (deterministic:
+        # every process routes alike)
+        g.replica = self.router.route(ids, g.salt, self._load)
         self._load[g.replica] += width
         self._groups[request_id] = g
         self.schedulers[g.replica].add(g)
