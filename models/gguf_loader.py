@@ -61,7 +61,8 @@ QUANT_TYPES = (
     "TQ1_0", "TQ2_0",
 )  # fmt: skip
 KEPT_INT4 = ("Q4_0", "Q4_1", "Q4_K")  # as the int4 format's groups, with "int4"
-KEPT_INT8 = ("Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K")  # as int8 groups, with "int8" or "int4"
+# as int8 groups, with "int8" or "int4"
+KEPT_INT8 = ("Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K")
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -135,9 +136,10 @@ def load_gguf(
       param_dtype: storage dtype of the weights (default ``dtype``).
       mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` axis: each weight goes straight into
         its tensor-parallel shards; None: one device.
-      quantization: ``"int8"`` or ``"int4"``: Q8_0, Q6_K, Q5_0, Q5_1 and Q5_K tensors
-        keep their blocks (int8 weights with a scale per group of 32 inputs, 16 for Q6_K,
-        and for Q5_1 / Q5_K a minimum per group, values in [0, 31]: ``Linear`` /
+      quantization: ``"int8"`` or ``"int4"``: Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q3_K and
+        Q2_K tensors keep their blocks (int8 weights with a scale per group of 32
+        inputs, 16 for Q6_K, Q3_K and Q2_K, and for Q5_1 / Q5_K / Q2_K a minimum per
+        group, values in [0, 31]: ``Linear`` /
         ``Embed``'s int8 with grouped scales); ``"int4"``: Q4_0, Q4_1 and Q4_K tensors
         keep theirs too (each block of 32 weights, or each group of 32 of a Q4_K
         super-block, becomes a group of ``models.quantization``'s int4 format with its
@@ -758,6 +760,52 @@ def _q6_k_blocks(t: Any) -> tuple[np.ndarray, np.ndarray]:
     return q, (d[..., None] * scales).reshape(rows, -1)
 
 
+def _q3_k_blocks(t: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(q int8 [out, in] in [-4, 3], d f32 [out, in / 16])`` of a Q3_K tensor: each
+    super-block of 256 weights (110 bytes: 32 bytes of high bits, 64 of low 2-bit pairs,
+    12 bytes of 6-bit scales, f16 ``d``) is 16 groups of 16 int8 weights with the scale
+    ``d * (s_j - 32)``. The low bits of weight ``128 h + 32 k + l`` (``l`` < 32) are bits
+    ``2k, 2k + 1`` of byte ``32 h + l``, its high bit bit ``4 h + k`` of byte ``l`` of
+    the high bits (clear: ``q`` less 4). Scale ``j``'s low 4 bits are the low (``j`` < 8)
+    or high nibble of byte ``j mod 8``, its top 2 bits bits ``2 (j div 4)`` of byte
+    ``8 + j mod 4``."""
+    raw = np.asarray(t.data, np.uint8)
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 110)
+    hmask = b[..., None, 0:32]  # [rows, blocks, 1, 32]
+    qs = b[..., 32:96].reshape(rows, -1, 2, 1, 32)  # two halves of 128 weights
+    shift = np.arange(0, 8, 2, dtype=np.uint8)[:, None]  # [4, 1]
+    low = ((qs >> shift) & 3).reshape(rows, -1, 8, 32)  # run 4h + k: 32 weights
+    high = (hmask >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [rows, blocks, 8, 32]
+    q = (low.astype(np.int8) - ((high ^ 1) << 2).astype(np.int8)).reshape(rows, -1)
+    sc = b[..., 96:108]
+    nib = np.concatenate([sc[..., 0:8] & 15, sc[..., 0:8] >> 4], axis=-1)  # [rows, blocks, 16]
+    top = (sc[..., None, 8:12] >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]) & 3
+    scales = (nib | (top.reshape(rows, -1, 16) << 4)).astype(np.float32) - 32.0
+    d = _f16(b, 108)
+    return q, (d[..., None] * scales).reshape(rows, -1)
+
+
+def _q2_k_blocks(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(q int8 [out, in] in [0, 3], d f32 [out, in / 16], m f32 [out, in / 16])`` of a
+    Q2_K tensor: each super-block of 256 weights (84 bytes: 16 bytes of 4-bit scales
+    and minimums, 64 of 2-bit values, f16 ``d`` and ``dmin``) is 16 groups of 16 int8
+    weights ``(d sc_j) q - dmin m_j`` (``sc_j``, ``m_j``: the low and high nibbles of
+    byte ``j``). Weight ``128 h + 32 k + l`` (``l`` < 32) is bits ``2k, 2k + 1`` of value
+    byte ``32 h + l``."""
+    raw = np.asarray(t.data, np.uint8)
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 84)
+    qs = b[..., 16:80].reshape(rows, -1, 2, 1, 32)
+    shift = np.arange(0, 8, 2, dtype=np.uint8)[:, None]
+    q = ((qs >> shift) & 3).astype(np.int8).reshape(rows, -1)
+    sc = b[..., 0:16]
+    d, dmin = _f16(b, 80), _f16(b, 82)
+    dg = (d[..., None] * (sc & 15).astype(np.float32)).reshape(rows, -1)
+    mg = -(dmin[..., None] * (sc >> 4).astype(np.float32)).reshape(rows, -1)
+    return q, dg, mg
+
+
 def _q5_0_blocks(t: Any) -> tuple[np.ndarray, np.ndarray]:
     """``(q int8 [out, in] in [-16, 15], d f32 [out, in / 32])`` of a Q5_0 tensor: each
     block of 32 weights (22 bytes: f16 ``d``, 32 high bits, 16 bytes of low nibbles, the
@@ -796,6 +844,8 @@ _EIGHT_BIT_BLOCKS = {
     "Q5_0": _q5_0_blocks,
     "Q5_1": _q5_1_blocks,
     "Q5_K": _q5_k_blocks,
+    "Q3_K": _q3_k_blocks,
+    "Q2_K": _q2_k_blocks,
 }
 
 

@@ -72,16 +72,20 @@ def _llama_cpp_order(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 # Where each block of the formats gguf cannot quantize holds its float16 scales (d, and
-# dmin for those with minimums), from the formats' definitions
+# dmin for those with minimums), from the formats' definitions, and the largest factor
+# a weight's value and sub-block scale put on d (Q6_K: |q| 32 x |scale| 127): the random
+# blocks' weights stay below 0.1, as a model's mostly do (d times 4064 from random bytes
+# made Q6_K weights up to 40, and the logits of the packed W8A8 products then swung by
+# 0.2 with the rows' rounding)
 RANDOM_BLOCKS = {
-    Q.Q2_K: (80, 82),
-    Q.Q3_K: (108,),
-    Q.Q4_K: (0, 2),
-    Q.Q5_K: (0, 2),
-    Q.Q6_K: (208,),
-    Q.IQ4_NL: (0,),
-    Q.IQ4_XS: (0,),
-    Q.TQ2_0: (64,),
+    Q.Q2_K: ((80, 82), 3 * 15),
+    Q.Q3_K: ((108,), 4 * 32),
+    Q.Q4_K: ((0, 2), 15 * 63),
+    Q.Q5_K: ((0, 2), 31 * 63),
+    Q.Q6_K: ((208,), 32 * 127),
+    Q.IQ4_NL: ((0,), 127),
+    Q.IQ4_XS: ((0,), 32 * 127),
+    Q.TQ2_0: ((64,), 1),
 }
 
 
@@ -92,8 +96,10 @@ def _encode(values: np.ndarray, qtype: Q, rng) -> np.ndarray:
     if qtype in RANDOM_BLOCKS:
         block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
         raw = rng.integers(0, 256, (values.shape[0], values.shape[1] // block, nbytes), np.uint8)
-        for at in RANDOM_BLOCKS[qtype]:
-            scale = rng.uniform(0.001, 0.01, raw.shape[:2]).astype(np.float16)
+        at_bytes, factor = RANDOM_BLOCKS[qtype]
+        for at in at_bytes:
+            scale = rng.uniform(0.01, 0.1, raw.shape[:2]) / factor
+            scale = scale.astype(np.float16)
             raw[..., at : at + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
         return raw.reshape(values.shape[0], -1)
     return quants.quantize(values, qtype)
@@ -300,6 +306,8 @@ def test_q4_blocks_are_kept_as_int4_groups(tmp_path, qtype):
         ("int8", True, Q.Q5_0),
         ("int8", True, Q.Q5_1),
         ("int4", False, Q.Q5_K),
+        ("int8", True, Q.Q3_K),
+        ("int4", False, Q.Q2_K),
     ],
     ids=[
         "int8-untied-Q8_0",
@@ -308,14 +316,17 @@ def test_q4_blocks_are_kept_as_int4_groups(tmp_path, qtype):
         "int8-tied-Q5_0",
         "int8-tied-Q5_1",
         "int4-untied-Q5_K",
+        "int8-tied-Q3_K",
+        "int4-untied-Q2_K",
     ],
 )
 def test_8_bit_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, qtype, monkeypatch):
-    # quantization="int8" or "int4" keeps a Q8_0, Q6_K, Q5_0, Q5_1 or Q5_K file's blocks:
-    # every linear weight and the table int8 with a scale per group of 32 (Q6_K: 16)
-    # inputs, and for Q5_1 / Q5_K a minimum per group (values in [0, 31]) (llama.cpp's
-    # Q/K row order undone on the blocks), the very weights the dequantizing load gives;
-    # packed for the C kernel, near the floats (W8A8); on XLA, exactly.
+    # quantization="int8" or "int4" keeps a Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q3_K or Q2_K
+    # file's blocks: every linear weight and the table int8 with a scale per group of 32
+    # (the K-quants' with groups of 16: 16) inputs, and for Q5_1 / Q5_K / Q2_K a minimum
+    # per group (values in [0, 31]) (llama.cpp's Q/K row order undone on the blocks), the
+    # very weights the dequantizing load gives; packed for the C kernel, near the floats
+    # (W8A8); on XLA, exactly.
 
     from paged_jax import linear
 
@@ -329,21 +340,23 @@ def test_8_bit_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, qtype, monkey
     q_proj = kept.layers.self_attn.q_proj
     assert q_proj.kernel.get_value().dtype == jnp.int8
     heads = CFG["num_heads"] * CFG["head_dim"]
-    group = 16 if qtype == Q.Q6_K else 32
+    group = 16 if qtype in (Q.Q6_K, Q.Q3_K, Q.Q2_K) else 32
     assert q_proj.scale.get_value().shape == (CFG["num_layers"], CFG["hidden_size"] // group, heads)
-    with_mins = qtype in (Q.Q5_1, Q.Q5_K)
+    with_mins = qtype in (Q.Q5_1, Q.Q5_K, Q.Q2_K)
     for module in (q_proj, kept.layers.mlp.down_proj, kept.embed_tokens):
         assert (getattr(module, "zero", None) is not None) == with_mins
-    if with_mins:  # the file's 5-bit values as they are
-        q = np.asarray(q_proj.kernel.get_value())
-        assert q.min() >= 0 and q.max() <= 31
+    q = np.asarray(q_proj.kernel.get_value())  # the file's values as they are
+    low, high = {Q.Q3_K: (-4, 3), Q.Q2_K: (0, 3)}.get(qtype, (0, 31) if with_mins else (-127, 127))
+    assert low <= q.min() and q.max() <= high
+    if with_mins:
         assert q_proj.zero.get_value().shape == q_proj.scale.get_value().shape
     want = _weights(floats)
     _assert_weights_equal(kept, want)
 
     # a byte a weight and an f32 scale per group: 1.125 of 4 (1.25 for groups of 16, or
-    # with a minimum per group too)
-    assert _nbytes(kept) < (0.3 if group == 32 and not with_mins else 0.33) * _nbytes(floats)
+    # with a minimum per group too; 1.5 for groups of 16 with minimums)
+    per_weight = 1 + 4 / group * (2 if with_mins else 1)
+    assert _nbytes(kept) < (per_weight / 4 + 0.02) * _nbytes(floats)
     ids = [0, 5, 9, 20, 17, 3, 44]
     np.testing.assert_allclose(dense_logits(kept, ids), dense_logits(floats, ids), atol=1e-4)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [30, 31, 32]]
@@ -377,8 +390,9 @@ def test_8_bit_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, qtype, monkey
         ("int4", Q.Q4_K, Q.Q6_K, 16, True),  # a Q4_K_M file's ffn_down and attn_v
         ("int8", Q.Q5_1, Q.Q8_0, 32, True),  # a Q5_K_M file's attn_v (576 wide: Q5_1)
         ("int8", Q.Q8_0, Q.Q6_K, 16, False),
+        ("int4", Q.Q3_K, Q.Q4_K, 16, True),  # a Q3_K_M file's
     ],
-    ids=["int4-Q4_K-Q6_K", "int8-Q5_1-Q8_0", "int8-Q8_0-Q6_K"],
+    ids=["int4-Q4_K-Q6_K", "int8-Q5_1-Q8_0", "int8-Q8_0-Q6_K", "int4-Q3_K-Q4_K"],
 )
 def test_layers_in_different_block_formats_are_kept_as_int8_groups(
     tmp_path, fmt, first, rest, group, with_mins
