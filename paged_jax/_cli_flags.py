@@ -191,6 +191,13 @@ def _parser() -> argparse.ArgumentParser:
         help="the format the model writes tool calls in (default: from its chat template; "
         "hermes for Qwen and Hermes, llama3_json for Llama 3.1+, mistral)",
     )
+    s.add_argument(
+        "--reasoning-parser",
+        choices=["deepseek_r1", "qwen3"],
+        default=None,
+        help="put what chat replies write between <think> and </think> in reasoning_content "
+        "(DeepSeek-R1 and its distills, Qwen3, QwQ); default: none, it stays in content",
+    )
     _engine_flags(s)
     s.add_argument(
         "--no-warm-up",

@@ -409,6 +409,7 @@ def _serve(args) -> int:
         body_timeout=args.body_timeout,
         max_connections=args.max_connections,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         log_level=args.log_level,
         on_ready=ready,
         allowed_hosts=None

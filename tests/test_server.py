@@ -650,6 +650,27 @@ def test_a_step_that_stops_the_engine_fails_its_requests_and_the_server_goes_on(
         loop.stop()
 
 
+def test_a_second_loop_on_the_same_engine_is_refused_until_the_first_stops():
+    """Two servers on one LLM ran two engine threads on it: a step used buffers the
+    other's step had donated (500s, and a process that could die). The second loop's
+    start is refused with the reason; once the first stops, it runs."""
+    from paged_jax import models
+    from paged_jax.server.loop import EngineLoop
+
+    model, tokenizer = models.load("tiny-llama")
+    llm = pj.LLM(model, tokenizer, num_pages=64, compilation_cache=False)
+    first, second = EngineLoop(llm), EngineLoop(llm)
+    first.start()
+    try:
+        with pytest.raises(RuntimeError, match="another EngineLoop .another server. runs this"):
+            second.start()
+        assert not second.alive
+    finally:
+        first.stop()
+    second.start()
+    second.stop()
+
+
 def test_the_gauges_see_a_step_before_its_answers_are_delivered():
     """/metrics scraped right after an answer arrived showed the step before it (CI:
     paged_jax_spec_decode_draft_tokens 18 while the engine had counted 19): on_step ran

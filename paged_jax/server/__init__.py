@@ -42,6 +42,7 @@ def serve(
     body_timeout: float = 60.0,
     max_connections: int | None = None,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> None:
     """Serves ``llm`` until SIGINT / SIGTERM, then lets requests in flight finish for up
     to ``shutdown_timeout`` seconds, aborts the rest and returns. ``on_ready()`` is
@@ -50,8 +51,8 @@ def serve(
     ``TrustedHostMiddleware``); None: ``host`` and the loopback names, or any host when
     ``host`` is a wildcard address. ``header_timeout`` (default 30 s) and
     ``max_connections`` (default ``connections.default_max_connections()``): see
-    ``paged_jax.server.connections``; ``body_timeout`` and ``tool_call_parser``: see
-    ``Server``."""
+    ``paged_jax.server.connections``; ``body_timeout``, ``tool_call_parser`` and
+    ``reasoning_parser``: see ``Server``."""
     import asyncio
 
     import uvicorn
@@ -77,6 +78,7 @@ def serve(
         allowed_hosts=default_allowed_hosts(host) if allowed_hosts is None else allowed_hosts,
         body_timeout=body_timeout,
         tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
     config = uvicorn.Config(
         server.app,

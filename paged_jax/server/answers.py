@@ -12,6 +12,7 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from paged_jax.server.fields import _ERROR_TYPES, _param_of, error_response
+from paged_jax.server.reasoning import ReasoningStream, split
 
 
 class Answers:
@@ -66,9 +67,13 @@ class Answers:
                     if job["logprobs"]:
                         choice["logprobs"] = self._echoed(job, k, out, choice["logprobs"])
                 if job["chat"]:
-                    choice["message"] = {"role": "assistant", "content": c.text}
-                    if job["tools"] is not None:
-                        content, calls = job["tools"].parse(c.text)
+                    choice["message"] = message = {"role": "assistant", "content": c.text}
+                    if job.get("reasoning") is not None:  # thinking apart (reasoning.py)
+                        message["reasoning_content"], message["content"] = split(
+                            c.text or "", job["reasoning"]
+                        )
+                    if job["tools"] is not None and message["content"] is not None:
+                        content, calls = job["tools"].parse(message["content"])
                         if calls:
                             choice["message"].update(content=content, tool_calls=calls)
                             choice["finish_reason"] = "tool_calls"
@@ -188,6 +193,8 @@ class Answers:
         offsets: dict[int, int] = {}  # completions' text_offset, per choice
         tools = job.get("tools")
         filters: dict[int, Any] = {}  # per choice, with tools: its StreamFilter
+        thinking = job.get("reasoning")  # None: no reasoning parser
+        thoughts: dict[int, ReasoningStream] = {}  # per choice, with one
 
         def chunk(
             index: int,
@@ -196,6 +203,7 @@ class Answers:
             role: bool = False,
             piece=None,
             calls=None,
+            reasoning=None,
         ) -> str:
             logprobs = None
             if piece is not None and job["logprobs"]:
@@ -206,6 +214,8 @@ class Answers:
                     offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
             if chat:
                 delta = {"role": "assistant"} if role else {}
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
                 if text is not None:
                     delta["content"] = text
                 if calls:  # deltas of calls, each with its index (OpenAI's chunk shape)
@@ -257,16 +267,26 @@ class Answers:
                 if event.kind == "text":
                     index = self._choice_index(job, k, event.sample)
                     text = event.text
-                    calls = None
+                    calls = reasoning = None
+                    if thinking is not None:  # the thinking apart, then the content
+                        split_up = thoughts.setdefault(index, ReasoningStream(thinking))
+                        reasoning, text = split_up.feed(text)
+                        if not text:
+                            if reasoning:
+                                yield chunk(index, None, None, piece=event.piece,
+                                            reasoning=reasoning)  # fmt: skip
+                            continue
                     if tools is not None:  # held from where a call may begin
                         held = filters.setdefault(index, tools.stream_filter())
                         text = held.feed(text)
                         calls = held.call_deltas()  # the calls as they are written
                         if not text:  # (a held piece's log-probs are not streamed)
-                            if calls:
-                                yield chunk(index, None, None, calls=calls)
+                            if calls or reasoning:
+                                yield chunk(index, None, None, calls=calls, reasoning=reasoning)
                             continue
-                    yield chunk(index, text, None, piece=event.piece, calls=calls)
+                    yield chunk(
+                        index, text, None, piece=event.piece, calls=calls, reasoning=reasoning
+                    )
                 elif event.kind == "error" or event.output.error is not None:
                     outputs[k] = event
                     status = event.status if event.kind == "error" else 500
@@ -287,6 +307,17 @@ class Answers:
                         finish = c.finish_reason
                         if job.get("echo_only"):
                             finish = "length"
+                        if index in thoughts:  # what it held back, then to the tools
+                            reasoning, rest = thoughts[index].finish()
+                            if rest and tools is not None:
+                                held = filters.setdefault(index, tools.stream_filter())
+                                rest = held.feed(rest)
+                                calls = held.call_deltas()
+                            else:
+                                calls = None
+                            if reasoning or rest or calls:
+                                yield chunk(index, rest or None, None, calls=calls,
+                                            reasoning=reasoning)  # fmt: skip
                         if index in filters:
                             held = filters[index]
                             rest, calls = held.finish()

@@ -33,6 +33,7 @@ from paged_jax.server.fields import (
 )
 from paged_jax.server.loop import EngineLoop, Event, Overloaded
 from paged_jax.server.metrics import Metrics
+from paged_jax.server.reasoning import PARSERS, starts_inside
 from paged_jax.server.tools import FORMATS, ToolError, ToolRequest, detect_format
 
 # OpenAI fields this server takes (besides model, prompt / messages, stream)
@@ -88,6 +89,30 @@ def default_max_request_bytes(max_model_len: int) -> int:
     return max(2**20, 64 * max_model_len)
 
 
+# Template variables the server sets itself
+_TEMPLATE_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "tokenize"})
+
+
+def _template_kwargs(value: Any) -> dict:
+    """A chat request's ``chat_template_kwargs`` (vLLM's extension: more variables for
+    the chat template, such as Qwen3's ``enable_thinking``), checked: a JSON object whose
+    keys are not among those the server sets."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ApiError(
+            400,
+            f"chat_template_kwargs: expected an object, got {type(value).__name__}",
+            "chat_template_kwargs",
+        )
+    taken = sorted(_TEMPLATE_RESERVED.intersection(value))
+    if taken:
+        raise ApiError(
+            400, f"chat_template_kwargs: {taken[0]!r} is set by the server", "chat_template_kwargs"
+        )
+    return dict(value)
+
+
 def _prompt_list(prompt: Any) -> Any:
     """Completions' ``prompt`` as a list of prompts: itself when it is one (a non-empty
     list of strings or of token-id lists), else ``[prompt]`` (one string, or one list of
@@ -104,7 +129,9 @@ class Server(Answers):
     (default ``default_max_request_bytes``). ``body_timeout``: seconds a request's body
     may take to arrive once its headers have (408 after). ``tool_call_parser``: the
     format the model writes tool calls in (``tools.FORMATS``; None: from its chat
-    template, ``tools.detect_format``). Request bodies are decoded, tokenized and
+    template, ``tools.detect_format``). ``reasoning_parser``: one of
+    ``reasoning.PARSERS`` puts a chat reply's thinking (``<think>`` ... ``</think>``) in
+    ``reasoning_content``; None leaves it in the content. Request bodies are decoded, tokenized and
     their chat templates rendered on worker threads, never on the event loop, so one
     large request does not hold up the others' routes.
     """
@@ -120,7 +147,13 @@ class Server(Answers):
         allowed_hosts: list[str] | None = None,
         body_timeout: float = 60.0,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ):
+        if reasoning_parser not in (None, *PARSERS):
+            raise ValueError(
+                f"reasoning_parser: expected one of {PARSERS} or None, got {reasoning_parser!r}"
+            )
+        self.reasoning_parser = reasoning_parser
         if tool_call_parser not in (None, *FORMATS):
             raise ValueError(
                 f"tool_call_parser: expected one of {FORMATS} or None, got {tool_call_parser!r}"
@@ -468,7 +501,8 @@ class Server(Answers):
                 tools = ToolRequest.of(body, self.tool_format)
             except ToolError as e:
                 raise ApiError(400, str(e), e.param) from None
-            args = {} if tools is None else tools.template_args()
+            args = _template_kwargs(body.get("chat_template_kwargs"))
+            args.update({} if tools is None else tools.template_args())
             prompts = [self._chat_prompt(body.get("messages"), **args)]
         else:
             prompts = self._prompts(body.get("prompt"))
@@ -540,6 +574,10 @@ class Server(Answers):
             params=params,
             stream=stream,
             tools=tools if tools is not None and tools.active else None,
+            # with a reasoning parser: whether the reply starts inside its thinking
+            reasoning=starts_inside(self.llm.decode(prompts[0][-32:]) or "")
+            if chat and self.reasoning_parser is not None
+            else None,
             include_usage=bool(options.get("include_usage", False)),
             logprobs=logprobs,
             echo=self._prompt_texts(body.get("prompt"), prompts) if echo else None,

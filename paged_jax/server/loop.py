@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -34,6 +35,12 @@ class Event:
     status: int = 0
     message: str = ""
     piece: Any = None  # "text": the StreamOutput (its tokens and their log-probs)
+
+
+# The loop running each LLM: two threads stepping one engine would use its donated
+# buffers after each other's steps consumed them
+_RUNNING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_RUNNING_LOCK = threading.Lock()
 
 
 class Overloaded(RuntimeError):
@@ -100,7 +107,17 @@ class EngineLoop:
             return self._in_flight
 
     def start(self) -> None:
-        self._thread.start()
+        """Starts the engine thread. RuntimeError if another loop's thread runs this
+        ``llm`` (a second server on the same engine): ``LLM`` is not thread-safe."""
+        with _RUNNING_LOCK:
+            other = _RUNNING.get(self.llm)
+            if other is not None and other is not self and other.alive:
+                raise RuntimeError(
+                    "llm: another EngineLoop (another server) runs this LLM already; an LLM "
+                    "is not thread-safe, so give each server an LLM of its own"
+                )
+            _RUNNING[self.llm] = self
+            self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Aborts whatever is still in flight (each gets an "error" 503 event) and joins
