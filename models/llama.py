@@ -1215,7 +1215,29 @@ class LlamaForCausalLM(nnx.Module):
         with _lora.rows(self.lora, _lora.selector(self.lora, adapter_ids)):
             return self._forward(tokens_T, positions_T, cache, md, backend, interpret)
 
+    def hidden_states(
+        self,
+        tokens_T: jax.Array,  # i32[T]
+        positions_T: jax.Array,  # i32[T]
+        cache: PagedKVCache,
+        md: AttentionMetadata,
+        *,
+        backend: str = "auto",
+        interpret: bool = False,
+    ) -> tuple[jax.Array, PagedKVCache]:  # (f32[R, E], cache)
+        """Runs one step as ``__call__`` does, but returns the final hidden states (after
+        the last norm, before the LM head) of rows ``md.logits_indices`` instead of their
+        logits: what embeddings pool (``LLM.embed``)."""
+        x_TE, cache = self._layers(tokens_T, positions_T, cache, md, backend, interpret)
+        return self.norm(x_TE[md.logits_indices]).astype(jnp.float32), cache
+
     def _forward(self, tokens_T, positions_T, cache, md, backend, interpret):
+        x_TE, cache = self._layers(tokens_T, positions_T, cache, md, backend, interpret)
+        logits = rowwise(self._logits, x_TE[md.logits_indices], invariant=md.batch_invariant)
+        return logits, cache
+
+    def _layers(self, tokens_T, positions_T, cache, md, backend, interpret):
+        """The embedding and every layer: ``(x [T, E] before the last norm, cache)``."""
         cfg = self.config
         x_TE = self.embed_tokens(tokens_T)
         if cfg.scale_embeddings:  # Gemma: sqrt(E), rounded to the compute dtype first
@@ -1269,8 +1291,7 @@ class LlamaForCausalLM(nnx.Module):
                     x_TE, cache = run(x_TE, cache, weights, j, jnp.int32(i))
         finally:
             _ROWS.reset(rows)
-        logits = rowwise(self._logits, x_TE[md.logits_indices], invariant=md.batch_invariant)
-        return logits, cache
+        return x_TE, cache
 
     def _logits(self, x_RE):
         x_RE = self.norm(x_RE)

@@ -198,6 +198,13 @@ def _parser() -> argparse.ArgumentParser:
         help="put what chat replies write between <think> and </think> in reasoning_content "
         "(DeepSeek-R1 and its distills, Qwen3, QwQ); default: none, it stays in content",
     )
+    s.add_argument(
+        "--embedding-pooling",
+        choices=["last", "mean", "first"],
+        default="last",
+        help="how /v1/embeddings pools a prompt's final hidden states (default: last, as "
+        "decoder embedders such as Qwen3-Embedding)",
+    )
     _engine_flags(s)
     s.add_argument(
         "--no-warm-up",

@@ -410,6 +410,7 @@ def _serve(args) -> int:
         max_connections=args.max_connections,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        embedding_pooling=args.embedding_pooling,
         log_level=args.log_level,
         on_ready=ready,
         allowed_hosts=None

@@ -162,8 +162,23 @@ def _projections(a, h):
     return qkv[:, :HD], qkv[:, HD : HD + KD], qkv[:, HD + KD :]
 
 
+def dense_hidden(model, ids) -> np.ndarray:
+    """All-position final hidden states (after the last norm) of ``ids``, computed as
+    ``dense_logits`` computes the logits: f32 ``[len(ids), E]``."""
+    n = len(ids)
+    padded = np.zeros(-(-n // 64) * 64, np.int32)
+    padded[:n] = ids
+    return np.asarray(_jit_dense_hidden(model, jnp.asarray(padded)), np.float32)[:n]
+
+
 @nnx.jit
 def _dense_logits(model, ids):
+    x = _dense_hidden(model, ids)
+    logits = model.embed_tokens.attend(x) if model.lm_head is None else model.lm_head(x)
+    return logits.astype(jnp.float32)
+
+
+def _dense_hidden(model, ids):
     cfg = model.config
     T = ids.shape[0]
     pos = jnp.arange(T)
@@ -186,9 +201,10 @@ def _dense_logits(model, ids):
         o = jnp.einsum("hqk,khd->qhd", p, v, precision="highest").reshape(T, -1)
         x = x + a.o_proj(o)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    x = model.norm(x)
-    logits = model.embed_tokens.attend(x) if model.lm_head is None else model.lm_head(x)
-    return logits.astype(jnp.float32)
+    return model.norm(x)
+
+
+_jit_dense_hidden = nnx.jit(_dense_hidden)
 
 
 def dense_greedy(model, prompt, max_new: int) -> list[int]:

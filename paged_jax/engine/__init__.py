@@ -1,6 +1,7 @@
 """The serving engine: continuous batching, sampling, n-way sampling and beam search on
 copy-on-write pages, prefix caching, preemption by swap or recompute."""
 
+from paged_jax.engine.embedding import EmbeddingOutput
 from paged_jax.engine.llm import (
     LLM,
     CompletionOutput,
@@ -17,6 +18,7 @@ from paged_jax.engine.speculative import SpeculativeConfig
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingOutput",
     "EngineFailedError",
     "EngineMetrics",
     "RequestMetrics",

@@ -23,6 +23,7 @@ import numpy as np
 
 from paged_jax.engine import compile_cache
 from paged_jax.engine.core import EngineCore
+from paged_jax.engine.embedding import POOLINGS, EmbeddingOutput, embed_prompts
 from paged_jax.engine.faults import (
     MAX_CONSECUTIVE_FAILED_STEPS,
     STRIKES_TO_FAIL_A_REQUEST,
@@ -683,6 +684,54 @@ class LLM(EngineCore):
             bar.close()
             self._undelivered = others + self._undelivered
         return [done[r] for r in ids] if self.is_main_process else []
+
+    def embed(
+        self,
+        prompts: Sequence[str | Sequence[int]] | str,
+        *,
+        pooling: str = "last",
+        normalize: bool = True,
+    ) -> list[EmbeddingOutput]:
+        """Each prompt's embedding: its final hidden states (after the model's last norm)
+        pooled into one f32 ``[E]`` vector, ``"last"`` (the last token's, as decoder
+        embedders such as Qwen3-Embedding use), ``"mean"`` or ``"first"``, L2-normalized
+        when ``normalize`` (``paged_jax.engine.embedding``). Prompts are text (tokenized
+        with the special tokens the tokenizer adds) or token ids, checked as
+        ``generate``'s are (an error names ``prompts[k]``). They run as prefill steps of
+        at most ``max_num_batched_tokens`` tokens on a KV pool of their own, so requests
+        in flight keep their pages; not on a mesh yet."""
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling: expected one of {POOLINGS}, got {pooling!r}")
+        if not isinstance(normalize, bool):
+            raise TypeError(f"normalize: expected a bool, got {normalize!r}")
+        if not callable(getattr(self.runner.model, "hidden_states", None)):
+            raise TypeError(
+                f"model: {type(self.runner.model).__name__} has no hidden_states(...) "
+                "(paged_jax.models' decoders have); embeddings need it"
+            )
+        if self.mesh is not None:
+            raise ValueError("mesh: embeddings do not run on a mesh yet; use one device")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not prompts:
+            return []
+        ids = []
+        probe = SamplingParams(max_tokens=1)
+        for k, prompt in enumerate(prompts):
+            try:
+                ids.append(self.check_request(prompt, probe))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompts[{k}]: {e}") from e
+        sc = self.schedulers[0]
+        vectors = embed_prompts(
+            self.runner,
+            ids,
+            pooling=pooling,
+            normalize=normalize,
+            max_tokens=sc.max_num_batched_tokens,
+            max_rows=sc.max_num_seqs,
+        )
+        return [EmbeddingOutput(list(p), v) for p, v in zip(ids, vectors, strict=True)]
 
 
 @contextlib.contextmanager

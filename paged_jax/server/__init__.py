@@ -43,6 +43,7 @@ def serve(
     max_connections: int | None = None,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    embedding_pooling: str = "last",
 ) -> None:
     """Serves ``llm`` until SIGINT / SIGTERM, then lets requests in flight finish for up
     to ``shutdown_timeout`` seconds, aborts the rest and returns. ``on_ready()`` is
@@ -51,8 +52,8 @@ def serve(
     ``TrustedHostMiddleware``); None: ``host`` and the loopback names, or any host when
     ``host`` is a wildcard address. ``header_timeout`` (default 30 s) and
     ``max_connections`` (default ``connections.default_max_connections()``): see
-    ``paged_jax.server.connections``; ``body_timeout``, ``tool_call_parser`` and
-    ``reasoning_parser``: see ``Server``."""
+    ``paged_jax.server.connections``; ``body_timeout``, ``tool_call_parser``,
+    ``reasoning_parser`` and ``embedding_pooling``: see ``Server``."""
     import asyncio
 
     import uvicorn
@@ -79,6 +80,7 @@ def serve(
         body_timeout=body_timeout,
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
+        embedding_pooling=embedding_pooling,
     )
     config = uvicorn.Config(
         server.app,

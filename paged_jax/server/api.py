@@ -8,6 +8,7 @@ models would answer 422 in their own format), and nothing else of FastAPI would 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import time
@@ -15,6 +16,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -23,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from paged_jax.engine.embedding import POOLINGS
 from paged_jax.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from paged_jax.server.answers import Answers
 from paged_jax.server.fields import (
@@ -131,9 +134,10 @@ class Server(Answers):
     format the model writes tool calls in (``tools.FORMATS``; None: from its chat
     template, ``tools.detect_format``). ``reasoning_parser``: one of
     ``reasoning.PARSERS`` puts a chat reply's thinking (``<think>`` ... ``</think>``) in
-    ``reasoning_content``; None leaves it in the content. Request bodies are decoded, tokenized and
-    their chat templates rendered on worker threads, never on the event loop, so one
-    large request does not hold up the others' routes.
+    ``reasoning_content``; None leaves it in the content. ``embedding_pooling``: how
+    ``/v1/embeddings`` pools the hidden states (``LLM.embed``'s ``pooling``). Request
+    bodies are decoded, tokenized and their chat templates rendered on worker threads,
+    never on the event loop, so one large request does not hold up the others' routes.
     """
 
     def __init__(
@@ -148,7 +152,13 @@ class Server(Answers):
         body_timeout: float = 60.0,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        embedding_pooling: str = "last",
     ):
+        if embedding_pooling not in POOLINGS:
+            raise ValueError(
+                f"embedding_pooling: expected one of {POOLINGS}, got {embedding_pooling!r}"
+            )
+        self.embedding_pooling = embedding_pooling
         if reasoning_parser not in (None, *PARSERS):
             raise ValueError(
                 f"reasoning_parser: expected one of {PARSERS} or None, got {reasoning_parser!r}"
@@ -209,6 +219,7 @@ class Server(Answers):
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/embeddings", self.embeddings, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
@@ -372,6 +383,111 @@ class Server(Answers):
         except ValueError as e:  # UnicodeEncodeError: a lone surrogate, say
             raise ApiError(400, f"{where}: cannot be tokenized ({e})", "prompt") from None
         return list(getattr(ids, "ids", ids))
+
+    # ------------------------------------------------------------------ embeddings
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's ``POST /v1/embeddings``: ``input`` (a string, token ids, or a list of
+        either) to one vector per input, the final hidden states pooled as
+        ``embedding_pooling`` says and L2-normalized (``LLM.embed``), run on the engine
+        thread between steps; ``dimensions`` keeps the first that many (renormalized,
+        for models trained to allow it), ``encoding_format`` ``"float"`` or ``"base64"``
+        (little-endian f32)."""
+        if (denied := self._auth(request)) is not None:
+            self.metrics.request("embeddings", 401)
+            return denied
+        try:
+            raw = await self._read_body(request)
+            job = await asyncio.to_thread(self._parse_embeddings, raw)
+        except ApiError as e:
+            self.metrics.request("embeddings", e.status)
+            return error_response(e.status, e.message, e.param)
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future = loop.create_future()
+
+        def done(result, error) -> None:
+            def settle():
+                if not answer.done():
+                    if error is None:
+                        answer.set_result(result)
+                    else:
+                        answer.set_exception(error)
+
+            loop.call_soon_threadsafe(settle)
+
+        pooling = self.embedding_pooling
+        try:
+            self.loop.call(lambda: self.llm.embed(job["prompts"], pooling=pooling), done)
+        except RuntimeError as e:
+            self.metrics.request("embeddings", 503)
+            return error_response(503, f"server busy: {e}")
+        try:
+            outputs = await answer
+        except (ValueError, TypeError) as e:
+            self.metrics.request("embeddings", 400)
+            return error_response(400, str(e), _param_of(str(e)))
+        except RuntimeError as e:
+            self.metrics.request("embeddings", 503)
+            return error_response(503, f"server busy: {e}")
+        data = []
+        for k, out in enumerate(outputs):
+            v = out.embedding
+            if job["dimensions"] is not None:
+                v = v[: job["dimensions"]]
+                v = v / n if (n := float(np.linalg.norm(v))) > 0 else v
+            if job["base64"]:
+                value = base64.b64encode(v.astype("<f4").tobytes()).decode()
+            else:
+                value = v.tolist()
+            data.append({"object": "embedding", "index": k, "embedding": value})
+        tokens = sum(len(p) for p in job["prompts"])
+        self.metrics.request("embeddings", 200)
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "model": job["model"],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
+
+    def _parse_embeddings(self, raw: bytes) -> dict:
+        body = _json_body(raw)
+        if not isinstance(body, Mapping):
+            raise ApiError(400, "body: expected a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise ApiError(400, f"model: expected a string, got {model!r}", "model")
+        if self._lora_of(model) is not None:
+            raise ApiError(
+                400, f"model: embeddings come from the base model {self.model_name!r}", "model"
+            )
+        given = body.get("input")
+        if isinstance(given, list) and not given:
+            raise ApiError(400, "input: expected at least one input", "input")
+        prompts = self._prompts(given, "input")
+        for k, ids in enumerate(prompts):
+            if len(ids) >= self.llm.max_model_len:
+                raise ApiError(
+                    400,
+                    f"input[{k}]: {len(ids)} tokens, more than the model's maximum length of "
+                    f"{self.llm.max_model_len - 1} for an input",
+                    "input",
+                )
+        fmt = body.get("encoding_format", "float")
+        if fmt not in ("float", "base64"):
+            raise ApiError(
+                400, f'encoding_format: expected "float" or "base64", got {fmt!r:.40}',
+                "encoding_format",
+            )  # fmt: skip
+        dims = body.get("dimensions")
+        size = self.llm.model.config.hidden_size
+        if dims is not None and (
+            isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= size
+        ):
+            raise ApiError(
+                400, f"dimensions: expected an int in [1, {size}], got {dims!r:.40}", "dimensions"
+            )
+        return dict(model=model, prompts=prompts, base64=fmt == "base64", dimensions=dims)
 
     # ------------------------------------------------------------------ generation
     async def completions(self, request: Request) -> Response:
@@ -624,7 +740,7 @@ class Server(Answers):
             )
         return True, value
 
-    def _prompts(self, prompt: Any) -> list[list[int]]:
+    def _prompts(self, prompt: Any, field: str = "prompt") -> list[list[int]]:
         def one(p: Any, where: str) -> list[int]:
             if isinstance(p, str):
                 ids = self._encode(p, where)
@@ -636,19 +752,19 @@ class Server(Answers):
                 raise ApiError(
                     400,
                     f"{where}: expected a string or a list of token ids, got {p!r:.80}",
-                    "prompt",
+                    field,
                 )
             if not ids:
-                raise ApiError(400, f"{where}: expected at least one token", "prompt")
+                raise ApiError(400, f"{where}: expected at least one token", field)
             vocab = self.llm.model.config.vocab_size
             if not all(0 <= t < vocab for t in ids):
-                raise ApiError(400, f"{where}: token ids must lie in [0, {vocab})", "prompt")
+                raise ApiError(400, f"{where}: token ids must lie in [0, {vocab})", field)
             return ids
 
         given = _prompt_list(prompt)
         if given is prompt:  # a list of prompts
-            return [one(p, f"prompt[{k}]") for k, p in enumerate(prompt)]
-        return [one(prompt, "prompt")]
+            return [one(p, f"{field}[{k}]") for k, p in enumerate(prompt)]
+        return [one(prompt, field)]
 
     def _chat_prompt(
         self, messages: Any, add_generation_prompt: bool = True, **template_args

@@ -151,6 +151,18 @@ class EngineLoop:
             self._in_flight += 1
         self._inbox.put(("add", request_id, prompt, params, notify, stream, lora))
 
+    def call(self, fn: Callable[[], Any], done: Callable[[Any, BaseException | None], None]):
+        """Runs ``fn()`` on the engine thread between steps (any thread may ask; work that
+        reads the engine, such as ``LLM.embed``) and then ``done(result, None)``, or
+        ``done(None, error)`` if it raised or the loop stopped first. Raises RuntimeError
+        once stopping."""
+        with self._lock:
+            if self._stopping.is_set():
+                raise RuntimeError("the server is shutting down")
+            if self._thread.ident is not None and not self._thread.is_alive():
+                raise RuntimeError("the engine thread is not running")
+        self._inbox.put(("call", fn, done))
+
     def abort(self, request_id: Hashable) -> None:
         """Stops a request (any thread): its pages are freed before the next step, and it
         gets no more events."""
@@ -186,6 +198,17 @@ class EngineLoop:
                 if cmd[1] in self._live:
                     self.llm.abort(cmd[1])
                     self._done(cmd[1], None)
+            elif cmd[0] == "call":
+                _, fn, done = cmd
+                if self._stopping.is_set():
+                    done(None, RuntimeError("the server is shutting down"))
+                else:
+                    try:
+                        result = fn()
+                    except Exception as e:  # noqa: BLE001 (the caller gets it)
+                        done(None, e)
+                    else:
+                        done(result, None)
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
