@@ -11,7 +11,8 @@
 #            tests/test_sampling.py, the kernels compiled for the GPU (interpret=False)
 #   models   model, engine, fault, kernel and batch-invariance tests with
 #            PAGED_JAX_BACKEND=pallas_gpu (issue 57's list), the weight-reads test and
-#            the prompt log-probs' (their extra logits rows in the compiled step)
+#            the prompt log-probs' (their extra logits rows in the compiled step) and the
+#            embeddings' (the hidden-state steps on their own pool)
 #   dispatch python -m benchmarks dispatch (does a dispatched step overlap the host's work:
 #            the engine's step loop modelled without the engine, way by way)
 #   products python -m benchmarks products (a layer's products: each projection its own
@@ -98,7 +99,7 @@ EOF
         $PY -m pytest -q -p no:cacheprovider -n 8 --durations=5 -rf \
         tests/test_models.py tests/test_engine.py tests/test_kernels_in_model.py \
         tests/test_engine_faults.py tests/test_pallas_gpu.py tests/test_batch_invariance.py \
-        tests/test_weight_reads.py tests/test_prompt_logprobs.py
+        tests/test_weight_reads.py tests/test_prompt_logprobs.py tests/test_embeddings.py
       ;;
     dispatch)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 run dispatch "$(limit dispatch 120)" \
