@@ -254,6 +254,46 @@ def _parser() -> argparse.ArgumentParser:
     )
     x.add_argument("--no-progress", action="store_true")
     x.add_argument("--json", action="store_true", help="print the result as JSON")
+    e = sub.add_parser(
+        "embed",
+        help="embeddings: each prompt's final hidden states pooled into one vector, printed "
+        "as JSON lines",
+    )
+    e.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="'smollm2-135m-instruct' (default, downloaded once), 'tiny-llama', a Hugging "
+        "Face checkpoint dir or a .gguf file",
+    )
+    e.add_argument("--prompt", action="append", default=None, help="a text (repeatable)")
+    e.add_argument(
+        "--prompts-file", type=pathlib.Path, help="one text per line (UTF-8; '-': standard input)"
+    )
+    e.add_argument(
+        "--prompt-ids",
+        action="append",
+        default=None,
+        metavar="IDS",
+        help="a prompt as token ids, e.g. '1,15,42' (repeatable; no tokenizer needed)",
+    )
+    e.add_argument(
+        "--pooling",
+        choices=["last", "mean", "first"],
+        default="last",
+        help="the last token's hidden state (default, as decoder embedders), their mean, or "
+        "the first's",
+    )
+    e.add_argument("--no-normalize", action="store_true", help="leave the vectors unscaled")
+    e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    e.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens one step computes at most; longer prompts go in pieces (default: 2048)",
+    )
+    e.add_argument(
+        "--compilation-cache", default=None, help="directory of compiled steps, or 'off'"
+    )
     b = sub.add_parser(
         "bench",
         help="run a benchmark (from a source checkout); --out DIR among its arguments "
@@ -261,7 +301,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("name", choices=BENCHMARKS)
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
-    for name in ("generate", "chat", "serve", "perplexity"):
+    for name in ("generate", "chat", "serve", "perplexity", "embed"):
         _quantization_flag(sub.choices[name])
         _kv_cache_flag(sub.choices[name])
     for name in ("generate", "chat"):

@@ -632,6 +632,44 @@ def _perplexity(args) -> int:
     return 0
 
 
+def _embed(args) -> int:
+    """``paged-jax embed``: ``LLM.embed`` of the command line's prompts, one JSON line each
+    (``index``, ``tokens``, ``embedding``)."""
+    if os.sep in args.model and not pathlib.Path(args.model).exists():  # before JAX starts
+        raise UsageError(f"--model: {args.model}: no such checkpoint directory or GGUF file")
+    if not (args.prompt or args.prompts_file or args.prompt_ids):
+        raise UsageError("--prompt, --prompts-file or --prompt-ids: give at least one prompt")
+    prompts = _prompts(args)
+    if args.max_num_batched_tokens < 1:
+        raise UsageError(
+            f"--max-num-batched-tokens: expected an int >= 1, got {args.max_num_batched_tokens}"
+        )
+    _start_jax(args)
+    from paged_jax.engine import LLM
+
+    model, tokenizer = _load_model(args.model, args.dtype, None, args.quantization)
+    if tokenizer is None and any(isinstance(p, str) for p in prompts):
+        raise UsageError(f"--model: {args.model} has no tokenizer; give --prompt-ids")
+    try:
+        llm = LLM(
+            model,
+            tokenizer=tokenizer,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=False,
+            compilation_cache=(
+                False if args.compilation_cache == "off" else args.compilation_cache
+            ),
+            cache_dtype=_kv_cache_dtype(args),
+        )
+        outs = llm.embed(prompts, pooling=args.pooling, normalize=not args.no_normalize)
+    except ValueError as e:
+        raise UsageError(_flag_names(str(e))) from None
+    for k, out in enumerate(outs):
+        line = {"index": k, "tokens": len(out.prompt_token_ids)}
+        print(json.dumps(line | {"embedding": [round(float(x), 7) for x in out.embedding]}))
+    return 0
+
+
 def _bench(args) -> int:
     root = pathlib.Path(__file__).resolve().parents[1]
     if (root / "benchmarks").is_dir() and str(root) not in sys.path:
@@ -728,6 +766,7 @@ def _main(argv: list[str] | None) -> int:
             "chat": _chat,
             "serve": _serve,
             "perplexity": _perplexity,
+            "embed": _embed,
             "bench": _bench,
         }[args.command]
         code = run(args)

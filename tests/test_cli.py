@@ -435,6 +435,29 @@ def test_help_names_every_default_and_generate_runs_the_real_model(capsys):
     assert commands["serve"].get_default("model") == commands["chat"].get_default("model")
 
 
+def test_embed_prints_a_json_line_per_prompt(capsys):
+    """``paged-jax embed``: one line per prompt, in order, with the vector ``LLM.embed``
+    gives; no prompt, or a token id outside the vocabulary, is one line and exit code 2."""
+    import numpy as np
+
+    import paged_jax as pj
+    from paged_jax import cli, models
+
+    argv = ["embed", "--model", "tiny-llama", "--prompt", "hello", "--prompt-ids", "1,2,3"]
+    assert cli.main([*argv, "--pooling", "mean", "--compilation-cache", "off"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    model, tok = models.load("tiny-llama")
+    want = pj.LLM(model, tok, compilation_cache=False).embed(["hello", [1, 2, 3]], pooling="mean")
+    assert [(d["index"], d["tokens"]) for d in lines] == [(0, len(want[0].prompt_token_ids)),
+                                                          (1, 3)]  # fmt: skip
+    for d, w in zip(lines, want, strict=True):
+        np.testing.assert_allclose(d["embedding"], w.embedding, atol=1e-6)
+    assert cli.main(["embed", "--model", "tiny-llama"]) == 2
+    assert "give at least one prompt" in capsys.readouterr().err
+    assert cli.main(["embed", "--model", "tiny-llama", "--prompt-ids", "1,99999"]) == 2
+    assert "token ids must lie in [0, 320)" in capsys.readouterr().err
+
+
 def test_the_missing_extra_hint_works_from_a_checkout():
     from paged_jax import cli
 
