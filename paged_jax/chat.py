@@ -115,6 +115,29 @@ def render_chat(
         raise ChatTemplateError(f"chat template: {type(e).__name__}: {e}"[:500]) from None
 
 
+def continue_final_message(rendered: str, messages: Sequence[Mapping]) -> str:
+    """``rendered`` (the conversation ``messages`` under its chat template, without a
+    generation prompt) cut right after the final message's content, so that generation
+    goes on with that message instead of starting a new one (vLLM's and transformers'
+    ``continue_final_message``: a reply prefilled with its first words). ValueError
+    naming ``messages`` when the final message is not an assistant's text, or the
+    template does not write it as given."""
+    final = messages[-1] if messages else None
+    content = final.get("content") if isinstance(final, Mapping) else None
+    if not isinstance(content, str) or not content.strip() or final.get("role") != "assistant":
+        raise ValueError(
+            "messages: continue_final_message needs a final assistant message with text"
+        )
+    for text in (content, content.strip()):  # (templates may strip a message)
+        at = rendered.rfind(text)
+        if at >= 0:
+            return rendered[: at + len(text)]
+    raise ValueError(
+        "messages: the chat template does not write the final message's content as given, "
+        "so it cannot be continued"
+    )
+
+
 def check_messages(messages: Any) -> None:
     """Raises TypeError / ValueError naming ``messages[i]`` unless ``messages`` is a
     non-empty list of mappings with string ``role`` and ``content`` (``content`` may be

@@ -156,3 +156,45 @@ def test_llm_chat_is_generate_on_the_rendered_prompt_and_reuses_pages(tmp_path):
     tiny = pj.LLM(*models.load("tiny-llama"), num_pages=16)
     with pytest.raises(ValueError, match="tokenizer: chat needs a tokenizer with a chat template"):
         tiny.chat(first, p)
+
+
+def test_continue_final_message_goes_on_with_the_assistants_words(tmp_path):
+    """``continue_final_message`` (vLLM's and transformers'): the prompt ends with the
+    final assistant message's text, not with its end-of-turn; in ``LLM.chat`` and the
+    server alike. Refused without a final assistant message, with a template that does
+    not write it, and beside ``add_generation_prompt``."""
+    from starlette.testclient import TestClient
+
+    from paged_jax.chat import continue_final_message
+    from paged_jax.server.api import Server
+
+    template = GOLDEN["smollm2"]["template"]  # ChatML: <|im_start|>role\n...<|im_end|>
+    msgs = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "It is "}]
+    text = render_chat(template, msgs, add_generation_prompt=False)
+    cut = continue_final_message(text, msgs)
+    assert text.endswith("It is <|im_end|>\n") and cut == text[: text.rindex("It is ") + 6]
+    assert cut.endswith("<|im_start|>assistant\nIt is ")
+    with pytest.raises(ValueError, match="needs a final assistant message with text"):
+        continue_final_message(text, msgs[:1])
+    with pytest.raises(ValueError, match="does not write the final message's content"):
+        continue_final_message("<|im_start|>assistant\n", msgs)
+
+    write_gguf(tmp_path / "m.gguf", _model(), extra={"tokenizer.chat_template": template})
+    model, tok = load_gguf(tmp_path / "m.gguf")
+    llm = pj.LLM(model, tok, num_pages=64, page_size=16, compilation_cache=False)
+    p = pj.SamplingParams(max_tokens=3, ignore_eos=True)
+    out = llm.chat(msgs, p, add_generation_prompt=False, continue_final_message=True,
+                   progress=False)  # fmt: skip
+    want = tok.encode(cut, add_special_tokens=False).ids
+    assert out[0].prompt_token_ids == want
+    with pytest.raises(ValueError, match="continue_final_message: not with add_generation"):
+        llm.chat(msgs, p, continue_final_message=True)
+    body = dict(model="t", messages=msgs, max_tokens=3, continue_final_message=True)
+    with TestClient(Server(llm, model_name="t").app) as http:
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(want)
+        r = http.post("/v1/chat/completions", json=body | {"add_generation_prompt": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+        r = http.post("/v1/chat/completions", json=body | {"messages": msgs[:1]})
+        assert r.status_code == 400 and "final assistant message" in r.text

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from paged_jax.chat import continue_final_message as _cut_after_final
 from paged_jax.engine import compile_cache
 from paged_jax.engine.core import EngineCore
 from paged_jax.engine.embedding import POOLINGS, EmbeddingOutput, embed_prompts
@@ -474,6 +475,7 @@ class LLM(EngineCore):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         progress: bool = True,
         lora: str | None = None,
         **template_args: Any,
@@ -486,17 +488,30 @@ class LLM(EngineCore):
         and generated like ``generate``'s prompts. The turns a conversation shares with an
         earlier request reuse its pages through the prefix cache
         (``RequestOutput.metrics.num_cached_tokens``). ``lora``: a registered adapter's
-        name (``add_lora``) every conversation runs with. Returns one output per
-        conversation; raises ValueError naming ``conversations[k]``.
+        name (``add_lora``) every conversation runs with. ``continue_final_message``: the
+        reply goes on with the final (assistant) message instead of starting a new one
+        (a reply prefilled with its first words; ``add_generation_prompt`` must then be
+        False). Returns one output per conversation; raises ValueError naming
+        ``conversations[k]``.
         """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message: not with add_generation_prompt (pass "
+                "add_generation_prompt=False)"
+            )
         return self.generate(
-            self._chat_prompts(conversations, add_generation_prompt, template_args),
+            self._chat_prompts(
+                conversations, add_generation_prompt, template_args, continue_final_message
+            ),
             sampling_params,
             progress=progress,
             lora=lora,
         )
 
-    def _chat_prompts(self, conversations, add_generation_prompt, template_args) -> list:
+    def _chat_prompts(
+        self, conversations, add_generation_prompt, template_args, go_on: bool = False
+    ) -> list:
+        """Each conversation's prompt ids (``go_on``: continuing its final message)."""
         render = getattr(self.tokenizer, "apply_chat_template", None)
         if render is None:
             raise ValueError(
@@ -512,6 +527,13 @@ class LLM(EngineCore):
         prompts = []
         for k, conv in enumerate([conversations] if single else conversations):
             try:
+                if go_on:
+                    text = render(conv, add_generation_prompt=False, **template_args)
+                    ids = self.tokenizer.encode(
+                        _cut_after_final(text, conv), add_special_tokens=False
+                    )
+                    prompts.append(list(getattr(ids, "ids", ids)))
+                    continue
                 prompts.append(
                     render(
                         conv,

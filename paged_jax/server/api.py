@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from paged_jax.chat import continue_final_message
 from paged_jax.engine.embedding import POOLINGS
 from paged_jax.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from paged_jax.server.answers import Answers
@@ -114,6 +115,23 @@ def _template_kwargs(value: Any) -> dict:
             400, f"chat_template_kwargs: {taken[0]!r} is set by the server", "chat_template_kwargs"
         )
     return dict(value)
+
+
+def _turn_fields(body: Mapping) -> tuple[bool, bool]:
+    """A chat request's ``(add_generation_prompt, continue_final_message)`` (vLLM's
+    extensions; defaults true and false, the first false when the second is true)."""
+    go_on = body.get("continue_final_message", False)
+    generation = body.get("add_generation_prompt")
+    for name, value in (("continue_final_message", go_on), ("add_generation_prompt", generation)):
+        if value is not None and not isinstance(value, bool):
+            raise ApiError(400, f"{name}: expected a bool, got {value!r:.40}", name)
+    if go_on and generation:
+        raise ApiError(
+            400,
+            "continue_final_message: not with add_generation_prompt true",
+            "continue_final_message",
+        )
+    return (not go_on) if generation is None else generation, bool(go_on)
 
 
 def _prompt_list(prompt: Any) -> Any:
@@ -619,7 +637,8 @@ class Server(Answers):
                 raise ApiError(400, str(e), e.param) from None
             args = _template_kwargs(body.get("chat_template_kwargs"))
             args.update({} if tools is None else tools.template_args())
-            prompts = [self._chat_prompt(body.get("messages"), **args)]
+            generation, go_on = _turn_fields(body)
+            prompts = [self._chat_prompt(body.get("messages"), generation, go_on, **args)]
         else:
             prompts = self._prompts(body.get("prompt"))
         for ids in prompts:
@@ -767,8 +786,9 @@ class Server(Answers):
         return [one(prompt, field)]
 
     def _chat_prompt(
-        self, messages: Any, add_generation_prompt: bool = True, **template_args
-    ) -> list[int]:
+        self, messages: Any, add_generation_prompt: bool = True, go_on: bool = False,
+        **template_args,
+    ) -> list[int]:  # fmt: skip
         if isinstance(messages, list):  # content as a list of text parts
             flat = []
             for i, m in enumerate(messages):
@@ -798,6 +818,11 @@ class Server(Answers):
                 "messages",
             )
         try:
+            if go_on:  # the final message continued (continue_final_message)
+                text = self.llm.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=False, **template_args
+                )
+                return self._encode(continue_final_message(text, messages), "messages", False)
             return list(
                 self.llm.tokenizer.apply_chat_template(
                     messages,
