@@ -99,10 +99,14 @@ def servers(tmp_path_factory):
 
 
 def _chat(client, regex, stream=False, **kw):
+    # a Lark grammar holds the whole reply, thinking included (a regex would hold only
+    # what follows the thinking)
+    one_line = regex.replace("\\\n", "\\n").replace("\n", "\\n")  # (re.escape's too)
+    whole = "start: /" + one_line.replace("/", "\\/") + "/"
     body = dict(
         model="t",
         messages=[{"role": "user", "content": "2 + 2?"}],
-        structured_outputs={"regex": regex},
+        structured_outputs={"grammar": whole},
         max_tokens=80,
         temperature=0.9,
         seed=11,
@@ -181,3 +185,33 @@ def test_bad_chat_template_kwargs_are_a_400_naming_the_field(servers):
         r = parsed.post("/v1/chat/completions", json=body | {"chat_template_kwargs": value})
         assert r.status_code == 400 and r.json()["error"]["message"] == message
         assert r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_a_constraint_holds_after_the_thinking(servers):
+    """With a reasoning parser, ``response_format`` constrains what follows the thinking
+    (``StructuredOutput.think``): a reply that opens no block is the JSON itself, all
+    content (the first token pushed to "{" by ``logit_bias``); one whose prompt opened
+    the block is free until it closes (here it never does: all reasoning)."""
+    parsed, _ = servers
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}  # fmt: skip
+    body = dict(
+        model="t",
+        messages=[{"role": "user", "content": "json please"}],
+        response_format={"type": "json_schema", "json_schema": {"schema": schema}},
+        max_tokens=40,
+        temperature=0.9,
+        seed=5,
+    )
+    (brace,) = parsed.post("/tokenize", json={"prompt": "{", "add_special_tokens": False}).json()[
+        "tokens"
+    ]
+    r = parsed.post("/v1/chat/completions", json=body | {"logit_bias": {str(brace): 100}})
+    m = r.json()["choices"][0]["message"]
+    assert r.status_code == 200 and m["reasoning_content"] is None, r.text
+    assert set(json.loads(m["content"])) == {"a"}
+    inside = body | {"chat_template_kwargs": {"open_think": True}, "max_tokens": 6}
+    r = parsed.post("/v1/chat/completions", json=inside)
+    c = r.json()["choices"][0]
+    assert r.status_code == 200 and c["finish_reason"] == "length", r.text
+    assert c["message"]["content"] is None and len(c["message"]["reasoning_content"]) > 0

@@ -314,3 +314,52 @@ def test_held_out_schemas_validate_with_jsonschema(engine, k):
         c = o.outputs[0]
         assert c.finish_reason == "stop", (k, c.text)
         jsonschema.validate(json.loads(c.text), schema)
+
+
+@pytest.mark.parametrize(
+    "spec,think,good,bad",
+    [
+        (
+            dict(json=SCHEMA),
+            "inside",
+            'hm, {"id": 1}\n</think>\n\n{"id": 5, "kind": "cat", "tags": []}',
+            ['{"id": 5}', 'x</think>{"id": 5, "kind": "cow", "tags": []}'],
+        ),
+        (
+            dict(json=SCHEMA),
+            "optional",
+            '<think>\nno\n</think>\n\n{"id": 7, "kind": "dog", "tags": ["a"]}',
+            ['Sure! {"id": 7}', '<think>a</think>"x"'],
+        ),
+        (dict(json=SCHEMA), "optional", '{"id": 7, "kind": "dog", "tags": []}', ["<thin>"]),
+        (dict(regex=r"a/b[0-9]+"), "inside", "</think>a/b42", ["a/b42", "</think>a/c1"]),
+        (
+            dict(choice=["yes", 'no "way"']),
+            "optional",
+            '<think>?</think> no "way"',
+            ["maybe", "<think>x</think>maybe"],
+        ),
+        (dict(grammar='start: "x" | "y" y\ny: "!"'), "inside", "..</think>y!", ["x"]),
+    ],
+    ids=["json-inside", "json-optional", "json-no-thinking", "regex", "choice", "grammar"],
+)
+def test_a_constraint_holds_after_the_thinking_block(engine, spec, think, good, bad):
+    """``StructuredOutput(think=...)``: free text up to the first ``</think>`` (the prompt
+    opened the block, or the output opens it itself), whitespace, then the constraint;
+    an output that breaks the constraint after the block, or gives it before, is refused
+    at some token."""
+    from paged_jax.engine.structured import Grammars
+
+    model, tok = engine
+    grammars = Grammars(tok, eos=None, vocab=model.config.vocab_size)
+
+    def takes(text):
+        m = grammars.matcher(StructuredOutput(**spec, think=think))
+        ok = all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False).ids)
+        return ok and m.is_accepting()
+
+    assert takes(good)
+    for text in bad:
+        assert not takes(text), text
+    with pytest.raises(ValueError, match="structured.think: expected None, 'inside' or"):
+        StructuredOutput(regex="a", think="always")

@@ -37,6 +37,13 @@ class StructuredOutput:
     - ``grammar``: a Lark grammar (llguidance's dialect) whose ``start`` rule the output
       matches.
 
+    ``think``: a reasoning model's thinking comes first, unconstrained, and the constraint
+    holds from the end of the block on (``paged_jax.server.reasoning``'s rule):
+    ``"inside"``, the prompt opened ``<think>`` and the output starts inside it (any text
+    up to the first ``</think>``); ``"optional"``, the output may open with a
+    ``<think>`` ... ``</think>`` block (after whitespace). Whitespace may follow the
+    block. None (default): the whole output is constrained.
+
     Raises ``ValueError`` / ``TypeError`` naming the field for a malformed one (a schema or
     grammar the library refuses is found when a request is added, against the engine's
     tokenizer).
@@ -47,8 +54,13 @@ class StructuredOutput:
     regex: str | None = None
     choice: Sequence[str] | None = None
     grammar: str | None = None
+    think: str | None = None
 
     def __post_init__(self):
+        if self.think not in (None, "inside", "optional"):
+            raise ValueError(
+                f"structured.think: expected None, 'inside' or 'optional', got {self.think!r:.40}"
+            )
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
@@ -82,17 +94,18 @@ class StructuredOutput:
     def kind(self) -> str:
         return next(k for k in _KINDS if getattr(self, k) not in (None, False))
 
-    def key(self) -> tuple[str, str]:
-        """(kind, text): what the compiled grammar depends on (a cache key)."""
+    def key(self) -> tuple[str, str, str | None]:
+        """(kind, text, think): what the compiled grammar depends on (a cache key)."""
         kind = self.kind
         if kind == "json":
             text = (
                 self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
             )
-            return kind, text
-        if kind == "choice":
-            return kind, "\x00".join(self.choice)
-        return kind, "" if kind == "json_object" else getattr(self, kind)
+        elif kind == "choice":
+            text = "\x00".join(self.choice)
+        else:
+            text = "" if kind == "json_object" else getattr(self, kind)
+        return kind, text, self.think
 
 
 def _llguidance():
@@ -157,7 +170,36 @@ class Grammars:
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def _compiled(grammars: Grammars, key: tuple[str, str]):
+# A reasoning model's thinking before the constrained part (StructuredOutput.think): lazy
+# lexemes, so each ends at the first "</think>"
+_THINK = {
+    "inside": "think[lazy]: /(?s:.*)<\\/think>/\n",
+    "optional": "think[lazy]: /[ \\t\\r\\n]*<think>(?s:.*)<\\/think>/\n",
+}
+
+
+def _after_thinking(kind: str, text: str, think: str) -> str:
+    """A Lark grammar: the thinking block (``_THINK[think]``), whitespace, then the
+    constraint ``(kind, text)`` as its ``body`` rule."""
+    if kind in ("json", "json_object"):
+        schema = json.loads(text) if kind == "json" else {"type": "object"}
+        if not isinstance(schema, dict):
+            raise ValueError("expected a JSON schema object")
+        body = "body: %json " + json.dumps({**schema, "x-guidance": COMPACT_JSON})
+    elif kind == "regex":  # a terminal: its slashes escaped for Lark's /.../
+        body = "body: /" + re.sub(r"(?<!\\)/", r"\/", text) + "/"
+    elif kind == "choice":
+        body = "body: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in text.split("\x00"))
+    else:  # a grammar: its start rule renamed to body (a grammar that refers to its own
+        # start rule elsewhere then refers to the whole output)
+        body, n = re.subn(r"(?m)^(\s*)start(\s*(?:\[[^\]]*\])?\s*:)", r"\1body\2", text)
+        if n != 1:
+            raise ValueError("expected one start rule to put after the thinking")
+    first = "start: think ws body\n" if think == "inside" else "start: think? ws body\n"
+    return first + _THINK[think] + "ws: /[ \\t\\r\\n]*/\n" + body + "\n"
+
+
+def _compiled(grammars: Grammars, key: tuple[str, str, str | None]):
     """The matcher of ``key`` in its initial state, compiled once per engine (the 64 most
     recent kept)."""
     cache = grammars._cache
@@ -165,10 +207,12 @@ def _compiled(grammars: Grammars, key: tuple[str, str]):
         return cache[key]
     llg = _llguidance()
     lt = grammars._adapted()
-    kind, text = key
+    kind, text, think = key
     field = f"params.structured.{kind}"
     try:
-        if kind in ("json", "json_object"):  # compact JSON: ", " and ": ", no free spaces
+        if think is not None:
+            grammar = llg.LLMatcher.grammar_from_lark(_after_thinking(kind, text, think))
+        elif kind in ("json", "json_object"):  # compact JSON: ", " and ": ", no free spaces
             schema = text if kind == "json" else '{"type": "object"}'
             grammar = llg.LLMatcher.grammar_from_json_schema(schema, overrides=COMPACT_JSON)
         elif kind == "regex":

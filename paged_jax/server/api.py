@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -687,6 +688,17 @@ class Server(Answers):
             from paged_jax.engine.structured import StructuredOutput
 
             structured = StructuredOutput(grammar=grammar)
+        # with a reasoning parser: whether the reply starts inside its thinking
+        inside = (
+            starts_inside(self.llm.decode(prompts[0][-32:]) or "")
+            if chat and self.reasoning_parser is not None
+            else None
+        )
+        # the thinking comes first, free; a Lark grammar of the client's own holds the
+        # whole reply (it can describe the thinking itself), the tools' grammar does not
+        thinks = structured is not None and (structured.kind != "grammar" or grammar is not None)
+        if thinks and inside is not None:
+            structured = dataclasses.replace(structured, think="inside" if inside else "optional")
         if structured is not None:
             kw["structured"] = structured
         if echo and logprobs:  # the prompt's tokens get log-probs too
@@ -709,10 +721,7 @@ class Server(Answers):
             params=params,
             stream=stream,
             tools=tools if tools is not None and tools.active else None,
-            # with a reasoning parser: whether the reply starts inside its thinking
-            reasoning=starts_inside(self.llm.decode(prompts[0][-32:]) or "")
-            if chat and self.reasoning_parser is not None
-            else None,
+            reasoning=inside,
             include_usage=bool(options.get("include_usage", False)),
             logprobs=logprobs,
             echo=self._prompt_texts(body.get("prompt"), prompts) if echo else None,
