@@ -117,6 +117,7 @@ def _check_engine(out: dict, ref: dict) -> None:
         assert r["compilations"] <= r["compiled_steps"] <= 2 * r["compilations"], r
 
 
+@pytest.mark.slow  # 14 s (a worker process); .ci/run runs it, tests/test_routing.py the rule
 def test_data_parallel_requests_go_where_their_prefix_is_cached():
     """2 replicas, a wave of one prompt of each of two families (a 24-token system
     prompt each), then a wave of A A B B: routed by prefix, each family stays on its
