@@ -105,6 +105,13 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     c.add_argument(
+        "--hide-thinking",
+        action="store_true",
+        help="a reasoning model's thinking (<think> ... </think>, where the chat template "
+        "has it) is printed dim to stderr and kept out of the conversation; this leaves it "
+        "out of the screen too",
+    )
+    c.add_argument(
         "--dtype", default=None, choices=["float32", "bfloat16"], help="default: as stored"
     )
     c.add_argument(

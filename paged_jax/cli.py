@@ -297,6 +297,11 @@ def _chat(args) -> int:
     if not args.no_warm_up:  # no reply waits for a compile
         llm.warm_up()
     conversation = [{"role": "system", "content": args.system}] if args.system else []
+    from paged_jax.server.reasoning import OPEN, ReasoningStream, starts_inside
+
+    template = tokenizer.chat_template
+    thinks = isinstance(template, str) and OPEN in template  # a reasoning model's
+    dim, undim = ("\x1b[2m", "\x1b[0m") if sys.stderr.isatty() else ("", "")
     print(f"chat with {args.model}; an empty line or Ctrl-D ends", file=sys.stderr, flush=True)
     while True:
         try:
@@ -309,10 +314,20 @@ def _chat(args) -> int:
         conversation.append({"role": "user", "content": line})
         ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
         reply, done = "", None
+        # a reasoning model's thinking apart: dim on stderr, never in the conversation
+        split = ReasoningStream(starts_inside(llm.decode(ids[-32:]) or "")) if thinks else None
+
+        def show(thought: str, text: str) -> str:
+            if thought and not args.hide_thinking:
+                print(f"{dim}{thought}{undim}", end="", file=sys.stderr, flush=True)
+            print(text, end="", flush=True)
+            return text
+
         for piece in llm.stream([ids], params, lora=lora):
-            print(piece.text, end="", flush=True)
-            reply += piece.text
+            reply += show(*split.feed(piece.text)) if split else show("", piece.text)
             done = piece.output or done
+        if split is not None:  # what it held back
+            reply += show(*split.finish())
         print()
         m = done.metrics
         print(

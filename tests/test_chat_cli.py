@@ -103,3 +103,42 @@ def test_generate_chat_is_generate_on_the_rendered_prompt(tmp_path):
         timeout=300,
     )
     assert tiny.returncode == 2 and "--chat: tiny-llama has no chat template" in tiny.stderr
+
+
+@pytest.mark.parametrize("hide", [False, True])
+def test_chat_keeps_a_reasoning_models_thinking_apart(tmp_path, monkeypatch, capsys, hide):
+    """A template with ``<think>``: the reply's thinking goes dim to stderr (or nowhere
+    with ``--hide-thinking``), the answer to stdout, and the next turn's prompt holds
+    the answer alone. The engine's stream is scripted (a random model never closes a
+    block), cut mid-tag."""
+    from types import SimpleNamespace
+
+    import paged_jax.engine.llm as engine_llm
+    from paged_jax import cli
+
+    template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+        "<|assistant|><think>\n"
+    )
+    path = tmp_path / "m.gguf"
+    write_gguf(path, _model(), extra={"tokenizer.chat_template": template})
+    pieces = ["Let me ", "think.</th", "ink>\n\nIt is", " 4."]
+    prompts = []
+
+    def scripted(self, batch, params, lora=None):
+        prompts.append(self.decode(batch[0]))
+        metrics = SimpleNamespace(num_generated_tokens=4, num_cached_tokens=0, num_prompt_tokens=9)
+        done = SimpleNamespace(metrics=metrics)
+        for k, text in enumerate(pieces):
+            yield SimpleNamespace(text=text, output=done if k == len(pieces) - 1 else None)
+
+    monkeypatch.setattr(engine_llm.LLM, "stream", scripted)
+    lines = iter(["2 + 2?", "and 3 + 3?", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    argv = ["chat", "--model", str(path), "--no-warm-up", "--compilation-cache", "off"]
+    assert cli.main(argv + (["--hide-thinking"] if hide else [])) == 0
+    out, err = capsys.readouterr()
+    assert out == "It is 4.\nIt is 4.\n"
+    assert ("Let me think." in err) != hide and "</think>" not in err
+    assert "<|assistant|>It is 4.<|user|>and 3 + 3?<|assistant|>" in prompts[1]
+    assert "think." not in prompts[1]
