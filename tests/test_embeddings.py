@@ -88,14 +88,15 @@ def client():
 
     model, tok = models.load("tiny-llama")
     llm = pj.LLM(model, tok, num_pages=64, page_size=8, max_model_len=64,
-                 compilation_cache=False)  # fmt: skip
-    with TestClient(Server(llm, model_name="t").app) as http:
+                 max_num_batched_tokens=32, compilation_cache=False)  # fmt: skip
+    server = Server(llm, model_name="t")
+    with TestClient(server.app) as http:
         oai = openai.OpenAI(base_url="http://testserver/v1", api_key="-", http_client=http)
-        yield http, oai, llm
+        yield http, oai, llm, server
 
 
 def test_the_embeddings_route_answers_as_openai_does(client):
-    http, oai, llm = client
+    http, oai, llm, _ = client
     want = llm.embed(["hello there", "a b c"])
     got = oai.embeddings.create(model="t", input=["hello there", "a b c"])
     assert [d.index for d in got.data] == [0, 1]
@@ -124,7 +125,7 @@ def test_the_embeddings_route_answers_as_openai_does(client):
     ],
 )
 def test_bad_embedding_requests_are_400s_naming_the_field(client, body, param, message):
-    http, _, _ = client
+    http, _, _, _ = client
     r = http.post("/v1/embeddings", json={"model": "t"} | body)
     assert r.status_code in (400, 404), r.text
     err = r.json()["error"]
@@ -149,3 +150,21 @@ def test_a_hybrid_pool_embeds_as_a_full_one():
         got[hybrid] = [o.embedding for o in llm.embed(prompts, pooling="mean")]
     for a, b in zip(got[True], got[False], strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_a_large_request_is_embedded_a_step_at_a_time(client, monkeypatch):
+    """Inputs beyond a step's token budget (32 here) go to the engine thread in groups
+    that fit it, so the steps of requests in flight run between them; the vectors are
+    those of one call."""
+    http, _, llm, server = client
+    rng = np.random.default_rng(7)
+    inputs = [rng.integers(1, 256, n).tolist() for n in (20, 10, 20, 40, 5, 5)]
+    calls = []
+    real = server.loop.call
+    monkeypatch.setattr(server.loop, "call", lambda fn, done: (calls.append(1), real(fn, done)))
+    r = http.post("/v1/embeddings", json={"model": "t", "input": inputs})
+    assert r.status_code == 200, r.text
+    assert len(calls) == 4  # [20, 10], [20], [40], [5, 5]
+    want = llm.embed(inputs)
+    for d, w in zip(r.json()["data"], want, strict=True):
+        np.testing.assert_allclose(d["embedding"], w.embedding, atol=1e-6)

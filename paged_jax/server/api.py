@@ -135,6 +135,19 @@ def _turn_fields(body: Mapping) -> tuple[bool, bool]:
     return (not go_on) if generation is None else generation, bool(go_on)
 
 
+def _by_budget(prompts: list[list[int]], budget: int) -> list[list[list[int]]]:
+    """``prompts`` in order, in groups of at most ``budget`` tokens (a longer prompt alone)."""
+    groups: list[list[list[int]]] = []
+    used = budget
+    for p in prompts:
+        if used + len(p) > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(p)
+        used += len(p)
+    return groups
+
+
 def _prompt_list(prompt: Any) -> Any:
     """Completions' ``prompt`` as a list of prompts: itself when it is one (a non-empty
     list of strings or of token-id lists), else ``[prompt]`` (one string, or one list of
@@ -421,26 +434,31 @@ class Server(Answers):
             self.metrics.request("embeddings", e.status)
             return error_response(e.status, e.message, e.param)
         loop = asyncio.get_running_loop()
-        answer: asyncio.Future = loop.create_future()
-
-        def done(result, error) -> None:
-            def settle():
-                if not answer.done():
-                    if error is None:
-                        answer.set_result(result)
-                    else:
-                        answer.set_exception(error)
-
-            loop.call_soon_threadsafe(settle)
-
         pooling = self.embedding_pooling
+
+        async def embed(prompts):
+            """``LLM.embed`` of ``prompts`` on the engine thread, between its steps."""
+            answer: asyncio.Future = loop.create_future()
+
+            def done(result, error) -> None:
+                def settle():
+                    if not answer.done():
+                        if error is None:
+                            answer.set_result(result)
+                        else:
+                            answer.set_exception(error)
+
+                loop.call_soon_threadsafe(settle)
+
+            self.loop.call(lambda: self.llm.embed(prompts, pooling=pooling), done)
+            return await answer
+
+        outputs = []
         try:
-            self.loop.call(lambda: self.llm.embed(job["prompts"], pooling=pooling), done)
-        except RuntimeError as e:
-            self.metrics.request("embeddings", 503)
-            return error_response(503, f"server busy: {e}")
-        try:
-            outputs = await answer
+            # a step's worth of tokens at a time, so that the engine's steps for requests
+            # in flight go on between them (a large request does not stall their streams)
+            for group in _by_budget(job["prompts"], self.llm.schedulers[0].max_num_batched_tokens):
+                outputs += await embed(group)
         except (ValueError, TypeError) as e:
             self.metrics.request("embeddings", 400)
             return error_response(400, str(e), _param_of(str(e)))
