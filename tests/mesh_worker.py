@@ -4,6 +4,7 @@ count is fixed when JAX starts): the engine (``LLM``) under tensor and data para
     python tests/mesh_worker.py engine MESH[,MESH...] [tiny-llama|gemma3]   one process, 8 devices
     python tests/mesh_worker.py host PID PORT MESH[,MESH...] one of 2 processes x 4 devices
     python tests/mesh_worker.py routing                      2 replicas on 2 devices
+    python tests/mesh_worker.py draft                        a draft and embeddings at tp 2
 
 A MESH is ``TP`` or ``TPxDP`` (tensor- x data-parallel size). The model is one with 8
 query and 2 KV heads, the ``tiny-llama`` preset (4 and 2), or ``gemma3``, the golden
@@ -21,7 +22,7 @@ import sys
 
 MODE = sys.argv[1]
 MODEL = sys.argv[3] if MODE == "engine" and len(sys.argv) > 3 else "gqa-8-2"
-DEVICES = {"engine": 8, "host": 4, "routing": 2}[MODE]
+DEVICES = {"engine": 8, "host": 4, "routing": 2, "draft": 2}[MODE]
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -194,9 +195,37 @@ def routing() -> dict:
     return out
 
 
+def draft() -> dict:
+    """Speculative decoding with a draft model, and embeddings, on one device and at
+    tensor-parallel size 2 (the draft's pool split along heads as the target's): the
+    tokens, the draft's proposals and pool bytes per device, the embeddings."""
+    np = __import__("numpy")
+    prompts = [[5, 6, 7, 8] * 6, list(range(30, 50))]
+    p = pj.SamplingParams(max_tokens=16, ignore_eos=True)
+    spec = {"method": "draft", "draft_model": "tiny-llama", "num_speculative_tokens": 3}
+    out = {}
+    for tp in (1, 2):
+        model, _ = models.load("tiny-llama")
+        llm = pj.LLM(model, num_pages=64, page_size=PAGE, tensor_parallel_size=tp,
+                     speculative=spec, compilation_cache=False)  # fmt: skip
+        outs = llm.generate(prompts, p, progress=False)
+        pool = llm.proposer.cache.kv_pages
+        out[tp] = dict(
+            tokens=[o.outputs[0].token_ids for o in outs],
+            proposed=llm.metrics.spec_draft_tokens,
+            failed=llm.metrics.failed_steps,
+            draft_pool_share=int(pool.addressable_shards[0].data.nbytes) / int(pool.nbytes),
+            embeddings=np.stack([e.embedding for e in llm.embed(prompts)]).tolist(),
+        )
+    return out
+
+
 def main() -> None:
     if MODE == "routing":
         print(json.dumps(routing()))
+        return
+    if MODE == "draft":
+        print(json.dumps(draft()))
         return
     specs = sys.argv[2 if MODE == "engine" else 4].split(",")
     out = {spec: run(spec) for spec in specs}

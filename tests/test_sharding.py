@@ -117,6 +117,18 @@ def _check_engine(out: dict, ref: dict) -> None:
         assert r["compilations"] <= r["compiled_steps"] <= 2 * r["compilations"], r
 
 
+@pytest.mark.slow  # 15 s (a worker process); .ci/run runs it
+def test_a_draft_model_and_embeddings_on_a_tensor_parallel_mesh():
+    """At tensor-parallel size 2 a draft model proposes as on one device (its pool split
+    along heads, half a device) and the tokens are one device's; embeddings too."""
+    out = _worker("mesh_worker.py", "draft")
+    one, two = out["1"], out["2"]
+    assert two["tokens"] == one["tokens"] and two["failed"] == 0
+    assert two["proposed"] == one["proposed"] > 0
+    assert one["draft_pool_share"] == 1.0 and two["draft_pool_share"] == 0.5
+    np.testing.assert_allclose(two["embeddings"], one["embeddings"], atol=1e-5)
+
+
 @pytest.mark.slow  # 14 s (a worker process); .ci/run runs it, tests/test_routing.py the rule
 def test_data_parallel_requests_go_where_their_prefix_is_cached():
     """2 replicas, a wave of one prompt of each of two families (a 24-token system

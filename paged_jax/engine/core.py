@@ -117,6 +117,7 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation, Loras):
                 max_step_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs,
                 on_compile=runner.compiled_buckets.append,
+                mesh=runner.mesh,
             )
         )
         self._bm_args = block_manager_args

@@ -36,9 +36,11 @@ import numpy as np
 
 from paged_jax.batch import ScheduledSeq, bucket, build_batch, null_batch
 from paged_jax.block_manager import BlockManager, OutOfPages
+from paged_jax.engine.runner import mesh_context
 from paged_jax.engine.shapes import StepShape, step_shapes
 from paged_jax.engine.speculative import DraftRequest
 from paged_jax.metadata import AttentionMetadata
+from paged_jax.sharding import create_cache
 
 log = logging.getLogger("paged_jax")
 
@@ -46,9 +48,10 @@ _MIN_TOKENS = _MIN_SEQS = 8  # a draft step's smallest buckets
 
 
 @functools.lru_cache(maxsize=4)
-def _draft_step(graphdef):
-    """The draft's jitted step: ``(state, tokens i32[T], positions i32[T], cache,
-    metadata) -> (argmax i32[R] of the logits of the metadata's rows, cache)``."""
+def _draft_step(graphdef, mesh):
+    """The draft's jitted step (for ``mesh``, or None): ``(state, tokens i32[T],
+    positions i32[T], cache, metadata) -> (argmax i32[R] of the logits of the metadata's
+    rows, cache)``."""
     from flax import nnx
 
     @functools.partial(jax.jit, donate_argnums=(3,))
@@ -66,6 +69,8 @@ class DraftModelProposer:
     a pool of ``num_pages`` pages of ``page_size`` tokens (``cache_dtype``: its K/V
     dtype, None for the model's default).
 
+    ``mesh``: the target's tensor-parallel mesh, on which the draft's weights lie (its
+    pool is split along heads as the target's); None: one device.
     ``max_model_len``: the longest sequence (the width of a static block table);
     ``max_step_tokens``: the most tokens one draft step computes (more go to further
     steps); ``max_num_seqs``: the most sequences one ``propose`` call names (what
@@ -85,6 +90,7 @@ class DraftModelProposer:
         max_step_tokens: int = 2048,
         max_num_seqs: int = 256,
         on_compile: Callable[[dict], None] | None = None,
+        mesh: Any = None,
     ):
         from flax import nnx
 
@@ -109,9 +115,11 @@ class DraftModelProposer:
         self.model = model
         self.page_size = page_size
         self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=False, watermark=0.0)
-        self.cache = model.make_cache(num_pages, page_size, cache_dtype)
+        self.mesh = mesh
+        make = functools.partial(model.make_cache, num_pages, page_size, cache_dtype)
+        self.cache = make() if mesh is None else create_cache(make, mesh)
         graphdef, self.state = nnx.split(model)
-        self._step = _draft_step(graphdef)
+        self._step = _draft_step(graphdef, mesh)
         self._recent: OrderedDict = OrderedDict()  # seq_id -> None, least recently asked first
         self.steps = 0  # draft steps run (metrics, tests)
         self.max_model_len = max_model_len
@@ -174,9 +182,14 @@ class DraftModelProposer:
         before = self._step._cache_size()
         t = time.perf_counter()
         md = AttentionMetadata.from_batch(batch)
-        ids, self.cache = self._step(
-            self.state, jnp.asarray(batch.token_ids), jnp.asarray(batch.positions), self.cache, md
-        )
+        with mesh_context(self.mesh):
+            ids, self.cache = self._step(
+                self.state,
+                jnp.asarray(batch.token_ids),
+                jnp.asarray(batch.positions),
+                self.cache,
+                md,
+            )
         if self._step._cache_size() == before:
             return ids, False
         jax.block_until_ready(ids)

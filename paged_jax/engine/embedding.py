@@ -24,6 +24,7 @@ import numpy as np
 
 from paged_jax.batch import ScheduledSeq, bucket, build_batch
 from paged_jax.block_manager import BlockManager, HybridBlockManager
+from paged_jax.engine.runner import mesh_context
 from paged_jax.metadata import AttentionMetadata
 
 POOLINGS = ("last", "mean", "first")
@@ -38,7 +39,7 @@ class EmbeddingOutput:
 
 
 @functools.lru_cache(maxsize=8)
-def _hidden_step(graphdef, state_def):
+def _hidden_step(graphdef, state_def, mesh):
     """``(weights, tokens i32[T], positions i32[T], cache, md) -> (f32[R, E], cache)``:
     the hidden states of the metadata's rows."""
     from flax import nnx
@@ -96,7 +97,7 @@ def embed_prompts(
     else:
         bm = HybridBlockManager(num_pages, P, group_windows=windows, **kw)
     cache = runner.make_cache(num_pages)
-    step_fn = _hidden_step(runner._graphdef, runner._state_def)  # noqa: SLF001
+    step_fn = _hidden_step(runner._graphdef, runner._state_def, runner.mesh)  # noqa: SLF001
     E = runner.model.config.hidden_size
     sums = np.zeros((len(prompts), E), np.float64)
     out: list[np.ndarray | None] = [None] * len(prompts)
@@ -109,9 +110,14 @@ def embed_prompts(
             rows = np.arange(batch.token_ids.shape[0], dtype=np.int32)
             batch = dataclasses.replace(batch, logits_indices=rows)
         md = AttentionMetadata.from_batch(batch)
-        hidden, cache = step_fn(
-            runner.weights, jnp.asarray(batch.token_ids), jnp.asarray(batch.positions), cache, md
-        )
+        with mesh_context(runner.mesh):
+            hidden, cache = step_fn(
+                runner.weights,
+                jnp.asarray(batch.token_ids),
+                jnp.asarray(batch.positions),
+                cache,
+                md,
+            )
         h = np.asarray(hidden, np.float32)
         for k, (i, a, b) in enumerate(s):
             off = int(batch.cu_q_lens[k])

@@ -721,7 +721,8 @@ class LLM(EngineCore):
         with the special tokens the tokenizer adds) or token ids, checked as
         ``generate``'s are (an error names ``prompts[k]``). They run as prefill steps of
         at most ``max_num_batched_tokens`` tokens on a KV pool of their own, so requests
-        in flight keep their pages; not on a mesh yet."""
+        in flight keep their pages. On a tensor-parallel mesh too, not yet on
+        data-parallel replicas."""
         if pooling not in POOLINGS:
             raise ValueError(f"pooling: expected one of {POOLINGS}, got {pooling!r}")
         if not isinstance(normalize, bool):
@@ -731,8 +732,11 @@ class LLM(EngineCore):
                 f"model: {type(self.runner.model).__name__} has no hidden_states(...) "
                 "(paged_jax.models' decoders have); embeddings need it"
             )
-        if self.mesh is not None:
-            raise ValueError("mesh: embeddings do not run on a mesh yet; use one device")
+        if len(self.schedulers) > 1:
+            raise ValueError(
+                "data_parallel_size: embeddings do not run on data-parallel replicas yet; "
+                "use a tensor-parallel mesh or one device"
+            )
         if isinstance(prompts, str):
             prompts = [prompts]
         if not prompts:
