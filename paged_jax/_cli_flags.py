@@ -28,6 +28,21 @@ def _version() -> str:
     return f"paged-jax {__version__} (jax {jax}, jaxlib {jaxlib}, Python {py})"
 
 
+def _prompt_flags(p: argparse.ArgumentParser) -> None:
+    """``--prompt``, ``--prompts-file`` and ``--prompt-ids`` (``cli._prompts`` reads them)."""
+    p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+    p.add_argument(
+        "--prompts-file", type=pathlib.Path, help="one prompt per line (UTF-8; '-': standard input)"
+    )
+    p.add_argument(
+        "--prompt-ids",
+        action="append",
+        default=None,
+        metavar="IDS",
+        help="a prompt as token ids, e.g. '1,15,42' (repeatable; no tokenizer needed)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paged-jax", description="PagedAttention for JAX")
     p.add_argument("--version", action="version", version=_version())
@@ -40,17 +55,7 @@ def _parser() -> argparse.ArgumentParser:
         "'tiny-llama' (built in, random weights: its text is noise), a Hugging Face "
         "checkpoint dir or a .gguf file",
     )
-    g.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
-    g.add_argument(
-        "--prompts-file", type=pathlib.Path, help="one prompt per line (UTF-8; '-': standard input)"
-    )
-    g.add_argument(
-        "--prompt-ids",
-        action="append",
-        default=None,
-        metavar="IDS",
-        help="a prompt as token ids, e.g. '1,15,42' (repeatable; no tokenizer needed)",
-    )
+    _prompt_flags(g)
     g.add_argument("-n", type=int, default=1, help="samples per prompt (share prompt pages)")
     g.add_argument("--beam-width", type=int, default=1, help="beam search width (1: off)")
     g.add_argument("--max-tokens", type=int, default=32)
@@ -272,17 +277,7 @@ def _parser() -> argparse.ArgumentParser:
         help="'smollm2-135m-instruct' (default, downloaded once), 'tiny-llama', a Hugging "
         "Face checkpoint dir or a .gguf file",
     )
-    e.add_argument("--prompt", action="append", default=None, help="a text (repeatable)")
-    e.add_argument(
-        "--prompts-file", type=pathlib.Path, help="one text per line (UTF-8; '-': standard input)"
-    )
-    e.add_argument(
-        "--prompt-ids",
-        action="append",
-        default=None,
-        metavar="IDS",
-        help="a prompt as token ids, e.g. '1,15,42' (repeatable; no tokenizer needed)",
-    )
+    _prompt_flags(e)
     e.add_argument(
         "--pooling",
         choices=["last", "mean", "first"],
