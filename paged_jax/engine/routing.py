@@ -61,10 +61,13 @@ class PrefixRouter:
 
     def matches(self, tokens: Sequence[int], salt: Any = None) -> list[int]:
         """Per replica, how many of the prompt's leading pages were routed to it."""
-        match = [0] * self.num_replicas
         if not self.enabled:
-            return match
-        for i, key in enumerate(self._keys(tokens, salt)):
+            return [0] * self.num_replicas
+        return self._matches(self._keys(tokens, salt))
+
+    def _matches(self, keys: list[bytes]) -> list[int]:
+        match = [0] * self.num_replicas
+        for i, key in enumerate(keys):
             owners = self._owners.get(key)
             longer = [r for r in owners or () if match[r] == i]
             if not longer:
@@ -80,8 +83,8 @@ class PrefixRouter:
             raise ValueError(f"loads: expected {self.num_replicas}, got {len(loads)}")
         if not self.enabled:
             return min(range(self.num_replicas), key=lambda r: (loads[r], r))
-        keys = self._keys(tokens, salt)
-        match = self.matches(tokens, salt)
+        keys = self._keys(tokens, salt)  # (one digest a page, for the lookup and the record)
+        match = self._matches(keys)
         least = min(loads)
 
         def rank(r: int) -> tuple:
