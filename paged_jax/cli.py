@@ -297,7 +297,7 @@ def _chat(args) -> int:
     if not args.no_warm_up:  # no reply waits for a compile
         llm.warm_up()
     conversation = [{"role": "system", "content": args.system}] if args.system else []
-    from paged_jax.server.reasoning import OPEN, ReasoningStream, starts_inside
+    from paged_jax.server.reasoning import OPEN, ReasoningStream, prompt_starts_inside
 
     template = tokenizer.chat_template
     thinks = isinstance(template, str) and OPEN in template  # a reasoning model's
@@ -315,7 +315,7 @@ def _chat(args) -> int:
         ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
         reply, done = "", None
         # a reasoning model's thinking apart: dim on stderr, never in the conversation
-        split = ReasoningStream(starts_inside(llm.decode(ids[-32:]) or "")) if thinks else None
+        split = ReasoningStream(prompt_starts_inside(llm, ids)) if thinks else None
 
         def show(thought: str, text: str) -> str:
             if thought and not args.hide_thinking:

@@ -38,7 +38,7 @@ from paged_jax.server.fields import (
 )
 from paged_jax.server.loop import EngineLoop, Event, Overloaded
 from paged_jax.server.metrics import Metrics
-from paged_jax.server.reasoning import PARSERS, starts_inside
+from paged_jax.server.reasoning import PARSERS, prompt_starts_inside
 from paged_jax.server.tools import FORMATS, ToolError, ToolRequest, detect_format
 
 # OpenAI fields this server takes (besides model, prompt / messages, stream)
@@ -708,7 +708,7 @@ class Server(Answers):
             structured = StructuredOutput(grammar=grammar)
         # with a reasoning parser: whether the reply starts inside its thinking
         inside = (
-            starts_inside(self.llm.decode(prompts[0][-32:]) or "")
+            prompt_starts_inside(self.llm, prompts[0])
             if chat and self.reasoning_parser is not None
             else None
         )

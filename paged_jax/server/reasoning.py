@@ -35,6 +35,12 @@ def starts_inside(prompt_text: str) -> bool:
     return prompt_text.rfind(OPEN) > prompt_text.rfind(CLOSE)
 
 
+def prompt_starts_inside(llm, prompt_ids) -> bool:
+    """``starts_inside`` of a prompt given as token ids, from its decoded tail (the
+    generation prompt, where a template opens the block) under ``llm.decode``."""
+    return starts_inside(llm.decode(list(prompt_ids)[-32:]) or "")
+
+
 def _held_tail(text: str, tag: str) -> int:
     """How many characters at the end of ``text`` could begin ``tag``."""
     most = min(len(tag) - 1, len(text))
