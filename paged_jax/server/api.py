@@ -8,16 +8,13 @@ models would answer 422 in their own format), and nothing else of FastAPI would 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -30,11 +27,15 @@ from paged_jax.chat import continue_final_message
 from paged_jax.engine.embedding import POOLINGS
 from paged_jax.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from paged_jax.server.answers import Answers
+from paged_jax.server.embeddings import Embeddings
 from paged_jax.server.fields import (
     ApiError,
     _param_of,
     error_response,
+    json_body,
     structured_output,
+    template_kwargs,
+    turn_fields,
 )
 from paged_jax.server.loop import EngineLoop, Event, Overloaded
 from paged_jax.server.metrics import Metrics
@@ -74,78 +75,10 @@ _UNSUPPORTED = {
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
-def _json_body(raw: bytes) -> Any:
-    """The request body's JSON value; an ApiError (400) saying what is wrong with it."""
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ApiError(
-            400, f"body: invalid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
-        ) from None
-    except UnicodeDecodeError:
-        raise ApiError(400, "body: invalid JSON (not UTF-8 text)") from None
-    except RecursionError:
-        raise ApiError(400, "body: nested too deeply") from None
-
-
 def default_max_request_bytes(max_model_len: int) -> int:
     """The largest request body the server reads by default: 64 bytes per token of the
     model's context (a prompt's text, JSON-escaped, or its token ids), at least 1 MiB."""
     return max(2**20, 64 * max_model_len)
-
-
-# Template variables the server sets itself
-_TEMPLATE_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "tokenize"})
-
-
-def _template_kwargs(value: Any) -> dict:
-    """A chat request's ``chat_template_kwargs`` (vLLM's extension: more variables for
-    the chat template, such as Qwen3's ``enable_thinking``), checked: a JSON object whose
-    keys are not among those the server sets."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ApiError(
-            400,
-            f"chat_template_kwargs: expected an object, got {type(value).__name__}",
-            "chat_template_kwargs",
-        )
-    taken = sorted(_TEMPLATE_RESERVED.intersection(value))
-    if taken:
-        raise ApiError(
-            400, f"chat_template_kwargs: {taken[0]!r} is set by the server", "chat_template_kwargs"
-        )
-    return dict(value)
-
-
-def _turn_fields(body: Mapping) -> tuple[bool, bool]:
-    """A chat request's ``(add_generation_prompt, continue_final_message)`` (vLLM's
-    extensions; defaults true and false, the first false when the second is true)."""
-    go_on = body.get("continue_final_message", False)
-    generation = body.get("add_generation_prompt")
-    for name, value in (("continue_final_message", go_on), ("add_generation_prompt", generation)):
-        if value is not None and not isinstance(value, bool):
-            raise ApiError(400, f"{name}: expected a bool, got {value!r:.40}", name)
-    if go_on and generation:
-        raise ApiError(
-            400,
-            "continue_final_message: not with add_generation_prompt true",
-            "continue_final_message",
-        )
-    return (not go_on) if generation is None else generation, bool(go_on)
-
-
-def _by_budget(prompts: list[list[int]], budget: int) -> list[list[list[int]]]:
-    """``prompts`` in order, in groups of at most ``budget`` tokens (a longer prompt alone)."""
-    groups: list[list[list[int]]] = []
-    used = budget
-    for p in prompts:
-        if used + len(p) > budget:
-            groups.append([])
-            used = 0
-        groups[-1].append(p)
-        used += len(p)
-    return groups
 
 
 def _prompt_list(prompt: Any) -> Any:
@@ -157,7 +90,7 @@ def _prompt_list(prompt: Any) -> Any:
     return [prompt]
 
 
-class Server(Answers):
+class Server(Answers, Embeddings):
     """The routes of one served model; ``app`` is the ASGI application.
 
     ``max_request_bytes``: larger bodies are refused (413) before they are read whole
@@ -366,7 +299,7 @@ class Server(Answers):
             return error_response(e.status, e.message, e.param)
 
     def _body(self, raw: bytes) -> Mapping:
-        body = _json_body(raw)
+        body = json_body(raw)
         if not isinstance(body, Mapping):
             raise ApiError(400, "body: expected a JSON object")
         model = body.get("model")
@@ -415,116 +348,6 @@ class Server(Answers):
         except ValueError as e:  # UnicodeEncodeError: a lone surrogate, say
             raise ApiError(400, f"{where}: cannot be tokenized ({e})", "prompt") from None
         return list(getattr(ids, "ids", ids))
-
-    # ------------------------------------------------------------------ embeddings
-    async def embeddings(self, request: Request) -> Response:
-        """OpenAI's ``POST /v1/embeddings``: ``input`` (a string, token ids, or a list of
-        either) to one vector per input, the final hidden states pooled as
-        ``embedding_pooling`` says and L2-normalized (``LLM.embed``), run on the engine
-        thread between steps; ``dimensions`` keeps the first that many (renormalized,
-        for models trained to allow it), ``encoding_format`` ``"float"`` or ``"base64"``
-        (little-endian f32)."""
-        if (denied := self._auth(request)) is not None:
-            self.metrics.request("embeddings", 401)
-            return denied
-        try:
-            raw = await self._read_body(request)
-            job = await asyncio.to_thread(self._parse_embeddings, raw)
-        except ApiError as e:
-            self.metrics.request("embeddings", e.status)
-            return error_response(e.status, e.message, e.param)
-        loop = asyncio.get_running_loop()
-        pooling = self.embedding_pooling
-
-        async def embed(prompts):
-            """``LLM.embed`` of ``prompts`` on the engine thread, between its steps."""
-            answer: asyncio.Future = loop.create_future()
-
-            def done(result, error) -> None:
-                def settle():
-                    if not answer.done():
-                        if error is None:
-                            answer.set_result(result)
-                        else:
-                            answer.set_exception(error)
-
-                loop.call_soon_threadsafe(settle)
-
-            self.loop.call(lambda: self.llm.embed(prompts, pooling=pooling), done)
-            return await answer
-
-        outputs = []
-        try:
-            # a step's worth of tokens at a time, so that the engine's steps for requests
-            # in flight go on between them (a large request does not stall their streams)
-            for group in _by_budget(job["prompts"], self.llm.schedulers[0].max_num_batched_tokens):
-                outputs += await embed(group)
-        except (ValueError, TypeError) as e:
-            self.metrics.request("embeddings", 400)
-            return error_response(400, str(e), _param_of(str(e)))
-        except RuntimeError as e:
-            self.metrics.request("embeddings", 503)
-            return error_response(503, f"server busy: {e}")
-        data = []
-        for k, out in enumerate(outputs):
-            v = out.embedding
-            if job["dimensions"] is not None:
-                v = v[: job["dimensions"]]
-                v = v / n if (n := float(np.linalg.norm(v))) > 0 else v
-            if job["base64"]:
-                value = base64.b64encode(v.astype("<f4").tobytes()).decode()
-            else:
-                value = v.tolist()
-            data.append({"object": "embedding", "index": k, "embedding": value})
-        tokens = sum(len(p) for p in job["prompts"])
-        self.metrics.request("embeddings", 200)
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": data,
-                "model": job["model"],
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-            }
-        )
-
-    def _parse_embeddings(self, raw: bytes) -> dict:
-        body = _json_body(raw)
-        if not isinstance(body, Mapping):
-            raise ApiError(400, "body: expected a JSON object")
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise ApiError(400, f"model: expected a string, got {model!r}", "model")
-        if self._lora_of(model) is not None:
-            raise ApiError(
-                400, f"model: embeddings come from the base model {self.model_name!r}", "model"
-            )
-        given = body.get("input")
-        if isinstance(given, list) and not given:
-            raise ApiError(400, "input: expected at least one input", "input")
-        prompts = self._prompts(given, "input")
-        for k, ids in enumerate(prompts):
-            if len(ids) >= self.llm.max_model_len:
-                raise ApiError(
-                    400,
-                    f"input[{k}]: {len(ids)} tokens, more than the model's maximum length of "
-                    f"{self.llm.max_model_len - 1} for an input",
-                    "input",
-                )
-        fmt = body.get("encoding_format", "float")
-        if fmt not in ("float", "base64"):
-            raise ApiError(
-                400, f'encoding_format: expected "float" or "base64", got {fmt!r:.40}',
-                "encoding_format",
-            )  # fmt: skip
-        dims = body.get("dimensions")
-        size = self.llm.model.config.hidden_size
-        if dims is not None and (
-            isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= size
-        ):
-            raise ApiError(
-                400, f"dimensions: expected an int in [1, {size}], got {dims!r:.40}", "dimensions"
-            )
-        return dict(model=model, prompts=prompts, base64=fmt == "base64", dimensions=dims)
 
     # ------------------------------------------------------------------ generation
     async def completions(self, request: Request) -> Response:
@@ -606,7 +429,7 @@ class Server(Answers):
         return b"".join(chunks)
 
     def _decode_and_parse(self, raw: bytes, chat: bool) -> dict:
-        return self._parse(_json_body(raw), chat)
+        return self._parse(json_body(raw), chat)
 
     def _parse(self, body: Any, chat: bool) -> dict:
         if not isinstance(body, Mapping):
@@ -654,9 +477,9 @@ class Server(Answers):
                 tools = ToolRequest.of(body, self.tool_format)
             except ToolError as e:
                 raise ApiError(400, str(e), e.param) from None
-            args = _template_kwargs(body.get("chat_template_kwargs"))
+            args = template_kwargs(body.get("chat_template_kwargs"))
             args.update({} if tools is None else tools.template_args())
-            generation, go_on = _turn_fields(body)
+            generation, go_on = turn_fields(body)
             prompts = [self._chat_prompt(body.get("messages"), generation, go_on, **args)]
         else:
             prompts = self._prompts(body.get("prompt"))

@@ -1,10 +1,13 @@
 """Request fields of the API that become engine inputs beyond sampling: structured
-output (``response_format``, ``structured_outputs``, ``guided_*``); ``ApiError``, the
+output (``response_format``, ``structured_outputs``, ``guided_*``), the chat template's
+(``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``); the
+body's JSON (``json_body``); ``ApiError``, the
 error every field check raises (status, message naming the field), and OpenAI's error
 body for it (``error_response``). No JAX here."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +45,61 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+
+
+def json_body(raw: bytes) -> Any:
+    """The request body's JSON value; an ApiError (400) saying what is wrong with it."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ApiError(
+            400, f"body: invalid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+        ) from None
+    except UnicodeDecodeError:
+        raise ApiError(400, "body: invalid JSON (not UTF-8 text)") from None
+    except RecursionError:
+        raise ApiError(400, "body: nested too deeply") from None
+
+
+# Template variables the server sets itself
+_TEMPLATE_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "tokenize"})
+
+
+def template_kwargs(value: Any) -> dict:
+    """A chat request's ``chat_template_kwargs`` (vLLM's extension: more variables for
+    the chat template, such as Qwen3's ``enable_thinking``), checked: a JSON object whose
+    keys are not among those the server sets."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ApiError(
+            400,
+            f"chat_template_kwargs: expected an object, got {type(value).__name__}",
+            "chat_template_kwargs",
+        )
+    taken = sorted(_TEMPLATE_RESERVED.intersection(value))
+    if taken:
+        raise ApiError(
+            400, f"chat_template_kwargs: {taken[0]!r} is set by the server", "chat_template_kwargs"
+        )
+    return dict(value)
+
+
+def turn_fields(body: Mapping) -> tuple[bool, bool]:
+    """A chat request's ``(add_generation_prompt, continue_final_message)`` (vLLM's
+    extensions; defaults true and false, the first false when the second is true)."""
+    go_on = body.get("continue_final_message", False)
+    generation = body.get("add_generation_prompt")
+    for name, value in (("continue_final_message", go_on), ("add_generation_prompt", generation)):
+        if value is not None and not isinstance(value, bool):
+            raise ApiError(400, f"{name}: expected a bool, got {value!r:.40}", name)
+    if go_on and generation:
+        raise ApiError(
+            400,
+            "continue_final_message: not with add_generation_prompt true",
+            "continue_final_message",
+        )
+    return (not go_on) if generation is None else generation, bool(go_on)
 
 
 def structured_output(body: Mapping) -> Any:
