@@ -7,16 +7,25 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # (a rerun then starts warm), not into the user's cache directory.
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("PAGED_JAX_COMPILATION_CACHE", os.path.join(_REPO, ".pytest_cache", "xla"))
-# The suite compiles hundreds of small XLA:CPU programs, and LLVM's optimization of their
-# machine code is a large part of that: without it a fresh clone's run took 6:00 on 2
-# cores instead of 7:31 (2026-11-24), every test passing as before. XLA builds the same
-# programs (HLO); their code runs slower, which these small shapes hardly notice. On CPU
-# only, and only where XLA_FLAGS names no level itself (name one to test at another).
-FAST_COMPILE = "--xla_backend_optimization_level=0"
-if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ.get(
-    "XLA_FLAGS", ""
-):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+# The suite compiles hundreds of small XLA:CPU programs, and a fresh clone has none of
+# them in the cache above, so compiling is most of a cold run. Two flags make it cheaper:
+# - LLVM's optimization of their machine code off: a fresh clone's run took 6:00 on 2
+#   cores instead of 7:31 (2026-11-24), every test passing as before. XLA builds the
+#   same programs (HLO); their code runs slower, which these small shapes hardly notice.
+# - XLA:CPU's older fusion emitters instead of its MLIR ones, which take twice as long to
+#   compile an engine step: a cold run's XLA compilation of three engine tests went from
+#   25-26 s to 12-13 s (2026-11-29), the same tokens.
+# On CPU only, and each only where XLA_FLAGS names it not itself (name it to test otherwise).
+FAST_COMPILE = {
+    "xla_backend_optimization_level": "0",
+    "xla_cpu_use_fusion_emitters": "false",
+}
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    _flags = os.environ.get("XLA_FLAGS", "")
+    for _name, _value in FAST_COMPILE.items():
+        if _name not in _flags:
+            _flags = f"{_flags} --{_name}={_value}".strip()
+    os.environ["XLA_FLAGS"] = _flags
 
 import ctypes  # noqa: E402
 import gc  # noqa: E402

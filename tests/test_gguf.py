@@ -297,38 +297,25 @@ def test_q4_blocks_are_kept_as_int4_groups(tmp_path, qtype):
     np.testing.assert_allclose(dense_logits(kept, ids), dense_logits(floats, ids), atol=1e-4)
 
 
-@pytest.mark.parametrize(
-    "fmt, tied, qtype",
-    [
-        ("int8", False, Q.Q8_0),
-        ("int4", True, Q.Q8_0),
-        ("int8", True, Q.Q6_K),
-        ("int8", True, Q.Q5_0),
-        ("int8", True, Q.Q5_1),
-        ("int4", False, Q.Q5_K),
-        ("int8", True, Q.Q3_K),
-        ("int4", False, Q.Q2_K),
-    ],
-    ids=[
-        "int8-untied-Q8_0",
-        "int4-tied-Q8_0",
-        "int8-tied-Q6_K",
-        "int8-tied-Q5_0",
-        "int8-tied-Q5_1",
-        "int4-untied-Q5_K",
-        "int8-tied-Q3_K",
-        "int4-untied-Q2_K",
-    ],
-)
-def test_8_bit_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, qtype, monkeypatch):
+_KEPT_INT8 = {  # id: (quantization, tied, the file's block format)
+    "int8-untied-Q8_0": ("int8", False, Q.Q8_0),
+    "int4-tied-Q8_0": ("int4", True, Q.Q8_0),
+    "int8-tied-Q6_K": ("int8", True, Q.Q6_K),
+    "int8-tied-Q5_0": ("int8", True, Q.Q5_0),
+    "int8-tied-Q5_1": ("int8", True, Q.Q5_1),
+    "int4-untied-Q5_K": ("int4", False, Q.Q5_K),
+    "int8-tied-Q3_K": ("int8", True, Q.Q3_K),
+    "int4-untied-Q2_K": ("int4", False, Q.Q2_K),
+}
+
+
+@pytest.mark.parametrize("fmt, tied, qtype", list(_KEPT_INT8.values()), ids=list(_KEPT_INT8))
+def test_8_bit_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, qtype):
     # quantization="int8" or "int4" keeps a Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q3_K or Q2_K
     # file's blocks: every linear weight and the table int8 with a scale per group of 32
     # (the K-quants' with groups of 16: 16) inputs, and for Q5_1 / Q5_K / Q2_K a minimum
     # per group (values in [0, 31]) (llama.cpp's Q/K row order undone on the blocks), the
-    # very weights the dequantizing load gives; packed for the C kernel, near the floats
-    # (W8A8); on XLA, exactly.
-
-    from paged_jax import linear
+    # very weights the dequantizing load gives (the engine on them: the next test).
 
     model = _model(tie_word_embeddings=tied)
     write_gguf(tmp_path / "m.gguf", model, qtype=qtype)
@@ -359,6 +346,35 @@ def test_8_bit_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, qtype, monkey
     assert _nbytes(kept) < (per_weight / 4 + 0.02) * _nbytes(floats)
     ids = [0, 5, 9, 20, 17, 3, 44]
     np.testing.assert_allclose(dense_logits(kept, ids), dense_logits(floats, ids), atol=1e-4)
+
+
+# The engine on each group layout (32 or 16 inputs, with or without minimums) and on int4's
+# tied table by default; the other block formats' groups (the same layouts, their weights
+# checked above) under -m slow.
+_KEPT_INT8_ENGINE_BY_DEFAULT = ("int8-untied-Q8_0", "int4-tied-Q8_0", "int8-tied-Q6_K")
+_KEPT_INT8_ENGINE_BY_DEFAULT += ("int8-tied-Q5_1", "int4-untied-Q2_K")
+
+
+@pytest.mark.parametrize(
+    "fmt, tied, qtype",
+    [
+        pytest.param(
+            *kept,
+            id=name,
+            marks=() if name in _KEPT_INT8_ENGINE_BY_DEFAULT else pytest.mark.slow,
+        )
+        for name, kept in _KEPT_INT8.items()
+    ],
+)
+def test_8_bit_groups_run_in_the_engine(tmp_path, fmt, tied, qtype, monkeypatch):
+    # The kept int8 groups through the engine: packed for the C kernel, near the floats
+    # (W8A8); on XLA, per layer and unrolled as for GPUs, exactly as the floats.
+    from paged_jax import linear
+
+    write_gguf(tmp_path / "m.gguf", _model(tie_word_embeddings=tied), qtype=qtype)
+    floats, _ = load_gguf(tmp_path / "m.gguf")
+    kept, _ = models.load(tmp_path / "m.gguf", quantization=fmt)
+    want = _weights(floats)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [30, 31, 32]]
     p = pj.SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True)
     kw = dict(num_pages=32, page_size=8, compilation_cache=False)

@@ -13,16 +13,28 @@ from paged_cases import make_case, max_err
 
 import paged_jax as pj
 
+_RAGGED_CASES = [
+    ([(1, 9), (4, 4), (0, 3), (6, 30)], {}),
+    ([(3, 17), (1, 1), (8, 40)], dict(sliding_window=7, soft_cap=3.0)),
+    ([(1, 16), (1, 33), (1, 2)], dict(soft_cap=1.5)),
+]
 
+
+# JAX's reference takes seconds a case: each batch with one head layout by default (both
+# layouts each: -m slow).
 @pytest.mark.parametrize(
-    "seqs,opts",
+    "heads, seqs, opts",
     [
-        ([(1, 9), (4, 4), (0, 3), (6, 30)], {}),
-        ([(3, 17), (1, 1), (8, 40)], dict(sliding_window=7, soft_cap=3.0)),
-        ([(1, 16), (1, 33), (1, 2)], dict(soft_cap=1.5)),
+        pytest.param(
+            heads,
+            *case,
+            id=f"heads{h}-seqs{c}",
+            marks=() if (h + c) % 2 == 0 else pytest.mark.slow,
+        )
+        for h, heads in enumerate([(4, 4), (8, 2)])
+        for c, case in enumerate(_RAGGED_CASES)
     ],
 )
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
 def test_matches_jax_ref_ragged_paged_attention(seqs, opts, heads):
     case = make_case(
         20, seqs, num_q_heads=heads[0], num_kv_heads=heads[1], page_size=8, head_dim=32, **opts

@@ -495,11 +495,31 @@ def _w8a8_definition(calls):
     return matmul
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-table", "fp8"])
+_HELD = {
+    "packed-untied-bias": (CFG, "packed"),
+    "packed-tied": (TIED, "packed"),
+    "xla-untied-bias": (CFG, "xla"),
+    "accelerator-tied": (TIED, "accelerator"),
+}
+# The default suite: every format packed (the CPU's way) and each other way once; the
+# whole grid of ways and formats under -m slow (.ci/run runs it).
+_HELD_BY_DEFAULT = {("packed-untied-bias", fmt) for fmt in ("int8", "int4", "int4-table", "fp8")}
+_HELD_BY_DEFAULT |= {("packed-tied", "int4-table"), ("xla-untied-bias", "int8")}
+_HELD_BY_DEFAULT |= {("accelerator-tied", "fp8")}
+
+
 @pytest.mark.parametrize(
-    "cfg, held",
-    [(CFG, "packed"), (TIED, "packed"), (CFG, "xla"), (TIED, "accelerator")],
-    ids=["packed-untied-bias", "packed-tied", "xla-untied-bias", "accelerator-tied"],
+    "cfg, held, fmt",
+    [
+        pytest.param(
+            *_HELD[way],
+            fmt,
+            id=f"{way}-{fmt}",
+            marks=() if (way, fmt) in _HELD_BY_DEFAULT else pytest.mark.slow,
+        )
+        for fmt in ("int8", "int4", "int4-table", "fp8")
+        for way in _HELD
+    ],
 )
 def test_a_quantized_model_computes_what_its_dequantized_weights_do(cfg, held, fmt, monkeypatch):
     """Through the engine, each way it holds weights: packed for the C kernel (CPU),

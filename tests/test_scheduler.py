@@ -46,16 +46,27 @@ def _run(monkeypatch, fast: bool, overlapped: bool, pool: dict):
     return _summary(outs), steps, sum(taken), llm.metrics
 
 
-@pytest.mark.parametrize("overlapped", [False, True])
+_POOLS = {
+    "roomy": dict(),
+    "recompute": dict(num_pages=12, watermark=0.0),  # recompute preemptions
+    "swap": dict(num_pages=14, preemption="swap", num_host_pages=64, watermark=0.0),
+    "small-budgets": dict(max_num_seqs=3, max_num_batched_tokens=4),  # cut the decode pass
+}
+
+
+# Each pool one way by default, two each way; both ways for every pool: -m slow.
 @pytest.mark.parametrize(
-    "pool",
+    "overlapped, pool",
     [
-        dict(),
-        dict(num_pages=12, watermark=0.0),  # recompute preemptions
-        dict(num_pages=14, preemption="swap", num_host_pages=64, watermark=0.0),
-        dict(max_num_seqs=3, max_num_batched_tokens=4),  # budgets cut the decode pass
+        pytest.param(
+            overlapped,
+            pool,
+            id=f"{overlapped}-{name}",
+            marks=() if overlapped == (i % 2 == 0) else pytest.mark.slow,
+        )
+        for overlapped in (False, True)
+        for i, (name, pool) in enumerate(_POOLS.items())
     ],
-    ids=["roomy", "recompute", "swap", "small-budgets"],
 )
 def test_one_pass_decode_schedules_as_the_general_loop(monkeypatch, overlapped, pool):
     ref, ref_steps, _, ref_m = _run(monkeypatch, False, overlapped, pool)

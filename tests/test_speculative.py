@@ -155,9 +155,23 @@ def reference():
     return prompts, params, outs
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "right", "wrong"])
+_SWAP_POOL = dict(num_pages=14, preemption="swap", num_host_pages=64, watermark=0.0)
+
+
+# By default each proposer once, the n-gram and the wrong one on the small pool that
+# preempts by swap; every proposer on both pools: -m slow.
 @pytest.mark.parametrize(
-    "pool", [dict(), dict(num_pages=14, preemption="swap", num_host_pages=64, watermark=0.0)]
+    "proposer, pool",
+    [
+        pytest.param(
+            proposer,
+            pool,
+            id=f"{proposer}-pool{i}",
+            marks=() if (proposer == "right") == (i == 0) else pytest.mark.slow,
+        )
+        for i, pool in enumerate([dict(), _SWAP_POOL])
+        for proposer in ("ngram", "right", "wrong")
+    ],
 )
 def test_speculation_changes_no_token(reference, proposer, pool):
     prompts, params, ref = reference

@@ -13,6 +13,7 @@ import sys
 
 import jax
 import pytest
+from conftest import FAST_COMPILE
 
 import paged_jax as pj
 from paged_jax import models
@@ -68,9 +69,10 @@ def test_second_process_loads_compiled_steps(tmp_path):
     cache = tmp_path / "xla"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop(compile_cache.CACHE_ENV, None)
-    # compiled at XLA's default level, as users compile (conftest's unoptimized code
-    # generation compiles this tiny model under the cache's 0.2 s threshold)
-    env["XLA_FLAGS"] = re.sub(r"--xla_backend_optimization_level=\S*", "", env.get("XLA_FLAGS", ""))
+    # compiled with XLA's defaults, as users compile (conftest's faster compiling flags
+    # compile this tiny model under the cache's 0.2 s threshold)
+    flags = "|".join(FAST_COMPILE)
+    env["XLA_FLAGS"] = re.sub(rf"--({flags})=\S*", "", env.get("XLA_FLAGS", "")).strip()
 
     def child():
         r = subprocess.run(
