@@ -14,12 +14,21 @@ os.environ.setdefault("PAGED_JAX_COMPILATION_CACHE", os.path.join(_REPO, ".pytes
 #   same programs (HLO); their code runs slower, which these small shapes hardly notice.
 # - XLA:CPU's older fusion emitters instead of its MLIR ones, which take twice as long to
 #   compile an engine step: a cold run's XLA compilation of three engine tests went from
-#   25-26 s to 12-13 s (2026-11-29), the same tokens.
+#   25-26 s to 12-13 s (2026-11-29), the same tokens. Only below jaxlib 0.11: its XLA has
+#   no such flag, and XLA stops the process at an unknown one.
 # On CPU only, and each only where XLA_FLAGS names it not itself (name it to test otherwise).
-FAST_COMPILE = {
-    "xla_backend_optimization_level": "0",
-    "xla_cpu_use_fusion_emitters": "false",
-}
+FAST_COMPILE = {"xla_backend_optimization_level": "0"}
+
+
+def _jaxlib_below_0_11() -> bool:
+    from importlib.metadata import version
+
+    major, minor = (int(part) for part in version("jaxlib").split(".")[:2])
+    return (major, minor) < (0, 11)
+
+
+if _jaxlib_below_0_11():
+    FAST_COMPILE["xla_cpu_use_fusion_emitters"] = "false"
 if os.environ["JAX_PLATFORMS"] == "cpu":
     _flags = os.environ.get("XLA_FLAGS", "")
     for _name, _value in FAST_COMPILE.items():
