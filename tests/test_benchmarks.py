@@ -160,6 +160,7 @@ def test_engine_benchmark_runs_a_tiny_shape_and_writes_where_told(tmp_path, monk
     assert AttentionMetadata.from_batch(build_batch(bm, [ScheduledSeq("a", 2, 3)])).decode_only
 
 
+@pytest.mark.slow  # 8-11 s: four engines; .ci/run runs it
 def test_engine_benchmark_runs_quantized_weights_and_lora_adapters_side_by_side(
     tmp_path, monkeypatch
 ):
