@@ -15,6 +15,7 @@ import shutil
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from paged_jax import _quant
 
@@ -226,6 +227,12 @@ def assert_reference_close(actual, expected, dtype) -> None:
     tol = TOLERANCE[jnp.dtype(dtype)]
     err = max_err(actual, expected)
     assert err <= tol, f"max error vs f64 oracle {err:.3g} > tolerance {tol:g} for {dtype}"
+
+
+def grid_case(*values, id: str, by_default: bool):
+    """One case of a parametrized grid: in the default suite when ``by_default``, else
+    behind ``-m slow`` (the default runs a covering part; .ci/run runs the whole grid)."""
+    return pytest.param(*values, id=id, marks=() if by_default else pytest.mark.slow)
 
 
 def covering_sample(full: list[tuple], num: int, seed: int) -> list[tuple]:

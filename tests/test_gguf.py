@@ -15,6 +15,7 @@ from flax import nnx
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from model_helpers import dense_logits
+from paged_cases import grid_case
 
 import paged_jax as pj
 from paged_jax import models
@@ -358,11 +359,7 @@ _KEPT_INT8_ENGINE_BY_DEFAULT += ("int4-untied-Q2_K",)
 @pytest.mark.parametrize(
     "fmt, tied, qtype",
     [
-        pytest.param(
-            *kept,
-            id=name,
-            marks=() if name in _KEPT_INT8_ENGINE_BY_DEFAULT else pytest.mark.slow,
-        )
+        grid_case(*kept, id=name, by_default=name in _KEPT_INT8_ENGINE_BY_DEFAULT)
         for name, kept in _KEPT_INT8.items()
     ],
 )

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_paged
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as jax_ragged
-from paged_cases import make_case, max_err
+from paged_cases import grid_case, make_case, max_err
 
 import paged_jax as pj
 
@@ -25,12 +25,7 @@ _RAGGED_CASES = [
 @pytest.mark.parametrize(
     "heads, seqs, opts",
     [
-        pytest.param(
-            heads,
-            *case,
-            id=f"heads{h}-seqs{c}",
-            marks=() if (h + c) % 2 == 0 else pytest.mark.slow,
-        )
+        grid_case(heads, *case, id=f"heads{h}-seqs{c}", by_default=(h + c) % 2 == 0)
         for h, heads in enumerate([(4, 4), (8, 2)])
         for c, case in enumerate(_RAGGED_CASES)
     ],

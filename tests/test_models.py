@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from model_helpers import PagedGreedy, dense_greedy, dense_logits
+from paged_cases import grid_case
 
 from paged_jax import linear as paged_linear
 from paged_jax.metadata import AttentionMetadata
@@ -242,16 +243,16 @@ def test_gemma_config_errors(changes, msg):
         LlamaConfig.from_hf({**GEMMA3_1B_HUB, **changes})
 
 
-def _prefill_logits(model, ids, lowered=False):
-    """The prefill's logits and its compiled HLO's text (``lowered``: the program as JAX
-    emits it, StableHLO, before XLA's passes, which may add loops of their own: XLA:CPU's
-    older emitters, as the tests use, expand a scatter into one)."""
+def _prefill_logits(model, ids):
+    """The prefill's logits, its compiled HLO's text and the program as JAX emits it
+    (StableHLO, before XLA's passes, which may add loops of their own: XLA:CPU's older
+    emitters, as the tests use, expand a scatter into one)."""
     cache = model.make_cache(16, 8)
     md = AttentionMetadata.prefill(len(ids), 8 + np.arange(len(ids)), [1, 2, 3, 4, 5])
     step = jax.jit(lambda ids, pos, cache: model(ids, pos, cache, md)[0])
     args = (jnp.asarray(ids, jnp.int32), jnp.arange(len(ids), dtype=jnp.int32), cache)
-    text = step.lower(*args).as_text() if lowered else step.lower(*args).compile().as_text()
-    return np.asarray(step(*args)), text
+    lowered = step.lower(*args)
+    return np.asarray(step(*args)), lowered.compile().as_text(), lowered.as_text()
 
 
 def _copied_weights(hlo: str, *models) -> int:
@@ -300,8 +301,7 @@ def _held_way(name: str, pack: bool):
     """The packed way for every model and XLA's for two by default; XLA's for all: -m slow."""
     if pack:
         return pytest.param(name, pack, id=f"{name}-packed", marks=_needs_kernels)
-    slow = () if name in ("tiny-llama", "gemma3") else pytest.mark.slow
-    return pytest.param(name, pack, id=f"{name}-xla", marks=slow)
+    return grid_case(name, pack, id=f"{name}-xla", by_default=name in ("tiny-llama", "gemma3"))
 
 
 @pytest.mark.parametrize(
@@ -322,7 +322,7 @@ def _hold_for_cpu_case(name, pack):
 
     model = _held_out_model(name)
     ids = list(range(3, 40))
-    before, hlo_before = _prefill_logits(model, ids)
+    before, hlo_before, _ = _prefill_logits(model, ids)
     loaded = nnx.clone(model)  # the layouts as loaded
     layer1 = _layer_weights(model, 1)
     exported = to_hf_tensors(model)
@@ -350,7 +350,7 @@ def _hold_for_cpu_case(name, pack):
     assert (emb.transposed, emb.packed) == ((tied and not pack), (tied and pack))
     if not pack:
         assert emb.embedding.get_value().shape == ((E, V) if tied else (V, E))
-    after, hlo_after = _prefill_logits(model, ids)
+    after, hlo_after, _ = _prefill_logits(model, ids)
     np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
     assert (after.argmax(-1) == before.argmax(-1)).all()
     # model.layer(i) gives the same weights as before, and the export the same tensors
@@ -388,7 +388,7 @@ def test_hold_for_accelerator_keeps_the_logits_and_unrolls_the_layers(name):
 
     model = _held_out_model(name)
     ids = list(range(3, 40))
-    before, _ = _prefill_logits(model, ids)
+    before, _, _ = _prefill_logits(model, ids)
     loaded = nnx.clone(model)
     exported = to_hf_tensors(model)
     assert model.hold_for_accelerator() is model
@@ -407,7 +407,7 @@ def test_hold_for_accelerator_keeps_the_logits_and_unrolls_the_layers(name):
     assert all(k.shape == (E, HD + 2 * KD) for k in attn.qkv_proj.kernel.get_value())
     tied = model.config.tie_word_embeddings
     assert model.embed_tokens.transposed == tied
-    after, hlo = _prefill_logits(model, ids)
+    after, hlo, program = _prefill_logits(model, ids)
     np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
     if name != "gemma3":  # (the unpaged reference computes Llama-style blocks only)
         # it reads the fused products too (the engine holds a user's model in place,
@@ -421,7 +421,6 @@ def test_hold_for_accelerator_keeps_the_logits_and_unrolls_the_layers(name):
     assert (after.argmax(-1) == before.argmax(-1)).all()
     # one body per layer: no loop over layers, no switch picking a layer's weights, and
     # no layer's weights sliced out of a stack
-    program = _prefill_logits(model, ids, lowered=True)[1]
     assert "stablehlo.while" not in program and "stablehlo.case" not in program
     assert _copied_weights(hlo, loaded, model) == 0
     # the same weights, exported as before (the fused products split again)
@@ -430,7 +429,7 @@ def test_hold_for_accelerator_keeps_the_logits_and_unrolls_the_layers(name):
     # back to the CPU's layouts: the scan again, the same logits
     model.hold_for_cpu(pack=False)
     assert not model.unrolled
-    again, _ = _prefill_logits(model, ids)
+    again, _, _ = _prefill_logits(model, ids)
     np.testing.assert_allclose(again, before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
 
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from paged_cases import grid_case
 
 import paged_jax as pj
 from paged_jax import linear, models
@@ -511,12 +512,7 @@ _HELD_BY_DEFAULT |= {("accelerator-tied", "fp8")}
 @pytest.mark.parametrize(
     "cfg, held, fmt",
     [
-        pytest.param(
-            *_HELD[way],
-            fmt,
-            id=f"{way}-{fmt}",
-            marks=() if (way, fmt) in _HELD_BY_DEFAULT else pytest.mark.slow,
-        )
+        grid_case(*_HELD[way], fmt, id=f"{way}-{fmt}", by_default=(way, fmt) in _HELD_BY_DEFAULT)
         for fmt in ("int8", "int4", "int4-table", "fp8")
         for way in _HELD
     ],

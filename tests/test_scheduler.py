@@ -6,6 +6,7 @@ steps (speculative schedules). The block manager's ``append_tokens``, which that
 uses, has its unit tests and a stateful rule in ``test_block_manager.py``."""
 
 import pytest
+from paged_cases import grid_case
 from test_overlap import _engine, _requests, _summary
 
 import paged_jax as pj
@@ -58,11 +59,8 @@ _POOLS = {
 @pytest.mark.parametrize(
     "overlapped, pool",
     [
-        pytest.param(
-            overlapped,
-            pool,
-            id=f"{overlapped}-{name}",
-            marks=() if overlapped == (i % 2 == 0) else pytest.mark.slow,
+        grid_case(
+            overlapped, pool, id=f"{overlapped}-{name}", by_default=overlapped == (i % 2 == 0)
         )
         for overlapped in (False, True)
         for i, (name, pool) in enumerate(_POOLS.items())

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from paged_cases import grid_case
 
 import paged_jax as pj
 from paged_jax import models
@@ -163,11 +164,8 @@ _SWAP_POOL = dict(num_pages=14, preemption="swap", num_host_pages=64, watermark=
 @pytest.mark.parametrize(
     "proposer, pool",
     [
-        pytest.param(
-            proposer,
-            pool,
-            id=f"{proposer}-pool{i}",
-            marks=() if (proposer == "right") == (i == 0) else pytest.mark.slow,
+        grid_case(
+            proposer, pool, id=f"{proposer}-pool{i}", by_default=(proposer == "right") == (i == 0)
         )
         for i, pool in enumerate([dict(), _SWAP_POOL])
         for proposer in ("ngram", "right", "wrong")
