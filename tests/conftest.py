@@ -43,7 +43,20 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+from paged_jax.engine import compile_cache  # noqa: E402
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# The suite's own programs go to the persistent cache from 0.02 s of compiling up (the
+# engine asks 0.2 s, for a user's steps): a fresh clone then compiles each eager op,
+# model initializer and small step once, where both workers and every module compiled
+# their own (docs/TESTING.md has the runs that chose this and the dropping below).
+_cache_dir = compile_cache.resolve(None)
+if _cache_dir is not None:
+    _cache_dir.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(_cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.02)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # derandomize: the same examples on every run and machine, so a CI failure reproduces.
 settings.register_profile(
@@ -59,13 +72,31 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
-    """Drops JAX's compiled programs after each test module. A worker otherwise keeps every
-    program of every module it ran (thousands of eager ops and kernel grids), and the two
-    workers of ``pytest -n 2`` grew past 8 GB together."""
+    """Drops JAX's compiled programs after a test module once the worker holds more than
+    ``_DROP_ABOVE_BYTES``. A worker otherwise keeps every program of every module it ran
+    (thousands of eager ops and kernel grids), and the two workers of ``pytest -n 2`` grew
+    past 8 GB together. Dropping them after every module instead made the next modules
+    trace, lower and compile their eager ops again (docs/TESTING.md has the runs); a
+    worker now peaks near 3 GB."""
     yield
-    jax.clear_caches()
-    gc.collect()
-    _trim_heap()
+    resident = _resident_bytes()
+    if resident is None or resident > _DROP_ABOVE_BYTES:
+        jax.clear_caches()
+        gc.collect()
+        _trim_heap()
+
+
+_DROP_ABOVE_BYTES = int(2.5 * 2**30)
+
+
+def _resident_bytes() -> int | None:
+    """This process's resident memory in bytes (Linux), or None where it cannot be read
+    (the programs are then dropped after every module)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _trim_heap() -> None:
