@@ -52,9 +52,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # model initializer and small step once, where both workers and every module compiled
 # their own (docs/TESTING.md has the runs that chose this and the dropping below).
 _cache_dir = compile_cache.resolve(None)
-if _cache_dir is not None:
-    _cache_dir.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(_cache_dir))
+if _cache_dir is not None and compile_cache.enable(_cache_dir) is not None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.02)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
