@@ -36,7 +36,6 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
             _flags = f"{_flags} --{_name}={_value}".strip()
     os.environ["XLA_FLAGS"] = _flags
 
-import ctypes  # noqa: E402
 import gc  # noqa: E402
 
 import jax  # noqa: E402
@@ -44,6 +43,7 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 from paged_jax.engine import compile_cache  # noqa: E402
+from paged_jax.models.hf import release_freed_memory  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -51,8 +51,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # engine asks 0.2 s, for a user's steps): a fresh clone then compiles each eager op,
 # model initializer and small step once, where both workers and every module compiled
 # their own (docs/TESTING.md has the runs that chose this and the dropping below).
-_cache_dir = compile_cache.resolve(None)
-if _cache_dir is not None and compile_cache.enable(_cache_dir) is not None:
+if compile_cache.enable() is not None:  # off where PAGED_JAX_COMPILATION_CACHE says off
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.02)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
@@ -81,7 +80,9 @@ def _drop_compiled_programs():
     if resident is None or resident > _DROP_ABOVE_BYTES:
         jax.clear_caches()
         gc.collect()
-        _trim_heap()
+        # the freed heap back to the OS: without it a worker's resident memory never
+        # shrank (0.4 -> 1.4 GB over test_attention.py, and 1.4 GB from then on)
+        release_freed_memory()
 
 
 _DROP_ABOVE_BYTES = int(2.5 * 2**30)
@@ -95,16 +96,6 @@ def _resident_bytes() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _trim_heap() -> None:
-    """Hands the C heap's free pages back to the OS (glibc only). Without it a worker's
-    resident memory never shrinks after a module's programs are dropped: 0.4 -> 1.4 GB over
-    test_attention.py, and still 1.4 GB for every later module."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 _METRICS: list = []

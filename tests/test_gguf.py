@@ -352,8 +352,12 @@ def test_8_bit_blocks_are_kept_as_int8_groups(tmp_path, fmt, tied, qtype):
 # The engine on each group layout (32 or 16 inputs, with or without minimums) by default;
 # the other block formats' groups (the same layouts, their weights checked above) under
 # -m slow.
-_KEPT_INT8_ENGINE_BY_DEFAULT = ("int8-untied-Q8_0", "int8-tied-Q6_K", "int8-tied-Q5_1")
-_KEPT_INT8_ENGINE_BY_DEFAULT += ("int4-untied-Q2_K",)
+_KEPT_INT8_ENGINE_BY_DEFAULT = (
+    "int8-untied-Q8_0",
+    "int8-tied-Q6_K",
+    "int8-tied-Q5_1",
+    "int4-untied-Q2_K",
+)
 
 
 @pytest.mark.parametrize(
