@@ -220,3 +220,19 @@ def test_max_model_len_bounds_sequences_and_tables(tiny):
         llm.add_request("long", list(range(1, 41)), pj.SamplingParams(max_tokens=2))
     (out,) = llm.generate([list(range(1, 31))], pj.SamplingParams(max_tokens=50), progress=False)
     assert len(out.outputs[0].token_ids) == 10  # capped at the context
+
+
+def test_warm_up_counts_each_variant_of_a_shape_as_a_program(tiny, capsys):
+    """With adapter slots each step shape compiles twice (with and without adapter rows):
+    the summary counts programs, not shapes (it once said "-5 already compiled"), and each
+    bucket's line says which variant it is."""
+    llm = _engine(tiny, max_num_batched_tokens=16, max_loras=2, max_lora_rank=4)
+    shapes = llm.step_shapes()
+    buckets = llm.warm_up()
+    err = capsys.readouterr().err
+    n = len(shapes)
+    assert f"every step shape ready: {2 * n} programs for {n} shapes" in err
+    assert f"({len(buckets)} new to this process)" in err
+    with_rows = [b for b in buckets if b.get("variant") == ("adapter rows",)]
+    assert len(with_rows) == len(buckets) - len(with_rows) == n
+    assert err.count(", adapter rows\n") == n

@@ -440,27 +440,31 @@ class LLM(EngineCore):
         with _echo(progress):
             log.info("compiling %d step shapes (static shapes: tables of %d pages)",
                      len(shapes), self.runner.table_width)  # fmt: skip
+            programs = compiled = 0  # a shape's variants (verify, adapters) compile apart
             for k, shape in enumerate(shapes):
                 merges = ()
                 if self.async_scheduling and shape.steps == 1 and shape.seqs not in merged:
                     merged.add(shape.seqs)
                     merges = token_buckets
                 overlapped = self.async_scheduling and shape.steps == 1
-                self.runner.run_shape(shape, replicas, merges, overlapped)
+                runs = [dict(merges=merges, overlapped=overlapped)]
                 verify = self.proposer is not None and not shape.decode_only
                 if verify and shape.steps == 1:
-                    self.runner.run_shape(shape, replicas, verify=True)  # verify steps
+                    runs.append(dict(verify=True))  # verify steps
                 if self.max_loras and shape.steps == 1:  # steps with adapter rows
-                    self.runner.run_shape(shape, replicas, (), overlapped, adapters=True)
+                    runs.append(dict(overlapped=overlapped, adapters=True))
                     if verify:
-                        self.runner.run_shape(shape, replicas, verify=True, adapters=True)
+                        runs.append(dict(verify=True, adapters=True))
+                for kw in runs:
+                    compiled += bool(self.runner.run_shape(shape, replicas, **kw))
+                programs += len(runs)
                 if progress and not (k + 1) % 8:
                     log.info("%d of %d step shapes ready (%.1f s)", k + 1, len(shapes),
                              time.perf_counter() - t0)  # fmt: skip
-            n = len(self.compiled_buckets) - before
             log.info(
-                "every step shape ready: %d compiled, %d already compiled, in %.1f s",
-                n, len(shapes) - n, time.perf_counter() - t0,
+                "every step shape ready: %d programs for %d shapes in %.1f s (%d new to "
+                "this process)",
+                programs, len(shapes), time.perf_counter() - t0, compiled,
             )  # fmt: skip
             draft_warm_up = getattr(self.proposer, "warm_up", None)
             if draft_warm_up is not None:  # a draft model's own steps

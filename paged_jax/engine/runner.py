@@ -196,6 +196,7 @@ def _describe(b: dict) -> str:
         f"{b['pages_per_seq']} pages per sequence, {b['copies']} page copies"
         + (f", {b['beam_candidates']} beam candidates" if b["beam_candidates"] else "")
         + (f", {b['steps']} decode steps" if b.get("steps", 1) > 1 else "")
+        + "".join(f", {v}" for v in b.get("variant", ()))
     )
 
 
@@ -671,7 +672,21 @@ class ModelRunner:
             compiled = key not in self._compiled_keys
             self._compiled_keys.add(key)
         if compiled:
-            self._compiled(batch, num_candidates, seconds, K)
+            variant = [
+                name
+                for name, on in (
+                    ("adapter rows", adapters is not None),
+                    ("token masks", allowed is not None),
+                    ("candidate masks", cand_allowed is not None),
+                    ("logits only", defer_sample),
+                    ("prompt log-probs", scored is not None),
+                )
+                if on
+            ]
+            rows = int(batch.logits_indices.shape[0])
+            if rows != S_b:  # a verify step: a row for each token too
+                variant.append(f"{rows} sampled rows")
+            self._compiled(batch, num_candidates, seconds, K, tuple(variant))
         if defer_sample:
             deferred = DeferredSample(
                 toks, inputs, layout, penalties, flags["batch_invariant"], num_candidates,
@@ -776,8 +791,12 @@ class ModelRunner:
             compiled = compiled or more[3]
         return compiled
 
-    def _compiled(self, batch, num_candidates: int, seconds: float, num_steps: int = 1) -> None:
-        """Records (and logs at INFO) the shape bucket a step just compiled."""
+    def _compiled(
+        self, batch, num_candidates: int, seconds: float, num_steps: int = 1, variant=()
+    ) -> None:
+        """Records (and logs at INFO) the shape bucket a step just compiled; ``variant``:
+        what else keys its program apart from the same shape's plain step (adapter rows,
+        token masks, a verify step's extra sampled rows...)."""
         b = dict(
             tokens=int(batch.token_ids.shape[0]),
             seqs=int(batch.kv_lens.shape[0]),
@@ -788,6 +807,8 @@ class ModelRunner:
         )
         if num_steps > 1:
             b["steps"] = num_steps
+        if variant:
+            b["variant"] = variant
         self.compiled_buckets.append(b)
         log.info("compiled a step bucket in %.1f s: %s", seconds, _describe(b))
 
