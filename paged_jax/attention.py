@@ -132,6 +132,17 @@ def _resolve(backend: str, kind: str, batch_invariant: bool = False) -> Callable
     return impl
 
 
+def _tpu_or_none(impl, backend: str, kv_pages) -> Callable | None:
+    """``impl``, or None (XLA) where ``"auto"`` picked the TPU kernels for a pool they do
+    not take (``paged_jax.kernels.tpu.supports``: a head dim over 128, an 8-bit pool
+    with an odd number of kv heads). Asked for by name, the kernel raises instead."""
+    if impl is None or backend != "auto" or backend_of(impl) != "pallas_tpu":
+        return impl
+    from paged_jax.kernels import tpu
+
+    return impl if tpu.supports(kv_pages) else None
+
+
 def _cpu_or_none(impl, q, kv_pages, k_scale, v_scale) -> Callable | None:
     """``impl``, or None (XLA) where a CPU kernel cannot take the call: the C kernels read
     f32/bf16 queries and pools without scales. They are batch invariant as they are
@@ -210,6 +221,7 @@ def ragged_paged_attention(
         v_scale=v_scale,
     )
     impl = _cpu_or_none(_resolve(backend, "ragged", batch_invariant), q, kv_pages, k_scale, v_scale)
+    impl = _tpu_or_none(impl, backend, kv_pages)
     kwargs = dict(
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
@@ -267,6 +279,7 @@ def paged_attention(
         v_scale=v_scale,
     )
     impl = _cpu_or_none(_resolve(backend, "decode", batch_invariant), q, kv_pages, k_scale, v_scale)
+    impl = _tpu_or_none(impl, backend, kv_pages)
     kwargs = dict(
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,

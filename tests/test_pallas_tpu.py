@@ -39,6 +39,16 @@ def _id(p):
     return f"P{p[0]}-H{p[1][0]}K{p[1][1]}-D{p[2]}-{p[3]}-{p[4]}"
 
 
+def _refused(heads, d, dtype) -> str | None:
+    """What the TPU kernels say of a pool they do not take (Mosaic could not compile
+    them; ``paged_jax.kernels.tpu.supports``), or None."""
+    if d > 128:
+        return "the TPU kernels take a head dim up to 128"
+    if jnp.dtype(dtype).itemsize == 1 and heads[1] % 2:
+        return "an 8-bit pool on TPU needs an even number of kv heads"
+    return None
+
+
 def _check(params, seed, **knobs):
     page, heads, d, dtype, opt = params
     case = kernel_case(seed, BATCH, page, heads, d, dtype, pad_seqs=0, pad_tokens=0, **OPTIONS[opt])
@@ -48,6 +58,10 @@ def _check(params, seed, **knobs):
     table = jnp.concatenate([case.page_indices, case.page_indices[:1] * 0])
     kw = dict(sm_scale=d**-0.5, k_scale=case.k_scale, v_scale=case.v_scale, **OPTIONS[opt])
     ref = pj.reference.paged_attention(q, case.kv_pages, lens, table, **kw)
+    if why := _refused(heads, d, dtype):
+        with pytest.raises(ValueError, match=why):
+            decode_paged_attention(q, case.kv_pages, lens, table, interpret=INTERPRET, **kw)
+        return
     out = decode_paged_attention(q, case.kv_pages, lens, table, interpret=INTERPRET, **kw, **knobs)
     assert out.dtype == case.q.dtype
     np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)
@@ -167,6 +181,10 @@ def _check_ragged(params, seed, **knobs):
     )
     kw = dict(sm_scale=d**-0.5, k_scale=case.k_scale, v_scale=case.v_scale, **OPTIONS[opt])
     ref = pj.reference.ragged_paged_attention(*case.args, **kw)
+    if why := _refused(heads, d, dtype):
+        with pytest.raises(ValueError, match=why):
+            ragged_paged_attention(*case.args, interpret=INTERPRET, **kw)
+        return
     out = ragged_paged_attention(*case.args, interpret=INTERPRET, **kw, **knobs)
     assert_close_to_oracle(out, ref, case.expected, what=_rid(params))
     n = int(case.cu_q_lens[len(RAGGED[batch])])
@@ -275,3 +293,29 @@ def test_ragged_long_prefill_spans_several_query_blocks():
     # unfetched buffer slots (NaN in interpret mode) must not leak into the output.
     _check_ragged(("long", 8, (8, 2), 64, "float32", "plain"), seed=5)
     _check_ragged(("long", 16, (4, 4), 64, "bfloat16", "both"), seed=6, tokens_per_block=8)
+
+
+@pytest.mark.parametrize("dtype, kv_heads, head_dim", [("bfloat16", 2, 256), ("int8", 1, 64)])
+def test_auto_falls_back_to_xla_for_pools_the_tpu_kernels_refuse(
+    monkeypatch, dtype, kv_heads, head_dim
+):
+    # With the TPU kernels chosen ("auto" on a TPU; forced here), a pool they refuse goes
+    # to the XLA path instead of failing; named explicitly, the kernel's error stands.
+    monkeypatch.setenv("PAGED_JAX_BACKEND", "pallas_tpu")
+    case = kernel_case(
+        5, BATCH[:3], 16, (2 * kv_heads, kv_heads), head_dim, dtype, pad_seqs=0, pad_tokens=0
+    )
+    args = (case.q, case.kv_pages, case.kv_lens, case.page_indices)
+    kw = dict(sm_scale=head_dim**-0.5, k_scale=case.k_scale, v_scale=case.v_scale)
+    out = pj.paged_attention(*args, **kw)
+    ref = pj.reference.paged_attention(*args, **kw)
+    assert_close_to_oracle(out, ref, case.expected)
+    with pytest.raises(ValueError, match="kv_pages: "):
+        pj.paged_attention(*args, **kw, backend="pallas_tpu", interpret=True)
+
+
+def test_table_chunk_on_a_tpu_is_whole_dma_runs():
+    case = make_case(4, BATCH, page_size=16, pad_seqs=0, pad_tokens=0)
+    args = (case.q, case.kv_pages, case.kv_lens, case.page_indices)
+    with pytest.raises(ValueError, match="table_chunk: expected a multiple of 128 on a TPU"):
+        decode_paged_attention(*args, pages_per_block=2, table_chunk=8, interpret=False)

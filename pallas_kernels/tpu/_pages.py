@@ -4,6 +4,7 @@ their per-token scales) fetched by double-buffered DMA into VMEM."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,18 @@ def default_pages_per_block(page_size: int, num_combined: int, head_dim: int, it
     """
     page_bytes = page_size * num_combined * head_dim * itemsize
     return max(1, min(32, (512 * 1024) // page_bytes))
+
+
+# Block-table entries a chunk copies into SMEM come in multiples of this: a TPU's DMA
+# moves whole 512-byte runs of the table's row (128 int32).
+TABLE_DMA_ENTRIES = 128
+
+
+def default_table_chunk(pages_per_block: int) -> int:
+    """Table entries per SMEM copy: about 16 blocks' worth, a multiple of both the block
+    and ``TABLE_DMA_ENTRIES``."""
+    unit = math.lcm(pages_per_block, TABLE_DMA_ENTRIES)
+    return unit * pl.cdiv(16 * pages_per_block, unit)
 
 
 def scratch_shapes(
@@ -86,6 +99,7 @@ class PagePipeline:
     sems: object
     pages_per_block: int
     table_chunk: int
+    interpret: bool = False  # TPU interpret mode has no reshaped refs: _unpack reads values
 
     def _load_table_chunk(self, col):
         ch = self.table_chunk
@@ -133,21 +147,140 @@ class PagePipeline:
             for c in copies:
                 pl.when(live)(c.wait)
 
-    def kv(self, slot, k_scale: float | None, v_scale: float | None):
-        """f32 K and V of the fetched block, ``[bp * P, K, D]`` each, dequantized."""
-        _, bp, P, combined, D = self.kv_buf.shape
-        K = combined // 2
-        # K and V interleave on the head axis: strided loads from the buffer (Mosaic has no
-        # strided slices of vector values).
-        k = self.kv_buf[slot, :, :, pl.ds(0, K, stride=2), :]
-        v = self.kv_buf[slot, :, :, pl.ds(1, K, stride=2), :]
-        k = k.reshape(bp * P, K, D).astype(jnp.float32)
-        v = v.reshape(bp * P, K, D).astype(jnp.float32)
-        if self.ks_buf is not None:
-            k = k * self.ks_buf[slot].reshape(bp * P, combined // 2)[..., None]
-            v = v * self.vs_buf[slot].reshape(bp * P, combined // 2)[..., None]
+    def head(self, slot, h: int, k_scale: float | None, v_scale: float | None, dtype=None):
+        """f32 K and V of kv head ``h`` (a Python int) in the fetched block, ``[bp * P,
+        D]`` each, dequantized (``_unpack`` says how they are read). ``dtype``: what the
+        pool's bits are, where not its own dtype (an f16 pool travels as bf16 bits:
+        ``as_kernel_pool``)."""
+        k, v = (_unpack(self.kv_buf.at[slot], 2 * h + t, dtype, self.interpret) for t in (0, 1))
+        if self.ks_buf is not None:  # per-token scales [bp, P, K]: column h
+            C, K = k.shape[0], self.ks_buf.shape[-1]
+            if self.interpret:
+                k = k * self.ks_buf[slot].reshape(C, K)[:, h : h + 1]
+                v = v * self.vs_buf[slot].reshape(C, K)[:, h : h + 1]
+            else:
+                k = k * self.ks_buf.at[slot].reshape(C, K)[:, pl.ds(h, 1)]
+                v = v * self.vs_buf.at[slot].reshape(C, K)[:, pl.ds(h, 1)]
         if k_scale is not None:
             k = k * k_scale
         if v_scale is not None:
             v = v * v_scale
         return k, v
+
+
+# Lanes of a vreg: the widest buffer row Mosaic loads with a stride.
+LANES = 128
+
+
+def supports(kv_pages) -> bool:
+    """Whether the TPU kernels take a pool of this shape and dtype (``check_layout``)."""
+    try:
+        check_layout(kv_pages.shape[-2], kv_pages.shape[-1], kv_pages.dtype)
+    except ValueError:
+        return False
+    return True
+
+
+def check_layout(combined: int, head_dim: int, dtype) -> None:
+    """Raises ``ValueError`` for a pool ``_unpack`` cannot have Mosaic read: a head dim
+    over 128 (a strided load needs a buffer 128 lanes wide, and a DMA cannot reshape the
+    page to that), or an 8-bit pool with an odd number of kv heads (K and V of two
+    heads share a 32-bit word; with an odd count the word's bytes change heads from
+    token to token)."""
+    if head_dim > LANES:
+        raise ValueError(
+            f"kv_pages: the TPU kernels take a head dim up to {LANES} (Mosaic's strided "
+            f"loads), got {head_dim}; the XLA path takes any"
+        )
+    if jnp.dtype(dtype).itemsize == 1 and (combined // 2) % 2:
+        raise ValueError(
+            f"kv_pages: an 8-bit pool on TPU needs an even number of kv heads (K and V of "
+            f"two heads a 32-bit word), got {combined // 2}; the XLA path takes any"
+        )
+
+
+def as_kernel_pool(kv_pages):
+    """``(pool, dtype)``: the pool as the kernel takes it and what its bits are. Mosaic
+    takes no f16 argument, so an f16 pool goes in as the same bits typed bf16 (a
+    bitcast, no copy) and ``_unpack`` decodes them."""
+    if kv_pages.dtype == jnp.float16:
+        return jax.lax.bitcast_convert_type(kv_pages, jnp.bfloat16), jnp.dtype(jnp.float16)
+    return kv_pages, jnp.dtype(kv_pages.dtype)
+
+
+def _unpack(buf, j: int, dtype=None, interpret: bool = False):
+    """Row ``j`` of the head axis (``2h``: head h's K, ``2h + 1``: its V) of every token
+    of ``buf`` (a VMEM ref ``[bp, P, 2K, D]``), as f32 ``[bp * P, D]``.
+
+    The head axis is the second-minor axis of a VMEM tile, and Mosaic loads a strided
+    run of rows only of 32-bit data (and of a buffer whose rows are 128 lanes or fewer).
+    So the buffer is read as rows of 32-bit words: viewed as ``[bp * P * 2K, D]``, then
+    bitcast to words that pack ``p = 4 / itemsize`` consecutive rows, the lower row in
+    the lower bits. Row j of token c is row ``c 2K + j``: word ``(c 2K + j) // p``, slot
+    ``j % p`` for every token (``check_layout``: 2K a multiple of p), a stride of ``2K /
+    p`` words from token to token.
+
+    ``interpret``: the same steps on the loaded value (reshape, ``pltpu.bitcast``, a
+    strided slice), since TPU interpret mode cannot reshape a ref; the words and their
+    packing are the same (``pltpu.bitcast`` packs rows as a ref's bitcast does)."""
+    bp, P, combined, D = buf.shape
+    C = bp * P
+    dtype = jnp.dtype(dtype or buf.dtype)
+    pack = 4 // dtype.itemsize
+    stride = combined // pack
+    m, slot = divmod(j, pack)
+    if interpret:
+        rows = buf[...].reshape(C * combined, D)
+        words = rows if pack == 1 else pltpu.bitcast(rows, jnp.uint32)
+        w = words[m : m + (C - 1) * stride + 1 : stride]
+    else:
+        rows = buf.reshape(C * combined, D)
+        words = rows if pack == 1 else rows.bitcast(jnp.uint32)
+        w = words[pl.ds(m, C, stride=stride), :]
+    return w.astype(jnp.float32) if pack == 1 else _widen(w, slot, dtype)
+
+
+def _widen(w, slot: int, dtype):
+    """The ``dtype`` values in bits ``[slot b, (slot + 1) b)`` of the u32 words ``w`` (b
+    = the dtype's width) as f32: shifts and bitcasts Mosaic has on every TPU (v5e has
+    no 16-bit float vectors, so an f16 is decoded from its bits)."""
+    bits = 8 * dtype.itemsize
+    if dtype == jnp.bfloat16:  # a bf16 is the top half of the f32 it widens to
+        top = w << 16 if slot == 0 else w & jnp.uint32(0xFFFF0000)
+        return pltpu.bitcast(top, jnp.float32)
+    x = (w >> (bits * slot)) if slot else w
+    if dtype == jnp.float16:
+        x = x & jnp.uint32(0xFFFF)
+        sign = (x & jnp.uint32(0x8000)) << 16
+        exp = (x >> 10) & jnp.uint32(0x1F)
+        man = x & jnp.uint32(0x3FF)
+        normal = pltpu.bitcast(sign | ((exp + 112) << 23) | (man << 13), jnp.float32)
+        special = pltpu.bitcast(sign | jnp.uint32(0x7F800000) | (man << 13), jnp.float32)
+        tiny = pltpu.bitcast(man, jnp.int32).astype(jnp.float32) * (2.0**-24)
+        tiny = jnp.where(sign != 0, -tiny, tiny)
+        return jnp.where(exp == 0, tiny, jnp.where(exp == 31, special, normal))
+    return pltpu.bitcast(x.astype(jnp.uint8), dtype).astype(jnp.float32)
+
+
+def fold_rows(s, mask, carry, v, soft_cap, precision):
+    """One block of scores folded into a flash softmax's running ``(acc f32[R, D], m
+    f32[R, 1], l f32[R, 1])`` (``m = -inf`` before any key), kept two-dimensional for
+    Mosaic: ``s`` f32[R, C] raw scores (scaled), ``mask`` bool[R, C], ``v`` f32[C, D].
+    Fully masked rows keep ``m = -inf``, ``l = 0`` and add nothing."""
+    acc, m, l = carry
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(mask, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_safe)
+    alpha = jnp.exp(m - m_safe)
+    pv = jnp.dot(p, v, precision=precision, preferred_element_type=jnp.float32)
+    return alpha * acc + pv, m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True)
+
+
+def scores(q, k, precision):
+    """``q [R, D] @ k [C, D]^T``, f32[R, C]."""
+    return jax.lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )

@@ -29,11 +29,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .._softmax import fold
 from .._table import safe_lens, safe_table
 from ._pages import (
+    TABLE_DMA_ENTRIES,
     PagePipeline,
+    as_kernel_pool,
+    check_layout,
     default_pages_per_block,
+    default_table_chunk,
+    fold_rows,
+    scores,
     scratch_shapes,
     split_refs,
 )
@@ -55,12 +60,14 @@ def _kernel(
     k_scale,
     v_scale,
     quantized,
+    kv_dtype,
+    interpret,
 ):
     q_ref, o_ref, parts = split_refs(refs, quantized)
     b = pl.program_id(0)
     bp, P, K = pages_per_block, page_size, num_kv_heads
     _, H, D = q_ref.shape
-    G = H // K
+    G, C = H // K, pages_per_block * page_size
     kv_len = lens_ref[b]
     used = pl.cdiv(kv_len, P)
     first_key = 0
@@ -69,8 +76,8 @@ def _kernel(
         first_key = jnp.maximum(kv_len - sliding_window, 0)
         first_page = (first_key // P) // bp * bp
     num_blocks = pl.cdiv(jnp.maximum(used - first_page, 0), bp)
-    pipe = PagePipeline(b, first_page, used, *parts, bp, table_chunk)
-    q = q_ref[0].astype(jnp.float32).reshape(K, G, D) * sm_scale
+    pipe = PagePipeline(b, first_page, used, *parts, bp, table_chunk, interpret)
+    q = q_ref[0].astype(jnp.float32) * sm_scale  # [H, D]; kv head h's group: rows h G..
 
     def body(j, carry):
         slot = j % 2
@@ -80,32 +87,36 @@ def _kernel(
             pipe.start(j + 1, 1 - slot)
 
         pipe.wait(j, slot)
-        k, v = pipe.kv(slot, k_scale, v_scale)  # [C, K, D]
-        tok = (first_page + j * bp) * P + jnp.arange(bp * P)
-        valid = (tok < kv_len) & (tok >= first_key)
-        k = jnp.where(valid[:, None, None], k, 0.0)
-        v = jnp.where(valid[:, None, None], v, 0.0)  # skipped pages hold stale data
-        s = jnp.einsum("kgd,ckd->kgc", q, k, precision=precision)
-        return fold(
-            s,
-            valid[None, None, :],
-            carry,
-            lambda p: jnp.einsum("kgc,ckd->kgd", p, v, precision=precision),
-            soft_cap,
-        )
+        first = (first_page + j * bp) * P
+        # skipped pages hold stale data: zero it in K and V, mask it in the scores
+        row_tok = first + jax.lax.broadcasted_iota(jnp.int32, (C, D), 0)
+        row_ok = (row_tok < kv_len) & (row_tok >= first_key)
+        col_tok = first + jax.lax.broadcasted_iota(jnp.int32, (G, C), 1)
+        col_ok = (col_tok < kv_len) & (col_tok >= first_key)
+        out = []
+        for h in range(K):
+            k, v = pipe.head(slot, h, k_scale, v_scale, kv_dtype)  # [C, D] each
+            k = jnp.where(row_ok, k, 0.0)
+            v = jnp.where(row_ok, v, 0.0)
+            s = scores(q[h * G : (h + 1) * G], k, precision)
+            out.append(fold_rows(s, col_ok, carry[h], v, soft_cap, precision))
+        return tuple(out)
 
     @pl.when(num_blocks > 0)
     def _():
         pipe.start(0, 0)
 
-    init = (
-        jnp.zeros((K, G, D), jnp.float32),
-        jnp.full((K, G), -jnp.inf, jnp.float32),
-        jnp.zeros((K, G), jnp.float32),
+    init = tuple(
+        (
+            jnp.zeros((G, D), jnp.float32),
+            jnp.full((G, 1), -jnp.inf, jnp.float32),
+            jnp.zeros((G, 1), jnp.float32),
+        )
+        for _ in range(K)
     )
-    acc, _, l = jax.lax.fori_loop(0, num_blocks, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    o_ref[0] = out.reshape(H, D).astype(o_ref.dtype)
+    heads = jax.lax.fori_loop(0, num_blocks, body, init)
+    for h, (acc, _, l) in enumerate(heads):
+        o_ref[0, pl.ds(h * G, G), :] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
 def split_scales(k_scale, v_scale):
@@ -119,11 +130,16 @@ def split_scales(k_scale, v_scale):
     return (as_float(k_scale), as_float(v_scale)), None
 
 
-def check_table_chunk(pages_per_block, table_chunk):
+def check_table_chunk(pages_per_block, table_chunk, interpret: bool):
     if table_chunk is not None and pages_per_block is not None and table_chunk % pages_per_block:
         raise ValueError(
             f"table_chunk: expected a multiple of pages_per_block="
             f"{pages_per_block}, got {table_chunk}"
+        )
+    if table_chunk is not None and not interpret and table_chunk % TABLE_DMA_ENTRIES:
+        raise ValueError(
+            f"table_chunk: expected a multiple of {TABLE_DMA_ENTRIES} on a TPU (its DMA "
+            f"copies 512-byte runs; interpret mode takes any), got {table_chunk}"
         )
 
 
@@ -146,7 +162,7 @@ def decode_paged_attention(
     ``paged_jax.paged_attention``. Knobs: ``pages_per_block`` (pages per DMA buffer;
     default ~512 KiB of K/V, from page size, kv heads, head_dim and dtype) and
     ``table_chunk`` (block-table entries per SMEM copy; default 16 blocks' worth)."""
-    check_table_chunk(pages_per_block, table_chunk)
+    check_table_chunk(pages_per_block, table_chunk, interpret)
     floats, arrays = split_scales(k_scale, v_scale)
     return _decode(
         q,
@@ -197,8 +213,13 @@ def _decode(
     B, H, D = q.shape
     N, P, combined, _ = kv_pages.shape
     M = page_indices.shape[1]
+    out_dtype = q.dtype
+    kv_pages, kv_dtype = as_kernel_pool(kv_pages)
+    if q.dtype == jnp.float16:  # v5e has no 16-bit float vectors: f16 rows go in as f32
+        q = q.astype(jnp.float32)
     bp = pages_per_block or default_pages_per_block(P, combined, D, kv_pages.dtype.itemsize)
-    ch = table_chunk or bp * 16
+    ch = table_chunk or default_table_chunk(bp)
+    check_layout(combined, D, kv_pages.dtype)
     width = pl.cdiv(M + bp, ch) * ch  # room for a block that starts near the end
     table = safe_table(page_indices, N, width)  # padding and bad ids: the null page
     kv_lens = safe_lens(kv_lens, M * P)
@@ -212,13 +233,15 @@ def _decode(
         table_chunk=ch,
         page_size=P,
         num_kv_heads=combined // 2,
-        precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+        precision=jax.lax.Precision.HIGHEST if out_dtype == jnp.float32 else None,
         k_scale=k_scale,
         v_scale=v_scale,
         quantized=quantized,
+        kv_dtype=kv_dtype,
+        interpret=interpret,
     )
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
@@ -233,3 +256,4 @@ def _decode(
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paged_decode_tpu",
     )(kv_lens, q, table, kv_pages, *(scale_arrays or ()))
+    return out.astype(out_dtype)

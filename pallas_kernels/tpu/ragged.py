@@ -27,12 +27,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .._softmax import fold
 from .._table import safe_lens, safe_table
 from .._worklist import work_list
 from ._pages import (
     PagePipeline,
+    as_kernel_pool,
+    check_layout,
     default_pages_per_block,
+    default_table_chunk,
+    fold_rows,
+    scores,
     scratch_shapes,
     split_refs,
 )
@@ -57,27 +61,33 @@ def _kernel(
     k_scale,
     v_scale,
     quantized,
+    kv_dtype,
+    interpret,
+    tokens_per_block,
 ):
     q_ref, o_ref, parts = split_refs(refs, quantized)
     w = pl.program_id(0)
     bp, P, K = pages_per_block, page_size, num_kv_heads
-    _, bq, H, D = q_ref.shape
-    G = H // K
+    _, _, R, D = q_ref.shape  # R = bq * G rows: token t's query heads of kv head h at t G..
+    G = R // tokens_per_block
+    C = bp * P
     seq, q_start, live = seq_ref[w], start_ref[w], live_ref[w]
     kv_len = lens_ref[seq]
-    q_first, q_end = cu_ref[seq], cu_ref[seq + 1]
-    tok_row = q_start + jnp.arange(bq)
-    row_ok = (tok_row < q_end) & (live > 0)
-    pos = kv_len - (q_end - q_first) + (tok_row - q_first)
-    last_pos = jnp.max(jnp.where(row_ok, pos, -1))
+    q_end = cu_ref[seq + 1]
+    # a token's position in its sequence: kv_len - q_end + its index in the batch
+    any_row = (live > 0) & (q_start < q_end)
+    last_tok = jnp.minimum(q_start + tokens_per_block, q_end) - 1
+    last_pos = jnp.where(any_row, kv_len - q_end + last_tok, -1)
     used = jnp.minimum(pl.cdiv(last_pos + 1, P), pl.cdiv(kv_len, P))
     first_page = 0
     if sliding_window is not None:
-        first_pos = jnp.min(jnp.where(row_ok, pos, kv_len))
+        first_pos = jnp.where(any_row, kv_len - q_end + q_start, kv_len)
         first_page = (jnp.maximum(first_pos - sliding_window + 1, 0) // P) // bp * bp
     num_blocks = pl.cdiv(jnp.maximum(used - first_page, 0), bp)
-    pipe = PagePipeline(seq, first_page, used, *parts, bp, table_chunk)
-    q = q_ref[0].astype(jnp.float32).reshape(bq, K, G, D) * sm_scale
+    pipe = PagePipeline(seq, first_page, used, *parts, bp, table_chunk, interpret)
+    row_tok = q_start + jax.lax.broadcasted_iota(jnp.int32, (R, C), 0) // G
+    row_ok = (row_tok < q_end) & (live > 0)
+    pos = kv_len - q_end + row_tok
 
     def body(j, carry):
         slot = j % 2
@@ -87,38 +97,41 @@ def _kernel(
             pipe.start(j + 1, 1 - slot)
 
         pipe.wait(j, slot)
-        k, v = pipe.kv(slot, k_scale, v_scale)  # [C, K, D]
-        tok = (first_page + j * bp) * P + jnp.arange(bp * P)
+        first = (first_page + j * bp) * P
         # Only pages below `used` were fetched: a block of early query tokens of a long
         # prefill stops at its own causal end, so later slots in the buffer are stale
         # (NaN in interpret mode) and must not reach p @ v even with p = 0.
-        in_seq = tok < jnp.minimum(kv_len, used * P)
-        k = jnp.where(in_seq[:, None, None], k, 0.0)
-        v = jnp.where(in_seq[:, None, None], v, 0.0)
-        mask = (tok[None, :] <= pos[:, None]) & row_ok[:, None] & in_seq[None, :]
+        limit = jnp.minimum(kv_len, used * P)
+        kv_ok = first + jax.lax.broadcasted_iota(jnp.int32, (C, D), 0) < limit
+        tok = first + jax.lax.broadcasted_iota(jnp.int32, (R, C), 1)
+        mask = (tok <= pos) & row_ok & (tok < limit)
         if sliding_window is not None:
-            mask &= pos[:, None] - tok[None, :] < sliding_window
-        s = jnp.einsum("tkgd,ckd->tkgc", q, k, precision=precision)
-        return fold(
-            s,
-            mask[:, None, None, :],
-            carry,
-            lambda p: jnp.einsum("tkgc,ckd->tkgd", p, v, precision=precision),
-            soft_cap,
-        )
+            mask &= pos - tok < sliding_window
+        out = []
+        for h in range(K):
+            k, v = pipe.head(slot, h, k_scale, v_scale, kv_dtype)  # [C, D] each
+            k = jnp.where(kv_ok, k, 0.0)
+            v = jnp.where(kv_ok, v, 0.0)
+            q = q_ref[0, h].astype(jnp.float32) * sm_scale
+            s = scores(q, k, precision)
+            out.append(fold_rows(s, mask, carry[h], v, soft_cap, precision))
+        return tuple(out)
 
     @pl.when(num_blocks > 0)
     def _():
         pipe.start(0, 0)
 
-    init = (
-        jnp.zeros((bq, K, G, D), jnp.float32),
-        jnp.full((bq, K, G), -jnp.inf, jnp.float32),
-        jnp.zeros((bq, K, G), jnp.float32),
+    init = tuple(
+        (
+            jnp.zeros((R, D), jnp.float32),
+            jnp.full((R, 1), -jnp.inf, jnp.float32),
+            jnp.zeros((R, 1), jnp.float32),
+        )
+        for _ in range(K)
     )
-    acc, _, l = jax.lax.fori_loop(0, num_blocks, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    o_ref[0] = out.reshape(bq, H, D).astype(o_ref.dtype)
+    heads = jax.lax.fori_loop(0, num_blocks, body, init)
+    for h, (acc, _, l) in enumerate(heads):
+        o_ref[0, h] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
 def ragged_paged_attention(
@@ -143,7 +156,7 @@ def ragged_paged_attention(
     ``paged_jax.ragged_paged_attention``. Knobs: ``tokens_per_block`` (query rows per
     program; default 16), ``pages_per_block`` (pages per DMA buffer; default ~512 KiB of
     K/V), ``table_chunk`` (block-table entries per SMEM copy)."""
-    check_table_chunk(pages_per_block, table_chunk)
+    check_table_chunk(pages_per_block, table_chunk, interpret)
     floats, arrays = split_scales(k_scale, v_scale)
     return _ragged(
         q,
@@ -201,13 +214,21 @@ def _ragged(
     T, H, D = q.shape
     N, P, combined, _ = kv_pages.shape
     M = page_indices.shape[1]
+    out_dtype = q.dtype
+    kv_pages, kv_dtype = as_kernel_pool(kv_pages)
+    if q.dtype == jnp.float16:  # v5e has no 16-bit float vectors: f16 rows go in as f32
+        q = q.astype(jnp.float32)
     bq = tokens_per_block or 16
     bp = pages_per_block or default_pages_per_block(P, combined, D, kv_pages.dtype.itemsize)
-    ch = table_chunk or bp * 16
+    ch = table_chunk or default_table_chunk(bp)
+    check_layout(combined, D, kv_pages.dtype)
     seq, start, valid = work_list(cu_q_lens, num_seqs, T, bq)
     W = seq.shape[0]
     rows = start[:, None] + jnp.arange(bq)[None, :]  # [W, bq] token of each row
     q_blocks = jnp.take(q, jnp.minimum(rows, T - 1).reshape(-1), axis=0).reshape(W, bq, H, D)
+    K, G = combined // 2, H // (combined // 2)
+    # head-major for the kernel: [W, K, bq G, D], kv head h's query rows in token order
+    q_blocks = q_blocks.reshape(W, bq, K, G, D).transpose(0, 2, 1, 3, 4).reshape(W, K, bq * G, D)
     width = pl.cdiv(M + bp, ch) * ch
     table = safe_table(page_indices, N, width)  # padding and bad ids: the null page
     kv_lens = safe_lens(kv_lens, M * P)
@@ -221,10 +242,13 @@ def _ragged(
         table_chunk=ch,
         page_size=P,
         num_kv_heads=combined // 2,
-        precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+        tokens_per_block=bq,
+        precision=jax.lax.Precision.HIGHEST if out_dtype == jnp.float32 else None,
         k_scale=k_scale,
         v_scale=v_scale,
         quantized=quantized,
+        kv_dtype=kv_dtype,
+        interpret=interpret,
     )
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     out_blocks = pl.pallas_call(
@@ -232,12 +256,12 @@ def _ragged(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(W,),
-            in_specs=[pl.BlockSpec((1, bq, H, D), lambda w, *_: (w, 0, 0, 0)), hbm, hbm]
+            in_specs=[pl.BlockSpec((1, K, bq * G, D), lambda w, *_: (w, 0, 0, 0)), hbm, hbm]
             + ([hbm, hbm] if quantized else []),
-            out_specs=pl.BlockSpec((1, bq, H, D), lambda w, *_: (w, 0, 0, 0)),
+            out_specs=pl.BlockSpec((1, K, bq * G, D), lambda w, *_: (w, 0, 0, 0)),
             scratch_shapes=scratch_shapes(bp, P, combined, D, kv_pages.dtype, ch, quantized),
         ),
-        out_shape=jax.ShapeDtypeStruct((W, bq, H, D), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((W, K, bq * G, D), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paged_ragged_tpu",
@@ -246,5 +270,7 @@ def _ragged(
     row_end = cu_q_lens[seq + 1][:, None]
     keep = (rows < row_end) & (valid[:, None] > 0)
     target = jnp.where(keep, rows, T).reshape(-1)
-    out = jnp.zeros((T, H, D), q.dtype)
-    return out.at[target].set(out_blocks.reshape(-1, H, D), mode="drop")
+    out = jnp.zeros((T, H, D), out_dtype)
+    out_blocks = out_blocks.reshape(W, K, bq, G, D).transpose(0, 2, 1, 3, 4)
+    out = out.at[target].set(out_blocks.reshape(-1, H, D).astype(out_dtype), mode="drop")
+    return out
