@@ -133,6 +133,8 @@ def weight_reads(
     context: int = 8,
     layers=(2, 4),
     hold=None,
+    backend: str = "xla",
+    compile_fn=None,
 ) -> dict:
     """How many times XLA's cost analysis says one compiled decode step reads each byte of
     the layers' weights, for a model of config ``fields`` held as the engine holds a model
@@ -152,7 +154,10 @@ def weight_reads(
     small (default: one sequence's page and the null page), because each in-place
     scatter and gather is charged its whole ``[L, N, ...]`` operand, which grows with
     layers x layers. Also returns the four ``bytes_accessed`` and ``weight_bytes``
-    (``[narrow, wide]`` per layer count) and the compile seconds."""
+    (``[narrow, wide]`` per layer count) and the compile seconds. ``backend``: the
+    attention backend; ``compile_fn(fn, *args)``: what compiles the step (default:
+    ``jax.jit(fn).lower(*args).compile()`` on the default device; for a TPU,
+    ``paged_jax.kernels.tpu.aot.compile_for_tpu``)."""
     import time
 
     import jax
@@ -184,14 +189,14 @@ def weight_reads(
         md = pj.AttentionMetadata.from_batch(batch)
 
         def step(state, tokens, positions, cache):
-            return nnx.merge(graphdef, state)(tokens, positions, cache, md, backend="xla")
+            return nnx.merge(graphdef, state)(tokens, positions, cache, md, backend=backend)
 
         t = time.perf_counter()
-        compiled = (
-            jax.jit(step, donate_argnums=(3,))
-            .lower(state, jnp.asarray(batch.token_ids), jnp.asarray(batch.positions), cache)
-            .compile()
-        )
+        args = (state, jnp.asarray(batch.token_ids), jnp.asarray(batch.positions), cache)
+        if compile_fn is None:
+            compiled = jax.jit(step, donate_argnums=(3,)).lower(*args).compile()
+        else:
+            compiled = compile_fn(step, *args)
         seconds = time.perf_counter() - t
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost

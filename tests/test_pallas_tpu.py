@@ -44,8 +44,10 @@ def _refused(heads, d, dtype) -> str | None:
     them; ``paged_jax.kernels.tpu.supports``), or None."""
     if d > 128:
         return "the TPU kernels take a head dim up to 128"
-    if jnp.dtype(dtype).itemsize == 1 and heads[1] % 2:
-        return "an 8-bit pool on TPU needs an even number of kv heads"
+    pack = 4 // jnp.dtype(dtype).itemsize
+    words = 2 * heads[1] / pack
+    if words not in (1, 2, 4, 8) and words % 8:
+        return "the TPU kernels need each token's"
     return None
 
 

@@ -183,19 +183,25 @@ def supports(kv_pages) -> bool:
 
 def check_layout(combined: int, head_dim: int, dtype) -> None:
     """Raises ``ValueError`` for a pool ``_unpack`` cannot have Mosaic read: a head dim
-    over 128 (a strided load needs a buffer 128 lanes wide, and a DMA cannot reshape the
-    page to that), or an 8-bit pool with an odd number of kv heads (K and V of two
-    heads share a 32-bit word; with an odd count the word's bytes change heads from
-    token to token)."""
+    over 128 (a strided load needs a buffer at most 128 lanes wide, and a DMA cannot
+    reshape a page to that), or a head axis (2K rows a token) that is not a whole number
+    of 32-bit words in 1, 2, 4, 8 or a multiple of 8 of them (Mosaic reshapes the buffer
+    to rows only where XLA tiles the axis whole: for bf16 K in 1, 2, 4, 8, 16, ...; for
+    f32 K in 1, 2, 4, 8, ...; for 8-bit K in 2, 4, 8, 16, 32, ...). JAX's own TPU
+    ragged kernel has the same rule."""
     if head_dim > LANES:
         raise ValueError(
             f"kv_pages: the TPU kernels take a head dim up to {LANES} (Mosaic's strided "
             f"loads), got {head_dim}; the XLA path takes any"
         )
-    if jnp.dtype(dtype).itemsize == 1 and (combined // 2) % 2:
+    pack = 4 // jnp.dtype(dtype).itemsize
+    words = combined // pack
+    if combined % pack or not (words in (1, 2, 4, 8) or words % 8 == 0):
         raise ValueError(
-            f"kv_pages: an 8-bit pool on TPU needs an even number of kv heads (K and V of "
-            f"two heads a 32-bit word), got {combined // 2}; the XLA path takes any"
+            f"kv_pages: the TPU kernels need each token's {combined} K/V rows of "
+            f"{jnp.dtype(dtype).name} to fill 1, 2, 4, 8 or a multiple of 8 32-bit words "
+            f"({pack} a word), got {combined / pack:g} ({combined // 2} kv heads); the "
+            f"XLA path takes any"
         )
 
 

@@ -41,7 +41,8 @@ TOPOLOGIES = {"TPU v5 lite": "v5e:1x1", "TPU v6 lite": "v6e:1x1"}  # one chip of
 
 
 def compile_for_tpu(fn: Callable, *args, device_kind: str = "TPU v5 lite"):
-    """Compiles ``jax.jit(fn)(*args)`` (``args``: ``jax.ShapeDtypeStruct``s) for one chip
+    """Compiles ``jax.jit(fn)(*args)`` (``args``: pytrees of arrays or
+    ``jax.ShapeDtypeStruct``s; nothing is computed) for one chip
     of ``device_kind`` on this host, with no TPU attached; returns the ``Compiled``
     (``cost_analysis()``, ``memory_analysis()``, ``as_text()``). Needs libtpu (``pip
     install "jax[tpu]"``) and ``JAX_PLATFORMS=cpu`` (libtpu must not look for a TPU of
@@ -61,7 +62,7 @@ def compile_for_tpu(fn: Callable, *args, device_kind: str = "TPU v5 lite"):
     )
     device = topology.devices[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
     with jax.default_device(device):  # the kernels read the chip's kind from it
         return jax.jit(fn).lower(*args).compile()
 
@@ -99,9 +100,21 @@ def write_case(dtype="bfloat16", *, kv_heads=8, head_dim=128, page=16, tokens=64
     return fn, [pool, rows, scale_pool, S((tokens, 2 * kv_heads), "float32"), slots]
 
 
+# Pools with fewer kv heads than the grid's 8, each a head axis XLA tiles whole.
+FEW_KV_HEADS = (
+    ("bfloat16", 1),
+    ("bfloat16", 2),
+    ("bfloat16", 4),
+    ("float32", 1),
+    ("float32", 2),
+    ("int8", 2),
+    ("int8", 4),
+)
+
+
 def standard_cases() -> dict[str, tuple[Callable, list]]:
     """Both attention kernels over ``standard_grid`` (less the pools they refuse: head
-    dim 256); the KV write for a 16-bit and a quantized cache."""
+    dim 256) and ``FEW_KV_HEADS``; the KV write for a 16-bit and a quantized cache."""
     from . import decode_paged_attention, ragged_paged_attention
     from ._pages import check_layout
 
@@ -114,6 +127,11 @@ def standard_cases() -> dict[str, tuple[Callable, list]]:
             except ValueError:
                 continue
             cases[label] = (fn, args)
+    for kind, kernel in (("decode", decode_paged_attention), ("ragged", ragged_paged_attention)):
+        for dtype, kv_heads in FEW_KV_HEADS:
+            label = f"{kind} {dtype} D128 P16 K{kv_heads}"
+            heads = dict(heads=4 * kv_heads, kv_heads=kv_heads)
+            cases[label] = attention_case(kernel, kind, dtype, **heads)
     for dtype in ("bfloat16", "int8"):
         cases[f"kv_write {dtype} D128 P16"] = write_case(dtype)
     return cases
