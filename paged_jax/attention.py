@@ -31,9 +31,10 @@ _PREFERENCE = {
     "cpu": ("cpu", "xla"),
 }
 # Which Pallas backends "auto" may pick.
-# * pallas_tpu: yes. Verified in TPU interpret mode, which is the acceptance bar its issue
-#   set (this project's machines never include a TPU), and lowered through Mosaic for
-#   v5e/v6e (tests/test_aot.py). If the rest of its compile fails on real hardware,
+# * pallas_tpu: yes. Verified in TPU interpret mode (this project's machines never include
+#   a TPU), and compiled for v5e/v6e through libtpu on a CPU host (.ci/tpu_compile), which
+#   interpret mode alone had not caught refusing every attention kernel until 2026-11-29.
+#   Pools the kernels do not take go to XLA (_tpu_or_none). Speed is unmeasured;
 #   PAGED_JAX_BACKEND=xla restores the XLA path without a code change.
 # * pallas_gpu: yes. Compiled and run on an NVIDIA H100 (JAX 0.11.2, Triton lowering):
 #   tests/test_pallas_gpu.py and the model and engine tests with PAGED_JAX_BACKEND=pallas_gpu

@@ -17,7 +17,8 @@ K/V byte crosses HBM once, and the K/V of each head serves its whole GQA group.
 KV dtypes: f32, bf16, f16, and int8 / fp8 with per-token scales (``f32[N, P, K]`` arrays,
 fetched by DMA beside their pages) or per-tensor floats.
 
-Status: verified in TPU interpret mode on CPU only (no TPU was available to this work).
+Status: verified in TPU interpret mode on CPU, and compiled for TPU v5e and v6e through
+libtpu on a CPU host (``aot.py``, ``.ci/tpu_compile``); never run on a TPU.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ to the K/V bytes.
 KV dtypes as the decode kernel: f32, bf16, f16, int8 / fp8 with per-token or per-tensor
 scales.
 
-Status: verified in TPU interpret mode on CPU only (no TPU was available to this work).
+Status: verified in TPU interpret mode on CPU, and compiled for TPU v5e and v6e through
+libtpu on a CPU host (``aot.py``, ``.ci/tpu_compile``); never run on a TPU.
 """
 
 from __future__ import annotations
