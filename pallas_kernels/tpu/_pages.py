@@ -41,7 +41,18 @@ def scratch_shapes(
     """SMEM table chunk, two VMEM page buffers (+ two scale buffers), DMA semaphores."""
     shapes = [
         pltpu.SMEM((table_chunk,), jnp.int32),
-        pltpu.VMEM((2, pages_per_block, page_size, num_combined, head_dim), dtype),
+        # a head dim over 128 in pieces of 128 lanes: [pieces, 2, bp, P, 2K, D / pieces]
+        pltpu.VMEM(
+            (
+                pieces(head_dim),
+                2,
+                pages_per_block,
+                page_size,
+                num_combined,
+                head_dim // pieces(head_dim),
+            ),
+            dtype,
+        ),  # fmt: skip
     ]
     if quantized:
         shapes += [pltpu.VMEM((2, pages_per_block, page_size, num_combined // 2), jnp.float32)] * 2
@@ -111,10 +122,16 @@ class PagePipeline:
             col = self.first_page + j * self.pages_per_block + i
             live = col < self.used
             page = jnp.where(live, self.table_smem[col % self.table_chunk], 0)
-            copies = [
+            n, lanes = self.kv_buf.shape[0], self.kv_buf.shape[-1]
+            copies = [  # (a head dim over 128: one DMA a piece of 128 lanes)
                 pltpu.make_async_copy(
-                    self.kv_hbm.at[page], self.kv_buf.at[slot, i], self.sems.at[0, slot]
+                    self.kv_hbm.at[page]
+                    if n == 1
+                    else self.kv_hbm.at[page, :, :, pl.ds(c * lanes, lanes)],
+                    self.kv_buf.at[c, slot, i],
+                    self.sems.at[0, slot],
                 )
+                for c in range(n)
             ]
             if self.ks_hbm is not None:
                 copies.append(
@@ -152,7 +169,13 @@ class PagePipeline:
         D]`` each, dequantized (``_unpack`` says how they are read). ``dtype``: what the
         pool's bits are, where not its own dtype (an f16 pool travels as bf16 bits:
         ``as_kernel_pool``)."""
-        k, v = (_unpack(self.kv_buf.at[slot], 2 * h + t, dtype, self.interpret) for t in (0, 1))
+        n = self.kv_buf.shape[0]
+
+        def row(j):  # the pieces of a head dim over 128 side by side again
+            parts = [_unpack(self.kv_buf.at[c, slot], j, dtype, self.interpret) for c in range(n)]
+            return parts[0] if n == 1 else jnp.concatenate(parts, axis=1)
+
+        k, v = row(2 * h), row(2 * h + 1)
         if self.ks_buf is not None:  # per-token scales [bp, P, K]: column h
             C, K = k.shape[0], self.ks_buf.shape[-1]
             if self.interpret:
@@ -172,6 +195,11 @@ class PagePipeline:
 LANES = 128
 
 
+def pieces(head_dim: int) -> int:
+    """Buffers of at most 128 lanes a head dim is fetched into (a DMA a piece)."""
+    return max(1, head_dim // LANES)
+
+
 def supports(kv_pages) -> bool:
     """Whether the TPU kernels take a pool of this shape and dtype (``check_layout``)."""
     try:
@@ -183,16 +211,16 @@ def supports(kv_pages) -> bool:
 
 def check_layout(combined: int, head_dim: int, dtype) -> None:
     """Raises ``ValueError`` for a pool ``_unpack`` cannot have Mosaic read: a head dim
-    over 128 (a strided load needs a buffer at most 128 lanes wide, and a DMA cannot
-    reshape a page to that), or a head axis (2K rows a token) that is not a whole number
-    of 32-bit words in 1, 2, 4, 8 or a multiple of 8 of them (Mosaic reshapes the buffer
-    to rows only where XLA tiles the axis whole: for bf16 K in 1, 2, 4, 8, 16, ...; for
-    f32 K in 1, 2, 4, 8, ...; for 8-bit K in 2, 4, 8, 16, 32, ...). JAX's own TPU
-    ragged kernel has the same rule."""
-    if head_dim > LANES:
+    over 128 that is not a multiple of 128 (a strided load needs a buffer at most 128
+    lanes wide, so a wider head dim is fetched in 128-lane pieces), or a head axis (2K
+    rows a token) that is not a whole number of 32-bit words in 1, 2, 4, 8 or a multiple
+    of 8 of them (Mosaic reshapes the buffer to rows only where XLA tiles the axis whole:
+    for bf16 K in 1, 2, 4, 8, 16, ...; for f32 K in 1, 2, 4, 8, ...; for 8-bit K in 2, 4,
+    8, 16, 32, ...). JAX's own TPU ragged kernel has the same rule."""
+    if head_dim > LANES and head_dim % LANES:
         raise ValueError(
-            f"kv_pages: the TPU kernels take a head dim up to {LANES} (Mosaic's strided "
-            f"loads), got {head_dim}; the XLA path takes any"
+            f"kv_pages: the TPU kernels take a head dim up to {LANES} or a multiple of it "
+            f"(Mosaic's strided loads), got {head_dim}; the XLA path takes any"
         )
     pack = 4 // jnp.dtype(dtype).itemsize
     words = combined // pack

@@ -113,8 +113,8 @@ FEW_KV_HEADS = (
 
 
 def standard_cases() -> dict[str, tuple[Callable, list]]:
-    """Both attention kernels over ``standard_grid`` (less the pools they refuse: head
-    dim 256) and ``FEW_KV_HEADS``; the KV write for a 16-bit and a quantized cache."""
+    """Both attention kernels over ``standard_grid`` and ``FEW_KV_HEADS`` (less any pool
+    they refuse); the KV write for a 16-bit and a quantized cache."""
     from . import decode_paged_attention, ragged_paged_attention
     from ._pages import check_layout
 
