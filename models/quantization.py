@@ -93,7 +93,20 @@ def _on_accelerator(w) -> bool:
     quantization then runs there, jitted, instead of in numpy on the host."""
     import jax
 
+    if isinstance(w, jax.core.Tracer):  # traced (eval_shape, jit): no device of its own
+        return False
     return isinstance(w, jax.Array) and any(d.platform != "cpu" for d in w.devices())
+
+
+def _target_platform() -> str:
+    """Where computations go: ``jax.default_device``'s platform where one is set, else
+    JAX's default backend (what decides the layout of a traced weight)."""
+    import jax
+
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.default_backend()
+    return device if isinstance(device, str) else device.platform
 
 
 def _way(fn):
@@ -106,6 +119,12 @@ def _way(fn):
 
     @functools.wraps(fn)
     def quantize(w, axis: int, *args):
+        import jax
+
+        if isinstance(w, jax.core.Tracer):  # (a model built from shapes: nnx.eval_shape)
+            import jax.numpy as jnp
+
+            return fn(w, axis, *args, xp=jnp)
         if _on_accelerator(w):
             import jax
             import jax.numpy as jnp
@@ -128,16 +147,17 @@ _JITTED: dict = {}
 def int8_group(w, axis: int) -> int | None:
     """The ``group`` the loaders and ``quantize`` give ``quantize_int8`` for float ``w``:
     ``INT8_GROUP`` where the weights will be computed on the CPU (a JAX array on the CPU,
-    or a numpy array while JAX's default backend is the CPU) and it divides
-    ``w.shape[axis]``; None (a scale per channel) for a GPU or TPU, whose XLA products
-    scale each output once after the dot, or an axis 32 does not divide."""
+    or a numpy or traced array while computations go to the CPU: ``jax.default_device``,
+    else JAX's default backend) and it divides ``w.shape[axis]``; None (a scale per
+    channel) for a GPU or TPU, whose XLA products scale each output once after the dot,
+    or an axis 32 does not divide."""
     if w.shape[axis] % INT8_GROUP:
         return None
     import jax
 
-    if isinstance(w, jax.Array):
+    if isinstance(w, jax.Array) and not isinstance(w, jax.core.Tracer):
         return None if _on_accelerator(w) else INT8_GROUP
-    return INT8_GROUP if jax.default_backend() == "cpu" else None
+    return INT8_GROUP if _target_platform() == "cpu" else None
 
 
 @_way

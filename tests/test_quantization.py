@@ -734,3 +734,19 @@ def test_quantized_weights_run_on_a_bf16_pool_near_an_f32_one():
         out[pool] = llm.generate(prompts, p, progress=False)
     for a, b in zip(out[jnp.float32], out[jnp.bfloat16], strict=True):
         np.testing.assert_allclose(a.outputs[0].logprobs[:1], b.outputs[0].logprobs[:1], atol=0.05)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
+def test_a_model_built_from_shapes_quantizes_as_a_concrete_one(fmt):
+    # nnx.eval_shape of a quantized model (what compiles a step ahead of time, for a
+    # TPU with none attached in .ci/tpu_compile): the traced weights quantize with
+    # jax.numpy, into the shapes and dtypes a concrete model gets on the same platform.
+    def make():
+        m = models.LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
+        return m.quantize(fmt)
+
+    abstract = nnx.state(nnx.eval_shape(make))
+    concrete = nnx.state(make())
+    shapes = lambda s: jax.tree.map(lambda x: (x.shape, jnp.dtype(x.dtype)), s)  # noqa: E731
+    assert shapes(abstract) == shapes(concrete)
+    assert any(x.dtype == jnp.int8 for x in jax.tree.leaves(abstract)) or fmt == "fp8"
