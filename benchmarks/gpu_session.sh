@@ -22,6 +22,8 @@
 #            default: its configuration beside three that load each chunk ahead; on a GPU
 #            the split way, pallas_gpu_split, is timed beside them)
 #   bench    python -m benchmarks kernels --tune  (decode + ragged prefill, tuning sweeps)
+#            (BENCH_ARGS='--tune --contexts 256 --batches 256 --tune-contexts 256 --no-prefill':
+#            the decode kernel's knobs at the engine workload's short contexts)
 #   engine   python -m benchmarks engine --layout both  (Llama-3-8B / SmolLM2-135M shapes:
 #            tokens/s and the roofline fraction, the engine's layout beside the scanned one)
 #   speculative  python -m benchmarks speculative --verify-cost (Llama-3-8B shape: a verify
