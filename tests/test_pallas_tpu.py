@@ -261,7 +261,7 @@ def test_wide_block_table_is_read_in_chunks():
     assert_close_to_oracle(out, ref, case.expected)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_kv_write_kernel_matches_the_xla_scatter(dtype, seed):
     rng = np.random.default_rng(seed)

@@ -132,7 +132,7 @@ def standard_cases() -> dict[str, tuple[Callable, list]]:
             label = f"{kind} {dtype} D128 P16 K{kv_heads}"
             heads = dict(heads=4 * kv_heads, kv_heads=kv_heads)
             cases[label] = attention_case(kernel, kind, dtype, **heads)
-    for dtype in ("bfloat16", "int8"):
+    for dtype in ("bfloat16", "float16", "int8"):
         cases[f"kv_write {dtype} D128 P16"] = write_case(dtype)
     return cases
 

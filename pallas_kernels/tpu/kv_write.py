@@ -59,7 +59,20 @@ def write_rows(
     tokens_per_block: int = 8,
     interpret: bool = False,
 ) -> jax.Array:  # [L, N, P, *row], the same buffer (donated)
-    """``pool[layer, s // P, s % P] = rows[t]`` for every token t with slot s in range."""
+    """``pool[layer, s // P, s % P] = rows[t]`` for every token t with slot s in range.
+    An f16 pool moves as the same bits typed bf16 (Mosaic takes no f16 argument; the
+    kernel only copies)."""
+    if pool.dtype == jnp.float16:
+        bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.bfloat16)  # noqa: E731
+        out = write_rows(
+            bits(pool),
+            bits(rows.astype(jnp.float16)),
+            slot_mapping,
+            layer,
+            tokens_per_block=tokens_per_block,
+            interpret=interpret,
+        )
+        return jax.lax.bitcast_convert_type(out, jnp.float16)
     L, N, P = pool.shape[:3]
     T = rows.shape[0]
     bt = tokens_per_block
