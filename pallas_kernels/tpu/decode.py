@@ -3,8 +3,9 @@ manual double-buffered DMA.
 
 One query token per sequence. Grid ``(B,)`` ("parallel": sequences are independent, so
 megacore chips split them across cores). A program computes every query head of its
-sequence: a page is fetched as one contiguous ``[P, 2K, D]`` DMA (all kv heads), so each
-K/V byte crosses HBM once, and the K/V of each head serves its whole GQA group.
+sequence: a page is fetched as one contiguous ``[P, 2K, D]`` DMA (all kv heads; a head dim
+over 128 in 128-lane pieces, a DMA each), so each K/V byte crosses HBM once, and the K/V
+of each head serves its whole GQA group, computed a kv head at a time.
 
 * ``kv_lens`` reach the kernel by scalar prefetch. The block table stays in HBM and is
   copied into a small SMEM buffer ``table_chunk`` entries at a time, so tables of any
