@@ -25,6 +25,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def test_resolve_follows_argument_then_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv(compile_cache.CACHE_ENV, raising=False)
+    monkeypatch.delenv("PAGED_JAX_CACHE", raising=False)  # (the root, which a user may set)
     assert compile_cache.resolve(None) == tmp_path / "xdg" / "paged-jax" / "xla"
     assert compile_cache.resolve(True) == tmp_path / "xdg" / "paged-jax" / "xla"
     assert compile_cache.resolve(False) is None
