@@ -99,14 +99,12 @@ def _on_accelerator(w) -> bool:
 
 
 def _target_platform() -> str:
-    """Where computations go: ``jax.default_device``'s platform where one is set, else
-    JAX's default backend (what decides the layout of a traced weight)."""
-    import jax
+    """Where computations go (``paged_jax.attention._default_platform``: the platform of
+    ``jax.default_device`` where one is set, else JAX's default backend), what decides
+    the layout of a traced weight."""
+    from paged_jax.attention import _default_platform
 
-    device = jax.config.jax_default_device
-    if device is None:
-        return jax.default_backend()
-    return device if isinstance(device, str) else device.platform
+    return _default_platform()
 
 
 def _way(fn):

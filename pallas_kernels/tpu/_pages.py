@@ -313,6 +313,23 @@ def fold_rows(s, mask, carry, v, soft_cap, precision):
     return alpha * acc + pv, m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True)
 
 
+def empty_folds(heads: int, rows: int, head_dim: int) -> tuple:
+    """A ``fold_rows`` carry per kv head before any key: ``(acc 0, m -inf, l 0)``."""
+    one = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows, 1), -jnp.inf, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
+    )
+    return (one,) * heads
+
+
+def finish(carry):
+    """The attention output ``f32[R, D]`` of a finished ``fold_rows`` carry (rows that
+    saw no key: 0)."""
+    acc, _, l = carry
+    return acc / jnp.where(l > 0, l, 1.0)
+
+
 def scores(q, k, precision):
     """``q [R, D] @ k [C, D]^T``, f32[R, C]."""
     return jax.lax.dot_general(

@@ -39,6 +39,8 @@ from ._pages import (
     check_layout,
     default_pages_per_block,
     default_table_chunk,
+    empty_folds,
+    finish,
     fold_rows,
     scores,
     scratch_shapes,
@@ -108,17 +110,9 @@ def _kernel(
     def _():
         pipe.start(0, 0)
 
-    init = tuple(
-        (
-            jnp.zeros((G, D), jnp.float32),
-            jnp.full((G, 1), -jnp.inf, jnp.float32),
-            jnp.zeros((G, 1), jnp.float32),
-        )
-        for _ in range(K)
-    )
-    heads = jax.lax.fori_loop(0, num_blocks, body, init)
-    for h, (acc, _, l) in enumerate(heads):
-        o_ref[0, pl.ds(h * G, G), :] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+    heads = jax.lax.fori_loop(0, num_blocks, body, empty_folds(K, G, D))
+    for h, carry in enumerate(heads):
+        o_ref[0, pl.ds(h * G, G), :] = finish(carry).astype(o_ref.dtype)
 
 
 def split_scales(k_scale, v_scale):
