@@ -190,6 +190,18 @@ def _default_budget(most_useful: int) -> int:
     return min(cap, most_useful)
 
 
+def _variant(batch, adapters, allowed, cand_allowed, defer_sample, scored) -> tuple:
+    """What keys a compiled step apart from its shape's plain step, in words (the
+    arguments as ``ModelRunner.launch`` got them; None: absent)."""
+    names = ("adapter rows", "token masks", "candidate masks", "logits only", "prompt log-probs")
+    extras = (adapters, allowed, cand_allowed, defer_sample, scored)
+    out = [name for name, x in zip(names, extras, strict=True) if x is not None]
+    rows, seqs = batch.logits_indices.shape[0], batch.kv_lens.shape[0]
+    if rows != seqs:  # a verify step: a row for each token too
+        out.append(f"{rows} sampled rows")
+    return tuple(out)
+
+
 def _describe(b: dict) -> str:
     return (
         f"{b['tokens']} tokens, {b['seqs']} sequences, "
@@ -672,21 +684,8 @@ class ModelRunner:
             compiled = key not in self._compiled_keys
             self._compiled_keys.add(key)
         if compiled:
-            variant = [
-                name
-                for name, on in (
-                    ("adapter rows", adapters is not None),
-                    ("token masks", allowed is not None),
-                    ("candidate masks", cand_allowed is not None),
-                    ("logits only", defer_sample),
-                    ("prompt log-probs", scored is not None),
-                )
-                if on
-            ]
-            rows = int(batch.logits_indices.shape[0])
-            if rows != S_b:  # a verify step: a row for each token too
-                variant.append(f"{rows} sampled rows")
-            self._compiled(batch, num_candidates, seconds, K, tuple(variant))
+            extras = (adapters, allowed, cand_allowed, defer_sample or None, scored)
+            self._compiled(batch, num_candidates, seconds, K, _variant(batch, *extras))
         if defer_sample:
             deferred = DeferredSample(
                 toks, inputs, layout, penalties, flags["batch_invariant"], num_candidates,
