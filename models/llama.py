@@ -300,7 +300,7 @@ class Linear(nnx.Linear):
     def __call__(self, inputs: jax.Array) -> jax.Array:
         y = self._product(inputs)
         if self.lora_targets and _lora.current_mask() is not None:  # rows with adapters
-            d = _lora.delta(self.lora_targets, inputs, _LAYER.get())
+            d = _lora.delta(self.lora_targets, inputs, _LAYER.get(), self.precision)
             y = y + d.astype(y.dtype)
         return y
 

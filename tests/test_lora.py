@@ -166,6 +166,36 @@ def test_an_accelerator_s_bank_is_read_per_layer_in_place(monkeypatch):
     assert sliced(stacked, compiled(stacked)) >= layers * len(stacked.lora.arrays())
 
 
+def test_the_adapters_products_take_their_projection_s_precision():
+    # The adapters' products run at the projection's own precision (HIGHEST here): an f32
+    # model's adapters stay as exact as its weights on a GPU (no TF32), and XLA:GPU's dot
+    # merger, which merges only dots of one configuration, computes `x @ A` inside the
+    # projection's GEMM (an H200's step compiled on a CPU: 27 kernels a Llama-3-8B layer
+    # with 8 slots became 20; docs/ARCHITECTURE.md).
+    import re
+
+    from flax import nnx
+
+    model = _base()
+    model.hold_for_accelerator()
+    model.enable_lora(2, 8)
+    ids = np.asarray(PROMPTS["long"])
+    n = len(ids)
+    md = AttentionMetadata.prefill(n, 8 + np.arange(n), [1, 2, 3, 4], logits_all=True)
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda st, *a: nnx.merge(graphdef, st)(*a[:3], md, adapter_ids=a[3])[0])
+    args = (state, jnp.asarray(ids, jnp.int32), jnp.arange(n, dtype=jnp.int32),
+            model.make_cache(8, 8), jnp.full(n, 2, jnp.int32))  # fmt: skip
+    hlo = step.lower(*args).as_text(dialect="hlo")
+    dots = [line for line in hlo.splitlines() if re.search(r" = \S+ dot\(", line)]
+    bank_dots = [d for d in dots if "lora" in d]
+    layers = model.config.num_layers
+    assert len(bank_dots) == 2 * 4 * layers  # A and B of q/k/v, o, gate/up and down
+    assert all("operand_precision={highest,highest}" in d for d in dots), [
+        d for d in dots if "highest" not in d
+    ][:2]
+
+
 def test_adapters_scale_as_peft_says():
     cfg = _base().config
     attn = lora_mod.load_adapter(GOLDEN / "lora" / "attn", cfg)
