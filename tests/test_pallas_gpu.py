@@ -60,10 +60,13 @@ def _check_decode(params, seed):
     table = jnp.concatenate([case.page_indices, case.page_indices[:1] * 0])
     args = (q, case.kv_pages, lens, table)
     ref = pj.reference.paged_attention(*args, **kw)
-    out = decode_paged_attention(*args, interpret=INTERPRET, num_splits=2, **kw)
-    assert out.dtype == case.q.dtype
-    np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)
-    assert_close_to_oracle(out[:-1], ref[:-1], case.expected, what=_id(params))
+    # one split (the kernel writes each group's rows normalized in place) and two (f32
+    # partials merged after it)
+    for splits in (1, 2):
+        out = decode_paged_attention(*args, interpret=INTERPRET, num_splits=splits, **kw)
+        assert out.dtype == case.q.dtype
+        np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)
+        assert_close_to_oracle(out[:-1], ref[:-1], case.expected, what=f"{_id(params)} {splits=}")
 
 
 def _check_ragged(params, seed):
@@ -218,17 +221,19 @@ def test_per_tensor_scales_equal_per_token_arrays_of_that_value(kernel, q_dtype)
     else:
         args = case.args
         run, ref_fn = ragged_paged_attention, pj.reference.ragged_paged_attention
-    kw = dict(sm_scale=0.3, interpret=INTERPRET)
-    floats = run(*args, k_scale=ks, v_scale=vs, **kw)
-    arrays = run(*args, k_scale=ks_arr, v_scale=vs_arr, **kw)
-    mixed = run(*args, k_scale=ks, v_scale=vs_arr, **kw)
     ref = ref_fn(*args, sm_scale=0.3, k_scale=ks, v_scale=vs)
-    assert floats.dtype == case.q.dtype
     tol = 1e-5 if q_dtype == "float32" else 2e-2
-    for out, want in ((floats, arrays), (mixed, arrays), (floats, ref)):
-        np.testing.assert_allclose(
-            np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol
-        )
+    # decode: one split (the V scale applied in the kernel) and two (after the merge)
+    for extra in [dict(num_splits=1), dict(num_splits=2)] if kernel == "decode" else [{}]:
+        kw = dict(sm_scale=0.3, interpret=INTERPRET, **extra)
+        floats = run(*args, k_scale=ks, v_scale=vs, **kw)
+        arrays = run(*args, k_scale=ks_arr, v_scale=vs_arr, **kw)
+        mixed = run(*args, k_scale=ks, v_scale=vs_arr, **kw)
+        assert floats.dtype == case.q.dtype
+        for out, want in ((floats, arrays), (mixed, arrays), (floats, ref)):
+            np.testing.assert_allclose(
+                np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol
+            )
 
 
 @pytest.mark.parametrize("max_pages", [1, 2, 3, 5, 7, 8, 9, 33, 100])

@@ -6,7 +6,10 @@ one split of the sequence's pages, so each K/V byte is read once per group. Page
 gathered through the block table inside the kernel, ``pages_per_block`` at a time, with
 an online softmax in f32; pages past the sequence's length, or wholly before its sliding
 window, are never loaded. The splits' partial results are merged with the log-sum-exp
-rule outside the kernel.
+rule outside the kernel; with one split (``B * K`` fills the SMs, or ``batch_invariant``)
+each program writes its group's rows normalized into the ``[B, H, D]`` output itself,
+reading them from the unpadded queries (masked loads and stores of 16 rows), so a decode
+step has no pad, merge or slice around the kernel.
 
 The pool keeps the project's layout ``[N, P, 2K, D]``; two BlockSpecs select combined
 head 2h (K) and 2h + 1 (V) of the same array, so nothing is transposed or copied.
@@ -58,12 +61,21 @@ def _kernel(
     page_size,
     precision,
     compute_dtype,
+    group,
+    rows,
+    vm_ref=None,
 ):
-    b, s = pl.program_id(0), pl.program_id(2)
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_len = lens_ref[b]
     block_tokens = pages_per_block * page_size
-    rows, head_dim = q_ref.shape
-    q = (q_ref[...].astype(jnp.float32) * sm_scale).astype(compute_dtype)
+    head_dim = q_ref.shape[-1]
+    if m_ref is None:  # one split: q_ref is the sequence's [H, D]; this group's G rows
+        row = jnp.arange(rows)
+        here = q_ref.at[pl.ds(h * group, rows), :]
+        q_rows = plgpu.load(here, mask=(row < group)[:, None], other=0.0)
+    else:  # q_ref: this group's rows, padded to `rows`
+        q_rows = q_ref[...]
+    q = (q_rows.astype(jnp.float32) * sm_scale).astype(compute_dtype)
     used_pages = pl.cdiv(kv_len, page_size)
     start = s * pages_per_split
     stop = jnp.minimum(start + pages_per_split, used_pages)
@@ -98,9 +110,24 @@ def _kernel(
         jnp.zeros((rows,), jnp.float32),
     )
     acc, m, l = jax.lax.fori_loop(0, num_blocks, body, init)
+    if m_ref is None:  # one split: the normalized rows, written where they belong
+        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        if vm_ref is not None:  # a per-tensor V scale
+            out = out * vm_ref[0]
+        here = o_ref.at[pl.ds(h * group, rows), :]
+        plgpu.store(here, out.astype(o_ref.dtype), mask=(row < group)[:, None])
+        return
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
+
+
+def _kernel_one_split(lens_ref, table_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, vm_ref, o_ref, **kw):
+    """``_kernel`` for a grid of one split: the output ``[H, D]`` of the sequence, each
+    program writing its group's rows, normalized (and times ``vm_ref``'s per-tensor V
+    scale), in the queries' dtype, so nothing is merged or sliced after the kernel."""
+    _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, None, None,
+            vm_ref=vm_ref, **kw)  # fmt: skip
 
 
 @functools.partial(
@@ -167,13 +194,11 @@ def decode_paged_attention(
     rows = max(_MIN_ROWS, pl.next_power_of_2(G))
     compute = tuning.compute_dtype(q.dtype)
     q_in, k_sc, v_sc, v_mul = prepare_scales(q, k_scale, v_scale)
-    q4 = jnp.pad(q_in.reshape(B, K, G, D), ((0, 0), (0, 0), (0, rows - G), (0, 0)))
     scales = [k_sc, v_sc]
     head_scale = pl.BlockSpec((N, P, None), lambda b, h, s: (0, 0, h))
     scale_specs = [None if sc is None else head_scale for sc in scales]
     full = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))  # noqa: E731
-    kernel = functools.partial(
-        _kernel,
+    kernel_kw = dict(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
@@ -182,19 +207,42 @@ def decode_paged_attention(
         page_size=P,
         precision=tuning.dot_precision(compute, interpret),
         compute_dtype=compute,
+        group=G,
+        rows=rows,
     )
+    in_specs = [
+        full((B,)),
+        full((B, width)),
+        None,  # the queries: per way below
+        pl.BlockSpec((N, P, None, D), lambda b, h, s: (0, 0, 2 * h, 0)),  # K of head h
+        pl.BlockSpec((N, P, None, D), lambda b, h, s: (0, 0, 2 * h + 1, 0)),  # V of head h
+        scale_specs[0],
+        scale_specs[1],
+    ]
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    if splits == 1:
+        # One split (every batch-invariant call, and a batch whose B * K fills the SMs):
+        # each program reads its group's rows of the sequence's queries and writes them
+        # back normalized, so no padded copy of q, no f32 partials and no merge after.
+        seq = pl.BlockSpec((None, H, D), lambda b, h, s: (b, 0, 0))
+        in_specs[2] = seq
+        vm = None if v_mul is None else jnp.reshape(v_mul, (1,))
+        return pl.pallas_call(
+            functools.partial(_kernel_one_split, **kernel_kw),
+            grid=(B, K, 1),
+            in_specs=[*in_specs, None if vm is None else full((1,))],
+            out_specs=seq,
+            out_shape=jax.ShapeDtypeStruct((B, H, D), q.dtype),
+            interpret=interpret,
+            compiler_params=params,
+            name="paged_flash_decode",
+        )(kv_lens, table, q_in, kv_pages, kv_pages, scales[0], scales[1], vm)
+    q4 = jnp.pad(q_in.reshape(B, K, G, D), ((0, 0), (0, 0), (0, rows - G), (0, 0)))
+    in_specs[2] = pl.BlockSpec((None, None, rows, D), lambda b, h, s: (b, h, 0, 0))
     acc, m, l = pl.pallas_call(
-        kernel,
+        functools.partial(_kernel, **kernel_kw),
         grid=(B, K, splits),
-        in_specs=[
-            full((B,)),
-            full((B, width)),
-            pl.BlockSpec((None, None, rows, D), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((N, P, None, D), lambda b, h, s: (0, 0, 2 * h, 0)),  # K of head h
-            pl.BlockSpec((N, P, None, D), lambda b, h, s: (0, 0, 2 * h + 1, 0)),  # V of head h
-            scale_specs[0],
-            scale_specs[1],
-        ],
+        in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, None, None, rows, D), lambda b, h, s: (b, h, s, 0, 0)),
             pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
@@ -206,7 +254,7 @@ def decode_paged_attention(
             jax.ShapeDtypeStruct((B, K, splits, rows), jnp.float32),
         ],
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=params,
         name="paged_flash_decode",
     )(kv_lens, table, q4, kv_pages, kv_pages, scales[0], scales[1])
     out = merge_splits(acc, m, l)[:, :, :G].reshape(B, H, D)
