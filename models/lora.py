@@ -379,9 +379,7 @@ def current_mask():
     return None if ctx is None else ctx[1]
 
 
-def delta(
-    targets: tuple[str, ...], x: jax.Array, layer, precision=None
-) -> jax.Array | None:
+def delta(targets: tuple[str, ...], x: jax.Array, layer, precision=None) -> jax.Array | None:
     """What the active adapters add to a projection computing ``targets`` (one, or a
     fused module's parts, side by side) of ``layer`` (an int, or a traced index), for
     rows ``x [T, in]``; None outside ``rows``. ``precision``: the projection's own

@@ -703,3 +703,59 @@ def test_lm_eval_benchmark_writes_its_tasks_and_compares_two_runs(tmp_path, monk
     with pytest.raises(SystemExit):
         b.main([])
     assert "--lm-eval-python" in capsys.readouterr().err
+
+
+_HLO = """HloModule jit_step, entry_computation_layout={(bf16[64,4096]{1,0})->bf16[64,4096]{1,0}}
+
+%fused_add (p0: bf16[64,4096]) -> bf16[64,4096] {
+  %p0 = bf16[64,4096]{1,0} parameter(0)
+  ROOT %add.1 = bf16[64,4096]{1,0} add(%p0, %p0)
+}
+
+ENTRY %main.9 (x.1: bf16[64,4096]) -> bf16[64,4096] {
+  %x.1 = bf16[64,4096]{1,0} parameter(0)
+  %constant.3 = s32[] constant(7)
+  %gemm_fusion_dot = f32[4,64,6144]{2,1,0} fusion(%x.1), kind=kCustom, calls=%g
+  %custom-call.2 = (bf16[64,8,16,128]{3,2,1,0}, f32[64,8]{1,0}) custom-call(%x.1), \
+custom_call_target="__gpu$xla.gpu.triton"
+  %get-tuple-element.1 = bf16[64,8,16,128]{3,2,1,0} get-tuple-element(%custom-call.2), index=0
+  %bitcast.5 = bf16[64,4096]{1,0} bitcast(%get-tuple-element.1)
+  ROOT %loop_add_fusion = bf16[64,4096]{1,0} fusion(%bitcast.5), kind=kLoop, calls=%fused_add
+}
+"""
+
+
+def test_step_kernels_counts_the_entry_s_launches_and_a_layer_s_share():
+    from benchmarks.bench_step_kernels import kernels_of, per_layer
+
+    assert kernels_of(_HLO) == [
+        ("gemm_fusion_dot", "fusion:kCustom", "f32[4,64,6144]{2,1,0}"),
+        (
+            "custom-call.2",
+            "custom-call:__gpu$xla.gpu.triton",
+            "(bf16[64,8,16,128]{3,2,1,0}, f32[64,8]{1,0})",
+        ),
+        ("loop_add_fusion", "fusion:kLoop", "bf16[64,4096]{1,0}"),
+    ]  # the fused computation's own ops, parameters, constants, tuples and bitcasts: none
+    two = [("n", "fusion:kLoop", "")] * 3 + [("g", "fusion:kCustom", "")] * 4
+    four = two + [("g", "fusion:kCustom", "")] * 4 + [("n", "fusion:kLoop", "")] * 2
+    got = per_layer({2: two, 4: four}, (2, 4))
+    assert got["kernels_per_layer"] == 3.0 and got["kernels_outside_layers"] == 1.0
+    assert got["per_layer_by_kind"] == {"fusion:kCustom": 2.0, "fusion:kLoop": 1.0}
+
+
+def test_step_kernels_says_what_it_needs_without_jax_s_cuda_plugin():
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("jax_plugins") and any(
+        importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)
+    ):
+        pytest.skip("JAX's CUDA plugin is installed here: the count would run")
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "step_kernels", "--variants", "bf16"],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "jax[cuda12]==" in r.stdout and "cannot describe a CUDA device" in r.stdout

@@ -122,7 +122,9 @@ def _kernel(
     l_ref[...] = l
 
 
-def _kernel_one_split(lens_ref, table_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, vm_ref, o_ref, **kw):
+def _kernel_one_split(
+    lens_ref, table_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, vm_ref, o_ref, **kw
+):
     """``_kernel`` for a grid of one split: the output ``[H, D]`` of the sequence, each
     program writing its group's rows, normalized (and times ``vm_ref``'s per-tensor V
     scale), in the queries' dtype, so nothing is merged or sliced after the kernel."""
