@@ -32,7 +32,8 @@ own weights are: XLA copied each layer's static slice of a stacked array out bef
 product, 8 copies a layer and step (not yet measured on a GPU). The adapters' products
 take their projection's precision (``delta``'s ``precision``), so XLA:GPU computes
 ``x @ A`` in the projection's own GEMM: 20 kernels a Llama-3-8B layer with 8 slots where
-there were 27 (12 without adapters), counted in a step compiled for an H200 on a CPU. On the
+there were 28 (12 without adapters; ``python -m benchmarks step_kernels``, a step
+compiled for an H200 on a CPU). On the
 CPU (f32 banks, the C kernels built) each row is multiplied by its own slot's A and B
 only (``paged_jax.linear.lora_delta``; ``CPU_KERNEL``).
 """
