@@ -31,12 +31,18 @@ from benchmarks.common import environment, positive_int, table, time_samples, wr
 WAYS = {  # --formats' ways: (weight format, 8-bit activations, weight [out, in], kernel)
     "fp8": [("fp8", False, False, None), ("fp8", True, False, None), ("fp8", True, True, None)],
     "int8": [("int8", False, False, None), ("int8", True, False, None)],
+    # 4-bit groups of 32: XLA on the dequantized weight (what models.llama computes off the
+    # GPU), and the Pallas kernel that reads the weight as it lies (its way on a GPU)
+    "int4": [("int4", False, False, None), ("int4", False, False, "matmul_int4")],
 }
 
 
 def _label(fmt, a8, transposed, kernel) -> str:
-    label = "fused" if fmt is None else f"fused, {fmt} W8A{8 if a8 else 16}"
+    bits = 4 if fmt == "int4" else 8
+    label = "fused" if fmt is None else f"fused, {fmt} W{bits}A{8 if a8 else 16}"
     label += ", [out, in]" if transposed else ""
+    if isinstance(kernel, str):
+        return label + f", Pallas {kernel}"
     return label + (f", Pallas {':'.join(map(str, kernel))}" if kernel else "")
 
 
@@ -83,8 +89,14 @@ def _weights(fields: dict, fused: bool, dtype, seed: int = 0, fmt=None):
 
 def _quantized(w, fmt: str, a8: bool, transposed: bool):
     """``(q, scale)``: ``w [in, out]`` in ``fmt`` with one scale an output channel, ``q``
-    transposed to ``[out, in]`` when ``transposed``."""
+    transposed to ``[out, in]`` when ``transposed``; for ``"int4"``, ``(packed, scale,
+    zero)`` in groups of 32 inputs (``quantization.quantize_int4``)."""
+    import jax.numpy as jnp
+
     from paged_jax.models import quantization as quant
+
+    if fmt == "int4":
+        return tuple(jnp.asarray(a) for a in quant.quantize_int4(w, -2))
 
     q, scale = (quant.quantize_fp8 if fmt == "fp8" else quant.quantize_int8)(w, -2)
     return (q.T if transposed else q), scale
@@ -102,6 +114,16 @@ def product(x, w, fmt=None):
     if fmt is None:
         return x @ w
     name, a8, transposed, kernel = fmt
+    if name == "int4":
+        from paged_jax.kernels.gpu import matmul as kmm
+        from paged_jax.models.quantization import dequantize_int4
+
+        packed, scale, zero = w
+        if kernel is None:  # XLA: the weight dequantized first
+            return x @ dequantize_int4(packed, scale, zero, axis=-2, dtype=x.dtype)
+        config = kmm.int4_config(x.shape[0], 2 * packed.shape[0], packed.shape[1])
+        interpret = jax.default_backend() != "gpu"
+        return kmm.matmul_int4(x, packed, scale, zero, interpret=interpret, **config)
     q, scale = (w, None) if name is None else w
     if kernel is not None:
         from paged_jax.kernels.gpu import matmul as kmm
@@ -174,7 +196,8 @@ def main(argv=None) -> int:
         nargs="*",
         default=[],
         choices=sorted(WAYS),
-        help="also the fused layout with 8-bit weights, each format's ways (W8A16, W8A8)",
+        help="also the fused layout with 8-bit weights, each format's ways (W8A16, W8A8), "
+        "or 4-bit groups (int4: XLA on the dequantized weight, the Pallas kernel)",
     )
     ap.add_argument(
         "--pallas",
@@ -213,8 +236,11 @@ def main(argv=None) -> int:
         layers, HD, KD, F = _weights(fields, fused, dtype, fmt=fmt)
         nbytes = sum(a.nbytes for w in layers for a in jax.tree.leaves(w))
         n_weights = sum(
-            (a[0] if isinstance(a, tuple) else a).size for w in layers for a in w.values()
-        )
+            (a[0] if isinstance(a, tuple) else a).size
+            * (2 if isinstance(a, tuple) and len(a) == 3 else 1)
+            for w in layers
+            for a in w.values()
+        )  # (an int4 weight: two values a byte of its packed array)
         f = step_fn(fused, HD, KD, F, fmt)
         for m in args.rows:
             x = jax.random.normal(jax.random.key(m), (m, E), jnp.float32).astype(dtype)

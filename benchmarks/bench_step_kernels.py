@@ -74,7 +74,7 @@ GPUS = {
     "h100": _HOPPER.format(bandwidth=3350000000000, memory=85000000000, name="NVIDIA H100"),
     "h200": _HOPPER.format(bandwidth=4800000000000, memory=150000000000, name="NVIDIA H200"),
 }
-VARIANTS = ("bf16", "fp8", "fp8-weight-only", "int8", "lora8")
+VARIANTS = ("bf16", "fp8", "fp8-weight-only", "int8", "int4", "lora8")
 # Ops of a compiled HLO module's entry computation that launch nothing.
 _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(\([^()]*\)|\S+)\s+([\w-]+)\(")
@@ -148,8 +148,8 @@ def compile_step(fields: dict, variant: str, sharding, *, seqs: int, context: in
         m = models.LlamaForCausalLM(
             cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
         )
-        if variant in ("fp8", "fp8-weight-only", "int8"):
-            m.quantize("int8" if variant == "int8" else "fp8")
+        if variant in ("fp8", "fp8-weight-only", "int8", "int4"):
+            m.quantize("fp8" if variant.startswith("fp8") else variant)
         if lora:
             m.enable_lora(8, 16)
         return m.hold_for_accelerator(fp8_activations=variant == "fp8")

@@ -16,7 +16,9 @@
 #   dispatch python -m benchmarks dispatch (does a dispatched step overlap the host's work:
 #            the engine's step loop modelled without the engine, way by way)
 #   products python -m benchmarks products (a layer's products: each projection its own
-#            weight against q/k/v and gate/up fused, Llama-3-8B shape, 64 and 256 rows)
+#            weight against q/k/v and gate/up fused, Llama-3-8B shape, 64 and 256 rows;
+#            PRODUCTS_ARGS='--formats int4' adds 4-bit groups: XLA on the dequantized
+#            weight against the Pallas kernel, pallas_kernels/gpu/matmul.matmul_int4)
 #   draw     python -m benchmarks draw (restricted rows drawn each way sample_rows can: the
 #            candidates and full sort, the XLA radix passes, the Pallas kernel at DRAW_ARGS,
 #            default: its configuration beside three that load each chunk ahead; on a GPU
@@ -28,9 +30,10 @@
 #            tokens/s and the roofline fraction, the engine's layout beside the scanned one)
 #   speculative  python -m benchmarks speculative --verify-cost (Llama-3-8B shape: a verify
 #            step of k proposals per sequence against a decode step, 1 to 64 sequences)
-#   quantized  python -m benchmarks engine --quantization none fp8 fp8-weight-only int8
-#            --no-split (the 8B shape with 8-bit weights beside bf16, 64 and 256 requests;
-#            fp8 W8A8 where the GPU has fp8 units, and weight-only; QUANT_ARGS)
+#   quantized  python -m benchmarks engine --quantization none fp8 fp8-weight-only int8 int4
+#            --no-split (the 8B shape with 8-bit and 4-bit weights beside bf16, 64 and 256
+#            requests; fp8 W8A8 where the GPU has fp8 units, and weight-only; int4 through
+#            the Pallas kernel; QUANT_ARGS)
 #   lora     python -m benchmarks engine --lora-adapters 0 8 --no-split (the 8B shape, 64
 #            requests spread over 8 random rank-16 adapters beside the base engine; LORA_ARGS)
 #   sampled  python -m benchmarks engine --top-p 0.9 --sort-free default pallas_gpu_split
@@ -90,7 +93,7 @@ EOF
         $PY -m pytest -q -p no:cacheprovider -n 8 -m "${KERNEL_TESTS_MARK:-slow or not slow}" \
         --durations=5 -rf \
         tests/test_pallas_gpu.py tests/test_pallas_mosaic_gpu.py tests/test_kernels_in_model.py \
-        tests/test_bad_tables.py tests/test_batch_invariance.py
+        tests/test_bad_tables.py tests/test_batch_invariance.py tests/test_gpu_matmul.py
       XLA_PYTHON_CLIENT_PREALLOCATE=false run kernels_sampling "$(limit kernels 200)" \
         $PY -m pytest -q -p no:cacheprovider -rf tests/test_sampling.py -k "sort_free or vocabulary_order"
       ;;
@@ -101,7 +104,8 @@ EOF
         $PY -m pytest -q -p no:cacheprovider -n 8 --durations=5 -rf \
         tests/test_models.py tests/test_engine.py tests/test_kernels_in_model.py \
         tests/test_engine_faults.py tests/test_pallas_gpu.py tests/test_batch_invariance.py \
-        tests/test_weight_reads.py tests/test_prompt_logprobs.py tests/test_embeddings.py
+        tests/test_weight_reads.py tests/test_prompt_logprobs.py tests/test_embeddings.py \
+        tests/test_quantization.py::test_four_bit_products_on_a_gpu_take_the_kernel_that_reads_them_as_they_lie
       ;;
     dispatch)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 run dispatch "$(limit dispatch 120)" \
@@ -130,7 +134,7 @@ EOF
     quantized)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run quantized "$(limit quantized 420)" \
         $PY -m benchmarks engine --out "$OUT/quantized" --no-split \
-        --quantization none fp8 fp8-weight-only int8 \
+        --quantization none fp8 fp8-weight-only int8 int4 \
         ${QUANT_ARGS---models llama3-8b --concurrency 64 256 --repeats 3}
       ;;
     lora)

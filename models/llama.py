@@ -410,6 +410,9 @@ def _dot_layer(
         y = y.astype(out_dtype)
         return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
     if zero is not None and module.quantized == "int4":
+        y = _int4_by_kernel(module, x, kernel, scale, zero)
+        if y is not None:
+            return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
         kernel = dequantize_int4(kernel, scale, zero, axis=-2, dtype=module.dtype or x.dtype)
         scale = None
     elif scale is not None and _grouped(kernel, scale):  # int8 groups: dequantized first
@@ -422,6 +425,39 @@ def _dot_layer(
     if scale is not None:
         y = y * jnp.reshape(scale.astype(y.dtype), (1,) * (y.ndim - 1) + (-1,))
     return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+
+
+# Platforms (``paged_jax.attention._default_platform``) where a 4-bit weight is multiplied
+# by the Pallas kernel that reads it as it lies (``paged_jax.kernels.gpu.matmul.
+# matmul_int4``), not dequantized first: XLA:GPU makes a bf16 copy of the weight for every
+# product of a step (4.5 bytes moved a weight where bf16 moves 2; ``python -m benchmarks
+# step_kernels --variants int4``). Not yet timed on a GPU. Tests add "cpu" to run the
+# kernel interpreted.
+INT4_KERNEL_PLATFORMS: tuple[str, ...] = ("gpu",)
+
+
+def _int4_by_kernel(module, x, packed, scale, zero):
+    """``x @ w`` for a 4-bit ``w`` (``packed`` u8 ``[in / 2, out]``, ``scale`` and ``zero``
+    ``[in / G, out]``: one layer's) by ``matmul_int4``, in the module's dtype; None where
+    the platform is not in ``INT4_KERNEL_PLATFORMS`` or no block fits the shape."""
+    from paged_jax.kernels.gpu import matmul as gpu_matmul
+
+    from .quantization import _target_platform
+
+    platform = _target_platform()
+    if platform not in INT4_KERNEL_PLATFORMS or packed.ndim != 2:
+        return None
+    k, n = 2 * packed.shape[0], packed.shape[1]
+    rows = math.prod(x.shape[:-1])
+    config = gpu_matmul.int4_config(rows, k, n, group=k // scale.shape[0])
+    if config is None or rows == 0:
+        return None
+    dtype = module.dtype or x.dtype
+    if module.rotated:  # (x R)(R w) = x w
+        x = linear.rotate(x, -1).astype(x.dtype)
+    x2 = x.reshape(rows, k).astype(dtype)
+    y = gpu_matmul.matmul_int4(x2, packed, scale, zero, interpret=platform != "gpu", **config)
+    return y.reshape(*x.shape[:-1], n)
 
 
 class Embed(nnx.Embed):

@@ -72,3 +72,51 @@ def test_k_is_split_only_while_the_programs_underfill_the_gpu():
     for m, k, n, b in [(64, 4096, 6144, 1), (256, 14336, 4096, 2), (16, 1024, 64, 2)]:
         s = split(m, k, n, b, 64, 128)
         assert k % (s * 128) == 0 and 2 * s * m * n * 4 <= k * n * b // 4 or s == 1
+
+
+@pytest.mark.parametrize(
+    "rows, k, n, dtype, block_m, block_n, groups_per_step, split_k",
+    [
+        (16, 256, 64, "float32", 16, 32, 2, 1),
+        (40, 512, 128, "bfloat16", 32, 64, 4, 2),  # rows padded to 64; K in 2 slices
+        (64, 96, 48, "float32", 64, 16, 1, 1),  # 3 groups: one a step
+    ],
+)
+def test_the_four_bit_product_equals_numpys_on_the_dequantized_weight(
+    rows, k, n, dtype, block_m, block_n, groups_per_step, split_k
+):
+    from paged_jax.models.quantization import dequantize_int4, quantize_int4
+
+    rng = np.random.default_rng(rows + k + n)
+    w = (rng.normal(size=(k, n)) * rng.uniform(0.1, 2, size=n)).astype(np.float32)
+    packed, scale, zero = quantize_int4(w, axis=-2)
+    # the kernel widens the weight to x's dtype (its values rounded to bf16 there)
+    w_used = np.asarray(dequantize_int4(packed, scale, zero, axis=-2).astype(dtype), np.float64)
+    x = jnp.asarray(rng.normal(size=(rows, k)).astype(np.float32), dtype)
+    y = kmm.matmul_int4(
+        x, jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(zero),
+        block_m=block_m, block_n=block_n, groups_per_step=groups_per_step, split_k=split_k,
+        interpret=INTERPRET,
+    )  # fmt: skip
+    assert y.shape == (rows, n) and y.dtype == x.dtype
+    want = np.asarray(x, np.float64) @ w_used
+    tol = 1e-4 if dtype == "float32" else 1e-2
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=tol, atol=tol * 4)
+
+
+def test_four_bit_blocks_fit_the_shape_or_are_refused_by_name():
+    cfg = kmm.int4_config(64, 4096, 14336)
+    assert cfg["block_m"] == 64 and 14336 % cfg["block_n"] == 0
+    assert 4096 % (32 * cfg["groups_per_step"] * cfg["split_k"]) == 0
+    assert kmm.int4_config(256, 4096, 4096)["block_m"] == 128  # rows over 128: 2 blocks
+    assert kmm.int4_config(5, 4096, 200) is None  # 200 columns: no block of 16
+    x = jnp.zeros((16, 64), jnp.float32)
+    p, s = jnp.zeros((32, 64), jnp.uint8), jnp.zeros((2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="packed"):
+        kmm.matmul_int4(x, jnp.zeros((16, 64), jnp.uint8), s, s, interpret=True)
+    with pytest.raises(ValueError, match="scale, zero"):
+        kmm.matmul_int4(x, p, s, jnp.zeros((1, 64)), interpret=True)
+    with pytest.raises(ValueError, match="block_n"):
+        kmm.matmul_int4(x, p, s, s, block_n=48, interpret=True)
+    with pytest.raises(ValueError, match="block_m"):
+        kmm.matmul_int4(x, p, s, s, block_m=8, interpret=True)

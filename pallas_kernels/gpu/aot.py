@@ -223,7 +223,8 @@ def _decode_case(dtype="bfloat16", **kw):
 
 def standard_cases() -> dict[str, tuple[Callable, list]]:
     """The report's kernels over ``standard_grid`` (both kinds); the dtype sweep of decode
-    runs at the benchmark's batch 64 x 4k context (Hq 32, Hkv 8, D 128, page 16)."""
+    runs at the benchmark's batch 64 x 4k context (Hq 32, Hkv 8, D 128, page 16); and the
+    4-bit product (``matmul.matmul_int4``) at two of the Llama-3-8B shape's products."""
     from .ragged import ragged_paged_attention
 
     cases = {}
@@ -233,7 +234,23 @@ def standard_cases() -> dict[str, tuple[Callable, list]]:
         cases[label] = _decode_case(**kw)
     for label, kw in standard_grid("ragged").items():
         cases[label] = attention_case(ragged_paged_attention, "ragged", **kw)
+    for m, n in ((64, 14336), (256, 6144)):  # 4-bit products of the Llama-3-8B shape
+        cases[f"matmul_int4 {m}x4096x{n}"] = _int4_case(m, 4096, n)
     return cases
+
+
+def _int4_case(m: int, k: int, n: int):
+    """``matmul_int4`` of ``m`` bf16 rows by a ``[k, n]`` weight in 4-bit groups of 32, at
+    the blocks ``int4_config`` gives the shape."""
+    import jax.numpy as jnp
+
+    from .matmul import int4_config, matmul_int4
+
+    S = jax.ShapeDtypeStruct
+    config = int4_config(m, k, n)
+    args = [S((m, k), jnp.bfloat16), S((k // 2, n), jnp.uint8)]
+    args += [S((k // 32, n), jnp.float32)] * 2
+    return (lambda x, p, s, z: matmul_int4(x, p, s, z, **config)), args
 
 
 def main(argv=None) -> int:

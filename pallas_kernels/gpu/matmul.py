@@ -135,3 +135,152 @@ def matmul(
         name="few_row_matmul",
     )(*args)
     return out[0] if split_k == 1 else out.sum(0).astype(x.dtype)
+
+
+def _int4_kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, group, groups_per_step, steps, compute):
+    # x_ref [BM, K / split_k]; p_ref [K / split_k / 2, BN] u8 (byte r: K indices 2r, low
+    # nibble, and 2r + 1); s_ref, z_ref [K / split_k / group, BN] f32; o_ref [BM, BN]
+    rows = group // 2 * groups_per_step  # packed rows a step
+    g = jnp.arange(rows)[:, None] // (group // 2)  # each packed row's group in the step
+
+    def body(i, acc):
+        p = p_ref[pl.ds(i * rows, rows), :].astype(jnp.int32)
+        scale = zero = None
+        for j in range(groups_per_step):  # the step's groups' rows, spread over their rows
+            s = s_ref[pl.ds(i * groups_per_step + j, 1), :]
+            z = z_ref[pl.ds(i * groups_per_step + j, 1), :]
+            scale = s if scale is None else jnp.where(g == j, s, scale)
+            zero = z if zero is None else jnp.where(g == j, z, zero)
+        lo = ((p & 15).astype(jnp.float32) * scale + zero).astype(compute)
+        hi = ((p >> 4).astype(jnp.float32) * scale + zero).astype(compute)
+        first = 2 * i * rows
+        x_lo = x_ref[:, pl.ds(first, rows, stride=2)].astype(compute)
+        x_hi = x_ref[:, pl.ds(first + 1, rows, stride=2)].astype(compute)
+        acc = acc + jnp.dot(x_lo, lo, preferred_element_type=jnp.float32)
+        return acc + jnp.dot(x_hi, hi, preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def int4_config(m: int, k: int, n: int, group: int = 32) -> dict | None:
+    """``matmul_int4``'s blocks for ``m`` rows by a ``[k, n]`` 4-bit weight in groups of
+    ``group``, or None where none fit (``n`` not a multiple of 16, ``k`` of 2 groups).
+    Every row in one block up to 128 (so the weight is read once), 64 columns a program
+    where they divide, and K split while the programs fill less than two waves of an
+    H100/H200's 132 SMs. Chosen from the shapes alone, not yet tuned on a GPU."""
+    block_n = next((b for b in (64, 32, 16) if n % b == 0), None)
+    gps = next((g for g in (2, 1) if k % (group * g) == 0), None)
+    if block_n is None or gps is None or group % 32:
+        return None
+    block_m = min(128, max(16, 1 << (m - 1).bit_length()))
+    programs = -(-m // block_m) * (n // block_n)
+    split = 1
+    while programs * split < 2 * 132 and k % (2 * split * group * gps) == 0 and split < 8:
+        split *= 2
+    return dict(
+        block_m=block_m,
+        block_n=block_n,
+        groups_per_step=gps,
+        split_k=split,
+        num_warps=4 if block_m <= 64 else 8,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "block_m",
+        "block_n",
+        "groups_per_step",
+        "split_k",
+        "num_warps",
+        "num_stages",
+        "interpret",
+    ),
+)
+def matmul_int4(
+    x: jax.Array,
+    packed: jax.Array,
+    scale: jax.Array,
+    zero: jax.Array,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+    groups_per_step: int = 2,
+    split_k: int = 1,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    interpret: bool = False,
+) -> jax.Array:
+    """``x @ w`` for ``w`` in 4-bit groups as ``models.quantization.quantize_int4`` holds
+    it along the inputs: ``packed`` u8 ``[K / 2, N]`` (byte r of a column: inputs 2r, low
+    nibble, and 2r + 1), ``scale`` and ``zero`` f32 ``[K / G, N]`` (``w = q * scale +
+    zero`` in each group of G consecutive inputs). ``x`` bf16/f32 ``[M, K]``; returns
+    ``[M, N]`` in ``x``'s dtype. The weight is read as it lies, 4 bits a value, and
+    widened in registers a step of ``groups_per_step`` groups at a time: no dequantized
+    copy in memory, which is what XLA:GPU makes of the same product (a bf16 copy of the
+    weight each call: ``python -m benchmarks step_kernels --variants int4``). A program
+    per ``block_m`` rows and ``block_n`` columns (times ``split_k`` slices of K, summed
+    after in f32); M is padded to a multiple of ``block_m``. Raises ``ValueError`` for
+    shapes the blocks do not divide."""
+    for name, v in (
+        ("block_m", block_m),
+        ("block_n", block_n),
+        ("groups_per_step", groups_per_step),
+        ("split_k", split_k),
+    ):
+        if not isinstance(v, int) or v < 1 or v & (v - 1):
+            raise ValueError(f"{name}: expected a power of two, got {v!r}")
+    if block_m < 16:
+        raise ValueError(f"block_m: expected >= 16 (the tensor cores' rows), got {block_m}")
+    if x.ndim != 2 or packed.ndim != 2 or packed.dtype != jnp.uint8:
+        raise ValueError(
+            f"x, packed: expected [M, K] and u8 [K / 2, N], got {x.shape} and "
+            f"{packed.dtype}{list(packed.shape)}"
+        )
+    M, K = x.shape
+    N = packed.shape[1]
+    if packed.shape[0] * 2 != K:
+        raise ValueError(f"packed: expected [{K // 2}, N] for x's K = {K}, got {packed.shape}")
+    if scale.shape != zero.shape or scale.ndim != 2 or scale.shape[1] != N or K % scale.shape[0]:
+        raise ValueError(
+            f"scale, zero: expected equal [K / G, {N}] with G dividing K = {K}, got "
+            f"{scale.shape} and {zero.shape}"
+        )
+    group = K // scale.shape[0]
+    if group % 32:
+        raise ValueError(f"scale: expected groups of a multiple of 32 inputs, got {group}")
+    ks = K // split_k
+    if N % block_n or ks % (group * groups_per_step):
+        raise ValueError(
+            f"packed: expected N a multiple of block_n={block_n} and K / split_k a multiple "
+            f"of {group * groups_per_step} (groups_per_step groups), got K={K}, N={N}"
+        )
+    Mp = -(-M // block_m) * block_m
+    xp = x if Mp == M else jnp.pad(x, ((0, Mp - M), (0, 0)))
+    kernel = functools.partial(
+        _int4_kernel,
+        group=group,
+        groups_per_step=groups_per_step,
+        steps=ks // (group * groups_per_step),
+        compute=x.dtype,
+    )
+    gs = ks // group
+    out = pl.pallas_call(
+        kernel,
+        grid=(Mp // block_m, N // block_n, split_k),
+        in_specs=[
+            pl.BlockSpec((block_m, ks), lambda i, j, s: (i, s)),
+            pl.BlockSpec((ks // 2, block_n), lambda i, j, s: (s, j)),
+            pl.BlockSpec((gs, block_n), lambda i, j, s: (s, j)),
+            pl.BlockSpec((gs, block_n), lambda i, j, s: (s, j)),
+        ],
+        out_specs=pl.BlockSpec((None, block_m, block_n), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((split_k, Mp, N), jnp.float32 if split_k > 1 else x.dtype),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="few_row_matmul_int4",
+    )(xp, packed, scale.astype(jnp.float32), zero.astype(jnp.float32))
+    out = out[0] if split_k == 1 else out.sum(0).astype(x.dtype)
+    return out[:M]
