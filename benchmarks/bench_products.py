@@ -121,7 +121,7 @@ def product(x, w, fmt=None):
         packed, scale, zero = w
         if kernel is None:  # XLA: the weight dequantized first
             return x @ dequantize_int4(packed, scale, zero, axis=-2, dtype=x.dtype)
-        config = kmm.int4_config(x.shape[0], 2 * packed.shape[0], packed.shape[1])
+        config = kmm.grouped_config(x.shape[0], 2 * packed.shape[0], packed.shape[1])
         interpret = jax.default_backend() != "gpu"
         return kmm.matmul_int4(x, packed, scale, zero, interpret=interpret, **config)
     q, scale = (w, None) if name is None else w

@@ -409,10 +409,12 @@ def _dot_layer(
         y = y * xs[..., None] * jnp.reshape(scale, (1,) * (y.ndim - 1) + (-1,))
         y = y.astype(out_dtype)
         return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-    if zero is not None and module.quantized == "int4":
-        y = _int4_by_kernel(module, x, kernel, scale, zero)
+    four = zero is not None and module.quantized == "int4"
+    if four or (scale is not None and _grouped(kernel, scale)):  # groups along the inputs
+        y = _grouped_by_kernel(module, x, kernel, scale, zero, 4 if four else 8)
         if y is not None:
             return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+    if four:
         kernel = dequantize_int4(kernel, scale, zero, axis=-2, dtype=module.dtype or x.dtype)
         scale = None
     elif scale is not None and _grouped(kernel, scale):  # int8 groups: dequantized first
@@ -427,36 +429,38 @@ def _dot_layer(
     return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
 
 
-# Platforms (``paged_jax.attention._default_platform``) where a 4-bit weight is multiplied
-# by the Pallas kernel that reads it as it lies (``paged_jax.kernels.gpu.matmul.
-# matmul_int4``), not dequantized first: XLA:GPU makes a bf16 copy of the weight for every
-# product of a step (4.5 bytes moved a weight where bf16 moves 2; ``python -m benchmarks
-# step_kernels --variants int4``). Not yet timed on a GPU. Tests add "cpu" to run the
-# kernel interpreted.
-INT4_KERNEL_PLATFORMS: tuple[str, ...] = ("gpu",)
+# Platforms (``paged_jax.attention._default_platform``) where a weight quantized in groups
+# along its inputs (4-bit always; int8 as a GGUF file's kept blocks) is multiplied by a
+# Pallas kernel that reads it as it lies (``paged_jax.kernels.gpu.matmul.matmul_int4``,
+# ``matmul_int8_groups``), not dequantized first: XLA:GPU makes a bf16 copy of such a
+# weight for every product of a step (a 4-bit weight: 4.5 bytes moved where bf16 moves 2;
+# ``python -m benchmarks step_kernels --variants int4``). Not yet timed on a GPU. Tests
+# add "cpu" to run the kernels interpreted.
+GROUPED_KERNEL_PLATFORMS: tuple[str, ...] = ("gpu",)
 
 
-def _int4_by_kernel(module, x, packed, scale, zero):
-    """``x @ w`` for a 4-bit ``w`` (``packed`` u8 ``[in / 2, out]``, ``scale`` and ``zero``
-    ``[in / G, out]``: one layer's) by ``matmul_int4``, in the module's dtype; None where
-    the platform is not in ``INT4_KERNEL_PLATFORMS`` or no block fits the shape."""
+def _grouped_by_kernel(module, x, q, scale, zero, bits: int):
+    """``x @ w`` for one layer's ``w`` in groups along its inputs (``bits`` 4: ``q`` u8
+    ``[in / 2, out]``; 8: int8 ``[in, out]``; ``scale`` and ``zero`` (None: none)
+    ``[in / G, out]``) by ``matmul_int4`` / ``matmul_int8_groups``, in the module's dtype;
+    None where the platform is not in ``GROUPED_KERNEL_PLATFORMS`` or no block fits."""
     from paged_jax.kernels.gpu import matmul as gpu_matmul
 
     from .quantization import _target_platform
 
     platform = _target_platform()
-    if platform not in INT4_KERNEL_PLATFORMS or packed.ndim != 2:
+    if platform not in GROUPED_KERNEL_PLATFORMS or q.ndim != 2 or scale.ndim != 2:
         return None
-    k, n = 2 * packed.shape[0], packed.shape[1]
+    k, n = q.shape[0] * (2 if bits == 4 else 1), q.shape[1]
     rows = math.prod(x.shape[:-1])
-    config = gpu_matmul.int4_config(rows, k, n, group=k // scale.shape[0])
+    config = gpu_matmul.grouped_config(rows, k, n, group=k // scale.shape[0])
     if config is None or rows == 0:
         return None
-    dtype = module.dtype or x.dtype
     if module.rotated:  # (x R)(R w) = x w
         x = linear.rotate(x, -1).astype(x.dtype)
-    x2 = x.reshape(rows, k).astype(dtype)
-    y = gpu_matmul.matmul_int4(x2, packed, scale, zero, interpret=platform != "gpu", **config)
+    x2 = x.reshape(rows, k).astype(module.dtype or x.dtype)
+    fn = gpu_matmul.matmul_int4 if bits == 4 else gpu_matmul.matmul_int8_groups
+    y = fn(x2, q, scale, zero, interpret=platform != "gpu", **config)
     return y.reshape(*x.shape[:-1], n)
 
 

@@ -57,8 +57,9 @@ def test_gpu_kernels_lower_to_triton(label):
     fn, args = GPU_CASES[label]
     (module,) = gpu_aot.lower_to_triton(fn, *args)
     names = {"decode": "paged_flash_decode", "ragged": "paged_ragged_attention"}
-    assert module.name == names.get(label.split()[0], "few_row_matmul_int4")
-    warps = 4 if not label.startswith("matmul_int4 256") else 8  # (int4_config: 128 rows)
+    kind = label.split()[0]
+    assert module.name == names.get(kind, "few_row_" + kind.replace("_groups", ""))
+    warps = 4 if not label.startswith("matmul_int4 256") else 8  # (grouped_config: 128 rows)
     assert "tt.dot" in module.ttir and module.num_warps == warps
 
 

@@ -104,12 +104,34 @@ def test_the_four_bit_product_equals_numpys_on_the_dequantized_weight(
     np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=tol, atol=tol * 4)
 
 
+@pytest.mark.parametrize("with_zero", [False, True])
+def test_the_int8_group_product_equals_numpys_on_the_dequantized_weight(with_zero):
+    # int8 in groups of 32 along the inputs (GGUF's Q8_0 kept; with minimums, Q5_1's)
+    rng = np.random.default_rng(7)
+    rows, k, n = 24, 192, 96
+    q = rng.integers(-127, 128, size=(k, n)).astype(np.int8)
+    scale = rng.uniform(0.001, 0.02, size=(k // 32, n)).astype(np.float32)
+    zero = rng.normal(size=(k // 32, n)).astype(np.float32) * 0.1 if with_zero else None
+    w = q.astype(np.float32) * np.repeat(scale, 32, axis=0)
+    if with_zero:
+        w = w + np.repeat(zero, 32, axis=0)
+    x = rng.normal(size=(rows, k)).astype(np.float32)
+    y = kmm.matmul_int8_groups(
+        jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale),
+        None if zero is None else jnp.asarray(zero),
+        block_m=32, block_n=32, groups_per_step=2, split_k=1, interpret=INTERPRET,
+    )  # fmt: skip
+    assert y.shape == (rows, n) and y.dtype == jnp.float32
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=1e-4, atol=4e-4)
+
+
 def test_four_bit_blocks_fit_the_shape_or_are_refused_by_name():
-    cfg = kmm.int4_config(64, 4096, 14336)
+    cfg = kmm.grouped_config(64, 4096, 14336)
     assert cfg["block_m"] == 64 and 14336 % cfg["block_n"] == 0
     assert 4096 % (32 * cfg["groups_per_step"] * cfg["split_k"]) == 0
-    assert kmm.int4_config(256, 4096, 4096)["block_m"] == 128  # rows over 128: 2 blocks
-    assert kmm.int4_config(5, 4096, 200) is None  # 200 columns: no block of 16
+    assert kmm.grouped_config(256, 4096, 4096)["block_m"] == 128  # rows over 128: 2 blocks
+    assert kmm.grouped_config(5, 4096, 200) is None  # 200 columns: no block of 16
     x = jnp.zeros((16, 64), jnp.float32)
     p, s = jnp.zeros((32, 64), jnp.uint8), jnp.zeros((2, 64), jnp.float32)
     with pytest.raises(ValueError, match="packed"):
@@ -120,3 +142,5 @@ def test_four_bit_blocks_fit_the_shape_or_are_refused_by_name():
         kmm.matmul_int4(x, p, s, s, block_n=48, interpret=True)
     with pytest.raises(ValueError, match="block_m"):
         kmm.matmul_int4(x, p, s, s, block_m=8, interpret=True)
+    with pytest.raises(ValueError, match="x, q"):
+        kmm.matmul_int8_groups(x, jnp.zeros((64, 64), jnp.uint8), s, interpret=True)

@@ -752,28 +752,34 @@ def test_a_model_built_from_shapes_quantizes_as_a_concrete_one(fmt):
     assert any(x.dtype == jnp.int8 for x in jax.tree.leaves(abstract)) or fmt == "fp8"
 
 
-def test_four_bit_products_on_a_gpu_take_the_kernel_that_reads_them_as_they_lie(monkeypatch):
-    # On a GPU each 4-bit product goes to matmul_int4 (XLA:GPU would make a bf16 copy of
-    # the weight first); here the kernel runs interpreted (its platforms plus "cpu"), held
-    # as an accelerator holds a model, and gives the logits of the float model holding the
-    # dequantized weights. A shape no block fits (the head's 200 columns) stays with XLA.
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_grouped_products_on_a_gpu_take_the_kernel_that_reads_them_as_they_lie(fmt, monkeypatch):
+    # On a GPU each product by a weight in groups along its inputs (4-bit; int8 in groups,
+    # as a GGUF file's kept blocks, here rotated as the CPU's are) goes to matmul_int4 /
+    # matmul_int8_groups (XLA:GPU would make a bf16 copy of the weight first); here the
+    # kernels run interpreted (their platforms plus "cpu"), held as an accelerator holds a
+    # model, and give the logits of the float model holding the dequantized weights. A
+    # shape no block fits (the head's 200 columns) stays with XLA.
     from paged_jax.kernels.gpu import matmul as gpu_matmul
     from paged_jax.metadata import AttentionMetadata
     from paged_jax.models import llama
 
-    monkeypatch.setattr(llama, "INT4_KERNEL_PLATFORMS", ("gpu", "cpu"))
+    monkeypatch.setattr(llama, "GROUPED_KERNEL_PLATFORMS", ("gpu", "cpu"))
     monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")  # no packing for the C kernel
     calls = []
-    real = gpu_matmul.matmul_int4
+    name = "matmul_int4" if fmt == "int4" else "matmul_int8_groups"
+    real = getattr(gpu_matmul, name)
 
     def counted(*a, **kw):
         calls.append(a[1].shape)
         return real(*a, **kw)
 
-    monkeypatch.setattr(gpu_matmul, "matmul_int4", counted)
-    quantized, dequantized = _pair(CFG, "int4")
+    monkeypatch.setattr(gpu_matmul, name, counted)
+    quantized, dequantized = _pair(CFG, fmt)
     quantized.hold_for_accelerator()
     dequantized.hold_for_accelerator()
+    if fmt == "int8":  # groups (the CPU's layout, quantized here), rotated
+        assert quantized.layers.mlp.down_proj.rotated
     ids = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 50, 60], np.int32)
     n = len(ids)
 
@@ -785,5 +791,5 @@ def test_four_bit_products_on_a_gpu_take_the_kernel_that_reads_them_as_they_lie(
     got, want = logits(quantized), logits(dequantized)
     # q/k/v, o, gate/up and down of each layer; not the head (200 columns: no block fits)
     assert len(calls) == 4 * CFG.num_layers, calls
-    assert (CFG.hidden_size // 2, CFG.vocab_size) not in calls
+    assert all(shape[1] != CFG.vocab_size for shape in calls)
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())

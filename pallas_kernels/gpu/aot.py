@@ -224,7 +224,8 @@ def _decode_case(dtype="bfloat16", **kw):
 def standard_cases() -> dict[str, tuple[Callable, list]]:
     """The report's kernels over ``standard_grid`` (both kinds); the dtype sweep of decode
     runs at the benchmark's batch 64 x 4k context (Hq 32, Hkv 8, D 128, page 16); and the
-    4-bit product (``matmul.matmul_int4``) at two of the Llama-3-8B shape's products."""
+    grouped products (``matmul.matmul_int4``, ``matmul_int8_groups``) at the Llama-3-8B
+    shape's."""
     from .ragged import ragged_paged_attention
 
     cases = {}
@@ -235,22 +236,25 @@ def standard_cases() -> dict[str, tuple[Callable, list]]:
     for label, kw in standard_grid("ragged").items():
         cases[label] = attention_case(ragged_paged_attention, "ragged", **kw)
     for m, n in ((64, 14336), (256, 6144)):  # 4-bit products of the Llama-3-8B shape
-        cases[f"matmul_int4 {m}x4096x{n}"] = _int4_case(m, 4096, n)
+        cases[f"matmul_int4 {m}x4096x{n}"] = _grouped_case(4, m, 4096, n)
+    cases["matmul_int8_groups 64x4096x4096"] = _grouped_case(8, 64, 4096, 4096)
     return cases
 
 
-def _int4_case(m: int, k: int, n: int):
-    """``matmul_int4`` of ``m`` bf16 rows by a ``[k, n]`` weight in 4-bit groups of 32, at
-    the blocks ``int4_config`` gives the shape."""
+def _grouped_case(bits: int, m: int, k: int, n: int):
+    """``matmul_int4`` (``bits`` 4) or ``matmul_int8_groups`` (8) of ``m`` bf16 rows by a
+    ``[k, n]`` weight in groups of 32 with minimums, at the blocks ``grouped_config``
+    gives the shape."""
     import jax.numpy as jnp
 
-    from .matmul import int4_config, matmul_int4
+    from .matmul import grouped_config, matmul_int4, matmul_int8_groups
 
     S = jax.ShapeDtypeStruct
-    config = int4_config(m, k, n)
-    args = [S((m, k), jnp.bfloat16), S((k // 2, n), jnp.uint8)]
-    args += [S((k // 32, n), jnp.float32)] * 2
-    return (lambda x, p, s, z: matmul_int4(x, p, s, z, **config)), args
+    config = grouped_config(m, k, n)
+    fn = matmul_int4 if bits == 4 else matmul_int8_groups
+    w = S((k // 2, n), jnp.uint8) if bits == 4 else S((k, n), jnp.int8)
+    args = [S((m, k), jnp.bfloat16), w] + [S((k // 32, n), jnp.float32)] * 2
+    return (lambda x, p, s, z: fn(x, p, s, z, **config)), args
 
 
 def main(argv=None) -> int:

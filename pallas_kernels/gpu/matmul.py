@@ -137,37 +137,48 @@ def matmul(
     return out[0] if split_k == 1 else out.sum(0).astype(x.dtype)
 
 
-def _int4_kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, group, groups_per_step, steps, compute):
-    # x_ref [BM, K / split_k]; p_ref [K / split_k / 2, BN] u8 (byte r: K indices 2r, low
-    # nibble, and 2r + 1); s_ref, z_ref [K / split_k / group, BN] f32; o_ref [BM, BN]
-    rows = group // 2 * groups_per_step  # packed rows a step
-    g = jnp.arange(rows)[:, None] // (group // 2)  # each packed row's group in the step
+def _grouped_kernel(
+    x_ref, p_ref, s_ref, z_ref, o_ref, *, bits, group, groups_per_step, steps, compute
+):
+    # x_ref [BM, K / split_k]; p_ref: 4 bits, [K / split_k / 2, BN] u8 (byte r: K indices
+    # 2r, low nibble, and 2r + 1); 8 bits, [K / split_k, BN] int8; s_ref and z_ref (or
+    # None: no minimums) [K / split_k / group, BN] f32; o_ref [BM, BN]
+    per = 2 if bits == 4 else 1  # weights a byte
+    rows = group // per * groups_per_step  # rows of p_ref a step
+    g = jnp.arange(rows)[:, None] // (group // per)  # each row's group in the step
+
+    def widen(q, scale, zero):
+        w = q.astype(jnp.float32) * scale
+        return (w if zero is None else w + zero).astype(compute)
 
     def body(i, acc):
         p = p_ref[pl.ds(i * rows, rows), :].astype(jnp.int32)
         scale = zero = None
         for j in range(groups_per_step):  # the step's groups' rows, spread over their rows
             s = s_ref[pl.ds(i * groups_per_step + j, 1), :]
-            z = z_ref[pl.ds(i * groups_per_step + j, 1), :]
             scale = s if scale is None else jnp.where(g == j, s, scale)
-            zero = z if zero is None else jnp.where(g == j, z, zero)
-        lo = ((p & 15).astype(jnp.float32) * scale + zero).astype(compute)
-        hi = ((p >> 4).astype(jnp.float32) * scale + zero).astype(compute)
+            if z_ref is not None:
+                z = z_ref[pl.ds(i * groups_per_step + j, 1), :]
+                zero = z if zero is None else jnp.where(g == j, z, zero)
+        if bits == 8:
+            xs = x_ref[:, pl.ds(i * rows, rows)].astype(compute)
+            return acc + jnp.dot(xs, widen(p, scale, zero), preferred_element_type=jnp.float32)
         first = 2 * i * rows
         x_lo = x_ref[:, pl.ds(first, rows, stride=2)].astype(compute)
         x_hi = x_ref[:, pl.ds(first + 1, rows, stride=2)].astype(compute)
-        acc = acc + jnp.dot(x_lo, lo, preferred_element_type=jnp.float32)
-        return acc + jnp.dot(x_hi, hi, preferred_element_type=jnp.float32)
+        acc = acc + jnp.dot(x_lo, widen(p & 15, scale, zero), preferred_element_type=jnp.float32)
+        return acc + jnp.dot(x_hi, widen(p >> 4, scale, zero), preferred_element_type=jnp.float32)
 
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def int4_config(m: int, k: int, n: int, group: int = 32) -> dict | None:
-    """``matmul_int4``'s blocks for ``m`` rows by a ``[k, n]`` 4-bit weight in groups of
-    ``group``, or None where none fit (``n`` not a multiple of 16, ``k`` of 2 groups).
-    Every row in one block up to 128 (so the weight is read once), 64 columns a program
-    where they divide, and K split while the programs fill less than two waves of an
+def grouped_config(m: int, k: int, n: int, group: int = 32) -> dict | None:
+    """``matmul_int4`` / ``matmul_int8_groups``' blocks for ``m`` rows by a ``[k, n]``
+    weight in groups of ``group`` inputs, or None where none fit (``n`` not a multiple of
+    16, ``k`` not of ``group``, ``group`` not of 32). Every row in one block up to 128 (so
+    the weight is read once), 64 columns a program where they divide, two groups a step
+    where K allows, and K split while the programs fill less than two waves of an
     H100/H200's 132 SMs. Chosen from the shapes alone, not yet tuned on a GPU."""
     block_n = next((b for b in (64, 32, 16) if n % b == 0), None)
     gps = next((g for g in (2, 1) if k % (group * g) == 0), None)
@@ -187,18 +198,18 @@ def int4_config(m: int, k: int, n: int, group: int = 32) -> dict | None:
     )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "block_m",
-        "block_n",
-        "groups_per_step",
-        "split_k",
-        "num_warps",
-        "num_stages",
-        "interpret",
-    ),
+_GROUPED_STATIC = (
+    "block_m",
+    "block_n",
+    "groups_per_step",
+    "split_k",
+    "num_warps",
+    "num_stages",
+    "interpret",
 )
+
+
+@functools.partial(jax.jit, static_argnames=_GROUPED_STATIC)
 def matmul_int4(
     x: jax.Array,
     packed: jax.Array,
@@ -223,7 +234,57 @@ def matmul_int4(
     weight each call: ``python -m benchmarks step_kernels --variants int4``). A program
     per ``block_m`` rows and ``block_n`` columns (times ``split_k`` slices of K, summed
     after in f32); M is padded to a multiple of ``block_m``. Raises ``ValueError`` for
-    shapes the blocks do not divide."""
+    shapes the blocks do not divide (``grouped_config`` gives blocks that fit)."""
+    if x.ndim != 2 or packed.ndim != 2 or packed.dtype != jnp.uint8:
+        raise ValueError(
+            f"x, packed: expected [M, K] and u8 [K / 2, N], got {x.shape} and "
+            f"{packed.dtype}{list(packed.shape)}"
+        )
+    if packed.shape[0] * 2 != x.shape[1]:
+        raise ValueError(
+            f"packed: expected [{x.shape[1] // 2}, N] for x's K = {x.shape[1]}, got {packed.shape}"
+        )
+    return _grouped(
+        x, packed, scale, zero, 4, block_m, block_n, groups_per_step, split_k,
+        num_warps, num_stages, interpret,
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=_GROUPED_STATIC)
+def matmul_int8_groups(
+    x: jax.Array,
+    q: jax.Array,
+    scale: jax.Array,
+    zero: jax.Array | None = None,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+    groups_per_step: int = 2,
+    split_k: int = 1,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    interpret: bool = False,
+) -> jax.Array:
+    """``x @ w`` for ``w`` in int8 groups along the inputs (a GGUF file's Q8_0, Q6_K,
+    Q5_x... blocks kept, ``models.gguf_loader``): ``q`` int8 ``[K, N]``, ``scale`` (and
+    ``zero``, the groups' minimums, or None) f32 ``[K / G, N]``: ``w = q * scale (+
+    zero)``. As ``matmul_int4`` otherwise (XLA:GPU writes a dequantized copy of such a
+    weight before its product too; a scale per output channel it widens in its GEMM)."""
+    if x.ndim != 2 or q.ndim != 2 or q.dtype != jnp.int8 or q.shape[0] != x.shape[1]:
+        raise ValueError(
+            f"x, q: expected [M, K] and int8 [K, N], got {x.shape} and {q.dtype}{list(q.shape)}"
+        )
+    return _grouped(
+        x, q, scale, zero, 8, block_m, block_n, groups_per_step, split_k,
+        num_warps, num_stages, interpret,
+    )  # fmt: skip
+
+
+def _grouped(
+    x, p, scale, zero, bits, block_m, block_n, groups_per_step, split_k, warps, stages, interpret
+):
+    """The pallas_call behind ``matmul_int4`` and ``matmul_int8_groups`` (shapes of ``x``
+    and ``p`` checked there)."""
     for name, v in (
         ("block_m", block_m),
         ("block_n", block_n),
@@ -234,19 +295,18 @@ def matmul_int4(
             raise ValueError(f"{name}: expected a power of two, got {v!r}")
     if block_m < 16:
         raise ValueError(f"block_m: expected >= 16 (the tensor cores' rows), got {block_m}")
-    if x.ndim != 2 or packed.ndim != 2 or packed.dtype != jnp.uint8:
-        raise ValueError(
-            f"x, packed: expected [M, K] and u8 [K / 2, N], got {x.shape} and "
-            f"{packed.dtype}{list(packed.shape)}"
-        )
     M, K = x.shape
-    N = packed.shape[1]
-    if packed.shape[0] * 2 != K:
-        raise ValueError(f"packed: expected [{K // 2}, N] for x's K = {K}, got {packed.shape}")
-    if scale.shape != zero.shape or scale.ndim != 2 or scale.shape[1] != N or K % scale.shape[0]:
+    N = p.shape[1]
+    if (
+        scale.ndim != 2
+        or scale.shape[1] != N
+        or K % scale.shape[0]
+        or (zero is not None and zero.shape != scale.shape)
+    ):
+        got = f"{scale.shape} and {None if zero is None else zero.shape}"
         raise ValueError(
-            f"scale, zero: expected equal [K / G, {N}] with G dividing K = {K}, got "
-            f"{scale.shape} and {zero.shape}"
+            f"scale, zero: expected [K / G, {N}] (zero the same or None) with G dividing "
+            f"K = {K}, got {got}"
         )
     group = K // scale.shape[0]
     if group % 32:
@@ -254,33 +314,41 @@ def matmul_int4(
     ks = K // split_k
     if N % block_n or ks % (group * groups_per_step):
         raise ValueError(
-            f"packed: expected N a multiple of block_n={block_n} and K / split_k a multiple "
-            f"of {group * groups_per_step} (groups_per_step groups), got K={K}, N={N}"
+            f"w: expected N a multiple of block_n={block_n} and K / split_k a multiple of "
+            f"{group * groups_per_step} (groups_per_step groups), got K={K}, N={N}"
         )
     Mp = -(-M // block_m) * block_m
     xp = x if Mp == M else jnp.pad(x, ((0, Mp - M), (0, 0)))
     kernel = functools.partial(
-        _int4_kernel,
+        _grouped_kernel,
+        bits=bits,
         group=group,
         groups_per_step=groups_per_step,
         steps=ks // (group * groups_per_step),
         compute=x.dtype,
     )
     gs = ks // group
+    per = 2 if bits == 4 else 1
+    side = pl.BlockSpec((gs, block_n), lambda i, j, s: (s, j))
     out = pl.pallas_call(
         kernel,
         grid=(Mp // block_m, N // block_n, split_k),
         in_specs=[
             pl.BlockSpec((block_m, ks), lambda i, j, s: (i, s)),
-            pl.BlockSpec((ks // 2, block_n), lambda i, j, s: (s, j)),
-            pl.BlockSpec((gs, block_n), lambda i, j, s: (s, j)),
-            pl.BlockSpec((gs, block_n), lambda i, j, s: (s, j)),
+            pl.BlockSpec((ks // per, block_n), lambda i, j, s: (s, j)),
+            side,
+            None if zero is None else side,
         ],
         out_specs=pl.BlockSpec((None, block_m, block_n), lambda i, j, s: (s, i, j)),
         out_shape=jax.ShapeDtypeStruct((split_k, Mp, N), jnp.float32 if split_k > 1 else x.dtype),
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name="few_row_matmul_int4",
-    )(xp, packed, scale.astype(jnp.float32), zero.astype(jnp.float32))
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+        name=f"few_row_matmul_int{bits}",
+    )(
+        xp,
+        p,
+        scale.astype(jnp.float32),
+        None if zero is None else zero.astype(jnp.float32),
+    )
     out = out[0] if split_k == 1 else out.sum(0).astype(x.dtype)
     return out[:M]
