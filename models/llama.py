@@ -444,6 +444,7 @@ def _grouped_by_kernel(module, x, q, scale, zero, bits: int):
     ``[in / 2, out]``; 8: int8 ``[in, out]``; ``scale`` and ``zero`` (None: none)
     ``[in / G, out]``) by ``matmul_int4`` / ``matmul_int8_groups``, in the module's dtype;
     None where the platform is not in ``GROUPED_KERNEL_PLATFORMS`` or no block fits."""
+    from paged_jax import sharding
     from paged_jax.kernels.gpu import matmul as gpu_matmul
 
     from .quantization import _target_platform
@@ -451,6 +452,8 @@ def _grouped_by_kernel(module, x, q, scale, zero, bits: int):
     platform = _target_platform()
     if platform not in GROUPED_KERNEL_PLATFORMS or q.ndim != 2 or scale.ndim != 2:
         return None
+    if sharding.tensor_parallel_size() > 1 or sharding.data_parallel_size() > 1:
+        return None  # on a mesh: XLA's way, which its partitioner splits (a kernel it cannot)
     k, n = q.shape[0] * (2 if bits == 4 else 1), q.shape[1]
     rows = math.prod(x.shape[:-1])
     config = gpu_matmul.grouped_config(rows, k, n, group=k // scale.shape[0])
