@@ -442,10 +442,10 @@ GROUPED_KERNEL_PLATFORMS: tuple[str, ...] = ("gpu",)
 def _grouped_by_kernel(module, x, q, scale, zero, bits: int):
     """``x @ w`` for one layer's ``w`` in groups along its inputs (``bits`` 4: ``q`` u8
     ``[in / 2, out]``; 8: int8 ``[in, out]``; ``scale`` and ``zero`` (None: none)
-    ``[in / G, out]``) by ``matmul_int4`` / ``matmul_int8_groups``, in the module's dtype;
-    None where the platform is not in ``GROUPED_KERNEL_PLATFORMS`` or no block fits."""
+    ``[in / G, out]``) by the GPU's kernels (``paged_jax.linear.grouped_matmul``), in the
+    module's dtype; None where the platform is not in ``GROUPED_KERNEL_PLATFORMS``, on a
+    mesh, or where no block fits."""
     from paged_jax import sharding
-    from paged_jax.kernels.gpu import matmul as gpu_matmul
 
     from .quantization import _target_platform
 
@@ -456,15 +456,12 @@ def _grouped_by_kernel(module, x, q, scale, zero, bits: int):
         return None  # on a mesh: XLA's way, which its partitioner splits (a kernel it cannot)
     k, n = q.shape[0] * (2 if bits == 4 else 1), q.shape[1]
     rows = math.prod(x.shape[:-1])
-    config = gpu_matmul.grouped_config(rows, k, n, group=k // scale.shape[0])
-    if config is None or rows == 0:
-        return None
+    x2 = x.reshape(rows, k)
     if module.rotated:  # (x R)(R w) = x w
-        x = linear.rotate(x, -1).astype(x.dtype)
-    x2 = x.reshape(rows, k).astype(module.dtype or x.dtype)
-    fn = gpu_matmul.matmul_int4 if bits == 4 else gpu_matmul.matmul_int8_groups
-    y = fn(x2, q, scale, zero, interpret=platform != "gpu", **config)
-    return y.reshape(*x.shape[:-1], n)
+        x2 = linear.rotate(x2, -1).astype(x.dtype)
+    x2 = x2.astype(module.dtype or x.dtype)
+    y = linear.grouped_matmul(x2, q, scale, zero, bits, interpret=platform != "gpu")
+    return None if y is None else y.reshape(*x.shape[:-1], n)
 
 
 class Embed(nnx.Embed):

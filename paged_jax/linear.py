@@ -145,8 +145,35 @@ def lora_delta(
     return cpu.lora_delta(x, a, b, ids, layer, rank)
 
 
+def grouped_matmul(
+    x: jax.Array,  # [M, K] bf16 / f32
+    q: jax.Array,  # 4 bits: u8 [K / 2, N], two inputs a byte; 8 bits: int8 [K, N]
+    scale: jax.Array,  # f32 [K / G, N]
+    zero: jax.Array | None,  # f32 [K / G, N], the groups' minimums, or None
+    bits: int,
+    *,
+    interpret: bool = False,
+) -> jax.Array | None:  # [M, N] in x's dtype
+    """``x @ w`` for a weight quantized in groups of G inputs (``w = q * scale (+ zero)``)
+    by the GPU's Pallas kernels, which read it as it lies
+    (``paged_jax.kernels.gpu.matmul.matmul_int4`` for ``bits`` 4, ``matmul_int8_groups``
+    for 8), at the blocks ``grouped_config`` gives the shape; None where no block fits (the
+    caller takes XLA's way). ``interpret``: run them interpreted (off a GPU)."""
+    from paged_jax.kernels.gpu import matmul as gpu_matmul
+
+    if bits not in (4, 8):
+        raise ValueError(f"bits: expected 4 or 8, got {bits!r}")
+    k = q.shape[0] * (2 if bits == 4 else 1)
+    config = gpu_matmul.grouped_config(x.shape[0], k, q.shape[1], group=k // scale.shape[0])
+    if config is None or x.shape[0] == 0:
+        return None
+    fn = gpu_matmul.matmul_int4 if bits == 4 else gpu_matmul.matmul_int8_groups
+    return fn(x, q, scale, zero, interpret=interpret, **config)
+
+
 __all__ = [
     "available",
+    "grouped_matmul",
     "lora_delta",
     "matmul",
     "pack",
