@@ -2,6 +2,14 @@
 # What a session with an NVIDIA GPU runs, from the repository root, in as few long commands
 # as the lease allows:   OUT=DIR bash benchmarks/gpu_session.sh STAGE...
 #
+# The next session's first call (planned 2026-11-29; about 9 minutes): the kernels changed
+# since the last GPU (the decode kernel's one-split way, the grouped 4-/8-bit products)
+# tested compiled, then issue 55's and 52's goals:
+#   OUT=gpu-out KERNEL_TESTS_MARK="not slow" QUANT_FORMATS="none fp8 int4" \
+#   QUANT_ARGS="--models llama3-8b --concurrency 64 --repeats 3" \
+#   bash benchmarks/gpu_session.sh install kernels models lora quantized
+# and with minutes left: PRODUCTS_ARGS="--formats int4 --no-separate" ... products sampled.
+#
 #   install  pip install --no-deps --no-build-isolation -e . (offline: the GPU machines have
 #            no package index; paged_jax.models and paged_jax.kernels exist only once
 #            installed). Every other stage runs it first when `import paged_jax.kernels` fails.
@@ -33,7 +41,7 @@
 #   quantized  python -m benchmarks engine --quantization none fp8 fp8-weight-only int8 int4
 #            --no-split (the 8B shape with 8-bit and 4-bit weights beside bf16, 64 and 256
 #            requests; fp8 W8A8 where the GPU has fp8 units, and weight-only; int4 through
-#            the Pallas kernel; QUANT_ARGS)
+#            the Pallas kernel; QUANT_FORMATS picks formats, QUANT_ARGS the rest)
 #   lora     python -m benchmarks engine --lora-adapters 0 8 --no-split (the 8B shape, 64
 #            requests spread over 8 random rank-16 adapters beside the base engine; LORA_ARGS)
 #   sampled  python -m benchmarks engine --top-p 0.9 --sort-free default pallas_gpu_split
@@ -134,7 +142,7 @@ EOF
     quantized)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run quantized "$(limit quantized 420)" \
         $PY -m benchmarks engine --out "$OUT/quantized" --no-split \
-        --quantization none fp8 fp8-weight-only int8 int4 \
+        --quantization ${QUANT_FORMATS:-none fp8 fp8-weight-only int8 int4} \
         ${QUANT_ARGS---models llama3-8b --concurrency 64 256 --repeats 3}
       ;;
     lora)
