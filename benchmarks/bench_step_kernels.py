@@ -5,7 +5,8 @@
 [--layers 2 4]``, written to ``step_kernels_<gpu>.json``.
 
 Needs JAX's CUDA plugin (``pip install "jax[cuda12]==<your jax>"`` in a virtual
-environment of its own: about 5 GB), not a GPU. XLA:GPU compiles for a GPU described by
+environment of its own: about 5 GB), not a GPU; runs with JAX 0.10 and 0.11 (which lowers
+the Pallas calls against an abstract GPU, as ``paged_jax.kernels.gpu.aot`` does). XLA:GPU compiles for a GPU described by
 its properties (``GPUS``: an H100 or H200 as a ``GpuDeviceInfoProto``; JAX's
 ``topologies.get_topology_desc``) with the whole of its pipeline, Triton's GEMM fusions
 and the Pallas kernels included, but with no device to autotune on: GEMM configurations
@@ -178,7 +179,17 @@ def compile_step(fields: dict, variant: str, sharding, *, seqs: int, context: in
     args = (state, tokens, jnp.asarray(batch.positions), cache, ids)
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
     t = time.perf_counter()
-    compiled = jax.jit(step, donate_argnums=(3,)).lower(*args).compile()
+    try:
+        lowered = jax.jit(step, donate_argnums=(3,)).lower(*args)
+    except RuntimeError as err:  # JAX >= 0.11: the Pallas calls ask which GPU to target
+        if "abstract" not in str(err).lower():
+            raise
+        from paged_jax.kernels.gpu import aot
+
+        with jax.sharding.use_abstract_mesh(aot._abstract_gpu_mesh()):
+            traced = jax.jit(step, donate_argnums=(3,)).trace(*args)
+            lowered = traced.lower(lowering_platforms=("cuda",))
+    compiled = lowered.compile()
     return compiled, time.perf_counter() - t
 
 

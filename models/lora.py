@@ -33,7 +33,7 @@ product, 8 copies a layer and step (not yet measured on a GPU). The adapters' pr
 take their projection's precision (``delta``'s ``precision``), so XLA:GPU computes
 ``x @ A`` in the projection's own GEMM: 20 kernels a Llama-3-8B layer with 8 slots where
 there were 28 (12 without adapters; ``python -m benchmarks step_kernels``, a step
-compiled for an H200 on a CPU). On the
+compiled for an H200 on a CPU, JAX 0.10.2; JAX 0.11.2 merges q/k/v's only: 26). On the
 CPU (f32 banks, the C kernels built) each row is multiplied by its own slot's A and B
 only (``paged_jax.linear.lora_delta``; ``CPU_KERNEL``).
 """
