@@ -1,16 +1,17 @@
 """The kernels a decode step launches on an NVIDIA GPU, counted on a machine without one.
 
 ``python -m benchmarks step_kernels [--out DIR] [--gpu h200] [--model llama3-8b]
-[--seqs 64] [--context 192] [--variants bf16 fp8 fp8-weight-only int8 lora8]
+[--seqs 64] [--context 192] [--variants bf16 fp8 fp8-weight-only int8 int4 lora8]
 [--layers 2 4]``, written to ``step_kernels_<gpu>.json``.
 
 Needs JAX's CUDA plugin (``pip install "jax[cuda12]==<your jax>"`` in a virtual
 environment of its own: about 5 GB), not a GPU; runs with JAX 0.10 and 0.11 (which lowers
-the Pallas calls against an abstract GPU, as ``paged_jax.kernels.gpu.aot`` does). XLA:GPU compiles for a GPU described by
-its properties (``GPUS``: an H100 or H200 as a ``GpuDeviceInfoProto``; JAX's
-``topologies.get_topology_desc``) with the whole of its pipeline, Triton's GEMM fusions
-and the Pallas kernels included, but with no device to autotune on: GEMM configurations
-(split-K, tiles) are its heuristics, and there is no cost analysis. So this measures a
+the Pallas calls against an abstract GPU, as ``paged_jax.kernels.gpu.aot`` does). XLA:GPU
+compiles for a GPU described by its properties (``GPUS``: an H100 or H200 as a
+``GpuDeviceInfoProto``; JAX's ``topologies.get_topology_desc``) with the whole of its
+pipeline, Triton's GEMM fusions and the Pallas kernels included, but with no device to
+autotune on: GEMM configurations (split-K, tiles) are its heuristics, and there is no cost
+analysis. So this measures a
 step's structure, not its speed: how many kernels a layer takes, and which. On an H200 a
 decode step's kernel costs a few microseconds beyond its bytes
 (``benchmarks/results/products_chain_h200.json``), so at 64 sequences a kernel more a
@@ -23,8 +24,8 @@ from shapes alone (nothing allocated). Kernels a layer: the difference between t
 compiled step at ``--layers`` (two layer counts) over the difference of layers; the rest
 (embedding, final norm, head) is reported apart. Variants: ``bf16``; ``fp8`` (W8A8,
 rows quantized to fp8 too, the weight held ``[out, in]``), ``fp8-weight-only`` and
-``int8`` (W8A16); ``lora8`` (8 adapter slots of rank 16 on every projection, every row
-using one).
+``int8`` (W8A16); ``int4`` (groups of 32); ``lora8`` (8 adapter slots of rank 16 on
+every projection, every row using one).
 """
 
 from __future__ import annotations

@@ -80,6 +80,7 @@ def test_k_is_split_only_while_the_programs_underfill_the_gpu():
         (16, 256, 64, "float32", 16, 32, 2, 1),
         (40, 512, 128, "bfloat16", 32, 64, 4, 2),  # rows padded to 64; K in 2 slices
         (64, 96, 48, "float32", 64, 16, 1, 1),  # 3 groups: one a step
+        (200, 128, 64, "bfloat16", 256, 32, 2, 2),  # a decode step's rows in one block
     ],
 )
 def test_the_four_bit_product_equals_numpys_on_the_dequantized_weight(
@@ -130,7 +131,9 @@ def test_four_bit_blocks_fit_the_shape_or_are_refused_by_name():
     cfg = kmm.grouped_config(64, 4096, 14336)
     assert cfg["block_m"] == 64 and 14336 % cfg["block_n"] == 0
     assert 4096 % (32 * cfg["groups_per_step"] * cfg["split_k"]) == 0
-    assert kmm.grouped_config(256, 4096, 4096)["block_m"] == 128  # rows over 128: 2 blocks
+    assert kmm.grouped_config(256, 4096, 4096)["block_m"] == 256  # a decode step's rows: one
+    assert kmm.grouped_config(200, 4096, 4096)["block_n"] == 32  # (256 rows: 32 columns)
+    assert kmm.grouped_config(2048, 4096, 4096)["block_m"] == 128  # a prefill's: blocks
     assert kmm.grouped_config(5, 4096, 200) is None  # 200 columns: no block of 16
     x = jnp.zeros((16, 64), jnp.float32)
     p, s = jnp.zeros((32, 64), jnp.uint8), jnp.zeros((2, 64), jnp.float32)

@@ -176,15 +176,20 @@ def _grouped_kernel(
 def grouped_config(m: int, k: int, n: int, group: int = 32) -> dict | None:
     """``matmul_int4`` / ``matmul_int8_groups``' blocks for ``m`` rows by a ``[k, n]``
     weight in groups of ``group`` inputs, or None where none fit (``n`` not a multiple of
-    16, ``k`` not of ``group``, ``group`` not of 32). Every row in one block up to 128 (so
-    the weight is read once), 64 columns a program where they divide, two groups a step
-    where K allows, and K split while the programs fill less than two waves of an
-    H100/H200's 132 SMs. Chosen from the shapes alone, not yet tuned on a GPU."""
-    block_n = next((b for b in (64, 32, 16) if n % b == 0), None)
+    16, ``k`` not of ``group``, ``group`` not of 32). Every row in one block up to 256 (so
+    a decode step reads the weight once: 256 rows take 32 columns a program, 100 registers
+    a thread in Triton's sm_90 build where 64 took 233), 64 columns a program where they
+    divide,
+    blocks of 128 rows past 256 (a prefill, bound by its FLOPs), two groups a step where K
+    allows, and K split while the programs fill less than two waves of an H100/H200's 132
+    SMs. Chosen from the shapes alone, not yet tuned on a GPU."""
+    rows = max(16, 1 << (m - 1).bit_length())
+    block_m = rows if rows <= 256 else 128
+    widths = (32, 16) if block_m == 256 else (64, 32, 16)
+    block_n = next((b for b in widths if n % b == 0), None)
     gps = next((g for g in (2, 1) if k % (group * g) == 0), None)
     if block_n is None or gps is None or group % 32:
         return None
-    block_m = min(128, max(16, 1 << (m - 1).bit_length()))
     programs = -(-m // block_m) * (n // block_n)
     split = 1
     while programs * split < 2 * 132 and k % (2 * split * group * gps) == 0 and split < 8:
