@@ -939,7 +939,7 @@ class LlamaForCausalLM(nnx.Module):
         self.lora = _lora.LoraBank(self.config, slots, rank, dtype)
         self.lora.regroup(self._lora_groups())
         if self.unrolled:  # held for an accelerator: the bank per layer, as the weights
-            self.lora.split_layers()
+            self.lora.pad_for_merge().split_layers()
         return self
 
     def _lora_groups(self) -> tuple:
@@ -1074,7 +1074,7 @@ class LlamaForCausalLM(nnx.Module):
         self.layers.self_attn.fuse_projections()
         self.layers.mlp.fuse_projections()
         if self.lora is not None:  # a fused projection's adapters in one pair, per layer
-            self.lora.regroup(self._lora_groups()).split_layers()
+            self.lora.regroup(self._lora_groups()).pad_for_merge().split_layers()
         if fp8_activations is None:
             fp8_activations = fp8_units()
         if fp8_activations:  # the layers' products (the LM head's logits stay W8A16)

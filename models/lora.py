@@ -172,6 +172,10 @@ class LoraWeight(nnx.Variable):
 
 # One pair of bank arrays a target: the layout a bank is made in (``LoraBank.groups``).
 PER_TARGET = tuple((t, (t,)) for t in TARGETS)
+# ``LoraBank.pad_for_merge``: A's columns at least this fraction of the projection's
+# outputs, where that takes at most MERGE_MAX_PAD times the columns A has.
+MERGE_FRACTION = 1 / 16
+MERGE_MAX_PAD = 4
 
 
 class LoraBank(nnx.Module):
@@ -236,6 +240,28 @@ class LoraBank(nnx.Module):
             setattr(self, f"a_{name}", LoraWeight(jnp.concatenate(a, axis=2)))
             setattr(self, f"b_{name}", LoraWeight(block))
         self.groups = groups
+        return self
+
+    def pad_for_merge(self) -> LoraBank:
+        """In place: each pair's A widened with zero columns to ``MERGE_FRACTION`` of its
+        projection's outputs where that costs at most ``MERGE_MAX_PAD`` times its own
+        columns; returns the bank. ``delta`` uses the first ``n S R`` columns only. Why:
+        XLA:GPU's dot merger (JAX 0.11.2) computes ``x @ A`` inside the projection's own
+        GEMM only where the smaller product is at least a sixteenth of the larger, and 8
+        slots of rank 16 give o's and down's A 128 columns against 4096 outputs (a GEMM and
+        a reduction more a layer each; ``python -m benchmarks step_kernels``). Before
+        ``split_layers`` (a bank split already is left as it is, padded then or not)."""
+        if self.per_layer:
+            return self
+        outs = dict(self.widths)
+        for name, ts in self.groups:
+            var = getattr(self, f"a_{name}")
+            a = var.get_value()
+            real = len(ts) * self.slots * self.rank
+            want = -(-sum(outs[t][1] for t in ts) // int(round(1 / MERGE_FRACTION)))
+            if a.shape[-1] != real or want <= real or want > MERGE_MAX_PAD * real:
+                continue
+            var.set_value(jnp.pad(a, ((0, 0), (0, 0), (0, want - real))))
         return self
 
     def split_layers(self) -> LoraBank:
@@ -344,6 +370,9 @@ def by_kernel(bank) -> bool:
 
     if not CPU_KERNEL or any(len(ts) != 1 for _, ts in bank.groups):
         return False  # (a grouped bank is an accelerator's layout: the masked products)
+    if any(_first(getattr(bank, f"a_{t}").get_value()).shape[-1] != bank.slots * bank.rank
+           for _, (t,) in bank.groups):  # fmt: skip
+        return False  # (padded for an accelerator's dot merger)
     return bank.a_q_proj[...].dtype == jnp.float32 and linear.available()
 
 
@@ -398,7 +427,8 @@ def delta(targets: tuple[str, ...], x: jax.Array, layer, precision=None) -> jax.
         a = _layer(bank, f"a_{group}", layer)
         b = _layer(bank, f"b_{group}", layer)
         m = jnp.tile(mask.astype(a.dtype), (1, len(targets)))
-        return _dot(_dot(x.astype(a.dtype), a, precision) * m, b, precision)
+        h = _dot(x.astype(a.dtype), a, precision)[..., : m.shape[-1]]  # (pad_for_merge)
+        return _dot(h * m, b, precision)
     outs = []
     for t in targets:
         if jnp.issubdtype(mask.dtype, jnp.integer):  # the rows' ids: the CPU kernel
@@ -411,7 +441,8 @@ def delta(targets: tuple[str, ...], x: jax.Array, layer, precision=None) -> jax.
             outs.append(d.reshape(*lead, d.shape[-1]))
             continue
         a, b = _layer(bank, f"a_{t}", layer), _layer(bank, f"b_{t}", layer)
-        h = _dot(x.astype(a.dtype), a, precision) * mask.astype(a.dtype)
+        h = _dot(x.astype(a.dtype), a, precision)[..., : mask.shape[-1]]  # (pad_for_merge)
+        h = h * mask.astype(a.dtype)
         outs.append(_dot(h, b, precision))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-1)
 

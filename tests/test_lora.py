@@ -197,6 +197,42 @@ def test_the_adapters_products_take_their_projection_s_precision():
     ][:2]
 
 
+def test_a_bank_is_padded_for_the_dot_merger_and_still_gives_peft_s_logits(monkeypatch):
+    # pad_for_merge widens A with zero columns to a sixteenth of the projection's outputs
+    # (XLA:GPU 0.11.2 merges x @ A into the projection's GEMM only then), at most 4x its
+    # own; delta reads only the real columns. Forced here on the tiny golden model (A as
+    # wide as the outputs), an adapter written after the padding gives peft's logits.
+    from paged_jax.models.config import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=8,
+        num_kv_heads=2, head_dim=64, max_position_embeddings=64,
+    )  # fmt: skip
+    bank = lora_mod.LoraBank(cfg, 2, 8, jnp.float32)
+    bank.regroup((("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("o_proj", ("o_proj",)),
+                  ("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))))  # fmt: skip
+    bank.pad_for_merge()
+    width = {k: bank.__dict__[k].get_value().shape[-1] for k in bank.arrays() if k[0] == "a"}
+    # 16 columns a target: o and down to 512 / 16 = 32 (2x); q/k/v's 48 >= 768 / 16; gate/up's
+    # 32 would need 2048 / 16 = 128, 4x: padded too
+    assert width == {"a_qkv_proj": 48, "a_o_proj": 32, "a_gate_up_proj": 128, "a_down_proj": 32}
+    assert not lora_mod.by_kernel(bank)
+
+    monkeypatch.setattr(lora_mod, "MERGE_FRACTION", 1)
+    monkeypatch.setattr(lora_mod, "MERGE_MAX_PAD", 1000)
+    model = _base()
+    model.hold_for_accelerator()
+    model.enable_lora(2, 8)
+    padded = model.lora
+    assert padded.a_o_proj.get_value()[0].shape[-1] > 2 * 8  # padded, then split by layer
+    adapter = lora_mod.load_adapter(GOLDEN / "lora" / "all", model.config)
+    arrays = {k: getattr(padded, k).get_value() for k in padded.arrays()}
+    for k, v in model.lora_slot_arrays(adapter, 1, arrays).items():
+        getattr(padded, k).set_value(v)
+    want = _golden("all")["logits"]
+    assert np.abs(_logits(model, 2) - want).max() <= 1e-4 * np.abs(want).max()
+
+
 def test_adapters_scale_as_peft_says():
     cfg = _base().config
     attn = lora_mod.load_adapter(GOLDEN / "lora" / "attn", cfg)
