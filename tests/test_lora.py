@@ -209,8 +209,13 @@ def test_a_bank_is_padded_for_the_dot_merger_and_still_gives_peft_s_logits(monke
         num_kv_heads=2, head_dim=64, max_position_embeddings=64,
     )  # fmt: skip
     bank = lora_mod.LoraBank(cfg, 2, 8, jnp.float32)
-    bank.regroup((("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("o_proj", ("o_proj",)),
-                  ("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))))  # fmt: skip
+    groups = (
+        ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        ("o_proj", ("o_proj",)),
+        ("gate_up_proj", ("gate_proj", "up_proj")),
+        ("down_proj", ("down_proj",)),
+    )
+    bank.regroup(groups)
     bank.pad_for_merge()
     width = {k: bank.__dict__[k].get_value().shape[-1] for k in bank.arrays() if k[0] == "a"}
     # 16 columns a target: o and down to 512 / 16 = 32 (2x); q/k/v's 48 >= 768 / 16; gate/up's
