@@ -31,9 +31,10 @@ Since, the bank is held per layer there too (``LoraBank.split_layers``), as the 
 own weights are: XLA copied each layer's static slice of a stacked array out before its
 product, 8 copies a layer and step (not yet measured on a GPU). The adapters' products
 take their projection's precision (``delta``'s ``precision``), so XLA:GPU computes
-``x @ A`` in the projection's own GEMM: 20 kernels a Llama-3-8B layer with 8 slots where
-there were 28 (12 without adapters; ``python -m benchmarks step_kernels``, a step
-compiled for an H200 on a CPU, JAX 0.10.2; JAX 0.11.2 merges q/k/v's only: 26). On the
+``x @ A`` in the projection's own GEMM, and an accelerator's bank pads A for JAX 0.11.2's
+pickier merger (``LoraBank.pad_for_merge``): 21 kernels a Llama-3-8B layer with 8 slots
+on 0.11.2 and 19 on 0.10.2 where there were 28 (12 without adapters; ``python -m
+benchmarks step_kernels``, a step compiled for an H200 on a CPU). On the
 CPU (f32 banks, the C kernels built) each row is multiplied by its own slot's A and B
 only (``paged_jax.linear.lora_delta``; ``CPU_KERNEL``).
 """
