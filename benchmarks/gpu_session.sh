@@ -3,8 +3,8 @@
 # as the lease allows:   OUT=DIR bash benchmarks/gpu_session.sh STAGE...
 #
 # The next session's first call (planned 2026-11-29; about 9 minutes): the kernels changed
-# since the last GPU (the decode kernel's one-split way, the grouped 4-/8-bit products)
-# tested compiled, then issue 55's and 52's goals:
+# since the last GPU (the decode kernel's one-split way, the grouped 4-/8-bit products, the
+# fp8 rows kernel) tested compiled, then issue 55's and 52's goals:
 #   OUT=gpu-out KERNEL_TESTS_MARK="not slow" QUANT_FORMATS="none fp8 int4" \
 #   QUANT_ARGS="--models llama3-8b --concurrency 64 --repeats 3" \
 #   bash benchmarks/gpu_session.sh install kernels models lora quantized
@@ -101,7 +101,8 @@ EOF
         $PY -m pytest -q -p no:cacheprovider -n 8 -m "${KERNEL_TESTS_MARK:-slow or not slow}" \
         --durations=5 -rf \
         tests/test_pallas_gpu.py tests/test_pallas_mosaic_gpu.py tests/test_kernels_in_model.py \
-        tests/test_bad_tables.py tests/test_batch_invariance.py tests/test_gpu_matmul.py
+        tests/test_bad_tables.py tests/test_batch_invariance.py tests/test_gpu_matmul.py \
+        tests/test_gpu_rows.py
       XLA_PYTHON_CLIENT_PREALLOCATE=false run kernels_sampling "$(limit kernels 200)" \
         $PY -m pytest -q -p no:cacheprovider -rf tests/test_sampling.py -k "sort_free or vocabulary_order"
       ;;
@@ -113,7 +114,8 @@ EOF
         tests/test_models.py tests/test_engine.py tests/test_kernels_in_model.py \
         tests/test_engine_faults.py tests/test_pallas_gpu.py tests/test_batch_invariance.py \
         tests/test_weight_reads.py tests/test_prompt_logprobs.py tests/test_embeddings.py \
-        tests/test_quantization.py::test_grouped_products_on_a_gpu_take_the_kernel_that_reads_them_as_they_lie
+        tests/test_quantization.py::test_grouped_products_on_a_gpu_take_the_kernel_that_reads_them_as_they_lie \
+        tests/test_quantization.py::test_fp8_rows_of_o_and_down_take_one_kernel_each_on_a_gpu
       ;;
     dispatch)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 run dispatch "$(limit dispatch 120)" \

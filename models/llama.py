@@ -143,6 +143,9 @@ class Linear(nnx.Linear):
     # hold_fp8_activations sets it: an fp8 kernel held [(L,) out, in], each product fp8 by
     # fp8 with the rows quantized too (W8A8)
     fp8_activations = False
+    # hold_for_accelerator sets it for o and down (W8A8): their rows quantized by one
+    # Pallas kernel where FP8_ROWS_KERNEL_PLATFORMS says (no norm's kernel does it for them)
+    fp8_rows_kernel = False
 
     def quantize(self, fmt: str = "int8") -> Linear:
         """In place: the float kernel ``[(L,) in, out]`` becomes ``fmt`` (``"int8"``:
@@ -297,14 +300,17 @@ class Linear(nnx.Linear):
             )
         return back(_dequantize8(kernel, scale, zero))
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        y = self._product(inputs)
+    def __call__(self, inputs: jax.Array | None, rows=None) -> jax.Array:
+        """``inputs [..., in] @ w`` (and the active adapters' delta). ``rows``: an fp8
+        module's inputs quantized already (``(q [T, in] float8_e4m3fn, scale f32 [T])``,
+        ``paged_jax.linear.fp8_rows``), ``inputs`` then None (no adapters active)."""
+        y = self._product(inputs, rows)
         if self.lora_targets and _lora.current_mask() is not None:  # rows with adapters
             d = _lora.delta(self.lora_targets, inputs, _LAYER.get(), self.precision)
             y = y + d.astype(y.dtype)
         return y
 
-    def _product(self, inputs: jax.Array) -> jax.Array:
+    def _product(self, inputs: jax.Array | None, rows=None) -> jax.Array:
         kernel = self.kernel.get_value()
         bias = None if self.bias is None else self.bias.get_value()
         scale = self.scale.get_value() if self.quantized else None
@@ -335,17 +341,17 @@ class Linear(nnx.Linear):
         if not isinstance(kernel, tuple):
             if scale is None:
                 return super().__call__(inputs)
-            return _dot_layer(self, inputs, kernel, bias, scale, zero)
+            return _dot_layer(self, inputs, kernel, bias, scale, zero, rows)
         layer = _LAYER.get()
         if isinstance(layer, int):  # an unrolled layer loop: this layer's own arrays
             w = (kernel[layer], pick(bias, layer), pick(scale, layer), pick(zero, layer))
-            return _dot_layer(self, inputs, *w)
+            return _dot_layer(self, inputs, *w, rows)
 
         def one(i):
             w = (kernel[i], pick(bias, i), pick(scale, i), pick(zero, i))
-            return lambda x: _dot_layer(self, x, *w)
+            return lambda operand: _dot_layer(self, operand[0], *w, operand[1])
 
-        return jax.lax.switch(layer, [one(i) for i in range(len(kernel))], inputs)
+        return jax.lax.switch(layer, [one(i) for i in range(len(kernel))], (inputs, rows))
 
 
 def fp8_units(device=None) -> bool:
@@ -396,15 +402,24 @@ def _dot_layer(
     bias: jax.Array | None,
     scale: jax.Array | None = None,
     zero: jax.Array | None = None,
+    rows=None,
 ):
     """``x @ kernel + bias`` as ``nnx.Linear`` computes it, for one layer's own arrays;
     an int8 ``kernel`` is widened to the compute dtype and its product times ``scale``
     (with scales per group, and ``zero``: dequantized first); a 4-bit one (with
-    ``zero``) is dequantized to the compute dtype first."""
+    ``zero``) is dequantized to the compute dtype first. ``rows``: an fp8 module's rows
+    quantized already (``Linear.__call__``), ``x`` then None."""
     if module.fp8_activations:  # W8A8: fp8 rows by the fp8 kernel held [out, in]
-        out_dtype = module.dtype or x.dtype
-        xq, xs = quantize_rows(x, jnp.float8_e4m3fn)
-        dims = (((x.ndim - 1,), (1,)), ((), ()))
+        out_dtype = module.dtype or (jnp.bfloat16 if x is None else x.dtype)
+        if rows is not None:
+            xq, xs = rows
+        elif module.fp8_rows_kernel and (platform := _kernel_platform(FP8_ROWS_KERNEL_PLATFORMS)):
+            lead = x.shape[:-1]
+            xq, xs = linear.fp8_rows(x.reshape(-1, x.shape[-1]), interpret=platform != "gpu")
+            xq, xs = xq.reshape(*lead, -1), xs.reshape(lead)
+        else:
+            xq, xs = quantize_rows(x, jnp.float8_e4m3fn)
+        dims = (((xq.ndim - 1,), (1,)), ((), ()))
         y = jax.lax.dot_general(xq, kernel, dims, preferred_element_type=jnp.float32)
         y = y * xs[..., None] * jnp.reshape(scale, (1,) * (y.ndim - 1) + (-1,))
         y = y.astype(out_dtype)
@@ -437,6 +452,28 @@ def _dot_layer(
 # ``python -m benchmarks step_kernels --variants int4``). Not yet timed on a GPU. Tests
 # add "cpu" to run the kernels interpreted.
 GROUPED_KERNEL_PLATFORMS: tuple[str, ...] = ("gpu",)
+# Platforms where an fp8-by-fp8 product's rows (W8A8: o's and down's inputs, which no
+# norm's kernel quantizes) are quantized by one Pallas kernel
+# (``paged_jax.kernels.gpu.rows.fp8_rows``; with SiLU times up for down's) instead of
+# XLA's two or three (``python -m benchmarks step_kernels --variants fp8``). Not yet
+# timed on a GPU. Tests add "cpu".
+FP8_ROWS_KERNEL_PLATFORMS: tuple[str, ...] = ("gpu",)
+
+
+def _kernel_platform(platforms: tuple[str, ...]) -> str | None:
+    """The platform computations go to (``models.quantization._target_platform``) where it
+    is one of ``platforms`` and no mesh splits them (a Pallas call is not partitioned:
+    XLA's way stays there), else None."""
+    from paged_jax import sharding
+
+    from .quantization import _target_platform
+
+    platform = _target_platform()
+    if platform not in platforms:
+        return None
+    if sharding.tensor_parallel_size() > 1 or sharding.data_parallel_size() > 1:
+        return None
+    return platform
 
 
 def _grouped_by_kernel(module, x, q, scale, zero, bits: int):
@@ -445,15 +482,9 @@ def _grouped_by_kernel(module, x, q, scale, zero, bits: int):
     ``[in / G, out]``) by the GPU's kernels (``paged_jax.linear.grouped_matmul``), in the
     module's dtype; None where the platform is not in ``GROUPED_KERNEL_PLATFORMS``, on a
     mesh, or where no block fits."""
-    from paged_jax import sharding
-
-    from .quantization import _target_platform
-
-    platform = _target_platform()
-    if platform not in GROUPED_KERNEL_PLATFORMS or q.ndim != 2 or scale.ndim != 2:
+    platform = _kernel_platform(GROUPED_KERNEL_PLATFORMS)
+    if platform is None or q.ndim != 2 or scale.ndim != 2:
         return None
-    if sharding.tensor_parallel_size() > 1 or sharding.data_parallel_size() > 1:
-        return None  # on a mesh: XLA's way, which its partitioner splits (a kernel it cannot)
     k, n = q.shape[0] * (2 if bits == 4 else 1), q.shape[1]
     rows = math.prod(x.shape[:-1])
     x2 = x.reshape(rows, k)
@@ -814,6 +845,13 @@ class MLP(nnx.Module):
         if hasattr(self, "gate_up_proj"):  # fuse_projections: one product, split
             both = self.gate_up_proj(x_TE)
             F = self.gate_up_proj.parts[0]
+            down = self.down_proj
+            platform = _kernel_platform(FP8_ROWS_KERNEL_PLATFORMS)
+            if down.fp8_rows_kernel and platform and down.dtype is not None and both.ndim == 2:
+                if _lora.current_mask() is None:  # (adapters need down's float input)
+                    act = "gelu_tanh" if self.gelu else "silu"  # down's fp8 rows, in one kernel
+                    rows = linear.fp8_rows(both, act=act, interpret=platform != "gpu")
+                    return down(None, rows=rows)
             gate, up = both[:, :F], both[:, F:]
         else:
             gate, up = self.gate_proj(x_TE), self.up_proj(x_TE)
@@ -1081,6 +1119,8 @@ class LlamaForCausalLM(nnx.Module):
             for _, node in nnx.iter_graph(self.layers):
                 if isinstance(node, Linear) and node.quantized == "fp8":
                     node.hold_fp8_activations()
+            for node in (self.layers.self_attn.o_proj, self.layers.mlp.down_proj):
+                node.fp8_rows_kernel = node.fp8_activations
         if self.lm_head is None:
             self.embed_tokens.hold_transposed()
         self.unrolled = True

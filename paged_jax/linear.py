@@ -171,8 +171,22 @@ def grouped_matmul(
     return fn(x, q, scale, zero, interpret=interpret, **config)
 
 
+def fp8_rows(
+    x: jax.Array, *, act: str | None = None, interpret: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """``(q float8_e4m3fn [M, W], scale f32 [M])``: rows ``x [M, W]`` quantized as
+    ``paged_jax._quant.quantize_rows`` does (with ``act``, ``"silu"`` or ``"gelu_tanh"``,
+    the rows of ``act(gate) * up`` for ``x = [gate | up]`` ``[M, 2 W]``), by one Pallas
+    kernel for the GPU (``paged_jax.kernels.gpu.rows.fp8_rows``; ``interpret``: off a
+    GPU)."""
+    from paged_jax.kernels.gpu import rows
+
+    return rows.fp8_rows(x, act=act, interpret=interpret)
+
+
 __all__ = [
     "available",
+    "fp8_rows",
     "grouped_matmul",
     "lora_delta",
     "matmul",

@@ -224,8 +224,8 @@ def _decode_case(dtype="bfloat16", **kw):
 def standard_cases() -> dict[str, tuple[Callable, list]]:
     """The report's kernels over ``standard_grid`` (both kinds); the dtype sweep of decode
     runs at the benchmark's batch 64 x 4k context (Hq 32, Hkv 8, D 128, page 16); and the
-    grouped products (``matmul.matmul_int4``, ``matmul_int8_groups``) at the Llama-3-8B
-    shape's."""
+    grouped products (``matmul.matmul_int4``, ``matmul_int8_groups``) and the fp8 rows
+    (``rows.fp8_rows``) at the Llama-3-8B shape's."""
     from .ragged import ragged_paged_attention
 
     cases = {}
@@ -238,7 +238,20 @@ def standard_cases() -> dict[str, tuple[Callable, list]]:
     for m, n in ((64, 14336), (256, 6144)):  # 4-bit products of the Llama-3-8B shape
         cases[f"matmul_int4 {m}x4096x{n}"] = _grouped_case(4, m, 4096, n)
     cases["matmul_int8_groups 64x4096x4096"] = _grouped_case(8, 64, 4096, 4096)
+    for width, act in ((4096, None), (14336, "silu")):  # W8A8 rows: o's and down's inputs
+        cases[f"fp8_rows 64x{width}{' ' + act if act else ''}"] = _rows_case(64, width, act)
     return cases
+
+
+def _rows_case(m: int, width: int, act: str | None):
+    """``rows.fp8_rows`` of ``m`` bf16 rows of ``width`` values (with ``act``: of
+    ``act(gate) * up`` from ``[m, 2 width]``)."""
+    import jax.numpy as jnp
+
+    from .rows import fp8_rows
+
+    shape = (m, 2 * width if act else width)
+    return (lambda x: fp8_rows(x, act=act)), [jax.ShapeDtypeStruct(shape, jnp.bfloat16)]
 
 
 def _grouped_case(bits: int, m: int, k: int, n: int):
