@@ -8,7 +8,10 @@
 #   OUT=gpu-out KERNEL_TESTS_MARK="not slow" QUANT_FORMATS="none fp8 int4" \
 #   QUANT_ARGS="--models llama3-8b --concurrency 64 --repeats 3" \
 #   bash benchmarks/gpu_session.sh install kernels models lora quantized
-# and with minutes left: PRODUCTS_ARGS="--formats int4 --no-separate" ... products sampled.
+# and with minutes left: BENCH_ARGS="--tune --contexts 256 --batches 256 --tune-contexts 256
+# --no-prefill" ... bench (attention took 3.18 ms of the 8B step's 10.08 at 256 sequences x
+# 192 tokens on the H200, 42% of its bandwidth: the largest lever left at C = 256), then
+# PRODUCTS_ARGS="--formats int4 --no-separate" ... products, and sampled.
 #
 #   install  pip install --no-deps --no-build-isolation -e . (offline: the GPU machines have
 #            no package index; paged_jax.models and paged_jax.kernels exist only once
