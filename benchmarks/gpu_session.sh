@@ -118,7 +118,7 @@ EOF
         tests/test_engine_faults.py tests/test_pallas_gpu.py tests/test_batch_invariance.py \
         tests/test_weight_reads.py tests/test_prompt_logprobs.py tests/test_embeddings.py \
         tests/test_quantization.py::test_grouped_products_on_a_gpu_take_the_kernel_that_reads_them_as_they_lie \
-        tests/test_quantization.py::test_fp8_rows_of_o_and_down_take_one_kernel_each_on_a_gpu
+        tests/test_quantization.py::test_fp8_rows_of_qkv_o_and_down_take_one_kernel_each_on_a_gpu
       ;;
     dispatch)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 run dispatch "$(limit dispatch 120)" \

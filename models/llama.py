@@ -143,8 +143,8 @@ class Linear(nnx.Linear):
     # hold_fp8_activations sets it: an fp8 kernel held [(L,) out, in], each product fp8 by
     # fp8 with the rows quantized too (W8A8)
     fp8_activations = False
-    # hold_for_accelerator sets it for o and down (W8A8): their rows quantized by one
-    # Pallas kernel where FP8_ROWS_KERNEL_PLATFORMS says (no norm's kernel does it for them)
+    # hold_for_accelerator sets it for q/k/v, o and down (W8A8): their rows quantized by
+    # one Pallas kernel where FP8_ROWS_KERNEL_PLATFORMS says (q/k/v's with its norm)
     fp8_rows_kernel = False
 
     def quantize(self, fmt: str = "int8") -> Linear:
@@ -776,11 +776,13 @@ class Attention(nnx.Module):
         del self.q_proj, self.k_proj, self.v_proj
         return True
 
-    def project(self, x_TE, positions_T, inv_freq):
-        """Row-wise: ``(q[T, H, D], k[T, K, D], v[T, K, D])``, RoPE applied."""
-        T = x_TE.shape[0]
+    def project(self, x_TE, positions_T, inv_freq, rows=None):
+        """Row-wise: ``(q[T, H, D], k[T, K, D], v[T, K, D])``, RoPE applied. ``rows``: the
+        fused q/k/v product's fp8 rows already quantized (``Linear.__call__``), ``x_TE``
+        then None."""
+        T = x_TE.shape[0] if rows is None else rows[0].shape[0]
         if hasattr(self, "qkv_proj"):  # fuse_projections: one product, split
-            qkv = self.qkv_proj(x_TE)
+            qkv = self.qkv_proj(x_TE, rows=rows)
             HD, KD = self.qkv_proj.parts[:2]
             q_THD = qkv[:, :HD].reshape(T, self.num_heads, self.head_dim)
             k_TKD = qkv[:, HD : HD + KD].reshape(T, self.num_kv_heads, self.head_dim)
@@ -886,6 +888,9 @@ class DecoderLayer(nnx.Module):
 
         def project(x, pos, m):
             with _lora.rows(bank, m):
+                rows = self._fp8_qkv_rows(x)
+                if rows is not None:  # q/k/v's fp8 rows, normed and quantized in one kernel
+                    return attn.project(None, pos, inv_freq, rows=rows)
                 return attn.project(self.input_layernorm(x), pos, inv_freq)
 
         def after(x, o, m):
@@ -896,6 +901,26 @@ class DecoderLayer(nnx.Module):
         window = kind.sliding_window
         o_THD, cache = attn.attend(q, k, v, layer, cache, md, window, backend, interpret)
         return rowwise(after, x_TE, o_THD, mask, invariant=inv), cache
+
+    def _fp8_qkv_rows(self, x_TE):
+        """q/k/v's fp8 rows (``(q, scale)``) of ``input_layernorm(x_TE)``, normed and
+        quantized by one kernel (``paged_jax.linear.fp8_rows``) where W8A8's rows go to it
+        (``Linear.fp8_rows_kernel``, ``FP8_ROWS_KERNEL_PLATFORMS``, no adapters active: XLA
+        takes two kernels, the rows' scale being read by several); None otherwise."""
+        qkv, norm = getattr(self.self_attn, "qkv_proj", None), self.input_layernorm
+        if qkv is None or not qkv.fp8_rows_kernel or x_TE.ndim != 2 or norm.dtype is None:
+            return None
+        platform = _kernel_platform(FP8_ROWS_KERNEL_PLATFORMS)
+        if platform is None or _lora.current_mask() is not None:
+            return None
+        return linear.fp8_rows(
+            x_TE,
+            norm_weight=norm.weight[...],
+            eps=norm.eps,
+            unit_offset=norm.unit_offset,
+            dtype=norm.dtype,
+            interpret=platform != "gpu",
+        )
 
     def _after_attention(self, x_TE, o_THD):
         """Row-wise: the residual, the MLP and its residual."""
@@ -1119,8 +1144,10 @@ class LlamaForCausalLM(nnx.Module):
             for _, node in nnx.iter_graph(self.layers):
                 if isinstance(node, Linear) and node.quantized == "fp8":
                     node.hold_fp8_activations()
-            for node in (self.layers.self_attn.o_proj, self.layers.mlp.down_proj):
-                node.fp8_rows_kernel = node.fp8_activations
+            attn, mlp = self.layers.self_attn, self.layers.mlp
+            for node in (getattr(attn, "qkv_proj", None), attn.o_proj, mlp.down_proj):
+                if node is not None:
+                    node.fp8_rows_kernel = node.fp8_activations
         if self.lm_head is None:
             self.embed_tokens.hold_transposed()
         self.unrolled = True

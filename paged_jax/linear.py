@@ -172,16 +172,32 @@ def grouped_matmul(
 
 
 def fp8_rows(
-    x: jax.Array, *, act: str | None = None, interpret: bool = False
+    x: jax.Array,
+    *,
+    act: str | None = None,
+    norm_weight: jax.Array | None = None,
+    eps: float = 1e-6,
+    unit_offset: bool = False,
+    dtype=None,
+    interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``(q float8_e4m3fn [M, W], scale f32 [M])``: rows ``x [M, W]`` quantized as
     ``paged_jax._quant.quantize_rows`` does (with ``act``, ``"silu"`` or ``"gelu_tanh"``,
-    the rows of ``act(gate) * up`` for ``x = [gate | up]`` ``[M, 2 W]``), by one Pallas
-    kernel for the GPU (``paged_jax.kernels.gpu.rows.fp8_rows``; ``interpret``: off a
-    GPU)."""
+    the rows of ``act(gate) * up`` for ``x = [gate | up]`` ``[M, 2 W]``; with
+    ``norm_weight`` ``[W]``, ``eps``, ``unit_offset`` and ``dtype``, of an RMS norm's
+    output), by one Pallas kernel for the GPU (``paged_jax.kernels.gpu.rows.fp8_rows``;
+    ``interpret``: off a GPU)."""
     from paged_jax.kernels.gpu import rows
 
-    return rows.fp8_rows(x, act=act, interpret=interpret)
+    return rows.fp8_rows(
+        x,
+        act=act,
+        norm_weight=norm_weight,
+        eps=eps,
+        unit_offset=unit_offset,
+        dtype=dtype,
+        interpret=interpret,
+    )
 
 
 __all__ = [

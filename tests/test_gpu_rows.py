@@ -50,7 +50,31 @@ def test_rows_of_an_activation_times_up(act):
     np.testing.assert_allclose(got, want, rtol=0.13, atol=0.13 * np.abs(want).max() / 16)
 
 
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rows_of_an_rms_norm_s_output(unit_offset):
+    # models.llama.RMSNorm (Gemma's 1 + weight with unit_offset) then quantize_rows
+    from paged_jax.models.llama import RMSNorm
+
+    rng = np.random.default_rng(6)
+    h = jnp.asarray(rng.normal(size=(4, 256)).astype(np.float32) * 3, jnp.bfloat16)
+    norm = RMSNorm(256, 1e-5, dtype=jnp.bfloat16, param_dtype=jnp.float32, unit_offset=unit_offset)
+    norm.weight.set_value(jnp.asarray(rng.uniform(0.5, 1.5, size=256).astype(np.float32)))
+    q, scale = fp8_rows(
+        h, norm_weight=norm.weight[...], eps=1e-5, unit_offset=unit_offset,
+        dtype=jnp.bfloat16, interpret=INTERPRET,
+    )  # fmt: skip
+    want_q, want_scale = quantize_rows(norm(h), F8)
+    np.testing.assert_allclose(np.asarray(scale), np.asarray(want_scale), rtol=1e-2)
+    got = _f32(q) * np.asarray(scale)[:, None]
+    want = _f32(want_q) * np.asarray(want_scale)[:, None]
+    np.testing.assert_allclose(got, want, rtol=0.13, atol=0.13 * np.abs(want).max() / 16)
+
+
 def test_bad_arguments_are_refused_by_name():
+    with pytest.raises(ValueError, match="norm_weight"):
+        fp8_rows(jnp.zeros((2, 8)), norm_weight=jnp.ones(4), dtype=jnp.bfloat16, interpret=True)
+    with pytest.raises(ValueError, match="norm_weight"):
+        fp8_rows(jnp.zeros((2, 8)), norm_weight=jnp.ones(8), interpret=True)
     with pytest.raises(ValueError, match="act"):
         fp8_rows(jnp.zeros((2, 8)), act="relu", interpret=True)
     with pytest.raises(ValueError, match="x"):

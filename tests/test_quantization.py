@@ -795,10 +795,11 @@ def test_grouped_products_on_a_gpu_take_the_kernel_that_reads_them_as_they_lie(f
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
 
-def test_fp8_rows_of_o_and_down_take_one_kernel_each_on_a_gpu(monkeypatch):
-    # W8A8 on a GPU: o's input rows, and down's with SiLU times up folded in, are quantized
-    # by one Pallas kernel each (XLA:GPU takes two and three); interpreted here (their
-    # platforms plus "cpu"), the logits are those of XLA's quantize_rows.
+def test_fp8_rows_of_qkv_o_and_down_take_one_kernel_each_on_a_gpu(monkeypatch):
+    # W8A8 on a GPU: q/k/v's input rows (normed in the kernel), o's, and down's (SiLU times
+    # up folded in) are quantized by one Pallas kernel each (XLA:GPU takes two, two and
+    # three); interpreted here (their platforms plus "cpu"), the logits are those of XLA's
+    # norm and quantize_rows.
     from paged_jax.kernels.gpu import rows as gpu_rows
     from paged_jax.metadata import AttentionMetadata
     from paged_jax.models import llama
@@ -808,14 +809,14 @@ def test_fp8_rows_of_o_and_down_take_one_kernel_each_on_a_gpu(monkeypatch):
     real = gpu_rows.fp8_rows
 
     def counted(x, **kw):
-        calls.append(kw.get("act"))
+        calls.append("norm" if kw.get("norm_weight") is not None else kw.get("act") or "plain")
         return real(x, **kw)
 
     monkeypatch.setattr(gpu_rows, "fp8_rows", counted)
     model = _pair(CFG, "fp8")[0].hold_for_accelerator(fp8_activations=True)
-    layers = model.layers
-    assert layers.mlp.down_proj.fp8_rows_kernel and layers.self_attn.o_proj.fp8_rows_kernel
-    assert not model.layers.self_attn.qkv_proj.fp8_rows_kernel  # (its norm's kernel does it)
+    attn, mlp = model.layers.self_attn, model.layers.mlp
+    assert attn.qkv_proj.fp8_rows_kernel and attn.o_proj.fp8_rows_kernel
+    assert mlp.down_proj.fp8_rows_kernel and not mlp.gate_up_proj.fp8_rows_kernel
     ids = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 50, 60], np.int32)
     n = len(ids)
 
@@ -829,7 +830,7 @@ def test_fp8_rows_of_o_and_down_take_one_kernel_each_on_a_gpu(monkeypatch):
     monkeypatch.setattr(llama, "FP8_ROWS_KERNEL_PLATFORMS", ("gpu", "cpu"))
     jax.clear_caches()
     got = logits()
-    assert sorted(calls, key=str) == sorted([None, "silu"] * CFG.num_layers, key=str), calls
+    assert sorted(calls) == sorted(["norm", "plain", "silu"] * CFG.num_layers), calls
     # interpreted, the kernel's ops are XLA's own: the same bits; compiled for a GPU, fp8's
     # rounding of a value on an edge may differ
     tol = 1e-6 if jax.default_backend() != "gpu" else 0.05

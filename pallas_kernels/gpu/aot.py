@@ -240,18 +240,26 @@ def standard_cases() -> dict[str, tuple[Callable, list]]:
     cases["matmul_int8_groups 64x4096x4096"] = _grouped_case(8, 64, 4096, 4096)
     for width, act in ((4096, None), (14336, "silu")):  # W8A8 rows: o's and down's inputs
         cases[f"fp8_rows 64x{width}{' ' + act if act else ''}"] = _rows_case(64, width, act)
+    cases["fp8_rows 64x4096 rms norm"] = _rows_case(64, 4096, None, norm=True)  # q/k/v's
     return cases
 
 
-def _rows_case(m: int, width: int, act: str | None):
+def _rows_case(m: int, width: int, act: str | None, norm: bool = False):
     """``rows.fp8_rows`` of ``m`` bf16 rows of ``width`` values (with ``act``: of
-    ``act(gate) * up`` from ``[m, 2 width]``)."""
+    ``act(gate) * up`` from ``[m, 2 width]``; ``norm``: of an RMS norm's output)."""
     import jax.numpy as jnp
 
     from .rows import fp8_rows
 
+    S = jax.ShapeDtypeStruct
     shape = (m, 2 * width if act else width)
-    return (lambda x: fp8_rows(x, act=act)), [jax.ShapeDtypeStruct(shape, jnp.bfloat16)]
+    if not norm:
+        return (lambda x: fp8_rows(x, act=act)), [S(shape, jnp.bfloat16)]
+
+    def fn(x, w):
+        return fp8_rows(x, norm_weight=w, eps=1e-5, dtype=jnp.bfloat16)
+
+    return fn, [S(shape, jnp.bfloat16), S((width,), jnp.float32)]
 
 
 def _grouped_case(bits: int, m: int, k: int, n: int):
