@@ -831,7 +831,8 @@ def test_fp8_rows_of_qkv_o_and_down_take_one_kernel_each_on_a_gpu(monkeypatch):
     jax.clear_caches()
     got = logits()
     assert sorted(calls) == sorted(["norm", "plain", "silu"] * CFG.num_layers), calls
-    # interpreted, the kernel's ops are XLA's own: the same bits; compiled for a GPU, fp8's
-    # rounding of a value on an edge may differ
-    tol = 1e-6 if jax.default_backend() != "gpu" else 0.05
+    # interpreted, the kernel's ops are XLA's own (the same bits with JAX 0.10.2; 1.5e-4 of
+    # the logits with 0.11.2, whose norm sums in another order and flips an fp8 rounding);
+    # compiled for a GPU, more values on an edge may round the other way
+    tol = 1e-3 if jax.default_backend() != "gpu" else 0.05
     assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
