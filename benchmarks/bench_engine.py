@@ -125,6 +125,29 @@ def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return rng.integers(0, vocab, (n, length)).tolist()
 
 
+def abstract_decode_step(make, seqs: int, context: int, page: int = PAGE):
+    """A decode step of ``make()``'s model (a ``LlamaForCausalLM``) built from shapes
+    alone (``nnx.eval_shape``: nothing allocated): ``(graphdef, state, cache, batch, md)``
+    for ``seqs`` sequences of ``context - 1`` computed tokens computing one more each,
+    the cache (``ShapeDtypeStruct``s) just large enough, in pages of ``page`` tokens."""
+    import jax
+    from flax import nnx
+
+    import paged_jax as pj
+
+    abstract = nnx.eval_shape(make)
+    graphdef, state = nnx.split(abstract)
+    pages = seqs * -(-context // page) + 1
+    cache = jax.eval_shape(lambda: abstract.make_cache(pages, page))
+    bm = pj.BlockManager(pages, page, enable_prefix_caching=False, watermark=0.0)
+    for i in range(seqs):
+        bm.allocate(i, list(range(context - 1)))
+        bm.mark_computed(i, context - 1)
+        bm.append_slots(i, [1])
+    batch = pj.build_batch(bm, [pj.ScheduledSeq(i, context - 1, context) for i in range(seqs)])
+    return graphdef, state, cache, batch, pj.AttentionMetadata.from_batch(batch)
+
+
 def weight_reads(
     fields: dict,
     *,
@@ -164,7 +187,6 @@ def weight_reads(
     import jax.numpy as jnp
     from flax import nnx
 
-    import paged_jax as pj
     from paged_jax import models
 
     dt = jnp.dtype(dtype)
@@ -176,17 +198,7 @@ def weight_reads(
             m = models.LlamaForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt)
             return m.hold_for_accelerator() if hold is None else hold(m)
 
-        abstract = nnx.eval_shape(make)
-        graphdef, state = nnx.split(abstract)
-        pages = seqs * -(-context // PAGE) + 1
-        cache = jax.eval_shape(lambda: abstract.make_cache(pages, PAGE))
-        bm = pj.BlockManager(pages, PAGE, enable_prefix_caching=False, watermark=0.0)
-        for i in range(seqs):
-            bm.allocate(i, list(range(context - 1)))
-            bm.mark_computed(i, context - 1)
-            bm.append_slots(i, [1])
-        batch = pj.build_batch(bm, [pj.ScheduledSeq(i, context - 1, context) for i in range(seqs)])
-        md = pj.AttentionMetadata.from_batch(batch)
+        graphdef, state, cache, batch, md = abstract_decode_step(make, seqs, context)
 
         def step(state, tokens, positions, cache):
             return nnx.merge(graphdef, state)(tokens, positions, cache, md, backend=backend)

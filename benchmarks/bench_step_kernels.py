@@ -140,7 +140,7 @@ def compile_step(fields: dict, variant: str, sharding, *, seqs: int, context: in
     import jax.numpy as jnp
     from flax import nnx
 
-    import paged_jax as pj
+    from benchmarks.bench_engine import abstract_decode_step
     from paged_jax import models
 
     cfg = models.LlamaConfig(**fields)
@@ -156,17 +156,7 @@ def compile_step(fields: dict, variant: str, sharding, *, seqs: int, context: in
             m.enable_lora(8, 16)
         return m.hold_for_accelerator(fp8_activations=variant == "fp8")
 
-    abstract = nnx.eval_shape(make)
-    graphdef, state = nnx.split(abstract)
-    pages = seqs * -(-context // page) + 1
-    cache = jax.eval_shape(lambda: abstract.make_cache(pages, page))
-    bm = pj.BlockManager(pages, page, enable_prefix_caching=False, watermark=0.0)
-    for i in range(seqs):
-        bm.allocate(i, list(range(context - 1)))
-        bm.mark_computed(i, context - 1)
-        bm.append_slots(i, [1])
-    batch = pj.build_batch(bm, [pj.ScheduledSeq(i, context - 1, context) for i in range(seqs)])
-    md = pj.AttentionMetadata.from_batch(batch)
+    graphdef, state, cache, batch, md = abstract_decode_step(make, seqs, context, page)
     tokens = jnp.asarray(batch.token_ids)
     # every row on an adapter (slot 1 + row % 8): the step a LoRA batch compiles
     ids = jnp.asarray(1 + jnp.arange(tokens.shape[0]) % 8, jnp.int32)

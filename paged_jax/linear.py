@@ -171,33 +171,16 @@ def grouped_matmul(
     return fn(x, q, scale, zero, interpret=interpret, **config)
 
 
-def fp8_rows(
-    x: jax.Array,
-    *,
-    act: str | None = None,
-    norm_weight: jax.Array | None = None,
-    eps: float = 1e-6,
-    unit_offset: bool = False,
-    dtype=None,
-    interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+def fp8_rows(x: jax.Array, *, interpret: bool = False, **options) -> tuple[jax.Array, jax.Array]:
     """``(q float8_e4m3fn [M, W], scale f32 [M])``: rows ``x [M, W]`` quantized as
-    ``paged_jax._quant.quantize_rows`` does (with ``act``, ``"silu"`` or ``"gelu_tanh"``,
-    the rows of ``act(gate) * up`` for ``x = [gate | up]`` ``[M, 2 W]``; with
-    ``norm_weight`` ``[W]``, ``eps``, ``unit_offset`` and ``dtype``, of an RMS norm's
-    output), by one Pallas kernel for the GPU (``paged_jax.kernels.gpu.rows.fp8_rows``;
-    ``interpret``: off a GPU)."""
+    ``paged_jax._quant.quantize_rows`` does, by one Pallas kernel for the GPU
+    (``interpret``: off a GPU). ``options`` are the kernel's
+    (``paged_jax.kernels.gpu.rows.fp8_rows``): ``act`` (rows of ``act(gate) * up`` from
+    ``[M, 2 W]``), or ``norm_weight`` ``[W]`` with ``eps``, ``unit_offset`` and ``dtype``
+    (rows of an RMS norm's output)."""
     from paged_jax.kernels.gpu import rows
 
-    return rows.fp8_rows(
-        x,
-        act=act,
-        norm_weight=norm_weight,
-        eps=eps,
-        unit_offset=unit_offset,
-        dtype=dtype,
-        interpret=interpret,
-    )
+    return rows.fp8_rows(x, interpret=interpret, **options)
 
 
 __all__ = [

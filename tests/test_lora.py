@@ -32,6 +32,15 @@ def _base():
     return load_hf(BASE, dtype=jnp.float32)[0]
 
 
+def _write(model, name, slot):
+    """Golden adapter ``name`` written into slot ``slot`` of ``model``'s bank."""
+    adapter = lora_mod.load_adapter(GOLDEN / "lora" / name, model.config)
+    bank = model.lora
+    arrays = {k: getattr(bank, k).get_value() for k in bank.arrays()}
+    for k, v in model.lora_slot_arrays(adapter, slot, arrays).items():
+        getattr(bank, k).set_value(v)
+
+
 def _logits(model, slot_plus_one):
     ids = np.asarray(PROMPTS["long"])
     n = len(ids)
@@ -69,13 +78,6 @@ def test_each_adapter_gives_the_logits_peft_gives(held, way, monkeypatch):
     monkeypatch.setattr(lora_mod, "CPU_KERNEL", way != "masked")
     model = _base()
 
-    def write(name, slot):
-        adapter = lora_mod.load_adapter(GOLDEN / "lora" / name, model.config)
-        bank = model.lora
-        arrays = {k: getattr(bank, k).get_value() for k in bank.arrays()}
-        for k, v in model.lora_slot_arrays(adapter, slot, arrays).items():
-            getattr(bank, k).set_value(v)
-
     first = None
     if held == "for an accelerator":
         model.hold_for_accelerator()
@@ -84,20 +86,20 @@ def test_each_adapter_gives_the_logits_peft_gives(held, way, monkeypatch):
         model.enable_lora(2, 8)
         if held.startswith("slots"):
             first = NAMES[0]
-            write(first, 0)
+            _write(model, first, 0)
             model.hold_for_accelerator()
     bank = model.lora
     grouped = [name for name, ts in bank.groups if len(ts) > 1]
     assert grouped == ([] if held == "as loaded" else ["qkv_proj", "gate_up_proj"])
     for name in NAMES:
-        write(name, 1)
+        _write(model, name, 1)
         want = _golden(name)["logits"]
         got = _logits(model, 2)
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), name
         # slot 0 (id 1): empty, the base model's logits; or the adapter put there first
         base = _golden(first)["logits"]
         assert np.abs(_logits(model, 1) - base).max() <= 1e-4 * np.abs(base).max()
-    write(NAMES[2], 0)  # a slot written again, over another adapter
+    _write(model, NAMES[2], 0)  # a slot written again, over another adapter
     want = _golden(NAMES[2])["logits"]
     assert np.abs(_logits(model, 1) - want).max() <= 1e-4 * np.abs(want).max()
     assert lora_mod.by_kernel(bank) == (way == "cpu kernel")
@@ -146,10 +148,7 @@ def test_an_accelerator_s_bank_is_read_per_layer_in_place(monkeypatch):
     assert bank.per_layer and all(
         isinstance(getattr(bank, k).get_value(), tuple) for k in bank.arrays()
     )
-    adapter = lora_mod.load_adapter(GOLDEN / "lora" / "all", model.config)
-    arrays = {k: getattr(bank, k).get_value() for k in bank.arrays()}
-    for k, v in model.lora_slot_arrays(adapter, 1, arrays).items():
-        getattr(bank, k).set_value(v)
+    _write(model, "all", 1)
     want = _golden("all")["logits"]
     assert np.abs(_logits(model, 2) - want).max() <= 1e-4 * np.abs(want).max()
     assert sliced(model, compiled(model)) == 0
@@ -230,10 +229,7 @@ def test_a_bank_is_padded_for_the_dot_merger_and_still_gives_peft_s_logits(monke
     model.enable_lora(2, 8)
     padded = model.lora
     assert padded.a_o_proj.get_value()[0].shape[-1] > 2 * 8  # padded, then split by layer
-    adapter = lora_mod.load_adapter(GOLDEN / "lora" / "all", model.config)
-    arrays = {k: getattr(padded, k).get_value() for k in padded.arrays()}
-    for k, v in model.lora_slot_arrays(adapter, 1, arrays).items():
-        getattr(padded, k).set_value(v)
+    _write(model, "all", 1)
     want = _golden("all")["logits"]
     assert np.abs(_logits(model, 2) - want).max() <= 1e-4 * np.abs(want).max()
 

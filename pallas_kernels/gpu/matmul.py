@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from . import tuning
+
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps, compute):
     # x_ref [M, K / split_k], w_ref [K / split_k, BN], s_ref [BN] or None, o_ref [M, BN]
@@ -296,8 +298,7 @@ def _grouped(
         ("groups_per_step", groups_per_step),
         ("split_k", split_k),
     ):
-        if not isinstance(v, int) or v < 1 or v & (v - 1):
-            raise ValueError(f"{name}: expected a power of two, got {v!r}")
+        tuning.check_pow2(name, v)
     if block_m < 16:
         raise ValueError(f"block_m: expected >= 16 (the tensor cores' rows), got {block_m}")
     M, K = x.shape
