@@ -31,7 +31,8 @@ Goals (GPU issue): >= 85% of copy bandwidth at batch 64 x 4k and above, >= 2x JA
 paging overhead <= 10%.
 
 ``--tune`` (GPU): also times the Pallas GPU decode kernel over ``TUNE_GRID`` (pages per
-block x warps x stages) and the Mosaic GPU one over ``MOSAIC_TUNE_GRID`` at the contexts
+block x warps x stages; ``SHORT_TUNE_GRID``, with splits, up to ``SHORT_CONTEXT`` tokens)
+and the Mosaic GPU one over ``MOSAIC_TUNE_GRID`` at the contexts
 ``--tune-contexts`` names (default 4k and 32k; ``--contexts 256 --batches 256
 --tune-contexts 256`` asks for the engine benchmark's short contexts, where the decode
 kernel read its K/V at about 2 TB/s on an H200 against 4.8), and the ragged kernel over
@@ -170,6 +171,19 @@ TUNE_GRID = [
     for w in (4, 8)
     for st in (2, 3)
 ]
+# At short contexts (the engine workload's 128-256 tokens: 8-16 pages a sequence) a program
+# walks few blocks, each waiting on its table entry and then its K/V, and the kernel read
+# its K/V at 42% of an H200's bandwidth in the engine (256 sequences): there the sweep also
+# splits each sequence (more programs in flight, a merge after) and tries blocks of 1 page
+# (more loads per program) up to 8 (fewer, larger ones). 4 warps: the long-context sweeps
+# never chose 8.
+SHORT_CONTEXT = 1024
+SHORT_TUNE_GRID = [
+    dict(pages_per_block=bp, num_splits=sp, num_warps=4, num_stages=st)
+    for bp in (1, 2, 4, 8)
+    for sp in (1, 2, 4)
+    for st in (2, 3)
+]
 # The Mosaic GPU decode kernel (Hopper): tokens per block x K/V blocks in flight.
 MOSAIC_TUNE_GRID = [dict(pages_per_block=bp, num_stages=st) for bp in (4, 8) for st in (1, 2, 3)]
 RAGGED_TUNE_GRID = [
@@ -191,13 +205,15 @@ def _sweep(kernel, grid, args, repeats: int) -> list[dict]:
     return out
 
 
-def decode_tunings() -> dict:
-    """Name -> (kernel, grid) of the GPU decode kernels ``--tune`` sweeps: Triton's and
-    Mosaic GPU's."""
+def decode_tunings(context: int) -> dict:
+    """Name -> (kernel, grid) of the GPU decode kernels ``--tune`` sweeps at ``context``
+    tokens a sequence: Triton's (``SHORT_TUNE_GRID`` up to ``SHORT_CONTEXT`` tokens,
+    ``TUNE_GRID`` above) and Mosaic GPU's."""
     from paged_jax.kernels.gpu import decode_mosaic, decode_paged_attention
 
+    grid = SHORT_TUNE_GRID if context <= SHORT_CONTEXT else TUNE_GRID
     return {
-        "decode": (decode_paged_attention, TUNE_GRID),
+        "decode": (decode_paged_attention, grid),
         "mosaic decode": (decode_mosaic.decode_paged_attention, MOSAIC_TUNE_GRID),
     }
 
@@ -279,7 +295,7 @@ def run_decode(args, platform, bw, peaks, tuned) -> list[dict]:
                     row = dict(batch=b, context=c, kernel=name, error=str(e)[:300])
                 rows.append(row)
             for tname, (kernel, grid) in (
-                decode_tunings().items() if args.tune and c in args.tune_contexts else ()
+                decode_tunings(c).items() if args.tune and c in args.tune_contexts else ()
             ):
                 f = functools.partial(kernel, sm_scale=D**-0.5)
                 points = _sweep(f, grid, (q, kv, lens, paged), args.repeats)

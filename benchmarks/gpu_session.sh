@@ -8,9 +8,10 @@
 #   OUT=gpu-out KERNEL_TESTS_MARK="not slow" QUANT_FORMATS="none fp8 int4" \
 #   QUANT_ARGS="--models llama3-8b --concurrency 64 --repeats 3" \
 #   bash benchmarks/gpu_session.sh install kernels models lora quantized
-# and with minutes left: BENCH_ARGS="--tune --contexts 256 --batches 256 --tune-contexts 256
-# --no-prefill" ... bench (attention took 3.18 ms of the 8B step's 10.08 at 256 sequences x
-# 192 tokens on the H200, 42% of its bandwidth: the largest lever left at C = 256), then
+# and with minutes left: BENCH_ARGS="--tune --contexts 256 --batches 64 256 --tune-contexts
+# 256 --no-prefill" ... bench (attention took 3.18 ms of the 8B step's 10.08 at 256 sequences
+# x 192 tokens on the H200, 42% of its bandwidth, and 1.36 of 5.6 at 64 sequences, 25%: the
+# largest lever left at both; the sweep there splits sequences and tries 1-8 page blocks), then
 # PRODUCTS_ARGS="--formats int4 --no-separate" ... products, and sampled.
 #
 #   install  pip install --no-deps --no-build-isolation -e . (offline: the GPU machines have
@@ -35,7 +36,7 @@
 #            default: its configuration beside three that load each chunk ahead; on a GPU
 #            the split way, pallas_gpu_split, is timed beside them)
 #   bench    python -m benchmarks kernels --tune  (decode + ragged prefill, tuning sweeps)
-#            (BENCH_ARGS='--tune --contexts 256 --batches 256 --tune-contexts 256 --no-prefill':
+#            (BENCH_ARGS='--tune --contexts 256 --batches 64 256 --tune-contexts 256 --no-prefill':
 #            the decode kernel's knobs at the engine workload's short contexts)
 #   engine   python -m benchmarks engine --layout both  (Llama-3-8B / SmolLM2-135M shapes:
 #            tokens/s and the roofline fraction, the engine's layout beside the scanned one)

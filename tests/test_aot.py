@@ -116,3 +116,15 @@ def test_benchmark_tuning_grid_compiles_for_sm90(sm90_reports):
         fn, args = gpu_aot._decode_case(seqs=64, pages=256, **knobs)
         r = gpu_aot.compile_sm90(gpu_aot.lower_to_triton(fn, *args)[0])
         assert r.fits and r.num_warps == knobs["num_warps"], (knobs, r)
+
+
+def test_benchmark_short_context_grid_compiles_for_sm90(sm90_reports):
+    # The short-context sweep (splits and 1-8 page blocks) at the engine workload's shape:
+    # 256 sequences of 16 pages (256 tokens); every point must launch.
+    from benchmarks.bench_kernels import SHORT_TUNE_GRID
+
+    assert {k["num_splits"] for k in SHORT_TUNE_GRID} >= {1, 2}
+    for knobs in SHORT_TUNE_GRID:
+        fn, args = gpu_aot._decode_case(seqs=256, pages=16, **knobs)
+        r = gpu_aot.compile_sm90(gpu_aot.lower_to_triton(fn, *args)[0])
+        assert r.fits and r.num_warps == knobs["num_warps"], (knobs, r)
