@@ -614,6 +614,27 @@ def _sort_free(way: str):
 
 
 @contextlib.contextmanager
+def _decode_prefetch(way: str):
+    """While active, the Pallas GPU decode kernel's walk is ``way``: "default" (as
+    ``tuning.DECODE_PREFETCH`` says), "on" (loading each next block ahead) or "off". The
+    engine's step functions are cached per model (``runner._make_run``) and the setting is
+    read when a step is traced, so the cache is emptied on the way in and out."""
+    from paged_jax.engine import runner
+    from paged_jax.kernels.gpu import tuning
+
+    saved = tuning.DECODE_PREFETCH
+    if way != "default":
+        tuning.DECODE_PREFETCH = way == "on"
+        runner._make_run.cache_clear()
+    try:
+        yield
+    finally:
+        if tuning.DECODE_PREFETCH != saved:
+            runner._make_run.cache_clear()
+        tuning.DECODE_PREFETCH = saved
+
+
+@contextlib.contextmanager
 def _decode_kernel(on: bool):
     """While active with ``on=False``, every engine step is built with ``decode_only=False``
     (the ragged kernel for decode steps too): the engine as it was before the decode path."""
@@ -918,6 +939,14 @@ def main(argv=None) -> int:
         "over the split kernel's sums; each in turn",
     )
     ap.add_argument(
+        "--decode-prefetch",
+        nargs="+",
+        default=["default"],
+        choices=["default", "off", "on"],
+        help="GPU: the decode kernel's walk, plain (off), loading each next block ahead (on), "
+        "or as tuning.DECODE_PREFETCH says; each in turn",
+    )
+    ap.add_argument(
         "--quantization",
         nargs="+",
         default=["none"],
@@ -981,6 +1010,7 @@ def main(argv=None) -> int:
                     async_scheduling=args.async_scheduling,
                     top_p=args.top_p,
                     sort_free=args.sort_free,
+                    decode_prefetch=args.decode_prefetch,
                     quantization=args.quantization,
                     lora_adapters=args.lora_adapters,
                     lora_rank=LORA_RANK,
@@ -1010,10 +1040,11 @@ def main(argv=None) -> int:
             if quant is not None:
                 base = f"{base}, {quant} weights"
             ways = {"on": [True], "off": [False], "both": [True, False]}
-            for on, overlap, sort_free, loras in itertools.product(
+            for on, overlap, sort_free, walk, loras in itertools.product(
                 ways[args.decode_kernel],
                 ways[args.async_scheduling],
                 args.sort_free,
+                args.decode_prefetch,
                 sorted(args.lora_adapters),  # no slots first: slots stay on the model
             ):
                 label = base if on else f"{base}, ragged kernel for decode steps"
@@ -1021,11 +1052,13 @@ def main(argv=None) -> int:
                     label = f"{label}, steps one at a time"
                 if sort_free != "default":
                     label = f"{label}, sort-free {sort_free}"
+                if walk != "default":
+                    label = f"{label}, decode prefetch {walk}"
                 if loras:
                     label = f"{label}, {loras} LoRA adapters"
                 print(f"{name} / {label} ...", flush=True)
                 try:
-                    with _decode_kernel(on), _sort_free(sort_free):
+                    with _decode_kernel(on), _sort_free(sort_free), _decode_prefetch(walk):
                         runs, llm = engine_runs(
                             model, name, label, args, layout, overlap, loras, quant
                         )

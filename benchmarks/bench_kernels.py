@@ -163,26 +163,31 @@ def make_inputs(seqs: int, kv_len: int, q_len: int = 1, seed: int = 0):
     return q, kv, lens, jnp.asarray(paged), jnp.asarray(contiguous), cu, num
 
 
-# Knobs swept by --tune: pages of 16 tokens per block (2-8: 32-128 tokens), warps, stages.
-# Every point compiles for sm_90 within the SM's limits (tests/test_benchmarks.py).
+# Knobs swept by --tune: pages of 16 tokens per block (2-8: 32-128 tokens), warps, stages,
+# and the walk that loads a block ahead by hand (``prefetch``, one stage: see
+# ``tuning.DECODE_PREFETCH``). Every point compiles for sm_90 within the SM's limits
+# (tests/test_aot.py).
 TUNE_GRID = [
-    dict(pages_per_block=bp, num_warps=w, num_stages=st)
+    dict(pages_per_block=bp, num_warps=w, num_stages=st, prefetch=False)
     for bp in (2, 4, 8)
     for w in (4, 8)
     for st in (2, 3)
-]
+] + [dict(pages_per_block=bp, num_warps=4, num_stages=1, prefetch=True) for bp in (2, 4)]
 # At short contexts (the engine workload's 128-256 tokens: 8-16 pages a sequence) a program
-# walks few blocks, each waiting on its table entry and then its K/V, and the kernel read
-# its K/V at 42% of an H200's bandwidth in the engine (256 sequences): there the sweep also
-# splits each sequence (more programs in flight, a merge after) and tries blocks of 1 page
-# (more loads per program) up to 8 (fewer, larger ones). 4 warps: the long-context sweeps
-# never chose 8.
+# walks few blocks, each waiting on its table entries and then its K/V (compiled for sm_90,
+# Triton's two-stage pipelining issues a block's copies after the previous block's dots, and
+# a third stage compiles to the same walk), and the kernel read its K/V at 25-42% of an
+# H200's bandwidth in the engine: there the sweep also splits each sequence (more programs in
+# flight, a merge after), tries blocks of 1 page (more loads a program) to 8, one stage (no
+# copies to shared memory: less of it, more programs a SM) and the walk loading ahead (its
+# next block held in registers: fewer programs a SM; not at 8 pages, where it spills).
 SHORT_CONTEXT = 1024
 SHORT_TUNE_GRID = [
-    dict(pages_per_block=bp, num_splits=sp, num_warps=4, num_stages=st)
+    dict(pages_per_block=bp, num_splits=sp, num_warps=4, num_stages=st, prefetch=pf)
     for bp in (1, 2, 4, 8)
     for sp in (1, 2, 4)
-    for st in (2, 3)
+    for st, pf in ((2, False), (1, False), (1, True))
+    if not (pf and bp == 8)
 ]
 # The Mosaic GPU decode kernel (Hopper): tokens per block x K/V blocks in flight.
 MOSAIC_TUNE_GRID = [dict(pages_per_block=bp, num_stages=st) for bp in (4, 8) for st in (1, 2, 3)]

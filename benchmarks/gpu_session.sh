@@ -11,8 +11,11 @@
 # and with minutes left: BENCH_ARGS="--tune --contexts 256 --batches 64 256 --tune-contexts
 # 256 --no-prefill" ... bench (attention took 3.18 ms of the 8B step's 10.08 at 256 sequences
 # x 192 tokens on the H200, 42% of its bandwidth, and 1.36 of 5.6 at 64 sequences, 25%: the
-# largest lever left at both; the sweep there splits sequences and tries 1-8 page blocks), then
-# PRODUCTS_ARGS="--formats int4 --no-separate" ... products, and sampled.
+# largest lever left at both; the sweep there splits sequences, tries 1-8 page blocks and the
+# walk that loads a block ahead, tuning.DECODE_PREFETCH), then the engine both ways:
+# ENGINE_ARGS="--models llama3-8b --concurrency 64 256 --repeats 3 --decode-prefetch off on
+# --no-split" ... engine, then PRODUCTS_ARGS="--formats int4 --no-separate" ... products,
+# and sampled.
 #
 #   install  pip install --no-deps --no-build-isolation -e . (offline: the GPU machines have
 #            no package index; paged_jax.models and paged_jax.kernels exist only once

@@ -191,6 +191,33 @@ def test_engine_benchmark_runs_quantized_weights_and_lora_adapters_side_by_side(
         bench_engine.main(["--models", "tiny-test", "--lora-adapters", "-1"])
 
 
+def test_engine_benchmark_decode_prefetch_way_reaches_the_kernel_s_next_trace(monkeypatch):
+    # --decode-prefetch on/off: the decode kernel reads tuning.DECODE_PREFETCH at each call
+    # (outside its jit), and the engine's cached step functions are dropped on the way in
+    # and out, so each way's engine traces its own step.
+    import jax.numpy as jnp
+
+    from benchmarks.bench_engine import _decode_prefetch
+    from paged_jax.engine import runner
+    from paged_jax.kernels.gpu import decode, tuning
+
+    seen = []
+    monkeypatch.setattr(decode, "_decode", lambda *a, **kw: seen.append(kw["prefetch"]))
+    q, kv = jnp.zeros((1, 4, 16)), jnp.zeros((3, 8, 4, 16))
+    args = (q, kv, jnp.ones(1, jnp.int32), jnp.ones((1, 2), jnp.int32))
+    cleared = []
+    monkeypatch.setattr(runner._make_run, "cache_clear", lambda: cleared.append(1))
+    default = tuning.DECODE_PREFETCH
+    for way, expected in (("on", True), ("off", False)):
+        with _decode_prefetch(way):
+            decode.decode_paged_attention(*args, interpret=True)
+        assert seen[-1] is expected and tuning.DECODE_PREFETCH == default
+    assert len(cleared) == 3, cleared  # in for each way, out for the one that changed it
+    with _decode_prefetch("default"):
+        decode.decode_paged_attention(*args, interpret=True)
+    assert seen[-1] is default
+
+
 def test_roofline_of_the_engine_workload():
     from benchmarks.bench_engine import (
         SHAPE_FIELDS,

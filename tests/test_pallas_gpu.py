@@ -61,12 +61,17 @@ def _check_decode(params, seed):
     args = (q, case.kv_pages, lens, table)
     ref = pj.reference.paged_attention(*args, **kw)
     # one split (the kernel writes each group's rows normalized in place) and two (f32
-    # partials merged after it)
+    # partials merged after it); each walk plain and loading a block ahead, which must
+    # give the same bits (the same sums in the same order)
     for splits in (1, 2):
         out = decode_paged_attention(*args, interpret=INTERPRET, num_splits=splits, **kw)
         assert out.dtype == case.q.dtype
         np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)
         assert_close_to_oracle(out[:-1], ref[:-1], case.expected, what=f"{_id(params)} {splits=}")
+        ahead = decode_paged_attention(
+            *args, interpret=INTERPRET, num_splits=splits, prefetch=True, **kw
+        )
+        np.testing.assert_array_equal(np.asarray(ahead), np.asarray(out), f"{splits=} prefetch")
 
 
 def _check_ragged(params, seed):
@@ -124,10 +129,46 @@ def test_decode_split_and_block_knobs(splits, pages_per_block):
     args = (case.q, case.kv_pages, case.kv_lens, case.page_indices)
     kw = dict(sm_scale=16**-0.5, sliding_window=13)
     ref = pj.reference.paged_attention(*args, **kw)
-    out = decode_paged_attention(
-        *args, interpret=INTERPRET, num_splits=splits, pages_per_block=pages_per_block, **kw
+    for prefetch in (False, True):
+        out = decode_paged_attention(
+            *args,
+            interpret=INTERPRET,
+            num_splits=splits,
+            pages_per_block=pages_per_block,
+            prefetch=prefetch,
+            **kw,
+        )
+        assert_close_to_oracle(out, ref, case.expected, what=f"{prefetch=}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_decode_walk_loading_a_block_ahead_gives_the_same_bits(dtype):
+    # Many blocks a program (1-2 pages of 4 tokens, up to 19 blocks), pages permuted in a
+    # NaN pool, a table wider than any sequence, a window, splits: the walk that loads
+    # each next block (and the table entries of the one after) ahead must fold the same
+    # blocks in the same order as the plain walk.
+    case = make_case(
+        11,
+        [(1, n) for n in (1, 4, 5, 23, 40, 75)],
+        page_size=4,
+        num_q_heads=4,
+        num_kv_heads=2,
+        dtype=dtype,
+        pad_seqs=0,
+        pad_tokens=0,
+        table_width=24,
     )
-    assert_close_to_oracle(out, ref, case.expected)
+    args = (case.q, case.kv_pages, case.kv_lens, case.page_indices)
+    base = dict(sm_scale=16**-0.5, k_scale=case.k_scale, v_scale=case.v_scale)
+    ref = pj.reference.paged_attention(*args, **base)
+    for bp, splits, window in itertools.product((1, 2), (1, 3), (None, 9)):
+        kw = dict(base, pages_per_block=bp, num_splits=splits, sliding_window=window)
+        plain = decode_paged_attention(*args, interpret=INTERPRET, prefetch=False, **kw)
+        ahead = decode_paged_attention(*args, interpret=INTERPRET, prefetch=True, **kw)
+        what = f"{bp=} {splits=} {window=}"
+        np.testing.assert_array_equal(np.asarray(ahead), np.asarray(plain), what)
+        if window is None:
+            assert_close_to_oracle(ahead, ref, case.expected, what=what)
 
 
 def test_ragged_non_power_of_two_group_and_small_blocks():

@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .._table import safe_lens, safe_table
 from . import tuning
-from ._block import attend_pages
+from ._block import attend_pages, fold_pages, load_pages
 from ._scales import prepare_scales
 
 NUM_SMS_GUESS = 132  # H100 SXM; only used to choose the split count
@@ -63,6 +63,7 @@ def _kernel(
     compute_dtype,
     group,
     rows,
+    prefetch=False,
     vm_ref=None,
 ):
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -84,32 +85,54 @@ def _kernel(
         first_key = jnp.maximum(kv_len - sliding_window, 0)
         start = jnp.maximum(start, (first_key // page_size) // pages_per_block * pages_per_block)
     num_blocks = jnp.maximum(pl.cdiv(stop - start, pages_per_block), 0)
+    fold_kw = dict(compute_dtype=compute_dtype, precision=precision, soft_cap=soft_cap)
+    refs = (k_ref, v_ref, ks_ref, vs_ref)
+
+    def valid_keys(first_page):
+        tok = first_page * page_size + jnp.arange(block_tokens)
+        return (tok < kv_len) & (tok >= first_key)
 
     def body(j, carry):
         first_page = start + j * pages_per_block
         cols = first_page + jnp.arange(pages_per_block)
         pages = table_ref[b, pl.ds(first_page, pages_per_block)]
         pages = jnp.where(cols < used_pages, pages, 0)  # never follow garbage ids
-        tok = first_page * page_size + jnp.arange(block_tokens)
-        valid = (tok < kv_len) & (tok >= first_key)
-        return attend_pages(
-            q,
-            (k_ref, v_ref, ks_ref, vs_ref),
-            pages,
-            valid,
-            valid[None, :],
-            carry,
-            compute_dtype=compute_dtype,
-            precision=precision,
-            soft_cap=soft_cap,
-        )
+        valid = valid_keys(first_page)
+        return attend_pages(q, refs, pages, valid, valid[None, :], carry, **fold_kw)
 
     init = (
         jnp.zeros((rows, head_dim), jnp.float32),
         jnp.full((rows,), -jnp.inf, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    acc, m, l = jax.lax.fori_loop(0, num_blocks, body, init)
+    if not prefetch:
+        acc, m, l = jax.lax.fori_loop(0, num_blocks, body, init)
+    else:
+        # Each step issues the next block's K/V loads and the table entries of the block
+        # after it before computing on the block in hand, so neither the table's round trip
+        # nor the K/V's waits on this block's softmax (Triton's own pipelining of the loop
+        # above issues a block's copies after the previous block's dots: nothing overlaps).
+        # Blocks past the walk's end are loaded and dropped: every table id is inside the
+        # pool (``safe_table``) and the table's columns are clamped, so no load strays.
+        width = table_ref.shape[1]
+
+        def ids(first_page):
+            return table_ref[
+                b, pl.ds(jnp.minimum(first_page, width - pages_per_block), pages_per_block)
+            ]
+
+        def step(j, carry):
+            state, raw, next_ids = carry
+            first_page = start + j * pages_per_block
+            raw_next = load_pages(refs, next_ids)
+            ids_after = ids(first_page + 2 * pages_per_block)
+            valid = valid_keys(first_page)
+            state = fold_pages(q, raw, valid, valid[None, :], state, **fold_kw)
+            return state, raw_next, ids_after
+
+        first = load_pages(refs, ids(start))
+        carry = (init, first, ids(start + pages_per_block))
+        acc, m, l = jax.lax.fori_loop(0, num_blocks, step, carry)[0]
     if m_ref is None:  # one split: the normalized rows, written where they belong
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]
         if vm_ref is not None:  # a per-tensor V scale
@@ -132,20 +155,6 @@ def _kernel_one_split(
             vm_ref=vm_ref, **kw)  # fmt: skip
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "sm_scale",
-        "soft_cap",
-        "sliding_window",
-        "pages_per_block",
-        "num_splits",
-        "batch_invariant",
-        "interpret",
-        "num_warps",
-        "num_stages",
-    ),
-)
 def decode_paged_attention(
     q: jax.Array,  # [B, H, D]
     kv_pages: jax.Array,  # [N, P, 2K, D]
@@ -162,18 +171,79 @@ def decode_paged_attention(
     batch_invariant: bool = False,
     interpret: bool = False,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
+    prefetch: bool | None = None,
 ) -> jax.Array:  # [B, H, D], q.dtype
     """Decode attention over a paged cache (flash-decoding). Arguments as
     ``paged_jax.paged_attention``. Tuning knobs (defaults in ``tuning.py``):
     ``pages_per_block`` (a power of two; 8 KiB of K per block when B * K fills the SMs,
     16 KiB otherwise), ``num_splits`` (from B, K and M: ~2 waves
-    of SMs), ``num_warps``, ``num_stages``. ``batch_invariant``: one split and a block
+    of SMs), ``num_warps``, ``num_stages`` (None: 1 with ``prefetch``, else 2),
+    ``prefetch`` (None: ``tuning.DECODE_PREFETCH``, read at each call, not once per
+    compiled shape; each step of a program's walk loads the next block's K/V and the table
+    entries of the one after before it computes, the same sums in the same order).
+    ``batch_invariant``: one split and a block
     size not taken from B or M, so a row's reduction order never depends on the batch.
     The dots take 16-bit operands for 16-bit
     queries and f32 otherwise (three TF32 passes on a GPU, exact f32 when interpreted);
     they accumulate in f32, as does the softmax."""
     tuning.check_pow2("pages_per_block", pages_per_block)
+    prefetch = tuning.DECODE_PREFETCH if prefetch is None else bool(prefetch)
+    return _decode(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        pages_per_block=pages_per_block,
+        num_splits=num_splits,
+        batch_invariant=batch_invariant,
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=(1 if prefetch else 2) if num_stages is None else num_stages,
+        prefetch=prefetch,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "soft_cap",
+        "sliding_window",
+        "pages_per_block",
+        "num_splits",
+        "batch_invariant",
+        "interpret",
+        "num_warps",
+        "num_stages",
+        "prefetch",
+    ),
+)
+def _decode(
+    q,
+    kv_pages,
+    kv_lens,
+    page_indices,
+    *,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    k_scale,
+    v_scale,
+    pages_per_block,
+    num_splits,
+    batch_invariant,
+    interpret,
+    num_warps,
+    num_stages,
+    prefetch,
+):
+    """``decode_paged_attention`` with every default resolved (the jitted body)."""
     B, H, D = q.shape
     N, P, combined, _ = kv_pages.shape
     K = combined // 2
@@ -211,6 +281,7 @@ def decode_paged_attention(
         compute_dtype=compute,
         group=G,
         rows=rows,
+        prefetch=prefetch,
     )
     in_specs = [
         full((B,)),
