@@ -27,10 +27,11 @@ KV_BLOCK_BYTES = 16 * 1024
 # of the best point at batch 256; with batch 8 (sequences split) 64-token blocks were best.
 FULL_GRID_KV_BLOCK_BYTES = 8 * 1024
 # Whether the decode kernel's walk loads a block ahead by hand (``decode.py``, ``prefetch``).
-# Compiled for sm_90, Triton's pipelining of the plain walk issues a block's cp.async copies
-# after the previous block's dots and waits on them at once (the walk's latency in every
-# block: its table entries, then its K/V), and a third stage changes nothing. Not yet timed
-# on a GPU (``python -m benchmarks kernels --tune`` sweeps both), so off until one says.
+# Compiled for sm_90 (triton 3.9, and XLA's Triton in JAX 0.10.2), Triton's pipelining of
+# the plain walk issues a block's cp.async copies after the previous block's dots and waits
+# on them at once (the walk's latency in every block: its table entries, then its K/V), and
+# a third stage changes nothing. Not yet timed on a GPU (``python -m benchmarks kernels
+# --tune`` sweeps both), so off until one says.
 DECODE_PREFETCH = False
 # The ragged kernel's stacked query block ([tokens * group, D]) in bytes, by the compute
 # dtype's item size: 16 KiB is 64 rows of bf16 at D = 128, where Triton uses Hopper's wgmma
