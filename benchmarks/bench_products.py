@@ -46,14 +46,17 @@ def _label(fmt, a8, transposed, kernel) -> str:
     return label + (f", Pallas {':'.join(map(str, kernel))}" if kernel else "")
 
 
-def _kernel_config(text: str) -> tuple[int, ...]:
-    """``BLOCK_N:BLOCK_K:WARPS:STAGES`` of ``--pallas``."""
+def _kernel_config(text: str) -> tuple:
+    """``BLOCK_N:BLOCK_K:WARPS:STAGES[:p]`` of ``--pallas`` (``p``: the weight's next chunk
+    loaded ahead, ``matmul(prefetch=True)``)."""
     parts = text.split(":")
-    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    ahead = len(parts) == 5 and parts[4] == "p"
+    nums = parts[:4] if ahead else parts
+    if len(nums) != 4 or not all(p.isdigit() and int(p) > 0 for p in nums):
         raise argparse.ArgumentTypeError(
-            f"expected BLOCK_N:BLOCK_K:WARPS:STAGES (positive integers), got {text!r}"
+            f"expected BLOCK_N:BLOCK_K:WARPS:STAGES[:p] (positive integers), got {text!r}"
         )
-    return tuple(map(int, parts))
+    return (*map(int, nums), "p") if ahead else tuple(map(int, nums))
 
 
 def _weights(fields: dict, fused: bool, dtype, seed: int = 0, fmt=None):
@@ -128,13 +131,13 @@ def product(x, w, fmt=None):
     if kernel is not None:
         from paged_jax.kernels.gpu import matmul as kmm
 
-        bn, bk, warps, stages = kernel
+        bn, bk, warps, stages = kernel[:4]
         M, (K, N) = x.shape[0], q.shape
         split = kmm.default_split_k(M, K, N, q.dtype.itemsize, bn, bk)
         interpret = jax.default_backend() != "gpu"
         return kmm.matmul(
             x, q, scale, block_n=bn, block_k=bk, split_k=split, num_warps=warps,
-            num_stages=stages, interpret=interpret,
+            num_stages=stages, interpret=interpret, prefetch=kernel[4:] == ("p",),
         )  # fmt: skip
     dims = (((1,), (1 if transposed else 0,)), ((), ()))
     if not a8:
@@ -204,9 +207,10 @@ def main(argv=None) -> int:
         nargs="*",
         default=[],
         type=_kernel_config,
-        metavar="BLOCK_N:BLOCK_K:WARPS:STAGES",
+        metavar="BLOCK_N:BLOCK_K:WARPS:STAGES[:p]",
         help="also the fused layout through the Pallas GPU product (pallas_kernels.gpu."
-        "matmul) at each configuration, for each of --pallas-formats",
+        "matmul) at each configuration, for each of --pallas-formats (:p: the weight's "
+        "next chunk loaded ahead)",
     )
     ap.add_argument(
         "--pallas-formats",

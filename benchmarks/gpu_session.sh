@@ -14,8 +14,10 @@
 # largest lever left at both; the sweep there splits sequences, tries 1-8 page blocks and the
 # walk that loads a block ahead, tuning.DECODE_PREFETCH), then the engine both ways:
 # ENGINE_ARGS="--models llama3-8b --concurrency 64 256 --repeats 3 --decode-prefetch off on
-# --no-split" ... engine, then PRODUCTS_ARGS="--formats int4 --no-separate" ... products,
-# and sampled.
+# --no-split" ... engine, then PRODUCTS_ARGS="--formats int4 int8 --no-separate --pallas
+# 64:128:4:3 64:128:4:3:p 64:256:4:2:p --pallas-formats int8" ... products (the few-row
+# product with an int8 weight loaded a chunk ahead against XLA's W8A16: issue 52's int8
+# goal), and sampled.
 #
 #   install  pip install --no-deps --no-build-isolation -e . (offline: the GPU machines have
 #            no package index; paged_jax.models and paged_jax.kernels exist only once

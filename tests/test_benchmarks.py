@@ -572,6 +572,7 @@ def test_products_benchmark_8_bit_ways_read_a_byte_a_weight_and_stay_near_the_fl
     monkeypatch.setitem(bench_engine.SHAPE_FIELDS, "tiny-test", TINY_SHAPE)
     monkeypatch.setenv(OUT_ENV, str(tmp_path))
     argv = "--shape tiny-test --rows 16 --repeats 2 --formats fp8 int8 --pallas 16:16:4:1"
+    argv += " 16:16:4:1:p"  # and with the weight's chunks loaded ahead
     assert bench_products.main([*argv.split(), "--pallas-formats", "bf16", "int8"]) == 0
     rows = json.loads((tmp_path / "products_cpu.json").read_text())["results"]
     assert [r["way"] for r in rows] == [
@@ -584,14 +585,18 @@ def test_products_benchmark_8_bit_ways_read_a_byte_a_weight_and_stay_near_the_fl
         "fused, int8 W8A8",
         "fused, Pallas 16:16:4:1",  # the GPU's few-row product, interpreted
         "fused, int8 W8A16, Pallas 16:16:4:1",
+        "fused, Pallas 16:16:4:1:p",
+        "fused, int8 W8A16, Pallas 16:16:4:1:p",
     ]
     assert rows[7]["relative_error"] < 1e-5  # f32 on CPU: the same product
+    for plain, ahead in ((rows[7], rows[9]), (rows[8], rows[10])):  # the same sums
+        assert ahead["relative_error"] == plain["relative_error"]
     assert rows[5]["weight_gb_per_s"] * rows[5]["ms"] == pytest.approx(
         rows[8]["weight_gb_per_s"] * rows[8]["ms"]
     )
     fused = rows[1]
     f32_bytes = fused["weight_gb_per_s"] * fused["ms"]
-    for r in rows[2:7] + rows[8:]:
+    for r in rows[2:7] + rows[8:9] + rows[10:]:
         # the same FLOPs; a byte a weight plus an f32 scale per output channel
         assert abs(r["tflops"] * r["ms"] - fused["tflops"] * fused["ms"]) < 1e-6 * r["ms"]
         assert f32_bytes / 4 < r["weight_gb_per_s"] * r["ms"] < f32_bytes / 4 * 1.2

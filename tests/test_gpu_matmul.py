@@ -37,14 +37,16 @@ def test_the_product_equals_numpys(rows, k, n, fmt, block_n, block_k, split_k):
         wd = jnp.asarray(w, dtype)
         w_used = np.asarray(wd, np.float32)
         args = (wd,)
-    y = kmm.matmul(
-        xd, *args, block_n=block_n, block_k=block_k, split_k=split_k, interpret=INTERPRET
-    )
+    kw = dict(block_n=block_n, block_k=block_k, split_k=split_k, interpret=INTERPRET)
+    y = kmm.matmul(xd, *args, **kw)
     assert y.shape == (rows, n) and y.dtype == dtype
     want = x_used.astype(np.float64) @ w_used.astype(np.float64)
     # f32 sums in another order; a bf16 output rounds to 8 bits
     tol = 1e-4 if dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=tol, atol=tol * 4)
+    # the weight's chunks loaded a step ahead: the same sums in the same order
+    ahead = kmm.matmul(xd, *args, prefetch=True, **kw)
+    np.testing.assert_array_equal(np.asarray(ahead, np.float32), np.asarray(y, np.float32))
 
 
 def test_bad_shapes_are_refused_naming_the_argument():

@@ -16,6 +16,10 @@ products to about 2.5 TB/s at 64 rows is not the product's inner loop: chained i
 call, each product costs about 9 us beyond its bytes at 4.8 TB/s, whichever kernel runs
 it (a 34 MB weight 15.9 us, a 235 MB one 61 us, 3.85 TB/s). Fewer, larger kernels per
 step, not a better product, are what the decode step's weights need next.
+Compiled for sm_90 (triton 3.9), an 8-bit weight's chunk is an ``ld.global`` issued in the
+step that multiplies it (its latency in every step) where a float one is pipelined
+through shared memory; ``prefetch=True`` loads the next chunk before the product, not yet
+timed (``python -m benchmarks products --pallas 64:128:4:3:p``).
 """
 
 from __future__ import annotations
@@ -30,16 +34,32 @@ from jax.experimental.pallas import triton as plgpu
 from . import tuning
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps, compute):
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, steps, compute, prefetch=False):
     # x_ref [M, K / split_k], w_ref [K / split_k, BN], s_ref [BN] or None, o_ref [M, BN]
     rows = x_ref.shape[0]
+    zeros = jnp.zeros((rows, w_ref.shape[1]), jnp.float32)
 
-    def body(i, acc):
+    def chunk(i):
+        return w_ref[pl.ds(i * block_k, block_k), :]
+
+    def product(i, ws, acc):
         xs = x_ref[:, pl.ds(i * block_k, block_k)].astype(compute)
-        ws = w_ref[pl.ds(i * block_k, block_k), :].astype(compute)
-        return acc + jnp.dot(xs, ws, preferred_element_type=jnp.float32)
+        return acc + jnp.dot(xs, ws.astype(compute), preferred_element_type=jnp.float32)
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((rows, w_ref.shape[1]), jnp.float32))
+    if prefetch:
+        # The weight's next chunk is loaded (into registers) before this chunk's product,
+        # and widened one step later: compiled for sm_90, Triton pipelines a float
+        # weight's chunks through shared memory but loads an 8-bit one, which it widens
+        # in registers, only when the step needs it (``ld.global`` then the dot: the
+        # load's whole latency in every step). The last step reloads the last chunk.
+        def step(i, carry):
+            acc, ws = carry
+            ahead = chunk(jnp.minimum(i + 1, steps - 1))
+            return product(i, ws, acc), ahead
+
+        acc = jax.lax.fori_loop(0, steps, step, (zeros, chunk(0)))[0]
+    else:
+        acc = jax.lax.fori_loop(0, steps, lambda i, acc: product(i, chunk(i), acc), zeros)
     if s_ref is not None:
         acc = acc * s_ref[...][None, :]
     o_ref[...] = acc.astype(o_ref.dtype)
@@ -88,7 +108,15 @@ def _check(x, w, scale, block_n, block_k, split_k):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("block_n", "block_k", "split_k", "num_warps", "num_stages", "interpret"),
+    static_argnames=(
+        "block_n",
+        "block_k",
+        "split_k",
+        "num_warps",
+        "num_stages",
+        "interpret",
+        "prefetch",
+    ),
 )
 def matmul(
     x: jax.Array,
@@ -101,12 +129,14 @@ def matmul(
     num_warps: int = 4,
     num_stages: int = 3,
     interpret: bool = False,
+    prefetch: bool = False,
 ) -> jax.Array:
     """``x @ w`` (``* scale`` per column): ``x`` bf16/f32 ``[M, K]`` with M a power of two
     >= 16; ``w`` ``[K, N]`` in ``x``'s dtype, or int8 / float8_e4m3fn with ``scale``
     f32 ``[N]``; returns ``[M, N]`` in ``x``'s dtype. A program per ``block_n`` columns
-    (times ``split_k`` slices of K, summed after in f32). Raises ``ValueError`` for
-    shapes the blocks do not divide."""
+    (times ``split_k`` slices of K, summed after in f32). ``prefetch``: each step loads
+    the weight's next ``block_k`` rows before its product (the same sums). Raises
+    ``ValueError`` for shapes the blocks do not divide."""
     _check(x, w, scale, block_n, block_k, split_k)
     M, K, N = x.shape[0], *w.shape
     ks = K // split_k
@@ -116,6 +146,7 @@ def matmul(
         block_k=block_k,
         steps=ks // block_k,
         compute=compute,
+        prefetch=bool(prefetch),
     )
     out_dtype = jnp.float32 if split_k > 1 else x.dtype
     in_specs = [
