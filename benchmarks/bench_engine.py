@@ -614,24 +614,43 @@ def _sort_free(way: str):
 
 
 @contextlib.contextmanager
-def _decode_prefetch(way: str):
-    """While active, the Pallas GPU decode kernel's walk is ``way``: "default" (as
-    ``tuning.DECODE_PREFETCH`` says), "on" (loading each next block ahead) or "off". The
-    engine's step functions are cached per model (``runner._make_run``) and the setting is
-    read when a step is traced, so the cache is emptied on the way in and out."""
+def _traced_setting(owner, name: str, value):
+    """While active, ``owner.name`` is ``value``: a module-level setting the engine's step
+    reads when it is traced. The engine's step functions are cached per model
+    (``runner._make_run``), so the cache is emptied on the way in and, where the setting
+    changed, on the way out, and each engine traces its own step."""
     from paged_jax.engine import runner
-    from paged_jax.kernels.gpu import tuning
 
-    saved = tuning.DECODE_PREFETCH
-    if way != "default":
-        tuning.DECODE_PREFETCH = way == "on"
-        runner._make_run.cache_clear()
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    runner._make_run.cache_clear()
     try:
         yield
     finally:
-        if tuning.DECODE_PREFETCH != saved:
+        if getattr(owner, name) != saved:
             runner._make_run.cache_clear()
-        tuning.DECODE_PREFETCH = saved
+        setattr(owner, name, saved)
+
+
+def _decode_prefetch(way: str):
+    """While active, the Pallas GPU decode kernel's walk is ``way``: "default" (as
+    ``tuning.DECODE_PREFETCH`` says), "on" (loading each next block ahead) or "off"."""
+    from paged_jax.kernels.gpu import tuning
+
+    if way == "default":
+        return contextlib.nullcontext()
+    return _traced_setting(tuning, "DECODE_PREFETCH", way == "on")
+
+
+def _w8a16_kernel(way: str):
+    """While active, W8A16 products (int8, fp8 weight-only) on a GPU go through the
+    few-row Pallas product ("on"), XLA's dots ("off"), or as
+    ``models.llama.W8A16_KERNEL_PLATFORMS`` says ("default")."""
+    from paged_jax.models import llama
+
+    if way == "default":
+        return contextlib.nullcontext()
+    return _traced_setting(llama, "W8A16_KERNEL_PLATFORMS", ("gpu",) if way == "on" else ())
 
 
 @contextlib.contextmanager
@@ -947,6 +966,14 @@ def main(argv=None) -> int:
         "or as tuning.DECODE_PREFETCH says; each in turn",
     )
     ap.add_argument(
+        "--w8a16-kernel",
+        nargs="+",
+        default=["default"],
+        choices=["default", "off", "on"],
+        help="GPU: W8A16 products (int8, fp8 weight-only) through the few-row Pallas product "
+        "(on), XLA's dots (off), or as models.llama.W8A16_KERNEL_PLATFORMS says; each in turn",
+    )
+    ap.add_argument(
         "--quantization",
         nargs="+",
         default=["none"],
@@ -1011,6 +1038,7 @@ def main(argv=None) -> int:
                     top_p=args.top_p,
                     sort_free=args.sort_free,
                     decode_prefetch=args.decode_prefetch,
+                    w8a16_kernel=args.w8a16_kernel,
                     quantization=args.quantization,
                     lora_adapters=args.lora_adapters,
                     lora_rank=LORA_RANK,
@@ -1040,11 +1068,12 @@ def main(argv=None) -> int:
             if quant is not None:
                 base = f"{base}, {quant} weights"
             ways = {"on": [True], "off": [False], "both": [True, False]}
-            for on, overlap, sort_free, walk, loras in itertools.product(
+            for on, overlap, sort_free, walk, w8, loras in itertools.product(
                 ways[args.decode_kernel],
                 ways[args.async_scheduling],
                 args.sort_free,
                 args.decode_prefetch,
+                args.w8a16_kernel,
                 sorted(args.lora_adapters),  # no slots first: slots stay on the model
             ):
                 label = base if on else f"{base}, ragged kernel for decode steps"
@@ -1054,11 +1083,18 @@ def main(argv=None) -> int:
                     label = f"{label}, sort-free {sort_free}"
                 if walk != "default":
                     label = f"{label}, decode prefetch {walk}"
+                if w8 != "default":
+                    label = f"{label}, W8A16 kernel {w8}"
                 if loras:
                     label = f"{label}, {loras} LoRA adapters"
                 print(f"{name} / {label} ...", flush=True)
                 try:
-                    with _decode_kernel(on), _sort_free(sort_free), _decode_prefetch(walk):
+                    with (
+                        _decode_kernel(on),
+                        _sort_free(sort_free),
+                        _decode_prefetch(walk),
+                        _w8a16_kernel(w8),
+                    ):
                         runs, llm = engine_runs(
                             model, name, label, args, layout, overlap, loras, quant
                         )

@@ -1,7 +1,7 @@
 """The kernels a decode step launches on an NVIDIA GPU, counted on a machine without one.
 
 ``python -m benchmarks step_kernels [--out DIR] [--gpu h200] [--model llama3-8b]
-[--seqs 64] [--context 192] [--variants bf16 fp8 fp8-weight-only int8 int4 lora8]
+[--seqs 64] [--context 192] [--variants bf16 fp8 fp8-weight-only int8 int8-kernel int4 lora8]
 [--layers 2 4]``, written to ``step_kernels_<gpu>.json``.
 
 Needs JAX's CUDA plugin (``pip install "jax[cuda12]==<your jax>"`` in a virtual
@@ -24,8 +24,9 @@ from shapes alone (nothing allocated). Kernels a layer: the difference between t
 compiled step at ``--layers`` (two layer counts) over the difference of layers; the rest
 (embedding, final norm, head) is reported apart. Variants: ``bf16``; ``fp8`` (W8A8,
 rows quantized to fp8 too, the weight held ``[out, in]``), ``fp8-weight-only`` and
-``int8`` (W8A16); ``int4`` (groups of 32); ``lora8`` (8 adapter slots of rank 16 on
-every projection, every row using one).
+``int8`` (W8A16, XLA's dots); ``int8-kernel`` (W8A16 through the few-row Pallas product,
+``models.llama.W8A16_KERNEL_PLATFORMS``); ``int4`` (groups of 32); ``lora8`` (8 adapter
+slots of rank 16 on every projection, every row using one).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ GPUS = {
     "h100": _HOPPER.format(bandwidth=3350000000000, memory=85000000000, name="NVIDIA H100"),
     "h200": _HOPPER.format(bandwidth=4800000000000, memory=150000000000, name="NVIDIA H200"),
 }
-VARIANTS = ("bf16", "fp8", "fp8-weight-only", "int8", "int4", "lora8")
+VARIANTS = ("bf16", "fp8", "fp8-weight-only", "int8", "int8-kernel", "int4", "lora8")
 # Ops of a compiled HLO module's entry computation that launch nothing.
 _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(\([^()]*\)|\S+)\s+([\w-]+)\(")
@@ -150,8 +151,8 @@ def compile_step(fields: dict, variant: str, sharding, *, seqs: int, context: in
         m = models.LlamaForCausalLM(
             cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
         )
-        if variant in ("fp8", "fp8-weight-only", "int8", "int4"):
-            m.quantize("fp8" if variant.startswith("fp8") else variant)
+        if variant in ("fp8", "fp8-weight-only", "int8", "int8-kernel", "int4"):
+            m.quantize("fp8" if variant.startswith("fp8") else variant.removesuffix("-kernel"))
         if lora:
             m.enable_lora(8, 16)
         return m.hold_for_accelerator(fp8_activations=variant == "fp8")
@@ -169,19 +170,33 @@ def compile_step(fields: dict, variant: str, sharding, *, seqs: int, context: in
 
     args = (state, tokens, jnp.asarray(batch.positions), cache, ids)
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
+    from paged_jax.models import llama
+
+    saved = llama.W8A16_KERNEL_PLATFORMS
+    llama.W8A16_KERNEL_PLATFORMS = ("gpu",) if variant == "int8-kernel" else ()
     t = time.perf_counter()
     try:
-        lowered = jax.jit(step, donate_argnums=(3,)).lower(*args)
-    except RuntimeError as err:  # JAX >= 0.11: the Pallas calls ask which GPU to target
+        lowered = _lower(jax.jit(step, donate_argnums=(3,)), args)
+    finally:
+        llama.W8A16_KERNEL_PLATFORMS = saved
+    compiled = lowered.compile()
+    return compiled, time.perf_counter() - t
+
+
+def _lower(fn, args):
+    """``fn.lower(*args)``; with JAX >= 0.11, whose Pallas calls ask which GPU to target,
+    traced under an abstract GPU mesh and lowered for CUDA."""
+    import jax
+
+    try:
+        return fn.lower(*args)
+    except RuntimeError as err:
         if "abstract" not in str(err).lower():
             raise
         from paged_jax.kernels.gpu import aot
 
         with jax.sharding.use_abstract_mesh(aot._abstract_gpu_mesh()):
-            traced = jax.jit(step, donate_argnums=(3,)).trace(*args)
-            lowered = traced.lower(lowering_platforms=("cuda",))
-    compiled = lowered.compile()
-    return compiled, time.perf_counter() - t
+            return fn.trace(*args).lower(lowering_platforms=("cuda",))
 
 
 def per_layer(kernels: dict[int, list], layers: tuple[int, int]) -> dict:

@@ -429,6 +429,10 @@ def _dot_layer(
         y = _grouped_by_kernel(module, x, kernel, scale, zero, 4 if four else 8)
         if y is not None:
             return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+    if scale is not None and not four and not _grouped(kernel, scale):
+        y = _w8a16_by_kernel(module, x, kernel, scale)
+        if y is not None:
+            return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
     if four:
         kernel = dequantize_int4(kernel, scale, zero, axis=-2, dtype=module.dtype or x.dtype)
         scale = None
@@ -458,6 +462,19 @@ GROUPED_KERNEL_PLATFORMS: tuple[str, ...] = ("gpu",)
 # XLA's two or three (``python -m benchmarks step_kernels --variants fp8``). Not yet
 # timed on a GPU. Tests add "cpu".
 FP8_ROWS_KERNEL_PLATFORMS: tuple[str, ...] = ("gpu",)
+
+
+# Platforms where an 8-bit weight with a scale per output channel multiplies 16-bit rows
+# (W8A16: int8, and fp8 held weight-only) through the few-row Pallas product
+# (``paged_jax.linear.few_row_matmul``: each chunk of the weight widened in registers, the
+# next one loaded ahead) instead of XLA's dot on the widened weight, for up to
+# ``FEW_ROWS`` rows. Off until a GPU times it: on an H200 XLA's W8A16 products took as long
+# as bf16's at 64 rows (5.54 ms against 5.48 for the Llama-3-8B shape's 32 layers,
+# ``products_gpu_h200_8bit.json``), half the bytes buying nothing, and compiled for sm_90
+# Triton loads such a weight's chunk only in the step that multiplies it
+# (``pallas_kernels/gpu/matmul.py``). ``python -m benchmarks engine --w8a16-kernel off on``
+# runs the engine each way. Tests add "cpu" to run the kernel interpreted.
+W8A16_KERNEL_PLATFORMS: tuple[str, ...] = ()
 
 
 def _kernel_platform(platforms: tuple[str, ...]) -> str | None:
@@ -493,6 +510,27 @@ def _grouped_by_kernel(module, x, q, scale, zero, bits: int):
     x2 = x2.astype(module.dtype or x.dtype)
     y = linear.grouped_matmul(x2, q, scale, zero, bits, interpret=platform != "gpu")
     return None if y is None else y.reshape(*x.shape[:-1], n)
+
+
+def _w8a16_by_kernel(module, x, q, scale):
+    """``x @ (q * scale)`` for one layer's 8-bit ``q [in, out]`` with a scale per output
+    channel ``[out]`` by the GPU's few-row product (``paged_jax.linear.few_row_matmul``),
+    in the module's dtype; None where the platform is not in ``W8A16_KERNEL_PLATFORMS``,
+    on a mesh, for a weight of another kind or f32 rows, past its rows or where no block
+    fits."""
+    platform = _kernel_platform(W8A16_KERNEL_PLATFORMS)
+    dtype = jnp.dtype(module.dtype or x.dtype)
+    if platform is None or q.ndim != 2 or scale.ndim != 1 or q.dtype.itemsize != 1:
+        return None
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return None  # f32 rows keep XLA's dot at the module's precision (Triton's: TF32)
+    rows = math.prod(x.shape[:-1])
+    x2 = x.reshape(rows, q.shape[0])
+    if module.rotated:  # (x R)(R w) = x w
+        x2 = linear.rotate(x2, -1).astype(x.dtype)
+    x2 = x2.astype(dtype)
+    y = linear.few_row_matmul(x2, q, scale, interpret=platform != "gpu")
+    return None if y is None else y.reshape(*x.shape[:-1], q.shape[1])
 
 
 class Embed(nnx.Embed):

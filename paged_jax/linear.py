@@ -17,6 +17,7 @@ import functools
 import os
 
 import jax
+import jax.numpy as jnp
 
 
 def available() -> bool:
@@ -171,6 +172,31 @@ def grouped_matmul(
     return fn(x, q, scale, zero, interpret=interpret, **config)
 
 
+def few_row_matmul(
+    x: jax.Array,  # [M, K] bf16 / f32
+    q: jax.Array,  # int8 / float8_e4m3fn [K, N]
+    scale: jax.Array,  # f32 [N], one per output channel
+    *,
+    interpret: bool = False,
+) -> jax.Array | None:  # [M, N] in x's dtype
+    """``x @ (q * scale)`` for an 8-bit weight with a scale per output channel (W8A16)
+    by the GPU's few-row Pallas product (``paged_jax.kernels.gpu.matmul.matmul``, which
+    widens each chunk of the weight in registers, the next chunk loaded ahead), at the
+    blocks ``few_row_config`` gives: a decode step's rows, padded to a power of two >= 16.
+    None where no block fits or past ``FEW_ROWS`` rows (the caller takes XLA's way).
+    ``interpret``: run it interpreted (off a GPU)."""
+    from paged_jax.kernels.gpu import matmul as gpu_matmul
+
+    m, k = x.shape
+    config = gpu_matmul.few_row_config(m, k, q.shape[1], jnp.dtype(q.dtype).itemsize)
+    if config is None or m == 0:
+        return None
+    rows = max(16, 1 << max(0, (m - 1).bit_length()))
+    xp = jnp.pad(x, ((0, rows - m), (0, 0)))
+    y = gpu_matmul.matmul(xp, q, scale.astype(jnp.float32), interpret=interpret, **config)
+    return y[:m]
+
+
 def fp8_rows(x: jax.Array, *, interpret: bool = False, **options) -> tuple[jax.Array, jax.Array]:
     """``(q float8_e4m3fn [M, W], scale f32 [M])``: rows ``x [M, W]`` quantized as
     ``paged_jax._quant.quantize_rows`` does, by one Pallas kernel for the GPU
@@ -185,6 +211,7 @@ def fp8_rows(x: jax.Array, *, interpret: bool = False, **options) -> tuple[jax.A
 
 __all__ = [
     "available",
+    "few_row_matmul",
     "fp8_rows",
     "grouped_matmul",
     "lora_delta",

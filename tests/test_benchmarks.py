@@ -191,7 +191,7 @@ def test_engine_benchmark_runs_quantized_weights_and_lora_adapters_side_by_side(
         bench_engine.main(["--models", "tiny-test", "--lora-adapters", "-1"])
 
 
-def test_engine_benchmark_decode_prefetch_way_reaches_the_kernel_s_next_trace(monkeypatch):
+def test_engine_benchmark_kernel_ways_reach_the_next_trace(monkeypatch):
     # --decode-prefetch on/off: the decode kernel reads tuning.DECODE_PREFETCH at each call
     # (outside its jit), and the engine's cached step functions are dropped on the way in
     # and out, so each way's engine traces its own step.
@@ -216,6 +216,14 @@ def test_engine_benchmark_decode_prefetch_way_reaches_the_kernel_s_next_trace(mo
     with _decode_prefetch("default"):
         decode.decode_paged_attention(*args, interpret=True)
     assert seen[-1] is default
+    # --w8a16-kernel on/off: the model's platforms for the few-row product, restored after
+    from benchmarks.bench_engine import _w8a16_kernel
+    from paged_jax.models import llama
+
+    for way, inside in (("on", ("gpu",)), ("off", ()), ("default", ())):
+        with _w8a16_kernel(way):
+            assert llama.W8A16_KERNEL_PLATFORMS == inside
+        assert llama.W8A16_KERNEL_PLATFORMS == ()
 
 
 def test_roofline_of_the_engine_workload():

@@ -795,6 +795,63 @@ def test_grouped_products_on_a_gpu_take_the_kernel_that_reads_them_as_they_lie(f
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_w8a16_products_through_the_few_row_kernel_stay_as_near_the_floats_as_xla_s(
+    fmt, monkeypatch
+):
+    # W8A16 on a GPU's layout (int8 with a scale per output channel, fp8 held weight-only)
+    # of a bf16 model held as an accelerator holds it: its products through the few-row
+    # Pallas product (interpreted: its platforms plus "cpu"; 13 rows padded to 16 inside)
+    # give logits as near an f32 model of the same dequantized weights as XLA's dot on the
+    # widened weight does (which rounds each product to bf16 before its scale), and the
+    # same greedy tokens.
+    from paged_jax.kernels.gpu import matmul as gpu_matmul
+    from paged_jax.metadata import AttentionMetadata
+    from paged_jax.models import llama
+
+    monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")
+    monkeypatch.setattr(llama, "int8_group", lambda w, axis: None)  # a GPU's: per channel
+    calls = []
+    real = gpu_matmul.matmul
+
+    def counted(*a, **kw):
+        calls.append((a[0].shape, jnp.dtype(a[1].dtype), kw["prefetch"]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gpu_matmul, "matmul", counted)
+    model = models.init_model(CFG, seed=3, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    model.quantize(fmt)
+    reference = models.init_model(CFG, seed=3)  # f32, the same dequantized weights
+    mods = lambda m: [n for _, n in nnx.iter_graph(m) if isinstance(n, (Linear, Embed))]  # noqa: E731
+    for a, b in zip(mods(reference), mods(model), strict=True):
+        if isinstance(a, Linear):
+            a.kernel.set_value(jnp.asarray(b.weight(), jnp.float32))
+        else:
+            a.embedding.set_value(jnp.asarray(b.table(), jnp.float32))
+    model.hold_for_accelerator(fp8_activations=False)
+    ids = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 50, 60], np.int32)
+    n = len(ids)
+
+    def logits(m):
+        md = AttentionMetadata.prefill(n, np.arange(n), [1, 2], logits_all=True)
+        out, _ = m(jnp.asarray(ids), jnp.arange(n, dtype=jnp.int32), m.make_cache(4, 8), md)
+        return np.asarray(out, np.float64)
+
+    want = logits(reference)
+    xla = logits(model)  # off by default, and "cpu" is not among the platforms
+    assert calls == [] and llama.W8A16_KERNEL_PLATFORMS == ()
+    monkeypatch.setattr(llama, "W8A16_KERNEL_PLATFORMS", ("gpu", "cpu"))
+    got = logits(model)
+    q8 = jnp.dtype(jnp.int8 if fmt == "int8" else jnp.float8_e4m3fn)
+    # q/k/v, o, gate/up and down of each layer (and the head), 16 rows, chunks ahead
+    assert len(calls) >= 4 * CFG.num_layers, calls
+    assert all(c[0][0] == 16 and c[1:] == (q8, True) for c in calls), calls
+    scale = np.abs(want).max()
+    err_xla, err = np.abs(xla - want).max() / scale, np.abs(got - want).max() / scale
+    assert 0 < err <= max(1.25 * err_xla, 0.01), (err, err_xla)
+    assert np.array_equal(np.argmax(got, -1), np.argmax(want, -1))
+
+
 def test_fp8_rows_of_qkv_o_and_down_take_one_kernel_each_on_a_gpu(monkeypatch):
     # W8A8 on a GPU: q/k/v's input rows (normed in the kernel), o's, and down's (SiLU times
     # up folded in) are quantized by one Pallas kernel each (XLA:GPU takes two, two and

@@ -224,8 +224,8 @@ def _decode_case(dtype="bfloat16", **kw):
 def standard_cases() -> dict[str, tuple[Callable, list]]:
     """The report's kernels over ``standard_grid`` (both kinds); the dtype sweep of decode
     runs at the benchmark's batch 64 x 4k context (Hq 32, Hkv 8, D 128, page 16); and the
-    grouped products (``matmul.matmul_int4``, ``matmul_int8_groups``) and the fp8 rows
-    (``rows.fp8_rows``) at the Llama-3-8B shape's."""
+    grouped products (``matmul.matmul_int4``, ``matmul_int8_groups``), the W8A16 ones
+    (``matmul.matmul``) and the fp8 rows (``rows.fp8_rows``) at the Llama-3-8B shape's."""
     from .ragged import ragged_paged_attention
 
     cases = {}
@@ -238,6 +238,8 @@ def standard_cases() -> dict[str, tuple[Callable, list]]:
     for m, n in ((64, 14336), (256, 6144)):  # 4-bit products of the Llama-3-8B shape
         cases[f"matmul_int4 {m}x4096x{n}"] = _grouped_case(4, m, 4096, n)
     cases["matmul_int8_groups 64x4096x4096"] = _grouped_case(8, 64, 4096, 4096)
+    for m, n, dtype in ((64, 28672, "int8"), (256, 6144, "float8_e4m3fn")):  # W8A16
+        cases[f"matmul {dtype} {m}x4096x{n}"] = _few_row_case(m, 4096, n, dtype)
     for width, act in ((4096, None), (14336, "silu")):  # W8A8 rows: o's and down's inputs
         cases[f"fp8_rows 64x{width}{' ' + act if act else ''}"] = _rows_case(64, width, act)
     cases["fp8_rows 64x4096 rms norm"] = _rows_case(64, 4096, None, norm=True)  # q/k/v's
@@ -260,6 +262,19 @@ def _rows_case(m: int, width: int, act: str | None, norm: bool = False):
         return fp8_rows(x, norm_weight=w, eps=1e-5, dtype=jnp.bfloat16)
 
     return fn, [S(shape, jnp.bfloat16), S((width,), jnp.float32)]
+
+
+def _few_row_case(m: int, k: int, n: int, dtype: str):
+    """``matmul`` of ``m`` bf16 rows by an 8-bit ``[k, n]`` weight (``dtype``) with a
+    scale per column, at the blocks ``few_row_config`` gives the shape (W8A16)."""
+    import jax.numpy as jnp
+
+    from .matmul import few_row_config, matmul
+
+    S = jax.ShapeDtypeStruct
+    config = few_row_config(m, k, n, 1)
+    args = [S((m, k), jnp.bfloat16), S((k, n), dtype), S((n,), jnp.float32)]
+    return (lambda x, w, s: matmul(x, w, s, **config)), args
 
 
 def _grouped_case(bits: int, m: int, k: int, n: int):

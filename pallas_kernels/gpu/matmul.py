@@ -86,6 +86,39 @@ def default_split_k(m: int, k: int, n: int, w_bytes: int, block_n: int, block_k:
     return split
 
 
+FEW_ROWS = 256  # rows (padded to a power of two) up to which few_row_config gives blocks
+
+
+def few_row_config(m: int, k: int, n: int, w_bytes: int) -> dict | None:
+    """``matmul``'s blocks for ``m`` rows (padded to a power of two >= 16) by a ``[k, n]``
+    weight of ``w_bytes`` a value, or None past ``FEW_ROWS`` rows (a prefill: bound by its
+    FLOPs, XLA's products) or where no block divides the weight. The next chunk of the
+    weight loaded ahead; K split by ``default_split_k``. Up to 64 rows: 64 columns a
+    program, chunks of 128 weight rows, 3 stages, 4 warps; 128 rows: chunks of 64, 8 warps;
+    256: 32 columns, chunks of 64, 2 stages, 8 warps. Compiled for sm_90 (the Llama-3-8B
+    shape's products, int8) each keeps 2-4 programs a SM within 128 registers a thread, no
+    spills, where 256 rows at 64 columns held one. Chosen from the shapes alone, not yet
+    tuned on a GPU."""
+    rows = max(16, 1 << max(0, (m - 1).bit_length()))
+    if rows > FEW_ROWS:
+        return None
+    widths, chunks = ((32, 16), (64, 32, 16)) if rows == 256 else ((64, 32, 16), (128, 64, 32, 16))
+    if rows == 128:
+        chunks = (64, 32, 16)
+    block_n = next((b for b in widths if n % b == 0), None)
+    block_k = next((b for b in chunks if k % b == 0), None)
+    if block_n is None or block_k is None:
+        return None
+    return dict(
+        block_n=block_n,
+        block_k=block_k,
+        split_k=default_split_k(rows, k, n, w_bytes, block_n, block_k),
+        num_warps=4 if rows <= 64 else 8,
+        num_stages=2 if rows == 256 else 3,
+        prefetch=True,
+    )
+
+
 def _check(x, w, scale, block_n, block_k, split_k):
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"x, w: expected [M, K] and [K, N], got {x.shape} and {w.shape}")
