@@ -8,16 +8,16 @@
 #   OUT=gpu-out KERNEL_TESTS_MARK="not slow" QUANT_FORMATS="none fp8 int4" \
 #   QUANT_ARGS="--models llama3-8b --concurrency 64 --repeats 3" \
 #   bash benchmarks/gpu_session.sh install kernels models lora quantized
-# and with minutes left: BENCH_ARGS="--tune --contexts 256 --batches 64 256 --tune-contexts
-# 256 --no-prefill" ... bench (attention took 3.18 ms of the 8B step's 10.08 at 256 sequences
-# x 192 tokens on the H200, 42% of its bandwidth, and 1.36 of 5.6 at 64 sequences, 25%: the
-# largest lever left at both; the sweep there splits sequences, tries 1-8 page blocks and the
-# walk that loads a block ahead, tuning.DECODE_PREFETCH), then the engine both ways:
-# ENGINE_ARGS="--models llama3-8b --concurrency 64 256 --repeats 3 --decode-prefetch off on
-# --no-split" ... engine, then PRODUCTS_ARGS="--formats int4 int8 --no-separate --pallas
-# 64:128:4:3 64:128:4:3:p 64:256:4:2:p --pallas-formats int8" ... products (the few-row
-# product with an int8 weight loaded a chunk ahead against XLA's W8A16: issue 52's int8
-# goal), and sampled.
+# The second (about 5 minutes): the two kernel switches prepared since, each way in the
+# engine, bash benchmarks/gpu_session.sh ab (the decode kernel's walk loading a block ahead,
+# tuning.DECODE_PREFETCH, at 64 and 256 sequences: attention took 3.18 ms of the 8B step's
+# 10.08 at 256 sequences x 192 tokens on the H200, 42% of its bandwidth, and 1.36 of 5.6 at
+# 64, 25%; and int8 W8A16 through the few-row product, models.llama.W8A16_KERNEL_PLATFORMS,
+# at 64: issue 52's int8 goal). Flip whichever wins. With minutes left:
+# BENCH_ARGS="--tune --contexts 256 --batches 64 256 --tune-contexts 256 --no-prefill" ...
+# bench (the decode kernel's knobs at short contexts: splits, 1-8 page blocks, one stage, the
+# walk ahead), PRODUCTS_ARGS="--formats int4 int8 --no-separate --pallas 64:128:4:3
+# 64:128:4:3:p 64:256:4:2:p --pallas-formats int8" ... products, and sampled.
 #
 #   install  pip install --no-deps --no-build-isolation -e . (offline: the GPU machines have
 #            no package index; paged_jax.models and paged_jax.kernels exist only once
@@ -53,6 +53,10 @@
 #            the Pallas kernel; QUANT_FORMATS picks formats, QUANT_ARGS the rest)
 #   lora     python -m benchmarks engine --lora-adapters 0 8 --no-split (the 8B shape, 64
 #            requests spread over 8 random rank-16 adapters beside the base engine; LORA_ARGS)
+#   ab       python -m benchmarks engine --decode-prefetch off on (the 8B shape, 64 and 256
+#            requests), then --quantization int8 --w8a16-kernel off on (64 requests): the
+#            switches not yet timed, each way (AB_ARGS replaces the models, concurrencies
+#            and repeats of both)
 #   sampled  python -m benchmarks engine --top-p 0.9 --sort-free default pallas_gpu_split
 #            (the 8B shape, 256 requests sampled at top-p 0.9 beside greedy, with the
 #            decode step's split, the default kernel and the split one; SAMPLED_ARGS)
@@ -124,7 +128,8 @@ EOF
         tests/test_engine_faults.py tests/test_pallas_gpu.py tests/test_batch_invariance.py \
         tests/test_weight_reads.py tests/test_prompt_logprobs.py tests/test_embeddings.py \
         tests/test_quantization.py::test_grouped_products_on_a_gpu_take_the_kernel_that_reads_them_as_they_lie \
-        tests/test_quantization.py::test_fp8_rows_of_qkv_o_and_down_take_one_kernel_each_on_a_gpu
+        tests/test_quantization.py::test_fp8_rows_of_qkv_o_and_down_take_one_kernel_each_on_a_gpu \
+        tests/test_quantization.py::test_w8a16_products_through_the_few_row_kernel_stay_as_near_the_floats_as_xla_s
       ;;
     dispatch)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 run dispatch "$(limit dispatch 120)" \
@@ -160,6 +165,14 @@ EOF
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run lora "$(limit lora 240)" \
         $PY -m benchmarks engine --out "$OUT/lora" --lora-adapters 0 8 --no-split \
         ${LORA_ARGS---models llama3-8b --concurrency 64 --repeats 3}
+      ;;
+    ab)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run ab_decode_prefetch "$(limit ab 200)" \
+        $PY -m benchmarks engine --out "$OUT/ab" --no-split --decode-prefetch off on \
+        ${AB_ARGS---models llama3-8b --concurrency 64 256 --repeats 3}
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run ab_w8a16 "$(limit ab 200)" \
+        $PY -m benchmarks engine --out "$OUT/ab_w8a16" --no-split --quantization int8 \
+        --w8a16-kernel off on ${AB_ARGS---models llama3-8b --concurrency 64 --repeats 3}
       ;;
     sampled)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run sampled "$(limit sampled 300)" \
