@@ -143,6 +143,8 @@ def environment(with_jax: bool = False) -> dict:
         "numpy": _version("numpy"),
         "paged_jax": _version("paged-jax"),
     }
+    if os.environ.get("XLA_FLAGS"):  # compiler options change what is measured
+        env["xla_flags"] = os.environ["XLA_FLAGS"]
     if with_jax:
         import jax
 

@@ -57,6 +57,11 @@
 #            requests), then --quantization int8 --w8a16-kernel off on (64 requests): the
 #            switches not yet timed, each way (AB_ARGS replaces the models, concurrencies
 #            and repeats of both)
+#   flags    python -m benchmarks products --rows 64 --no-separate once per XLA_FLAG_SETS entry
+#            (a |-separated list of XLA_FLAGS values; default: none, then PDL launches,
+#            --xla_gpu_enable_pdl_launch=true, then command buffers off): does launching the
+#            next kernel early shorten the ~9 us each of a 64-row step's products costs
+#            beyond its bytes (products_chain_h200.json)? Each set in a process of its own
 #   sampled  python -m benchmarks engine --top-p 0.9 --sort-free default pallas_gpu_split
 #            (the 8B shape, 256 requests sampled at top-p 0.9 beside greedy, with the
 #            decode step's split, the default kernel and the split one; SAMPLED_ARGS)
@@ -173,6 +178,14 @@ EOF
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run ab_w8a16 "$(limit ab 200)" \
         $PY -m benchmarks engine --out "$OUT/ab_w8a16" --no-split --quantization int8 \
         --w8a16-kernel off on ${AB_ARGS---models llama3-8b --concurrency 64 --repeats 3}
+      ;;
+    flags)
+      IFS='|' read -r -a sets <<< "${XLA_FLAG_SETS-|--xla_gpu_enable_pdl_launch=true|--xla_gpu_enable_command_buffer=}"
+      for i in "${!sets[@]}"; do
+        echo "--- XLA_FLAGS='${sets[$i]}'"
+        XLA_FLAGS="${sets[$i]}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 run "flags_$i" "$(limit flags 90)" \
+          $PY -m benchmarks products --out "$OUT/flags_$i" --rows 64 --no-separate ${FLAGS_ARGS-}
+      done
       ;;
     sampled)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run sampled "$(limit sampled 300)" \
