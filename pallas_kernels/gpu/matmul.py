@@ -229,9 +229,13 @@ def _grouped_kernel(
         if bits == 8:
             xs = x_ref[:, pl.ds(i * rows, rows)].astype(compute)
             return acc + jnp.dot(xs, widen(p, scale, zero), preferred_element_type=jnp.float32)
-        first = 2 * i * rows
-        x_lo = x_ref[:, pl.ds(first, rows, stride=2)].astype(compute)
-        x_hi = x_ref[:, pl.ds(first + 1, rows, stride=2)].astype(compute)
+        # The step's 2 * rows inputs loaded whole (contiguous: Triton pipelines them
+        # through shared memory; two strided loads were scalar ones in the step itself),
+        # then split into even (low nibbles') and odd (high nibbles') inputs in registers.
+        xs = x_ref[:, pl.ds(2 * i * rows, 2 * rows)].reshape(x_ref.shape[0], rows, 2)
+        x_lo, x_hi = (
+            h.reshape(x_ref.shape[0], rows).astype(compute) for h in jnp.split(xs, 2, axis=2)
+        )
         acc = acc + jnp.dot(x_lo, widen(p & 15, scale, zero), preferred_element_type=jnp.float32)
         return acc + jnp.dot(x_hi, widen(p >> 4, scale, zero), preferred_element_type=jnp.float32)
 
@@ -247,13 +251,17 @@ def grouped_config(m: int, k: int, n: int, group: int = 32) -> dict | None:
     a thread in Triton's sm_90 build where 64 took 233), 64 columns a program where they
     divide,
     blocks of 128 rows past 256 (a prefill, bound by its FLOPs), two groups a step where K
-    allows, and K split while the programs fill less than two waves of an H100/H200's 132
-    SMs. Chosen from the shapes alone, not yet tuned on a GPU."""
+    allows up to 64 rows and one past them (a step's inputs are loaded whole and split
+    into the low and high nibbles' in registers: two groups of 128 or 256 rows held one
+    program a SM, compiled for sm_90, one group two; at 256 rows two stages, as a third
+    one took 133 registers a thread, one program a SM), and K split while the programs
+    fill less than two waves of an H100/H200's 132 SMs. Chosen from the shapes alone, not yet
+    tuned on a GPU."""
     rows = max(16, 1 << (m - 1).bit_length())
     block_m = rows if rows <= 256 else 128
     widths = (32, 16) if block_m == 256 else (64, 32, 16)
     block_n = next((b for b in widths if n % b == 0), None)
-    gps = next((g for g in (2, 1) if k % (group * g) == 0), None)
+    gps = next((g for g in ((2, 1) if block_m <= 64 else (1,)) if k % (group * g) == 0), None)
     if block_n is None or gps is None or group % 32:
         return None
     programs = -(-m // block_m) * (n // block_n)
@@ -266,6 +274,7 @@ def grouped_config(m: int, k: int, n: int, group: int = 32) -> dict | None:
         groups_per_step=gps,
         split_k=split,
         num_warps=4 if block_m <= 64 else 8,
+        num_stages=2 if block_m == 256 else 3,
     )
 
 
