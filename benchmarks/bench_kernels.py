@@ -192,10 +192,13 @@ SHORT_TUNE_GRID = [
 # The Mosaic GPU decode kernel (Hopper): tokens per block x K/V blocks in flight.
 MOSAIC_TUNE_GRID = [dict(pages_per_block=bp, num_stages=st) for bp in (4, 8) for st in (1, 2, 3)]
 RAGGED_TUNE_GRID = [
-    dict(tokens_per_block=bq, pages_per_block=bp, num_warps=w)
+    dict(tokens_per_block=bq, pages_per_block=bp, num_warps=w, prefetch=False)
     for bq in (8, 16, 32)
     for bp in (2, 4)
     for w in (4, 8)
+] + [  # the walk loading a block ahead: 8 warps (at 4 its registers spill)
+    dict(tokens_per_block=bq, pages_per_block=bp, num_warps=8, prefetch=True)
+    for bq, bp in ((8, 2), (16, 2), (16, 4), (32, 2))
 ]
 
 

@@ -119,6 +119,23 @@ def test_benchmark_tuning_grid_compiles_for_sm90(sm90_reports):
 
 
 @pytest.mark.slow
+def test_benchmark_ragged_grid_compiles_for_sm90_without_spills(sm90_reports):
+    # The prefill sweep's points (bf16, the benchmark's shape) launch and keep their
+    # registers: the walk loading ahead is swept at 8 warps only (at 4 it spills).
+    from benchmarks.bench_kernels import RAGGED_TUNE_GRID
+    from paged_jax.kernels.gpu import ragged_paged_attention
+
+    assert any(k["prefetch"] for k in RAGGED_TUNE_GRID)
+    for knobs in RAGGED_TUNE_GRID:
+        fn, args = gpu_aot.attention_case(
+            ragged_paged_attention, "ragged", seqs=8, pages=64, tokens=1024, **knobs
+        )
+        r = gpu_aot.compile_sm90(gpu_aot.lower_to_triton(fn, *args)[0])
+        assert r.fits and r.num_warps == knobs["num_warps"], (knobs, r)
+        assert r.spill_bytes == 0 or not knobs["prefetch"], (knobs, r)
+
+
+@pytest.mark.slow
 def test_benchmark_short_context_grid_compiles_for_sm90(sm90_reports):
     # The short-context sweep (splits, 1-8 page blocks, one stage, the walk loading ahead)
     # at the engine workload's shape: 256 sequences of 16 pages (256 tokens); every point

@@ -83,6 +83,9 @@ def _check_ragged(params, seed):
     assert_close_to_oracle(out, ref, case.expected, what=_id(params))
     n = int(case.cu_q_lens[len(RAGGED_BATCHES[batch])])
     np.testing.assert_array_equal(np.asarray(out[n:], np.float32), 0.0)  # padding rows
+    # the walk loading each next block ahead: the same sums in the same order
+    ahead = ragged_paged_attention(*case.args, interpret=INTERPRET, prefetch=True, **kw)
+    np.testing.assert_array_equal(np.asarray(ahead), np.asarray(out), "prefetch")
 
 
 @pytest.mark.parametrize("params", _grid(["decode"], 5, seed=5), ids=_id)
@@ -169,6 +172,25 @@ def test_decode_walk_loading_a_block_ahead_gives_the_same_bits(dtype):
         np.testing.assert_array_equal(np.asarray(ahead), np.asarray(plain), what)
         if window is None:
             assert_close_to_oracle(ahead, ref, case.expected, what=what)
+
+
+def test_ragged_walk_loading_a_block_ahead_gives_the_same_bits():
+    # Prefill chunks and decode rows walking up to 19 blocks of 1-2 pages (4 tokens),
+    # pages permuted in a NaN pool, a window: both walks fold the same blocks in order.
+    case = make_case(
+        12,
+        [(5, 20), (1, 16), (0, 7), (16, 75), (3, 40)],
+        page_size=4,
+        num_q_heads=4,
+        num_kv_heads=2,
+        table_width=24,
+    )
+    base = dict(sm_scale=16**-0.5)
+    for bp, window in itertools.product((1, 2), (None, 9)):
+        kw = dict(base, pages_per_block=bp, tokens_per_block=4, sliding_window=window)
+        plain = ragged_paged_attention(*case.args, interpret=INTERPRET, **kw)
+        ahead = ragged_paged_attention(*case.args, interpret=INTERPRET, prefetch=True, **kw)
+        np.testing.assert_array_equal(np.asarray(ahead), np.asarray(plain), f"{bp=} {window=}")
 
 
 def test_ragged_non_power_of_two_group_and_small_blocks():

@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from .._softmax import fold
 
@@ -52,16 +53,42 @@ def fold_pages(q, raw, keep, mask, carry, *, compute_dtype, precision, soft_cap)
     )
 
 
-def attend_pages(q, refs, pages, keep, mask, carry, *, compute_dtype, precision, soft_cap):
-    """Loads ``pages`` (``i32[bp]``, gathered in the kernel) from ``refs`` and folds their
-    keys into ``carry``: ``fold_pages(q, load_pages(refs, pages), ...)``."""
-    return fold_pages(
-        q,
-        load_pages(refs, pages),
-        keep,
-        mask,
-        carry,
-        compute_dtype=compute_dtype,
-        precision=precision,
-        soft_cap=soft_cap,
-    )
+def walk(refs, table_ref, row, start, num_blocks, pages_per_block, used_pages, fold, init, *,
+         prefetch=False):  # fmt: skip
+    """Folds the blocks of ``pages_per_block`` table columns from ``start`` (``num_blocks``
+    of them) of table row ``row`` into ``init``: ``fold(first_page, raw, carry)`` with
+    ``raw`` the block's ``load_pages``. Columns at or past ``used_pages`` read the null
+    page 0 (never a garbage id).
+
+    ``prefetch``: each step issues the next block's loads and the table entries of the
+    block after it before folding the block in hand (loaded by the step before), so
+    neither round trip waits on this block's dots; compiled for sm_90, Triton's own
+    pipelining of the plain walk issues a block's copies after the previous block's dots
+    and waits for them at once. The same blocks folded in the same order (a column past
+    ``used_pages`` reads its table entry, which ``safe_table`` keeps inside the pool, and
+    its keys are masked by the caller's fold as any past the length). Blocks past the
+    walk's end are loaded and dropped; the table's columns are clamped to its width."""
+    bp = pages_per_block
+    if not prefetch:
+
+        def body(j, carry):
+            first_page = start + j * bp
+            pages = table_ref[row, pl.ds(first_page, bp)]
+            pages = jnp.where(first_page + jnp.arange(bp) < used_pages, pages, 0)
+            return fold(first_page, load_pages(refs, pages), carry)
+
+        return jax.lax.fori_loop(0, num_blocks, body, init)
+    width = table_ref.shape[1]
+
+    def ids(first_page):
+        return table_ref[row, pl.ds(jnp.minimum(first_page, width - bp), bp)]
+
+    def step(j, carry):
+        state, raw, next_ids = carry
+        first_page = start + j * bp
+        raw_next = load_pages(refs, next_ids)
+        ids_after = ids(first_page + 2 * bp)
+        return fold(first_page, raw, state), raw_next, ids_after
+
+    carry = (init, load_pages(refs, ids(start)), ids(start + bp))
+    return jax.lax.fori_loop(0, num_blocks, step, carry)[0]

@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .._table import safe_lens, safe_table
 from . import tuning
-from ._block import attend_pages, fold_pages, load_pages
+from ._block import fold_pages, walk
 from ._scales import prepare_scales
 
 NUM_SMS_GUESS = 132  # H100 SXM; only used to choose the split count
@@ -86,53 +86,22 @@ def _kernel(
         start = jnp.maximum(start, (first_key // page_size) // pages_per_block * pages_per_block)
     num_blocks = jnp.maximum(pl.cdiv(stop - start, pages_per_block), 0)
     fold_kw = dict(compute_dtype=compute_dtype, precision=precision, soft_cap=soft_cap)
-    refs = (k_ref, v_ref, ks_ref, vs_ref)
 
-    def valid_keys(first_page):
+    def fold(first_page, raw, carry):
         tok = first_page * page_size + jnp.arange(block_tokens)
-        return (tok < kv_len) & (tok >= first_key)
-
-    def body(j, carry):
-        first_page = start + j * pages_per_block
-        cols = first_page + jnp.arange(pages_per_block)
-        pages = table_ref[b, pl.ds(first_page, pages_per_block)]
-        pages = jnp.where(cols < used_pages, pages, 0)  # never follow garbage ids
-        valid = valid_keys(first_page)
-        return attend_pages(q, refs, pages, valid, valid[None, :], carry, **fold_kw)
+        valid = (tok < kv_len) & (tok >= first_key)
+        return fold_pages(q, raw, valid, valid[None, :], carry, **fold_kw)
 
     init = (
         jnp.zeros((rows, head_dim), jnp.float32),
         jnp.full((rows,), -jnp.inf, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    if not prefetch:
-        acc, m, l = jax.lax.fori_loop(0, num_blocks, body, init)
-    else:
-        # Each step issues the next block's K/V loads and the table entries of the block
-        # after it before computing on the block in hand, so neither the table's round trip
-        # nor the K/V's waits on this block's softmax (Triton's own pipelining of the loop
-        # above issues a block's copies after the previous block's dots: nothing overlaps).
-        # Blocks past the walk's end are loaded and dropped: every table id is inside the
-        # pool (``safe_table``) and the table's columns are clamped, so no load strays.
-        width = table_ref.shape[1]
-
-        def ids(first_page):
-            return table_ref[
-                b, pl.ds(jnp.minimum(first_page, width - pages_per_block), pages_per_block)
-            ]
-
-        def step(j, carry):
-            state, raw, next_ids = carry
-            first_page = start + j * pages_per_block
-            raw_next = load_pages(refs, next_ids)
-            ids_after = ids(first_page + 2 * pages_per_block)
-            valid = valid_keys(first_page)
-            state = fold_pages(q, raw, valid, valid[None, :], state, **fold_kw)
-            return state, raw_next, ids_after
-
-        first = load_pages(refs, ids(start))
-        carry = (init, first, ids(start + pages_per_block))
-        acc, m, l = jax.lax.fori_loop(0, num_blocks, step, carry)[0]
+    refs = (k_ref, v_ref, ks_ref, vs_ref)
+    acc, m, l = walk(
+        refs, table_ref, b, start, num_blocks, pages_per_block, used_pages, fold, init,
+        prefetch=prefetch,
+    )  # fmt: skip
     if m_ref is None:  # one split: the normalized rows, written where they belong
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]
         if vm_ref is not None:  # a per-tensor V scale

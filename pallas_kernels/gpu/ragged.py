@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 from .._table import safe_lens, safe_table
 from .._worklist import work_list
 from . import tuning
-from ._block import attend_pages
+from ._block import fold_pages, walk
 from ._scales import prepare_scales
 
 
@@ -51,6 +51,7 @@ def _kernel(
     group,
     precision,
     compute_dtype,
+    prefetch=False,
 ):
     del o_in_ref  # aliased with o_ref: the zero-initialized output
     w, h = pl.program_id(0), pl.program_id(1)
@@ -78,20 +79,15 @@ def _kernel(
         start_page = (jnp.maximum(first_pos - sliding_window + 1, 0) // P) // bp * bp
     num_blocks = jnp.maximum(pl.cdiv(end_page - start_page, bp), 0)
 
-    def body(j, carry):
-        first_page = start_page + j * bp
-        cols = first_page + jnp.arange(bp)
-        pages = table_ref[seq, pl.ds(first_page, bp)]
-        pages = jnp.where(cols < used_pages, pages, 0)
+    def fold(first_page, raw, carry):
         tok = first_page * P + jnp.arange(block_tokens)
         in_seq = tok < kv_len
         mask = (tok[None, :] <= pos_rows[:, None]) & ok_rows[:, None] & in_seq[None, :]
         if sliding_window is not None:
             mask &= pos_rows[:, None] - tok[None, :] < sliding_window
-        return attend_pages(
+        return fold_pages(
             q,
-            (k_ref, v_ref, ks_ref, vs_ref),
-            pages,
+            raw,
             in_seq,
             mask,
             carry,
@@ -105,7 +101,11 @@ def _kernel(
         jnp.full((bq * G,), -jnp.inf, jnp.float32),
         jnp.zeros((bq * G,), jnp.float32),
     )
-    acc, _, l = jax.lax.fori_loop(0, num_blocks, body, init)
+    refs = (k_ref, v_ref, ks_ref, vs_ref)
+    acc, _, l = walk(
+        refs, table_ref, seq, start_page, num_blocks, bp, used_pages, fold, init,
+        prefetch=prefetch,
+    )  # fmt: skip
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     if v_mul_ref is not None:
         out = out * v_mul_ref[0]
@@ -129,6 +129,7 @@ def _kernel(
         "interpret",
         "num_warps",
         "num_stages",
+        "prefetch",
     ),
 )
 def ragged_paged_attention(
@@ -149,17 +150,23 @@ def ragged_paged_attention(
     batch_invariant: bool = False,
     interpret: bool = False,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
+    prefetch: bool = False,
 ) -> jax.Array:  # [T, H, D]
     """Ragged paged attention; arguments as ``paged_jax.ragged_paged_attention``.
     Tuning knobs (defaults in ``tuning.py``; block sizes are powers of two):
     ``tokens_per_block`` (16 KiB of stacked queries, 64 rows of bf16 at D = 128; at least 1
-    token), ``pages_per_block`` (16 KiB of K per block), ``num_warps``, ``num_stages``.
+    token), ``pages_per_block`` (16 KiB of K per block), ``num_warps``, ``num_stages``
+    (None: 1 with ``prefetch``, else 2), ``prefetch`` (each step of a program's walk loads
+    the next block's K/V and the table entries of the one after before it computes: the
+    same sums; not yet timed on a GPU, so off).
     ``batch_invariant``: ``pages_per_block`` is not capped by the table width (the only
     size taken from the batch; work items are per sequence). Dot operands and
     accumulation as in ``decode_paged_attention``."""
     tuning.check_pow2("tokens_per_block", tokens_per_block)
     tuning.check_pow2("pages_per_block", pages_per_block)
+    if num_stages is None:
+        num_stages = 1 if prefetch else 2
     T, H, D = q.shape
     N, P, combined, _ = kv_pages.shape
     K = combined // 2
@@ -198,6 +205,7 @@ def ragged_paged_attention(
         group=G,
         precision=tuning.dot_precision(compute, interpret),
         compute_dtype=compute,
+        prefetch=bool(prefetch),
     )
     out = pl.pallas_call(
         kernel,
