@@ -58,8 +58,9 @@
 #            switches not yet timed, each way (AB_ARGS replaces the models, concurrencies
 #            and repeats of both)
 #   flags    python -m benchmarks products --rows 64 --no-separate once per XLA_FLAG_SETS entry
-#            (a |-separated list of XLA_FLAGS values; default: none, then PDL launches,
-#            --xla_gpu_enable_pdl_launch=true, then command buffers off): does launching the
+#            (a |-separated list of XLA_FLAGS values; default: none, PDL off, PDL launches
+#            on, command buffers off; OpenXLA's main turns both PDL flags on for Hopper,
+#            what jaxlib 0.11.2 does is what the first two rows tell): does launching the
 #            next kernel early shorten the ~9 us each of a 64-row step's products costs
 #            beyond its bytes (products_chain_h200.json)? Each set in a process of its own
 #   sampled  python -m benchmarks engine --top-p 0.9 --sort-free default pallas_gpu_split
@@ -180,7 +181,7 @@ EOF
         --w8a16-kernel off on ${AB_ARGS---models llama3-8b --concurrency 64 --repeats 3}
       ;;
     flags)
-      IFS='|' read -r -a sets <<< "${XLA_FLAG_SETS-|--xla_gpu_enable_pdl_launch=true|--xla_gpu_enable_command_buffer=}"
+      IFS='|' read -r -a sets <<< "${XLA_FLAG_SETS-|--xla_gpu_enable_pdl=false --xla_gpu_enable_pdl_launch=false|--xla_gpu_enable_pdl_launch=true|--xla_gpu_enable_command_buffer=}"
       for i in "${!sets[@]}"; do
         echo "--- XLA_FLAGS='${sets[$i]}'"
         XLA_FLAGS="${sets[$i]}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 run "flags_$i" "$(limit flags 90)" \
