@@ -135,7 +135,8 @@ EOF
         tests/test_weight_reads.py tests/test_prompt_logprobs.py tests/test_embeddings.py \
         tests/test_quantization.py::test_grouped_products_on_a_gpu_take_the_kernel_that_reads_them_as_they_lie \
         tests/test_quantization.py::test_fp8_rows_of_qkv_o_and_down_take_one_kernel_each_on_a_gpu \
-        tests/test_quantization.py::test_w8a16_products_through_the_few_row_kernel_stay_as_near_the_floats_as_xla_s
+        tests/test_quantization.py::test_w8a16_products_through_the_few_row_kernel_stay_as_near_the_floats_as_xla_s \
+        tests/test_quantization.py::test_the_engine_with_the_w8a16_kernel_gives_xla_s_tokens
       ;;
     dispatch)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 run dispatch "$(limit dispatch 120)" \

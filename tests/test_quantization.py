@@ -852,6 +852,35 @@ def test_w8a16_products_through_the_few_row_kernel_stay_as_near_the_floats_as_xl
     assert np.array_equal(np.argmax(got, -1), np.argmax(want, -1))
 
 
+def test_the_engine_with_the_w8a16_kernel_gives_xla_s_tokens(monkeypatch):
+    # Through the engine (prefill and decode steps jitted, 2 decode rows padded to 16 in
+    # the kernel), an int8 bf16 model held for an accelerator gives the same greedy tokens
+    # with its W8A16 products through the few-row kernel (interpreted) as with XLA's dots,
+    # and its log-probs within bf16's rounding.
+    from paged_jax.kernels.gpu import matmul as gpu_matmul
+    from paged_jax.models import llama
+
+    monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")
+    monkeypatch.setattr(llama, "int8_group", lambda w, axis: None)  # a GPU's: per channel
+    calls = []
+    real = gpu_matmul.matmul
+    monkeypatch.setattr(gpu_matmul, "matmul", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    model = models.init_model(CFG, seed=5, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    model.quantize("int8").hold_for_accelerator()
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [50, 60, 70]]
+    p = pj.SamplingParams(max_tokens=8, ignore_eos=True, logprobs=True)
+    kw = dict(num_pages=64, page_size=8, compilation_cache=False)
+    want = pj.LLM(model, **kw).generate(prompts, p, progress=False)
+    assert calls == []
+    monkeypatch.setattr(llama, "W8A16_KERNEL_PLATFORMS", ("gpu", "cpu"))
+    jax.clear_caches()  # trace the steps again, with the kernel
+    got = pj.LLM(model, **kw).generate(prompts, p, progress=False)
+    assert len(calls) >= 4 * CFG.num_layers  # traced: the products took the kernel
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        np.testing.assert_allclose(g.outputs[0].logprobs, w.outputs[0].logprobs, atol=0.05)
+
+
 def test_fp8_rows_of_qkv_o_and_down_take_one_kernel_each_on_a_gpu(monkeypatch):
     # W8A8 on a GPU: q/k/v's input rows (normed in the kernel), o's, and down's (SiLU times
     # up folded in) are quantized by one Pallas kernel each (XLA:GPU takes two, two and
