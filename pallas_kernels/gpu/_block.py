@@ -1,5 +1,7 @@
-"""One K/V block of the GPU kernels' page walk (traced inside them): gather, dequantize,
-zero what does not count, and fold into the online softmax."""
+"""The GPU kernels' page walk (traced inside them): a block of pages gathered through the
+block table (``load_pages``), dequantized, zeroed where it does not count and folded into
+the online softmax (``fold_pages``), block after block (``walk``: plain, or each next
+block loaded ahead)."""
 
 from __future__ import annotations
 
@@ -53,8 +55,19 @@ def fold_pages(q, raw, keep, mask, carry, *, compute_dtype, precision, soft_cap)
     )
 
 
-def walk(refs, table_ref, row, start, num_blocks, pages_per_block, used_pages, fold, init, *,
-         prefetch=False):  # fmt: skip
+def walk(
+    refs,
+    table_ref,
+    row,
+    start,
+    num_blocks,
+    pages_per_block,
+    used_pages,
+    fold,
+    init,
+    *,
+    prefetch=False,
+):
     """Folds the blocks of ``pages_per_block`` table columns from ``start`` (``num_blocks``
     of them) of table row ``row`` into ``init``: ``fold(first_page, raw, carry)`` with
     ``raw`` the block's ``load_pages``. Columns at or past ``used_pages`` read the null

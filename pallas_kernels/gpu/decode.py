@@ -99,9 +99,17 @@ def _kernel(
     )
     refs = (k_ref, v_ref, ks_ref, vs_ref)
     acc, m, l = walk(
-        refs, table_ref, b, start, num_blocks, pages_per_block, used_pages, fold, init,
+        refs,
+        table_ref,
+        b,
+        start,
+        num_blocks,
+        pages_per_block,
+        used_pages,
+        fold,
+        init,
         prefetch=prefetch,
-    )  # fmt: skip
+    )
     if m_ref is None:  # one split: the normalized rows, written where they belong
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]
         if vm_ref is not None:  # a per-tensor V scale

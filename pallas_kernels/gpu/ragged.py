@@ -103,9 +103,17 @@ def _kernel(
     )
     refs = (k_ref, v_ref, ks_ref, vs_ref)
     acc, _, l = walk(
-        refs, table_ref, seq, start_page, num_blocks, bp, used_pages, fold, init,
+        refs,
+        table_ref,
+        seq,
+        start_page,
+        num_blocks,
+        bp,
+        used_pages,
+        fold,
+        init,
         prefetch=prefetch,
-    )  # fmt: skip
+    )
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     if v_mul_ref is not None:
         out = out * v_mul_ref[0]
