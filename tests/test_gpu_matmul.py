@@ -149,3 +149,25 @@ def test_four_bit_blocks_fit_the_shape_or_are_refused_by_name():
         kmm.matmul_int4(x, p, s, s, block_m=8, interpret=True)
     with pytest.raises(ValueError, match="x, q"):
         kmm.matmul_int8_groups(x, jnp.zeros((64, 64), jnp.uint8), s, interpret=True)
+
+
+@pytest.mark.parametrize(
+    "m, k, n, want",
+    [
+        (13, 4096, 6144, dict(block_n=64, block_k=128, num_warps=4, num_stages=3)),
+        (64, 14336, 4096, dict(block_n=64, block_k=128, num_warps=4, num_stages=3)),
+        (100, 4096, 28672, dict(block_n=64, block_k=64, num_warps=8, num_stages=3)),
+        (256, 4096, 6144, dict(block_n=32, block_k=64, num_warps=8, num_stages=2)),
+        (64, 96, 208, dict(block_n=16, block_k=32, num_warps=4, num_stages=3)),
+    ],
+)
+def test_few_row_config_gives_blocks_that_divide_the_weight(m, k, n, want):
+    config = kmm.few_row_config(m, k, n, 1)
+    assert {key: config[key] for key in want} == want and config["prefetch"]
+    assert n % config["block_n"] == 0 and k % (config["block_k"] * config["split_k"]) == 0
+
+
+def test_few_row_config_leaves_a_prefill_and_odd_shapes_to_xla():
+    assert kmm.few_row_config(257, 4096, 4096, 1) is None  # padded to 512 rows
+    assert kmm.few_row_config(64, 4096, 100, 1) is None  # no block of 16 columns divides
+    assert kmm.few_row_config(64, 40, 64, 1) is None  # nor one of 16 inputs
