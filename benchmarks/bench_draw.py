@@ -1,7 +1,7 @@
 """Restricted rows drawn on the device: each way ``sample_rows`` can take, side by side.
 
 ``python -m benchmarks draw [--out DIR] [--rows 64 256] [--vocab 128256] [--repeats 3]
-[--configs BLOCK:BITS:WARPS[:p] ...]``, written to ``draw.json``.
+[--configs BLOCK:BITS:WARPS[:p[N]] ...]``, written to ``draw.json``.
 
 Rows of ``--vocab`` random logits, top-p 0.9 at temperature 1 (one sample column), as
 ``sample_rows`` is jitted in the engine's step, on two kinds of rows: flat, N(0, 1), where
@@ -11,8 +11,9 @@ Ways: "candidates" (the default: ``lax.top_k`` of 256, the full sort where a row
 it), "xla" (``sort_free.draw``'s radix passes as XLA reductions) and "pallas_gpu" (the
 passes in ``paged_jax.kernels.gpu.sample``, one program per row) at each of
 ``--configs`` (the first is the kernel's default; a trailing ``:p`` has each pass load
-its next chunk ahead, ``prefetch``), and "pallas_gpu_split" (XLA's passes with each
-radix round summed by ``trial_counts``, a row over several programs, on a GPU only).
+its next chunk ahead, ``:pN`` the chunk N ahead, ``prefetch``), and "pallas_gpu_split"
+(XLA's passes with each radix round summed by ``trial_counts``, a row over several
+programs, on a GPU only).
 Greedy rows are timed beside them:
 the sampler's floor. Each time: min/median/max over ``--repeats`` rounds of the median
 of 20 samples (``time_samples``), the ways alternating within a round. The kernel's
@@ -32,22 +33,30 @@ import statistics
 from benchmarks.common import environment, positive_int, progress, table, time_samples, write_result
 
 
-def _config(text: str) -> tuple[int, int, int, bool]:
+def _config(text: str) -> tuple[int, int, int, int]:
+    """``BLOCK:BITS:WARPS[:p[N]]``: ``p`` loads each pass's next chunk ahead, ``pN`` the
+    chunk N ahead (``prefetch=N``)."""
     parts = text.split(":")
-    prefetch = len(parts) == 4 and parts[3] == "p"
     try:
-        if len(parts) != 3 and not prefetch:
+        if len(parts) == 4:
+            if not parts[3].startswith("p"):
+                raise ValueError
+            prefetch = int(parts[3][1:] or 1)
+        elif len(parts) == 3:
+            prefetch = 0
+        else:
             raise ValueError
         block, bits, warps = (int(x) for x in parts[:3])
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected BLOCK:BITS:WARPS or BLOCK:BITS:WARPS:p, got {text!r}"
+            f"expected BLOCK:BITS:WARPS, BLOCK:BITS:WARPS:p or BLOCK:BITS:WARPS:pN, got {text!r}"
         ) from None
     return block, bits, warps, prefetch
 
 
 def _label(config: tuple) -> str:
-    return ":".join(map(str, config[:3])) + (":p" if config[3] else "")
+    ahead = {0: "", 1: ":p"}.get(int(config[3]), f":p{int(config[3])}")
+    return ":".join(map(str, config[:3])) + ahead
 
 
 def _ways(R: int, vocab: int, configs: list[tuple]) -> tuple[dict, dict]:

@@ -38,8 +38,9 @@
 #            weight against the Pallas kernel, pallas_kernels/gpu/matmul.matmul_int4)
 #   draw     python -m benchmarks draw (restricted rows drawn each way sample_rows can: the
 #            candidates and full sort, the XLA radix passes, the Pallas kernel at DRAW_ARGS,
-#            default: its configuration beside three that load each chunk ahead; on a GPU
-#            the split way, pallas_gpu_split, is timed beside them)
+#            default: its configuration beside five that load chunks ahead, 1 to 8 of them,
+#            each compiled for sm_90 within 2 programs a SM at 256 rows (1 at 16 warps); on
+#            a GPU the split way, pallas_gpu_split, is timed beside them)
 #   bench    python -m benchmarks kernels --tune  (decode + ragged prefill, tuning sweeps)
 #            (BENCH_ARGS='--tune --contexts 256 --batches 64 256 --tune-contexts 256 --no-prefill':
 #            the decode kernel's knobs at the engine workload's short contexts)
@@ -148,7 +149,7 @@ EOF
       ;;
     draw)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 run draw "$(limit draw 240)" \
-        $PY -m benchmarks draw --out "$OUT" ${DRAW_ARGS---configs 2048:2:8 2048:2:8:p 1024:2:8:p 4096:2:16:p}
+        $PY -m benchmarks draw --out "$OUT" ${DRAW_ARGS---configs 2048:2:8 2048:2:8:p 2048:2:8:p4 1024:2:8:p4 512:2:4:p8 2048:2:16:p4}
       ;;
     bench)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 run bench "$(limit bench 480)" \

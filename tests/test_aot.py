@@ -136,6 +136,36 @@ def test_benchmark_ragged_grid_compiles_for_sm90_without_spills(sm90_reports):
 
 
 @pytest.mark.slow
+def test_the_gpu_session_s_draw_configurations_compile_for_sm90_without_spills(sm90_reports):
+    # benchmarks/gpu_session.sh's draw stage times the sampling kernel at these
+    # configurations (chunks loaded 0-8 ahead): at 256 rows of 128,256 logits each must
+    # launch without spilling registers.
+    import pathlib
+    import re
+
+    import jax.numpy as jnp
+
+    from benchmarks.bench_draw import _config
+    from paged_jax.kernels.gpu.sample import restricted_draw
+
+    script = pathlib.Path(__file__).parents[1] / "benchmarks" / "gpu_session.sh"
+    configs = re.search(r"DRAW_ARGS---configs ([^}]*)\}", script.read_text()).group(1).split()
+    assert any(_config(c)[3] > 1 for c in configs), configs
+    S = jax.ShapeDtypeStruct
+    R, V = 256, 128256
+    args = [S((R, V), jnp.float32), S((R,), jnp.int32), *[S((R,), jnp.float32)] * 2]
+    args.append(S((R, 1), jnp.float32))
+    for text in configs:
+        block, bits, warps, ahead = _config(text)
+
+        def fn(*a, block=block, bits=bits, warps=warps, ahead=ahead):
+            return restricted_draw(*a, block=block, bits=bits, num_warps=warps, prefetch=ahead)
+
+        r = gpu_aot.compile_sm90(gpu_aot.lower_to_triton(fn, *args)[0])
+        assert r.fits and r.spill_bytes == 0 and r.blocks_per_sm >= 1, (text, r)
+
+
+@pytest.mark.slow
 def test_benchmark_short_context_grid_compiles_for_sm90(sm90_reports):
     # The short-context sweep (splits, 1-8 page blocks, one stage, the walk loading ahead)
     # at the engine workload's shape: 256 sequences of 16 pages (256 tokens); every point

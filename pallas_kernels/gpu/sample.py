@@ -105,17 +105,20 @@ def _draw(
         ``(index, logits)``) into lane-wise accumulators (``init``: arrays with ``block``
         leading lanes), which ``reduce`` (one function per accumulator) folds over the
         lanes once, after the last chunk, so no step of the loop waits on a reduction
-        across the program's warps. With ``prefetch`` each step issues the next chunk's
-        load before it computes on this one, so the load's latency overlaps the work (a
-        load past the row's end is masked off: it reads nothing)."""
+        across the program's warps. With ``prefetch`` = d > 0 each step issues the load of
+        the chunk d ahead before it computes on this one, so d loads are in flight while
+        it computes (a pass's compute is a few instructions a logit: with one load in
+        flight a step takes a load's latency, compiled for sm_90; loads past the row's end
+        are masked off: they read nothing)."""
         if prefetch:
 
             def step(i, carry):
-                x, acc = carry
-                ahead = load(i + 1)[1]
-                return ahead, body((i * block + lane, x), acc)
+                xs, acc = carry
+                ahead = load(i + prefetch)[1]
+                return (*xs[1:], ahead), body((i * block + lane, xs[0]), acc)
 
-            _, acc = jax.lax.fori_loop(0, blocks, step, (load(0)[1], init))
+            first = tuple(load(j)[1] for j in range(prefetch))
+            _, acc = jax.lax.fori_loop(0, blocks, step, (first, init))
         else:
             acc = jax.lax.fori_loop(0, blocks, lambda i, acc: body(load(i), acc), init)
         return tuple(f(a, axis=0) for f, a in zip(reduce, acc, strict=True))
@@ -295,7 +298,7 @@ def restricted_draw(
     interpret: bool = False,
     num_warps: int | None = None,
     num_stages: int = 1,
-    prefetch: bool = tuning.SAMPLE_PREFETCH,
+    prefetch: int = tuning.SAMPLE_PREFETCH,
 ) -> jax.Array:  # i32[R, J]
     """Each column's token of a restricted row, as ``paged_jax.engine.sort_free.draw``
     defines it (its docstring has the definition), one program per row.
@@ -303,9 +306,9 @@ def restricted_draw(
     ``block`` (a power of two) and ``num_warps``: logits per chunk of the row and warps per
     program (None: ``tuning.sample_block_and_warps`` of the row count). ``bits`` (1, 2, 4
     or 8): key bits decided per radix pass, ``2**bits`` trial keys compared per logit.
-    ``prefetch``: each pass over the row loads its next chunk before computing on the
-    current one (the same tokens; only the overlap of a load's latency with the work
-    differs).
+    ``prefetch`` (0, 1, 2, 4 or 8; True is 1): each pass over the row loads the chunk
+    that many ahead before computing on the current one, that many chunks in registers
+    (the same tokens; only how many loads are in flight differs).
     ``active``: rows left out return at once with token 0, so the kernel can be launched
     for every row without a ``lax.cond`` around it (on a GPU a conditional reads its
     predicate back to the host, holding the step's dispatch until the device gets there).
@@ -320,13 +323,15 @@ def restricted_draw(
     tuning.check_pow2("block", block)
     if bits not in (1, 2, 4, 8):
         raise ValueError(f"bits: expected 1, 2, 4 or 8, got {bits!r}")
+    if int(prefetch) not in (0, 1, 2, 4, 8):
+        raise ValueError(f"prefetch: expected 0, 1, 2, 4 or 8 chunks ahead, got {prefetch!r}")
     full = lambda shape: pl.BlockSpec(shape, lambda r: (0,) * len(shape))  # noqa: E731
     row = lambda n: pl.BlockSpec((None, n), lambda r: (r, 0))  # noqa: E731
     if active is None:
         active = jnp.ones(R, bool)
     (token,) = pl.pallas_call(
         functools.partial(
-            _kernel, vocab=V, block=block, bits=bits, columns=J, prefetch=bool(prefetch)
+            _kernel, vocab=V, block=block, bits=bits, columns=J, prefetch=int(prefetch)
         ),
         grid=(R,),
         in_specs=[row(V), full((R,)), full((R,)), full((R,)), full((R,)), row(J)],

@@ -110,10 +110,13 @@ def check_pow2(name: str, value: int | None) -> None:
 # took 1.69 and 2048 x 2 x 8 2.13. 4 bits a pass (16 trial keys) cost more in compares
 # than the passes they save; 1 bit, more in passes.
 SAMPLE_DIGIT_BITS = 2
-# Whether each pass loads the next chunk before computing on this one. Not yet measured
-# on a GPU (the kernel above was timed without it; ``python -m benchmarks draw`` compares
-# both: ``--configs 2048:2:8 2048:2:8:p``), so off until a GPU says otherwise.
-SAMPLE_PREFETCH = False
+# How many chunks ahead each pass loads before computing on this one (0: none). Not yet
+# measured on a GPU (the kernel above was timed without it; ``python -m benchmarks draw``
+# compares them: ``--configs 2048:2:8 2048:2:8:p 2048:2:8:p4``), so 0 until a GPU says
+# otherwise. A pass computes a few instructions a logit, so with one load in flight a
+# step still takes a load's latency: more chunks ahead (8 registers a thread each at
+# 2048 logits and 8 warps) keep more bytes in flight.
+SAMPLE_PREFETCH = 0
 SAMPLE_FEW_ROWS = 132  # up to one program per SM of an H100 / H200
 
 
