@@ -1,7 +1,8 @@
 """The kernels a decode step launches on an NVIDIA GPU, counted on a machine without one.
 
 ``python -m benchmarks step_kernels [--out DIR] [--gpu h200] [--model llama3-8b]
-[--seqs 64] [--context 192] [--variants bf16 fp8 fp8-weight-only int8 int8-kernel int4 lora8]
+[--seqs 64] [--context 192] [--variants bf16 bf16-prefetch fp8 fp8-weight-only int8
+int8-kernel int4 lora8]
 [--layers 2 4]``, written to ``step_kernels_<gpu>.json``.
 
 Needs JAX's CUDA plugin (``pip install "jax[cuda12]==<your jax>"`` in a virtual
@@ -22,7 +23,8 @@ model off the CPU: ``hold_for_accelerator``, layers unrolled, ``pallas_gpu`` att
 for ``--seqs`` sequences at ``--context`` tokens, one new token each, from a model built
 from shapes alone (nothing allocated). Kernels a layer: the difference between the
 compiled step at ``--layers`` (two layer counts) over the difference of layers; the rest
-(embedding, final norm, head) is reported apart. Variants: ``bf16``; ``fp8`` (W8A8,
+(embedding, final norm, head) is reported apart. Variants: ``bf16``; ``bf16-prefetch``
+(the decode kernel's walk loading ahead, ``tuning.DECODE_PREFETCH``); ``fp8`` (W8A8,
 rows quantized to fp8 too, the weight held ``[out, in]``), ``fp8-weight-only`` and
 ``int8`` (W8A16, XLA's dots); ``int8-kernel`` (W8A16 through the few-row Pallas product,
 ``models.llama.W8A16_KERNEL_PLATFORMS``); ``int4`` (groups of 32); ``lora8`` (8 adapter
@@ -77,7 +79,16 @@ GPUS = {
     "h100": _HOPPER.format(bandwidth=3350000000000, memory=85000000000, name="NVIDIA H100"),
     "h200": _HOPPER.format(bandwidth=4800000000000, memory=150000000000, name="NVIDIA H200"),
 }
-VARIANTS = ("bf16", "fp8", "fp8-weight-only", "int8", "int8-kernel", "int4", "lora8")
+VARIANTS = (
+    "bf16",
+    "bf16-prefetch",
+    "fp8",
+    "fp8-weight-only",
+    "int8",
+    "int8-kernel",
+    "int4",
+    "lora8",
+)
 # Ops of a compiled HLO module's entry computation that launch nothing.
 _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(\([^()]*\)|\S+)\s+([\w-]+)\(")
@@ -170,15 +181,17 @@ def compile_step(fields: dict, variant: str, sharding, *, seqs: int, context: in
 
     args = (state, tokens, jnp.asarray(batch.positions), cache, ids)
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
+    from paged_jax.kernels.gpu import tuning
     from paged_jax.models import llama
 
-    saved = llama.W8A16_KERNEL_PLATFORMS
+    saved = llama.W8A16_KERNEL_PLATFORMS, tuning.DECODE_PREFETCH
     llama.W8A16_KERNEL_PLATFORMS = ("gpu",) if variant == "int8-kernel" else ()
+    tuning.DECODE_PREFETCH = variant == "bf16-prefetch"
     t = time.perf_counter()
     try:
         lowered = _lower(jax.jit(step, donate_argnums=(3,)), args)
     finally:
-        llama.W8A16_KERNEL_PLATFORMS = saved
+        llama.W8A16_KERNEL_PLATFORMS, tuning.DECODE_PREFETCH = saved
     compiled = lowered.compile()
     return compiled, time.perf_counter() - t
 
