@@ -175,7 +175,7 @@ EOF
         ${LORA_ARGS---models llama3-8b --concurrency 64 --repeats 3}
       ;;
     ab)
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run ab_decode_prefetch "$(limit ab 200)" \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run ab_decode_prefetch "$(limit ab 300)" \
         $PY -m benchmarks engine --out "$OUT/ab" --no-split --decode-prefetch off on \
         ${AB_ARGS---models llama3-8b --concurrency 64 256 --repeats 3}
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run ab_w8a16 "$(limit ab 200)" \
