@@ -8,7 +8,7 @@
 #   OUT=gpu-out KERNEL_TESTS_MARK="not slow" QUANT_FORMATS="none fp8 int4" \
 #   QUANT_ARGS="--models llama3-8b --concurrency 64 --repeats 3" \
 #   bash benchmarks/gpu_session.sh install kernels models lora quantized
-# The second (about 5 minutes): the two kernel switches prepared since, each way in the
+# The second (about 6 minutes): the two kernel switches prepared since, each way in the
 # engine, bash benchmarks/gpu_session.sh ab (the decode kernel's walk loading a block ahead,
 # tuning.DECODE_PREFETCH, at 64 and 256 sequences: attention took 3.18 ms of the 8B step's
 # 10.08 at 256 sequences x 192 tokens on the H200, 42% of its bandwidth, and 1.36 of 5.6 at
