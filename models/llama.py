@@ -502,14 +502,25 @@ def _grouped_by_kernel(module, x, q, scale, zero, bits: int):
     platform = _kernel_platform(GROUPED_KERNEL_PLATFORMS)
     if platform is None or q.ndim != 2 or scale.ndim != 2:
         return None
-    k, n = q.shape[0] * (2 if bits == 4 else 1), q.shape[1]
-    rows = math.prod(x.shape[:-1])
-    x2 = x.reshape(rows, k)
-    if module.rotated:  # (x R)(R w) = x w
+    k = q.shape[0] * (2 if bits == 4 else 1)
+    return _rows_by_kernel(
+        module,
+        x,
+        k,
+        module.dtype or x.dtype,
+        lambda x2: linear.grouped_matmul(x2, q, scale, zero, bits, interpret=platform != "gpu"),
+    )
+
+
+def _rows_by_kernel(module, x, k: int, dtype, product):
+    """``product`` (a kernel's ``[M, k] -> [M, out]`` or None) of ``x [..., k]`` as rows,
+    rotated first where the module's weight is (``(x R)(R w) = x w``), in ``dtype``;
+    ``[..., out]``, or None where the kernel gave None."""
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)
+    if module.rotated:
         x2 = linear.rotate(x2, -1).astype(x.dtype)
-    x2 = x2.astype(module.dtype or x.dtype)
-    y = linear.grouped_matmul(x2, q, scale, zero, bits, interpret=platform != "gpu")
-    return None if y is None else y.reshape(*x.shape[:-1], n)
+    y = product(x2.astype(dtype))
+    return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _w8a16_by_kernel(module, x, q, scale):
@@ -524,13 +535,13 @@ def _w8a16_by_kernel(module, x, q, scale):
         return None
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return None  # f32 rows keep XLA's dot at the module's precision (Triton's: TF32)
-    rows = math.prod(x.shape[:-1])
-    x2 = x.reshape(rows, q.shape[0])
-    if module.rotated:  # (x R)(R w) = x w
-        x2 = linear.rotate(x2, -1).astype(x.dtype)
-    x2 = x2.astype(dtype)
-    y = linear.few_row_matmul(x2, q, scale, interpret=platform != "gpu")
-    return None if y is None else y.reshape(*x.shape[:-1], q.shape[1])
+    return _rows_by_kernel(
+        module,
+        x,
+        q.shape[0],
+        dtype,
+        lambda x2: linear.few_row_matmul(x2, q, scale, interpret=platform != "gpu"),
+    )
 
 
 class Embed(nnx.Embed):

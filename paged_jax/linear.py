@@ -191,7 +191,7 @@ def few_row_matmul(
     config = gpu_matmul.few_row_config(m, k, q.shape[1], jnp.dtype(q.dtype).itemsize)
     if config is None or m == 0:
         return None
-    rows = max(16, 1 << max(0, (m - 1).bit_length()))
+    rows = gpu_matmul.padded_rows(m)
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     y = gpu_matmul.matmul(xp, q, scale.astype(jnp.float32), interpret=interpret, **config)
     return y[:m]

@@ -138,51 +138,29 @@ def decode_paged_attention(
     kv_lens: jax.Array,  # i32[B]
     page_indices: jax.Array,  # i32[B, M]
     *,
-    sm_scale: float = 1.0,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    k_scale: jax.Array | float | None = None,  # f32[N, P, K] or a float
-    v_scale: jax.Array | float | None = None,
-    pages_per_block: int | None = None,
-    num_splits: int | None = None,
-    batch_invariant: bool = False,
-    interpret: bool = False,
-    num_warps: int = 4,
-    num_stages: int | None = None,
     prefetch: bool | None = None,
+    num_stages: int | None = None,
+    **options,
 ) -> jax.Array:  # [B, H, D], q.dtype
     """Decode attention over a paged cache (flash-decoding). Arguments as
-    ``paged_jax.paged_attention``. Tuning knobs (defaults in ``tuning.py``):
-    ``pages_per_block`` (a power of two; 8 KiB of K per block when B * K fills the SMs,
-    16 KiB otherwise), ``num_splits`` (from B, K and M: ~2 waves
-    of SMs), ``num_warps``, ``num_stages`` (None: 1 with ``prefetch``, else 2),
-    ``prefetch`` (None: ``tuning.DECODE_PREFETCH``, read at each call, not once per
-    compiled shape; each step of a program's walk loads the next block's K/V and the table
-    entries of the one after before it computes, the same sums in the same order).
-    ``batch_invariant``: one split and a block
-    size not taken from B or M, so a row's reduction order never depends on the batch.
+    ``paged_jax.paged_attention``: ``sm_scale``, ``sliding_window``, ``soft_cap``,
+    ``k_scale`` / ``v_scale`` (``f32[N, P, K]`` or a float). Tuning knobs (defaults in
+    ``tuning.py``): ``pages_per_block`` (a power of two; 8 KiB of K per block when B * K
+    fills the SMs, 16 KiB otherwise), ``num_splits`` (from B, K and M: ~2 waves of SMs),
+    ``num_warps`` (4), ``num_stages`` (None: 1 with ``prefetch``, else 2), ``prefetch``
+    (None: ``tuning.DECODE_PREFETCH``, read at each call, not once per compiled shape;
+    each step of a program's walk loads the next block's K/V and the table entries of the
+    one after before it computes, the same sums in the same order).
+    ``batch_invariant``: one split and a block size not taken from B or M, so a row's
+    reduction order never depends on the batch. ``interpret``: run on CPU.
     The dots take 16-bit operands for 16-bit
     queries and f32 otherwise (three TF32 passes on a GPU, exact f32 when interpreted);
     they accumulate in f32, as does the softmax."""
-    tuning.check_pow2("pages_per_block", pages_per_block)
     prefetch = tuning.DECODE_PREFETCH if prefetch is None else bool(prefetch)
+    if num_stages is None:
+        num_stages = 1 if prefetch else 2
     return _decode(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        pages_per_block=pages_per_block,
-        num_splits=num_splits,
-        batch_invariant=batch_invariant,
-        interpret=interpret,
-        num_warps=num_warps,
-        num_stages=(1 if prefetch else 2) if num_stages is None else num_stages,
-        prefetch=prefetch,
+        q, kv_pages, kv_lens, page_indices, prefetch=prefetch, num_stages=num_stages, **options
     )
 
 
@@ -202,25 +180,26 @@ def decode_paged_attention(
     ),
 )
 def _decode(
-    q,
-    kv_pages,
-    kv_lens,
-    page_indices,
+    q: jax.Array,  # [B, H, D]
+    kv_pages: jax.Array,  # [N, P, 2K, D]
+    kv_lens: jax.Array,  # i32[B]
+    page_indices: jax.Array,  # i32[B, M]
     *,
-    sm_scale,
-    sliding_window,
-    soft_cap,
-    k_scale,
-    v_scale,
-    pages_per_block,
-    num_splits,
-    batch_invariant,
-    interpret,
-    num_warps,
-    num_stages,
-    prefetch,
-):
-    """``decode_paged_attention`` with every default resolved (the jitted body)."""
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
+    pages_per_block: int | None = None,
+    num_splits: int | None = None,
+    batch_invariant: bool = False,
+    interpret: bool = False,
+    num_warps: int = 4,
+    num_stages: int,
+    prefetch: bool,
+) -> jax.Array:  # [B, H, D], q.dtype
+    """``decode_paged_attention``, jitted, its walk and stages resolved."""
+    tuning.check_pow2("pages_per_block", pages_per_block)
     B, H, D = q.shape
     N, P, combined, _ = kv_pages.shape
     K = combined // 2

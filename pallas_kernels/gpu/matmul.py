@@ -89,6 +89,12 @@ def default_split_k(m: int, k: int, n: int, w_bytes: int, block_n: int, block_k:
 FEW_ROWS = 256  # rows (padded to a power of two) up to which few_row_config gives blocks
 
 
+def padded_rows(m: int) -> int:
+    """The rows a product's block holds for ``m`` rows: a power of two, at least 16 (the
+    tensor cores' smallest)."""
+    return max(16, 1 << max(0, (m - 1).bit_length()))
+
+
 def few_row_config(m: int, k: int, n: int, w_bytes: int) -> dict | None:
     """``matmul``'s blocks for ``m`` rows (padded to a power of two >= 16) by a ``[k, n]``
     weight of ``w_bytes`` a value, or None past ``FEW_ROWS`` rows (a prefill: bound by its
@@ -99,7 +105,7 @@ def few_row_config(m: int, k: int, n: int, w_bytes: int) -> dict | None:
     shape's products, int8) each keeps 2-4 programs a SM within 128 registers a thread, no
     spills, where 256 rows at 64 columns held one. Chosen from the shapes alone, not yet
     tuned on a GPU."""
-    rows = max(16, 1 << max(0, (m - 1).bit_length()))
+    rows = padded_rows(m)
     if rows > FEW_ROWS:
         return None
     widths, chunks = ((32, 16), (64, 32, 16)) if rows == 256 else ((64, 32, 16), (128, 64, 32, 16))
@@ -257,7 +263,7 @@ def grouped_config(m: int, k: int, n: int, group: int = 32) -> dict | None:
     one took 133 registers a thread, one program a SM), and K split while the programs
     fill less than two waves of an H100/H200's 132 SMs. Chosen from the shapes alone, not yet
     tuned on a GPU."""
-    rows = max(16, 1 << (m - 1).bit_length())
+    rows = padded_rows(m)
     block_m = rows if rows <= 256 else 128
     widths = (32, 16) if block_m == 256 else (64, 32, 16)
     block_n = next((b for b in widths if n % b == 0), None)
