@@ -222,6 +222,37 @@ def test_streamed_calls_go_out_as_they_are_written(fmt):
     assert [c["function"]["name"] for c in _assemble(g.call_deltas() + last)] == ["get_weather"]
 
 
+@pytest.mark.parametrize("fmt", ["hermes", "mistral", "llama3_json"])
+def test_a_reply_cut_short_inside_a_call_reads_the_same_plain_and_streamed(fmt):
+    # The token limit ends the reply inside its second call: streamed, that call went out
+    # as far as it was written (its arguments not whole JSON); unstreamed (cut_short) the
+    # reply reads the same, the finished call before it included, and in neither is the
+    # cut call's text content as well.
+    key = "parameters" if fmt == "llama3_json" else "arguments"
+    done = '{"name": "get_weather", "' + key + '": {"city": "Oslo"}}'
+    cut = '{"name": "get_time", "' + key + '": {"zone": "ut'
+    text = {
+        "hermes": f"Sure.\n<tool_call>\n{done}\n</tool_call>\n<tool_call>\n{cut}",
+        "mistral": f"Sure. [TOOL_CALLS][{done}, {cut}",
+        "llama3_json": f"{done}; {cut}",
+    }[fmt]
+    req = _req(fmt, "required")
+    f = StreamFilter(req)
+    content = "".join(f.feed(ch) for ch in text)
+    deltas = f.call_deltas()
+    rest, last = f.finish()
+    streamed = _assemble(deltas + last)
+    named = [(c["function"]["name"], c["function"]["arguments"]) for c in streamed]
+    assert named == [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": "ut')]
+    assert (content + rest).strip() == ("" if fmt == "llama3_json" else "Sure.")
+    plain_content, plain = req.parse(text, cut_short=True)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in plain] == named
+    assert plain_content == (None if fmt == "llama3_json" else "Sure.")
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in plain)
+    # a reply that ends where it should is read as before: the cut call is no call
+    assert _calls(req.parse(text)[1]) == ([("get_weather", {"city": "Oslo"})] * (fmt == "hermes"))
+
+
 # ---------------------------------------------------------------------- the server
 
 TOOLS_TEMPLATE = (
@@ -306,6 +337,42 @@ def test_a_streamed_call_arrives_as_a_tool_calls_delta(client):
     assert len(pieces) > 1
     assert "".join(d.get("content") or "" for d in deltas) == ""  # nothing leaked as text
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_call_cut_short_by_max_tokens_finishes_length_plain_and_streamed(client):
+    # Held to a call and cut short at every 8th token of it, a reply finishes "length"
+    # (not "tool_calls": the call is not whole), and plain and streamed read the same:
+    # the same calls (the last one's arguments as far as written), the same content.
+    body = _body({"type": "function", "function": {"name": "get_time"}})
+    whole = client.post("/v1/chat/completions", json=body).json()
+    assert whole["choices"][0]["finish_reason"] == "tool_calls"
+    seen = set()
+    for k in range(8, whole["usage"]["completion_tokens"], 8):
+        r = client.post("/v1/chat/completions", json=dict(body, max_tokens=k))
+        c = r.json()["choices"][0]
+        assert r.status_code == 200 and c["finish_reason"] == "length", (k, c)
+        calls = c["message"].get("tool_calls") or []
+        streamed_body = dict(body, max_tokens=k, stream=True)
+        with client.stream("POST", "/v1/chat/completions", json=streamed_body) as r:
+            chunks = [
+                json.loads(line[6:])
+                for line in r.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"
+            ]
+        deltas = [ch["choices"][0]["delta"] for ch in chunks]
+        streamed = _assemble([t for d in deltas for t in d.get("tool_calls", [])])
+        assert [x["function"] for x in streamed] == [x["function"] for x in calls], k
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        content = "".join(d.get("content") or "" for d in deltas)
+        assert content.strip() == (c["message"]["content"] or ""), k
+        for x in calls:
+            try:
+                json.loads(x["function"]["arguments"])
+                seen.add("whole")
+            except ValueError:
+                seen.add("cut")
+        seen.add("text" if not calls else "call")
+    assert seen == {"text", "call", "cut", "whole"}  # (before the name, in and past the args)
 
 
 def test_auto_and_none_leave_a_reply_that_makes_no_call_alone(client):

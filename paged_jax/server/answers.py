@@ -73,10 +73,12 @@ class Answers:
                             c.text or "", job["reasoning"]
                         )
                     if job["tools"] is not None and message["content"] is not None:
-                        content, calls = job["tools"].parse(message["content"])
+                        cut = c.finish_reason == "length"  # (perhaps inside a call)
+                        content, calls = job["tools"].parse(message["content"], cut_short=cut)
                         if calls:
                             choice["message"].update(content=content, tool_calls=calls)
-                            choice["finish_reason"] = "tool_calls"
+                            if not cut:  # (a call cut short stays "length", as streamed)
+                                choice["finish_reason"] = "tool_calls"
                 else:
                     choice["text"] = choice.get("text", "") + (c.text or "")
                     if job.get("prompt_logprobs") is not None:

@@ -202,11 +202,21 @@ class ToolRequest:
             "function": {"name": obj["name"], "arguments": json.dumps(args)},
         }
 
-    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+    def parse(self, text: str, cut_short: bool = False) -> tuple[str | None, list[dict]]:
         """``(content, tool_calls)`` of a reply: the calls it makes in this format and
-        the text around them (None when there is none)."""
+        the text around them (None when there is none). ``cut_short``: the reply ended at
+        its token limit, perhaps inside a call; it is then read as a stream of it is
+        (``StreamFilter``), so the calls are those a streamed reply sends, the last one's
+        arguments as far as they were written (not whole JSON)."""
         if not self.active:
             return text, []
+        if cut_short:
+            f = StreamFilter(self)
+            content = f.feed(text)
+            deltas = f.call_deltas()
+            rest, last = f.finish()
+            calls = joined(deltas + last)
+            return ((content + rest).strip() or None) if calls else text, calls
         calls: list[dict] = []
         content = text
         if self.fmt == "hermes":
@@ -310,11 +320,7 @@ class StreamFilter:
 
     def _advance(self, final: bool) -> None:
         """Queues the deltas of the calls in the held text as far as it goes."""
-        calls = _scan_calls(self.text, self.held_from, self.req.fmt)
-        calls = [c for c in calls if c.name in self.req.names]
-        if not self.req.parallel:
-            calls = calls[:1]
-        for k, c in enumerate(calls):
+        for k, c in enumerate(self._known_calls()):
             if k == len(self.streamed):
                 if c.name is None:
                     break
@@ -328,6 +334,12 @@ class StreamFilter:
                 self._pending.append({"index": k, "function": {"arguments": args[sent:]}})
                 self.streamed[k][2] = len(args)
 
+    def _known_calls(self) -> list[_Call]:
+        """The held text's calls of given tools (the first alone without parallel calls)."""
+        calls = _scan_calls(self.text, self.held_from, self.req.fmt)
+        calls = [c for c in calls if c.name in self.req.names]
+        return calls if self.req.parallel else calls[:1]
+
     def _flush(self, upto: int) -> str:
         out = self.text[self.sent : upto]
         self.sent = max(self.sent, upto)
@@ -336,7 +348,8 @@ class StreamFilter:
     def finish(self) -> tuple[str, list[dict]]:
         """``(content not sent yet, tool_calls deltas)`` once the choice has ended: the
         calls' last deltas (with the calls not streamed yet), or, when the held text made
-        no call, the text itself."""
+        no call, the text itself. A call the reply ended inside (cut short at its token
+        limit) went out as far as it was written, so its text is not content as well."""
         rest = self.text[self.sent :]
         if not rest:
             return "", self.call_deltas()
@@ -347,8 +360,45 @@ class StreamFilter:
             if not calls:
                 return rest, []
             return content or "", [dict(c, index=i) for i, c in enumerate(calls)]
+        known = self._known_calls()[: len(self.streamed)]
+        if self.req.fmt == "hermes":  # block by block: the text between the calls sent
+            kept, at = [], self.sent
+            for c in known:
+                kept.append(self.text[at : c.opens])
+                at = _past_block(self.text, c.stops)
+            return "".join(kept) + self.text[at:], self.call_deltas()
+        if known and known[-1].stops is None:
+            rest = self.text[self.sent : known[-1].opens]
         content, _ = self.req.parse(rest)
         return (content or "") if content != rest else "", self.call_deltas()
+
+
+def _past_block(text: str, stops: int | None) -> int:
+    """Where a hermes call block whose object ends at ``stops`` ends: past its closing
+    tag, or the text's end where the object or the tag is cut short."""
+    if stops is None:
+        return len(text)
+    j = stops
+    while j < len(text) and text[j] in " \t\r\n":
+        j += 1
+    if text.startswith(_HERMES_CLOSE, j):
+        return j + len(_HERMES_CLOSE)
+    return len(text) if _HERMES_CLOSE.startswith(text[j:]) else stops
+
+
+def joined(deltas: list[dict]) -> list[dict]:
+    """Streamed ``tool_calls`` deltas joined into calls, as OpenAI's clients join them:
+    by ``index``, the first delta with the id, type and name, the ``arguments`` pieces
+    concatenated."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        c = calls.setdefault(d["index"], {"id": None, "type": "function", "function": {}})
+        c["id"] = d.get("id", c["id"])
+        fn = d.get("function", {})
+        if "name" in fn:
+            c["function"]["name"] = fn["name"]
+        c["function"]["arguments"] = c["function"].get("arguments", "") + fn.get("arguments", "")
+    return [calls[i] for i in sorted(calls)]
 
 
 @dataclasses.dataclass
@@ -357,6 +407,8 @@ class _Call:
     complete, and where its arguments' value lies (``end`` None while it is open)."""
 
     name: str | None = None
+    opens: int = 0  # where the call's text begins (hermes: its opening tag)
+    stops: int | None = None  # past its object's closing brace (None: still open)
     start: int | None = None
     end: int | None = None
     quoted: bool = False  # the arguments are a JSON string (not an object)
@@ -391,11 +443,11 @@ def _scan_calls(text: str, at: int, fmt: str) -> list[_Call]:
             i = text.find(_HERMES_OPEN, i)
             if i < 0:
                 break
-            i = skip(i + len(_HERMES_OPEN))
+            opens, i = i, skip(i + len(_HERMES_OPEN))
             if i >= n or text[i] != "{":
                 continue
             call, i = _scan_object(text, i)
-            calls.append(call)
+            calls.append(dataclasses.replace(call, opens=opens))
             if i is None:
                 break
         return calls
@@ -424,7 +476,7 @@ def _scan_calls(text: str, at: int, fmt: str) -> list[_Call]:
 def _scan_object(text: str, i: int) -> tuple[_Call, int | None]:
     """The call object that opens at ``text[i]`` (a ``{``): its ``_Call`` and the index
     past its end (None when it does not end in ``text``)."""
-    call = _Call()
+    call = _Call(opens=i)
     depth, key, expect = 0, None, "key"
     in_str = escaped = False
     lit = 0  # where the string being read began
@@ -468,6 +520,7 @@ def _scan_object(text: str, i: int) -> tuple[_Call, int | None]:
                     call.end = j + 1
                 expect = "comma"
             elif depth == 0:
+                call.stops = j + 1
                 return call, j + 1
         elif depth == 1:
             if ch == ":" and expect == "colon":
