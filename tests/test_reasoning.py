@@ -154,7 +154,7 @@ def test_thinking_goes_to_reasoning_content_plain_and_streamed(servers, regex, k
 def test_tool_calls_are_read_from_the_content_after_the_thinking(servers):
     parsed, _ = servers
     regex = "<think>[a-z]{3,6}</think>\n" + re.escape(CALL)
-    kw = dict(tools=[TIME], tool_choice="auto", max_tokens=160)
+    kw = dict(tools=[TIME], tool_choice="auto", max_tokens=160, logprobs=True, top_logprobs=2)
     c = _chat(parsed, regex, **kw)
     assert c["finish_reason"] == "tool_calls", c
     assert re.fullmatch("[a-z]{3,6}", c["message"]["reasoning_content"])
@@ -166,6 +166,13 @@ def test_tool_calls_are_read_from_the_content_after_the_thinking(servers):
     calls = [t for ch in chunks for t in ch["choices"][0]["delta"].get("tool_calls", [])]
     assert calls[0]["function"]["name"] == "get_time"
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # every token's log-probs, the held ones (a tag, the call) too, as unstreamed
+    lps = [t for ch in chunks for t in (ch["choices"][0]["logprobs"] or {}).get("content", [])]
+    assert [t["token"] for t in lps] == [t["token"] for t in c["logprobs"]["content"]]
+    assert [t["logprob"] for t in lps] == pytest.approx(
+        [t["logprob"] for t in c["logprobs"]["content"]], abs=1e-5
+    )
+    assert len(lps) > len(CALL)
 
 
 def test_a_reply_cut_short_while_thinking_has_no_content(servers):

@@ -375,6 +375,25 @@ def test_a_call_cut_short_by_max_tokens_finishes_length_plain_and_streamed(clien
     assert seen == {"text", "call", "cut", "whole"}  # (before the name, in and past the args)
 
 
+def test_a_streamed_call_s_log_probs_are_those_of_the_plain_reply(client):
+    # Pieces held back while a call is written still have their tokens' log-probs
+    # streamed (with the choice's next chunk): joined, they are the plain reply's.
+    body = _body({"type": "function", "function": {"name": "get_time"}}, temperature=0.0,
+                 logprobs=True, top_logprobs=2)  # fmt: skip
+    plain = client.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]
+    with client.stream("POST", "/v1/chat/completions", json=dict(body, stream=True)) as r:
+        chunks = [
+            json.loads(line[6:])
+            for line in r.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+    streamed = [t for c in chunks for t in (c["choices"][0]["logprobs"] or {}).get("content", [])]
+    assert len(plain["content"]) > 20 and len(streamed) == len(plain["content"])
+    for s, p in zip(streamed, plain["content"], strict=True):  # (f32 sums in other batches)
+        assert s["token"] == p["token"] and s["logprob"] == pytest.approx(p["logprob"], abs=1e-5)
+        assert [a["token"] for a in s["top_logprobs"]] == [a["token"] for a in p["top_logprobs"]]
+
+
 def test_auto_and_none_leave_a_reply_that_makes_no_call_alone(client):
     for choice in ("auto", "none"):
         r = client.post("/v1/chat/completions", json=_body(choice, max_tokens=8))

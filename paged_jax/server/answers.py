@@ -197,6 +197,9 @@ class Answers:
         filters: dict[int, Any] = {}  # per choice, with tools: its StreamFilter
         thinking = job.get("reasoning")  # None: no reasoning parser
         thoughts: dict[int, ReasoningStream] = {}  # per choice, with one
+        # per choice, pieces whose text is held back (thinking, a call being written):
+        # their log-probs go out with the choice's next chunk
+        held_pieces: dict[int, list] = {}
 
         def chunk(
             index: int,
@@ -208,9 +211,15 @@ class Answers:
             reasoning=None,
         ) -> str:
             logprobs = None
-            if piece is not None and job["logprobs"]:
+            pieces = held_pieces.pop(index, []) + ([piece] if piece is not None else [])
+            if pieces and job["logprobs"]:  # this piece's, after those held back before it
+                tops = [p.top_logprobs for p in pieces]
                 logprobs = self._logprob_body(
-                    job, piece.token_ids, piece.logprobs, piece.top_logprobs, offsets.get(index, 0)
+                    job,
+                    [t for p in pieces for t in p.token_ids],
+                    [lp for p in pieces for lp in p.logprobs],
+                    None if None in tops else [a for top in tops for a in top],
+                    offsets.get(index, 0),
                 )
                 if not chat:
                     offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
@@ -277,14 +286,19 @@ class Answers:
                             if reasoning:
                                 yield chunk(index, None, None, piece=event.piece,
                                             reasoning=reasoning)  # fmt: skip
+                            else:
+                                held_pieces.setdefault(index, []).append(event.piece)
                             continue
                     if tools is not None:  # held from where a call may begin
-                        held = filters.setdefault(index, tools.stream_filter())
-                        text = held.feed(text)
-                        calls = held.call_deltas()  # the calls as they are written
-                        if not text:  # (a held piece's log-probs are not streamed)
+                        calling = filters.setdefault(index, tools.stream_filter())
+                        text = calling.feed(text)
+                        calls = calling.call_deltas()  # the calls as they are written
+                        if not text:
                             if calls or reasoning:
-                                yield chunk(index, None, None, calls=calls, reasoning=reasoning)
+                                yield chunk(index, None, None, piece=event.piece, calls=calls,
+                                            reasoning=reasoning)  # fmt: skip
+                            else:
+                                held_pieces.setdefault(index, []).append(event.piece)
                             continue
                     yield chunk(
                         index, text, None, piece=event.piece, calls=calls, reasoning=reasoning
