@@ -96,6 +96,14 @@ def test_parallel_tool_calls_false_keeps_one_call():
     )
     assert _calls(req.parse(text)[1]) == [("get_time", {"zone": "utc"})]
     assert "*" not in req.grammar().splitlines()[0]  # one block, not one or more
+    auto = ToolRequest.of(dict(body, tool_choice="auto"), "hermes")
+    spaced = "Hi " + text.replace("</tool_call><", "</tool_call> mid <") + " end"
+    f = StreamFilter(auto)  # streamed: the later call dropped too, not left as content
+    sent = "".join(f.feed(ch) for ch in spaced)
+    deltas = f.call_deltas()
+    rest, last = f.finish()
+    assert _calls(_assemble(deltas + last)) == _calls(auto.parse(spaced)[1])
+    assert (sent + rest).split() == auto.parse(spaced)[0].split() == ["Hi", "mid", "end"]
     with pytest.raises(ToolError, match="parallel_tool_calls: expected a bool"):
         ToolRequest.of(dict(body, parallel_tool_calls="no"), "hermes")
 

@@ -334,11 +334,12 @@ class StreamFilter:
                 self._pending.append({"index": k, "function": {"arguments": args[sent:]}})
                 self.streamed[k][2] = len(args)
 
-    def _known_calls(self) -> list[_Call]:
-        """The held text's calls of given tools (the first alone without parallel calls)."""
+    def _known_calls(self, every: bool = False) -> list[_Call]:
+        """The held text's calls of given tools (the first alone without parallel calls,
+        unless ``every``)."""
         calls = _scan_calls(self.text, self.held_from, self.req.fmt)
         calls = [c for c in calls if c.name in self.req.names]
-        return calls if self.req.parallel else calls[:1]
+        return calls if self.req.parallel or every else calls[:1]
 
     def _flush(self, upto: int) -> str:
         out = self.text[self.sent : upto]
@@ -360,13 +361,13 @@ class StreamFilter:
             if not calls:
                 return rest, []
             return content or "", [dict(c, index=i) for i, c in enumerate(calls)]
-        known = self._known_calls()[: len(self.streamed)]
-        if self.req.fmt == "hermes":  # block by block: the text between the calls sent
-            kept, at = [], self.sent
-            for c in known:
+        if self.req.fmt == "hermes":  # block by block: the text between the calls
+            kept, at = [], self.sent  # (without parallel calls the later ones dropped)
+            for c in self._known_calls(every=True):
                 kept.append(self.text[at : c.opens])
                 at = _past_block(self.text, c.stops)
             return "".join(kept) + self.text[at:], self.call_deltas()
+        known = self._known_calls()[: len(self.streamed)]
         if known and known[-1].stops is None:
             rest = self.text[self.sent : known[-1].opens]
         content, _ = self.req.parse(rest)
