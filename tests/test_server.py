@@ -217,7 +217,20 @@ def test_a_client_gone_mid_stream_frees_its_pages(server):
         (dict(prompt=[7] * 5000), 400, "prompt", "prompt: 5000 tokens, the model's maximum"),
         (dict(n="2"), 400, "n", "n: expected an int >= 1"),
         (dict(logprobs=25), 400, "logprobs", "logprobs: expected an int in [0, 20], got 25"),
-        (dict(response_format={"type": "xml"}), 400, "response_format", "response_"),
+        (
+            dict(response_format={"type": "xml"}),
+            400,
+            "response_format",
+            "response_format: expected an object of type text, json_object or json_schema, "
+            "got type 'xml'",
+        ),
+        (
+            dict(response_format=False),
+            400,
+            "response_format",
+            "response_format: expected an "
+            "object of type text, json_object or json_schema, got False",
+        ),
         (dict(echo="yes"), 400, "echo", "echo: expected a bool, got 'yes'"),
         (
             dict(logit_bias={"5": 300}),

@@ -126,10 +126,11 @@ def structured_output(body: Mapping) -> Any:
                 )
             found.append(("response_format", dict(json=schema)))
         elif kind != "text":
+            got = f"type {kind!r:.40}" if isinstance(fmt, Mapping) else f"{fmt!r:.40}"
             raise ApiError(
                 400,
-                f"response_format: expected type text, json_object or json_schema, got "
-                f"{kind!r:.40}",
+                f"response_format: expected an object of type text, json_object or "
+                f"json_schema, got {got}",
                 "response_format",
             )
     outputs = body.get("structured_outputs")
