@@ -11,32 +11,9 @@ import importlib
 import sys
 
 from benchmarks.common import take_out_arg
+from paged_jax._cli_flags import BENCHMARKS
 
-NAMES = (
-    "memory",
-    "sharing",
-    "throughput",
-    "host_overhead",
-    "kernels",
-    "engine",
-    "block_manager",
-    "layer_view",
-    "peers",
-    "serve",
-    "hybrid",
-    "sampler",
-    "serve_vllm_client",
-    "quantization",
-    "grammar",
-    "speculative",
-    "dispatch",
-    "products",
-    "lora",
-    "structured",
-    "draw",
-    "lm_eval",
-    "step_kernels",
-)
+NAMES = BENCHMARKS  # (paged-jax bench takes the same names)
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in NAMES:

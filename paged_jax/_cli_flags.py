@@ -9,7 +9,33 @@ import os
 import pathlib
 import sys
 
-BENCHMARKS = ("block_manager", "kernels", "memory", "sharing", "throughput", "host_overhead")
+# ``benchmarks/bench_<name>.py`` of a source checkout, for ``paged-jax bench`` and
+# ``python -m benchmarks`` both (a test holds the list to the modules)
+BENCHMARKS = (
+    "memory",
+    "sharing",
+    "throughput",
+    "host_overhead",
+    "kernels",
+    "engine",
+    "block_manager",
+    "layer_view",
+    "peers",
+    "serve",
+    "hybrid",
+    "sampler",
+    "serve_vllm_client",
+    "quantization",
+    "grammar",
+    "speculative",
+    "dispatch",
+    "products",
+    "lora",
+    "structured",
+    "draw",
+    "lm_eval",
+    "step_kernels",
+)
 
 
 def _version() -> str:
