@@ -435,6 +435,33 @@ def test_help_names_every_default_and_generate_runs_the_real_model(capsys):
     assert commands["serve"].get_default("model") == commands["chat"].get_default("model")
 
 
+def test_the_command_line_offers_what_the_library_takes():
+    # each flag's choices are the library's own list (the flags' module imports no JAX,
+    # so they are written out there): a format added to one and not the other fails here
+    from paged_jax import cli
+    from paged_jax.engine.embedding import POOLINGS
+    from paged_jax.engine.speculative import METHODS
+    from paged_jax.models.quantization import FORMATS as QUANT
+    from paged_jax.server.reasoning import PARSERS
+    from paged_jax.server.tools import FORMATS
+
+    want = {
+        "quantization": QUANT,
+        "speculative": METHODS,
+        "tool_call_parser": FORMATS,
+        "reasoning_parser": PARSERS,
+        "embedding_pooling": POOLINGS,
+        "pooling": POOLINGS,
+    }
+    seen = set()
+    for sub in cli._parser()._subparsers._group_actions[0].choices.values():
+        for action in sub._actions:
+            if action.dest in want:
+                assert tuple(action.choices) == tuple(want[action.dest]), action.dest
+                seen.add(action.dest)
+    assert seen == set(want)
+
+
 def test_embed_prints_a_json_line_per_prompt(capsys):
     """``paged-jax embed``: one line per prompt, in order, with the vector ``LLM.embed``
     gives; no prompt, or a token id outside the vocabulary, is one line and exit code 2."""
