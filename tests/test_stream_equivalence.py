@@ -9,11 +9,7 @@ import json
 import random
 
 import pytest
-from test_gguf import _model, write_gguf
-from test_tools import TIME, TOOLS_TEMPLATE, WEATHER, _assemble
-
-import paged_jax as pj
-from paged_jax.models import load_gguf
+from test_tools import TIME, WEATHER, _assemble, serve_a_tools_model
 
 SCHEMA = {
     "type": "object",
@@ -24,16 +20,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    from starlette.testclient import TestClient
-
-    from paged_jax.server.api import Server
-
-    path = tmp_path_factory.mktemp("streams") / "m.gguf"
-    write_gguf(path, _model(vocab_size=300), extra={"tokenizer.chat_template": TOOLS_TEMPLATE})
-    model, tok = load_gguf(path)
-    llm = pj.LLM(model, tok, page_size=8, num_pages=256, compilation_cache=False)
-    with TestClient(Server(llm, model_name="t").app) as c:
-        yield c
+    yield from serve_a_tools_model(tmp_path_factory)
 
 
 def _request(rng: random.Random) -> tuple[str, dict]:

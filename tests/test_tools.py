@@ -271,8 +271,9 @@ TOOLS_TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def serve_a_tools_model(tmp_path_factory):
+    """A test client of a server (model "t") of a small random GGUF whose chat template
+    renders tools (a generator: the body of a fixture)."""
     from starlette.testclient import TestClient
 
     from paged_jax.server.api import Server
@@ -284,6 +285,11 @@ def client(tmp_path_factory):
     app = Server(llm, model_name="t")
     with TestClient(app.app) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    yield from serve_a_tools_model(tmp_path_factory)
 
 
 def _body(choice, **kw):
@@ -306,6 +312,17 @@ def _body(choice, **kw):
     return body | dict(max_tokens=120, temperature=0.8, seed=3) | kw
 
 
+def _chunks(client, body):
+    """The chunks of ``body`` asked of the chat route streamed."""
+    with client.stream("POST", "/v1/chat/completions", json=dict(body, stream=True)) as r:
+        assert r.status_code == 200
+        return [
+            json.loads(line[6:])
+            for line in r.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+
+
 @pytest.mark.parametrize(
     "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
 )
@@ -326,14 +343,8 @@ def test_required_and_named_choices_return_calls_of_the_given_tools(client, choi
 
 
 def test_a_streamed_call_arrives_as_a_tool_calls_delta(client):
-    body = _body({"type": "function", "function": {"name": "get_time"}}, stream=True)
-    with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        assert r.status_code == 200
-        chunks = [
-            json.loads(line[6:])
-            for line in r.iter_lines()
-            if line.startswith("data: ") and line != "data: [DONE]"
-        ]
+    body = _body({"type": "function", "function": {"name": "get_time"}})
+    chunks = _chunks(client, body)
     deltas = [c["choices"][0]["delta"] for c in chunks]
     calls = _assemble([t for d in deltas for t in d.get("tool_calls", [])])
     assert len(calls) == 1 and calls[0]["id"].startswith("call_")
@@ -360,13 +371,7 @@ def test_a_call_cut_short_by_max_tokens_finishes_length_plain_and_streamed(clien
         c = r.json()["choices"][0]
         assert r.status_code == 200 and c["finish_reason"] == "length", (k, c)
         calls = c["message"].get("tool_calls") or []
-        streamed_body = dict(body, max_tokens=k, stream=True)
-        with client.stream("POST", "/v1/chat/completions", json=streamed_body) as r:
-            chunks = [
-                json.loads(line[6:])
-                for line in r.iter_lines()
-                if line.startswith("data: ") and line != "data: [DONE]"
-            ]
+        chunks = _chunks(client, dict(body, max_tokens=k))
         deltas = [ch["choices"][0]["delta"] for ch in chunks]
         streamed = _assemble([t for d in deltas for t in d.get("tool_calls", [])])
         assert [x["function"] for x in streamed] == [x["function"] for x in calls], k
@@ -389,12 +394,7 @@ def test_a_streamed_call_s_log_probs_are_those_of_the_plain_reply(client):
     body = _body({"type": "function", "function": {"name": "get_time"}}, temperature=0.0,
                  logprobs=True, top_logprobs=2)  # fmt: skip
     plain = client.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]
-    with client.stream("POST", "/v1/chat/completions", json=dict(body, stream=True)) as r:
-        chunks = [
-            json.loads(line[6:])
-            for line in r.iter_lines()
-            if line.startswith("data: ") and line != "data: [DONE]"
-        ]
+    chunks = _chunks(client, body)
     streamed = [t for c in chunks for t in (c["choices"][0]["logprobs"] or {}).get("content", [])]
     assert len(plain["content"]) > 20 and len(streamed) == len(plain["content"])
     for s, p in zip(streamed, plain["content"], strict=True):  # (f32 sums in other batches)
