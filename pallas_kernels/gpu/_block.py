@@ -14,6 +14,17 @@ from jax.experimental import pallas as pl
 from .._softmax import fold
 
 
+def empty_carry(rows: int, head_dim: int):
+    """The online softmax's state before any key, for ``rows`` query rows: the output
+    ``f32[rows, head_dim]`` zeros, the running maximum ``-inf`` and the running sum 0
+    (``f32[rows]`` each): ``walk``'s ``init``."""
+    return (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+
+
 def load_pages(refs, pages):
     """The raw contents of ``pages`` (``i32[bp]`` ids) from ``refs`` (``(k_ref, v_ref,
     k_scale_ref | None, v_scale_ref | None)`` over the whole pool of one kv head): ``(k,

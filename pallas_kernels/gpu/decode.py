@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .._table import safe_lens, safe_table
 from . import tuning
-from ._block import fold_pages, walk
+from ._block import empty_carry, fold_pages, walk
 from ._scales import prepare_scales
 
 NUM_SMS_GUESS = 132  # H100 SXM; only used to choose the split count
@@ -92,11 +92,7 @@ def _kernel(
         valid = (tok < kv_len) & (tok >= first_key)
         return fold_pages(q, raw, valid, valid[None, :], carry, **fold_kw)
 
-    init = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), -jnp.inf, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
+    init = empty_carry(rows, head_dim)
     refs = (k_ref, v_ref, ks_ref, vs_ref)
     acc, m, l = walk(
         refs,

@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 from .._table import safe_lens, safe_table
 from .._worklist import work_list
 from . import tuning
-from ._block import fold_pages, walk
+from ._block import empty_carry, fold_pages, walk
 from ._scales import prepare_scales
 
 
@@ -96,11 +96,7 @@ def _kernel(
             soft_cap=soft_cap,
         )
 
-    init = (
-        jnp.zeros((bq * G, head_dim), jnp.float32),
-        jnp.full((bq * G,), -jnp.inf, jnp.float32),
-        jnp.zeros((bq * G,), jnp.float32),
-    )
+    init = empty_carry(bq * G, head_dim)
     refs = (k_ref, v_ref, ks_ref, vs_ref)
     acc, _, l = walk(
         refs,
