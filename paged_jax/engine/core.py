@@ -231,6 +231,13 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation, Loras):
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: a string needs a tokenizer; pass token ids")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate: no tokenizer takes it
+                raise ValueError(
+                    f"prompt: not valid Unicode text (a lone UTF-16 surrogate at character "
+                    f"{e.start})"
+                ) from None
             ids = self.tokenizer.encode(prompt)
             return list(getattr(ids, "ids", ids))
         if isinstance(prompt, bytes) or not isinstance(prompt, Sequence | np.ndarray):

@@ -517,7 +517,7 @@ class Server(Answers, Embeddings):
                 f"{self.llm.max_model_len} tokens",
                 "max_tokens",
             )
-        structured = structured_output(body)
+        source, structured = structured_output(body) or (None, None)
         grammar = None if tools is None else tools.grammar()
         if grammar is not None:  # tool_choice required or named: calls only
             if structured is not None:
@@ -528,7 +528,7 @@ class Server(Answers, Embeddings):
                 )
             from paged_jax.engine.structured import StructuredOutput
 
-            structured = StructuredOutput(grammar=grammar)
+            source, structured = "tools", StructuredOutput(grammar=grammar)
         # with a reasoning parser: whether the reply starts inside its thinking
         inside = (
             prompt_starts_inside(self.llm, prompts[0])
@@ -552,6 +552,9 @@ class Server(Answers, Embeddings):
                 self.llm.check_request(ids, params)  # 200 could not become a 400 later)
         except (ValueError, TypeError) as e:
             message = str(e)
+            if message.startswith("params.structured") and source is not None:
+                # a grammar the engine could not compile: the field that asked for it
+                message = f"{source}: {message.partition(': ')[2]}"
             raise ApiError(400, message, _param_of(message)) from None
         return dict(
             id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
@@ -648,13 +651,21 @@ class Server(Answers, Embeddings):
                         raise ApiError(
                             400, f"messages[{i}].content: only text parts are supported", "messages"
                         )
-                    m = {**m, "content": "".join(str(p.get("text", "")) for p in parts)}
+                    for j, p in enumerate(parts):
+                        if not isinstance(p.get("text", ""), str):
+                            raise ApiError(
+                                400,
+                                f"messages[{i}].content[{j}].text: expected a string, got "
+                                f"{type(p['text']).__name__}",
+                                "messages",
+                            )
+                    m = {**m, "content": "".join(p.get("text", "") for p in parts)}
                 flat.append(m)
             messages = flat
         if isinstance(messages, list):
             for i, m in enumerate(messages):
                 role = m.get("role") if isinstance(m, Mapping) else None
-                if role not in _ROLES:
+                if not isinstance(role, str) or role not in _ROLES:
                     raise ApiError(
                         400,
                         f"messages[{i}].role: expected one of {', '.join(sorted(_ROLES))}, "

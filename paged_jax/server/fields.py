@@ -8,6 +8,7 @@ body for it (``error_response``). No JAX here."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,10 +48,45 @@ class ApiError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
+# What a lone UTF-16 surrogate looks like in a body: a \\u escape of D800-DFFF, or its three
+# bytes (json.loads decodes bytes with "surrogatepass"). A body with neither is not walked.
+_MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def _lone_surrogate(value: Any) -> tuple[str, str, int] | None:
+    """Where a parsed JSON value holds a string that is not valid Unicode text (a lone
+    UTF-16 surrogate, which no encoder takes and which ``\\u`` escapes can carry):
+    ``(path, top-level field, character index)``, for a value or an object's key
+    (``messages[0].content``), or None. Walks iteratively (a body may nest deeply)."""
+    todo: list[tuple[Any, str, str]] = [(value, "", "")]
+    while todo:
+        v, path, top = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return path or "body", top or "body", e.start
+        elif isinstance(v, Mapping):
+            items = []
+            for k, item in v.items():
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:  # the key itself, named with its escapes
+                    name = k.encode("ascii", "backslashreplace").decode("ascii")
+                    return (f"{path}.{name}" if path else name), top or name, 0
+                items.append((item, f"{path}.{k}" if path else k, top or k))
+            todo += reversed(items)  # (document order: the first bad string is named)
+        elif isinstance(v, list):
+            todo += reversed([(item, f"{path}[{j}]", top) for j, item in enumerate(v)])
+    return None
+
+
 def json_body(raw: bytes) -> Any:
-    """The request body's JSON value; an ApiError (400) saying what is wrong with it."""
+    """The request body's JSON value; an ApiError (400) saying what is wrong with it,
+    naming the field for text that is not valid Unicode (a lone surrogate), whatever
+    the route and the field (a prompt, a message, a stop string, a tool, a schema)."""
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except json.JSONDecodeError as e:
         raise ApiError(
             400, f"body: invalid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
@@ -59,6 +95,16 @@ def json_body(raw: bytes) -> Any:
         raise ApiError(400, "body: invalid JSON (not UTF-8 text)") from None
     except RecursionError:
         raise ApiError(400, "body: nested too deeply") from None
+    if _MAY_HOLD_SURROGATE.search(raw):
+        bad = _lone_surrogate(body)
+        if bad is not None:
+            path, top, at = bad
+            raise ApiError(
+                400,
+                f"{path}: not valid Unicode text (a lone UTF-16 surrogate at character {at})",
+                top,
+            )
+    return body
 
 
 # Template variables the server sets itself
@@ -102,11 +148,13 @@ def turn_fields(body: Mapping) -> tuple[bool, bool]:
     return (not go_on) if generation is None else generation, bool(go_on)
 
 
-def structured_output(body: Mapping) -> Any:
-    """The request's ``StructuredOutput``, or None: OpenAI's ``response_format``
+def structured_output(body: Mapping) -> tuple[str, Any] | None:
+    """The request's ``(field, StructuredOutput)``, or None: OpenAI's ``response_format``
     (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` (``json``, ``regex``,
     ``choice``, ``grammar``) and its older ``guided_json`` / ``guided_regex`` /
-    ``guided_choice`` / ``guided_grammar``. ``ApiError`` 400 naming the field otherwise."""
+    ``guided_choice`` / ``guided_grammar``; ``field`` names the one the request used (what
+    an error of its grammar, found later, names). ``ApiError`` 400 naming the field
+    otherwise."""
     from paged_jax.engine.structured import StructuredOutput
 
     found = []
@@ -149,6 +197,6 @@ def structured_output(body: Mapping) -> Any:
         raise ApiError(400, f"{names}: expected one way to constrain the output", found[1][0])
     name, kw = found[0]
     try:
-        return StructuredOutput(**kw)
+        return name, StructuredOutput(**kw)
     except (TypeError, ValueError) as e:
         raise ApiError(400, f"{name}: {e}", name) from None
