@@ -341,13 +341,14 @@ def _chat(args) -> int:
 
 def _serve(args) -> int:
     """``paged-jax serve``: the OpenAI-compatible server until SIGINT / SIGTERM."""
-    try:
-        from paged_jax.server import serve
-        from paged_jax.server.api import Server  # noqa: F401 (its imports: the extra)
-    except ImportError as e:
+    from paged_jax.server import missing_modules, serve
+
+    missing = missing_modules()  # before seconds of loading and compiling, not after
+    if missing:
         raise Unavailable(
-            f"serve: needs the 'serve' extra ({e.name} is missing): {_install_extra('serve')}"
-        ) from None
+            f"serve: needs the 'serve' extra ({', '.join(missing)} missing): "
+            f"{_install_extra('serve')}"
+        )
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port: expected an int in [0, 65535], got {args.port}")
     if args.max_waiting < 0:

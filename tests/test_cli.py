@@ -493,6 +493,34 @@ def test_the_missing_extra_hint_works_from_a_checkout():
     assert cli._install_extra("serve") == f"{sys.executable} -m pip install -e '{root}[serve]'"
 
 
+def test_serve_without_its_extra_says_so_before_loading_anything(monkeypatch, capsys):
+    # Issue 87, item 1: the model loaded and 23 shapes compiled (16 s), then a traceback
+    # ended "No module named 'uvicorn'"
+    import tomllib
+
+    from paged_jax import cli, server
+
+    root = pathlib.Path(cli.__file__).resolve().parents[1]
+    extra = tomllib.loads((root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]["serve"]
+    names = {re.split(r"[<>=\[; ]", req)[0].replace("-", "_") for req in extra}
+    assert set(server.EXTRA_MODULES) == names  # the check names what the extra installs
+
+    def never(*args, **kw):
+        raise AssertionError("loaded or started before the extra was checked")
+
+    monkeypatch.setattr(cli, "_start_jax", never)
+    monkeypatch.setattr(cli, "_load_model", never)
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # an import of it fails
+    assert cli.main(["serve", "--model", "tiny-llama"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "paged-jax: error: serve: needs the 'serve' extra (uvicorn missing): "
+        + cli._install_extra("serve")
+    ]
+
+
 def test_one_variable_places_every_cache(monkeypatch, tmp_path):
     from paged_jax.engine import compile_cache
     from paged_jax.kernels import cpu

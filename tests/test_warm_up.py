@@ -233,6 +233,30 @@ def test_warm_up_counts_each_variant_of_a_shape_as_a_program(tiny, capsys):
     n = len(shapes)
     assert f"every step shape ready: {2 * n} programs for {n} shapes" in err
     assert f"({len(buckets)} new to this process)" in err
-    with_rows = [b for b in buckets if b.get("variant") == ("adapter rows",)]
+    with_rows = [b for b in buckets if "adapter rows" in b["variant"]]
     assert len(with_rows) == len(buckets) - len(with_rows) == n
     assert err.count(", adapter rows\n") == n
+
+
+def test_each_warm_up_line_says_what_sets_its_program_apart(capsys):
+    # Issue 87, item 5: "compiled a step bucket ... 8 tokens, 8 sequences, 512 pages per
+    # sequence, 8 page copies" printed twice (a decode-only step and a mixed one), next to
+    # "23 shapes"; with speculation or adapters each shape has more programs still.
+    llm = pj.LLM(
+        *models.load("tiny-llama"),
+        num_pages=59,  # a pool no other test's engine has: its steps compile here
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        compilation_cache=False,
+        speculative={"method": "ngram"},
+    )
+    llm.warm_up()
+    lines = [
+        line.split(": ", 1)[1]
+        for line in capsys.readouterr().err.splitlines()
+        if line.startswith("warm-up: compiled a step bucket")
+    ]
+    shown = [line.split(" s: ", 1)[1] for line in lines]  # (the seconds differ anyway)
+    assert len(shown) == len(llm.compiled_buckets) and len(set(shown)) == len(shown), shown
+    assert any("decode rows only" in s for s in shown)
+    assert any("speculative verify" in s for s in shown)

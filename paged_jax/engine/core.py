@@ -605,6 +605,14 @@ class EngineCore(Launching, ApplyResults, FaultIsolation, Speculation, Loras):
         self.metrics.dispatch_s += f.dispatch_s
         self.metrics.wait_s += t2 - t1
         self.metrics.tokens_computed += f.num_tokens
+        before = self.metrics.tokens_generated
+        finished = self._apply(f, toks, lps, cand, scores, overlapped, t2)
+        if f.compiled:  # its tokens came with the compile's time, not the running's
+            self.metrics.compile_tokens += self.metrics.tokens_generated - before
+        return finished
+
+    def _apply(self, f: Launched, toks, lps, cand, scores, overlapped: bool, t2: float):
+        """``_complete``'s second half: step ``f``'s tokens (host arrays) applied."""
         if f.steps is not None:
             return self._apply_steps(f, toks, lps, t2)
         if f.scoring:  # before _process, which may finish (and output) their requests

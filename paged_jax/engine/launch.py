@@ -127,6 +127,7 @@ class Launched:
     outputs: tuple
     dispatch_s: float  # the dispatch call's time (0 when it compiled)
     stalled: bool  # its speculative schedule stopped short of a preemption
+    compiled: bool = False  # its dispatch compiled a new program (its time: compile_s)
     # Multi-step decoding: the steps each row runs; None: one
     # step. Then also its rows as a lane, and its batch and sampling arrays, from which
     # the next launch is built (``advance_batch``).
@@ -284,6 +285,7 @@ class Launching:
         f.outputs, seconds, compiled = self.runner.sample(f.deferred, allowed, cand_allowed)
         f.deferred = f.mask_rows = None
         if compiled:
+            f.compiled = True
             self.metrics.compile_s += seconds
             self.metrics.compilations += 1
         else:
@@ -383,6 +385,7 @@ class Launching:
             last=last,
             dispatch_s=0.0 if compiled else dispatch_s,
             stalled=stalled,
+            compiled=compiled,
             steps=steps,
             lane=lane,
             batch=batch if steps is not None else None,

@@ -686,16 +686,16 @@ class LLM(EngineCore):
                 outs = self._step_or_recover()
                 if outs is None:
                     continue
-                tokens, finished = self.metrics.tokens_generated - before, 0
+                tokens, finished, unused = self.metrics.tokens_generated - before, 0, 0
                 for out in outs:
                     if out.request_id in mine:
                         done[out.request_id] = out
                         finished += 1
                         used = sum(len(c.token_ids) for c in out.outputs)
-                        tokens += max(budget[out.request_id] - used, 0)  # stopped early
+                        unused += max(budget[out.request_id] - used, 0)  # stopped early
                     else:
                         others.append(out)
-                bar.update(self.metrics, tokens, finished)
+                bar.update(self.metrics, tokens, finished, unused)
         except BaseException:
             # Interrupted or failed: this call's requests end with it (none is left to
             # run, unseen, in a later call).

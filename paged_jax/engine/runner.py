@@ -190,15 +190,24 @@ def _default_budget(most_useful: int) -> int:
     return min(cap, most_useful)
 
 
-def _variant(batch, adapters, allowed, cand_allowed, defer_sample, scored) -> tuple:
-    """What keys a compiled step apart from its shape's plain step, in words (the
-    arguments as ``ModelRunner.launch`` got them; None: absent)."""
-    names = ("adapter rows", "token masks", "candidate masks", "logits only", "prompt log-probs")
-    extras = (adapters, allowed, cand_allowed, defer_sample, scored)
-    out = [name for name, x in zip(names, extras, strict=True) if x is not None]
+def _variant(batch, flags: dict, penalties, adapters, allowed, cand_allowed, scored) -> tuple:
+    """What keys a compiled step apart from the other programs of its shape, in words:
+    its rows (decode only, or prefill and decode: the attention path differs), its
+    sampler (greedy only, batch-invariant) and the optional inputs ``ModelRunner.launch``
+    got (None: absent)."""
+    out = ["decode rows only" if flags["decode_only"] else "prefill and decode rows"]
+    if flags["greedy_only"]:
+        out.append("greedy rows only")
+    if flags["batch_invariant"]:
+        out.append("batch-invariant")
+    names = ("penalties", "adapter rows", "token masks", "candidate masks", "prompt log-probs")
+    extras = (penalties, adapters, allowed, cand_allowed, scored)
+    out += [name for name, x in zip(names, extras, strict=True) if x is not None]
+    if flags.get("logits_only"):
+        out.append("logits only")
     rows, seqs = batch.logits_indices.shape[0], batch.kv_lens.shape[0]
     if rows != seqs:  # a verify step: a row for each token too
-        out.append(f"{rows} sampled rows")
+        out.append(f"speculative verify, {rows} sampled rows")
     return tuple(out)
 
 
@@ -684,8 +693,8 @@ class ModelRunner:
             compiled = key not in self._compiled_keys
             self._compiled_keys.add(key)
         if compiled:
-            extras = (adapters, allowed, cand_allowed, defer_sample or None, scored)
-            self._compiled(batch, num_candidates, seconds, K, _variant(batch, *extras))
+            extras = (penalties, adapters, allowed, cand_allowed, scored)
+            self._compiled(batch, num_candidates, seconds, K, _variant(batch, flags, *extras))
         if defer_sample:
             deferred = DeferredSample(
                 toks, inputs, layout, penalties, flags["batch_invariant"], num_candidates,
@@ -794,8 +803,8 @@ class ModelRunner:
         self, batch, num_candidates: int, seconds: float, num_steps: int = 1, variant=()
     ) -> None:
         """Records (and logs at INFO) the shape bucket a step just compiled; ``variant``:
-        what else keys its program apart from the same shape's plain step (adapter rows,
-        token masks, a verify step's extra sampled rows...)."""
+        what else keys its program apart from the other programs of its shape (decode
+        rows only, adapter rows, token masks, a verify step's extra sampled rows...)."""
         b = dict(
             tokens=int(batch.token_ids.shape[0]),
             seqs=int(batch.kv_lens.shape[0]),

@@ -5,14 +5,30 @@ with uvicorn until SIGINT / SIGTERM. Routes: POST /v1/completions, POST
 /v1/chat/completions (server-sent events with ``"stream": true``), GET /v1/models,
 GET /health, GET /metrics (Prometheus text). See docs/SERVER.md.
 
-Needs the ``serve`` extra (starlette, uvicorn, prometheus_client).
+Needs the ``serve`` extra (``EXTRA_MODULES``); this module imports none of it, so a
+command can check for it (``missing_modules``) before loading a model.
 """
 
 from __future__ import annotations
 
+import importlib
 import signal
 import threading
 from typing import Any
+
+# What the ``serve`` extra installs (pyproject.toml), as the modules imported
+EXTRA_MODULES = ("starlette", "uvicorn", "prometheus_client", "llguidance")
+
+
+def missing_modules() -> list[str]:
+    """The modules of the ``serve`` extra that cannot be imported here."""
+    missing = []
+    for name in EXTRA_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
 
 
 def default_allowed_hosts(host: str) -> list[str] | None:
