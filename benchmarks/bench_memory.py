@@ -31,8 +31,9 @@ from benchmarks.common import (
 )
 from benchmarks.workloads import sample_lengths
 from paged_jax.block_manager import BlockManager
+from paged_jax.engine.request import Group, Seq, Status
 from paged_jax.engine.sampling import SamplingParams
-from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status
+from paged_jax.engine.scheduler import Scheduler
 
 MAX_LEN = 2048
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)

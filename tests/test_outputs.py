@@ -4,8 +4,8 @@ settled text for streaming, and ``RequestOutput``s, on hand-made sequences."""
 import pytest
 
 from paged_jax.engine.outputs import OutputProcessor
+from paged_jax.engine.request import Group, Seq, Status
 from paged_jax.engine.sampling import SamplingParams
-from paged_jax.engine.scheduler import Group, Seq, Status
 
 
 class Letters:

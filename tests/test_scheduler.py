@@ -112,7 +112,7 @@ def test_token_log_rows_reach_their_sequences_in_order_when_read():
     directly between launches, and moves them over before it joins another log."""
     import numpy as np
 
-    from paged_jax.engine.scheduler import Seq, TokenLog
+    from paged_jax.engine.request import Seq, TokenLog
 
     rng = np.random.default_rng(0)
     seqs = [Seq(f"s{i}", [i] * 3, 3, 0) for i in range(5)]

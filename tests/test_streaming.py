@@ -7,7 +7,7 @@ from test_gguf import spm_tokenizer
 
 import paged_jax as pj
 from paged_jax import models
-from paged_jax.engine.scheduler import Seq
+from paged_jax.engine.request import Seq
 
 PROMPTS = ["Hello there", "Paged attention", "Once upon"]
 

@@ -32,11 +32,12 @@ from paged_jax.engine.launch import _PENDING, Launched, Launching
 from paged_jax.engine.loras import Loras
 from paged_jax.engine.metrics import EngineMetrics, record_step
 from paged_jax.engine.outputs import OutputProcessor, RequestOutput
+from paged_jax.engine.request import Group, Seq, Status
 from paged_jax.engine.results import ApplyResults
 from paged_jax.engine.routing import PrefixRouter
 from paged_jax.engine.runner import ModelRunner
 from paged_jax.engine.sampling import SamplingParams
-from paged_jax.engine.scheduler import Group, Scheduler, Seq, Status
+from paged_jax.engine.scheduler import Scheduler
 from paged_jax.engine.speculative import Speculation, SpeculativeConfig
 
 log = logging.getLogger("paged_jax")

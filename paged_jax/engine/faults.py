@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from paged_jax.engine.protocol import ModelContractError
-from paged_jax.engine.scheduler import Group, Status
+from paged_jax.engine.request import Group, Status
 
 log = logging.getLogger("paged_jax")
 

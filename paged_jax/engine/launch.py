@@ -14,8 +14,8 @@ import numpy as np
 from paged_jax._validation import validate_batch
 from paged_jax.batch import ScheduledSeq, advance_batch, bucket, build_batch, concat_batches
 from paged_jax.block_manager import BlockManager, SeqRows
+from paged_jax.engine.request import TokenLog, Work
 from paged_jax.engine.sampling import Penalties, allowed_bits, idle_sampling
-from paged_jax.engine.scheduler import TokenLog, Work
 
 # The smallest token bucket of a step. Decode of a few sequences in a 16-token bucket
 # computed 16 rows of every product. SmolLM2-135M f32 on the 2-core AMD EPYC, greedy

@@ -14,8 +14,8 @@ import re
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+from paged_jax.engine.request import Group, Seq, Status
 from paged_jax.engine.sampling import SamplingParams
-from paged_jax.engine.scheduler import Group, Seq, Status
 
 
 @dataclasses.dataclass

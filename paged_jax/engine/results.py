@@ -15,7 +15,7 @@ import numpy as np
 
 from paged_jax.engine.launch import Lane, Launched
 from paged_jax.engine.outputs import RequestOutput
-from paged_jax.engine.scheduler import Group, Seq, Status
+from paged_jax.engine.request import Group, Seq, Status
 
 _CUM_LOGPROB = operator.attrgetter("cum_logprob")
 

@@ -30,7 +30,7 @@ import numpy as np
 from paged_jax.batch import bucket
 from paged_jax.block_manager import OutOfPages
 from paged_jax.engine.launch import MIN_STEP_TOKENS
-from paged_jax.engine.scheduler import Work
+from paged_jax.engine.request import Work
 
 METHODS = ("ngram", "draft")
 # A sequence verifies all its proposals, wherever tokens cost compute, only while a
