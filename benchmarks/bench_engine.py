@@ -416,8 +416,9 @@ def _held(layout: str):
 
 class _Phases:
     """While active, the seconds ``llm`` spends in each phase of its steps, summed: its
-    ``_launch`` (scheduling, batch building and the dispatch call), ``_complete`` (waiting
-    for the sampled tokens and applying them), ``_place`` and the runner's
+    engine core's ``_launch`` (scheduling, batch building and the dispatch call),
+    ``_complete`` (waiting for the sampled tokens and applying them), ``_place`` and the
+    runner's
     ``merge_tokens`` (an overlapped step's placeholders), by wrapping them on the
     instance; and the calling thread's CPU seconds (``time.thread_time``): a phase whose
     wall time far exceeds the CPU time it took was waiting (on the device, a lock)."""
@@ -425,6 +426,7 @@ class _Phases:
     NAMES = ("_launch", "_complete", "_place")
 
     def __init__(self, llm):
+        self.core = llm.engine  # (its steps' phases are the engine core's methods)
         self.llm, self.s = llm, dict.fromkeys(("launch", "complete", "place", "merge"), 0.0)
         self.calls = []  # per _step call: (seconds, tokens computed by the steps it completed)
 
@@ -442,8 +444,8 @@ class _Phases:
 
     def __enter__(self):
         for attr in self.NAMES:
-            self._wrap(self.llm, attr, attr[1:])
-        step, m = self.llm._step, self.llm.metrics
+            self._wrap(self.core, attr, attr[1:])
+        step, m = self.core._step, self.llm.metrics
 
         def timed_step():
             t, n = time.perf_counter(), m.tokens_computed
@@ -452,7 +454,7 @@ class _Phases:
             finally:
                 self.calls.append((time.perf_counter() - t, m.tokens_computed - n))
 
-        self.llm._step = timed_step
+        self.core._step = timed_step
         self._wrap(self.llm.runner, "merge_tokens", "merge")
         self.cpu0 = time.thread_time()
         return self
@@ -460,7 +462,7 @@ class _Phases:
     def __exit__(self, *exc):
         self.s["cpu"] = time.thread_time() - self.cpu0
         for attr in self.NAMES + ("_step",):
-            del self.llm.__dict__[attr]
+            del self.core.__dict__[attr]
         del self.llm.runner.__dict__["merge_tokens"]
 
     def decode_call_ms(self, c: int) -> float | None:
@@ -693,11 +695,12 @@ def _run_step(llm, tokens, inputs, layout, decode_only) -> None:
     """One call of the engine's jitted step (greedy rows, the pool donated), waited for."""
     import jax
 
-    out = llm._run(
-        llm._weights,
+    runner = llm.runner
+    out, runner.cache = runner.step_fn(
+        runner.weights,
         tokens,
         inputs,
-        llm.cache,
+        runner.cache,
         None,
         layout=layout,
         decode_only=decode_only,
@@ -705,8 +708,7 @@ def _run_step(llm, tokens, inputs, layout, decode_only) -> None:
         num_candidates=0,
         greedy_only=True,
     )
-    llm.cache = out[-1]
-    jax.block_until_ready(out[0])
+    jax.block_until_ready(out.tokens)
 
 
 def prefill_split(llm, name, backend, c, prompt_len) -> dict:
@@ -719,7 +721,7 @@ def prefill_split(llm, name, backend, c, prompt_len) -> dict:
     from paged_jax.batch import ScheduledSeq, build_batch
     from paged_jax.block_manager import BlockManager
     from paged_jax.engine.runner import _pack_inputs
-    from paged_jax.engine.sampling import idle_sampling
+    from paged_jax.engine.step_types import SamplingColumns
 
     vocab = llm.model.config.vocab_size
     rng = np.random.default_rng(1)
@@ -727,8 +729,7 @@ def prefill_split(llm, name, backend, c, prompt_len) -> dict:
     for i in range(c):
         bm.allocate(i, rng.integers(0, vocab, prompt_len).tolist())
     batch = build_batch(bm, [ScheduledSeq(i, 0, prompt_len) for i in range(c)])
-    sampling = tuple(np.asarray(a) for a in idle_sampling(batch.kv_lens.shape[0]))
-    inputs, layout = _pack_inputs(batch, sampling, None)
+    inputs, layout = _pack_inputs(batch, SamplingColumns.idle(batch.kv_lens.shape[0]), None)
     args = (jnp.asarray(batch.token_ids), jnp.asarray(inputs), layout, False)
     _run_step(llm, *args)  # compiles a bucket the engine runs did not
     t = statistics.median(time_samples(lambda: _run_step(llm, *args), repeats=5))
@@ -758,7 +759,8 @@ def decode_split(llm, name, backend, c, context) -> dict:
     from paged_jax.batch import ScheduledSeq, build_batch
     from paged_jax.block_manager import BlockManager
     from paged_jax.engine.runner import _pack_inputs
-    from paged_jax.engine.sampling import idle_sampling, sample_rows
+    from paged_jax.engine.sampling import sample_rows
+    from paged_jax.engine.step_types import SamplingColumns
 
     cfg = llm.model.config
     bm = BlockManager(llm.bm.num_pages, PAGE, enable_prefix_caching=False, watermark=0.0)
@@ -771,10 +773,8 @@ def decode_split(llm, name, backend, c, context) -> dict:
     md = AttentionMetadata.from_batch(batch)
     tokens = jnp.asarray(batch.token_ids)
     S = batch.kv_lens.shape[0]
-    greedy = tuple(map(jnp.asarray, idle_sampling(S)))
-
     # the step's host inputs as the engine sends them (one buffer), here on the device
-    inputs, layout = _pack_inputs(batch, tuple(np.asarray(a) for a in greedy), None)
+    inputs, layout = _pack_inputs(batch, SamplingColumns.idle(S), None)
     inputs = jnp.asarray(inputs)
 
     def whole():  # the engine's jitted step: copies, model, sampler (cache donated)

@@ -178,7 +178,7 @@ def verify_cost(args) -> int:
         engines = {0: plain}
         for k in args.ks:
             e = pj.LLM(model, speculative={"num_speculative_tokens": k}, **common)
-            e.proposer = _Known(sequences)
+            e.engine.speculator.proposer = _Known(sequences)
             engines[k] = e
         for e in engines.values():
             e.generate(prompts, p, progress=False)  # compile

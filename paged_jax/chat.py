@@ -115,7 +115,47 @@ def render_chat(
         raise ChatTemplateError(f"chat template: {type(e).__name__}: {e}"[:500]) from None
 
 
-def continue_final_message(rendered: str, messages: Sequence[Mapping]) -> str:
+def render_prompt(
+    tokenizer: Any,
+    messages: Sequence[Mapping],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    **template_args: Any,
+) -> list[int]:
+    """The token ids of conversation ``messages`` rendered with ``tokenizer``'s chat
+    template (its ``apply_chat_template``, as ``paged_jax.models`` tokenizers have;
+    ``template_args`` go to the template), as ``LLM.chat`` and the server's chat route
+    both render it. ``continue_final_message``: the reply goes on with the final
+    (assistant) message instead of starting a new one (its text is cut after that
+    message's content, then tokenized without special tokens). ``ValueError`` (a
+    ``ChatTemplateError`` from the template) otherwise."""
+    render = getattr(tokenizer, "apply_chat_template", None)
+    if render is None or getattr(tokenizer, "chat_template", "") is None:
+        raise ValueError(
+            "tokenizer: chat needs a tokenizer with a chat template (apply_chat_template), "
+            "such as paged_jax.models.load gives"
+        )
+    if continue_final_message:
+        text = render(messages, tokenize=False, add_generation_prompt=False, **template_args)
+        cut = cut_after_final_message(text, messages)
+        try:
+            cut.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: no tokenizer takes it
+            raise ValueError(
+                f"messages: not valid Unicode text (a lone UTF-16 surrogate at character "
+                f"{e.start})"
+            ) from None
+        ids = tokenizer.encode(cut, add_special_tokens=False)
+        return list(getattr(ids, "ids", ids))
+    return list(
+        render(
+            messages, tokenize=True, add_generation_prompt=add_generation_prompt, **template_args
+        )
+    )
+
+
+def cut_after_final_message(rendered: str, messages: Sequence[Mapping]) -> str:
     """``rendered`` (the conversation ``messages`` under its chat template, without a
     generation prompt) cut right after the final message's content, so that generation
     goes on with that message instead of starting a new one (vLLM's and transformers'

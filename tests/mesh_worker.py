@@ -104,7 +104,7 @@ def run(spec: str) -> dict:
         mesh=mesh,
         compilation_cache=False,
     )
-    llm._run = Recorder(llm._run)  # noqa: SLF001
+    llm.runner.step_fn = Recorder(llm.runner.step_fn)  # noqa: SLF001
     routed = [0] * dp  # requests each replica's scheduler received
     for r, sc in enumerate(llm.schedulers):
         sc.add = lambda g, add=sc.add, r=r: (routed.__setitem__(r, routed[r] + 1), add(g))
@@ -112,9 +112,9 @@ def run(spec: str) -> dict:
     vocab = model.config.vocab_size  # gemma3: 64
     prompts = [[t % vocab for t in p] for p in prompts]
     outs = llm.generate(prompts, params, progress=False)
-    args, kw = llm._run.last  # noqa: SLF001
+    args, kw = llm.runner.step_fn.last  # noqa: SLF001
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        compiled = llm._run.run.lower(*args, **kw).compile()  # noqa: SLF001
+        compiled = llm.runner.step_fn.run.lower(*args, **kw).compile()  # noqa: SLF001
     hlo = compiled.as_text()
     pages = llm.cache.kv_pages
     # what the compiled step takes per device, less every argument but the pool: the
@@ -138,7 +138,7 @@ def run(spec: str) -> dict:
         compiled_cache_bytes=int(compiled_cache_bytes),
         kv_heads=llm.cache.num_kv_heads,
         compilations=m.compilations,
-        compiled_steps=llm._run._cache_size(),  # noqa: SLF001
+        compiled_steps=llm.runner.step_fn._cache_size(),  # noqa: SLF001
         preemptions=m.preemptions_swap + m.preemptions_recompute,
         max_pages_shared=m.max_pages_shared,
         pool_collectives=pool_collectives(hlo, llm.cache),
@@ -209,7 +209,7 @@ def draft() -> dict:
         llm = pj.LLM(model, num_pages=64, page_size=PAGE, tensor_parallel_size=tp,
                      speculative=spec, compilation_cache=False)  # fmt: skip
         outs = llm.generate(prompts, p, progress=False)
-        pool = llm.proposer.cache.kv_pages
+        pool = llm.engine.speculator.proposer.cache.kv_pages
         out[tp] = dict(
             tokens=[o.outputs[0].token_ids for o in outs],
             proposed=llm.metrics.spec_draft_tokens,

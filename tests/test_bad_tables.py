@@ -202,7 +202,7 @@ def test_validate_batch_names_the_array_and_row(name, spoil, msg):
 
 
 def test_checked_engine_validates_every_step(monkeypatch):
-    from paged_jax.engine import launch as engine_launch
+    from paged_jax.engine import launcher as engine_launch
 
     calls = []
     real = engine_launch.validate_batch
@@ -222,7 +222,7 @@ def test_checked_engine_validates_every_step(monkeypatch):
 
 @pytest.mark.failing_steps
 def test_checked_engine_fails_the_request_whose_step_is_invalid(monkeypatch):
-    from paged_jax.engine import launch as engine_launch
+    from paged_jax.engine import launcher as engine_launch
 
     real = engine_launch.build_batch
 
@@ -238,7 +238,7 @@ def test_checked_engine_fails_the_request_whose_step_is_invalid(monkeypatch):
     p = pj.SamplingParams(max_tokens=3, ignore_eos=True)
     llm.add_request("good", [1, 2, 3], p)
     llm.add_request("bad", [4, 5, 6], p)
-    bad_seq = llm._groups["bad"].seqs[0].seq_id  # noqa: SLF001
+    bad_seq = llm.engine.requests.get("bad").seqs[0].seq_id
     done, errors = {}, 0
     while llm.has_unfinished():
         try:

@@ -165,19 +165,19 @@ def test_continue_final_message_goes_on_with_the_assistants_words(tmp_path):
     not write it, and beside ``add_generation_prompt``."""
     from starlette.testclient import TestClient
 
-    from paged_jax.chat import continue_final_message
+    from paged_jax.chat import cut_after_final_message
     from paged_jax.server.api import Server
 
     template = GOLDEN["smollm2"]["template"]  # ChatML: <|im_start|>role\n...<|im_end|>
     msgs = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "It is "}]
     text = render_chat(template, msgs, add_generation_prompt=False)
-    cut = continue_final_message(text, msgs)
+    cut = cut_after_final_message(text, msgs)
     assert text.endswith("It is <|im_end|>\n") and cut == text[: text.rindex("It is ") + 6]
     assert cut.endswith("<|im_start|>assistant\nIt is ")
     with pytest.raises(ValueError, match="needs a final assistant message with text"):
-        continue_final_message(text, msgs[:1])
+        cut_after_final_message(text, msgs[:1])
     with pytest.raises(ValueError, match="does not write the final message's content"):
-        continue_final_message("<|im_start|>assistant\n", msgs)
+        cut_after_final_message("<|im_start|>assistant\n", msgs)
 
     write_gguf(tmp_path / "m.gguf", _model(), extra={"tokenizer.chat_template": template})
     model, tok = load_gguf(tmp_path / "m.gguf")

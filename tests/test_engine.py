@@ -370,7 +370,7 @@ def test_small_steps_take_their_cpu_compile_options_and_change_no_token(monkeypa
     params = pj.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True)
     kw = dict(num_pages=64, page_size=PAGE, max_num_batched_tokens=64, compilation_cache=False)
     llm = pj.LLM(*models.load("tiny-llama"), **kw)
-    assert llm._run.small is not None  # noqa: SLF001 (the suite runs on CPU)
+    assert llm.runner.step_fn.small is not None  # noqa: SLF001 (the suite runs on CPU)
     calls = []
 
     class Seen:  # records which jitted step ran a step of how many tokens
@@ -384,18 +384,18 @@ def test_small_steps_take_their_cpu_compile_options_and_change_no_token(monkeypa
         def _cache_size(self):
             return self.fn._cache_size()
 
-    step = llm._run  # noqa: SLF001
+    step = llm.runner.step_fn
     step.default, step.small = Seen("default", step.default), Seen("small", step.small)
     got = llm.generate(prompts, params, progress=False)
     # the prefill (64 tokens) took the default step, the decode steps (3 rows) the small one
     assert ("default", 64) in calls and ("small", 16) in calls
     assert all((name == "small") == (t <= 16) for name, t in calls)
     assert engine_runner.SMALL_STEP_TOKENS == 16
-    assert pj.LLM(*models.load("tiny-llama"), deterministic=True, **kw)._run.small is None  # noqa: SLF001
+    assert pj.LLM(*models.load("tiny-llama"), deterministic=True, **kw).runner.step_fn.small is None  # noqa: SLF001
 
     monkeypatch.setattr(engine_runner, "_small_step_options", lambda: None)
     plain = pj.LLM(*models.load("tiny-llama"), **kw)
-    assert plain._run.small is None  # noqa: SLF001
+    assert plain.runner.step_fn.small is None  # noqa: SLF001
     want = plain.generate(prompts, params, progress=False)
     for g, w in zip(got, want, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
@@ -411,6 +411,7 @@ def test_step_inputs_pack_into_one_buffer_and_come_back_bit_for_bit():
     from paged_jax.batch import ScheduledSeq, build_batch
     from paged_jax.block_manager import BlockManager
     from paged_jax.engine.runner import _SAMPLING, _pack_inputs, _unpack_inputs
+    from paged_jax.engine.step_types import SamplingColumns
 
     bm = BlockManager(32, 4, watermark=0.0)
     bm.allocate("a", [1, 2, 3, 4, 5])
@@ -419,7 +420,7 @@ def test_step_inputs_pack_into_one_buffer_and_come_back_bit_for_bit():
     S_b = batch.kv_lens.shape[0]
     rng = np.random.default_rng(0)
     odd = np.array([np.nan, -0.0, np.inf, 1e-45], np.float32)  # bit patterns to keep
-    sampling = (
+    sampling = SamplingColumns(
         np.resize(odd, S_b),
         rng.integers(0, 50, S_b).astype(np.int32),
         rng.random(S_b, np.float32),
@@ -434,7 +435,7 @@ def test_step_inputs_pack_into_one_buffer_and_come_back_bit_for_bit():
     want = {
         "positions": batch.positions,
         "steps": steps,
-        **dict(zip(_SAMPLING, sampling, strict=True)),
+        **dict(zip(_SAMPLING, sampling.columns(), strict=True)),
     }
     want.update((k, getattr(batch, k)) for k in ("slot_mapping", "page_indices", "copy_dst"))
     for name, a in want.items():

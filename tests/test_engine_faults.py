@@ -12,7 +12,7 @@ import pytest
 import paged_jax as pj
 from paged_jax import models
 from paged_jax.engine import faults as engine_faults
-from paged_jax.engine import launch as engine_launch
+from paged_jax.engine import launcher as engine_launch
 
 # every test here makes engine steps fail on purpose
 pytestmark = pytest.mark.failing_steps
@@ -92,7 +92,8 @@ def reference():
 def _assert_clean(llm):
     assert llm.bm.stats()["pages_used"] == 0
     assert llm.bm.num_host_free_pages == llm.bm.num_host_pages
-    assert not llm._host and not llm._groups and not llm._undelivered  # noqa: SLF001
+    assert not len(llm.engine.swapper) and not len(llm.engine.requests)
+    assert not llm.has_unfinished()
 
 
 class Fault(Exception):
@@ -123,14 +124,14 @@ def _inject(monkeypatch, llm, stage: str, at_steps: set[int], exc=Fault):
 
         monkeypatch.setattr(llm.scheduler, "schedule", schedule)
     elif stage == "swap":
-        real = llm._swap  # noqa: SLF001
+        real = llm.engine.swapper.apply
 
         def swap(scheds):
             real(scheds)
             if any(s.swap_out or s.swap_in for s in scheds) and due():
                 raise exc("after swap")
 
-        monkeypatch.setattr(llm, "_swap", swap)
+        monkeypatch.setattr(llm.engine.swapper, "apply", swap)
     elif stage == "build":  # the copies are taken (the original bug), then the step fails
         real = engine_launch.build_batch
 
@@ -142,7 +143,7 @@ def _inject(monkeypatch, llm, stage: str, at_steps: set[int], exc=Fault):
 
         monkeypatch.setattr(engine_launch, "build_batch", build)
     else:
-        real = llm._run  # noqa: SLF001
+        real = llm.runner.step_fn
 
         class Run:
             def __call__(self, *a, **k):
@@ -156,7 +157,7 @@ def _inject(monkeypatch, llm, stage: str, at_steps: set[int], exc=Fault):
             def _cache_size(self):
                 return real._cache_size()
 
-        monkeypatch.setattr(llm, "_run", Run())
+        monkeypatch.setattr(llm.runner, "step_fn", Run())
 
 
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
@@ -207,7 +208,7 @@ def test_a_fault_while_applying_results_stops_the_engine_until_reset(monkeypatch
     def broken(*a, **k):
         raise Fault("while applying")
 
-    monkeypatch.setattr(llm, "_process", broken)
+    monkeypatch.setattr(llm.engine.applier, "process", broken)
     with pytest.raises(Fault):  # the first call may leave its step running (overlap)
         llm.step()
         llm.step()
@@ -235,18 +236,18 @@ def test_a_fault_no_request_explains_stops_the_engine_instead_of_looping(monkeyp
 
 def _poison(monkeypatch, llm, bad: set):
     """Every step that runs a request in ``bad`` raises (a request that breaks steps)."""
-    real = llm._run  # noqa: SLF001
+    real = llm.runner.step_fn
 
     class Run:
         def __call__(self, *a, **k):
-            if bad & {g.request_id for g in llm._step_groups}:  # noqa: SLF001
+            if bad & {g.request_id for g in llm.engine.step_groups}:
                 raise Fault("this request breaks the step")
             return real(*a, **k)
 
         def _cache_size(self):
             return real._cache_size()
 
-    monkeypatch.setattr(llm, "_run", Run())
+    monkeypatch.setattr(llm.runner, "step_fn", Run())
 
 
 @pytest.mark.parametrize("bad_index", [0, 5])
@@ -277,7 +278,7 @@ def test_generate_goes_on_past_a_failing_request():
     ref = _engine().generate([[1, 2, 3], [4, 5, 6]], p, progress=False)
     mp = pytest.MonkeyPatch()
     with mp.context() as m:
-        _poison(m, llm, {f"gen-{llm._arrivals + 1}-1"})  # noqa: SLF001 (the second prompt)
+        _poison(m, llm, {f"gen-{llm.engine.requests.arrivals + 1}-1"})  # (the second prompt)
         outs = llm.generate([[1, 2, 3], [4, 5, 6], [7, 8]], p, progress=False)
     assert _tokens(outs[0]) == _tokens(ref[0])
     assert outs[1].error is not None and outs[1].outputs[0].finish_reason == "error"
@@ -301,7 +302,7 @@ def test_one_sigint_waits_for_the_step_and_two_interrupt_it(monkeypatch, usual_c
     p = pj.SamplingParams(max_tokens=5, ignore_eos=True)
     ref = _engine().generate([[4, 5, 6]], p, progress=False)[0]
     llm.add_request("a", [4, 5, 6], p)
-    real = llm._run  # noqa: SLF001
+    real = llm.runner.step_fn
     kills = {"n": 1}
 
     class Run:
@@ -319,11 +320,11 @@ def test_one_sigint_waits_for_the_step_and_two_interrupt_it(monkeypatch, usual_c
         def _cache_size(self):
             return real._cache_size()
 
-    monkeypatch.setattr(llm, "_run", Run())
+    monkeypatch.setattr(llm.runner, "step_fn", Run())
     # One Ctrl-C: the step completes, then KeyboardInterrupt is raised at its end.
     with pytest.raises(KeyboardInterrupt):
         llm.step()
-    running = llm._inflight is not None  # noqa: SLF001 (left running: overlapped steps)
+    running = llm.engine.in_flight is not None  # (left running: overlapped steps)
     assert llm.metrics.steps + running == 1 and llm.metrics.failed_steps == 0
     # Two: the second interrupts the step, which is undone.
     kills["n"] = 2
@@ -426,7 +427,7 @@ def test_abort_returns_the_tokens_so_far_and_frees_swapped_buffers():
         llm.step()
         if llm.scheduler.swapped:
             break
-    assert llm.scheduler.swapped and llm._host  # noqa: SLF001
+    assert llm.scheduler.swapped and len(llm.engine.swapper)
     for g in list(llm.scheduler.swapped):
         llm.abort(g.request_id)
     for i in range(4):

@@ -121,8 +121,8 @@ def drive(seed: int, num_ops: int, speculative=None):
     rng = np.random.default_rng(seed)
     llm = _engine(speculative)
     if speculative is not None:
-        llm.proposer = _Guesses(seed)
-    real_run = llm._run  # noqa: SLF001
+        llm.engine.speculator.proposer = _Guesses(seed)
+    real_run = llm.runner.step_fn
     fault = {"armed": False}
 
     class Run:
@@ -135,7 +135,7 @@ def drive(seed: int, num_ops: int, speculative=None):
         def _cache_size(self):
             return real_run._cache_size()
 
-    llm._run = Run()  # noqa: SLF001
+    llm.runner.step_fn = Run()
     accepted = {}  # request id -> (prompt, params), while unfinished
     delivered = {}  # (request id, generation) -> output
     generation = {}  # request id -> times it was used
@@ -157,7 +157,7 @@ def drive(seed: int, num_ops: int, speculative=None):
             prompt = rng.integers(0, VOCAB, int(rng.integers(2, 20))).tolist()
             params = _params(rng)
             if speculative is not None:
-                llm.proposer.known += [prompt + r for r in _alone(prompt, params)]
+                llm.engine.speculator.proposer.known += [prompt + r for r in _alone(prompt, params)]
             llm.add_request(rid, prompt, params)
             generation[rid] = generation.get(rid, 0) + 1
             accepted[rid] = (prompt, params)
@@ -201,7 +201,8 @@ def drive(seed: int, num_ops: int, speculative=None):
     # Nothing is left behind.
     assert llm.bm.stats()["pages_used"] == 0
     assert llm.bm.num_host_free_pages == llm.bm.num_host_pages
-    assert not llm._host and not llm._groups and not llm._undelivered  # noqa: SLF001
+    assert not len(llm.engine.swapper) and not len(llm.engine.requests)
+    assert not llm.has_unfinished()
     # Every finished request has its tokens alone; an aborted one a prefix of them.
     mismatches = 0
     for out, (prompt, params) in delivered.values():

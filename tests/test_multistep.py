@@ -75,13 +75,15 @@ def requests():
 @pytest.mark.parametrize("K, overlapped", [(4, True), (8, True), (4, False)])
 def test_multi_step_launches_change_no_token(requests, K, overlapped):
     """Overlapped (the default), each launch after the first of a run goes on from the
-    one still running (``_continue``), rows that stop meanwhile dropped."""
+    one still running (``StepLauncher.plan_continuation``), rows that stop meanwhile
+    dropped."""
     prompts, params = requests
     single = _engine(1)
     ref = single.generate(prompts, params, progress=False)
     llm = _engine(K, async_scheduling=overlapped, checked=True)  # checks lane.cum too
-    went_on, go_on = [], llm._continue
-    llm._continue = lambda f: went_on.append(go_on(f)) or went_on[-1]
+    launcher = llm.engine.launcher
+    went_on, plan = [], launcher.plan_continuation
+    launcher.plan_continuation = lambda *a: went_on.append(plan(*a)) or went_on[-1]
     outs = llm.generate(prompts, params, progress=False)
     # launches that went on from the one running: overlapped only
     assert sum(f is not None for f in went_on) >= (2 if overlapped else 0)
@@ -119,14 +121,13 @@ def test_every_dispatch_after_the_first_overlaps_the_one_before(monkeypatch):
     p = pj.SamplingParams(max_tokens=20, ignore_eos=True)
     ref = _engine(1, async_scheduling=False).generate(prompts, p, progress=False)
     llm = _engine(8)
-    sent = []
-    send = llm._send
-    # its lane, the last positional argument
-    monkeypatch.setattr(llm, "_send", lambda *a, **k: sent.append(a[-1]) or send(*a, **k))
+    sent = []  # each dispatch's steps (None: a single step)
+    launch = llm.runner.launch
+    monkeypatch.setattr(llm.runner, "launch", lambda i: sent.append(i.steps) or launch(i))
     assert _summary(llm.generate(prompts, p, progress=False)) == _summary(ref)
     m = llm.metrics
     assert sent[0] is None and sent[-1] is not None  # a single step first, launches last
-    assert m.multi_step_launches == sum(lane is not None for lane in sent) >= 2
+    assert m.multi_step_launches == sum(steps is not None for steps in sent) >= 2
     assert m.overlapped_steps == len(sent) - 1
     llm.bm.check_invariants()
 
@@ -191,7 +192,7 @@ def test_a_failed_launch_loses_nothing_and_changes_no_token(requests, when):
     # change
     ref = _engine(1, deterministic=True).generate(prompts, params, progress=False)
     llm = _engine(4, deterministic=True)
-    real, launches = llm._run, []  # noqa: SLF001
+    real, launches = llm.runner.step_fn, []
 
     class Run:
         def __call__(self, *a, **k):
@@ -208,7 +209,7 @@ def test_a_failed_launch_loses_nothing_and_changes_no_token(requests, when):
         def _cache_size(self):
             return real._cache_size()
 
-    llm._run = Run()  # noqa: SLF001
+    llm.runner.step_fn = Run()
     for rid, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         llm.add_request(rid, prompt, p)
     done, errors = {}, 0

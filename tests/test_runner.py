@@ -9,7 +9,7 @@ from model_helpers import dense_logits
 import paged_jax as pj
 from paged_jax import models
 from paged_jax.engine.runner import ModelRunner
-from paged_jax.engine.sampling import idle_sampling
+from paged_jax.engine.step_types import SamplingColumns, StepInputs
 
 PAGE = 8
 
@@ -29,11 +29,6 @@ def _runner(model, **kw):
     return ModelRunner(model, **args)
 
 
-def _greedy(S):
-    """Sampling columns of ``S`` greedy rows, as the engine core builds them."""
-    return idle_sampling(S)
-
-
 def test_a_prefill_batch_gives_the_models_greedy_tokens():
     model, _ = models.load("tiny-llama")
     runner = _runner(model)
@@ -43,16 +38,16 @@ def test_a_prefill_batch_gives_the_models_greedy_tokens():
         bm.allocate(sid, ids)
     batch = pj.build_batch(bm, [pj.ScheduledSeq(s, 0, len(ids)) for s, ids in prompts.items()])
     S_b = batch.kv_lens.shape[0]
-    outputs, last, seconds, compiled = runner.launch(
-        batch, batch.token_ids, _greedy(S_b), None, 0, None, 1
-    )
-    toks = np.asarray(outputs[0])[:, 0]
-    assert last is None and compiled and seconds > 0
+    inputs = StepInputs(batch, batch.token_ids, SamplingColumns.idle(S_b))  # greedy rows
+    d = runner.launch(inputs)
+    out = d.outputs.read()
+    toks = out.tokens[:, 0]
+    assert d.outputs.last is None and d.compiled and d.seconds > 0
+    assert out.candidates is None and out.scores is None
     for row, ids in enumerate(prompts.values()):
         assert toks[row] == int(np.argmax(dense_logits(runner.model, ids)[-1]))
     # the same shape again: no compile, and the bucket was recorded once
-    outputs, _, _, compiled = runner.launch(batch, batch.token_ids, _greedy(S_b), None, 0, None, 1)
-    assert not compiled and len(runner.compiled_buckets) == 1
+    assert not runner.launch(inputs).compiled and len(runner.compiled_buckets) == 1
     bucket = runner.compiled_buckets[0]
     assert (bucket["tokens"], bucket["seqs"]) == (batch.token_ids.shape[0], S_b)
 

@@ -631,7 +631,7 @@ def test_a_step_that_stops_the_engine_fails_its_requests_and_the_server_goes_on(
 
     model, tokenizer = models.load("tiny-llama")
     llm = pj.LLM(model, tokenizer, num_pages=64, compilation_cache=False)
-    real, faults = llm._process, [RuntimeError("while applying")]
+    real, faults = llm.engine.applier.process, [RuntimeError("while applying")]
     events = {rid: queue.Queue() for rid in ("a", "b", "c", "d")}
     params = pj.SamplingParams(max_tokens=3, ignore_eos=True)
 
@@ -642,7 +642,7 @@ def test_a_step_that_stops_the_engine_fails_its_requests_and_the_server_goes_on(
             raise faults.pop()
         return real(*a, **k)
 
-    monkeypatch.setattr(llm, "_process", process)
+    monkeypatch.setattr(llm.engine.applier, "process", process)
     loop = EngineLoop(llm)
     loop.start()
     try:

@@ -176,7 +176,7 @@ def test_speculation_changes_no_token(reference, proposer, pool):
     llm = _engine(speculative={"num_speculative_tokens": 5, "prompt_lookup_min": 1}, **pool)
     if proposer != "ngram":
         full = [p + c.token_ids for p, o in zip(prompts, ref, strict=True) for c in o.outputs]
-        llm.proposer = _Oracle(full, wrong=proposer == "wrong")
+        llm.engine.speculator.proposer = _Oracle(full, wrong=proposer == "wrong")
     outs = llm.generate(prompts, params, progress=False)
     assert _summary(outs) == _summary(ref)
     m = llm.metrics
@@ -200,7 +200,7 @@ def test_right_proposals_take_fewer_steps_and_recompute_preemption_keeps_tokens(
     llm = _engine(
         num_pages=14, watermark=0.0, speculative={"num_speculative_tokens": 4}
     )  # recompute preemption, pages for proposals often short
-    llm.proposer = _Oracle(full)
+    llm.engine.speculator.proposer = _Oracle(full)
     plain = _engine(num_pages=14, watermark=0.0)
     want = plain.generate(prompts, params, progress=False)
     outs = llm.generate(prompts, params, progress=False)
@@ -219,7 +219,7 @@ def test_rejected_proposals_never_reach_the_prefix_cache():
     prompt = list(range(10, 18)) * 2  # 16 tokens: two full pages
     truth = _engine().generate([prompt], pj.SamplingParams(max_tokens=9), progress=False)
     ids = truth[0].outputs[0].token_ids
-    llm.proposer = _Oracle([prompt + ids], wrong=True)
+    llm.engine.speculator.proposer = _Oracle([prompt + ids], wrong=True)
     out = llm.generate([prompt], pj.SamplingParams(max_tokens=9), progress=False)
     assert out[0].outputs[0].token_ids == ids
     wrong = [(t + 1) % 256 for t in ids[:8]]
@@ -237,7 +237,7 @@ def test_proposer_interface_gets_each_sequence_its_tokens_and_room():
             return [[] for _ in requests]
 
     llm = _engine(speculative={"num_speculative_tokens": 3})
-    llm.proposer = Spy()
+    llm.engine.speculator.proposer = Spy()
     out = llm.generate(
         [[1, 2, 3]], pj.SamplingParams(max_tokens=5, ignore_eos=True), progress=False
     )
@@ -256,7 +256,7 @@ def test_a_bad_proposal_fails_the_step_not_the_engine():
             return [[10**6] for _ in requests]
 
     llm = _engine(speculative={})
-    llm.proposer = Bad()
+    llm.engine.speculator.proposer = Bad()
     llm.add_request("a", [1, 2, 3], pj.SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match=r"proposer: token ids must lie in \[0, "):
         for _ in range(3):
@@ -283,8 +283,9 @@ def test_a_draft_model_changes_no_token(reference, tiny, pool):
         outs = llm.generate(prompts, params, progress=False)
         assert _summary(outs) == _summary(ref)
         assert llm.metrics.spec_draft_tokens > 0
-        assert llm.proposer.bm.num_seqs == 0  # every sequence's draft state released
-        llm.proposer.bm.check_invariants()
+        draft = llm.engine.speculator.proposer
+        assert draft.bm.num_seqs == 0  # every sequence's draft state released
+        draft.bm.check_invariants()
 
 
 def test_a_draft_equal_to_the_target_has_every_greedy_proposal_accepted(tiny):
@@ -305,7 +306,7 @@ def test_a_draft_equal_to_the_target_has_every_greedy_proposal_accepted(tiny):
 def test_the_draft_recomputes_what_its_pool_dropped(tiny):
     """A pool too small for two sequences drops the one asked least recently; asked
     again, it is recomputed and proposes what a fresh draft does."""
-    from paged_jax.engine.draft import DraftModelProposer
+    from paged_jax.engine.speculative.draft import DraftModelProposer
 
     model = tiny[0]
     rng = np.random.default_rng(5)
@@ -329,7 +330,7 @@ def test_the_draft_splits_long_steps_and_proposes_what_one_step_does(tiny):
     """With ``max_step_tokens`` 8, 39 prompt tokens go through the draft in steps of at
     most 8 tokens (a prompt split across steps as chunked prefill splits it), and the
     proposals are those of the draft computing them in one step."""
-    from paged_jax.engine.draft import DraftModelProposer
+    from paged_jax.engine.speculative.draft import DraftModelProposer
 
     model = tiny[0]
     rng = np.random.default_rng(6)
@@ -365,7 +366,7 @@ def test_a_draft_must_be_a_model_with_the_targets_vocabulary(tiny):
     with pytest.raises(TypeError, match="speculative.draft_model: expected a paged-jax model"):
         _engine(speculative={"method": "draft", "draft_model": object()})
     llm = _engine(speculative={"method": "draft", "draft_model": "tiny-llama"})  # a name
-    assert llm.proposer.model.config.vocab_size == tiny[0].config.vocab_size
+    assert llm.engine.speculator.proposer.model.config.vocab_size == tiny[0].config.vocab_size
 
 
 def test_stop_strings_and_streams_cut_where_decoding_without_it_does(tiny):

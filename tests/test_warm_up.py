@@ -10,8 +10,7 @@ import pytest
 import paged_jax as pj
 from paged_jax import models
 from paged_jax.batch import bucket
-from paged_jax.engine.launch import MIN_STEP_TOKENS
-from paged_jax.engine.shapes import StepShape, step_shapes
+from paged_jax.engine.shapes import MIN_STEP_TOKENS, StepShape, step_shapes
 
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden" / "hf"
 
@@ -176,13 +175,14 @@ def test_nothing_compiles_after_warm_up_with_a_draft_model(tiny):
     llm = _engine(tiny, speculative=spec, num_pages=200)
     buckets = llm.warm_up(progress=False)
     drafts = [b for b in buckets if b.get("draft")]
-    assert len(drafts) <= len(llm.proposer.step_shapes()) == 4  # T 8/16/32 x S 8, a decode
+    draft = llm.engine.speculator.proposer
+    assert len(drafts) <= len(draft.step_shapes()) == 4  # T 8/16/32 x S 8, a decode
     assert all(b["pages_per_seq"] == llm.runner.table_width for b in drafts)
     rng = np.random.default_rng(4)
     prompts, params = _requests(rng, 12, tiny.config.vocab_size)
     want = _engine(tiny, num_pages=200).generate(prompts, params, progress=False)
     got = llm.generate(prompts, params, progress=False)
-    assert llm.metrics.spec_draft_tokens > 0 and llm.proposer.steps > 0
+    assert llm.metrics.spec_draft_tokens > 0 and llm.engine.speculator.proposer.steps > 0
     assert len(llm.compiled_buckets) == len(buckets), llm.compiled_buckets[len(buckets) :]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 

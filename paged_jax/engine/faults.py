@@ -2,8 +2,7 @@
 from its committed tokens), the request that causes it is found by running suspects one
 at a time and failed after its strikes, and a fault that cannot be undone (while a step's
 results were applied) or that repeats with no request to blame stops the engine until
-``reset()``. ``FaultIsolation`` is ``EngineCore``'s part that does it (a mixin over the
-core's state). No JAX."""
+``reset()``. ``FaultIsolator`` is the engine core's part that decides it. No JAX."""
 
 from __future__ import annotations
 
@@ -27,90 +26,91 @@ MAX_CONSECUTIVE_FAILED_STEPS = 3
 STRIKES_TO_FAIL_A_REQUEST = 2
 
 
-class FaultIsolation:
-    """``EngineCore``'s fault handling (see the module docstring)."""
+class FaultIsolator:
+    """The engine core's part that decides what a failed step means (see the module
+    docstring): which requests are suspects, which one runs alone while isolated, which
+    one is failed, and when the engine must stop (``failed``). It changes no request
+    itself: the core requeues, fails and rebuilds as ``on_fault`` says.
 
-    def _on_fault(self, error: BaseException) -> None:
-        """A step raised: blame a request or suspect some, requeue every unfinished
-        request, or stop the engine."""
-        phase, self._phase = self._phase, None
-        groups, self._step_groups = self._step_groups, []
-        self._consecutive_faults += 1
+    Args:
+      metrics: the engine's ``EngineMetrics`` (failed steps and requests are counted).
+    """
+
+    def __init__(self, metrics):
+        self.metrics = metrics
+        self.failed: BaseException | None = None  # the error that stopped the engine
+        self._suspects: list[Group] = []  # groups of a failed step, not yet cleared
+        self._cleared: set[int] = set()  # arrivals of suspects that since sampled a token
+        self._consecutive = 0  # failed steps in a row
+
+    @property
+    def isolating(self) -> bool:
+        """Whether suspects are being run one at a time (the engine then runs plain
+        single steps, not overlapped or multi-step ones)."""
+        return bool(self._suspects)
+
+    def on_fault(self, error: BaseException, phase: str | None, groups: list) -> Group | None:
+        """A step raised ``error`` in ``phase`` ("schedule": before its results were
+        applied; "apply": while they were) having run ``groups``. Returns the group to
+        fail (a suspect on its last strike: the core ends it with ``finish_reason``
+        "error"), or None. Sets ``failed`` when the engine must stop: results half
+        applied, the model's own fault, or too many failed steps in a row that no
+        request explains; otherwise the core requeues every unfinished request."""
+        self._consecutive += 1
         self.metrics.failed_steps += 1
-        if phase == "apply":
-            self._failed = error  # results were half applied
-            return
-        if isinstance(error, ModelContractError):  # the model's fault, no request's
-            self._failed = error
-            return
+        if phase == "apply" or isinstance(error, ModelContractError):
+            self.failed = error  # results half applied, or the model's fault, no request's
+            return None
+        blamed = None
         if isinstance(error, Exception):  # an interrupt says nothing about the requests
-            self._suspect(error, groups)
-        if self._consecutive_faults >= MAX_CONSECUTIVE_FAILED_STEPS:
-            self._failed = error  # the fault repeats and no request explains it
-            return
-        try:
-            self._rebuild([g for g in self._groups.values() if g.status is not Status.FINISHED])
-        except BaseException as e:  # noqa: BLE001 (any failure here stops the engine)
-            self._failed = e
+            blamed = self._suspect(error, groups)
+        if blamed is not None:
+            self._consecutive = 0  # explained
+            self.metrics.requests_failed += 1
+            log.warning("request %r failed: %s: %s", blamed.request_id, type(error).__name__, error)
+        elif self._consecutive >= MAX_CONSECUTIVE_FAILED_STEPS:
+            self.failed = error  # the fault repeats and no request explains it
+        return blamed
 
-    def _isolation(self) -> set[int] | None:
-        """The arrivals the scheduler may run while suspects are isolated, else None."""
+    def isolation(self) -> set[int] | None:
+        """The arrivals the schedulers may run while suspects are isolated, else None."""
         self._suspects = [g for g in self._suspects if g.status is not Status.FINISHED]
         if not self._suspects:
             self._cleared = set()
             return None
         return self._cleared | {self._suspects[0].arrival}
 
-    def _suspect(self, error: Exception, groups: list[Group]) -> None:
-        """Updates the suspects after ``error`` in a step that ran ``groups``; fails the
-        isolated suspect on its last strike."""
+    def succeeded(self, sampled: list[Group]) -> None:
+        """A step call completed, ``sampled``: the groups of its rows that sampled. The
+        isolated suspect among them is cleared (it may run with the others again)."""
+        self._consecutive = 0
+        if self._suspects and any(g is self._suspects[0] for g in sampled):
+            cleared = self._suspects.pop(0)
+            cleared.strikes = 0
+            self._cleared.add(cleared.arrival)
+
+    def _suspect(self, error: Exception, groups: list[Group]) -> Group | None:
+        """Updates the suspects after ``error`` in a step that ran ``groups``; returns the
+        isolated suspect on its last strike (no longer a suspect)."""
         self._suspects = [g for g in self._suspects if g.status is not Status.FINISHED]
         if not self._suspects:  # a new episode: every request of the step is a suspect
             self._suspects = sorted(groups, key=lambda g: g.arrival)
             if len(groups) == 1:
                 groups[0].strikes = 1  # it failed alone already
-            return
+            return None
         g = self._suspects[0]
         if g not in groups:
-            return  # the suspect did not run: nothing learned
+            return None  # the suspect did not run: nothing learned
         g.strikes += 1
         if g.strikes < STRIKES_TO_FAIL_A_REQUEST:
-            return
+            return None
         self._suspects.remove(g)
-        g.error = f"{type(error).__name__}: {error}"
-        for s in g.seqs:
-            s.finish_reason = "error"
-            self._ended += 1
-            g.done.append(s)
-        g.seqs.clear()
-        self._undelivered.append(self._finish(g))
-        self._consecutive_faults = 0  # explained
-        self.metrics.requests_failed += 1
-        log.warning("request %r failed: %s", g.request_id, g.error)
+        return g
 
-    def _rebuild(self, requeue: list[Group]) -> None:
-        """Fresh block manager, queues and host buffers; ``requeue`` waits to be
-        recomputed from its committed tokens. The pool is reallocated only if the failed
-        step consumed it (donated buffers); its contents are never read again."""
-        for r, sc in enumerate(self.schedulers):  # each request stays on its replica
-            sc.bm = self._new_block_manager()
-            sc.running, sc.swapped = [], []
-            sc.waiting = sorted((g for g in requeue if g.replica == r), key=lambda g: g.arrival)
-        for g in requeue:
-            g.status = Status.WAITING
-        self._inflight = None  # its results are dropped: the requests are recomputed
-        self._host.clear()
-        self.runner.reallocate_if_consumed()
-
-    @property
-    def failure(self) -> BaseException | None:
-        """The error of a step that could not be undone, while the engine is stopped by it
-        (every call but ``reset()`` then raises ``EngineFailedError``); None otherwise."""
-        return self._failed
-
-    def _check_usable(self) -> None:
-        if self._failed is not None:
-            e = self._failed
+    def check_usable(self) -> None:
+        """Raises ``EngineFailedError`` while the engine is stopped (``failed``)."""
+        if self.failed is not None:
+            e = self.failed
             raise EngineFailedError(
                 f"the engine stopped after a failed step ({type(e).__name__}: {e}); call "
                 "LLM.reset() to drop every request and go on with the same compiled model, "
@@ -118,11 +118,6 @@ class FaultIsolation:
             ) from e
 
     def reset(self) -> None:
-        """Drops every request (no outputs are returned for them), frees every page and
-        host buffer, and clears a failed state. Compiled steps are kept."""
-        self._groups.clear()
-        self._undelivered.clear()
-        self._failed, self._phase, self._consecutive_faults = None, None, 0
+        """Forgets every suspect and a stopped state (``EngineCore.reset``)."""
+        self.failed, self._consecutive = None, 0
         self._suspects, self._cleared = [], set()
-        self._load = [0] * len(self.schedulers)
-        self._rebuild([])

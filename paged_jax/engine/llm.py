@@ -1,28 +1,28 @@
 """``LLM``: continuous batching on the paged cache, with sampling, n-way samples and beam
 search on copy-on-write pages, prefix caching and preemption by swap or recompute.
 
-The public facade of the engine's parts: ``EngineCore`` (``core.py``: requests, the step
-loop, faults), ``ModelRunner`` (``runner.py``: the model, its pool and compiled steps on
-the device), ``OutputProcessor`` (``outputs.py``: stop conditions, text, outputs) and the
-metrics (``metrics.py``). This module adds the argument checks, the run-to-completion
-calls (``generate``, ``chat``, ``stream``) and ``warm_up``.
+The public facade of the engine: it checks its arguments, builds the ``ModelRunner``
+(``runner.py``: the model, its pool and compiled steps on the device) and the
+``EngineCore`` it holds (``core.py``: requests, the step loop and the parts it owns),
+and adds the run-to-completion calls (``generate``, ``chat``, ``stream``, ``embed``) and
+``warm_up`` (``warmup.py``). The engine core's calls (``step``, ``add_request``,
+``abort``...) and state (``metrics``, ``bm``, ``schedulers``...) are reached through it
+by name.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
-import time
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from paged_jax.chat import continue_final_message as _cut_after_final
-from paged_jax.engine import compile_cache
+from paged_jax.chat import render_prompt
+from paged_jax.engine import compile_cache, warmup
 from paged_jax.engine.core import EngineCore
 from paged_jax.engine.embedding import POOLINGS, EmbeddingOutput, embed_prompts
 from paged_jax.engine.faults import (
@@ -30,7 +30,6 @@ from paged_jax.engine.faults import (
     STRIKES_TO_FAIL_A_REQUEST,
     EngineFailedError,
 )
-from paged_jax.engine.launch import MIN_STEP_TOKENS
 from paged_jax.engine.metrics import EngineMetrics, Progress
 from paged_jax.engine.outputs import (
     CompletionOutput,
@@ -40,7 +39,7 @@ from paged_jax.engine.outputs import (
 )
 from paged_jax.engine.runner import ModelRunner, resolve_mesh
 from paged_jax.engine.sampling import SamplingParams
-from paged_jax.engine.shapes import StepShape, step_shapes
+from paged_jax.engine.shapes import StepShape
 from paged_jax.engine.speculative import SpeculativeConfig
 from paged_jax.sharding import data_parallel_size as data_parallel_size_of
 
@@ -61,7 +60,12 @@ __all__ = [
 ]
 
 
-class LLM(EngineCore):
+def _core(name: str, doc: str) -> property:
+    """A read-only attribute of the engine core, reached through ``LLM``."""
+    return property(lambda self: getattr(self.engine, name), doc=doc)
+
+
+class LLM:
     """Generates from a decoder with continuous batching on a paged KV cache.
 
     Args:
@@ -235,7 +239,6 @@ class LLM(EngineCore):
         max_loras: int = 0,
         max_lora_rank: int = 16,
     ):
-
         self.compilation_cache_dir = compile_cache.enable(compilation_cache)
         mesh = resolve_mesh(tensor_parallel_size, data_parallel_size, mesh)
         if isinstance(model, str | os.PathLike):  # a name or a path, as vLLM's LLM(model=)
@@ -245,54 +248,19 @@ class LLM(EngineCore):
             tokenizer = loaded if tokenizer is None else tokenizer
         dp = data_parallel_size_of(mesh) if mesh is not None else 1
         self.is_main_process = jax.process_index() == 0
-        if preemption == "swap" and jax.process_count() > 1:
-            raise ValueError(
-                f"preemption: 'swap' needs a single process, this program has "
-                f"{jax.process_count()} (use 'recompute')"
-            )
-        if checked is None:
-            checked = os.environ.get(CHECKED_ENV, "") not in ("", "0")
-        if not isinstance(checked, bool):
-            raise TypeError(f"checked: expected a bool or None, got {checked!r}")
-        if not isinstance(deterministic, bool):
-            raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
-        if not isinstance(async_scheduling, bool):
-            raise TypeError(f"async_scheduling: expected a bool, got {async_scheduling!r}")
-        if (
-            isinstance(num_scheduler_steps, bool)
-            or not isinstance(num_scheduler_steps, int)
-            or num_scheduler_steps < 1
-        ):
-            raise ValueError(
-                f"num_scheduler_steps: expected an int >= 1, got {num_scheduler_steps!r}"
-            )
-        speculative = SpeculativeConfig.of(speculative)
-        if speculative is not None and isinstance(speculative.draft_model, str | os.PathLike):
-            from paged_jax.models import load
-
-            draft, _ = load(speculative.draft_model, mesh=mesh)
-            speculative = dataclasses.replace(speculative, draft_model=draft)
-        if speculative is not None and num_scheduler_steps > 1:
-            raise ValueError(
-                f"speculative: not with num_scheduler_steps={num_scheduler_steps} (each "
-                "launch of several steps decodes one token a step); pass 1"
-            )
-        if speculative is not None and dp > 1:
-            raise ValueError(
-                f"speculative: not with data_parallel_size={dp} yet; pass 1 or speculative=None"
-            )
-        if preemption not in ("recompute", "swap"):
-            raise ValueError(f"preemption: expected 'recompute' or 'swap', got {preemption!r}")
-        for name, v in (
-            ("page_size", page_size),
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("max_lora_rank", max_lora_rank),
-        ):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
-        if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 0:
-            raise ValueError(f"max_loras: expected an int >= 0, got {max_loras!r}")
+        checked = _checked_options(
+            checked=checked,
+            deterministic=deterministic,
+            async_scheduling=async_scheduling,
+            num_scheduler_steps=num_scheduler_steps,
+            preemption=preemption,
+            page_size=page_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_lora_rank=max_lora_rank,
+            max_loras=max_loras,
+        )
+        speculative = _speculative(speculative, mesh, num_scheduler_steps, dp)
         if max_loras:
             if not callable(getattr(model, "enable_lora", None)):
                 raise TypeError(
@@ -324,7 +292,7 @@ class LLM(EngineCore):
         )
         if runner.hybrid_kv_cache:
             bm_args["group_windows"] = runner.group_windows
-        super().__init__(
+        self.engine = EngineCore(
             runner,
             tokenizer,
             block_manager_args=bm_args,
@@ -342,6 +310,84 @@ class LLM(EngineCore):
         )
         self._warm_ups = 0
 
+    # ------------------------------------------------------------------ the engine core's
+    metrics = _core("metrics", "The engine's counters (``EngineMetrics``; ``summary()``).")
+    runner = _core("runner", "The ``ModelRunner``: the model, its pool, its compiled steps.")
+    model = _core("model", "The model, held for its device.")
+    cache = _core("cache", "The KV pool (``PagedKVCache``); every step replaces it.")
+    tokenizer = _core("tokenizer", "The tokenizer (None: token ids only).")
+    max_model_len = _core("max_model_len", "The longest sequence, in tokens.")
+    eos_token_ids = _core("eos_token_ids", "The model's end-of-sequence tokens.")
+    compiled_buckets = _core("compiled_buckets", "The shape buckets compiled so far.")
+    bm = _core("bm", "The block manager (one replica; else ``block_managers``).")
+    scheduler = _core("scheduler", "The scheduler (one replica; else ``schedulers``).")
+    schedulers = _core("schedulers", "Each data-parallel replica's scheduler.")
+    block_managers = _core("block_managers", "Each data-parallel replica's block manager.")
+    failure = _core("failure", "The error that stopped the engine, else None (``reset``).")
+    outputs = _core("outputs", "The ``OutputProcessor`` (stop conditions, text, outputs).")
+    max_loras = _core("max_loras", "LoRA slots on the device.")
+    checked = _core("checked", "Every step's arrays validated on the host first.")
+    deterministic = _core("deterministic", "Batch-invariant steps.")
+    async_scheduling = _core("async_scheduling", "Overlapped steps.")
+    num_scheduler_steps = _core("num_scheduler_steps", "Decode steps per launch.")
+
+    @property
+    def hybrid_kv_cache(self) -> bool:
+        """Whether the pool is a hybrid one (sliding layers free their pages)."""
+        return self.engine.runner.hybrid_kv_cache
+
+    @property
+    def loras(self) -> list[str]:
+        """The names of the adapters registered (``add_lora``), in the order added."""
+        return self.engine.loras.names
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step; returns the requests that finished in it
+        (``EngineCore.step``)."""
+        return self.engine.step()
+
+    def add_request(self, request_id: Hashable, prompt, params=None, **kw) -> None:
+        """Queues a request for ``step`` (``EngineCore.add_request``: ``cache_salt``,
+        ``lora``, ``adapter``)."""
+        self.engine.add_request(request_id, prompt, params, **kw)
+
+    def abort(self, request_id: Hashable) -> RequestOutput | None:
+        """Stops an unfinished request (``EngineCore.abort``)."""
+        return self.engine.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        """True while a request runs or a finished one's output waits for ``step``."""
+        return self.engine.has_unfinished()
+
+    def reset(self) -> None:
+        """Drops every request and clears a failed state (``EngineCore.reset``)."""
+        self.engine.reset()
+
+    def encode(self, prompt) -> list[int]:
+        """Token ids of ``prompt`` (a string or token ids), checked."""
+        return self.engine.encode(prompt)
+
+    def decode(self, ids: Sequence[int]) -> str | None:
+        return self.engine.decode(ids)
+
+    def check_request(self, prompt, params: SamplingParams | None = None, **kw) -> list[int]:
+        """What ``add_request`` checks, without queueing (``EngineCore.check_request``)."""
+        return self.engine.check_request(prompt, params, **kw)
+
+    def num_generated(self, request_id: Hashable) -> list[int] | None:
+        """Tokens generated so far by each running sample of an unfinished request."""
+        return self.engine.num_generated(request_id)
+
+    def add_lora(self, name: str, adapter: Any) -> int:
+        """Registers a LoRA adapter for requests to name (``LoraSlots.add``): a PEFT
+        adapter directory or a ``models.lora.LoraAdapter``; returns its id."""
+        return self.engine.add_lora(name, adapter)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregisters adapter ``name`` (refused while unfinished requests use it)."""
+        self.engine.remove_lora(name)
+
+    # ------------------------------------------------------------------ compiling
     def warm_up(
         self,
         num_seqs: int | None = None,
@@ -385,7 +431,7 @@ class LLM(EngineCore):
                     "sampling_params: only for a workload (num_seqs, prompt_len, "
                     "max_tokens); warm_up() compiles every step shape"
                 )
-            return self._compile_all(progress)
+            return warmup.compile_all(self.engine, progress)
         for name, v in zip(("num_seqs", "prompt_len", "max_tokens"), workload, strict=True):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected an int >= 1 (or no workload at all), got {v!r}")
@@ -400,79 +446,21 @@ class LLM(EngineCore):
         vocab = self.model.config.vocab_size
         prompts = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(num_seqs)]
         before = len(self.compiled_buckets)
-        with _echo(progress):
+        with warmup.echo(progress):
             # A salt of its own: no page shared with real requests or an earlier warm-up
             # (a prefix hit would shorten the prefill and compile other buckets).
             self._warm_ups += 1
             self.generate(prompts, p, progress=False, cache_salt=("warm-up", self._warm_ups))
-        self.metrics = EngineMetrics()
+        self.metrics.reset()
         return self.compiled_buckets[before:]
 
     def step_shapes(self) -> list[StepShape]:
         """The step shapes this configuration reaches with static shapes, per
         data-parallel replica (``paged_jax.engine.shapes.step_shapes``): what
         ``warm_up()`` compiles."""
-        sc = self.schedulers[0]
-        return step_shapes(
-            max_num_seqs=sc.max_num_seqs,
-            max_num_batched_tokens=sc.max_num_batched_tokens,
-            pages_per_seq=self.runner.table_width,
-            min_tokens=MIN_STEP_TOKENS,
-            min_seqs=self._min_seqs,
-            deterministic=self.deterministic,
-            num_scheduler_steps=self.num_scheduler_steps,
-        )
+        return warmup.step_shapes(self.engine)
 
-    def _compile_all(self, progress: bool) -> list[dict]:
-        """``warm_up()``: static shapes on, then every shape of ``step_shapes()`` run."""
-        if self.has_unfinished():
-            raise RuntimeError(
-                "warm_up(): expected an idle engine (it switches every block table to its "
-                "full width), but requests are unfinished"
-            )
-        self.runner.static_shapes = True
-        shapes = self.step_shapes()
-        replicas = len(self.schedulers)
-        token_buckets = sorted({s.tokens for s in shapes})
-        merged: set[int] = set()  # row counts whose samples were merged (async steps)
-        before = len(self.compiled_buckets)
-        t0 = time.perf_counter()
-        with _echo(progress):
-            log.info("compiling %d step shapes (static shapes: tables of %d pages)",
-                     len(shapes), self.runner.table_width)  # fmt: skip
-            programs = compiled = 0  # a shape's variants (verify, adapters) compile apart
-            for k, shape in enumerate(shapes):
-                merges = ()
-                if self.async_scheduling and shape.steps == 1 and shape.seqs not in merged:
-                    merged.add(shape.seqs)
-                    merges = token_buckets
-                overlapped = self.async_scheduling and shape.steps == 1
-                runs = [dict(merges=merges, overlapped=overlapped)]
-                verify = self.proposer is not None and not shape.decode_only
-                if verify and shape.steps == 1:
-                    runs.append(dict(verify=True))  # verify steps
-                if self.max_loras and shape.steps == 1:  # steps with adapter rows
-                    runs.append(dict(overlapped=overlapped, adapters=True))
-                    if verify:
-                        runs.append(dict(verify=True, adapters=True))
-                for kw in runs:
-                    compiled += bool(self.runner.run_shape(shape, replicas, **kw))
-                programs += len(runs)
-                if progress and not (k + 1) % 8:
-                    log.info("%d of %d step shapes ready (%.1f s)", k + 1, len(shapes),
-                             time.perf_counter() - t0)  # fmt: skip
-            log.info(
-                "every step shape ready: %d programs for %d shapes in %.1f s (%d new to "
-                "this process)",
-                programs, len(shapes), time.perf_counter() - t0, compiled,
-            )  # fmt: skip
-            draft_warm_up = getattr(self.proposer, "warm_up", None)
-            if draft_warm_up is not None:  # a draft model's own steps
-                draft_warm_up(progress)
-            new = self.compiled_buckets[before:]
-        self.metrics = EngineMetrics()
-        return new
-
+    # ------------------------------------------------------------------ run to completion
     def chat(
         self,
         conversations: Sequence[Mapping[str, str]] | Sequence[Sequence[Mapping[str, str]]],
@@ -503,25 +491,6 @@ class LLM(EngineCore):
                 "continue_final_message: not with add_generation_prompt (pass "
                 "add_generation_prompt=False)"
             )
-        return self.generate(
-            self._chat_prompts(
-                conversations, add_generation_prompt, template_args, continue_final_message
-            ),
-            sampling_params,
-            progress=progress,
-            lora=lora,
-        )
-
-    def _chat_prompts(
-        self, conversations, add_generation_prompt, template_args, go_on: bool = False
-    ) -> list:
-        """Each conversation's prompt ids (``go_on``: continuing its final message)."""
-        render = getattr(self.tokenizer, "apply_chat_template", None)
-        if render is None:
-            raise ValueError(
-                "tokenizer: chat needs a tokenizer with a chat template "
-                "(apply_chat_template), such as paged_jax.models.load gives"
-            )
         if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence):
             raise TypeError(
                 "conversations: expected a list of messages or a list of conversations, got "
@@ -531,24 +500,20 @@ class LLM(EngineCore):
         prompts = []
         for k, conv in enumerate([conversations] if single else conversations):
             try:
-                if go_on:
-                    text = render(conv, add_generation_prompt=False, **template_args)
-                    ids = self.tokenizer.encode(
-                        _cut_after_final(text, conv), add_special_tokens=False
-                    )
-                    prompts.append(list(getattr(ids, "ids", ids)))
-                    continue
                 prompts.append(
-                    render(
+                    render_prompt(
+                        self.tokenizer,
                         conv,
                         add_generation_prompt=add_generation_prompt,
-                        tokenize=True,
+                        continue_final_message=continue_final_message,
                         **template_args,
                     )
                 )
             except (TypeError, ValueError) as e:
+                if str(e).startswith("tokenizer:"):  # the model's, no conversation's
+                    raise
                 raise type(e)(f"conversations[{k}]: {e}") from None
-        return prompts
+        return self.generate(prompts, sampling_params, progress=progress, lora=lora)
 
     def stream(
         self,
@@ -597,10 +562,10 @@ class LLM(EngineCore):
                         if rid in finished:
                             left.discard(rid)
         finally:
-            if self._failed is None:
+            if self.engine.failure is None:
                 for rid in left:  # closed early or interrupted: nothing left running unseen
                     self.abort(rid)
-            self._undelivered = others + self._undelivered
+            self.engine.deliver_later(others)
 
     def text_deltas(
         self, rid: Hashable, out: RequestOutput | None, sent: dict, index: int = 0
@@ -608,10 +573,8 @@ class LLM(EngineCore):
         """The new settled text of each sample of request ``rid`` since ``sent`` (a dict
         ``(rid, sample) -> text already delivered``, updated here), as ``StreamOutput``s
         with ``index``; ``out``: the request's output if it finished in the last step
-        (each sample then gets a last piece with its final text). For a driver of
-        ``step()`` that streams (``stream`` and ``paged_jax.server`` call it after every
-        step); text that may still change is held back as ``stream`` describes."""
-        return self.outputs.text_deltas(rid, self._groups.get(rid), out, sent, index)
+        (each sample then gets a last piece with its final text)."""
+        return self.outputs.text_deltas(rid, self.engine.requests.get(rid), out, sent, index)
 
     def _step_or_recover(self) -> list[RequestOutput] | None:
         """``step()`` for the run-to-completion loops: None when the step failed and was
@@ -620,7 +583,7 @@ class LLM(EngineCore):
         try:
             return self.step()
         except Exception as e:
-            if self._failed is not None:
+            if self.engine.failure is not None:
                 raise
             log.warning("a step failed and was undone (%s: %s)", type(e).__name__, e)
             return None
@@ -638,7 +601,7 @@ class LLM(EngineCore):
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: expected 1 or {len(prompts)}, got {len(params)}")
         ids = []
-        base = self._arrivals + 1
+        base = self.engine.requests.arrivals + 1
         for k, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             rid = f"{prefix}-{base}-{k}"
             try:
@@ -679,7 +642,8 @@ class LLM(EngineCore):
             for rid, p_ in zip(ids, (p or SamplingParams() for p in params), strict=True)
         }
         bar = Progress(sum(budget.values()), len(ids), enabled=progress and self.is_main_process)
-        self.runner.announce = bar.compiling
+        runner = self.engine.runner
+        runner.announce = bar.compiling
         try:
             while len(done) < len(ids):
                 before = self.metrics.tokens_generated
@@ -699,16 +663,16 @@ class LLM(EngineCore):
         except BaseException:
             # Interrupted or failed: this call's requests end with it (none is left to
             # run, unseen, in a later call).
-            self._undelivered = [o for o in self._undelivered if o.request_id not in mine]
-            if self._failed is None:
+            self.engine.discard_undelivered(mine)
+            if self.engine.failure is None:
                 for r in ids:
                     if r not in done:
                         self.abort(r)
             raise
         finally:
-            self.runner.announce = None
+            runner.announce = None
             bar.close()
-            self._undelivered = others + self._undelivered
+            self.engine.deliver_later(others)
         return [done[r] for r in ids] if self.is_main_process else []
 
     def embed(
@@ -731,9 +695,9 @@ class LLM(EngineCore):
             raise ValueError(f"pooling: expected one of {POOLINGS}, got {pooling!r}")
         if not isinstance(normalize, bool):
             raise TypeError(f"normalize: expected a bool, got {normalize!r}")
-        if not callable(getattr(self.runner.model, "hidden_states", None)):
+        if not callable(getattr(self.model, "hidden_states", None)):
             raise TypeError(
-                f"model: {type(self.runner.model).__name__} has no hidden_states(...) "
+                f"model: {type(self.model).__name__} has no hidden_states(...) "
                 "(paged_jax.models' decoders have); embeddings need it"
             )
         if len(self.schedulers) > 1:
@@ -754,7 +718,7 @@ class LLM(EngineCore):
                 raise type(e)(f"prompts[{k}]: {e}") from e
         sc = self.schedulers[0]
         vectors = embed_prompts(
-            self.runner,
+            self.engine.runner,
             ids,
             pooling=pooling,
             normalize=normalize,
@@ -764,19 +728,57 @@ class LLM(EngineCore):
         return [EmbeddingOutput(list(p), v) for p, v in zip(ids, vectors, strict=True)]
 
 
-@contextlib.contextmanager
-def _echo(on: bool):
-    """The "paged_jax" logger's INFO lines printed to stderr (``warm-up: ...``) while on."""
-    if not on:
-        yield
-        return
-    echo = logging.StreamHandler()
-    echo.setFormatter(logging.Formatter("warm-up: %(message)s"))
-    log.addHandler(echo)
-    old_level = log.level
-    log.setLevel(min(old_level or logging.WARNING, logging.INFO))
-    try:
-        yield
-    finally:
-        log.removeHandler(echo)
-        log.setLevel(old_level)
+def _checked_options(*, checked, deterministic, async_scheduling, num_scheduler_steps,
+                     preemption, max_loras, **positive) -> bool:  # fmt: skip
+    """Checks ``LLM``'s plain options (naming the argument); returns ``checked`` with its
+    default (``$PAGED_JAX_CHECKED``) applied."""
+    if checked is None:
+        checked = os.environ.get(CHECKED_ENV, "") not in ("", "0")
+    if not isinstance(checked, bool):
+        raise TypeError(f"checked: expected a bool or None, got {checked!r}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
+    if not isinstance(async_scheduling, bool):
+        raise TypeError(f"async_scheduling: expected a bool, got {async_scheduling!r}")
+    if (
+        isinstance(num_scheduler_steps, bool)
+        or not isinstance(num_scheduler_steps, int)
+        or num_scheduler_steps < 1
+    ):
+        raise ValueError(f"num_scheduler_steps: expected an int >= 1, got {num_scheduler_steps!r}")
+    if preemption == "swap" and jax.process_count() > 1:
+        raise ValueError(
+            f"preemption: 'swap' needs a single process, this program has "
+            f"{jax.process_count()} (use 'recompute')"
+        )
+    if preemption not in ("recompute", "swap"):
+        raise ValueError(f"preemption: expected 'recompute' or 'swap', got {preemption!r}")
+    for name, v in positive.items():  # page_size, max_num_seqs, ...
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+    if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 0:
+        raise ValueError(f"max_loras: expected an int >= 0, got {max_loras!r}")
+    return checked
+
+
+def _speculative(value: Any, mesh, num_scheduler_steps: int, dp: int) -> SpeculativeConfig | None:
+    """``LLM(speculative=...)`` as a config (a draft named by a name or a path loaded onto
+    ``mesh``), checked against the engine's other options."""
+    speculative = SpeculativeConfig.of(value)
+    if speculative is None:
+        return None
+    if isinstance(speculative.draft_model, str | os.PathLike):
+        from paged_jax.models import load
+
+        draft, _ = load(speculative.draft_model, mesh=mesh)
+        speculative = dataclasses.replace(speculative, draft_model=draft)
+    if num_scheduler_steps > 1:
+        raise ValueError(
+            f"speculative: not with num_scheduler_steps={num_scheduler_steps} (each "
+            "launch of several steps decodes one token a step); pass 1"
+        )
+    if dp > 1:
+        raise ValueError(
+            f"speculative: not with data_parallel_size={dp} yet; pass 1 or speculative=None"
+        )
+    return speculative

@@ -49,6 +49,11 @@ class EngineMetrics:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
 
+    def reset(self) -> None:
+        """Every counter back to zero, in place (the engine's parts hold this object)."""
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, f.default)
+
     @property
     def spec_acceptance_rate(self) -> float:
         """Proposed tokens accepted, as a fraction (0 when none were proposed)."""

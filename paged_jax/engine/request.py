@@ -221,3 +221,56 @@ class Work(NamedTuple):  # a tuple: built for every sequence of every step
     start: int
     stop: int
     sample: bool
+
+
+def width(g: Group) -> int:
+    """The sequences request ``g`` may run at once (its beams or samples)."""
+    p = g.params
+    return p.beam_width if p.use_beam_search else p.n
+
+
+class RequestTable:
+    """The engine's unfinished requests by id, how many sequences each data-parallel
+    replica runs (its load: where the router sends the next request), and the arrivals
+    so far (each request's number, which orders the queues and keys its sequences)."""
+
+    def __init__(self, num_replicas: int):
+        self._groups: dict[Hashable, Group] = {}
+        self.load = [0] * num_replicas
+        self.arrivals = 0
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        return request_id in self._groups
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def get(self, request_id: Hashable) -> Group | None:
+        return self._groups.get(request_id)
+
+    def unfinished(self) -> list[Group]:
+        """Every request not yet finished, in the order added."""
+        return [g for g in self._groups.values() if g.status is not Status.FINISHED]
+
+    def next_arrival(self) -> int:
+        self.arrivals += 1
+        return self.arrivals
+
+    def add(self, g: Group) -> None:
+        """Registers ``g`` (its id unused, its replica chosen)."""
+        self._groups[g.request_id] = g
+        self.load[g.replica] += width(g)
+
+    def remove(self, g: Group) -> None:
+        """Forgets ``g``, finished or aborted (its id may be used again)."""
+        if self._groups.get(g.request_id) is g:
+            del self._groups[g.request_id]
+            self.load[g.replica] -= width(g)
+
+    def using_adapter(self, adapter: int) -> int:
+        """Unfinished requests that run with ``adapter``."""
+        return sum(1 for g in self._groups.values() if g.adapter == adapter)
+
+    def clear(self) -> None:
+        self._groups.clear()
+        self.load = [0] * len(self.load)

@@ -27,12 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from paged_jax.batch import bucket, concat_batches, null_batch
 from paged_jax.engine.multistep import decode_loop
 from paged_jax.engine.protocol import check_model, check_step_output
-from paged_jax.engine.sampling import (
-    SORT_FREE_BACKENDS,
-    beam_candidates,
-    idle_sampling,
-    prompt_scores,
-)
+from paged_jax.engine.sampling import SORT_FREE_BACKENDS, beam_candidates, prompt_scores
 from paged_jax.engine.step_io import (  # noqa: F401 (_SAMPLING: tests read it here)
     _MD_ARRAYS,
     _SAMPLING,
@@ -44,6 +39,12 @@ from paged_jax.engine.step_io import (  # noqa: F401 (_SAMPLING: tests read it h
     _replicator,
     _row_sampler,
     _unpack_inputs,
+)
+from paged_jax.engine.step_types import (
+    Dispatched,
+    SamplingColumns,
+    StepInputs,
+    StepOutputs,
 )
 from paged_jax.metadata import AttentionMetadata, decode_only
 from paged_jax.sharding import (
@@ -363,12 +364,7 @@ def _make_run(
             k = jnp.zeros(T, jnp.int32).at[: min(T, S_b)].set(steps[: min(T, S_b)])
             row = jnp.minimum(jnp.arange(T), S_b - 1)
             last = jnp.where(k > 0, toks[row, jnp.maximum(k - 1, 0)], 0).astype(tokens.dtype)
-            # The tokens and the log-probs' bits in one i32[S, 2 K] array: one transfer to
-            # the host instead of two (LLM._complete splits them).
-            both = jnp.concatenate(
-                [toks.astype(jnp.int32), jax.lax.bitcast_convert_type(lps, jnp.int32)], axis=1
-            )
-            return replicated(both), None, None, None, replicated(last), None, cache
+            return StepOutputs.of_steps(toks, lps, last).map(replicated), cache
         extra = {} if adapters is None else {"adapter_ids": adapters}
         R = md.logits_indices.shape[0]  # the sampling rows
         if scored is not None:  # prompt positions' rows after them (prompt_logprobs)
@@ -378,20 +374,19 @@ def _make_run(
         logits, cache = check_step_output(
             model(tokens, positions, cache, md, **extra), md.logits_indices.shape[0], vocab_size
         )
-        scores = None
+        out = StepOutputs()
         if scored is not None:
-            scored_rows = prompt_scores(logits[R:], scored[1], score_top, cpu_kernel=cpu_kernel)
-            scores = tuple(map(replicated, scored_rows))
+            out.scores = prompt_scores(logits[R:], scored[1], score_top, cpu_kernel=cpu_kernel)
             logits = logits[:R]
         if logits_only:  # sampled by _make_sample's function once the masks are known
-            return replicated(logits), None, None, None, None, scores, cache
-        toks, lps = sample(logits, out_pos)
+            out.logits = logits
+            return out.map(replicated), cache
+        out.tokens, out.logprobs = sample(logits, out_pos)
         if num_candidates:
-            cv, ci = beam_candidates(logits, num_candidates, cand_allowed)
-        else:
-            cv = ci = None
-        toks, lps, cv, ci = map(replicated, (toks, lps, cv, ci))
-        return toks, lps, cv, ci, None, scores, cache
+            out.cand_logprobs, out.cand_ids = beam_candidates(
+                logits, num_candidates, cand_allowed
+            )
+        return out.map(replicated), cache
 
     return run
 
@@ -597,90 +592,46 @@ class ModelRunner:
         )
         return make() if self.mesh is None else create_cache(make, self.mesh)
 
-    def launch(
-        self,
-        batch,
-        tokens,
-        sampling: tuple,
-        penalties,
-        num_candidates: int,
-        steps,
-        replicas: int,
-        allowed: np.ndarray | None = None,
-        adapters: np.ndarray | None = None,
-        defer_sample: bool = False,
-        cand_allowed: np.ndarray | None = None,
-        scored: tuple[np.ndarray, np.ndarray, int] | None = None,
-    ) -> tuple[tuple, Any, float, bool]:
-        """Dispatches the jitted step on ``batch`` (``paged_jax.batch.StepBatch``) with input
-        ``tokens`` (host or device ``i32[T]``), the rows' ``sampling`` arrays (temperature,
-        top-k, top-p, min-p, seeds, output positions), ``penalties`` (or None), the rows'
-        ``allowed`` tokens (``i32[S_b, ceil(V / 32)]`` bitmasks, ``sample_rows``; None: all),
-        each token's ``adapters`` (``i32[T]``, the model's ``adapter_ids``; None: the
-        model is called without them) and ``num_candidates`` beam candidates per row;
-        ``steps`` (``i32[S]`` or None): a multi-step launch, each row that many decode
-        steps. Does not wait for it. ``cand_allowed`` (``i32[S_b, ceil(V / 32)]`` or
-        None): the tokens each row's candidates may be (beams under a grammar).
-        ``scored`` (or None): ``(rows i32[E_b], targets i32[E_b], k)``, prompt positions
-        whose log-probs the step returns (``SamplingParams.prompt_logprobs``): each token
-        row's log-prob of its target and its ``k`` most likely tokens (``prompt_scores``).
-        ``defer_sample``: run the model only; the rows are sampled by ``sample`` once
-        their masks are known (``allowed`` and ``cand_allowed`` must be None here), and
-        ``outputs`` is the ``DeferredSample`` to hand it.
-
-        Returns ``(outputs, last, seconds, compiled)``: the step's outputs (tokens,
-        log-probs, candidate log-probs and ids, or for a multi-step launch one ``i32[S_b,
-        2 K]`` array and Nones; then the prompt scores, ``prompt_scores``' three arrays
-        or None), the last sample of each row (multi-step; else None), the dispatch
-        call's seconds and whether it compiled a new shape bucket."""
-        K = 1 if steps is None else self.num_scheduler_steps
+    def launch(self, inputs: StepInputs) -> Dispatched:
+        """Dispatches the jitted step on ``inputs`` (``StepInputs``: the batch, its input
+        tokens, the rows' sampling columns and whatever else some row needs) without
+        waiting for it. Returns its outputs (``StepOutputs``, still on the device; with
+        ``defer_sample`` the ``DeferredSample`` for ``sample``), the dispatch call's
+        seconds and whether it compiled a new program."""
+        batch, sampling = inputs.batch, inputs.sampling
+        K = 1 if inputs.steps is None else self.num_scheduler_steps
         S_b = batch.kv_lens.shape[0]
-        temp = sampling[0]
-        shape = (batch.token_ids.shape[0], S_b, batch.page_indices.shape[-1], num_candidates, K)
+        shape = (batch.token_ids.shape[0], S_b, batch.page_indices.shape[-1])
+        shape += (inputs.num_candidates, K)
         if self.announce is not None and shape not in self._shapes_seen:
             self.announce(
                 f"{shape[0]} tokens x {S_b} sequences x {shape[2]} pages (once per shape)"
-                + (f", {replicas} replicas" if replicas > 1 else "")
+                + (f", {inputs.replicas} replicas" if inputs.replicas > 1 else "")
                 + (f", {K} steps a launch" if K > 1 else "")
             )
         self._shapes_seen.add(shape)
-        if penalties is not None:  # host arrays from the core
+        penalties, allowed, adapters = inputs.penalties, inputs.allowed, inputs.adapters
+        if penalties is not None:  # host arrays from the launcher
             penalties = jax.tree.map(jnp.asarray, penalties)
         if allowed is not None:
             allowed = jnp.asarray(allowed)
         if adapters is not None:
             adapters = jnp.asarray(adapters)
-        flags_arrays = {}  # (keywords only when given: other steps' jit keys as before)
-        if cand_allowed is not None:
-            flags_arrays["cand_allowed"] = jnp.asarray(cand_allowed)
-        if scored is not None:
-            flags_arrays["scored"] = (jnp.asarray(scored[0]), jnp.asarray(scored[1]))
+        optional = {}  # (keywords only when given: other steps' jit keys as before)
+        if inputs.cand_allowed is not None:
+            optional["cand_allowed"] = jnp.asarray(inputs.cand_allowed)
+        if inputs.scoring is not None:
+            sc = inputs.scoring
+            optional["scored"] = (jnp.asarray(sc.rows), jnp.asarray(sc.targets))
         compiled_before = self.step_fn._cache_size()
         t1 = time.perf_counter()
-        padded_steps = None if steps is None else _padded(steps, S_b)
-        inputs, layout = _pack_inputs(batch, sampling, padded_steps)
-        flags = dict(
-            layout=layout,
-            decode_only=decode_only(batch) and not self.deterministic,
-            batch_invariant=self.deterministic,
-            num_candidates=num_candidates,
-            num_steps=K,
-            # No row samples: an argmax is all (deterministic mode: one path for every
-            # row, so a greedy row's log-prob is the same in any batch). With static
-            # shapes, one sampler for every step (no second variant to compile; a
-            # greedy row costs an argmax in it too).
-            greedy_only=not (temp > 0).any() and not self.deterministic and not self.static_shapes,
-        )
-        if defer_sample:
-            if allowed is not None or cand_allowed is not None or K > 1:
-                raise ValueError("defer_sample: one step, its masks given to sample()")
-            flags["logits_only"] = True  # (only when set: the other steps' jit key as before)
-        if scored is not None:
-            flags["score_top"] = scored[2]
+        padded_steps = None if inputs.steps is None else _padded(inputs.steps, S_b)
+        packed, layout = _pack_inputs(batch, sampling, padded_steps)
+        flags = self._flags(inputs, layout, K)
         with mesh_context(self.mesh):
-            toks, lps, cand_v, cand_i, last, scores, self.cache = self.step_fn(
-                self.weights, tokens, inputs, self.cache, penalties, allowed, adapters,
-                **flags_arrays, **flags,
+            outputs, self.cache = self.step_fn(
+                self.weights, inputs.tokens, packed, self.cache, penalties, allowed, adapters,
+                **optional, **flags,
             )  # fmt: skip
         seconds = time.perf_counter() - t1
         # A new entry of the step's cache: a new shape compiled, unless only the kind of
@@ -688,33 +639,57 @@ class ModelRunner:
         # running step's samples: dispatch keys them apart, the compiled code is shared).
         compiled = self.step_fn._cache_size() > compiled_before
         if compiled:
-            arrays = (penalties, allowed, adapters, flags_arrays)
+            arrays = (penalties, allowed, adapters, optional)
             key = (shape, tuple(flags.items()), str(jax.tree.map(jnp.shape, arrays)))
             compiled = key not in self._compiled_keys
             self._compiled_keys.add(key)
         if compiled:
-            extras = (penalties, adapters, allowed, cand_allowed, scored)
-            self._compiled(batch, num_candidates, seconds, K, _variant(batch, flags, *extras))
-        if defer_sample:
-            deferred = DeferredSample(
-                toks, inputs, layout, penalties, flags["batch_invariant"], num_candidates,
-                flags["greedy_only"], scores,
+            extras = (penalties, adapters, allowed, inputs.cand_allowed, inputs.scoring)
+            variant = _variant(batch, flags, *extras)
+            self._compiled(batch, inputs.num_candidates, seconds, K, variant)
+        if inputs.defer_sample:
+            outputs = DeferredSample(
+                outputs.logits, packed, layout, penalties, flags["batch_invariant"],
+                inputs.num_candidates, flags["greedy_only"], outputs.scores,
             )  # fmt: skip
-            return deferred, last, seconds, compiled
-        return (toks, lps, cand_v, cand_i, scores), last, seconds, compiled
+        return Dispatched(outputs, seconds, compiled)
+
+    def _flags(self, inputs: StepInputs, layout: tuple, K: int) -> dict:
+        """The step's static arguments for ``inputs`` (with the arrays' shapes, its jit
+        key)."""
+        flags = dict(
+            layout=layout,
+            decode_only=decode_only(inputs.batch) and not self.deterministic,
+            batch_invariant=self.deterministic,
+            num_candidates=inputs.num_candidates,
+            num_steps=K,
+            # No row samples: an argmax is all (deterministic mode: one path for every
+            # row, so a greedy row's log-prob is the same in any batch). With static
+            # shapes, one sampler for every step (no second variant to compile; a
+            # greedy row costs an argmax in it too).
+            greedy_only=not (inputs.sampling.temperature > 0).any()
+            and not self.deterministic
+            and not self.static_shapes,
+        )
+        if inputs.defer_sample:
+            if inputs.allowed is not None or inputs.cand_allowed is not None or K > 1:
+                raise ValueError("defer_sample: one step, its masks given to sample()")
+            flags["logits_only"] = True  # (only when set: the other steps' jit key as before)
+        if inputs.scoring is not None:
+            flags["score_top"] = inputs.scoring.top
+        return flags
 
     def sample(
         self,
         deferred: DeferredSample,
         allowed: np.ndarray | None,
         cand_allowed: np.ndarray | None = None,
-    ):
+    ) -> Dispatched:
         """Dispatches the sampling of a step launched with ``defer_sample``: its rows'
         ``allowed`` masks (``i32[S_b, ceil(V / 32)]`` or None) applied to the logits the
         model call left on the device, and ``cand_allowed`` to its candidates (as
-        ``launch``'s). Does not wait for it. Returns ``(outputs, seconds, compiled)`` as
-        ``launch``'s (tokens, log-probs, candidate log-probs and ids, the model call's
-        prompt scores)."""
+        ``StepInputs``'). Does not wait for it; its ``StepOutputs`` carry the model call's
+        prompt scores."""
         fn = _make_sample(self.mesh, self.sort_free)
         before = fn._cache_size()
         t = time.perf_counter()
@@ -730,7 +705,8 @@ class ModelRunner:
                 num_candidates=deferred.num_candidates,
                 greedy_only=deferred.greedy_only,
             )
-        return (*out, deferred.scores), time.perf_counter() - t, fn._cache_size() > before
+        out.scores = deferred.scores
+        return Dispatched(out, time.perf_counter() - t, fn._cache_size() > before)
 
     @property
     def table_width(self) -> int:
@@ -754,7 +730,7 @@ class ModelRunner:
         with ``overlapped`` runs it again on such merged tokens (a device array, which
         the jitted step's dispatch keys apart from a host one). ``verify``: the step of
         speculative decoding's verify steps of this shape instead, with ``T`` more
-        sampling rows (``speculative.verify_rows`` with static shapes). ``adapters``: the
+        sampling rows (``speculative.num_verify_rows`` with static shapes). ``adapters``: the
         step with each token's adapter (``adapter_ids``, all 0 here), which compiles
         apart from the step without. Returns whether the step compiled (False: compiled
         before)."""
@@ -771,32 +747,32 @@ class ModelRunner:
             ]
         )
         S_b = batch.kv_lens.shape[0]
-        sampling = idle_sampling(S_b)
+        sampling = SamplingColumns.idle(S_b)
         if verify:
             T_b = batch.token_ids.shape[0]
             rows = np.zeros(S_b + T_b, np.int32)
             rows[:S_b] = batch.logits_indices
             batch = dataclasses.replace(batch, logits_indices=rows)
-            sampling = idle_sampling(S_b + T_b)
+            sampling = SamplingColumns.idle(S_b + T_b)
         steps = None if shape.steps == 1 else np.ones(len(batch.seq_ids), np.int32)
 
-        def merged(outputs, t: int):
+        def merged(outputs: StepOutputs, t: int):
             src = np.full(t * replicas, -1, np.int32)
             src[0] = 0  # one placeholder, taken from row 0's sample
-            return self.merge_tokens(outputs[0], src, np.zeros_like(src), np.zeros_like(src))
+            return self.merge_tokens(outputs.tokens, src, np.zeros_like(src), np.zeros_like(src))
 
         ids = np.zeros(batch.token_ids.shape[0], np.int32) if adapters else None
-        outputs, _, _, compiled = self.launch(
-            batch, batch.token_ids, sampling, None, 0, steps, replicas, adapters=ids
-        )
-        jax.block_until_ready((outputs, self.cache))
+        inputs = StepInputs(batch, batch.token_ids, sampling, replicas, adapters=ids, steps=steps)
+        first = self.launch(inputs)
+        jax.block_until_ready((first.outputs, self.cache))
         for t in merges:
-            jax.block_until_ready(merged(outputs, t))
+            jax.block_until_ready(merged(first.outputs, t))
+        compiled = first.compiled
         if overlapped:
-            tokens = merged(outputs, shape.tokens)
-            more = self.launch(batch, tokens, sampling, None, 0, steps, replicas, adapters=ids)
-            jax.block_until_ready((more[0], self.cache))
-            compiled = compiled or more[3]
+            inputs.tokens = merged(first.outputs, shape.tokens)
+            more = self.launch(inputs)
+            jax.block_until_ready((more.outputs, self.cache))
+            compiled = compiled or more.compiled
         return compiled
 
     def _compiled(

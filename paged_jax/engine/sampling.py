@@ -46,20 +46,6 @@ SORT_FREE_BACKENDS: dict[str, str] = {"gpu": "pallas_gpu"}
 SORT_FREE_WAYS = ("xla", "pallas_gpu", "interpret", "pallas_gpu_split", "interpret_split")
 
 
-def idle_sampling(rows: int, num_samples: int = 1) -> tuple[np.ndarray, ...]:
-    """A step's sampling columns (temperature, top-k, top-p, min-p, seeds ``[rows,
-    num_samples]``, output positions) with every row greedy and unrestricted: what the
-    engine fills in for the rows that sample."""
-    return (
-        np.zeros(rows, np.float32),
-        np.zeros(rows, np.int32),
-        np.ones(rows, np.float32),
-        np.zeros(rows, np.float32),
-        np.zeros((rows, num_samples), np.uint32),
-        np.zeros(rows, np.int32),
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to pick the tokens of one request.

@@ -53,6 +53,16 @@ class Scheduler:
         self.adapter_slots: int | None = None
 
     # ------------------------------------------------------------------ queues
+    def reset(self, bm: BlockManager, waiting: list[Group]) -> None:
+        """A fresh block manager ``bm``, nothing running or swapped, and ``waiting`` (to be
+        recomputed from their tokens) queued in arrival order: what follows a failed
+        step."""
+        self.bm = bm
+        self.running, self.swapped = [], []
+        self.waiting = sorted(waiting, key=lambda g: g.arrival)
+        for g in waiting:
+            g.status = Status.WAITING
+
     def add(self, group: Group) -> None:
         bisect.insort(self.waiting, group, key=lambda g: g.arrival)
 

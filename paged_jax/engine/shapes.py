@@ -20,7 +20,7 @@ multi-step launch, its ``steps``. Within one configuration:
 - batch-invariant (``deterministic``) steps never take the decode kernels.
 
 With speculative decoding, warm-up also runs each shape that is not decode-only as a
-verify step (``T`` more sampling rows, ``speculative.verify_rows``).
+verify step (``T`` more sampling rows, ``speculative.num_verify_rows``).
 
 Requests with beam search, ``n > 1``, penalties, ``allowed_token_ids`` or
 ``top_logprobs`` add inputs of their own to a step (candidates, seed columns, token
@@ -33,6 +33,10 @@ import dataclasses
 from collections.abc import Callable
 
 from paged_jax.batch import bucket
+
+# The smallest token bucket of a step (docs/DECISIONS.md, "the smallest step"). Never 1:
+# XLA turns a one-row scatter into an update that copies the whole KV pool.
+MIN_STEP_TOKENS = 8
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from paged_jax import linear as paged_linear
 from paged_jax.engine.sampling import beam_candidates, sample_rows
+from paged_jax.engine.step_types import SamplingColumns, StepOutputs
 from paged_jax.invariant import rowwise
 from paged_jax.metadata import AttentionMetadata
 
@@ -26,7 +27,8 @@ from paged_jax.metadata import AttentionMetadata
 _MD_ARRAYS = tuple(
     f.name for f in dataclasses.fields(AttentionMetadata) if not f.metadata.get("static")
 )
-_SAMPLING = ("temp", "top_k", "top_p", "min_p", "seeds", "out_pos")  # EngineCore._dispatch's order
+# The sampling columns' names inside the step, in SamplingColumns' field order
+_SAMPLING = ("temp", "top_k", "top_p", "min_p", "seeds", "out_pos")
 # In the buffer, in order (then "steps" for a multi-step launch); seeds (uint32) go as
 # their bits. Then the float32 arrays, as their bits too: temp, top_p, min_p.
 _INTS = ("positions", *_MD_ARRAYS, "top_k", "seeds", "out_pos")
@@ -40,12 +42,12 @@ def _padded(a: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def _pack_inputs(batch, sampling, steps) -> tuple[np.ndarray, tuple]:
+def _pack_inputs(batch, sampling: SamplingColumns, steps) -> tuple[np.ndarray, tuple]:
     """``(inputs i32[N], layout)``: the batch's positions and metadata, the sampling
-    columns (``_SAMPLING``) and ``steps`` (``i32[S_b]`` or None) packed into one buffer
-    (uint32 and float32 arrays as their bits), and the layout ``_unpack_inputs`` reads
-    them back with (static: the arrays' shapes, which the batch's buckets fix)."""
-    temp, top_k, top_p, min_p, seeds, out_pos = sampling
+    columns and ``steps`` (``i32[S_b]`` or None) packed into one buffer (uint32 and
+    float32 arrays as their bits), and the layout ``_unpack_inputs`` reads them back with
+    (static: the arrays' shapes, which the batch's buckets fix)."""
+    temp, top_k, top_p, min_p, seeds, out_pos = sampling.columns()
     ints = [batch.positions, *(getattr(batch, k) for k in _MD_ARRAYS)]
     ints += (top_k, seeds.view(np.int32), out_pos)
     if steps is not None:
@@ -76,7 +78,7 @@ class DeferredSample:
     """A step launched with ``defer_sample``: what ``ModelRunner.sample`` needs to sample
     its rows (the logits ``f32[S_b, V]`` on the device, the packed inputs and their
     layout, the penalties, the sampler's static flags), and the model call's prompt
-    scores (``prompt_scores``' arrays, or None)."""
+    scores (``StepOutputs.scores``, or None)."""
 
     logits: Any
     inputs: Any
@@ -117,7 +119,7 @@ def _replicator(mesh):
     """Constrains an output to be whole on every device of ``mesh`` (identity off one)."""
 
     def replicated(x):
-        if mesh is None or x is None:
+        if mesh is None:
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
 
@@ -165,9 +167,9 @@ def _make_sample(mesh, sort_free: bool | str = False):
             sort_free=sort_free,
         )
         toks, lps = sample(logits, x["out_pos"])
-        cv = ci = None
+        out = StepOutputs(tokens=toks, logprobs=lps)
         if num_candidates:
-            cv, ci = beam_candidates(logits, num_candidates, cand_allowed)
-        return replicated(toks), replicated(lps), replicated(cv), replicated(ci)
+            out.cand_logprobs, out.cand_ids = beam_candidates(logits, num_candidates, cand_allowed)
+        return out.map(replicated)
 
     return sample_step

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from paged_jax.chat import continue_final_message
+from paged_jax.chat import render_prompt
 from paged_jax.engine.embedding import POOLINGS
 from paged_jax.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from paged_jax.server.answers import Answers
@@ -679,18 +679,12 @@ class Server(Answers, Embeddings):
                 "messages",
             )
         try:
-            if go_on:  # the final message continued (continue_final_message)
-                text = self.llm.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=False, **template_args
-                )
-                return self._encode(continue_final_message(text, messages), "messages", False)
-            return list(
-                self.llm.tokenizer.apply_chat_template(
-                    messages,
-                    tokenize=True,
-                    add_generation_prompt=add_generation_prompt,
-                    **template_args,
-                )
+            return render_prompt(
+                self.llm.tokenizer,
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=go_on,
+                **template_args,
             )
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), "messages") from None

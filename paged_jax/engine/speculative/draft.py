@@ -38,7 +38,7 @@ from paged_jax.batch import ScheduledSeq, bucket, build_batch, null_batch
 from paged_jax.block_manager import BlockManager, OutOfPages
 from paged_jax.engine.runner import mesh_context
 from paged_jax.engine.shapes import StepShape, step_shapes
-from paged_jax.engine.speculative import DraftRequest
+from paged_jax.engine.speculative.proposers import DraftRequest
 from paged_jax.metadata import AttentionMetadata
 from paged_jax.sharding import create_cache
 

@@ -1,8 +1,8 @@
-"""Applying a step's samples to its requests (the engine core's half that runs after the
-device): tokens appended and checked for a finish (``OutputProcessor.finish_reason``), n
-samples forked from the prompt's first token, beams kept or dropped, a multi-step
-launch's rows taken as whole arrays, finished requests turned into outputs. A mixin of
-``EngineCore`` (``core.py``), whose state it reads and updates. No JAX here."""
+"""Applying a step's samples to its requests (``ResultApplier``, the engine core's part
+that runs after the device): tokens appended and checked for a finish
+(``OutputProcessor.finish_reason``), n samples forked from the prompt's first token,
+beams kept or dropped, a multi-step launch's rows taken as whole arrays, sequences ended
+and finished requests turned into outputs. No JAX here."""
 
 from __future__ import annotations
 
@@ -13,22 +13,62 @@ from typing import Any
 
 import numpy as np
 
-from paged_jax.engine.launch import Lane, Launched
+from paged_jax.engine.launched import Lane, Launched
 from paged_jax.engine.outputs import RequestOutput
-from paged_jax.engine.request import Group, Seq, Status
+from paged_jax.engine.request import Group, RequestTable, Seq, Status
 
 _CUM_LOGPROB = operator.attrgetter("cum_logprob")
 
 
-class ApplyResults:
-    """``EngineCore``'s methods that apply a completed step's samples (see the module
-    docstring)."""
+class ResultApplier:
+    """The engine core's part that applies completed steps (see the module docstring).
 
-    def _process(self, placed, toks, lps, cand, now, emit=None) -> list[RequestOutput]:
+    Args:
+      schedulers: each data-parallel replica's ``Scheduler`` (a request's pages are in
+        its replica's block manager, ``Scheduler.bm``).
+      requests: the engine's ``RequestTable`` (a finished request leaves it).
+      outputs: the ``OutputProcessor`` (finish reasons, outputs).
+      metrics: the engine's ``EngineMetrics``.
+      max_model_len, eos_token_ids: the model's.
+      on_end: called with a sequence's id when it ends (a proposer's ``release``), or
+        None.
+      checked: check derived state as it is used (``LLM(checked=True)``).
+    """
+
+    def __init__(
+        self,
+        schedulers: list,
+        requests: RequestTable,
+        outputs,
+        metrics,
+        *,
+        max_model_len: int,
+        eos_token_ids: set,
+        on_end=None,
+        checked: bool = False,
+    ):
+        self.schedulers = schedulers
+        self.requests = requests
+        self.outputs = outputs
+        self.metrics = metrics
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.on_end = on_end
+        self.checked = checked
+        self.ended = 0  # sequences given a finish reason so far (Lane.ended)
+        # Set once a multi-step launch's results start changing its requests' state
+        # (``apply_steps``, past filling the reserved tokens): a fault from then on cannot
+        # be undone by requeueing (the core clears it when the results are all applied)
+        self.applying = False
+
+    def _bm(self, g: Group):
+        return self.schedulers[g.replica].bm
+
+    def process(self, placed, toks, lps, cand, now, emit=None) -> list[RequestOutput]:
         """Applies a single step's samples (``toks``, ``lps``: ``[R_b, J]``) to the rows
         ``placed`` (``(batch row, Work)``); ``emit``: the tokens and log-probs of rows that
-        verified proposals (``Speculation._accept_drafts``), appended in order up to the
-        first that finishes the sequence. Returns the requests finished."""
+        verified proposals (``Speculator.accept``), appended in order up to the first
+        that finishes the sequence. Returns the requests finished."""
         by_group: dict[int, list[tuple[int, Any]]] = {}
         for i, w in placed:
             if w.sample:
@@ -53,7 +93,7 @@ class ApplyResults:
                         continue
                     self._append(g, w.seq, first_toks[i], first_lps[i], _top(g, cand, i))
             if not g.seqs:
-                finished.append(self._finish(g))
+                finished.append(self.finish(g))
         return finished
 
     def _append(self, g: Group, s: Seq, token: int, logprob: float, top=None) -> None:
@@ -75,24 +115,55 @@ class ApplyResults:
             if matcher.is_stopped():  # nothing more is allowed: the output is complete
                 reason = "stop"
         if reason:
-            self._end(g, s, reason)
+            self.end(g, s, reason)
 
-    def _end(self, g: Group, s: Seq, reason: str) -> None:
+    def end(self, g: Group, s: Seq, reason: str) -> None:
+        """Ends running sequence ``s`` of ``g`` with ``reason``: its pages freed."""
         s.finish_reason = reason
-        self._ended += 1
+        self.ended += 1
         self._bm(g).free(s.seq_id)
-        self._release_draft(s)
+        if self.on_end is not None:
+            self.on_end(s.seq_id)
         g.seqs.remove(s)
         g.done.append(s)
 
-    def _alive(self, lane: Lane) -> np.ndarray | None:
+    def abort(self, g: Group, drop_host) -> RequestOutput:
+        """Ends every running sequence of ``g`` with "abort", freeing its pages
+        (``drop_host(slots, bm)``: the host copies of its swapped-out pages no other
+        sequence holds), and finishes it."""
+        bm = self._bm(g)
+        for s in g.seqs:
+            if s.seq_id in bm:
+                slots = bm.host_slots(s.seq_id)
+                bm.free(s.seq_id)
+                drop_host(slots, bm)
+            s.finish_reason = "abort"
+            self.ended += 1
+            if self.on_end is not None:
+                self.on_end(s.seq_id)
+            g.done.append(s)
+        g.seqs.clear()
+        return self.finish(g)
+
+    def fail(self, g: Group, error: BaseException) -> RequestOutput:
+        """Ends every sequence of ``g`` with ``finish_reason`` "error" (its pages are left
+        to the rebuild that follows a failed step) and finishes it."""
+        g.error = f"{type(error).__name__}: {error}"
+        for s in g.seqs:
+            s.finish_reason = "error"
+            self.ended += 1
+            g.done.append(s)
+        g.seqs.clear()
+        return self.finish(g)
+
+    def alive(self, lane: Lane) -> np.ndarray | None:
         """``bool[L]``: which of the lane's rows have not finished, or None when none has
         (no sequence got a finish reason since the lane was built: ``Lane.ended``)."""
-        if lane.ended == self._ended:
+        if lane.ended == self.ended:
             return None
         return np.fromiter((s.finish_reason is None for s in lane.seqs), bool, len(lane.seqs))
 
-    def _apply_steps(self, f: Launched, toks, lps, now: float) -> list[RequestOutput]:
+    def apply_steps(self, f: Launched, toks, lps, now: float) -> list[RequestOutput]:
         """Applies a multi-step launch (``toks``, ``lps``: ``[S_b, K]``): each row's
         reserved tokens get their sampled values and count as computed, then its samples
         are appended, up to the first that stops it (the rest are dropped).
@@ -103,7 +174,7 @@ class ApplyResults:
         when its tokens are read), and ends if it reached its length; the others go
         through ``_extend``."""
         lane = f.lane
-        alive = self._alive(lane)
+        alive = self.alive(lane)
         carried = f.carried  # their last sample is reserved too: the next launch decodes it
         if alive is not None and not alive.all():
             if not alive.any():
@@ -120,7 +191,7 @@ class ApplyResults:
         self.schedulers[0].bm.fill_reserved(
             lane.ids, lane.stops, row_toks, counts=ks - 1 if carried is None else ks - 1 + carried
         )
-        self._phase = "apply"
+        self.applying = True
         # Running sums of each row's log-probs from its sequence's, in float64 one at a
         # time (as _append adds them): column c is the sum after c tokens.
         sums = np.empty((L, K + 1))
@@ -162,12 +233,12 @@ class ApplyResults:
         # most the model's), then the groups with no sequence left, in row order.
         ended = plain & (lane.stops + ks >= lane.max_len)
         for j in np.flatnonzero(ended).tolist():
-            self._end(groups[j], seqs[j], "length")
+            self.end(groups[j], seqs[j], "length")
         finished = []
         if ended.any() or exact.any():
             for g in {id(g): g for g in groups}.values():
                 if not g.seqs:
-                    finished.append(self._finish(g))
+                    finished.append(self.finish(g))
         return finished
 
     def _extend(
@@ -197,7 +268,7 @@ class ApplyResults:
         if reason is None and (n - s.prompt_len >= p.max_tokens or n >= self.max_model_len):
             reason = "length"
         if reason:
-            self._end(g, s, reason)
+            self.end(g, s, reason)
 
     def _fork_samples(self, g: Group, item, toks, lps, cand=None) -> None:
         """The prompt's logits give n tokens: n - 1 forks share every prompt page."""
@@ -302,23 +373,22 @@ class ApplyResults:
             reason = "length"
         if reason is not None:
             s.finish_reason = reason
-            self._ended += 1
+            self.ended += 1
             self._bm(g).free(s.seq_id)
             g.seqs.remove(s)
             g.done.append(s)
 
-    def _finish(self, g: Group) -> RequestOutput:
+    def finish(self, g: Group) -> RequestOutput:
+        """``g``, with no running sequence left, finished: out of its queue and the
+        request table (its id may be used again), counted, and its output made."""
         g.status = Status.FINISHED
         g.finish_time = time.perf_counter()
         self.schedulers[g.replica].remove(g)
-        self._load[g.replica] -= g.params.beam_width if g.params.use_beam_search else g.params.n
-        self._groups.pop(g.request_id, None)  # the id may be used again
+        self.requests.remove(g)
         self.metrics.requests_finished += 1
         if g.first_token_time is not None:
             self.metrics.ttft_sum_s += g.first_token_time - g.arrival_time
         return self.outputs.request_output(g)
-
-    # ------------------------------------------------------------------ swaps
 
 
 def _top(g: Group, cand, i: int) -> list[tuple[int, float]] | None:

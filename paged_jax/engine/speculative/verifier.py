@@ -1,0 +1,252 @@
+"""The engine core's part for speculative decoding (``Speculator``): proposals for a
+step's decode rows, the extra sampling rows that verify them, and the samples kept
+(``accept``), the rest rolled back. No JAX here.
+
+A decoding sequence whose proposer finds a continuation computes it as extra query
+tokens of the same ragged step: its input is its last sampled token and the ``k``
+proposed tokens, and the step samples ``k + 1`` tokens, one from each position's logits,
+with the request's own sampling parameters and the seed and output position each token
+would have had without speculation. Token ``j`` is kept while every proposal before it
+equals the sample before it, so the tokens kept are exactly those the engine samples
+without speculation, greedy or seeded: for a proposal ``d`` that is certain (as n-gram
+lookup and a greedy draft make them), drawing ``x`` from the target's distribution ``p``
+and accepting ``d`` when ``x == d`` accepts it with probability ``p(d) = min(1, p(d) /
+q(d))``, and a rejection leaves ``x`` distributed as ``p`` without ``d``, renormalized:
+the standard rejection rule with ``q`` a point mass, which needs no second draw.
+
+The engine core's ``Speculator`` drafts (``Speculator.draft``), appends the proposals
+to the block manager like any token, and after the step drops the rejected ones
+(``BlockManager.truncate``): their pages go back to the pool, and only kept tokens ever
+reach the prefix cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from paged_jax.batch import bucket
+from paged_jax.block_manager import OutOfPages
+from paged_jax.engine.request import Work
+from paged_jax.engine.shapes import MIN_STEP_TOKENS
+from paged_jax.engine.speculative.proposers import DraftRequest
+from paged_jax.engine.step_types import StepInputs
+
+# A sequence verifies all its proposals, wherever tokens cost compute, only while a
+# moving average of the fraction of its proposals accepted stays at least this
+# (``Speculator.ration``).
+CONFIDENT = 0.6
+
+
+def accept(draft: Sequence[int], samples: Sequence[int]) -> int:
+    """Proposals kept: the length of the longest prefix of ``draft`` (``k`` tokens) equal
+    to ``samples`` (the ``k + 1`` tokens the verify step sampled, one per position). The
+    tokens a sequence gets are ``samples[: accepted + 1]``."""
+    m = 0
+    for d, s in zip(draft, samples, strict=False):
+        if d != s:
+            break
+        m += 1
+    return m
+
+
+def num_verify_rows(num_tokens: int, num_proposals: int, static: bool) -> int:
+    """Extra sampling rows of a verify step of ``num_tokens`` (its token bucket, ``T_b``)
+    with ``num_proposals`` proposals: their bucket (at least 8), or with static shapes
+    ``T_b`` itself (which is never fewer: every proposal is a token of the step)."""
+    return num_tokens if static else bucket(num_proposals, 8)
+
+
+def _more_rows(a: np.ndarray, rows: int, fill) -> np.ndarray:
+    """``a`` (``[R, ...]``) with ``rows`` more rows of ``fill``."""
+    return np.concatenate([a, np.full((rows, *a.shape[1:]), fill, a.dtype)])
+
+
+def _draftable(w) -> bool:
+    """Whether scheduled ``Work`` ``w`` may verify proposals: it decodes its sequence's
+    last sampled token, and its request samples one plain row per sequence (no beams, no
+    first token of ``n`` samples to fork, no penalties, which count the tokens before
+    each position, no allowed tokens or grammar, no top log-probs)."""
+    p, g = w.group.params, w.group
+    return (
+        w.sample
+        and w.stop - w.start == 1
+        and w.stop == len(w.seq.tokens)
+        and not p.use_beam_search
+        and (p.n == 1 or g.forked)
+        and not p.penalized
+        and p.structured is None
+        and p.allowed_token_ids is None
+        and not p.top_logprobs
+    )
+
+
+class Speculator:
+    """The engine core's part for speculative decoding: proposals appended to a step's
+    decode rows (``draft``), the extra sampling rows that verify them (``verify_rows``),
+    and the samples kept, the rest rolled back (``accept``).
+
+    Args:
+      config: the ``SpeculativeConfig``.
+      proposer: what proposes (``config.proposer(...)``; a test may put its own).
+      runner: the ``ModelRunner`` (whether tokens cost compute; static shapes).
+      metrics: the engine's ``EngineMetrics`` (the speculation counters).
+    """
+
+    def __init__(self, config, proposer, runner, metrics):
+        self.config = config
+        self.proposer = proposer
+        self.runner = runner
+        self.metrics = metrics
+
+    def draft(self, schedulers, scheds) -> dict[int, list[int]] | None:
+        """Proposals for the decode rows of ``scheds`` (each replica's schedule, changed
+        in place; ``schedulers``: theirs): each ``Work`` that takes ``k`` proposals
+        becomes ``[n - 1, n + k)``, the proposals appended to its block manager. Within
+        the step's token budget; a row whose pages are not free goes without. Returns
+        ``{id(Seq): proposals}``, or None when no row has any."""
+        K = self.config.num_speculative_tokens
+        vocab = self.runner.model.config.vocab_size
+        drafts: dict[int, list[int]] = {}
+        for sc, sched in zip(schedulers, scheds, strict=True):
+            budget = sc.max_num_batched_tokens - sum(w.stop - w.start for w in sched.work)
+            if budget <= 0:
+                continue
+            cand = []
+            for j, w in enumerate(sched.work):
+                if _draftable(w):
+                    room = min(K, w.group.max_len - w.stop - 1)
+                    if room > 0:
+                        cand.append((j, w, room))
+            if not cand:
+                continue
+            requests = [
+                DraftRequest(w.seq.seq_id, sc.bm.token_buffer(w.seq.seq_id)[: w.stop].copy(), room)
+                for _, w, room in cand
+            ]
+            proposals = self.proposer.propose(requests)
+            if len(proposals) != len(requests):
+                raise RuntimeError(
+                    f"proposer: {len(proposals)} proposals for {len(requests)} sequences"
+                )
+            for j, w, d in self.ration(sched.work, cand, proposals, budget):
+                if min(d) < 0 or max(d) >= vocab:
+                    raise ValueError(f"proposer: token ids must lie in [0, {vocab}), got {d}")
+                try:
+                    sc.bm.append_slots(w.seq.seq_id, d)
+                except OutOfPages:
+                    continue
+                sched.work[j] = Work(w.group, w.seq, w.start, w.stop + len(d), True)
+                drafts[id(w.seq)] = d
+        return drafts or None
+
+    def release(self, seq_id) -> None:
+        """Tells the proposer, if it keeps state per sequence, that ``seq_id`` ended."""
+        release = getattr(self.proposer, "release", None)
+        if release is not None:
+            release(seq_id)
+
+    def ration(self, work, cand, proposals, budget: int) -> list:
+        """Which proposals the step verifies: ``[(work index, Work, tokens)]`` within
+        ``budget`` tokens. Sequences whose recent proposals were mostly accepted
+        (``Seq.spec_rate >= CONFIDENT``) verify all of theirs; where every token of a step
+        costs compute (CPU, ``ModelRunner.tokens_cost_compute``) the others only verify
+        as many as fit in the padding of the step's token bucket (rows it computes
+        anyway), so that proposals that keep failing cost almost nothing."""
+        ranked = []
+        for (j, w, room), d in zip(cand, proposals, strict=True):
+            d = [int(t) for t in d[:room]]
+            if d:
+                ranked.append((-w.seq.spec_rate, j, w, d))
+        ranked.sort(key=lambda r: (r[0], r[1]))
+        tokens = sum(w.stop - w.start for w in work)
+        frugal = self.runner.tokens_cost_compute
+        taken = []
+        for neg_rate, j, w, d in ranked:
+            room = budget
+            if frugal and -neg_rate < CONFIDENT:
+                room = min(room, bucket(tokens, MIN_STEP_TOKENS) - tokens)
+            d = d[:room]
+            if d:
+                taken.append((j, w, d))
+                budget -= len(d)
+                tokens += len(d)
+        return taken
+
+    def verify_rows(self, placed: list, drafts: dict, inputs: StepInputs) -> dict:
+        """Extends ``inputs``' sampling rows by one row per proposal: row ``S_b + e``
+        samples the logits of a proposal's input position with its sequence's
+        parameters, seed and the output position of the token it samples there (the
+        batch's ``logits_indices`` become ``i32[S_b + E_b]``). Returns ``{batch row:
+        (proposals, first extra row)}``. The extra rows have no penalties, mask or
+        candidates of their own (``_draftable``). ``E_b``: the bucket of the proposals,
+        or with static shapes (``LLM.warm_up``) the step's token bucket ``T_b``, which
+        holds every proposal, so that a verify step has one shape per step shape and
+        warm-up compiles them all (``num_verify_rows``)."""
+        batch = inputs.batch
+        S_b = batch.kv_lens.shape[0]
+        spec, src, li, off = {}, [], [], []
+        for i, w in placed:
+            d = drafts.get(id(w.seq))
+            if d is None:
+                continue
+            k = len(d)
+            spec[i] = (d, S_b + len(src))
+            last = int(batch.logits_indices[i])  # the row of the last proposal
+            src += [i] * k
+            li += range(last - k, last)
+            off += range(-k, 0)
+        E = len(src)
+        E_b = num_verify_rows(batch.token_ids.shape[0], E, self.runner.static_shapes)
+        idx = np.concatenate([np.arange(S_b), np.asarray(src, np.intp)]).astype(np.intp)
+        logits_indices = np.zeros(S_b + E_b, np.int32)
+        logits_indices[:S_b] = batch.logits_indices
+        logits_indices[S_b : S_b + E] = li
+        inputs.batch = dataclasses.replace(batch, logits_indices=logits_indices)
+        sampling = inputs.sampling.gather(idx, S_b + E_b)  # padding rows: idle
+        sampling.out_pos[S_b : S_b + E] += np.asarray(off, np.int32)
+        inputs.sampling = sampling
+        if inputs.penalties is not None:  # neutral rows for the proposals
+            inputs.penalties = inputs.penalties.with_neutral_rows(E_b)
+        if inputs.allowed is not None:  # every token allowed
+            inputs.allowed = _more_rows(inputs.allowed, E_b, -1)
+        if inputs.cand_allowed is not None:  # the verify rows' candidates: any token
+            inputs.cand_allowed = _more_rows(inputs.cand_allowed, E_b, -1)
+        return spec
+
+    def accept(self, f, live, toks, lps, bm_of) -> tuple[dict, dict]:
+        """For each row of step ``f`` that verified proposals: the samples it keeps (those
+        up to and including the first that differs from its proposal) as ``{row:
+        [(token, log-prob)]}``, its rejected proposals dropped from its block manager
+        (``bm_of(group)``; ``BlockManager.truncate``), and ``{row: tokens computed}``
+        (the sequence's tokens before the step plus the proposals kept)."""
+        emit, computed = {}, {}
+        m_sum = k_sum = 0
+        for i, w in live:
+            entry = f.spec.get(i)
+            if entry is None:
+                continue
+            d, e0 = entry
+            k = len(d)
+            samples = toks[e0 : e0 + k, 0].tolist() + [int(toks[i, 0])]
+            logprobs = lps[e0 : e0 + k, 0].tolist() + [float(lps[i, 0])]
+            m = accept(d, samples)
+            w.seq.spec_rate = 0.5 * w.seq.spec_rate + 0.5 * m / k
+            keep = w.stop - k + m  # last sampled token, then the proposals kept
+            bm_of(w.group).truncate(w.seq.seq_id, keep)
+            computed[i] = keep
+            emit[i] = list(zip(samples[: m + 1], logprobs[: m + 1], strict=True))
+            m_sum += m
+            k_sum += k
+        self.metrics.spec_verify_rows += len(emit)
+        self.metrics.spec_draft_tokens += k_sum
+        self.metrics.spec_accepted_tokens += m_sum
+        return emit, computed
+
+    def warm_up(self, progress: bool) -> None:
+        """Compiles the proposer's own steps, if it has any (a draft model's)."""
+        warm_up = getattr(self.proposer, "warm_up", None)
+        if warm_up is not None:
+            warm_up(progress)

@@ -1,0 +1,109 @@
+"""Compiling before serving: every step shape an engine configuration reaches
+(``step_shapes``; ``paged_jax.engine.shapes``) run once on batches that touch only the
+null page (``compile_all``, what ``LLM.warm_up()`` runs), each shape's programs apart
+(overlapped merges, speculative verify steps, adapter rows), and the warm-up's lines on
+the terminal (``echo``)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from paged_jax.engine.shapes import MIN_STEP_TOKENS, StepShape
+from paged_jax.engine.shapes import step_shapes as _step_shapes
+
+log = logging.getLogger("paged_jax")
+
+
+def step_shapes(core) -> list[StepShape]:
+    """The step shapes engine ``core`` reaches with static shapes, per data-parallel
+    replica: what ``compile_all`` compiles."""
+    sc = core.schedulers[0]
+    return _step_shapes(
+        max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens,
+        pages_per_seq=core.runner.table_width,
+        min_tokens=MIN_STEP_TOKENS,
+        min_seqs=core.launcher.min_seqs,
+        deterministic=core.deterministic,
+        num_scheduler_steps=core.num_scheduler_steps,
+    )
+
+
+def compile_all(core, progress: bool) -> list[dict]:
+    """Switches engine ``core`` to static shapes for good and runs every shape of
+    ``step_shapes(core)`` once (and a draft model's own steps); returns the buckets
+    compiled. The engine must be idle (its block tables change width)."""
+    if core.has_unfinished():
+        raise RuntimeError(
+            "warm_up(): expected an idle engine (it switches every block table to its "
+            "full width), but requests are unfinished"
+        )
+    runner = core.runner
+    runner.static_shapes = True
+    shapes = step_shapes(core)
+    replicas = len(core.schedulers)
+    token_buckets = sorted({s.tokens for s in shapes})
+    merged: set[int] = set()  # row counts whose samples were merged (async steps)
+    before = len(core.compiled_buckets)
+    t0 = time.perf_counter()
+    with echo(progress):
+        log.info("compiling %d step shapes (static shapes: tables of %d pages)",
+                 len(shapes), runner.table_width)  # fmt: skip
+        programs = compiled = 0  # a shape's variants (verify, adapters) compile apart
+        for k, shape in enumerate(shapes):
+            merges = ()
+            if core.async_scheduling and shape.steps == 1 and shape.seqs not in merged:
+                merged.add(shape.seqs)
+                merges = token_buckets
+            runs = _programs(core, shape, merges)
+            for kw in runs:
+                compiled += bool(runner.run_shape(shape, replicas, **kw))
+            programs += len(runs)
+            if progress and not (k + 1) % 8:
+                log.info("%d of %d step shapes ready (%.1f s)", k + 1, len(shapes),
+                         time.perf_counter() - t0)  # fmt: skip
+        log.info(
+            "every step shape ready: %d programs for %d shapes in %.1f s (%d new to "
+            "this process)",
+            programs, len(shapes), time.perf_counter() - t0, compiled,
+        )  # fmt: skip
+        if core.speculator is not None:  # a draft model's own steps
+            core.speculator.warm_up(progress)
+        new = core.compiled_buckets[before:]
+    core.metrics.reset()
+    return new
+
+
+def _programs(core, shape: StepShape, merges) -> list[dict]:
+    """``ModelRunner.run_shape``'s arguments for each program of ``shape``: the plain
+    step (and its overlapped form), a speculative verify step, steps with adapter rows."""
+    overlapped = core.async_scheduling and shape.steps == 1
+    runs = [dict(merges=merges, overlapped=overlapped)]
+    verify = core.speculator is not None and not shape.decode_only
+    if verify and shape.steps == 1:
+        runs.append(dict(verify=True))  # verify steps
+    if core.max_loras and shape.steps == 1:  # steps with adapter rows
+        runs.append(dict(overlapped=overlapped, adapters=True))
+        if verify:
+            runs.append(dict(verify=True, adapters=True))
+    return runs
+
+
+@contextlib.contextmanager
+def echo(on: bool):
+    """The "paged_jax" logger's INFO lines printed to stderr (``warm-up: ...``) while on."""
+    if not on:
+        yield
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("warm-up: %(message)s"))
+    log.addHandler(handler)
+    old_level = log.level
+    log.setLevel(min(old_level or logging.WARNING, logging.INFO))
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
