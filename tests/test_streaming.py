@@ -147,3 +147,50 @@ def test_a_stream_keeps_other_requests_outputs_for_step():
     pieces = list(llm.stream(["Hello"], pj.SamplingParams(max_tokens=8, ignore_eos=True)))
     assert pieces[-1].finished
     assert [o.request_id for o in llm.step()] == ["mine"]
+
+
+def test_each_step_pushes_the_streamed_requests_pieces_and_token_counts():
+    # Issue 82, item 3: streams were polled (the server asked every live request for its
+    # count and text deltas after each step, keeping what it had sent itself); now the
+    # engine pushes them: step() returns each streamed request's new text and tokens.
+    llm = _engine()
+    p = pj.SamplingParams(max_tokens=12, ignore_eos=True, n=2, temperature=0.9, seed=3)
+    want = llm.generate(PROMPTS[:2], p, progress=False)
+    llm.add_request("text", PROMPTS[0], p, stream=True)
+    llm.add_request("counts", PROMPTS[1], p, stream="tokens")
+    llm.add_request("plain", PROMPTS[1], p)
+    text, tokens, counts, finished = {}, {}, {}, {}
+    while llm.has_unfinished():
+        res = llm.step()
+        assert set(res.new_tokens) <= {"text", "counts"}
+        assert all(piece.request_id == "text" for piece in res.streamed)
+        for rid, n in res.new_tokens.items():
+            counts[rid] = counts.get(rid, 0) + n
+        for piece in res.streamed:
+            text[piece.sample] = text.get(piece.sample, "") + piece.text
+            tokens[piece.sample] = tokens.get(piece.sample, []) + piece.token_ids
+            assert piece.finished == (piece.output is not None)
+        finished.update((o.request_id, o) for o in res)
+    assert set(finished) == {"text", "counts", "plain"}
+    for c in finished["text"].outputs:  # the pieces join into the output, text and tokens
+        assert text[c.index] == c.text and tokens[c.index] == c.token_ids
+    assert [c.token_ids for c in finished["text"].outputs] == [
+        c.token_ids for c in want[0].outputs
+    ]
+    assert counts == {"text": 24, "counts": 24}  # every token counted once, both samples
+    with pytest.raises(ValueError, match="stream: expected False, True or 'tokens'"):
+        llm.add_request("x", PROMPTS[0], p, stream="text")
+
+
+def test_an_aborted_stream_pushes_nothing_more():
+    llm = _engine()
+    p = pj.SamplingParams(max_tokens=30, ignore_eos=True)
+    llm.add_request("a", PROMPTS[0], p, stream=True)
+    llm.add_request("b", PROMPTS[1], p, stream=True)
+    llm.step()
+    llm.abort("a")
+    seen = set()
+    while llm.has_unfinished():
+        res = llm.step()
+        seen |= {piece.request_id for piece in res.streamed} | set(res.new_tokens)
+    assert seen == {"b"}

@@ -30,7 +30,7 @@ from paged_jax.engine.launched import PENDING, Launched
 from paged_jax.engine.launcher import StepLauncher
 from paged_jax.engine.loras import LoraSlots
 from paged_jax.engine.metrics import EngineMetrics, record_step
-from paged_jax.engine.outputs import OutputProcessor, RequestOutput
+from paged_jax.engine.outputs import OutputProcessor, RequestOutput, StepResult, StreamOutput
 from paged_jax.engine.request import Group, RequestTable, Seq, Status
 from paged_jax.engine.routing import PrefixRouter
 from paged_jax.engine.runner import ModelRunner
@@ -166,6 +166,8 @@ class EngineCore:
         )
         self._phase: str | None = None  # where the running step is ("apply": results)
         self._undelivered: list[RequestOutput] = []  # finished, not yet returned
+        self._unstreamed: list[StreamOutput] = []  # pieces of streams, not yet returned
+        self._new_tokens: dict[Hashable, int] = {}  # streams' new tokens, not yet returned
         self._step_groups: list[Group] = []  # the running step's groups (a fault's blame)
         self._inflight: Launched | None = None  # a step left running (async_scheduling)
         self._accounted = 0  # step calls accounted (metrics)
@@ -286,6 +288,7 @@ class EngineCore:
         cache_salt: Any = None,
         lora: str | None = None,
         adapter: int = 0,
+        stream: bool | str = False,
     ) -> None:
         """Queues a request. Raises ValueError on a bad request (nothing is queued).
 
@@ -294,12 +297,19 @@ class EngineCore:
         (``add_lora``) the request runs with (None: the base model). ``adapter``: for a
         model of your own whose ``__call__`` takes ``adapter_ids``, the index passed with
         every token of the request (0: none). Requests of different adapters never share
-        prefix-cache pages.
+        prefix-cache pages. ``stream``: True, every ``step`` pushes the request's new
+        settled text and tokens (``StepResult.streamed``) and its new token count
+        (``StepResult.new_tokens``); ``"tokens"``: the counts only (no text is decoded
+        before the request finishes); False: nothing before it finishes.
         """
         self.faults.check_usable()
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        if stream not in (False, True, "tokens"):
+            raise ValueError(f"stream: expected False, True or 'tokens', got {stream!r}")
+        if stream is True and self.tokenizer is None:
+            raise ValueError("stream: streaming text needs a tokenizer; pass stream='tokens'")
         if lora is not None:
             if adapter:
                 raise ValueError("lora, adapter: give one of them, not both")
@@ -334,6 +344,8 @@ class EngineCore:
         g.replica = self.router.route(ids, g.salt, self.requests.load)
         self.requests.add(g)
         self.schedulers[g.replica].add(g)
+        if stream:
+            self.outputs.open_stream(request_id, text=stream is True)
 
     def abort(self, request_id: Hashable) -> RequestOutput | None:
         """Stops an unfinished request and frees its pages and host buffers.
@@ -347,6 +359,7 @@ class EngineCore:
         g = self.requests.get(request_id)
         if g is None:
             return None
+        self.outputs.close_stream(request_id)
         self.schedulers[g.replica].remove(g)
         return self.applier.abort(g, lambda slots, bm: self.swapper.drop(g.replica, slots, bm))
 
@@ -360,23 +373,28 @@ class EngineCore:
         """True while a request runs or a finished one's output waits for ``step``."""
         return any(sc.has_work() for sc in self.schedulers) or bool(self._undelivered)
 
-    def deliver_later(self, outputs: list[RequestOutput]) -> None:
-        """Outputs a caller of ``step`` took but does not own (a ``generate`` loop meets
-        requests another caller added): the next ``step`` returns them first."""
-        self._undelivered = list(outputs) + self._undelivered
+    def deliver_later(self, result: StepResult) -> None:
+        """What a caller of ``step`` took but does not own (a ``generate`` loop meets
+        requests another caller added): the next ``step`` returns it first."""
+        self._undelivered = list(result) + self._undelivered
+        self._unstreamed = result.streamed + self._unstreamed
+        for rid, n in result.new_tokens.items():
+            self._new_tokens[rid] = self._new_tokens.get(rid, 0) + n
 
     def discard_undelivered(self, request_ids) -> None:
         """Drops the outputs of ``request_ids`` waiting for ``step`` (their caller ended:
         an interrupted ``generate``)."""
         self._undelivered = [o for o in self._undelivered if o.request_id not in request_ids]
+        self._unstreamed = [p for p in self._unstreamed if p.request_id not in request_ids]
 
     # ------------------------------------------------------------------ one step
-    def step(self) -> list[RequestOutput]:
-        """Runs one engine step; returns the requests that finished in it.
+    def step(self) -> StepResult:
+        """Runs one engine step; returns the requests that finished in it, and what it
+        pushes for the streamed ones (``StepResult``).
 
         If it raises, every unfinished request has been requeued (see the class
         docstring); call ``step`` again to go on. A signal handler held during the step
-        runs on return; if it raises, the step's finished outputs come with the next call.
+        runs on return; if it raises, the step's outputs come with the next call.
         """
         self.faults.check_usable()
         held = DeferSignals()
@@ -385,12 +403,17 @@ class EngineCore:
                 # kept before the handlers come back: a signal landing as they do (in
                 # __exit__) must not lose the step's outputs
                 self._undelivered += self._step()
+                pieces, counts = self.outputs.stream_pieces(self.requests.get, self._undelivered)
+                self._unstreamed += pieces
+                for rid, n in counts.items():
+                    self._new_tokens[rid] = self._new_tokens.get(rid, 0) + n
             except BaseException as e:
                 held.restore()
                 self._on_fault(e)
                 raise
         held.release()  # may raise (KeyboardInterrupt): the outputs wait in _undelivered
-        out, self._undelivered = self._undelivered, []
+        out = StepResult(self._undelivered, self._unstreamed, self._new_tokens)
+        self._undelivered, self._unstreamed, self._new_tokens = [], [], {}
         return out
 
     def _step(self) -> list[RequestOutput]:
@@ -613,7 +636,10 @@ class EngineCore:
         """Drops every request (no outputs are returned for them), frees every page and
         host buffer, and clears a failed state. Compiled steps are kept."""
         self.requests.clear()
+        self.outputs.close_streams()
         self._undelivered.clear()
+        self._unstreamed.clear()
+        self._new_tokens.clear()
         self._phase = None
         self.applier.applying = False
         self.faults.reset()

@@ -35,6 +35,7 @@ from paged_jax.engine.outputs import (
     CompletionOutput,
     RequestMetrics,
     RequestOutput,
+    StepResult,
     StreamOutput,
 )
 from paged_jax.engine.runner import ModelRunner, resolve_mesh
@@ -341,14 +342,14 @@ class LLM:
         """The names of the adapters registered (``add_lora``), in the order added."""
         return self.engine.loras.names
 
-    def step(self) -> list[RequestOutput]:
-        """Runs one engine step; returns the requests that finished in it
-        (``EngineCore.step``)."""
+    def step(self) -> StepResult:
+        """Runs one engine step; returns the requests that finished in it (a list), and
+        what it pushes for streamed requests (``StepResult``; ``EngineCore.step``)."""
         return self.engine.step()
 
     def add_request(self, request_id: Hashable, prompt, params=None, **kw) -> None:
         """Queues a request for ``step`` (``EngineCore.add_request``: ``cache_salt``,
-        ``lora``, ``adapter``)."""
+        ``lora``, ``adapter``, ``stream``)."""
         self.engine.add_request(request_id, prompt, params, **kw)
 
     def abort(self, request_id: Hashable) -> RequestOutput | None:
@@ -539,44 +540,35 @@ class LLM:
         for k, p in enumerate(each):
             if p is not None and p.use_beam_search:
                 raise ValueError(f"sampling_params[{k}]: beam search cannot be streamed")
-        ids, _ = self._add_all("stream", prompts, sampling_params, cache_salt, lora)
+        ids, _ = self._add_all("stream", prompts, sampling_params, cache_salt, lora, True)
         index = {rid: k for k, rid in enumerate(ids)}
-        sent: dict[tuple, str] = {}  # (request, sample) -> text yielded so far
         left = set(ids)
-        others: list[RequestOutput] = []  # requests added by add_request: kept for step()
+        others = StepResult()  # what steps pushed of requests added by add_request
         try:
             while left:
-                outs = self._step_or_recover()
-                if outs is None:
+                res = self._step_or_recover()
+                if res is None:
                     continue
-                finished = {}
-                for o in outs:
+                for o in res:
                     if o.request_id in left:
-                        finished[o.request_id] = o
+                        left.discard(o.request_id)
                     else:
                         others.append(o)
-                for rid in ids:
-                    if rid in left:
-                        pieces = self.text_deltas(rid, finished.get(rid), sent, index[rid])
-                        yield from pieces
-                        if rid in finished:
-                            left.discard(rid)
+                others.streamed += [p for p in res.streamed if p.request_id not in index]
+                for rid, n in res.new_tokens.items():
+                    if rid not in index:
+                        others.new_tokens[rid] = others.new_tokens.get(rid, 0) + n
+                for piece in res.streamed:
+                    if piece.request_id in index:
+                        piece.index = index[piece.request_id]
+                        yield piece
         finally:
             if self.engine.failure is None:
                 for rid in left:  # closed early or interrupted: nothing left running unseen
                     self.abort(rid)
             self.engine.deliver_later(others)
 
-    def text_deltas(
-        self, rid: Hashable, out: RequestOutput | None, sent: dict, index: int = 0
-    ) -> list[StreamOutput]:
-        """The new settled text of each sample of request ``rid`` since ``sent`` (a dict
-        ``(rid, sample) -> text already delivered``, updated here), as ``StreamOutput``s
-        with ``index``; ``out``: the request's output if it finished in the last step
-        (each sample then gets a last piece with its final text)."""
-        return self.outputs.text_deltas(rid, self.engine.requests.get(rid), out, sent, index)
-
-    def _step_or_recover(self) -> list[RequestOutput] | None:
+    def _step_or_recover(self) -> StepResult | None:
         """``step()`` for the run-to-completion loops: None when the step failed and was
         undone (its requests were requeued; one that keeps failing ends with
         finish_reason "error", see the class docstring); a stopped engine raises."""
@@ -588,9 +580,10 @@ class LLM:
             log.warning("a step failed and was undone (%s: %s)", type(e).__name__, e)
             return None
 
-    def _add_all(self, prefix: str, prompts, sampling_params, cache_salt, lora=None):
-        """Adds every prompt as a request, all or nothing (a bad one aborts those added and
-        raises naming ``prompts[k]``); returns ``(request ids, params per prompt)``."""
+    def _add_all(self, prefix: str, prompts, sampling_params, cache_salt, lora=None, stream=False):
+        """Adds every prompt as a request (``stream``: as ``add_request``'s), all or nothing
+        (a bad one aborts those added and raises naming ``prompts[k]``); returns
+        ``(request ids, params per prompt)``."""
         if isinstance(prompts, str):
             prompts = [prompts]
         params = (
@@ -605,7 +598,7 @@ class LLM:
         for k, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             rid = f"{prefix}-{base}-{k}"
             try:
-                self.add_request(rid, prompt, p, cache_salt=cache_salt, lora=lora)
+                self.add_request(rid, prompt, p, cache_salt=cache_salt, lora=lora, stream=stream)
             except (ValueError, TypeError) as e:
                 for r in ids:  # all or nothing: nothing of this call stays queued
                     self.abort(r)
@@ -636,7 +629,7 @@ class LLM:
         ids, params = self._add_all("gen", prompts, sampling_params, cache_salt, lora)
         done: dict[Hashable, RequestOutput] = {}
         mine = set(ids)
-        others: list[RequestOutput] = []  # requests added by add_request: kept for step()
+        others = StepResult()  # what steps pushed of requests added by add_request
         budget = {
             rid: p_.max_tokens * p_.n
             for rid, p_ in zip(ids, (p or SamplingParams() for p in params), strict=True)
@@ -647,11 +640,11 @@ class LLM:
         try:
             while len(done) < len(ids):
                 before = self.metrics.tokens_generated
-                outs = self._step_or_recover()
-                if outs is None:
+                res = self._step_or_recover()
+                if res is None:
                     continue
                 tokens, finished, unused = self.metrics.tokens_generated - before, 0, 0
-                for out in outs:
+                for out in res:
                     if out.request_id in mine:
                         done[out.request_id] = out
                         finished += 1
@@ -659,6 +652,9 @@ class LLM:
                         unused += max(budget[out.request_id] - used, 0)  # stopped early
                     else:
                         others.append(out)
+                others.streamed += res.streamed  # (this call's requests are not streamed)
+                for rid, n in res.new_tokens.items():
+                    others.new_tokens[rid] = others.new_tokens.get(rid, 0) + n
                 bar.update(self.metrics, tokens, finished, unused)
         except BaseException:
             # Interrupted or failed: this call's requests end with it (none is left to

@@ -32,7 +32,8 @@ class CompletionOutput:
 
 @dataclasses.dataclass
 class StreamOutput:
-    """New text of one sample (``LLM.stream``): ``index`` is the prompt's position,
+    """New text of one sample of a streamed request (``add_request(stream=True)``,
+    ``LLM.stream``): ``index`` is the prompt's position (``LLM.stream``; 0 from ``step``),
     ``sample`` the sample's; ``finish_reason`` is set on its last piece."""
 
     index: int
@@ -50,6 +51,31 @@ class StreamOutput:
     # RequestOutput's (every prompt token's is known once the first token is)
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    request_id: Hashable = None  # the request's
+
+
+class StepResult(list):
+    """What ``step()`` returns: the requests that finished in the step (the list, of
+    ``RequestOutput``), and for the streamed requests (``add_request(stream=...)``) what
+    the engine pushes: ``streamed``, the new pieces of every text stream
+    (``StreamOutput``: the text that settled since the sample's last piece and the tokens
+    generated meanwhile; a finished request's last pieces carry its output), and
+    ``new_tokens``, the tokens each streamed request generated in the step (``{request
+    id: count}``). Its ``OutputProcessor`` keeps what each stream has been sent."""
+
+    def __init__(self, finished=(), streamed=(), new_tokens=None):
+        super().__init__(finished)
+        self.streamed: list[StreamOutput] = list(streamed)
+        self.new_tokens: dict[Hashable, int] = {} if new_tokens is None else new_tokens
+
+
+@dataclasses.dataclass
+class _Stream:
+    """What the engine has pushed of one streamed request."""
+
+    text: bool  # text pieces (else token counts only)
+    tokens: int = 0  # tokens generated so far (reported in StepResult.new_tokens)
+    sent: dict = dataclasses.field(default_factory=dict)  # text_deltas' record
 
 
 @dataclasses.dataclass
@@ -155,6 +181,46 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        # streamed requests (request id -> what their stream has been sent), in order
+        self._streams: dict[Hashable, _Stream] = {}
+
+    # ------------------------------------------------------------------ streams
+    def open_stream(self, request_id: Hashable, text: bool = True) -> None:
+        """Request ``request_id`` is streamed: each step reports its new tokens, and with
+        ``text`` its new settled text (``stream_pieces``)."""
+        self._streams[request_id] = _Stream(text)
+
+    def close_stream(self, request_id: Hashable) -> None:
+        """Forgets a stream (its request was aborted: it gets no more pieces)."""
+        self._streams.pop(request_id, None)
+
+    def close_streams(self) -> None:
+        self._streams.clear()
+
+    def stream_pieces(self, group_of, finished: list[RequestOutput]) -> tuple[list, dict]:
+        """``(pieces, new tokens)`` of the open streams after a step: each unfinished
+        request's (``group_of(request id)``: its ``Group``) new settled text and tokens,
+        and for a request among ``finished`` its last pieces (its stream is then closed);
+        ``{request id: tokens generated since the last report}`` for those with any."""
+        if not self._streams:
+            return [], {}
+        done = {o.request_id: o for o in finished if o.request_id in self._streams}
+        pieces, counts = [], {}
+        for rid, st in list(self._streams.items()):
+            out = done.get(rid)
+            g = None if out is not None else group_of(rid)
+            if out is None and g is None:
+                continue  # (finished in a step whose outputs are not out yet)
+            if out is not None:
+                n = sum(len(c.token_ids) for c in out.outputs)
+                del self._streams[rid]
+            else:
+                n = sum(len(sq.tokens) - sq.prompt_len for sq in (*g.seqs, *g.done))
+            if n > st.tokens:
+                counts[rid], st.tokens = n - st.tokens, n
+            if st.text:
+                pieces += self.text_deltas(rid, g, out, st.sent)
+        return pieces, counts
 
     def decode(self, ids: Sequence[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
@@ -227,16 +293,17 @@ class OutputProcessor:
         index: int = 0,
     ) -> list[StreamOutput]:
         """The new settled text of each sample of request ``rid`` (its group ``g`` while
-        unfinished) since ``sent`` (a dict ``(rid, sample) -> text already delivered``,
-        updated here), as ``StreamOutput``s with ``index``; ``out``: the request's output
-        if it finished in the last step (each sample then gets a last piece with its
-        final text)."""
+        unfinished) since ``sent`` (the stream's record of what it was sent, updated
+        here), as ``StreamOutput``s with ``index``; ``out``: the request's output if it
+        finished in the last step (each sample then gets a last piece with its final
+        text)."""
         pieces = []
         if out is not None:
             for c in out.outputs:
                 text, prev = c.text or "", sent.get((rid, c.index), "")
                 delta = text[len(prev) :] if text.startswith(prev) else ""
                 piece = StreamOutput(index, c.index, delta, True, c.finish_reason, out)
+                piece.request_id = rid
                 n = sent.get((rid, c.index, "tokens"), 0)
                 piece.token_ids = c.token_ids[n:]
                 if c.logprobs is not None:
@@ -255,6 +322,7 @@ class OutputProcessor:
             if len(text) > len(prev) and text.startswith(prev):
                 sent[(rid, sq.sample_index)] = text
                 piece = StreamOutput(index, sq.sample_index, text[len(prev) :])
+                piece.request_id = rid
                 key = (rid, sq.sample_index, "tokens")
                 p = g.params
                 n = sent.get(key, 0)

@@ -50,9 +50,6 @@ class Overloaded(RuntimeError):
 @dataclasses.dataclass
 class _Live:
     notify: Callable[[Event], None]
-    stream: bool  # send text as it settles
-    sent: dict = dataclasses.field(default_factory=dict)  # (rid, sample) -> text sent
-    tokens: int = 0  # tokens generated so far, all samples
     last_token_time: float | None = None
 
 
@@ -189,9 +186,11 @@ class EngineLoop:
         while True:
             if cmd[0] == "add":
                 _, rid, prompt, params, notify, stream, lora = cmd
-                self._live[rid] = _Live(notify, stream)
-                try:
-                    self.llm.add_request(rid, prompt, params, lora=lora)
+                self._live[rid] = _Live(notify)
+                try:  # (every request reports its tokens each step: the metrics')
+                    self.llm.add_request(
+                        rid, prompt, params, lora=lora, stream=True if stream else "tokens"
+                    )
                 except (ValueError, TypeError) as e:
                     self._done(rid, Event("error", status=400, message=str(e)))
             elif cmd[0] == "abort":
@@ -231,12 +230,12 @@ class EngineLoop:
                 self._take(block=not self.llm.has_unfinished())
                 if self._stopping.is_set() or not self.llm.has_unfinished():
                     continue
-                outs = self.llm.step()
+                res = self.llm.step()
                 # The gauges first: a client that holds its answer then sees the step
                 # that made it in /metrics.
                 if self._on_step is not None:
                     self._on_step(self.llm)
-                self._deliver(outs)
+                self._deliver(res)
             except Exception as e:  # noqa: BLE001 (the thread must outlive any one fault)
                 if self.llm.failure is not None:  # stopped: _take recovers it next
                     continue
@@ -254,26 +253,24 @@ class EngineLoop:
         for rid in list(self._live):
             self._done(rid, Event("error", status=status, message=message))
 
-    def _deliver(self, outs: list) -> None:
+    def _deliver(self, res) -> None:
+        """A step's ``StepResult`` to the requests' callbacks: the tokens each generated
+        (metrics), the text the streamed ones' pieces settled, the finished outputs."""
         now = time.perf_counter()
-        finished = {o.request_id: o for o in outs}
-        for rid, live in list(self._live.items()):
-            out = finished.get(rid)
-            counts = self.llm.num_generated(rid)
-            tokens = (
-                sum(len(c.token_ids) for c in out.outputs) if out is not None else sum(counts or [])
-            )
-            if tokens > live.tokens and self._on_tokens is not None:
+        for rid, n in res.new_tokens.items():
+            live = self._live.get(rid)
+            if live is None:
+                continue
+            if self._on_tokens is not None:
                 gap = None if live.last_token_time is None else now - live.last_token_time
-                self._on_tokens(tokens - live.tokens, gap)
-            if tokens > live.tokens:
-                live.tokens, live.last_token_time = tokens, now
-            if live.stream and (out is not None or counts is not None):
-                for piece in self.llm.text_deltas(rid, out, live.sent):
-                    # (tokens whose text is held back wait, but not a prompt's log-probs)
-                    if piece.text or piece.logprobs or piece.prompt_logprobs is not None:
-                        live.notify(
-                            Event("text", sample=piece.sample, text=piece.text, piece=piece)
-                        )
-            if out is not None:
-                self._done(rid, Event("done", output=out))
+                self._on_tokens(n, gap)
+            live.last_token_time = now
+        for piece in res.streamed:
+            live = self._live.get(piece.request_id)
+            # (tokens whose text is held back wait, but not a prompt's log-probs)
+            if live is not None and (
+                piece.text or piece.logprobs or piece.prompt_logprobs is not None
+            ):
+                live.notify(Event("text", sample=piece.sample, text=piece.text, piece=piece))
+        for out in res:
+            self._done(out.request_id, Event("done", output=out))
