@@ -416,19 +416,24 @@ def _held(layout: str):
 
 class _Phases:
     """While active, the seconds ``llm`` spends in each phase of its steps, summed: its
-    engine core's ``_launch`` (scheduling, batch building and the dispatch call),
-    ``_complete`` (waiting for the sampled tokens and applying them), ``_place`` and the
-    runner's
-    ``merge_tokens`` (an overlapped step's placeholders), by wrapping them on the
-    instance; and the calling thread's CPU seconds (``time.thread_time``): a phase whose
-    wall time far exceeds the CPU time it took was waiting (on the device, a lock)."""
+    engine core's ``_launch`` (scheduling, batch building and the dispatch call) and
+    ``_complete`` (waiting for the sampled tokens and applying them), the launcher's
+    ``place`` and the runner's ``merge_tokens`` (an overlapped step's placeholders), by
+    wrapping them on the instances; and the calling thread's CPU seconds
+    (``time.thread_time``): a phase whose wall time far exceeds the CPU time it took was
+    waiting (on the device, a lock)."""
 
-    NAMES = ("_launch", "_complete", "_place")
+    # (owner in the engine core, method, phase)
+    PHASES = (("core", "_launch", "launch"), ("core", "_complete", "complete"))
+    PHASES += (("launcher", "place", "place"),)
 
     def __init__(self, llm):
         self.core = llm.engine  # (its steps' phases are the engine core's methods)
         self.llm, self.s = llm, dict.fromkeys(("launch", "complete", "place", "merge"), 0.0)
         self.calls = []  # per _step call: (seconds, tokens computed by the steps it completed)
+
+    def _owner(self, name: str):
+        return self.core if name == "core" else getattr(self.core, name)
 
     def _wrap(self, owner, attr, key):
         fn = getattr(owner, attr)
@@ -443,8 +448,8 @@ class _Phases:
         setattr(owner, attr, timed)
 
     def __enter__(self):
-        for attr in self.NAMES:
-            self._wrap(self.core, attr, attr[1:])
+        for owner, attr, key in self.PHASES:
+            self._wrap(self._owner(owner), attr, key)
         step, m = self.core._step, self.llm.metrics
 
         def timed_step():
@@ -461,8 +466,9 @@ class _Phases:
 
     def __exit__(self, *exc):
         self.s["cpu"] = time.thread_time() - self.cpu0
-        for attr in self.NAMES + ("_step",):
-            del self.core.__dict__[attr]
+        for owner, attr, _ in self.PHASES:
+            del self._owner(owner).__dict__[attr]
+        del self.core.__dict__["_step"]
         del self.llm.runner.__dict__["merge_tokens"]
 
     def decode_call_ms(self, c: int) -> float | None:

@@ -143,8 +143,7 @@ def render_prompt(
             cut.encode("utf-8")
         except UnicodeEncodeError as e:  # a lone surrogate: no tokenizer takes it
             raise ValueError(
-                f"messages: not valid Unicode text (a lone UTF-16 surrogate at character "
-                f"{e.start})"
+                f"messages: not valid Unicode text (a lone UTF-16 surrogate at character {e.start})"
             ) from None
         ids = tokenizer.encode(cut, add_special_tokens=False)
         return list(getattr(ids, "ids", ids))

@@ -174,9 +174,7 @@ def test_each_step_pushes_the_streamed_requests_pieces_and_token_counts():
     assert set(finished) == {"text", "counts", "plain"}
     for c in finished["text"].outputs:  # the pieces join into the output, text and tokens
         assert text[c.index] == c.text and tokens[c.index] == c.token_ids
-    assert [c.token_ids for c in finished["text"].outputs] == [
-        c.token_ids for c in want[0].outputs
-    ]
+    assert [c.token_ids for c in finished["text"].outputs] == [c.token_ids for c in want[0].outputs]
     assert counts == {"text": 24, "counts": 24}  # every token counted once, both samples
     with pytest.raises(ValueError, match="stream: expected False, True or 'tokens'"):
         llm.add_request("x", PROMPTS[0], p, stream="text")

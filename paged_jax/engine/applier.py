@@ -16,6 +16,7 @@ import numpy as np
 from paged_jax.engine.launched import Lane, Launched
 from paged_jax.engine.outputs import RequestOutput
 from paged_jax.engine.request import Group, RequestTable, Seq, Status
+from paged_jax.engine.step_inputs import keep_scores
 
 _CUM_LOGPROB = operator.attrgetter("cum_logprob")
 
@@ -30,8 +31,8 @@ class ResultApplier:
       outputs: the ``OutputProcessor`` (finish reasons, outputs).
       metrics: the engine's ``EngineMetrics``.
       max_model_len, eos_token_ids: the model's.
-      on_end: called with a sequence's id when it ends (a proposer's ``release``), or
-        None.
+      speculator: the ``Speculator`` (a verify step's proposals accepted; a sequence
+        that ends released), or None.
       checked: check derived state as it is used (``LLM(checked=True)``).
     """
 
@@ -44,7 +45,7 @@ class ResultApplier:
         *,
         max_model_len: int,
         eos_token_ids: set,
-        on_end=None,
+        speculator=None,
         checked: bool = False,
     ):
         self.schedulers = schedulers
@@ -53,16 +54,63 @@ class ResultApplier:
         self.metrics = metrics
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.on_end = on_end
+        self.speculator = speculator
+        self.on_end = None if speculator is None else speculator.release
         self.checked = checked
         self.ended = 0  # sequences given a finish reason so far (Lane.ended)
-        # Set once a multi-step launch's results start changing its requests' state
-        # (``apply_steps``, past filling the reserved tokens): a fault from then on cannot
-        # be undone by requeueing (the core clears it when the results are all applied)
+        # Set once a step's results start changing its requests' state (tokens, finish
+        # reasons): a fault from then on cannot be undone by requeueing (the core clears
+        # it when the results are all applied)
         self.applying = False
 
     def _bm(self, g: Group):
         return self.schedulers[g.replica].bm
+
+    def complete(self, f: Launched, overlapped: bool = False) -> list[RequestOutput]:
+        """Waits for step ``f``, applies its tokens and returns the requests it finished.
+        ``overlapped``: the next step was launched meanwhile (with placeholders for these
+        tokens, replaced here in the block manager, and ``f``'s tokens marked computed
+        already); rows of sequences that finished or were aborted since ``f`` was
+        launched are dropped."""
+        t1 = time.perf_counter()
+        out = f.outputs.read()
+        t2 = time.perf_counter()
+        m = self.metrics
+        m.step_s += f.dispatch_s + t2 - t1
+        m.dispatch_s += f.dispatch_s
+        m.wait_s += t2 - t1
+        m.tokens_computed += f.num_tokens
+        before = m.tokens_generated
+        if f.steps is not None:
+            finished = self.apply_steps(f, out.tokens, out.logprobs, t2)
+        else:
+            finished = self._complete_step(f, out, overlapped, t2)
+        if f.compiled:  # its tokens came with the compile's time, not the running's
+            m.compile_tokens += m.tokens_generated - before
+        return finished
+
+    def _complete_step(self, f: Launched, out, overlapped: bool, now: float) -> list:
+        """Applies single step ``f``'s outputs (``HostOutputs``)."""
+        if f.scoring:  # before process, which may finish (and output) their requests
+            keep_scores(f.scoring, out.scores)
+        live = [(i, w) for i, w in f.placed if w.seq.finish_reason is None]
+        emit, computed = None, {}
+        if f.spec:
+            emit, computed = self.speculator.accept(f, live, out.tokens, out.logprobs, self._bm)
+        if not overlapped:
+            for i, w in live:
+                self._bm(w.group).mark_computed(w.seq.seq_id, computed.get(i, w.stop))
+        self.applying = True
+        finished = self.process(live, out.tokens, out.logprobs, out.candidates, now, emit)
+        if overlapped:  # the next step appended placeholders for these tokens
+            for _, w in live:
+                s = w.seq
+                if w.sample and s.finish_reason is None:
+                    bm = self._bm(w.group)
+                    k = len(s.tokens) - 1
+                    if s.seq_id in bm and bm.num_tokens(s.seq_id) > k:
+                        bm.set_token(s.seq_id, k, s.tokens[k])
+        return finished
 
     def process(self, placed, toks, lps, cand, now, emit=None) -> list[RequestOutput]:
         """Applies a single step's samples (``toks``, ``lps``: ``[R_b, J]``) to the rows

@@ -26,18 +26,17 @@ from paged_jax.engine._signals import DeferSignals
 from paged_jax.engine.admission import RequestChecker
 from paged_jax.engine.applier import ResultApplier
 from paged_jax.engine.faults import FaultIsolator
-from paged_jax.engine.launched import PENDING, Launched
+from paged_jax.engine.launched import Launched
 from paged_jax.engine.launcher import StepLauncher
 from paged_jax.engine.loras import LoraSlots
 from paged_jax.engine.metrics import EngineMetrics, record_step
 from paged_jax.engine.outputs import OutputProcessor, RequestOutput, StepResult, StreamOutput
-from paged_jax.engine.request import Group, RequestTable, Seq, Status
+from paged_jax.engine.request import Group, RequestTable, Seq
 from paged_jax.engine.routing import PrefixRouter
 from paged_jax.engine.runner import ModelRunner
 from paged_jax.engine.sampling import SamplingParams
 from paged_jax.engine.scheduler import Scheduler
 from paged_jax.engine.speculative import SpeculativeConfig, Speculator
-from paged_jax.engine.step_inputs import keep_scores
 from paged_jax.engine.swapper import HostSwap
 
 log = logging.getLogger("paged_jax")
@@ -149,7 +148,7 @@ class EngineCore:
             self.metrics,
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
-            on_end=None if self.speculator is None else self.speculator.release,
+            speculator=self.speculator,
             checked=checked,
         )
         self.launcher = StepLauncher(
@@ -174,21 +173,6 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the parts' state
     @property
-    def model(self) -> Any:
-        """The model, held for its device (see ``ModelRunner``)."""
-        return self.runner.model
-
-    @property
-    def cache(self):
-        """The KV pool (``PagedKVCache``); every step replaces it (donated)."""
-        return self.runner.cache
-
-    @property
-    def compiled_buckets(self) -> list[dict]:
-        """The shape buckets this engine compiled (``ModelRunner.compiled_buckets``)."""
-        return self.runner.compiled_buckets
-
-    @property
     def bm(self) -> BlockManager:
         """The block manager (with several data-parallel replicas: ``block_managers``)."""
         return self._only("bm", self.schedulers[0].bm)
@@ -197,11 +181,6 @@ class EngineCore:
     def scheduler(self) -> Scheduler:
         """The scheduler (with several data-parallel replicas: ``schedulers``)."""
         return self._only("scheduler", self.schedulers[0])
-
-    @property
-    def block_managers(self) -> list[BlockManager]:
-        """Each data-parallel replica's block manager (page ids local to its pool)."""
-        return [sc.bm for sc in self.schedulers]
 
     @property
     def in_flight(self) -> Launched | None:
@@ -213,12 +192,6 @@ class EngineCore:
         """The groups of the step being scheduled, run or applied (what a fault in it
         blames)."""
         return self._step_groups
-
-    @property
-    def failure(self) -> BaseException | None:
-        """The error of a step that could not be undone, while the engine is stopped by it
-        (every call but ``reset()`` then raises ``EngineFailedError``); None otherwise."""
-        return self.faults.failed
 
     def _only(self, name: str, value):
         if len(self.schedulers) > 1:
@@ -242,32 +215,15 @@ class EngineCore:
             from paged_jax.engine.structured import Grammars
 
             eos = sorted(self.eos_token_ids)[0] if self.eos_token_ids else None
-            vocab = self.model.config.vocab_size
+            vocab = self.runner.model.config.vocab_size
             self._grammar_compiler = Grammars(self.tokenizer, eos, vocab)
         return self._grammar_compiler
-
-    # ------------------------------------------------------------------ adapters
-    @property
-    def max_loras(self) -> int:
-        """LoRA slots on the device (``LLM(max_loras=)``)."""
-        return self.loras.max_loras
-
-    def add_lora(self, name: str, adapter: Any) -> int:
-        """Registers a LoRA adapter under ``name`` (``LoraSlots.add``); returns its id."""
-        return self.loras.add(name, adapter)
 
     def remove_lora(self, name: str) -> None:
         """Unregisters adapter ``name``; refused while unfinished requests use it."""
         self.loras.remove(name, self.requests.using_adapter(self.loras.id_of(name)))
 
     # ------------------------------------------------------------------ requests
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of ``prompt`` (``RequestChecker.encode``)."""
-        return self.checker.encode(prompt)
-
-    def decode(self, ids: Sequence[int]) -> str | None:
-        return self.outputs.decode(ids)
-
     def check_request(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, cache_salt=None
     ) -> list[int]:
@@ -428,8 +384,8 @@ class EngineCore:
         decoding its last sample), built from its batch while it runs, when nothing waits
         to be admitted; otherwise it completes first and the next step is scheduled. A
         step is left running for the next call only when nothing in its results can
-        change what the following step computes (``_may_overlap``); otherwise it
-        completes in this call.
+        change what the following step computes (``StepLauncher.may_overlap``);
+        otherwise it completes in this call.
         """
         t0 = time.perf_counter()
         prev, self._inflight = self._inflight, None
@@ -444,7 +400,7 @@ class EngineCore:
                 overlapped = False
                 nxt = self._launch(None)
         elif prev is not None:
-            placed = self._place(prev)
+            placed = self.launcher.place(prev)
             try:
                 nxt = self._launch(prev)
             finally:
@@ -460,7 +416,7 @@ class EngineCore:
             self.metrics.overlap_stalls += nxt.stalled
             self.metrics.multi_step_launches += nxt.steps is not None
             self.metrics.overlapped_steps += overlapped
-            if self._may_overlap(nxt):
+            if self.launcher.may_overlap(nxt, self.faults.isolating):
                 self._inflight = nxt
             else:
                 finished += self._complete(nxt)
@@ -473,7 +429,7 @@ class EngineCore:
     def _launch(self, prev: Launched | None) -> Launched | None:
         """Schedules and dispatches a step (without waiting for it); None if there is no
         work. ``prev``: the step still running, whose sampling sequences end in a
-        placeholder token (``_place``); the schedule is then speculative."""
+        placeholder token (``StepLauncher.place``); the schedule is then speculative."""
         self._phase = "schedule"
         only = self.faults.isolation()
         scheds = []
@@ -511,97 +467,13 @@ class EngineCore:
         self._step_groups = plan.groups
         return self.launcher.dispatch_continuation(f, plan)
 
-    def _place(self, f: Launched) -> list[Seq]:
-        """Readies the schedule that overlaps running step ``f``: each of its sampling
-        sequences still running gets a placeholder for the token ``f`` samples, and every
-        sequence's tokens of ``f`` count as computed (the device runs steps in order, so
-        any later step sees their K/V). Returns the sequences given a placeholder."""
-        placed = []
-        for w in f.work:
-            s = w.seq
-            if s.finish_reason is not None or w.group.status is not Status.RUNNING:
-                continue  # finished or aborted since (its row's results are dropped)
-            self._bm(w.group).mark_computed(s.seq_id, w.stop)
-            if w.sample:
-                s.tokens.append(PENDING)
-                placed.append(s)
-        return placed
-
-    def _may_overlap(self, f: Launched) -> bool:
-        """Whether the next step may be scheduled before ``f``'s tokens are known: overlap
-        is on, no request is isolated as a suspect, ``f``'s schedule did not stop short
-        of a preemption (the next one makes it, from known tokens), and each sampling row
-        only appends its token (no beam search, no first token of n samples to fork, no
-        penalties, which count the tokens so far), and speculation is off (the next
-        step's proposals follow this step's tokens). A grammar's row may overlap: the
-        next step's model call goes before its mask is known, its sampling after
-        (``StepLauncher.sample_deferred``). A multi-step launch, when one of its rows has
-        tokens left after it (the next launch goes on from it, ``_continue``); the launch
-        that follows a single step may start from its placeholders."""
-        if (
-            not self.async_scheduling
-            or self.faults.isolating
-            or f.stalled
-            or self.speculator is not None
-        ):
-            return False
-        if f.lane is not None:  # some row goes on after it (``_continue``)
-            lane = f.lane
-            return bool((lane.stops + lane.steps < lane.max_len).any())
-        for w in f.work:
-            if w.sample:
-                p = w.group.params
-                if p.use_beam_search or p.penalized or (p.n > 1 and not w.group.forked):
-                    return False
-        return True
-
     def _complete(self, f: Launched, *, overlapped: bool = False) -> list[RequestOutput]:
-        """Waits for step ``f`` and applies its tokens; returns the requests it finished.
-        ``overlapped``: the next step was launched meanwhile (with placeholders for these
-        tokens, replaced here in the block manager); rows of sequences that finished or
-        were aborted since ``f`` was launched are dropped."""
+        """Waits for step ``f`` and applies its tokens (``ResultApplier.complete``);
+        returns the requests it finished."""
         self._phase = "schedule"  # a fault surfacing here is the step's, as at dispatch
         self._step_groups = f.groups
-        t1 = time.perf_counter()
-        out = f.outputs.read()
-        t2 = time.perf_counter()
-        self.metrics.step_s += f.dispatch_s + t2 - t1
-        self.metrics.dispatch_s += f.dispatch_s
-        self.metrics.wait_s += t2 - t1
-        self.metrics.tokens_computed += f.num_tokens
-        before = self.metrics.tokens_generated
-        if f.steps is not None:
-            finished = self.applier.apply_steps(f, out.tokens, out.logprobs, t2)
-        else:
-            finished = self._apply(f, out, overlapped, t2)
+        finished = self.applier.complete(f, overlapped)
         self.applier.applying = False
-        if f.compiled:  # its tokens came with the compile's time, not the running's
-            self.metrics.compile_tokens += self.metrics.tokens_generated - before
-        return finished
-
-    def _apply(self, f: Launched, out, overlapped: bool, now: float) -> list[RequestOutput]:
-        """Applies single step ``f``'s outputs (``HostOutputs``)."""
-        if f.scoring:  # before process, which may finish (and output) their requests
-            keep_scores(f.scoring, out.scores)
-        live = [(i, w) for i, w in f.placed if w.seq.finish_reason is None]
-        emit, computed = None, {}
-        if f.spec:
-            emit, computed = self.speculator.accept(f, live, out.tokens, out.logprobs, self._bm)
-        if not overlapped:  # (overlapped: _place marked them)
-            for i, w in live:
-                self._bm(w.group).mark_computed(w.seq.seq_id, computed.get(i, w.stop))
-        self._phase = "apply"
-        finished = self.applier.process(
-            live, out.tokens, out.logprobs, out.candidates, now, emit
-        )
-        if overlapped:  # the next step appended placeholders for these tokens
-            for _, w in live:
-                s = w.seq
-                if w.sample and s.finish_reason is None:
-                    bm = self._bm(w.group)
-                    k = len(s.tokens) - 1
-                    if s.seq_id in bm and bm.num_tokens(s.seq_id) > k:
-                        bm.set_token(s.seq_id, k, s.tokens[k])
         return finished
 
     # ------------------------------------------------------------------ faults
@@ -609,7 +481,7 @@ class EngineCore:
         """A step raised: blame a request or suspect some, requeue every unfinished
         request, or stop the engine (``FaultIsolator.on_fault`` decides)."""
         phase, self._phase = self._phase, None
-        if self.applier.applying:
+        if self.applier.applying:  # its results were being applied
             phase, self.applier.applying = "apply", False
         groups, self._step_groups = self._step_groups, []
         blamed = self.faults.on_fault(error, phase, groups)

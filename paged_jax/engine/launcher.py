@@ -22,7 +22,7 @@ from paged_jax._validation import validate_batch
 from paged_jax.batch import ScheduledSeq, advance_batch, bucket, build_batch, concat_batches
 from paged_jax.engine import step_inputs
 from paged_jax.engine.launched import PENDING, Lane, Launched
-from paged_jax.engine.request import Work
+from paged_jax.engine.request import Status, Work
 from paged_jax.engine.shapes import MIN_STEP_TOKENS
 from paged_jax.engine.step_types import StepInputs
 
@@ -248,6 +248,46 @@ class StepLauncher:
             batch=batch if steps is not None else None,
             sampling=inputs.sampling if steps is not None else None,
         )
+
+    # ------------------------------------------------------------------ overlapped steps
+    def place(self, f: Launched) -> list:
+        """Readies the schedule that overlaps running step ``f``: each of its sampling
+        sequences still running gets a placeholder for the token ``f`` samples, and every
+        sequence's tokens of ``f`` count as computed (the device runs steps in order, so
+        any later step sees their K/V). Returns the sequences given a placeholder."""
+        placed = []
+        for w in f.work:
+            s = w.seq
+            if s.finish_reason is not None or w.group.status is not Status.RUNNING:
+                continue  # finished or aborted since (its row's results are dropped)
+            self.schedulers[w.group.replica].bm.mark_computed(s.seq_id, w.stop)
+            if w.sample:
+                s.tokens.append(PENDING)
+                placed.append(s)
+        return placed
+
+    def may_overlap(self, f: Launched, isolating: bool) -> bool:
+        """Whether the next step may be scheduled before ``f``'s tokens are known: overlap
+        is on, no request is isolated as a suspect (``isolating``), ``f``'s schedule did
+        not stop short of a preemption (the next one makes it, from known tokens), each
+        sampling row only appends its token (no beam search, no first token of n samples
+        to fork, no penalties, which count the tokens so far), and speculation is off (the
+        next step's proposals follow this step's tokens). A grammar's row may overlap: the
+        next step's model call goes before its mask is known, its sampling after
+        (``sample_deferred``). A multi-step launch, when one of its rows has tokens left
+        after it (the next launch goes on from it, ``plan_continuation``); the launch that
+        follows a single step may start from its placeholders."""
+        if not self.async_scheduling or isolating or f.stalled or self.speculator is not None:
+            return False
+        if f.lane is not None:  # some row goes on after it (``plan_continuation``)
+            lane = f.lane
+            return bool((lane.stops + lane.steps < lane.max_len).any())
+        for w in f.work:
+            if w.sample:
+                p = w.group.params
+                if p.use_beam_search or p.penalized or (p.n > 1 and not w.group.forked):
+                    return False
+        return True
 
     # ------------------------------------------------------------------ multi-step launches
     def multi_step_ready(self, isolating: bool) -> bool:

@@ -61,9 +61,18 @@ __all__ = [
 ]
 
 
-def _core(name: str, doc: str) -> property:
-    """A read-only attribute of the engine core, reached through ``LLM``."""
-    return property(lambda self: getattr(self.engine, name), doc=doc)
+def _core(path: str, doc: str) -> property:
+    """A read-only attribute of the engine core or one of its parts (``"runner.model"``),
+    reached through ``LLM``."""
+    names = path.split(".")
+
+    def get(self):
+        x = self.engine
+        for name in names:
+            x = getattr(x, name)
+        return x
+
+    return property(get, doc=doc)
 
 
 class LLM:
@@ -314,33 +323,29 @@ class LLM:
     # ------------------------------------------------------------------ the engine core's
     metrics = _core("metrics", "The engine's counters (``EngineMetrics``; ``summary()``).")
     runner = _core("runner", "The ``ModelRunner``: the model, its pool, its compiled steps.")
-    model = _core("model", "The model, held for its device.")
-    cache = _core("cache", "The KV pool (``PagedKVCache``); every step replaces it.")
+    model = _core("runner.model", "The model, held for its device.")
+    cache = _core("runner.cache", "The KV pool (``PagedKVCache``); every step replaces it.")
+    compiled_buckets = _core("runner.compiled_buckets", "The shape buckets compiled so far.")
+    hybrid_kv_cache = _core("runner.hybrid_kv_cache", "A pool whose sliding layers free pages.")
     tokenizer = _core("tokenizer", "The tokenizer (None: token ids only).")
     max_model_len = _core("max_model_len", "The longest sequence, in tokens.")
     eos_token_ids = _core("eos_token_ids", "The model's end-of-sequence tokens.")
-    compiled_buckets = _core("compiled_buckets", "The shape buckets compiled so far.")
     bm = _core("bm", "The block manager (one replica; else ``block_managers``).")
     scheduler = _core("scheduler", "The scheduler (one replica; else ``schedulers``).")
     schedulers = _core("schedulers", "Each data-parallel replica's scheduler.")
-    block_managers = _core("block_managers", "Each data-parallel replica's block manager.")
-    failure = _core("failure", "The error that stopped the engine, else None (``reset``).")
+    failure = _core("faults.failed", "The error that stopped the engine, else None (``reset``).")
     outputs = _core("outputs", "The ``OutputProcessor`` (stop conditions, text, outputs).")
-    max_loras = _core("max_loras", "LoRA slots on the device.")
+    max_loras = _core("loras.max_loras", "LoRA slots on the device.")
+    loras = _core("loras.names", "The names of the adapters registered, in the order added.")
     checked = _core("checked", "Every step's arrays validated on the host first.")
     deterministic = _core("deterministic", "Batch-invariant steps.")
     async_scheduling = _core("async_scheduling", "Overlapped steps.")
     num_scheduler_steps = _core("num_scheduler_steps", "Decode steps per launch.")
 
     @property
-    def hybrid_kv_cache(self) -> bool:
-        """Whether the pool is a hybrid one (sliding layers free their pages)."""
-        return self.engine.runner.hybrid_kv_cache
-
-    @property
-    def loras(self) -> list[str]:
-        """The names of the adapters registered (``add_lora``), in the order added."""
-        return self.engine.loras.names
+    def block_managers(self) -> list:
+        """Each data-parallel replica's block manager (page ids local to its pool)."""
+        return [sc.bm for sc in self.schedulers]
 
     def step(self) -> StepResult:
         """Runs one engine step; returns the requests that finished in it (a list), and
@@ -366,10 +371,10 @@ class LLM:
 
     def encode(self, prompt) -> list[int]:
         """Token ids of ``prompt`` (a string or token ids), checked."""
-        return self.engine.encode(prompt)
+        return self.engine.checker.encode(prompt)
 
     def decode(self, ids: Sequence[int]) -> str | None:
-        return self.engine.decode(ids)
+        return self.engine.outputs.decode(ids)
 
     def check_request(self, prompt, params: SamplingParams | None = None, **kw) -> list[int]:
         """What ``add_request`` checks, without queueing (``EngineCore.check_request``)."""
@@ -382,7 +387,7 @@ class LLM:
     def add_lora(self, name: str, adapter: Any) -> int:
         """Registers a LoRA adapter for requests to name (``LoraSlots.add``): a PEFT
         adapter directory or a ``models.lora.LoraAdapter``; returns its id."""
-        return self.engine.add_lora(name, adapter)
+        return self.engine.loras.add(name, adapter)
 
     def remove_lora(self, name: str) -> None:
         """Unregisters adapter ``name`` (refused while unfinished requests use it)."""
@@ -563,7 +568,7 @@ class LLM:
                         piece.index = index[piece.request_id]
                         yield piece
         finally:
-            if self.engine.failure is None:
+            if self.failure is None:
                 for rid in left:  # closed early or interrupted: nothing left running unseen
                     self.abort(rid)
             self.engine.deliver_later(others)
@@ -575,7 +580,7 @@ class LLM:
         try:
             return self.step()
         except Exception as e:
-            if self.engine.failure is not None:
+            if self.failure is not None:
                 raise
             log.warning("a step failed and was undone (%s: %s)", type(e).__name__, e)
             return None
@@ -660,7 +665,7 @@ class LLM:
             # Interrupted or failed: this call's requests end with it (none is left to
             # run, unseen, in a later call).
             self.engine.discard_undelivered(mine)
-            if self.engine.failure is None:
+            if self.failure is None:
                 for r in ids:
                     if r not in done:
                         self.abort(r)

@@ -383,9 +383,7 @@ def _make_run(
             return out.map(replicated), cache
         out.tokens, out.logprobs = sample(logits, out_pos)
         if num_candidates:
-            out.cand_logprobs, out.cand_ids = beam_candidates(
-                logits, num_candidates, cand_allowed
-            )
+            out.cand_logprobs, out.cand_ids = beam_candidates(logits, num_candidates, cand_allowed)
         return out.map(replicated), cache
 
     return run

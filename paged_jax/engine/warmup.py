@@ -46,7 +46,7 @@ def compile_all(core, progress: bool) -> list[dict]:
     replicas = len(core.schedulers)
     token_buckets = sorted({s.tokens for s in shapes})
     merged: set[int] = set()  # row counts whose samples were merged (async steps)
-    before = len(core.compiled_buckets)
+    before = len(core.runner.compiled_buckets)
     t0 = time.perf_counter()
     with echo(progress):
         log.info("compiling %d step shapes (static shapes: tables of %d pages)",
@@ -71,7 +71,7 @@ def compile_all(core, progress: bool) -> list[dict]:
         )  # fmt: skip
         if core.speculator is not None:  # a draft model's own steps
             core.speculator.warm_up(progress)
-        new = core.compiled_buckets[before:]
+        new = core.runner.compiled_buckets[before:]
     core.metrics.reset()
     return new
 
@@ -84,7 +84,7 @@ def _programs(core, shape: StepShape, merges) -> list[dict]:
     verify = core.speculator is not None and not shape.decode_only
     if verify and shape.steps == 1:
         runs.append(dict(verify=True))  # verify steps
-    if core.max_loras and shape.steps == 1:  # steps with adapter rows
+    if core.loras.max_loras and shape.steps == 1:  # steps with adapter rows
         runs.append(dict(overlapped=overlapped, adapters=True))
         if verify:
             runs.append(dict(verify=True, adapters=True))
