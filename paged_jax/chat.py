@@ -154,6 +154,27 @@ def render_prompt(
     )
 
 
+def render_conversations(tokenizer: Any, conversations: Any, **kw: Any) -> list[list[int]]:
+    """``render_prompt`` of each conversation of ``conversations`` (a list of them, or
+    one: a list of messages), as ``LLM.chat`` takes them; an error names
+    ``conversations[k]``."""
+    if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence):
+        raise TypeError(
+            "conversations: expected a list of messages or a list of conversations, got "
+            f"{type(conversations).__name__}"
+        )
+    single = bool(conversations) and isinstance(conversations[0], Mapping)
+    prompts = []
+    for k, conv in enumerate([conversations] if single else conversations):
+        try:
+            prompts.append(render_prompt(tokenizer, conv, **kw))
+        except (TypeError, ValueError) as e:
+            if str(e).startswith("tokenizer:"):  # the model's, no conversation's
+                raise
+            raise type(e)(f"conversations[{k}]: {e}") from None
+    return prompts
+
+
 def cut_after_final_message(rendered: str, messages: Sequence[Mapping]) -> str:
     """``rendered`` (the conversation ``messages`` under its chat template, without a
     generation prompt) cut right after the final message's content, so that generation

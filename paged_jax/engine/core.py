@@ -183,6 +183,11 @@ class EngineCore:
         return self._only("scheduler", self.schedulers[0])
 
     @property
+    def block_managers(self) -> list[BlockManager]:
+        """Each data-parallel replica's block manager (page ids local to its pool)."""
+        return [sc.bm for sc in self.schedulers]
+
+    @property
     def in_flight(self) -> Launched | None:
         """The step left running for the next ``step()`` call (overlapped steps), if any."""
         return self._inflight
@@ -332,10 +337,11 @@ class EngineCore:
     def deliver_later(self, result: StepResult) -> None:
         """What a caller of ``step`` took but does not own (a ``generate`` loop meets
         requests another caller added): the next ``step`` returns it first."""
-        self._undelivered = list(result) + self._undelivered
-        self._unstreamed = result.streamed + self._unstreamed
-        for rid, n in result.new_tokens.items():
-            self._new_tokens[rid] = self._new_tokens.get(rid, 0) + n
+        merged = StepResult()
+        for part in (result, StepResult(self._undelivered, self._unstreamed, self._new_tokens)):
+            merged.add_others(part, mine=())
+        self._undelivered, self._unstreamed = list(merged), merged.streamed
+        self._new_tokens = merged.new_tokens
 
     def discard_undelivered(self, request_ids) -> None:
         """Drops the outputs of ``request_ids`` waiting for ``step`` (their caller ended:

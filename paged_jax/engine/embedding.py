@@ -25,9 +25,51 @@ import numpy as np
 from paged_jax.batch import ScheduledSeq, bucket, build_batch
 from paged_jax.block_manager import BlockManager, HybridBlockManager
 from paged_jax.engine.runner import mesh_context
+from paged_jax.engine.sampling import SamplingParams
 from paged_jax.metadata import AttentionMetadata
 
 POOLINGS = ("last", "mean", "first")
+
+
+def embed(core, prompts, *, pooling: str = "last", normalize: bool = True) -> list:
+    """``LLM.embed``: each of ``prompts`` checked (an error names ``prompts[k]``) against
+    engine ``core`` and embedded (``EmbeddingOutput``s, in order)."""
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling: expected one of {POOLINGS}, got {pooling!r}")
+    if not isinstance(normalize, bool):
+        raise TypeError(f"normalize: expected a bool, got {normalize!r}")
+    model = core.runner.model
+    if not callable(getattr(model, "hidden_states", None)):
+        raise TypeError(
+            f"model: {type(model).__name__} has no hidden_states(...) "
+            "(paged_jax.models' decoders have); embeddings need it"
+        )
+    if len(core.schedulers) > 1:
+        raise ValueError(
+            "data_parallel_size: embeddings do not run on data-parallel replicas yet; "
+            "use a tensor-parallel mesh or one device"
+        )
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not prompts:
+        return []
+    ids = []
+    probe = SamplingParams(max_tokens=1)
+    for k, prompt in enumerate(prompts):
+        try:
+            ids.append(core.check_request(prompt, probe))
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"prompts[{k}]: {e}") from e
+    sc = core.schedulers[0]
+    vectors = embed_prompts(
+        core.runner,
+        ids,
+        pooling=pooling,
+        normalize=normalize,
+        max_tokens=sc.max_num_batched_tokens,
+        max_rows=sc.max_num_seqs,
+    )
+    return [EmbeddingOutput(list(p), v) for p, v in zip(ids, vectors, strict=True)]
 
 
 @dataclasses.dataclass

@@ -1,8 +1,24 @@
-"""Faults in a step: the step is undone (every unfinished request requeued to be recomputed
-from its committed tokens), the request that causes it is found by running suspects one
-at a time and failed after its strikes, and a fault that cannot be undone (while a step's
-results were applied) or that repeats with no request to blame stops the engine until
-``reset()``. ``FaultIsolator`` is the engine core's part that decides it. No JAX."""
+"""Faults in a step, and what the engine does about them. ``FaultIsolator`` is the engine
+core's part that decides it. No JAX.
+
+A step is all or nothing. Python signal handlers (Ctrl-C, timers) are held while a step
+runs and called when it ends, so they never interrupt it halfway (a second Ctrl-C does:
+the step then fails). When a step raises anyway (a fault in the device call, out of
+memory, a second Ctrl-C), the exception propagates after the engine has put every
+unfinished request back in the queue to be recomputed from its tokens so far: nothing is
+lost and later tokens are those of an uninterrupted run (greedy and seeded sampling are
+keyed by seed and position).
+
+A fault one request causes (an ``Exception``, not an interrupt) does not stall the
+others: the requests of the failed step become suspects, and each in turn runs with only
+the requests already cleared, until it has sampled a token. A suspect is failed when
+``STRIKES_TO_FAIL_A_REQUEST`` such steps in a row raise (one if it was alone in the first
+failed step): its output (``finish_reason`` "error", ``RequestOutput.error`` the
+exception) comes with the next step, and the rest go on. A one-off fault fails nobody.
+Only a fault while a step's results are being applied, or
+``MAX_CONSECUTIVE_FAILED_STEPS`` failed steps in a row that no request explains, stop
+the engine: every later call then raises ``EngineFailedError`` until ``reset()``.
+"""
 
 from __future__ import annotations
 

@@ -19,17 +19,17 @@ from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
-from paged_jax.chat import render_prompt
+from paged_jax.chat import render_conversations
 from paged_jax.engine import compile_cache, warmup
 from paged_jax.engine.core import EngineCore
-from paged_jax.engine.embedding import POOLINGS, EmbeddingOutput, embed_prompts
+from paged_jax.engine.embedding import EmbeddingOutput, embed
 from paged_jax.engine.faults import (
     MAX_CONSECUTIVE_FAILED_STEPS,
     STRIKES_TO_FAIL_A_REQUEST,
     EngineFailedError,
 )
+from paged_jax.engine.loras import enable_lora_slots
 from paged_jax.engine.metrics import EngineMetrics, Progress
 from paged_jax.engine.outputs import (
     CompletionOutput,
@@ -84,116 +84,64 @@ class LLM:
         ``make_cache``, ``config``), such as ``paged_jax.models.LlamaForCausalLM``; or,
         as vLLM's ``LLM(model=...)`` takes, a name ("smollm2-135m-instruct",
         "tiny-llama"), a Hugging Face checkpoint directory or a GGUF file, loaded with
-        ``paged_jax.models.load(model, mesh=...)`` (its dtype as stored; call ``load``
-        yourself for another), whose tokenizer is used unless ``tokenizer`` is given.
-        A model on CPU without a mesh that has ``hold_for_cpu`` gets it called, in place:
-        its linear weights and a tied embedding table packed for the C matrix-product kernel
-        where the CPU kernels built (``paged_jax.linear``), else its layers' linear weights
-        held per layer and a tied table ``[E, V]``, the layouts XLA:CPU reads fastest. A
-        model on a GPU or TPU without a mesh that has ``hold_for_accelerator`` gets that
-        called instead: per-layer weights and an unrolled layer loop, each weight read once
-        per step.
+        ``paged_jax.models.load(model, mesh=...)`` (its tokenizer used unless
+        ``tokenizer`` is given). Off a mesh the model is held, in place, the way its
+        device reads it fastest (``hold_for_cpu``: packed for the C kernels;
+        ``hold_for_accelerator``: each weight read once per step; docs/MODELS.md).
       tokenizer: object with ``encode(str)`` / ``decode(ids)``; None: prompts are
         token ids and outputs have no text.
-      num_pages: pages in the pool (of all data-parallel replicas together: each has
-        ``num_pages / data_parallel_size``); None sizes it from ``kv_cache_bytes``.
-      kv_cache_bytes: memory budget of the pool when ``num_pages`` is None (default: what a
-        full batch at the longest context could use, at most half the accelerator's free
-        memory, or on CPU a quarter of the available memory and 4 GiB).
+      num_pages: pages in the pool (of all data-parallel replicas together); None sizes
+        it from ``kv_cache_bytes`` (default: what a full batch at the longest context
+        could use, at most half the accelerator's free memory, or on CPU a quarter of
+        the available memory and 4 GiB).
       page_size: tokens per page.
-      max_model_len: the longest sequence (prompt and output) in tokens, at most the
-        model's ``max_position_embeddings`` (the default). A smaller one bounds the block
-        tables (and the default pool): what ``warm_up()`` pads every table to.
-      max_num_seqs: sequences per step at most (per data-parallel replica).
-      max_num_batched_tokens: tokens per step at most (decode tokens + prefill chunks;
-        per data-parallel replica).
+      max_model_len: the longest sequence in tokens, at most (the default) the model's
+        ``max_position_embeddings``; it bounds the block tables ``warm_up()`` pads to.
+      max_num_seqs, max_num_batched_tokens: sequences and tokens (decode tokens +
+        prefill chunks) per step at most, per data-parallel replica.
       enable_prefix_caching: share full prompt pages across requests.
-      preemption: "recompute" (free pages, prefill again later) or "swap" (to host).
-      num_host_pages: host page slots for swapping (default: as many as the pool; split
-        evenly among data-parallel replicas).
+      preemption: "recompute" (free pages, prefill again later) or "swap" (to host,
+        ``num_host_pages`` slots: default as many as the pool).
       watermark: fraction of pages kept back from admissions.
-      cache_dtype: KV cache dtype (default: the model's ``preferred_cache_dtype()``,
-        bf16 for a ``LlamaForCausalLM`` whose quantized weights the CPU's C kernels
-        compute, else the model's compute dtype). ``jnp.bfloat16`` holds twice f32's
-        tokens in the same memory (on CPU decode attention, bound by the bytes it
-        reads, then reads half as many); ``jnp.float32`` keeps a quantized model's pool
-        in f32.
-      checked: validate every step's arrays on the host before the device call
-        (``paged_jax.validate_batch``: page ids, lengths, positions, slots, token ids);
-        a failure raises ``ValueError`` as a failed step. Default: the environment
-        variable ``PAGED_JAX_CHECKED`` ("1" turns it on). For debugging; it costs host
+      cache_dtype: KV cache dtype (default: the model's ``preferred_cache_dtype()``);
+        ``jnp.bfloat16`` holds twice f32's tokens in the same memory.
+      checked: validate every step's arrays on the host first (``validate_batch``; a
+        failure is a failed step). Default: ``$PAGED_JAX_CHECKED`` ("1": on). Costs host
         time every step.
-      deterministic: batch-invariant steps. A request's tokens and log-probs (greedy or
-        seeded) are then bitwise the same whatever it is batched with, for every cache
-        dtype: row-wise model work runs on fixed tiles of rows and attention with fixed
-        KV blocks (``AttentionMetadata.batch_invariant``). Slower; see the README.
-      compilation_cache: where compiled steps are kept across processes (JAX's
-        persistent compilation cache): a directory, True for the default one
-        (``<user cache dir>/paged-jax/xla``), False for none. Default: the environment
-        variable ``PAGED_JAX_COMPILATION_CACHE`` (a directory, or ``0`` for none), else
-        the default directory. The directory in use is ``compilation_cache_dir``
-        (None when off). See ``paged_jax.engine.compile_cache``.
-      tensor_parallel_size: devices to split the model and the KV cache over
-        (Megatron-style tensor parallelism; the cache along KV heads, see
-        ``paged_jax.sharding``).
-      data_parallel_size: replicas of the model, each with its own pool, block manager
-        and scheduler; a request goes to the replica with the fewest unfinished
-        sequences (ties: the lowest index). Every step runs all replicas in one jitted
-        call over the mesh, each replica's batch on its own devices (no Python loop
-        over replicas on the device side). The mesh of ``tensor_parallel_size`` and
-        ``data_parallel_size`` is ``paged_jax.parallel_mesh(tp, dp)``, over the first
-        ``dp * tp`` of ``jax.devices()`` (of every process): replica r on devices
-        ``[r tp, (r + 1) tp)``. A model off that mesh is moved there with its
-        ``shard(mesh)``; to place the weights straight into their shards instead, load
-        it with ``paged_jax.models.load(name, mesh=mesh)`` and pass ``mesh=mesh`` here.
-      mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` and/or a ``"dp"`` axis (any other
-        axis of size 1), in place of ``tensor_parallel_size`` and
-        ``data_parallel_size``.
+      deterministic: batch-invariant steps: a request's tokens and log-probs (greedy or
+        seeded) bitwise the same whatever it is batched with. Slower.
+      compilation_cache: a directory where compiled steps are kept across processes,
+        True for the default one (``<user cache dir>/paged-jax/xla``), False for none;
+        default ``$PAGED_JAX_COMPILATION_CACHE`` (``0``: none), else the default
+        directory. ``compilation_cache_dir`` is the one in use.
+      tensor_parallel_size, data_parallel_size, mesh: the model and the KV cache split
+        over ``tensor_parallel_size`` devices (along KV heads), ``data_parallel_size``
+        replicas each with its own pool, block manager and scheduler (a request goes
+        where its prefix was sent, else to the least loaded), all in one jitted call
+        over ``paged_jax.parallel_mesh(tp, dp)``; or a ``jax.sharding.Mesh`` with a
+        ``"tp"`` and/or ``"dp"`` axis in their place (docs/SCALING.md).
       hybrid_kv_cache: for a model with sliding-window layers (Gemma 2 and 3, Mistral),
-        a pool of layer groups whose sliding groups free their pages once the window has
-        passed them (``PagedKVCache.create(layer_windows=)``, ``HybridBlockManager``):
-        sliding layers then hold about a window of pages per sequence. None (default):
-        on for such models with one data-parallel replica; True: on (refused with
-        several replicas); False: off. Ignored for models without sliding layers or whose
-        ``make_cache`` takes no ``hybrid`` argument.
-      async_scheduling: overlapped steps (default on). While the device runs a step, the
-        host schedules, builds and dispatches the next one, its decode tokens read on the
-        device from the running step's output, and only then applies the running step's
-        tokens; the host's work per step is then hidden behind the device's instead of
-        added to it. A sequence that finishes (a stop token, a stop string) has computed
-        one more token by then, which is dropped; a step with a beam-search row, the
-        first token of ``n`` samples or penalties completes before the next is
-        scheduled. Outputs are the same either way; ``step()`` then returns the requests
-        finished by the step launched in the call before. False: every step completes
-        within its ``step()`` call.
-      num_scheduler_steps: decode steps per launch (multi-step decoding, default 1). With
-        ``K > 1``, a step whose every sequence decodes one token (no beams, penalties or
-        first token of ``n`` samples) while no request waits to be admitted runs ``K``
-        decode steps in one jitted call: the host schedules, builds and applies once per
-        ``K`` tokens of each sequence (``paged_jax.engine.multistep``). Outputs are those
-        of single steps; a sequence that stops early (a stop token or string) has
-        computed up to ``K - 1`` more tokens, which are dropped. For throughput where
-        host and device share cores (CPU); a request arriving meanwhile waits for the
-        launch to end (up to ``K`` steps) before its prompt runs.
+        a pool whose sliding layers free their pages once the window has passed them.
+        None (default): on for such models with one replica; True: on; False: off.
+      async_scheduling: overlapped steps (default on): the host schedules and dispatches
+        step n+1 while the device runs step n, its decode tokens read on the device;
+        ``step()`` then returns what the step launched in the call before finished.
+        Outputs are the same either way.
+      num_scheduler_steps: decode steps per launch (default 1): with ``K > 1``, plain
+        decode steps run ``K`` at a time in one jitted call while no request waits
+        (``paged_jax.engine.multistep``); outputs are those of single steps.
       speculative: speculative decoding (``SpeculativeConfig``, or a dict of its fields
         such as ``{"method": "ngram", "num_speculative_tokens": 4}`` or ``{"method":
-        "draft", "draft_model": small_model}``; None: off). Each
-        decoding sequence whose proposer finds a continuation verifies up to ``k``
-        proposed tokens in the same step (``paged_jax.engine.speculative``); the tokens
-        kept are exactly those of decoding without it, greedy or seeded, and the
-        rejected ones are rolled back page by page. Steps then run one after another
-        (no overlap: the next proposals follow this step's tokens). Rows with beam
-        search, penalties, allowed tokens, a grammar or top log-probs decode one token a
-        step as before. Not with ``num_scheduler_steps > 1`` or several data-parallel
-        replicas.
-      max_loras: LoRA adapters held on the device at once (0: none). The model gets that
-        many slots (``enable_lora``; ``paged_jax.models.lora``); adapters registered with
-        ``add_lora(name, path)`` run per request (``generate(..., lora=name)``,
-        ``add_request(..., lora=name)``), rows of different adapters and the base model
-        in the same step. More adapters may be registered than slots: a step loads the
-        ones its rows need, evicting the least recently used, and requests wait to be
-        admitted while the running ones hold every slot with other adapters.
-      max_lora_rank: the largest rank an adapter may have (the slots' width; 16).
+        "draft", "draft_model": small_model}``; None: off). The tokens kept are exactly
+        those of decoding without it; rows with beams, penalties, allowed tokens, a
+        grammar or top log-probs decode one token a step. Not with
+        ``num_scheduler_steps > 1`` or several data-parallel replicas.
+      max_loras, max_lora_rank: LoRA adapters held on the device at once (0: none) and
+        their largest rank (16); adapters registered with ``add_lora(name, path)`` run
+        per request (``generate(..., lora=name)``), swapped in least recently used
+        first.
+
+    docs/ENGINE.md tells more of each option.
 
     Several processes (``jax.distributed.initialize``, one mesh over all their devices)
     each run this same engine on the same requests in the same order: the scheduler is
@@ -201,23 +149,12 @@ class LLM:
     from ``generate`` and prints progress (the others get ``[]``); ``preemption="swap"``
     needs a single process.
 
-    A step is all or nothing. Python signal handlers (Ctrl-C, timers) are held while a
-    step runs and called when it ends, so they never interrupt it halfway (a second
-    Ctrl-C does: the step then fails). When a step raises anyway (a fault in the device
-    call, out of memory, a second Ctrl-C), the exception propagates after the engine has
-    put every unfinished request back in the queue to be recomputed from its tokens so
-    far: nothing is lost and later tokens are those of an uninterrupted run (greedy and
-    seeded sampling are keyed by seed and position).
-
-    A fault one request causes (an ``Exception``, not an interrupt) does not stall the
-    others: the requests of the failed step become suspects, and each in turn runs with
-    only the requests already cleared, until it has sampled a token. A suspect is failed
-    when ``STRIKES_TO_FAIL_A_REQUEST`` such steps in a row raise (one if it was alone in
-    the first failed step): its output (``finish_reason`` "error", ``RequestOutput.error``
-    the exception) comes with the next step, and the rest go on. A one-off fault fails
-    nobody. Only a fault while a step's results are being applied, or
-    ``MAX_CONSECUTIVE_FAILED_STEPS`` failed steps in a row that no request explains, stop
-    the engine: every later call then raises ``EngineFailedError`` until ``reset()``.
+    A step is all or nothing: a signal handler (Ctrl-C, a timer) runs when the step ends;
+    a step that raises anyway has every unfinished request requeued, to be recomputed
+    from its tokens so far (nothing lost, no token changed); a request that keeps making
+    steps fail is isolated and failed alone (``finish_reason`` "error"), and only a
+    fault that cannot be undone stops the engine (``EngineFailedError`` until
+    ``reset()``). ``paged_jax.engine.faults`` and docs/ENGINE.md tell how.
     """
 
     def __init__(
@@ -271,15 +208,7 @@ class LLM:
             max_loras=max_loras,
         )
         speculative = _speculative(speculative, mesh, num_scheduler_steps, dp)
-        if max_loras:
-            if not callable(getattr(model, "enable_lora", None)):
-                raise TypeError(
-                    f"max_loras: {type(model).__name__} has no enable_lora (LoRA slots); "
-                    "paged_jax.models' decoders have"
-                )
-            if dp > 1:
-                raise ValueError(f"max_loras: not with data_parallel_size={dp} yet; pass 1")
-            model.enable_lora(max_loras, max_lora_rank)
+        enable_lora_slots(model, max_loras, max_lora_rank, dp)
         runner = ModelRunner(
             model,
             mesh=mesh,
@@ -333,6 +262,7 @@ class LLM:
     bm = _core("bm", "The block manager (one replica; else ``block_managers``).")
     scheduler = _core("scheduler", "The scheduler (one replica; else ``schedulers``).")
     schedulers = _core("schedulers", "Each data-parallel replica's scheduler.")
+    block_managers = _core("block_managers", "Each data-parallel replica's block manager.")
     failure = _core("faults.failed", "The error that stopped the engine, else None (``reset``).")
     outputs = _core("outputs", "The ``OutputProcessor`` (stop conditions, text, outputs).")
     max_loras = _core("loras.max_loras", "LoRA slots on the device.")
@@ -341,11 +271,6 @@ class LLM:
     deterministic = _core("deterministic", "Batch-invariant steps.")
     async_scheduling = _core("async_scheduling", "Overlapped steps.")
     num_scheduler_steps = _core("num_scheduler_steps", "Decode steps per launch.")
-
-    @property
-    def block_managers(self) -> list:
-        """Each data-parallel replica's block manager (page ids local to its pool)."""
-        return [sc.bm for sc in self.schedulers]
 
     def step(self) -> StepResult:
         """Runs one engine step; returns the requests that finished in it (a list), and
@@ -438,27 +363,10 @@ class LLM:
                     "max_tokens); warm_up() compiles every step shape"
                 )
             return warmup.compile_all(self.engine, progress)
-        for name, v in zip(("num_seqs", "prompt_len", "max_tokens"), workload, strict=True):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected an int >= 1 (or no workload at all), got {v!r}")
-        if prompt_len + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt_len + max_tokens: expected <= max_model_len {self.max_model_len}, "
-                f"got {prompt_len} + {max_tokens}"
-            )
-        p = sampling_params or SamplingParams(temperature=0.0)
-        p = dataclasses.replace(p, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=())
-        rng = np.random.default_rng(0)
-        vocab = self.model.config.vocab_size
-        prompts = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(num_seqs)]
-        before = len(self.compiled_buckets)
-        with warmup.echo(progress):
-            # A salt of its own: no page shared with real requests or an earlier warm-up
-            # (a prefix hit would shorten the prefill and compile other buckets).
-            self._warm_ups += 1
-            self.generate(prompts, p, progress=False, cache_salt=("warm-up", self._warm_ups))
-        self.metrics.reset()
-        return self.compiled_buckets[before:]
+        self._warm_ups += 1  # (each workload's own prefix-cache chain)
+        return warmup.run_workload(
+            self, *workload, sampling_params, progress, salt=("warm-up", self._warm_ups)
+        )
 
     def step_shapes(self) -> list[StepShape]:
         """The step shapes this configuration reaches with static shapes, per
@@ -497,28 +405,13 @@ class LLM:
                 "continue_final_message: not with add_generation_prompt (pass "
                 "add_generation_prompt=False)"
             )
-        if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence):
-            raise TypeError(
-                "conversations: expected a list of messages or a list of conversations, got "
-                f"{type(conversations).__name__}"
-            )
-        single = bool(conversations) and isinstance(conversations[0], Mapping)
-        prompts = []
-        for k, conv in enumerate([conversations] if single else conversations):
-            try:
-                prompts.append(
-                    render_prompt(
-                        self.tokenizer,
-                        conv,
-                        add_generation_prompt=add_generation_prompt,
-                        continue_final_message=continue_final_message,
-                        **template_args,
-                    )
-                )
-            except (TypeError, ValueError) as e:
-                if str(e).startswith("tokenizer:"):  # the model's, no conversation's
-                    raise
-                raise type(e)(f"conversations[{k}]: {e}") from None
+        prompts = render_conversations(
+            self.tokenizer,
+            conversations,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **template_args,
+        )
         return self.generate(prompts, sampling_params, progress=progress, lora=lora)
 
     def stream(
@@ -554,15 +447,8 @@ class LLM:
                 res = self._step_or_recover()
                 if res is None:
                     continue
-                for o in res:
-                    if o.request_id in left:
-                        left.discard(o.request_id)
-                    else:
-                        others.append(o)
-                others.streamed += [p for p in res.streamed if p.request_id not in index]
-                for rid, n in res.new_tokens.items():
-                    if rid not in index:
-                        others.new_tokens[rid] = others.new_tokens.get(rid, 0) + n
+                others.add_others(res, index)
+                left -= {o.request_id for o in res}
                 for piece in res.streamed:
                     if piece.request_id in index:
                         piece.index = index[piece.request_id]
@@ -649,17 +535,13 @@ class LLM:
                 if res is None:
                     continue
                 tokens, finished, unused = self.metrics.tokens_generated - before, 0, 0
+                others.add_others(res, mine)
                 for out in res:
                     if out.request_id in mine:
                         done[out.request_id] = out
                         finished += 1
                         used = sum(len(c.token_ids) for c in out.outputs)
                         unused += max(budget[out.request_id] - used, 0)  # stopped early
-                    else:
-                        others.append(out)
-                others.streamed += res.streamed  # (this call's requests are not streamed)
-                for rid, n in res.new_tokens.items():
-                    others.new_tokens[rid] = others.new_tokens.get(rid, 0) + n
                 bar.update(self.metrics, tokens, finished, unused)
         except BaseException:
             # Interrupted or failed: this call's requests end with it (none is left to
@@ -692,42 +574,7 @@ class LLM:
         at most ``max_num_batched_tokens`` tokens on a KV pool of their own, so requests
         in flight keep their pages. On a tensor-parallel mesh too, not yet on
         data-parallel replicas."""
-        if pooling not in POOLINGS:
-            raise ValueError(f"pooling: expected one of {POOLINGS}, got {pooling!r}")
-        if not isinstance(normalize, bool):
-            raise TypeError(f"normalize: expected a bool, got {normalize!r}")
-        if not callable(getattr(self.model, "hidden_states", None)):
-            raise TypeError(
-                f"model: {type(self.model).__name__} has no hidden_states(...) "
-                "(paged_jax.models' decoders have); embeddings need it"
-            )
-        if len(self.schedulers) > 1:
-            raise ValueError(
-                "data_parallel_size: embeddings do not run on data-parallel replicas yet; "
-                "use a tensor-parallel mesh or one device"
-            )
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not prompts:
-            return []
-        ids = []
-        probe = SamplingParams(max_tokens=1)
-        for k, prompt in enumerate(prompts):
-            try:
-                ids.append(self.check_request(prompt, probe))
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"prompts[{k}]: {e}") from e
-        sc = self.schedulers[0]
-        vectors = embed_prompts(
-            self.engine.runner,
-            ids,
-            pooling=pooling,
-            normalize=normalize,
-            max_tokens=sc.max_num_batched_tokens,
-            max_rows=sc.max_num_seqs,
-        )
-        return [EmbeddingOutput(list(p), v) for p, v in zip(ids, vectors, strict=True)]
-
+        return embed(self.engine, prompts, pooling=pooling, normalize=normalize)
 
 def _checked_options(*, checked, deterministic, async_scheduling, num_scheduler_steps,
                      preemption, max_loras, **positive) -> bool:  # fmt: skip

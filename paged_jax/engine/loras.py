@@ -20,6 +20,21 @@ from typing import Any
 import numpy as np
 
 
+def enable_lora_slots(model: Any, max_loras: int, max_lora_rank: int, replicas: int) -> None:
+    """Gives ``model`` ``max_loras`` LoRA slots of rank ``max_lora_rank`` (its
+    ``enable_lora``), before the engine holds it; nothing for 0 slots."""
+    if not max_loras:
+        return
+    if not callable(getattr(model, "enable_lora", None)):
+        raise TypeError(
+            f"max_loras: {type(model).__name__} has no enable_lora (LoRA slots); "
+            "paged_jax.models' decoders have"
+        )
+    if replicas > 1:
+        raise ValueError(f"max_loras: not with data_parallel_size={replicas} yet; pass 1")
+    model.enable_lora(max_loras, max_lora_rank)
+
+
 class LoraSlots:
     """Adapters by name on an engine whose model has LoRA slots (``LLM(max_loras=)``).
 

@@ -68,6 +68,15 @@ class StepResult(list):
         self.streamed: list[StreamOutput] = list(streamed)
         self.new_tokens: dict[Hashable, int] = {} if new_tokens is None else new_tokens
 
+    def add_others(self, res: StepResult, mine) -> None:
+        """Adds what ``res`` holds of the requests not in ``mine`` (a loop over ``step``
+        keeps what it does not own, for ``EngineCore.deliver_later``)."""
+        self.extend(o for o in res if o.request_id not in mine)
+        self.streamed += [p for p in res.streamed if p.request_id not in mine]
+        for rid, n in res.new_tokens.items():
+            if rid not in mine:
+                self.new_tokens[rid] = self.new_tokens.get(rid, 0) + n
+
 
 @dataclasses.dataclass
 class _Stream:

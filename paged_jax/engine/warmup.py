@@ -1,15 +1,19 @@
 """Compiling before serving: every step shape an engine configuration reaches
 (``step_shapes``; ``paged_jax.engine.shapes``) run once on batches that touch only the
 null page (``compile_all``, what ``LLM.warm_up()`` runs), each shape's programs apart
-(overlapped merges, speculative verify steps, adapter rows), and the warm-up's lines on
-the terminal (``echo``)."""
+(overlapped merges, speculative verify steps, adapter rows); a given workload run once
+instead (``run_workload``); and the warm-up's lines on the terminal (``echo``)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 
+import numpy as np
+
+from paged_jax.engine.sampling import SamplingParams
 from paged_jax.engine.shapes import MIN_STEP_TOKENS, StepShape
 from paged_jax.engine.shapes import step_shapes as _step_shapes
 
@@ -74,6 +78,34 @@ def compile_all(core, progress: bool) -> list[dict]:
         new = core.runner.compiled_buckets[before:]
     core.metrics.reset()
     return new
+
+
+def run_workload(
+    llm, num_seqs, prompt_len, max_tokens, sampling_params, progress: bool, salt
+) -> list[dict]:
+    """``LLM.warm_up(num_seqs, prompt_len, max_tokens)``: that workload run once on
+    random token ids (``ignore_eos``), under prefix-cache salt ``salt`` (no page shared
+    with real requests or an earlier warm-up: a prefix hit would shorten the prefill and
+    compile other buckets); returns the buckets it compiled."""
+    workload = (num_seqs, prompt_len, max_tokens)
+    for name, v in zip(("num_seqs", "prompt_len", "max_tokens"), workload, strict=True):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected an int >= 1 (or no workload at all), got {v!r}")
+    if prompt_len + max_tokens > llm.max_model_len:
+        raise ValueError(
+            f"prompt_len + max_tokens: expected <= max_model_len {llm.max_model_len}, "
+            f"got {prompt_len} + {max_tokens}"
+        )
+    p = sampling_params or SamplingParams(temperature=0.0)
+    p = dataclasses.replace(p, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=())
+    rng = np.random.default_rng(0)
+    vocab = llm.model.config.vocab_size
+    prompts = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(num_seqs)]
+    before = len(llm.compiled_buckets)
+    with echo(progress):
+        llm.generate(prompts, p, progress=False, cache_salt=salt)
+    llm.metrics.reset()
+    return llm.compiled_buckets[before:]
 
 
 def _programs(core, shape: StepShape, merges) -> list[dict]:
