@@ -79,8 +79,9 @@ def build_batch(
     G = getattr(manager, "num_groups", None)  # None: a plain BlockManager
     num_seqs = len(scheduled)
     if G is None:  # the hot path: the sequences' rows of the manager's arrays
-        rows = manager._device_rows([s.seq_id for s in scheduled], "build_batch")  # noqa: SLF001
-        lens = manager._ntok[rows].tolist()  # noqa: SLF001
+        seq_rows = manager.rows  # (the manager's SequenceRows part)
+        rows = seq_rows.device_rows([s.seq_id for s in scheduled], "build_batch")
+        lens = seq_rows.ntok[rows].tolist()
     else:
         rows = None
         lens = [manager.num_tokens(s.seq_id) for s in scheduled]
@@ -130,14 +131,14 @@ def build_batch(
             _gather_tables(manager, rows, reach, page_indices)
             pos = np.asarray(starts, np.int64)
             positions[:num_seqs] = pos
-            token_ids[:num_seqs] = manager._tok[rows, pos]  # noqa: SLF001
+            token_ids[:num_seqs] = manager.rows.tok[rows, pos]
             slot_mapping[:num_seqs] = page_indices[np.arange(num_seqs), pos // P] * P + pos % P
     elif num_seqs:  # whole arrays at once: per row only its table and tokens are read
         tables, toks = [], []
         used = [-(-r // P) for r in reach]
         for i, s in enumerate(scheduled):
             if G is None:
-                pages, buf = manager.tables()[rows[i]], manager._tok[rows[i]]  # noqa: SLF001
+                pages, buf = manager.rows.table[rows[i]], manager.rows.tok[rows[i]]
             else:
                 pages = manager.pages_np(s.seq_id)  # [G, pages]
                 buf = manager.token_buffer(s.seq_id)
@@ -230,8 +231,8 @@ def advance_batch(
         raise ValueError(f"seqs: expected one per row ({num_seqs}), got {len(ids)}")
     start = prev.positions[rows].astype(np.int64) + advance
     reach = np.maximum(np.asarray(table_tokens, np.int64), start + 1)
-    table_rows = manager._device_rows(ids if seqs is None else seqs, "advance_batch")  # noqa: SLF001
-    lengths = manager._ntok[table_rows]  # noqa: SLF001
+    table_rows = manager.rows.device_rows(ids if seqs is None else seqs, "advance_batch")
+    lengths = manager.rows.ntok[table_rows]
     over = np.flatnonzero(reach > lengths)
     if len(over):
         i = int(over[0])

@@ -1099,7 +1099,7 @@ def test_tables_rows_follow_every_block_table_change():
     for sid in [0, "3b", "w", 7]:
         bm.free(sid)
     check()
-    assert not bm.tables()[bm._free_rows].any()  # freed rows are zeros again
+    assert not bm.tables()[bm.rows.free_rows].any()  # freed rows are zeros again
 
 
 def test_an_append_that_does_not_fit_leaves_the_sequence_free_to_swap():

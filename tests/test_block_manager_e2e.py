@@ -96,7 +96,7 @@ def test_forked_branches_read_exactly_their_own_kv():
             h.bm.append_slots(sid, [1])
             new[sid] = h.new_kv(1)
             h.kv[sid] = np.concatenate([h.kv[sid], new[sid]])
-        copies_seen += len(h.bm._pending)  # noqa: SLF001 (count before build_batch takes them)
+        copies_seen += len(h.bm.pool.pending)  # (count before build_batch takes them)
         n = h.bm.num_tokens("p")
         h.step([ScheduledSeq("p", n - 1, n), ScheduledSeq("c", n - 1, n)], new)
     assert copies_seen == 1, "exactly one copy-on-write: the shared partial page"

@@ -131,7 +131,7 @@ def test_hybrid_allocation_never_evicts_what_another_group_matched(windows):
         bm.allocate(sid, prompt)
         bm.mark_computed(sid, 8)
         bm.free(sid)
-    assert bm.num_free_pages == 8 and not bm.inner._free  # all cached, none free
+    assert bm.num_free_pages == 8 and not bm.inner.pool.free  # all cached, none free
     prompt = [1, 2, 3, 4, 31, 32, 33, 34, 35]  # a's first page, then new tokens
     cached = bm.allocate("b", prompt)
     bm.check_invariants()  # "groups out of step" before
@@ -151,10 +151,15 @@ def test_hybrid_allocation_failing_late_leaves_every_cached_page():
     bm.allocate("a", list(range(1, 9)))
     bm.mark_computed("a", 8)
     bm.free("a")
-    before = (bm.num_free_pages, list(bm.inner._evictable), dict(bm.inner._cached))
+    inner = bm.inner
+
+    def state():
+        return (bm.num_free_pages, list(inner.pool.evictable), dict(inner.prefix.cached))
+
+    before = state()
     with pytest.raises(OutOfPages):
         bm.allocate("b", list(range(1, 9)) + list(range(40, 60)))
-    assert (bm.num_free_pages, list(bm.inner._evictable), dict(bm.inner._cached)) == before
+    assert state() == before
     assert "b" not in bm
     bm.check_invariants()
 
@@ -203,11 +208,11 @@ def test_engine_prefix_hit_on_a_full_hybrid_pool_keeps_its_groups_in_step(gemma3
     assert llm.generate([R], g, progress=False)[0].outputs == want[0].outputs
     llm.generate([Q], pj.SamplingParams(max_tokens=8, ignore_eos=True), progress=False)
     bm = llm.bm
-    assert (len(bm.inner._free), len(bm.inner._evictable)) == (10, 30)
+    assert (len(bm.inner.pool.free), len(bm.inner.pool.evictable)) == (10, 30)
     for j in range(2):  # 1 page in each of 5 groups each: the free list empties
         llm.add_request(f"f{j}", [1 + j, 2, 3], pj.SamplingParams(max_tokens=4, ignore_eos=True))
     llm.step()
-    assert not bm.inner._free
+    assert not bm.inner.pool.free
     admitted = []  # (cached tokens the engine skips, each group's computed tokens)
     allocate = bm.allocate
 

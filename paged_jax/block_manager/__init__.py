@@ -15,11 +15,14 @@ Order of device work within one engine step, which the manager's plans assume:
 ``cache.copy_pages(*take_copies())``, then swap-out reads, then swap-in writes, then the
 model's K/V writes. Copies read pages as they were before the step.
 
-Parts: ``manager.py`` (``BlockManager``: the pool and the block tables), ``rows.py`` (the
-sequences' rows of arrays and the batched operations of a step), ``prefix.py``
-(prefix-cache keys and lookups), ``swap.py`` (swap plans), ``stats.py`` (statistics,
-invariants), ``hybrid.py`` (``HybridBlockManager``, ``layer_groups``), ``_common.py``
-(errors, ``SeqRows``).
+Parts, each an object the ``BlockManager`` (``manager.py``) owns: ``PagePool`` and
+``HostSlots`` (``pool.py``: pages, reference counts, the free stack, the cached pages
+nobody holds, copy-on-write copies; host slots), ``PrefixCache`` (``prefix.py``: keys,
+lookups), ``SequenceRows`` (``rows.py``: the sequences' rows of arrays), ``Appender``
+(``appends.py``: the per-step appends and marking tokens computed), ``Swapper``
+(``swap.py``: swap plans); ``stats.py`` reads them all (statistics, invariants).
+``hybrid.py``: ``HybridBlockManager`` and ``layer_groups``; ``_common.py``: errors,
+``SeqRows``.
 """
 
 from ._common import (

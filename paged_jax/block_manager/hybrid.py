@@ -207,7 +207,7 @@ class HybridBlockManager:
         # never had). Held, they no longer count as free below.
         caching = inner.enable_prefix_caching
         roots = [prefix_root_key(self._root(extra_key, g)) if caching else b"" for g in range(G)]
-        hits = [inner._lookup(tokens, root, (len(tokens) - 1) // P)[0] for root in roots]
+        hits = [inner.prefix.lookup(tokens, root, (len(tokens) - 1) // P)[0] for root in roots]
         cached = min(map(len, hits)) * P
         pinned = [page for h in hits for page in h[: cached // P]]
         revived = len({page for page in pinned if inner.refcount(page) == 0})
@@ -219,7 +219,7 @@ class HybridBlockManager:
                 f"{inner.num_free_pages - revived} available"
             )
         for page in pinned:
-            inner._ref(page)
+            inner.pool.ref(page)
         done = []
         try:
             for g, w in enumerate(self.group_windows):
@@ -242,7 +242,7 @@ class HybridBlockManager:
             raise
         finally:
             for page in pinned:
-                inner._unref(page)
+                inner.pool.unref(page)
         self._ids[seq_id] = None
         return cached
 
@@ -250,9 +250,12 @@ class HybridBlockManager:
         """``i32[G, len(token_ids)]`` slots; every group or none (``OutOfPages``)."""
         ids = self._each(seq_id)
         if not self.inner.can_append(ids, len(token_ids)):
+            inner = self.inner
+            need = sum(
+                inner.appender.pages_for_append(inner.rows.row(i), len(token_ids)) for i in ids
+            )
             raise OutOfPages(
-                f"append_slots: seq_id {seq_id!r} needs "
-                f"{self.inner._append_need(ids, len(token_ids))} pages for "
+                f"append_slots: seq_id {seq_id!r} needs {need} pages for "
                 f"{len(token_ids)} tokens, {self.num_free_pages} available"
             )
         return np.stack([self.inner.append_slots(i, token_ids) for i in ids])
@@ -318,7 +321,7 @@ class HybridBlockManager:
 
     def check_invariants(self) -> None:
         self.inner.check_invariants()
-        assert len(self.inner._seqs) == self.num_groups * len(self._ids), "group drift"
+        assert self.inner.num_seqs == self.num_groups * len(self._ids), "group drift"
         for s in self._ids:
             ids = self._each(s)
             n = {self.inner.num_tokens(i) for i in ids}

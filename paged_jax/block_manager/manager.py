@@ -1,33 +1,27 @@
 """``BlockManager``: the page pool and the sequences' block tables (allocation on demand,
-reference counts, copy-on-write, step boundaries), with parts of its own in their
-modules: the sequences' rows of arrays and the batched operations over them
-(``rows.py``), prefix-cache lookups (``prefix.py``), swap plans (``swap.py``), statistics
-and invariants (``stats.py``). No JAX."""
+reference counts, copy-on-write, step boundaries), made of parts it owns: the pool's
+pages (``pool.py``, ``PagePool``; the host's slots, ``HostSlots``), the prefix cache
+(``prefix.py``), the sequences' rows of arrays (``rows.py``), the per-step operations that
+grow sequences and mark their tokens computed (``appends.py``), swap plans
+(``swap.py``); statistics and invariants read them all (``stats.py``). No JAX."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-from ._common import (
-    NULL_PAGE,
-    DuplicateSequence,
-    InvalidSequenceState,
-    OutOfPages,
-    SeqRows,
-    UnknownSequence,
-    _as_tokens,
-)
+from . import stats as _stats
+from ._common import DuplicateSequence, InvalidSequenceState, OutOfPages, SeqRows, _as_tokens
+from .appends import Appender
+from .pool import HostSlots, PagePool
 from .prefix import PrefixCache, prefix_root_key
 from .rows import SequenceRows
-from .stats import Statistics
-from .swap import Swapping
+from .swap import Swapper
 
 
-class BlockManager(SequenceRows, PrefixCache, Swapping, Statistics):
+class BlockManager:
     """Pages of a paged KV cache, handed out to sequences on demand.
 
     Args:
@@ -47,6 +41,11 @@ class BlockManager(SequenceRows, PrefixCache, Swapping, Statistics):
     computed counts, ...), so that the calls made for every sequence of every step
     (``append_tokens``, ``reserve_tokens``, ``fill_reserved``) are array operations over
     the sequences' rows, not a pass over one Python object per sequence.
+
+    Parts (attributes): ``rows`` (``SequenceRows``: each sequence's table, token ids and
+    counts as a row of arrays, which ``paged_jax.batch`` gathers), ``pool``
+    (``PagePool``), ``prefix`` (``PrefixCache``), ``host`` (``HostSlots``),
+    ``appender`` (``Appender``) and ``swapper`` (``Swapper``).
     """
 
     def __init__(
@@ -75,142 +74,57 @@ class BlockManager(SequenceRows, PrefixCache, Swapping, Statistics):
         self.watermark = float(watermark)
         self.watermark_pages = int(watermark * num_pages)
         self.num_host_pages = int(num_host_pages)
-
-        self._refcount = [0] * self.num_pages
-        # Stack of free pages: pop() takes the lowest id first on a fresh pool, then the
-        # most recently freed page.
-        self._free = list(range(self.num_pages - 1, 0, -1))
-        self._seqs: dict[Hashable, int] = {}  # seq_id -> its row of the arrays below
-        # A sequence's state is row `row` of these arrays (rows double when more sequences
-        # exist; the table's and the token ids' columns double as they need more). Its
-        # block table has pages_needed(_ntok[row]) entries, then zeros: a step's tables
-        # are one gather (build_batch, advance_batch). Rows of no sequence are zeros.
-        rows = 8
-        self._serial = np.zeros(rows, np.int64)  # allocation count when the row was taken
-        self._serials = 0  # rows taken so far
-        self._table = np.zeros((rows, 8), np.int32)  # pages (host slots while swapped)
-        # token ids (-1: reserved, not known yet); every cell past a row's count is -1, so
-        # reserving tokens writes nothing there
-        self._tok = np.full((rows, 16), -1, np.int32)
-        self._ntok = np.zeros(rows, np.int64)  # tokens with slots (prompt plus appended)
-        self._ncomp = np.zeros(rows, np.int64)  # leading tokens whose K/V are on the device
-        # First reserved token not yet filled (reserve_tokens), or -1: it and every token
-        # after it are not computed, whatever step boundaries passed.
-        self._resv = np.zeros(rows, np.int64)
-        self._last = np.zeros(rows, np.int64)  # step of the latest append (-1: never)
-        self._nhash = np.zeros(rows, np.int64)  # leading full pages whose keys are known
-        self._win = np.zeros(rows, np.int64)  # keys each token attends to (0: all)
-        # The first _dropped[row] entries are NULL_PAGE (host: _DROPPED_SLOT): pages no
-        # future token reads (sliding window).
-        self._dropped = np.zeros(rows, np.int64)
-        self._swapped = np.zeros(rows, bool)
-        self._root: list[bytes] = [b""] * rows  # prefix-cache root key
-        self._key: list[bytes] = [b""] * rows  # key of page _nhash - 1 (root when none)
-        self._free_rows = list(range(rows - 1, -1, -1))
-        # Prefix cache: key -> page, page -> key, page -> its token bytes (for checking).
-        self._cached: dict[bytes, int] = {}
-        self._page_key: dict[int, bytes] = {}
-        self._page_tokens: dict[int, bytes] = {}
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount-0 cached, LRU first
-        self._pending: dict[int, int] = {}  # copy-on-write: dst page -> src page
-        self._pending_src: dict[int, int] = {}  # src page -> number of pending copies from it
-        # Pages released while a pending copy still reads them: reused only after the
-        # step boundary, so nothing (a swap-in, the step's writes) overwrites them first.
-        self._deferred: list[int] = []
-        self._step = 0  # step boundaries seen (take_copies calls)
-        self._host_refcount = [0] * self.num_host_pages
-        self._host_free = list(range(self.num_host_pages - 1, -1, -1))
-        self._prefix_queries = 0  # full prompt pages looked up
-        self._prefix_hits = 0  # of which found in the cache
-        self._evictions = 0
+        self.prefix = PrefixCache(self.page_size, self.enable_prefix_caching)
+        self.pool = PagePool(self.num_pages, self.prefix)
+        self.rows = SequenceRows(self.page_size)
+        self.host = HostSlots(self.num_host_pages)
+        self.appender = Appender(self.rows, self.pool, self.prefix)
+        self.swapper = Swapper(self.rows, self.pool, self.host, self.appender)
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free_pages(self) -> int:
         """Pages that can be handed out now: free plus evictable cached pages."""
-        return len(self._free) + len(self._evictable)
+        return self.pool.num_free
 
     @property
     def num_host_free_pages(self) -> int:
-        return len(self._host_free)
+        return len(self.host.free)
 
     def __contains__(self, seq_id: Hashable) -> bool:
-        return seq_id in self._seqs
+        return seq_id in self.rows.ids
 
     @property
     def seq_ids(self) -> list:
-        return list(self._seqs)
+        return list(self.rows.ids)
 
     @property
     def num_seqs(self) -> int:
         """Sequences held (``len(seq_ids)`` without the list)."""
-        return len(self._seqs)
-
-    def _row(self, seq_id: Hashable) -> int:
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise UnknownSequence(
-                f"seq_id {seq_id!r}: unknown (never allocated, or already freed)"
-            ) from None
-
-    def _device_row(self, seq_id: Hashable, op: str) -> int:
-        row = self._row(seq_id)
-        if self._swapped[row]:
-            raise InvalidSequenceState(f"{op}: seq_id {seq_id!r} is swapped out; swap_in first")
-        return row
+        return len(self.rows.ids)
 
     def seq_rows(self, seq_ids: Sequence[Hashable]) -> SeqRows:
         """Distinct sequences on the device with their rows, for batched calls made again
         and again for the same sequences (``SeqRows``). Raises as ``append_tokens``."""
-        rows = self._device_rows(seq_ids, "seq_rows")
-        return SeqRows(list(seq_ids), rows, self._serial[rows])
-
-    def _device_rows(self, seq_ids: Sequence[Hashable] | SeqRows, op: str) -> np.ndarray:
-        """``intp[S]``: the rows of distinct sequences on the device (errors as
-        ``_device_row``, and ``ValueError`` for a sequence given twice)."""
-        if isinstance(seq_ids, SeqRows):
-            rows = seq_ids.rows
-            if (self._serial[rows] == seq_ids.serials).all() and not self._swapped[rows].any():
-                return rows
-            seq_ids = seq_ids.ids  # a row changed hands, or was swapped out
-        get = self._seqs.get
-        found = [get(s) for s in seq_ids]
-        rows = np.array(found, np.intp) if None not in found else None
-        if rows is None or self._swapped[rows].any():
-            rows = np.array([self._device_row(s, op) for s in seq_ids], np.intp)  # raises
-        if len(set(found)) < len(found):
-            seen: set = set()
-            twice = next(s for s in seq_ids if s in seen or seen.add(s))
-            raise ValueError(f"seq_ids: expected distinct sequences, got {twice!r} twice")
-        return rows
-
-    def _npages(self, row: int) -> int:
-        """Entries of the row's block table (pages of its tokens, dropped ones included)."""
-        return -(-int(self._ntok[row]) // self.page_size)
-
-    def _filled(self, row: int) -> int:
-        """Tokens before the first reserved one not yet filled (all of them if none)."""
-        r = int(self._resv[row])
-        return int(self._ntok[row]) if r < 0 else r
+        return self.rows.seq_rows(seq_ids)
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """Tokens of the sequence that have slots (prompt plus appended tokens)."""
-        return int(self._ntok[self._row(seq_id)])
+        return int(self.rows.ntok[self.rows.row(seq_id)])
 
     def num_computed_tokens(self, seq_id: Hashable) -> int:
         """Leading tokens whose K/V are on the device (cached or marked computed)."""
-        return int(self._ncomp[self._row(seq_id)])
+        return int(self.rows.ncomp[self.rows.row(seq_id)])
 
     def token_ids(self, seq_id: Hashable) -> np.ndarray:
         """``i32[num_tokens]``: a copy of the sequence's token ids."""
-        row = self._row(seq_id)
-        return self._tok[row, : self._ntok[row]].copy()
+        row = self.rows.row(seq_id)
+        return self.rows.tok[row, : self.rows.ntok[row]].copy()
 
     def token_buffer(self, seq_id: Hashable) -> np.ndarray:
         """The sequence's token ids as a view of its row (its first ``num_tokens``
         entries; do not modify it; valid until the manager next changes)."""
-        return self._tok[self._row(seq_id)]
+        return self.rows.tok[self.rows.row(seq_id)]
 
     def set_token(self, seq_id: Hashable, index: int, token: int) -> None:
         """Replaces token ``index`` of the sequence, one whose K/V is not computed yet.
@@ -220,52 +134,54 @@ class BlockManager(SequenceRows, PrefixCache, Swapping, Statistics):
         in the prefix cache until the token is marked computed, so the value it is
         hashed with is this one. Raises ``ValueError`` for a computed or absent index.
         """
-        row = self._row(seq_id)
-        done, n = int(self._ncomp[row]), int(self._ntok[row])
+        r = self.rows
+        row = r.row(seq_id)
+        done, n = int(r.ncomp[row]), int(r.ntok[row])
         if not done <= index < n:
             raise ValueError(
                 f"index: expected a token not yet computed, in [{done}, {n}), got {index}"
             )
-        self._tok[row, index] = token
+        r.tok[row, index] = token
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         """The sequence's pages in order (host slots while it is swapped out)."""
-        row = self._row(seq_id)
-        return self._table[row, : self._npages(row)].tolist()
+        row = self.rows.row(seq_id)
+        return self.rows.table[row, : self.rows.npages(row)].tolist()
 
     def is_swapped(self, seq_id: Hashable) -> bool:
-        return bool(self._swapped[self._row(seq_id)])
+        return bool(self.rows.swapped[self.rows.row(seq_id)])
 
     def host_slots(self, seq_id: Hashable) -> list[int]:
         """The host slots a swapped-out sequence holds (none while it is on the device)."""
-        row = self._row(seq_id)
-        return self._live(row) if self._swapped[row] else []
+        row = self.rows.row(seq_id)
+        return self.rows.live(row) if self.rows.swapped[row] else []
 
     def refcount(self, page: int) -> int:
-        return self._refcount[page]
+        return self.pool.refcount[page]
 
     def host_refcount(self, slot: int) -> int:
         """Sequences holding host slot ``slot`` (0: free, its swapped data can be dropped)."""
-        return self._host_refcount[slot]
+        return self.host.refcount[slot]
 
     def slots(self, seq_id: Hashable, start: int, stop: int) -> np.ndarray:
         """``i32[stop - start]``: slots (page * page_size + offset) of tokens [start, stop)."""
-        row = self._device_row(seq_id, "slots")
-        n = int(self._ntok[row])
+        r = self.rows
+        row = r.device_row(seq_id, "slots")
+        n = int(r.ntok[row])
         if not 0 <= start <= stop <= n:
             raise ValueError(
                 f"slots: expected 0 <= start <= stop <= num_tokens={n}, got "
                 f"start={start}, stop={stop}"
             )
         pos = np.arange(start, stop, dtype=np.int32)
-        table = self._table[row, : self._npages(row)]
+        table = r.table[row, : r.npages(row)]
         return table[pos // self.page_size] * self.page_size + pos % self.page_size
 
     def pages_np(self, seq_id: Hashable) -> np.ndarray:
         """``i32[num_pages_of_seq]``: the block table as an array, a view of its row of
         ``tables()`` (do not modify it; it follows the table until the array grows)."""
-        row = self._device_row(seq_id, "pages_np")
-        return self._table[row, : self._npages(row)]
+        row = self.rows.device_row(seq_id, "pages_np")
+        return self.rows.table[row, : self.rows.npages(row)]
 
     def tables(self) -> np.ndarray:
         """``i32[R, C]``: every sequence's block table as a row (its pages, host slots
@@ -273,11 +189,11 @@ class BlockManager(SequenceRows, PrefixCache, Swapping, Statistics):
         tables change, and replaced by a larger array when a table grows past ``C``
         entries or more than ``R`` sequences exist: read it again after changing the
         manager, and never modify it."""
-        return self._table
+        return self.rows.table
 
     def table_row(self, seq_id: Hashable) -> int:
         """The sequence's row of ``tables()`` (fixed from its allocation to its ``free``)."""
-        return self._row(seq_id)
+        return self.rows.row(seq_id)
 
     # ------------------------------------------------------------------ admission checks
     def pages_needed(self, num_tokens: int) -> int:
@@ -296,71 +212,22 @@ class BlockManager(SequenceRows, PrefixCache, Swapping, Statistics):
         Counts the new pages and the copy-on-write copies this would need. Running
         sequences may use the watermark's reserve (it exists for them).
         """
-        return self._append_need(seq_ids, num_tokens) <= self.num_free_pages
-
-    def _append_need(self, seq_ids: Iterable[Hashable], num_tokens: int) -> int:
         need = 0
         for seq_id in seq_ids:
-            need += self._pages_for_append(self._device_row(seq_id, "can_append"), num_tokens)
-        return need
+            row = self.rows.device_row(seq_id, "can_append")
+            need += self.appender.pages_for_append(row, num_tokens)
+        return need <= self.num_free_pages
 
-    def _pages_for_append(self, row: int, num_new: int) -> int:
-        n, P = int(self._ntok[row]), self.page_size
-        have = -(-n // P)
-        need = self.pages_needed(n + num_new) - have
-        if n % P and num_new and self._refcount[self._table[row, have - 1]] > 1:
-            need += 1  # copy-on-write of the shared partial last page
-        return max(need, 0)
-
-    # ------------------------------------------------------------------ page primitives
-    def _take_page(self) -> int:
-        if self._free:
-            page = self._free.pop()
-        else:
-            page, _ = self._evictable.popitem(last=False)  # least recently used
-            key = self._page_key.pop(page)
-            del self._cached[key]
-            del self._page_tokens[page]
-            self._evictions += 1
-        self._refcount[page] = 1
-        return page
-
-    def _ref(self, page: int) -> None:
-        if self._refcount[page] == 0:
-            del self._evictable[page]  # a cached page comes back into use
-        self._refcount[page] += 1
-
-    def _unref(self, page: int) -> None:
-        rc = self._refcount[page] - 1
-        self._refcount[page] = rc
-        if rc:
-            return
-        src = self._pending.pop(page, None)  # a copy into a page nobody holds is moot
-        if src is not None:
-            self._drop_pending_src(src)
-        if page in self._pending_src:
-            self._deferred.append(page)
-        else:
-            self._release(page)
-
-    def _release(self, page: int) -> None:
-        if page in self._page_key:
-            self._evictable[page] = None
-        else:
-            self._free.append(page)
-
-    def _drop_pending_src(self, src: int) -> None:
-        left = self._pending_src[src] - 1
-        if left:
-            self._pending_src[src] = left
-            return
-        del self._pending_src[src]
-        if self._refcount[src] == 0 and src in self._deferred:
-            self._deferred.remove(src)
-            self._release(src)
+    def cached_tokens(self, token_ids: Sequence[int] | np.ndarray, *, extra_key: Any = None) -> int:
+        """Leading tokens of a prompt that ``allocate`` would find cached now (a multiple of
+        ``page_size``, smaller than ``len(token_ids)``); changes nothing."""
+        tokens = _as_tokens(token_ids)
+        root = prefix_root_key(extra_key) if self.enable_prefix_caching else b""
+        hits, _ = self.prefix.lookup(tokens, root, max(len(tokens) - 1, 0) // self.page_size)
+        return len(hits) * self.page_size
 
     def _check_new_id(self, seq_id: Hashable, op: str) -> None:
-        if seq_id in self._seqs:
+        if seq_id in self.rows.ids:
             raise DuplicateSequence(f"{op}: seq_id {seq_id!r} is already live")
 
     # ------------------------------------------------------------------ lifecycle
@@ -405,31 +272,29 @@ class BlockManager(SequenceRows, PrefixCache, Swapping, Statistics):
         limit = (n - 1) // P
         if max_cached_tokens is not None:
             limit = min(limit, max(int(max_cached_tokens), 0) // P)
-        hits, key = self._lookup(tokens, root, limit)
+        hits, key = self.prefix.lookup(tokens, root, limit)
+        pool = self.pool
         # hits on cached pages nobody holds (they leave the evictable set)
-        revived = sum(1 for page in hits if self._refcount[page] == 0)
+        revived = sum(1 for page in hits if pool.refcount[page] == 0)
         fresh = self.pages_needed(n) - len(hits)
-        reusable = len(self._free) + len(self._evictable) - revived
+        reusable = len(pool.free) + len(pool.evictable) - revived
         if fresh > reusable:
             raise OutOfPages(
                 f"allocate: seq_id {seq_id!r} needs {fresh} new pages for {n} tokens "
                 f"({len(hits)} pages cached), {reusable} available"
             )
         if self.enable_prefix_caching:
-            self._prefix_queries += (n - 1) // P
-            self._prefix_hits += len(hits)
-        refcount = self._refcount
-        evictable = self._evictable
+            self.prefix.queries += (n - 1) // P
+            self.prefix.hits += len(hits)
         for page in hits:
-            if refcount[page] == 0:
-                del evictable[page]
-            refcount[page] += 1
-        pages = hits + [self._take_page() for _ in range(fresh)]
-        row = self._add_row(seq_id, tokens, pages, root, sliding_window or 0)
-        self._ncomp[row] = len(hits) * P
-        self._nhash[row] = len(hits)
-        self._key[row] = key
-        self._drop_out_of_window(row)  # hits no prompt token reads
+            pool.ref(page)
+        pages = hits + [pool.take() for _ in range(fresh)]
+        r = self.rows
+        row = r.add(seq_id, tokens, pages, root, sliding_window or 0)
+        r.ncomp[row] = len(hits) * P
+        r.nhash[row] = len(hits)
+        r.key[row] = key
+        self.appender.drop_out_of_window(row)  # hits no prompt token reads
         return len(hits) * P
 
     def append_slots(self, seq_id: Hashable, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -443,12 +308,13 @@ class BlockManager(SequenceRows, PrefixCache, Swapping, Statistics):
         the new tokens' K/V must be written by the step that follows (see ``take_copies``).
         Raises ``OutOfPages`` (changing nothing) when pages run out.
         """
-        row = self._device_row(seq_id, "append_slots")
+        r = self.rows
+        row = r.device_row(seq_id, "append_slots")
         P = self.page_size
-        n = int(self._ntok[row])
-        last = int(self._last[row])
+        n = int(r.ntok[row])
+        last = int(r.last[row])
         # (tokens of earlier steps are computed, whether or not this append fits)
-        self._first_appends(np.array([row], np.intp))
+        self.appender.first_appends(np.array([row], np.intp))
         fill = n % P
         # Fast path (a decode step): one token into an exclusively owned, partially
         # filled page that has room in the token ids' row.
@@ -457,23 +323,23 @@ class BlockManager(SequenceRows, PrefixCache, Swapping, Statistics):
             and type(token_ids) in (list, tuple)
             and len(token_ids) == 1
             and type(token_ids[0]) is int
-            and n < self._tok.shape[1]
+            and n < r.tok.shape[1]
         ):
-            page = int(self._table[row, n // P])
-            if self._refcount[page] == 1:
-                self._tok[row, n] = token_ids[0]
-                self._ntok[row] = n + 1
+            page = int(r.table[row, n // P])
+            if self.pool.refcount[page] == 1:
+                r.tok[row, n] = token_ids[0]
+                r.ntok[row] = n + 1
                 return np.array([page * P + fill], np.int32)
         tokens = _as_tokens(token_ids)
         num_new = len(tokens)
-        need = self._pages_for_append(row, num_new)
+        need = self.appender.pages_for_append(row, num_new)
         if need > self.num_free_pages:
-            self._last[row] = last  # nothing appended this step (swap_out may take it)
+            r.last[row] = last  # nothing appended this step (swap_out may take it)
             raise OutOfPages(
                 f"append_slots: seq_id {seq_id!r} needs {need} pages for {num_new} tokens, "
                 f"{self.num_free_pages} available"
             )
-        self._grow(row, tokens)
+        self.appender.grow(row, tokens)
         return self.slots(seq_id, n, n + num_new)
 
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
@@ -482,41 +348,11 @@ class BlockManager(SequenceRows, PrefixCache, Swapping, Statistics):
         Call after each prefill chunk; their full pages become prefix-cache entries that
         later prompts can share. (``append_slots`` does this for all earlier tokens.)
         """
-        row = self._device_row(seq_id, "mark_computed")
-        n = int(self._ntok[row])
+        row = self.rows.device_row(seq_id, "mark_computed")
+        n = int(self.rows.ntok[row])
         if not 0 <= num_tokens <= n:
             raise ValueError(f"num_tokens: expected 0 <= num_tokens <= {n}, got {num_tokens}")
-        self._mark_computed(row, num_tokens)
-
-    def _sync_computed(self, row: int) -> None:
-        """Tokens appended in earlier steps are computed once a step boundary passed."""
-        done = self._filled(row)
-        if 0 <= self._last[row] < self._step and self._ncomp[row] < done:
-            self._mark_computed(row, done)
-
-    def _mark_computed(self, row: int, num_tokens: int) -> None:
-        if num_tokens <= self._ncomp[row]:
-            return
-        self._ncomp[row] = num_tokens
-        self._register(row, num_tokens)
-        self._drop_out_of_window(row)
-
-    def _drop_out_of_window(self, row: int) -> None:
-        """Releases the leading pages no token from the computed count on can read: page
-        i's last key ``(i + 1) P - 1`` lies before the window of position ``_ncomp``."""
-        w = int(self._win[row])
-        if not w:
-            return
-        dead = (int(self._ncomp[row]) - w + 1) // self.page_size
-        start = int(self._dropped[row])
-        if dead <= start:
-            return
-        table = self._table
-        for i in range(start, dead):
-            page = int(table[row, i])
-            table[row, i] = NULL_PAGE
-            self._unref(page)
-        self._dropped[row] = dead
+        self.appender.mark_computed(row, num_tokens)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """The child shares every page of the parent (reference counts only, no copy).
@@ -524,10 +360,11 @@ class BlockManager(SequenceRows, PrefixCache, Swapping, Statistics):
         The parent's K/V must all be written: fork after the step that computed its
         tokens (a prompt: after ``mark_computed``), before appending this step's token.
         """
-        prow = self._device_row(parent_id, "fork")
+        r = self.rows
+        prow = r.device_row(parent_id, "fork")
         self._check_new_id(child_id, "fork")
-        self._sync_computed(prow)
-        n, done = int(self._ntok[prow]), int(self._ncomp[prow])
+        self.appender.sync_computed(prow)
+        n, done = int(r.ntok[prow]), int(r.ncomp[prow])
         if done < n:
             # A later copy-on-write of a shared page would copy it as it was before the
             # step, without the K/V this step is about to write: refuse instead.
@@ -536,34 +373,33 @@ class BlockManager(SequenceRows, PrefixCache, Swapping, Statistics):
                 f"written yet ({done} of {n} computed); fork before appending, or after "
                 "the step that computes them (mark_computed for a prompt)"
             )
-        dropped = int(self._dropped[prow])
-        pages = self._table[prow, : self._npages(prow)].tolist()
+        dropped = int(r.dropped[prow])
+        pages = r.table[prow, : r.npages(prow)].tolist()
         for page in pages[dropped:]:
-            self._ref(page)
-        tokens = self._tok[prow, :n].copy()
-        row = self._add_row(child_id, tokens, pages, self._root[prow], int(self._win[prow]))
-        for name in ("_ncomp", "_resv", "_last", "_nhash", "_dropped"):
-            a = getattr(self, name)
+            self.pool.ref(page)
+        tokens = r.tok[prow, :n].copy()
+        row = r.add(child_id, tokens, pages, r.root[prow], int(r.win[prow]))
+        for name in ("ncomp", "resv", "last", "nhash", "dropped"):
+            a = getattr(r, name)
             a[row] = a[prow]
-        self._key[row] = self._key[prow]
+        r.key[row] = r.key[prow]
 
     def free(self, seq_id: Hashable) -> None:
         """Releases the sequence's pages (device or host). Full cached pages stay cached.
 
         Pages are released last first, so a chain's tail is evicted before its head.
         """
-        row = self._row(seq_id)
-        live = self._live(row)
-        swapped = bool(self._swapped[row])
-        self._drop_row(seq_id, row)
+        r = self.rows
+        row = r.row(seq_id)
+        live = r.live(row)
+        swapped = bool(r.swapped[row])
+        r.drop(seq_id, row)
         if swapped:
             for slot in live:
-                self._host_refcount[slot] -= 1
-                if self._host_refcount[slot] == 0:
-                    self._host_free.append(slot)
+                self.host.unref(slot)
             return
         for page in reversed(live):
-            self._unref(page)
+            self.pool.unref(page)
 
     def take_copies(self) -> tuple[np.ndarray, np.ndarray]:
         """Copy-on-write copies queued since the last call: ``(src i32[n], dst i32[n])``.
@@ -573,12 +409,47 @@ class BlockManager(SequenceRows, PrefixCache, Swapping, Statistics):
         the step's K/V writes. The step must write the K/V of every token appended since
         the previous boundary.
         """
-        src = np.fromiter(self._pending.values(), np.int32, len(self._pending))
-        dst = np.fromiter(self._pending.keys(), np.int32, len(self._pending))
-        self._pending.clear()
-        self._pending_src.clear()
-        for page in self._deferred:
-            self._release(page)
-        self._deferred.clear()
-        self._step += 1
-        return src, dst
+        copies = self.pool.take_copies()
+        self.rows.step += 1
+        return copies
+
+    # ------------------------------------------------------------------ the parts'
+    def append_tokens(self, seq_ids, tokens: Sequence[int]) -> bool:
+        """One token appended to each of ``seq_ids``, all or none (``Appender``)."""
+        return self.appender.append_tokens(seq_ids, tokens)
+
+    def reserve_tokens(self, seq_ids, counts: Sequence[int]) -> bool:
+        """Placeholders for a multi-step launch's samples, all or none (``Appender``)."""
+        return self.appender.reserve_tokens(seq_ids, counts)
+
+    def fill_reserved(self, seq_ids, starts, tokens, *, counts=None) -> None:
+        """Reserved tokens given their values and marked computed (``Appender``)."""
+        self.appender.fill_reserved(seq_ids, starts, tokens, counts=counts)
+
+    def truncate(self, seq_id: Hashable, num_tokens: int, *, computed: bool = False) -> None:
+        """The sequence's tokens from ``num_tokens`` on dropped (``Appender``)."""
+        self.appender.truncate(seq_id, num_tokens, computed=computed)
+
+    def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
+        return self.swapper.can_swap_out(seq_ids)
+
+    def can_swap_in(self, seq_ids: Iterable[Hashable]) -> bool:
+        return self.swapper.can_swap_in(seq_ids)
+
+    def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """A group moved to host slots, all or nothing (``Swapper.swap_out``)."""
+        return self.swapper.swap_out(seq_ids)
+
+    def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """A swapped-out group brought back, all or nothing (``Swapper.swap_in``)."""
+        return self.swapper.swap_in(seq_ids)
+
+    def stats(self) -> dict[str, float]:
+        """Pages used / free / cached / referenced, KV utilization, sharing, prefix
+        counters (``stats.stats``)."""
+        return _stats.stats(self)
+
+    def check_invariants(self) -> None:
+        """Recounts everything from the block tables; raises AssertionError on any drift
+        (``stats.check_invariants``)."""
+        _stats.check_invariants(self)

@@ -1,19 +1,18 @@
-"""The prefix cache's keys and lookups: a full page of computed tokens is entered under a
-blake2b digest chained from its parent page's key (the chain's root salted with the
-request's ``extra_key``), and a new prompt's leading full pages are found by walking the
-same chain. ``PrefixCache`` is the ``BlockManager``'s part that walks and extends it; the
-cache's maps (key -> page, page -> key, page -> token bytes) and its LRU of pages nobody
-holds live in the manager, whose page primitives evict from it. No JAX."""
+"""The prefix cache: a full page of computed tokens is entered under a blake2b digest
+chained from its parent page's key (the chain's root salted with the request's
+``extra_key``), and a new prompt's leading full pages are found by walking the same
+chain. ``PrefixCache`` is the ``BlockManager``'s part that holds the maps, walks and
+extends the chains; the ``PagePool`` keeps the cached pages nobody holds and evicts
+from it. No JAX."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ._common import NULL_PAGE, _as_tokens
+from ._common import NULL_PAGE
 
 _DIGEST_BYTES = 16
 
@@ -53,19 +52,43 @@ def page_key(parent: bytes, page_tokens: bytes) -> bytes:
 
 
 class PrefixCache:
-    """``BlockManager``'s prefix-cache lookups and registration (a mixin: it reads and
-    updates the manager's rows and cache maps)."""
+    """The prefix cache's maps: full computed pages by key (``cached``), each cached
+    page's key (``page_key``) and token bytes (``page_tokens``, checked on a hit), and its
+    counters (full prompt pages looked up, found, evicted). A ``BlockManager`` owns one;
+    its ``PagePool`` keeps the cached pages nobody holds, least recently used first, and
+    calls ``forget`` when it evicts one."""
 
-    def _lookup(self, tokens: np.ndarray, root: bytes, limit: int) -> tuple[list[int], bytes]:
+    def __init__(self, page_size: int, enabled: bool):
+        self.page_size = page_size
+        self.enabled = enabled
+        self.cached: dict[bytes, int] = {}  # key -> page
+        self.page_key: dict[int, bytes] = {}  # page -> key
+        self.page_tokens: dict[int, bytes] = {}  # page -> its token ids' bytes
+        self.queries = 0  # full prompt pages looked up
+        self.hits = 0  # of which found in the cache
+        self.evictions = 0
+
+    def holds(self, page: int) -> bool:
+        """Whether ``page`` is cached (reusable by a prefix hit until evicted)."""
+        return page in self.page_key
+
+    def forget(self, page: int) -> None:
+        """``page`` is evicted: no prompt finds it any more."""
+        key = self.page_key.pop(page)
+        del self.cached[key]
+        del self.page_tokens[page]
+        self.evictions += 1
+
+    def lookup(self, tokens: np.ndarray, root: bytes, limit: int) -> tuple[list[int], bytes]:
         """The cached pages of ``tokens``' leading full pages (at most ``limit`` pages),
         and the key of the last one (``root`` when none)."""
         hits: list[int] = []
-        if not self.enable_prefix_caching:
+        if not self.enabled:
             return hits, root
         # The hot loop of a prefix hit: local names, one digest per page.
         blake2b = hashlib.blake2b
-        cached_get = self._cached.get
-        page_tokens = self._page_tokens
+        cached_get = self.cached.get
+        page_tokens = self.page_tokens
         step = 4 * self.page_size
         buf = tokens.tobytes()
         last_key = root
@@ -79,36 +102,21 @@ class PrefixCache:
             last_key = key
         return hits, last_key
 
-    def cached_tokens(self, token_ids: Sequence[int] | np.ndarray, *, extra_key: Any = None) -> int:
-        """Leading tokens of a prompt that ``allocate`` would find cached now (a multiple of
-        ``page_size``, smaller than ``len(token_ids)``); changes nothing."""
-        tokens = _as_tokens(token_ids)
-        root = prefix_root_key(extra_key) if self.enable_prefix_caching else b""
-        hits, _ = self._lookup(tokens, root, max(len(tokens) - 1, 0) // self.page_size)
-        return len(hits) * self.page_size
-
-    def _register(self, row: int, num_tokens: int) -> None:
-        """Enters the sequence's full computed pages in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
-        P = self.page_size
-        full = num_tokens // P
-        first = int(self._nhash[row])
-        if first >= full:
-            return
-        chunks = self._tok[row, first * P : full * P].tobytes()
-        pages = self._table[row, first:full].tolist()
-        key = self._key[row]
-        cached, page_key_of = self._cached, self._page_key
+    def enter(self, pages: list[int], chunks: bytes, key: bytes) -> bytes:
+        """Enters ``pages`` (consecutive full pages of one sequence, ``chunks`` their
+        token bytes, page by page) under the keys chained from ``key`` (their parent's);
+        returns the last page's key. A page dropped outside a window (``NULL_PAGE``)
+        extends the chain and is not entered; of identical pages, one is kept."""
+        step = 4 * self.page_size
+        cached, page_key_of = self.cached, self.page_key
         for i, page in enumerate(pages):
-            chunk = chunks[i * 4 * P : (i + 1) * 4 * P]
+            chunk = chunks[i * step : (i + 1) * step]
             key = page_key(key, chunk)
             if page == NULL_PAGE:  # dropped outside the window (the chain goes on)
                 continue
             if key not in cached and page not in page_key_of:
                 cached[key] = page
                 page_key_of[page] = key
-                self._page_tokens[page] = chunk
+                self.page_tokens[page] = chunk
             # else: an identical page is cached already (or this page is a hit); keep one.
-        self._key[row] = key
-        self._nhash[row] = full
+        return key
