@@ -650,15 +650,27 @@ def _decode_prefetch(way: str):
     return _traced_setting(tuning, "DECODE_PREFETCH", way == "on")
 
 
+@contextlib.contextmanager
 def _w8a16_kernel(way: str):
     """While active, W8A16 products (int8, fp8 weight-only) on a GPU go through the
     few-row Pallas product ("on"), XLA's dots ("off"), or as
-    ``models.llama.W8A16_KERNEL_PLATFORMS`` says ("default")."""
-    from paged_jax.models import llama
+    ``models.layers.KERNELS["w8a16"]`` says ("default"); the engine's cached steps are
+    traced again (``_traced_setting``)."""
+    from paged_jax.engine import runner
+    from paged_jax.models.layers import KERNELS, use_kernel
 
     if way == "default":
-        return contextlib.nullcontext()
-    return _traced_setting(llama, "W8A16_KERNEL_PLATFORMS", ("gpu",) if way == "on" else ())
+        yield
+        return
+    platforms = ("gpu",) if way == "on" else ()
+    saved = KERNELS["w8a16"].platforms
+    runner._make_run.cache_clear()
+    try:
+        with use_kernel("w8a16", platforms):
+            yield
+    finally:
+        if platforms != saved:
+            runner._make_run.cache_clear()
 
 
 @contextlib.contextmanager
@@ -977,7 +989,7 @@ def main(argv=None) -> int:
         default=["default"],
         choices=["default", "off", "on"],
         help="GPU: W8A16 products (int8, fp8 weight-only) through the few-row Pallas product "
-        "(on), XLA's dots (off), or as models.llama.W8A16_KERNEL_PLATFORMS says; each in turn",
+        "(on), XLA's dots (off), or as models.layers.KERNELS['w8a16'] says; each in turn",
     )
     ap.add_argument(
         "--quantization",

@@ -163,7 +163,7 @@ def bf16_weights(model):
     import jax.numpy as jnp
     from flax import nnx
 
-    from paged_jax.models.llama import Embed, Linear
+    from paged_jax.models.layers import Embed, Linear
 
     for _, node in nnx.iter_graph(model):
         if isinstance(node, (Linear, Embed)):

@@ -27,7 +27,7 @@ compiled step at ``--layers`` (two layer counts) over the difference of layers; 
 (the decode kernel's walk loading ahead, ``tuning.DECODE_PREFETCH``); ``fp8`` (W8A8,
 rows quantized to fp8 too, the weight held ``[out, in]``), ``fp8-weight-only`` and
 ``int8`` (W8A16, XLA's dots); ``int8-kernel`` (W8A16 through the few-row Pallas product,
-``models.llama.W8A16_KERNEL_PLATFORMS``); ``int4`` (groups of 32); ``lora8`` (8 adapter
+``models.layers.KERNELS["w8a16"]``); ``int4`` (groups of 32); ``lora8`` (8 adapter
 slots of rank 16 on every projection, every row using one).
 """
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import re
 import time
@@ -182,16 +183,18 @@ def compile_step(fields: dict, variant: str, sharding, *, seqs: int, context: in
     args = (state, tokens, jnp.asarray(batch.positions), cache, ids)
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
     from paged_jax.kernels.gpu import tuning
-    from paged_jax.models import llama
+    from paged_jax.models.layers import KERNELS
 
-    saved = llama.W8A16_KERNEL_PLATFORMS, tuning.DECODE_PREFETCH
-    llama.W8A16_KERNEL_PLATFORMS = ("gpu",) if variant == "int8-kernel" else ()
+    saved = KERNELS["w8a16"], tuning.DECODE_PREFETCH
+    KERNELS["w8a16"] = dataclasses.replace(
+        saved[0], platforms=("gpu",) if variant == "int8-kernel" else ()
+    )
     tuning.DECODE_PREFETCH = variant == "bf16-prefetch"
     t = time.perf_counter()
     try:
         lowered = _lower(jax.jit(step, donate_argnums=(3,)), args)
     finally:
-        llama.W8A16_KERNEL_PLATFORMS, tuning.DECODE_PREFETCH = saved
+        KERNELS["w8a16"], tuning.DECODE_PREFETCH = saved
     compiled = lowered.compile()
     return compiled, time.perf_counter() - t
 

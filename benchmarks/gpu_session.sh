@@ -12,7 +12,7 @@
 # engine, bash benchmarks/gpu_session.sh ab (the decode kernel's walk loading a block ahead,
 # tuning.DECODE_PREFETCH, at 64 and 256 sequences: attention took 3.18 ms of the 8B step's
 # 10.08 at 256 sequences x 192 tokens on the H200, 42% of its bandwidth, and 1.36 of 5.6 at
-# 64, 25%; and int8 W8A16 through the few-row product, models.llama.W8A16_KERNEL_PLATFORMS,
+# 64, 25%; and int8 W8A16 through the few-row product, models.layers.KERNELS["w8a16"],
 # at 64: issue 52's int8 goal). Flip whichever wins. With minutes left:
 # BENCH_ARGS="--tune --contexts 256 --batches 64 256 --tune-contexts 256 --no-prefill" ...
 # bench (the decode kernel's knobs at short contexts: splits, 1-8 page blocks, one stage, the

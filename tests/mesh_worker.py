@@ -182,7 +182,7 @@ def routing() -> dict:
                      ("least_loaded", {"data_parallel_size": 2})):  # fmt: skip
         model, _ = models.load("tiny-llama")  # each engine its own (one device packs it)
         llm = pj.LLM(model, num_pages=64, page_size=PAGE, compilation_cache=False, **kw)
-        llm.router.enabled = name != "least_loaded"
+        llm.engine.router.enabled = name != "least_loaded"
         sent = []
         for r, sc in enumerate(llm.schedulers):
             sc.add = lambda g, add=sc.add, r=r, sent=sent: (sent.append(r), add(g))

@@ -12,7 +12,8 @@ from flax import nnx
 from paged_jax.batch import ScheduledSeq, build_batch
 from paged_jax.block_manager import BlockManager, HybridBlockManager
 from paged_jax.metadata import AttentionMetadata
-from paged_jax.models.llama import apply_rope, make_step, rope_inv_freq
+from paged_jax.models.layers import apply_rope, rope_inv_freq
+from paged_jax.models.llama import make_step
 
 
 def gqa_config(num_kv_heads: int):

@@ -218,12 +218,12 @@ def test_engine_benchmark_kernel_ways_reach_the_next_trace(monkeypatch):
     assert seen[-1] is default
     # --w8a16-kernel on/off: the model's platforms for the few-row product, restored after
     from benchmarks.bench_engine import _w8a16_kernel
-    from paged_jax.models import llama
+    from paged_jax.models.layers import KERNELS
 
     for way, inside in (("on", ("gpu",)), ("off", ()), ("default", ())):
         with _w8a16_kernel(way):
-            assert llama.W8A16_KERNEL_PLATFORMS == inside
-        assert llama.W8A16_KERNEL_PLATFORMS == ()
+            assert KERNELS["w8a16"].platforms == inside
+        assert KERNELS["w8a16"].platforms == ()
 
 
 def test_roofline_of_the_engine_workload():

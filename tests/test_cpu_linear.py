@@ -314,7 +314,7 @@ def test_f32_and_bf16_models_are_packed_with_their_own_weights():
 def test_packed_embedding_looks_up_the_same_rows():
     from flax import nnx
 
-    from paged_jax.models.llama import Embed
+    from paged_jax.models.layers import Embed
 
     emb = Embed(101, 8, rngs=nnx.Rngs(0))  # 101: a last, partial panel
     ids = jnp.asarray([[3, 0, 100], [48, 47, 1]], jnp.int32)  # any leading shape

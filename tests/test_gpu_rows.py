@@ -52,8 +52,8 @@ def test_rows_of_an_activation_times_up(act):
 
 @pytest.mark.parametrize("unit_offset", [False, True])
 def test_rows_of_an_rms_norm_s_output(unit_offset):
-    # models.llama.RMSNorm (Gemma's 1 + weight with unit_offset) then quantize_rows
-    from paged_jax.models.llama import RMSNorm
+    # models.layers.RMSNorm (Gemma's 1 + weight with unit_offset) then quantize_rows
+    from paged_jax.models.layers import RMSNorm
 
     rng = np.random.default_rng(6)
     h = jnp.asarray(rng.normal(size=(4, 256)).astype(np.float32) * 3, jnp.bfloat16)

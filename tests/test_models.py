@@ -17,7 +17,7 @@ from paged_cases import grid_case
 from paged_jax import linear as paged_linear
 from paged_jax.metadata import AttentionMetadata
 from paged_jax.models import TINY_LLAMA, LlamaConfig, RopeScaling, init_model
-from paged_jax.models.llama import Embed
+from paged_jax.models.layers import Embed
 
 PROMPTS = {"a": [256, 72, 105, 33], "b": list(range(60, 97)), "c": [256, 7]}
 
@@ -276,7 +276,7 @@ def _layer_weights(model, i: int) -> dict[tuple[str, ...], np.ndarray]:
     """Layer ``i``'s weights (``model.layer(i)``) by path, linear kernels ``[in, out]``
     however held, a fused projection's kernel and bias split into its parts' (named as
     before fusing)."""
-    from paged_jax.models.llama import FUSED
+    from paged_jax.models.layers import FUSED
 
     layer, out = model.layer(i), {}
     for p, var in nnx.to_flat_state(nnx.state(layer, nnx.Param)):

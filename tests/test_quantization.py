@@ -14,7 +14,7 @@ from paged_cases import grid_case
 import paged_jax as pj
 from paged_jax import linear, models
 from paged_jax.kernels import cpu
-from paged_jax.models.llama import Embed, Linear, fuse_linears
+from paged_jax.models.layers import KERNELS, Embed, Linear, fuse_linears
 from paged_jax.models.quantization import (
     FP8,
     dequantize_int4,
@@ -24,6 +24,12 @@ from paged_jax.models.quantization import (
     quantize_int8,
 )
 
+
+def _interpret_kernel(monkeypatch, product: str) -> None:
+    """``KERNELS[product]`` on for the CPU too (its kernel interpreted), for this test."""
+    monkeypatch.setitem(
+        KERNELS, product, dataclasses.replace(KERNELS[product], platforms=("gpu", "cpu"))
+    )
 
 def test_int8_error_is_within_half_a_scale():
     rng = np.random.default_rng(0)
@@ -571,7 +577,7 @@ def test_a_quantized_model_computes_what_its_dequantized_weights_do(cfg, held, f
 
 def test_fp8_activations_multiply_fp8_rows_by_the_fp8_weight_as_defined():
     from paged_jax._quant import quantize_rows
-    from paged_jax.models.llama import _linear
+    from paged_jax.models.layers import make_linear as _linear
 
     rng = np.random.default_rng(7)
     lin = _linear(48, 40, True, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
@@ -623,9 +629,9 @@ def test_fp8_activations_on_an_accelerator_s_layout_keep_the_logits_near():
 
 
 def test_a_held_model_keeps_its_fp8_choice_when_the_engine_holds_it_again(monkeypatch):
-    from paged_jax.models import llama
+    from paged_jax.models import placement
 
-    monkeypatch.setattr(llama, "fp8_units", lambda device=None: True)  # as on a Hopper GPU
+    monkeypatch.setattr(placement, "fp8_units", lambda device=None: True)  # as on a Hopper GPU
     for first, want in [(False, False), (True, True), (None, True)]:
         model = _pair(CFG, "fp8")[0].hold_for_accelerator(fp8_activations=first)
         model.hold_for_accelerator()  # what the engine calls
@@ -762,9 +768,8 @@ def test_grouped_products_on_a_gpu_take_the_kernel_that_reads_them_as_they_lie(f
     # shape no block fits (the head's 200 columns) stays with XLA.
     from paged_jax.kernels.gpu import matmul as gpu_matmul
     from paged_jax.metadata import AttentionMetadata
-    from paged_jax.models import llama
 
-    monkeypatch.setattr(llama, "GROUPED_KERNEL_PLATFORMS", ("gpu", "cpu"))
+    _interpret_kernel(monkeypatch, "grouped")
     monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")  # no packing for the C kernel
     calls = []
     name = "matmul_int4" if fmt == "int4" else "matmul_int8_groups"
@@ -807,10 +812,12 @@ def test_w8a16_products_through_the_few_row_kernel_stay_as_near_the_floats_as_xl
     # same greedy tokens.
     from paged_jax.kernels.gpu import matmul as gpu_matmul
     from paged_jax.metadata import AttentionMetadata
-    from paged_jax.models import llama
+    from paged_jax.models.layers import embed as layers_embed
+    from paged_jax.models.layers import linear as layers_linear
 
     monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")
-    monkeypatch.setattr(llama, "int8_group", lambda w, axis: None)  # a GPU's: per channel
+    for module in (layers_linear, layers_embed):  # a GPU's: per channel
+        monkeypatch.setattr(module, "int8_group", lambda w, axis: None)
     calls = []
     real = gpu_matmul.matmul
 
@@ -839,8 +846,8 @@ def test_w8a16_products_through_the_few_row_kernel_stay_as_near_the_floats_as_xl
 
     want = logits(reference)
     xla = logits(model)  # off by default, and "cpu" is not among the platforms
-    assert calls == [] and llama.W8A16_KERNEL_PLATFORMS == ()
-    monkeypatch.setattr(llama, "W8A16_KERNEL_PLATFORMS", ("gpu", "cpu"))
+    assert calls == [] and KERNELS["w8a16"].platforms == ()
+    _interpret_kernel(monkeypatch, "w8a16")
     got = logits(model)
     q8 = jnp.dtype(jnp.int8 if fmt == "int8" else jnp.float8_e4m3fn)
     # q/k/v, o, gate/up and down of each layer (not the head: 200 columns fit no block)
@@ -858,10 +865,12 @@ def test_the_engine_with_the_w8a16_kernel_gives_xla_s_tokens(monkeypatch):
     # with its W8A16 products through the few-row kernel (interpreted) as with XLA's dots,
     # and its log-probs within bf16's rounding.
     from paged_jax.kernels.gpu import matmul as gpu_matmul
-    from paged_jax.models import llama
+    from paged_jax.models.layers import embed as layers_embed
+    from paged_jax.models.layers import linear as layers_linear
 
     monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")
-    monkeypatch.setattr(llama, "int8_group", lambda w, axis: None)  # a GPU's: per channel
+    for module in (layers_linear, layers_embed):  # a GPU's: per channel
+        monkeypatch.setattr(module, "int8_group", lambda w, axis: None)
     calls = []
     real = gpu_matmul.matmul
     monkeypatch.setattr(gpu_matmul, "matmul", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -872,7 +881,7 @@ def test_the_engine_with_the_w8a16_kernel_gives_xla_s_tokens(monkeypatch):
     kw = dict(num_pages=64, page_size=8, compilation_cache=False)
     want = pj.LLM(model, **kw).generate(prompts, p, progress=False)
     assert calls == []
-    monkeypatch.setattr(llama, "W8A16_KERNEL_PLATFORMS", ("gpu", "cpu"))
+    _interpret_kernel(monkeypatch, "w8a16")
     jax.clear_caches()  # trace the steps again, with the kernel
     got = pj.LLM(model, **kw).generate(prompts, p, progress=False)
     assert len(calls) >= 4 * CFG.num_layers  # traced: the products took the kernel
@@ -888,7 +897,6 @@ def test_fp8_rows_of_qkv_o_and_down_take_one_kernel_each_on_a_gpu(monkeypatch):
     # norm and quantize_rows.
     from paged_jax.kernels.gpu import rows as gpu_rows
     from paged_jax.metadata import AttentionMetadata
-    from paged_jax.models import llama
 
     monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")
     calls = []
@@ -913,7 +921,7 @@ def test_fp8_rows_of_qkv_o_and_down_take_one_kernel_each_on_a_gpu(monkeypatch):
 
     want = logits()  # XLA's way: "cpu" is not among the kernel's platforms
     assert calls == []
-    monkeypatch.setattr(llama, "FP8_ROWS_KERNEL_PLATFORMS", ("gpu", "cpu"))
+    _interpret_kernel(monkeypatch, "fp8_rows")
     jax.clear_caches()
     got = logits()
     assert sorted(calls) == sorted(["norm", "plain", "silu"] * CFG.num_layers), calls

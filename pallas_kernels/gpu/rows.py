@@ -41,7 +41,7 @@ def _kernel(x_ref, w_ref, q_ref, s_ref, *, width, block, act, dtype, eps, unit_o
         g, up = load(x_ref, 0).astype(jnp.float32), load(x_ref, width).astype(jnp.float32)
         a = g * jax.nn.sigmoid(g) if act == "silu" else jax.nn.gelu(g, approximate=True)
         x = (a * up).astype(dtype).astype(jnp.float32)
-    if w_ref is not None:  # models.llama.RMSNorm: in f32, then the norm's dtype
+    if w_ref is not None:  # models.layers.RMSNorm: in f32, then the norm's dtype
         x = x * jax.lax.rsqrt(jnp.sum(x * x) / width + eps)
         w = load(w_ref, 0)
         x = ((1.0 + w if unit_offset else w) * x).astype(dtype).astype(jnp.float32)
@@ -69,7 +69,7 @@ def fp8_rows(
     as ``paged_jax._quant.quantize_rows(x, float8_e4m3fn)`` defines them; with ``act``
     (``"silu"`` or ``"gelu_tanh"``) of ``act(gate) * up`` for ``x = [gate | up]`` ``[M,
     2 W]``, computed in f32 and rounded once to ``x``'s dtype, as XLA fuses the MLP's.
-    With ``norm_weight`` (``[W]``) of ``models.llama.RMSNorm``'s output first (in f32: the
+    With ``norm_weight`` (``[W]``) of ``models.layers.RMSNorm``'s output first (in f32: the
     row over its root mean square plus ``eps``, times the weight, ``1 +`` it with
     ``unit_offset``, rounded to ``dtype``, the norm's). One program a row. Raises
     ``ValueError`` for an ``act`` it does not know, an odd width with one, or a norm
