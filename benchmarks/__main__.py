@@ -11,7 +11,7 @@ import importlib
 import sys
 
 from benchmarks.common import take_out_arg
-from paged_jax._cli_flags import BENCHMARKS
+from paged_jax.cli.flags import BENCHMARKS
 
 NAMES = BENCHMARKS  # (paged-jax bench takes the same names)
 

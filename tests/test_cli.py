@@ -91,7 +91,7 @@ def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_generate", interrupted)
+    monkeypatch.setattr(cli.generate, "generate", interrupted)
     assert cli.main(["generate", "--no-progress"]) == 130
     assert capsys.readouterr().err == "paged-jax: interrupted\n"
 
@@ -412,7 +412,7 @@ def test_every_flag_is_checked_before_the_model_loads(monkeypatch, capsys, argv,
     def no_load(*a, **kw):
         raise AssertionError("the model was loaded before the flags were checked")
 
-    monkeypatch.setattr(cli, "_load_model", no_load)
+    monkeypatch.setattr(cli.generate, "load_model", no_load)
     assert cli.main(["generate", "--no-progress", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"paged-jax: error: {message}"), err
@@ -488,7 +488,7 @@ def test_embed_prints_a_json_line_per_prompt(capsys):
 def test_the_missing_extra_hint_works_from_a_checkout():
     from paged_jax import cli
 
-    root = pathlib.Path(cli.__file__).resolve().parents[1]
+    root = pathlib.Path(cli.__file__).resolve().parents[2]
     assert (root / "pyproject.toml").is_file()  # the suite runs from a checkout
     assert cli._install_extra("serve") == f"{sys.executable} -m pip install -e '{root}[serve]'"
 
@@ -498,7 +498,7 @@ def test_serve_without_its_extra_says_so_before_loading_anything(monkeypatch, ca
     # ended "No module named 'uvicorn'"
     from paged_jax import cli, server
 
-    root = pathlib.Path(cli.__file__).resolve().parents[1]
+    root = pathlib.Path(cli.__file__).resolve().parents[2]
     text = (root / "pyproject.toml").read_text()  # (as text: tomllib is 3.11+)
     extra = re.findall(r'"([\w-]+)[<>=]', re.search(r"^serve = \[(.*?)\]", text, re.M).group(1))
     names = {req.replace("-", "_") for req in extra}
@@ -507,8 +507,10 @@ def test_serve_without_its_extra_says_so_before_loading_anything(monkeypatch, ca
     def never(*args, **kw):
         raise AssertionError("loaded or started before the extra was checked")
 
-    monkeypatch.setattr(cli, "_start_jax", never)
-    monkeypatch.setattr(cli, "_load_model", never)
+    from paged_jax.cli import serve
+
+    monkeypatch.setattr(serve, "start_jax", never)
+    monkeypatch.setattr(serve, "load_model", never)
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # an import of it fails
     assert cli.main(["serve", "--model", "tiny-llama"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -527,10 +529,10 @@ def test_one_variable_places_every_cache(monkeypatch, tmp_path):
     monkeypatch.delenv(compile_cache.CACHE_ENV, raising=False)
     assert registry.cache_dir() == tmp_path
     assert compile_cache.default_dir() == tmp_path / "xla"
-    assert cpu._cache_dir() == tmp_path / "kernels"
+    assert cpu.cache_dir() == tmp_path / "kernels"
     monkeypatch.delenv("PAGED_JAX_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert cpu._cache_dir() == tmp_path / "xdg" / "paged-jax" / "kernels"
+    assert cpu.cache_dir() == tmp_path / "xdg" / "paged-jax" / "kernels"
 
 
 def test_ctrl_c_while_the_parser_is_built_is_one_line(monkeypatch, capsys):
@@ -575,3 +577,17 @@ def test_kv_cache_dtype_picks_the_pools_dtype(monkeypatch, capsys):
     with pytest.raises(SystemExit):  # argparse: not among the choices
         cli.main([*argv, "--kv-cache-dtype", "int4"])
     assert "invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_bench_runs_a_checkout_s_benchmark_as_its_own_process(tmp_path):
+    # The console script imports nothing of benchmarks/ (not installed): it runs
+    # `python -m benchmarks NAME` of the checkout it comes from, in this directory.
+    proc = subprocess.run(
+        [*CLI, "bench", "block_manager", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Block manager host overhead" in proc.stdout

@@ -367,7 +367,7 @@ def test_boundary_errors():
 
 def test_unavailable_kernel_leaves_auto_on_xla(monkeypatch):
     monkeypatch.delenv("PAGED_JAX_BACKEND", raising=False)
-    monkeypatch.setattr(cpu, "_state", {"ok": False, "why": "no C compiler", "lib": None})
+    monkeypatch.setattr(cpu.build, "_state", {"ok": False, "why": "no C compiler", "lib": None})
     assert pj.available_backends("cpu") == ("xla",)
     assert attention._auto("cpu") == "xla"
     case = make_case(7, [(1, 9)], pad_seqs=0, pad_tokens=0)
@@ -385,7 +385,7 @@ def test_failed_build_is_reported(monkeypatch, tmp_path):
     bad.chmod(0o755)
     monkeypatch.setenv("CC", str(bad))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    lib, why = cpu._build()
+    lib, why = cpu.build.build_library()
     assert lib is None and "broken toolchain" in why
 
 

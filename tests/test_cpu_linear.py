@@ -191,7 +191,7 @@ def test_bf16_weights_multiply_rows_rounded_to_bf16(layers, k, n, rows):
 
 
 def test_without_the_kernels_the_model_keeps_xla_products(monkeypatch):
-    monkeypatch.setattr(cpu, "_state", {"ok": False, "why": "no C compiler", "lib": None})
+    monkeypatch.setattr(cpu.build, "_state", {"ok": False, "why": "no C compiler", "lib": None})
     assert not linear.available()
     with pytest.raises(ValueError, match="not available: no C compiler"):
         linear.pack(jnp.zeros((2, 3)))
