@@ -285,9 +285,9 @@ def test_the_engine_on_an_accelerator_s_layout_gives_each_row_its_own(slots, mon
     # projections: the bank in pairs a fused projection, B block-diagonal), on CPU:
     # adapters swapped into the slots by the engine give peft's tokens, mixed with the
     # base model in one batch.
-    from paged_jax.engine import runner
+    from paged_jax.engine import devices
 
-    monkeypatch.setattr(runner, "_on_cpu", lambda model: False)
+    monkeypatch.setattr(devices, "_on_cpu", lambda model: False)
     llm = pj.LLM(_base(), max_loras=slots, max_lora_rank=8, num_pages=64, page_size=8,
                  compilation_cache=False)  # fmt: skip
     assert llm.runner.model.unrolled and llm.runner.model.lora.per_layer  # slots per layer

@@ -513,7 +513,7 @@ def test_engine_off_the_cpu_holds_its_weights_per_layer_and_unrolls(monkeypatch)
     # What LLM does with a model on a GPU or TPU, here on CPU (the engine is told the
     # weights are elsewhere): hold_for_accelerator, and the same tokens as the CPU layout.
     from paged_jax.engine import LLM, SamplingParams
-    from paged_jax.engine import runner as llm_module
+    from paged_jax.engine import devices as llm_module
 
     cfg = dataclasses.replace(TINY_LLAMA, tie_word_embeddings=True)
     prompts = [PROMPTS["a"], PROMPTS["b"], PROMPTS["c"]]

@@ -68,10 +68,10 @@ def test_swap_copies_round_trip_through_the_host():
 
 
 def test_the_pool_is_checked_against_the_memory_at_hand(monkeypatch):
-    from paged_jax.engine import runner as runner_mod
+    from paged_jax.engine import devices
 
     model, _ = models.load("tiny-llama")
-    monkeypatch.setattr(runner_mod, "_free_memory", lambda: (2**20, "this machine"))
+    monkeypatch.setattr(devices, "_free_memory", lambda: (2**20, "this machine"))
     with pytest.raises(
         ValueError,
         match=r"num_pages: 4096 pages of 8 tokens need .* this machine has 0\.00 GiB free",

@@ -607,7 +607,7 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(capsys, monkeypatch):
     def no_load(*a, **kw):
         raise AssertionError("the model was loaded before the port was checked")
 
-    monkeypatch.setattr(cli, "_load_model", no_load)
+    monkeypatch.setattr(cli.serve, "load_model", no_load)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -220,7 +220,7 @@ def test_bf16_checkpoint_runs_in_f32_on_a_cpu_without_bf16(tmp_path, monkeypatch
 
 
 def test_default_kv_pool_on_cpu_follows_available_memory(monkeypatch):
-    from paged_jax.engine import runner as llm_mod
+    from paged_jax.engine import devices as llm_mod
 
     GiB = 2**30
     monkeypatch.setattr(llm_mod, "_free_memory", lambda: (8 * GiB, "this machine"))

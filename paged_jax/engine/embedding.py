@@ -24,7 +24,7 @@ import numpy as np
 
 from paged_jax.batch import ScheduledSeq, bucket, build_batch
 from paged_jax.block_manager import BlockManager, HybridBlockManager
-from paged_jax.engine.runner import mesh_context
+from paged_jax.engine.devices import mesh_context
 from paged_jax.engine.sampling import SamplingParams
 from paged_jax.metadata import AttentionMetadata
 

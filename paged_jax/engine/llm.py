@@ -23,6 +23,7 @@ import jax
 from paged_jax.chat import render_conversations
 from paged_jax.engine import compile_cache, warmup
 from paged_jax.engine.core import EngineCore
+from paged_jax.engine.devices import resolve_mesh
 from paged_jax.engine.embedding import EmbeddingOutput, embed
 from paged_jax.engine.faults import (
     MAX_CONSECUTIVE_FAILED_STEPS,
@@ -38,7 +39,7 @@ from paged_jax.engine.outputs import (
     StepResult,
     StreamOutput,
 )
-from paged_jax.engine.runner import ModelRunner, resolve_mesh
+from paged_jax.engine.runner import ModelRunner
 from paged_jax.engine.sampling import SamplingParams
 from paged_jax.engine.shapes import StepShape
 from paged_jax.engine.speculative import SpeculativeConfig

@@ -10,7 +10,6 @@ the block managers and gets the step's outputs back, still on the device.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -22,395 +21,47 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from paged_jax.batch import bucket, concat_batches, null_batch
-from paged_jax.engine.multistep import decode_loop
-from paged_jax.engine.protocol import check_model, check_step_output
-from paged_jax.engine.sampling import SORT_FREE_BACKENDS, beam_candidates, prompt_scores
+from paged_jax.engine.devices import (  # noqa: F401 (resolve_mesh: the engine's callers read it here)
+    _on_mesh,
+    hold_for_device,
+    mesh_context,
+    pool_pages,
+    resolve_mesh,
+    where_allocated,
+)
+from paged_jax.engine.protocol import check_model
+from paged_jax.engine.sampling import SORT_FREE_BACKENDS
+from paged_jax.engine.step_fn import (  # noqa: F401 (STEP_STATIC_ARGS, SMALL_STEP_TOKENS: read here)
+    SMALL_STEP_TOKENS,
+    STEP_STATIC_ARGS,
+    _describe,
+    _make_run,
+    _merge_tokens,
+    _read_pages,
+    _read_scales,
+    _small_step_options,
+    _Step,
+    _variant,
+    _write_pages,
+)
 from paged_jax.engine.step_io import (  # noqa: F401 (_SAMPLING: tests read it here)
-    _MD_ARRAYS,
     _SAMPLING,
     DeferredSample,
-    _cpu_kernel,
     _make_sample,
     _pack_inputs,
     _padded,
-    _replicator,
-    _row_sampler,
     _unpack_inputs,
 )
-from paged_jax.engine.step_types import (
-    Dispatched,
-    SamplingColumns,
-    StepInputs,
-    StepOutputs,
-)
-from paged_jax.metadata import AttentionMetadata, decode_only
-from paged_jax.sharding import (
-    DATA_AXIS,
-    TENSOR_AXIS,
-    create_cache,
-    kv_head_replicas,
-    parallel_mesh,
-    per_replica,
-)
+from paged_jax.engine.step_types import Dispatched, SamplingColumns, StepInputs, StepOutputs
+from paged_jax.metadata import decode_only
+from paged_jax.sharding import create_cache, kv_head_replicas
 from paged_jax.sharding import data_parallel_size as data_parallel_size_of
 from paged_jax.sharding import tensor_parallel_size as tensor_parallel_size_of
 
 log = logging.getLogger("paged_jax")
-
-
-def _auto_axes(mesh: Mesh) -> Mesh:
-    """``mesh`` with every axis of type ``Auto`` (the same devices and names): the
-    engine's steps leave shardings to XLA's propagation, which an ``Explicit`` axis (what
-    ``jax.make_mesh`` gives by default) refuses for the embedding's gather, so every
-    request failed at its first step."""
-    types = getattr(mesh, "axis_types", None)
-    auto = jax.sharding.AxisType.Auto
-    if types is None or all(t == auto for t in types):
-        return mesh
-    return Mesh(mesh.devices, mesh.axis_names, axis_types=(auto,) * len(mesh.axis_names))
-
-
-def resolve_mesh(tensor_parallel_size: Any, data_parallel_size: Any, mesh: Any) -> Mesh | None:
-    """The engine's mesh from its arguments (None: one device), checked."""
-    sizes = {TENSOR_AXIS: tensor_parallel_size, DATA_AXIS: data_parallel_size}
-    names = {TENSOR_AXIS: "tensor_parallel_size", DATA_AXIS: "data_parallel_size"}
-    if mesh is not None:
-        if not isinstance(mesh, Mesh):
-            raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
-        if not set(sizes) & set(mesh.axis_names):
-            raise ValueError(
-                f"mesh: expected an axis named {TENSOR_AXIS!r} or {DATA_AXIS!r}, got "
-                f"{mesh.axis_names}"
-            )
-        others = {a: n for a, n in mesh.shape.items() if a not in sizes and n != 1}
-        if others:
-            raise ValueError(
-                f"mesh: axes other than {TENSOR_AXIS!r} and {DATA_AXIS!r} must have size 1, "
-                f"got {others}"
-            )
-        for axis, size in sizes.items():
-            if size not in (None, mesh.shape.get(axis, 1)):
-                raise ValueError(
-                    f"{names[axis]}: {size!r} differs from the mesh's {axis!r} axis, "
-                    f"{mesh.shape.get(axis, 1)}"
-                )
-        mesh = _auto_axes(mesh)
-    elif tensor_parallel_size is None and data_parallel_size is None:
-        return None
-    else:
-        tp = 1 if tensor_parallel_size is None else tensor_parallel_size
-        dp = 1 if data_parallel_size is None else data_parallel_size
-        mesh = parallel_mesh(tp, dp)  # checks the numbers
-        if tp * dp == 1:
-            return None
-    processes = {d.process_index for d in mesh.devices.flat}
-    if len(processes) < jax.process_count():
-        raise ValueError(
-            f"mesh: it spans the devices of {len(processes)} of the {jax.process_count()} "
-            f"processes; every process must own some of its devices"
-        )
-    return mesh
-
-
-def _on_cpu(model: Any) -> bool:
-    """Whether every array of ``model`` lives on CPU devices."""
-    from flax import nnx
-
-    arrays = jax.tree.leaves(nnx.state(model))
-    return bool(arrays) and all(
-        all(d.platform == "cpu" for d in getattr(a, "devices", lambda: ())()) for a in arrays
-    )
-
-
-def hold_for_device(model: Any) -> Any:
-    """``model`` (one device's, off a mesh) with its weights held the way its device
-    reads them fastest, as the engine holds the model it is given: ``hold_for_cpu`` on a
-    CPU (packed for the C kernels where they built, else XLA:CPU's fastest layouts),
-    ``hold_for_accelerator`` elsewhere (each weight read where it lies, once per step, no
-    copies out of a stack); a model with neither as it is."""
-    if _on_cpu(model):
-        return model.hold_for_cpu() if hasattr(model, "hold_for_cpu") else model
-    return model.hold_for_accelerator() if hasattr(model, "hold_for_accelerator") else model
-
-
-def _on_mesh(model: Any, mesh: Mesh) -> bool:
-    """Whether every array of ``model`` already lives on ``mesh``."""
-    from flax import nnx
-
-    arrays = jax.tree.leaves(nnx.state(model))
-    return all(
-        isinstance(getattr(a, "sharding", None), NamedSharding) and a.sharding.mesh == mesh
-        for a in arrays
-    )
-
-
-def mesh_context(mesh: Mesh | None):
-    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
-
-
-def _free_memory() -> tuple[int | None, str]:
-    """Bytes this process's first device can still allocate (None if unknown), and its
-    name."""
-    dev = jax.local_devices()[0]
-    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
-    if stats and "bytes_limit" in stats:
-        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), dev.device_kind
-    try:  # CPU: the host's available memory (Linux)
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "this machine"
-    except OSError:
-        pass
-    return None, "this machine"
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
-CPU_KV_CACHE_MAX_BYTES = 4 * 2**30
-
-
-def _default_budget(most_useful: int) -> int:
-    """Bytes of KV cache when none is asked for: at most ``most_useful`` (every sequence
-    of a full batch at the model's longest context), and on an accelerator half its free
-    memory; on CPU a quarter of the machine's available memory, at most 4 GiB
-    (``CPU_KV_CACHE_MAX_BYTES``; vLLM's CPU engine also defaults to 4 GiB), 256 MiB if
-    the available memory is unknown."""
-    free, _ = _free_memory()
-    if jax.default_backend() != "cpu":
-        cap = int(0.5 * free) if free is not None else 256 * 2**20
-    elif free is not None:
-        cap = min(CPU_KV_CACHE_MAX_BYTES, free // 4)
-    else:
-        cap = 256 * 2**20
-    return min(cap, most_useful)
-
-
-def _variant(batch, flags: dict, penalties, adapters, allowed, cand_allowed, scored) -> tuple:
-    """What keys a compiled step apart from the other programs of its shape, in words:
-    its rows (decode only, or prefill and decode: the attention path differs), its
-    sampler (greedy only, batch-invariant) and the optional inputs ``ModelRunner.launch``
-    got (None: absent)."""
-    out = ["decode rows only" if flags["decode_only"] else "prefill and decode rows"]
-    if flags["greedy_only"]:
-        out.append("greedy rows only")
-    if flags["batch_invariant"]:
-        out.append("batch-invariant")
-    names = ("penalties", "adapter rows", "token masks", "candidate masks", "prompt log-probs")
-    extras = (penalties, adapters, allowed, cand_allowed, scored)
-    out += [name for name, x in zip(names, extras, strict=True) if x is not None]
-    if flags.get("logits_only"):
-        out.append("logits only")
-    rows, seqs = batch.logits_indices.shape[0], batch.kv_lens.shape[0]
-    if rows != seqs:  # a verify step: a row for each token too
-        out.append(f"speculative verify, {rows} sampled rows")
-    return tuple(out)
-
-
-def _describe(b: dict) -> str:
-    return (
-        f"{b['tokens']} tokens, {b['seqs']} sequences, "
-        f"{b['pages_per_seq']} pages per sequence, {b['copies']} page copies"
-        + (f", {b['beam_candidates']} beam candidates" if b["beam_candidates"] else "")
-        + (f", {b['steps']} decode steps" if b.get("steps", 1) > 1 else "")
-        + "".join(f", {v}" for v in b.get("variant", ()))
-    )
-
-
-# Steps of at most this many tokens (a bucket) compile with _small_step_options on CPU.
-
-SMALL_STEP_TOKENS = 16
-_SMALL_STEP_OPTIONS = (
-    ("xla_cpu_use_xnnpack", False),
-    ("xla_cpu_experimental_ynn_fusion_type", ""),
-)
-
-
-@functools.lru_cache(maxsize=1)
-def _small_step_options() -> tuple | None:
-    """XLA options for small steps on CPU, or None (another backend, or a jaxlib that
-    does not know them). With YNNPACK's fusions off, XLA:CPU emits its own dots, which
-    at a few rows read the weights faster: SmolLM2-135M f32 on a 2-core AVX2 CPU,
-    decode of 4 sequences, 113-122 ms a step instead of 137-147 ms, 4 x 128 greedy
-    tokens at 34.5 instead of 25.5 tokens/s with the same tokens; at 32 sequences and
-    in prefill the default is as fast or faster (measured 2026-11-23)."""
-    if jax.default_backend() != "cpu":
-        return None
-    try:
-        jax.jit(lambda x: x + 1, compiler_options=dict(_SMALL_STEP_OPTIONS))(np.float32(0))
-    except Exception:  # an XLA without these flags: the default path for every step
-        log.info("XLA does not take the small-step CPU options; steps use the default")
-        return None
-    return _SMALL_STEP_OPTIONS
-
-
-class _Step:
-    """The engine's step: ``default`` (a ``_make_run`` function), or ``small`` (the same
-    step compiled with the small-step options) for steps of at most
-    ``SMALL_STEP_TOKENS`` tokens (``tokens``, the second argument, is ``i32[T]``)."""
-
-    def __init__(self, default, small=None):
-        self.default, self.small = default, small
-
-    def _pick(self, args):
-        if self.small is not None and args[1].shape[0] <= SMALL_STEP_TOKENS:
-            return self.small
-        return self.default
-
-    def __call__(self, *args, **kw):
-        return self._pick(args)(*args, **kw)
-
-    def lower(self, *args, **kw):
-        return self._pick(args).lower(*args, **kw)
-
-    def _cache_size(self) -> int:
-        """Shape buckets compiled so far, both functions together."""
-        return self.default._cache_size() + (0 if self.small is None else self.small._cache_size())
-
-
-# The step's static keyword arguments (the jit cache key, with the arrays' shapes).
-STEP_STATIC_ARGS = (
-    "layout",
-    "decode_only",
-    "batch_invariant",
-    "num_candidates",
-    "greedy_only",
-    "num_steps",
-    "logits_only",
-    "score_top",
-)
-
-
-@functools.lru_cache(maxsize=8)
-def _make_run(
-    graphdef, state_def, mesh, compiler_options: tuple | None = None, sort_free: bool | str = False
-):
-    """The engine's jitted step for one model structure (``graphdef``; its weights, the
-    step's first argument, a tuple of arrays ``state_def`` unflattens into its
-    ``nnx.State``) on one mesh (or None), compiled with ``compiler_options`` (XLA option
-    name-value pairs; None: the defaults), drawing restricted rows by ``sort_free``
-    (``sample_rows``; the engine passes ``SORT_FREE_BACKENDS``' entry). Cached,
-    so engines of the same model (and config) in one process share compiled shape
-    buckets. On a mesh, the step's outputs other than the cache are replicated (every
-    process reads them whole)."""
-    from flax import nnx
-
-    replicated = _replicator(mesh)
-    cpu_kernel = _cpu_kernel(mesh)
-
-    @functools.partial(
-        jax.jit,
-        donate_argnums=(3,),
-        static_argnames=STEP_STATIC_ARGS,
-        compiler_options=None if compiler_options is None else dict(compiler_options),
-    )
-    def run(
-        weights,
-        tokens,
-        inputs,
-        cache,
-        penalties,
-        allowed=None,
-        adapters=None,
-        cand_allowed=None,
-        scored=None,
-        *,
-        layout,
-        decode_only,
-        batch_invariant,
-        num_candidates,
-        greedy_only,
-        num_steps=1,
-        logits_only=False,
-        score_top=0,
-    ):
-        x = _unpack_inputs(inputs, layout)
-        positions, out_pos, steps = x["positions"], x["out_pos"], x.get("steps")
-        md = AttentionMetadata(
-            **{k: x[k] for k in _MD_ARRAYS},
-            decode_only=decode_only,
-            batch_invariant=batch_invariant,
-        )
-        model = nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
-        vocab_size = model.config.vocab_size
-        if mesh is not None and data_parallel_size_of(mesh) > 1:  # each replica its rows
-            rows = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
-            tokens = jax.lax.with_sharding_constraint(tokens, rows)
-            positions = jax.lax.with_sharding_constraint(positions, rows)
-        cache = per_replica(lambda c, s, d: c.copy_pages(s, d), cache, md.copy_src, md.copy_dst)
-
-        sample = _row_sampler(
-            x,
-            penalties,
-            allowed,
-            invariant=md.batch_invariant,
-            greedy_only=greedy_only,
-            cpu_kernel=cpu_kernel,
-            sort_free=sort_free,
-        )
-
-        if num_steps > 1:  # multi-step decoding: tokens [S, num_steps]
-            toks, lps, cache = decode_loop(
-                model, sample, tokens, positions, cache, md, steps, out_pos, num_steps
-            )
-            # Each row's last sample as a token row of the same shape as `tokens`: the
-            # input of the launch that goes on from this one with the same rows.
-            T, S_b = tokens.shape[0], toks.shape[0]
-            k = jnp.zeros(T, jnp.int32).at[: min(T, S_b)].set(steps[: min(T, S_b)])
-            row = jnp.minimum(jnp.arange(T), S_b - 1)
-            last = jnp.where(k > 0, toks[row, jnp.maximum(k - 1, 0)], 0).astype(tokens.dtype)
-            return StepOutputs.of_steps(toks, lps, last).map(replicated), cache
-        extra = {} if adapters is None else {"adapter_ids": adapters}
-        R = md.logits_indices.shape[0]  # the sampling rows
-        if scored is not None:  # prompt positions' rows after them (prompt_logprobs)
-            md = dataclasses.replace(
-                md, logits_indices=jnp.concatenate([md.logits_indices, scored[0]])
-            )
-        logits, cache = check_step_output(
-            model(tokens, positions, cache, md, **extra), md.logits_indices.shape[0], vocab_size
-        )
-        out = StepOutputs()
-        if scored is not None:
-            out.scores = prompt_scores(logits[R:], scored[1], score_top, cpu_kernel=cpu_kernel)
-            logits = logits[:R]
-        if logits_only:  # sampled by _make_sample's function once the masks are known
-            out.logits = logits
-            return out.map(replicated), cache
-        out.tokens, out.logprobs = sample(logits, out_pos)
-        if num_candidates:
-            out.cand_logprobs, out.cand_ids = beam_candidates(logits, num_candidates, cand_allowed)
-        return out.map(replicated), cache
-
-    return run
-
-
-@jax.jit
-def _merge_tokens(prev_tokens, src, col, tokens):
-    """``i32[T]``: ``tokens``, with token t taken from ``prev_tokens[src[t], col[t]]``
-    (the running launch's samples, ``i32[S, J]``) where ``src[t] >= 0``."""
-    return jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0), col], tokens)
-
-
-# Swap copies, each replica's pages in its own pool (``per_replica``; as they are without
-# a data-parallel mesh).
-@jax.jit
-def _read_pages(cache, pages):
-    return per_replica(lambda c, p: c.read_pages(p), cache, pages)
-
-
-@jax.jit
-def _read_scales(cache, pages):
-    return per_replica(lambda c, p: c.read_page_scales(p), cache, pages)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_pages(cache, pages, data, scales):
-    return per_replica(lambda c, *a: c.write_pages(*a), cache, pages, data, scales)
 
 
 class ModelRunner:
@@ -513,50 +164,28 @@ class ModelRunner:
         self.hybrid_kv_cache = probe.layer_groups is not None
         self.num_groups = probe.num_groups if self.hybrid_kv_cache else None
         self.group_windows = probe.layer_groups[0] if self.hybrid_kv_cache else None
-        # Bytes of a token across the mesh (KV heads repeated when tp exceeds them), and
-        # the devices whose memory holds the pool (fake CPU devices share the host's).
+        # Bytes of a token across the mesh (KV heads repeated when tp exceeds them)
         token_bytes = probe.bytes_per_token * kv_head_replicas(probe.num_kv_heads, tp)
-        spread = tp * dp if jax.default_backend() != "cpu" else 1
-        if num_pages is None:
-            per_page = page_size * token_bytes
-            pages_per_seq = probe.num_groups * -(-self.max_model_len // page_size)
-            most_useful = dp * (max_num_seqs * pages_per_seq + 1) * per_page
-            budget = kv_cache_bytes or spread * _default_budget(most_useful // spread)
-            num_pages = max(2, budget // per_page // dp) * dp
-            if jax.process_count() > 1:  # free memory differs: every process takes 0's
-                from jax.experimental import multihost_utils
-
-                num_pages = int(multihost_utils.broadcast_one_to_all(np.int64(num_pages)))
-        elif (
-            isinstance(num_pages, bool)
-            or not isinstance(num_pages, int)
-            or num_pages < 2 * dp
-            or num_pages % dp
-        ):
-            each = (
-                f", a multiple of data_parallel_size={dp} (each replica's pool has its own)"
-                if dp > 1
-                else ""
-            )
-            raise ValueError(
-                f"num_pages: expected an int >= {2 * dp} (page 0 is null){each}, got {num_pages!r}"
-            )
-        self.num_pages = num_pages
-        need = num_pages * page_size * token_bytes // spread
-        free, where = _free_memory()
-        if free is not None and need > free:
-            raise ValueError(
-                f"num_pages: {num_pages} pages of {page_size} tokens need {_gib(need)} of KV "
-                f"cache, {where} has {_gib(free)} free; lower num_pages or kv_cache_bytes"
-            )
+        self.num_pages, need = pool_pages(
+            num_pages,
+            kv_cache_bytes,
+            page_size=page_size,
+            token_bytes=token_bytes,
+            pages_per_seq=probe.num_groups * -(-self.max_model_len // page_size),
+            max_num_seqs=max_num_seqs,
+            tp=tp,
+            dp=dp,
+        )
+        num_pages = self.num_pages
         try:
             self.cache = self.make_cache(num_pages)
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             raise ValueError(
-                f"num_pages: {num_pages} pages of {page_size} tokens need {_gib(need)} of KV "
-                f"cache, more than {where} could allocate; lower num_pages or kv_cache_bytes"
+                f"num_pages: {num_pages} pages of {page_size} tokens need {need / 2**30:.2f} "
+                f"GiB of KV cache, more than {where_allocated()} could allocate; lower "
+                "num_pages or kv_cache_bytes"
             ) from None
         self.compiled_buckets: list[dict] = []  # shape buckets this engine compiled
         self._shapes_seen: set[tuple] = set()  # step shapes this engine has run

@@ -36,7 +36,7 @@ import numpy as np
 
 from paged_jax.batch import ScheduledSeq, bucket, build_batch, null_batch
 from paged_jax.block_manager import BlockManager, OutOfPages
-from paged_jax.engine.runner import mesh_context
+from paged_jax.engine.devices import mesh_context
 from paged_jax.engine.shapes import StepShape, step_shapes
 from paged_jax.engine.speculative.proposers import DraftRequest
 from paged_jax.metadata import AttentionMetadata
