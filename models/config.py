@@ -238,72 +238,10 @@ class LlamaConfig:
 
     @classmethod
     def _from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
-        archs = hf.get("architectures") or []
-        arch = (
-            archs[0]
-            if archs
-            else {
-                "llama": "LlamaForCausalLM",
-                "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM",
-                "mistral": "MistralForCausalLM",
-                "gemma2": "Gemma2ForCausalLM",
-                "gemma3_text": "Gemma3ForCausalLM",
-            }.get(hf.get("model_type"))
-        )
-        if arch not in SUPPORTED_ARCHITECTURES:
-            hint = (
-                " (Gemma 3's multimodal checkpoints are not: only text-only "
-                "Gemma3ForCausalLM ones, such as gemma-3-1b and gemma-3-270m)"
-                if arch == "Gemma3ForConditionalGeneration"
-                else ""
-            )
-            raise ValueError(
-                f"architectures: {archs or hf.get('model_type')!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}{hint}"
-            )
+        arch = _hf_architecture(hf)
         gemma = arch in _GEMMA
-        params = dict(hf.get("rope_parameters") or {})
-        legacy = dict(hf.get("rope_scaling") or {})
-        local_theta = None
-        if set(params) & set(LAYER_TYPES):  # per layer type (transformers 5, Gemma 3)
-            full, local = params.get("full_attention") or {}, params.get("sliding_attention")
-            theta, scaling = _rope({**legacy, **full}, hf.get("rope_theta", 1_000_000.0))
-            if local is not None:
-                local_theta, local_scaling = _rope(local, hf.get("rope_local_base_freq", 1e4))
-                if local_scaling is not None:
-                    raise ValueError(
-                        "rope_parameters.sliding_attention: only the default RoPE is supported "
-                        "on sliding layers"
-                    )
-        else:
-            default = 1_000_000.0 if arch == "Gemma3ForCausalLM" else 10000.0
-            theta, scaling = _rope({**legacy, **params}, hf.get("rope_theta", default))
-            if arch == "Gemma3ForCausalLM":
-                local_theta = _number({"rope_local_base_freq": 1e4, **hf}, "rope_local_base_freq")
-
-        window, layer_types = None, None
-        if arch == "MistralForCausalLM":
-            window = hf.get("sliding_window")
-        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
-            types = hf.get("layer_types") or []
-            if any(t != "sliding_attention" for t in types):
-                raise ValueError(
-                    "layer_types: a mix of sliding and full attention layers is not supported "
-                    "for Qwen models"
-                )
-            window = hf.get("sliding_window")
-        elif gemma:
-            if hf.get("use_bidirectional_attention"):
-                raise ValueError("use_bidirectional_attention: only causal Gemma is supported")
-            window = hf.get("sliding_window", 4096)
-            layer_types = hf.get("layer_types")
-            if layer_types is None:  # transformers' default pattern
-                every = 2 if arch == "Gemma2ForCausalLM" else hf.get("sliding_window_pattern", 6)
-                layer_types = [
-                    "sliding_attention" if (i + 1) % every else "full_attention"
-                    for i in range(hf["num_hidden_layers"])
-                ]
+        theta, scaling, local_theta = _hf_rope(hf, arch)
+        window, layer_types = _hf_windows(hf, arch)
         if arch == "Qwen2ForCausalLM":
             qkv_bias, o_bias = True, False
         else:  # Llama, Mistral, Qwen3, Gemma: q/k/v/o biases together, off by default
@@ -360,6 +298,87 @@ class LlamaConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
         )
+
+
+def _hf_architecture(hf: dict) -> str:
+    """A Hugging Face config's architecture (its ``architectures``, else its
+    ``model_type``'s), one this package supports."""
+    archs = hf.get("architectures") or []
+    arch = (
+        archs[0]
+        if archs
+        else {
+            "llama": "LlamaForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "gemma2": "Gemma2ForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM",
+        }.get(hf.get("model_type"))
+    )
+    if arch not in SUPPORTED_ARCHITECTURES:
+        hint = (
+            " (Gemma 3's multimodal checkpoints are not: only text-only "
+            "Gemma3ForCausalLM ones, such as gemma-3-1b and gemma-3-270m)"
+            if arch == "Gemma3ForConditionalGeneration"
+            else ""
+        )
+        raise ValueError(
+            f"architectures: {archs or hf.get('model_type')!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}{hint}"
+        )
+    return arch
+
+
+def _hf_rope(hf: dict, arch: str) -> tuple:
+    """``(theta, scaling, the sliding layers' theta or None)`` of a Hugging Face config:
+    its ``rope_parameters`` (per layer type in transformers 5) or legacy fields."""
+    params = dict(hf.get("rope_parameters") or {})
+    legacy = dict(hf.get("rope_scaling") or {})
+    local_theta = None
+    if set(params) & set(LAYER_TYPES):  # per layer type (transformers 5, Gemma 3)
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention")
+        theta, scaling = _rope({**legacy, **full}, hf.get("rope_theta", 1_000_000.0))
+        if local is not None:
+            local_theta, local_scaling = _rope(local, hf.get("rope_local_base_freq", 1e4))
+            if local_scaling is not None:
+                raise ValueError(
+                    "rope_parameters.sliding_attention: only the default RoPE is supported "
+                    "on sliding layers"
+                )
+    else:
+        default = 1_000_000.0 if arch == "Gemma3ForCausalLM" else 10000.0
+        theta, scaling = _rope({**legacy, **params}, hf.get("rope_theta", default))
+        if arch == "Gemma3ForCausalLM":
+            local_theta = _number({"rope_local_base_freq": 1e4, **hf}, "rope_local_base_freq")
+    return theta, scaling, local_theta
+
+
+def _hf_windows(hf: dict, arch: str) -> tuple:
+    """``(sliding window or None, layer types or None)`` of a Hugging Face config."""
+    window, layer_types = None, None
+    if arch == "MistralForCausalLM":
+        window = hf.get("sliding_window")
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
+        types = hf.get("layer_types") or []
+        if any(t != "sliding_attention" for t in types):
+            raise ValueError(
+                "layer_types: a mix of sliding and full attention layers is not supported "
+                "for Qwen models"
+            )
+        window = hf.get("sliding_window")
+    elif arch in _GEMMA:
+        if hf.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention: only causal Gemma is supported")
+        window = hf.get("sliding_window", 4096)
+        layer_types = hf.get("layer_types")
+        if layer_types is None:  # transformers' default pattern
+            every = 2 if arch == "Gemma2ForCausalLM" else hf.get("sliding_window_pattern", 6)
+            layer_types = [
+                "sliding_attention" if (i + 1) % every else "full_attention"
+                for i in range(hf["num_hidden_layers"])
+            ]
+    return window, layer_types
 
 
 def _rope(src: dict, default_theta: float) -> tuple[float, Any]:

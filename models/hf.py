@@ -263,14 +263,7 @@ def build_model(
         lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype)
     )
     graphdef, abstract_state = nnx.split(abstract)
-    sharding = None if mesh is None else sharder(cfg, mesh)
-    filled, used = [], set()
-    blocks = int4_blocks if int4_blocks is not None else {}
-    int4 = {}  # module path: (scale, zero), set after the merge
-    fmt8, eight = quantized8 if quantized8 is not None else (None, {})
-    held8 = {}  # module path: [scale] or [scale, minimums], set after the merge
-    rot8 = set()  # module paths of held8's whose weights are rotated
-    mixed = {}  # module path: [scale, minimums] of int8 groups made of mixed formats
+    b = _Builder(cfg, tensors, source, param_dtype, mesh, int4_blocks, quantized8, rotated8)
     for p, var in nnx.to_flat_state(abstract_state):
         expected = tuple(var.get_value().shape)
         stacked = str(p[0]) == "layers"  # [L, ...]: one tensor per layer in the checkpoint
@@ -279,82 +272,112 @@ def build_model(
         else:
             names = [_hf_name(p)]
         want = expected[1:] if stacked else expected
-        if names[0][0] in blocks and all(n in blocks for n, _ in names) and mesh is None:
-            used.update(n for n, _ in names)
-            packed, scale, zero = _gather(
-                names,
-                lambda n, t, want=want: _int4_layout(blocks.pop(n), t, want, source, n),
-                stacked,
-            )
-            int4[p[:-1]] = (scale, zero)
-            filled.append((p, var.replace(jax.device_put(packed))))
-            continue
-        if (
+        for take in (b.kept_int4, b.kept_int8, b.mixed_groups, b.floats):
+            value = take(p, names, want, stacked)
+            if value is not None:
+                b.filled.append((p, var.replace(value)))
+                break
+    b.check_unused()
+    return b.attach(nnx.merge(graphdef, nnx.from_flat_state(b.filled)))
+
+
+class _Builder:
+    """``build_model``'s work on the checkpoint's tensors, one parameter at a time: each
+    of ``kept_int4``, ``kept_int8``, ``mixed_groups`` and ``floats`` returns the
+    parameter's value (``[L, ...]`` for the layers' stacks) where the tensors fit its way,
+    else None; the quantized ones' scales and minimums wait for the merged model
+    (``attach``)."""
+
+    def __init__(self, cfg, tensors, source, param_dtype, mesh, int4_blocks, quantized8, rotated8):
+        self.cfg, self.tensors, self.source = cfg, tensors, source
+        self.param_dtype, self.mesh = param_dtype, mesh
+        self.sharding = None if mesh is None else sharder(cfg, mesh)
+        self.blocks = int4_blocks if int4_blocks is not None else {}
+        self.fmt8, self.eight = quantized8 if quantized8 is not None else (None, {})
+        self.rotated8 = rotated8
+        self.filled, self.used = [], set()
+        self.int4 = {}  # module path: (scale, zero), set after the merge
+        self.held8 = {}  # module path: [scale] or [scale, minimums], set after the merge
+        self.rot8 = set()  # module paths of held8's whose weights are rotated
+        self.mixed = {}  # module path: [scale, minimums] of int8 groups made of mixed formats
+
+    def kept_int4(self, p, names, want, stacked):
+        """A weight every layer of which came as 4-bit groups: held so."""
+        blocks, source = self.blocks, self.source
+        if not (names[0][0] in blocks and all(n in blocks for n, _ in names)) or self.mesh:
+            return None
+        self.used.update(n for n, _ in names)
+        packed, scale, zero = _gather(
+            names,
+            lambda n, t, want=want: _int4_layout(blocks.pop(n), t, want, source, n),
+            stacked,
+        )
+        self.int4[p[:-1]] = (scale, zero)
+        return jax.device_put(packed)
+
+    def kept_int8(self, p, names, want, stacked):
+        """A weight every layer of which came as 8-bit values with the same scales' shape
+        (and minimums in every layer or none): held so."""
+        eight = self.eight
+        if not (
             names[0][0] in eight
             # linear kernels, or a table whose scales are per group of E
             and all(n in eight and (t or eight[n][1].ndim == 2) for n, t in names)
             # the same scales' shape every layer, and minimums in every layer or none
             # (a file may mix Q8_0's groups, Q6_K's, Q5_1's with minimums and
-            # quantize_int8's per channel across layers: those take the next branch)
+            # quantize_int8's per channel across layers: those take the next way)
             and len({(eight[n][1].shape, len(eight[n])) for n, _ in names}) == 1
-            and mesh is None
+            and self.mesh is None
         ):
-            for n, t in names:
-                if tuple(eight[n][0].shape[:: -1 if t else 1]) != tuple(want):
-                    raise ValueError(
-                        f"{source}: tensor {n!r} has shape {tuple(eight[n][0].shape)}, "
-                        f"expected {tuple(want)[:: -1 if t else 1]}"
-                    )
-            used.update(n for n, _ in names)
+            return None
+        for n, t in names:
+            if tuple(eight[n][0].shape[:: -1 if t else 1]) != tuple(want):
+                raise ValueError(
+                    f"{self.source}: tensor {n!r} has shape {tuple(eight[n][0].shape)}, "
+                    f"expected {tuple(want)[:: -1 if t else 1]}"
+                )
+        self.used.update(n for n, _ in names)
 
-            def take8(n, t):  # [out, in] -> [in, out]; scales [out] or [out, in / G] likewise
-                parts = eight.pop(n)  # (q, scale) or (q, scale, m)
-                return tuple(a.T for a in parts) if t else parts
+        def take8(n, t):  # [out, in] -> [in, out]; scales [out] or [out, in / G] likewise
+            parts = eight.pop(n)  # (q, scale) or (q, scale, m)
+            return tuple(a.T for a in parts) if t else parts
 
-            if names[0][0] in rotated8:  # (every layer of a weight or none: load_gguf)
-                rot8.add(p[:-1])
-            kernel, *held8[p[:-1]] = _gather(names, take8, stacked)
-            filled.append((p, var.replace(jax.device_put(kernel))))
-            continue
-        if (
+        if names[0][0] in self.rotated8:  # (every layer of a weight or none: load_gguf)
+            self.rot8.add(p[:-1])
+        kernel, *self.held8[p[:-1]] = _gather(names, take8, stacked)
+        return jax.device_put(kernel)
+
+    def mixed_groups(self, p, names, want, stacked):
+        """The layers' weights kept in different ways (a Q4_K_M file's ffn_down in Q4_K and
+        Q6_K, a Q5_K_M file's attn_v in Q5_1 and Q8_0): all as int8 groups (with minimums
+        where any layer has them), the finest groups of them, exactly the same weights."""
+        blocks, eight = self.blocks, self.eight
+        if not (
             stacked
-            and mesh is None
-            and fmt8 != "fp8"
+            and self.mesh is None
+            and self.fmt8 != "fp8"
             and all(n in blocks or n in eight for n, _ in names)
         ):
-            # The layers' weights kept in different ways (a Q4_K_M file's ffn_down in Q4_K
-            # and Q6_K, a Q5_K_M file's attn_v in Q5_1 and Q8_0): all as int8 groups (with
-            # minimums where any layer has them), the finest groups of them, exactly the
-            # same weights.
-            group = _common_group(names, blocks, eight, want, source)
-            with_mins = any(n in blocks or len(eight[n]) == 3 for n, _ in names)
-            used.update(n for n, _ in names)
+            return None
+        group = _common_group(names, blocks, eight, want, self.source)
+        with_mins = any(n in blocks or len(eight[n]) == 3 for n, _ in names)
+        self.used.update(n for n, _ in names)
 
-            def take_mixed(n, t, group=group, with_mins=with_mins):
-                parts = blocks.pop(n) if n in blocks else eight.pop(n)
-                parts = _int8_groups(parts, group, with_mins)
-                return tuple(a.T for a in parts) if t else parts
+        def take_mixed(n, t):
+            parts = blocks.pop(n) if n in blocks else eight.pop(n)
+            parts = _int8_groups(parts, group, with_mins)
+            return tuple(a.T for a in parts) if t else parts
 
-            kernel, *mixed[p[:-1]] = _gather(names, take_mixed, stacked)
-            filled.append((p, var.replace(jax.device_put(kernel))))
-            release_freed_memory()
-            continue
-        for n, _ in names:  # kept blocks with a mesh, or beside float layers: in float
-            if n in blocks:
-                q, d, m = blocks.pop(n)
-                q = np.stack([q & 15, q >> 4], axis=-1).reshape(q.shape[0], -1)
-                tensors[n] = q * np.repeat(d, 32, axis=-1) + np.repeat(m, 32, axis=-1)
-            if n in eight:
-                q, scale, *mins = eight.pop(n)
-                if scale.ndim == 2:  # per group of the last axis
-                    g = q.shape[-1] // scale.shape[-1]
-                    tensors[n] = q.astype(np.float32) * np.repeat(scale, g, axis=-1)
-                    if mins:
-                        tensors[n] += np.repeat(mins[0], g, axis=-1)
-                else:
-                    tensors[n] = q.astype(np.float32) * scale[:, None]
-                if n in rotated8:  # [out, in]: back along in
-                    tensors[n] = linear.rotate(tensors[n], 1)
+        kernel, *self.mixed[p[:-1]] = _gather(names, take_mixed, stacked)
+        release_freed_memory()
+        return jax.device_put(kernel)
+
+    def floats(self, p, names, want, stacked):
+        """A parameter in float: the checkpoint's tensors (kept blocks with a mesh, or
+        beside float layers, dequantized), checked, stacked, cast and placed."""
+        tensors, source = self.tensors, self.source
+        for n, _ in names:
+            self._dequantize_kept(n)
         for name, transposed in names:
             if name not in tensors:
                 raise ValueError(f"{source}: tensor {name!r} is missing from the checkpoint")
@@ -362,7 +385,7 @@ def build_model(
             if got[:: -1 if transposed else 1] != want:
                 want = want[::-1] if transposed else want
                 raise ValueError(f"{source}: tensor {name!r} has shape {got}, expected {want}")
-        used.update(n for n, _ in names)
+        self.used.update(n for n, _ in names)
         # Transposes, stacking and casts in numpy, then one transfer per parameter (eager
         # jnp ops here compiled one small program per shape: 3.6 s of SmolLM2's load);
         # each layer's tensor dropped once copied into the stack.
@@ -370,43 +393,68 @@ def build_model(
             names,
             lambda n, t: ((tensors.pop(n).T if t else tensors.pop(n)),),
             stacked,
-            dtype=param_dtype,
+            dtype=self.param_dtype,
         )
-        if sharding is None:
+        if self.sharding is None:
             value = jax.device_put(host)
         else:
-            host = pad_vocab(p, host, tensor_parallel_size(mesh))
-            value = place(host, sharding(p, host.ndim))
-        filled.append((p, var.replace(value)))
+            host = pad_vocab(p, host, tensor_parallel_size(self.mesh))
+            value = place(host, self.sharding(p, host.ndim))
         release_freed_memory()  # the per-layer tensors just copied and dropped
-    extra = sorted(
-        n for n in [*tensors, *eight, *blocks] if n not in used and not _IGNORED.match(n)
-    )
-    if extra:
-        raise ValueError(
-            f"{source}: unexpected tensors for {cfg.architecture} (first 5): {extra[:5]}"
+        return value
+
+    def _dequantize_kept(self, n: str) -> None:
+        """Tensor ``n`` in f32 where it came kept (4-bit or 8-bit groups)."""
+        if n in self.blocks:
+            q, d, m = self.blocks.pop(n)
+            q = np.stack([q & 15, q >> 4], axis=-1).reshape(q.shape[0], -1)
+            self.tensors[n] = q * np.repeat(d, 32, axis=-1) + np.repeat(m, 32, axis=-1)
+        if n in self.eight:
+            q, scale, *mins = self.eight.pop(n)
+            if scale.ndim == 2:  # per group of the last axis
+                g = q.shape[-1] // scale.shape[-1]
+                self.tensors[n] = q.astype(np.float32) * np.repeat(scale, g, axis=-1)
+                if mins:
+                    self.tensors[n] += np.repeat(mins[0], g, axis=-1)
+            else:
+                self.tensors[n] = q.astype(np.float32) * scale[:, None]
+            if n in self.rotated8:  # [out, in]: back along in
+                self.tensors[n] = linear.rotate(self.tensors[n], 1)
+
+    def check_unused(self) -> None:
+        """ValueError naming the checkpoint's tensors no parameter took."""
+        extra = sorted(
+            n
+            for n in [*self.tensors, *self.eight, *self.blocks]
+            if n not in self.used and not _IGNORED.match(n)
         )
-    model = nnx.merge(graphdef, nnx.from_flat_state(filled))
-    for path, (scale, zero) in int4.items():
-        node = functools.reduce(lambda n, part: getattr(n, str(part)), path, model)
-        node.scale = nnx.Param(jax.device_put(scale))
-        node.zero = nnx.Param(jax.device_put(zero))
-        node.quantized = "int4"
-    for path, (scale, *mins) in held8.items():
-        node = functools.reduce(lambda n, part: getattr(n, str(part)), path, model)
-        node.scale = nnx.Param(jax.device_put(scale))
-        if mins:  # int8 groups with minimums
-            node.zero = nnx.Param(jax.device_put(mins[0]))
-        node.quantized = fmt8
-        if path in rot8:
-            node.rotated = True
-    for path, (scale, *mins) in mixed.items():
-        node = functools.reduce(lambda n, part: getattr(n, str(part)), path, model)
-        node.scale = nnx.Param(jax.device_put(scale))
-        if mins:
-            node.zero = nnx.Param(jax.device_put(mins[0]))
-        node.quantized = "int8"
-    return model
+        if extra:
+            raise ValueError(
+                f"{self.source}: unexpected tensors for {self.cfg.architecture} (first 5): "
+                f"{extra[:5]}"
+            )
+
+    def attach(self, model):
+        """``model`` with the quantized modules' scales and minimums; returns it."""
+
+        def node(path):
+            return functools.reduce(lambda n, part: getattr(n, str(part)), path, model)
+
+        for path, (scale, zero) in self.int4.items():
+            m = node(path)
+            m.scale = nnx.Param(jax.device_put(scale))
+            m.zero = nnx.Param(jax.device_put(zero))
+            m.quantized = "int4"
+        for fmt, held in ((self.fmt8, self.held8), ("int8", self.mixed)):
+            for path, (scale, *mins) in held.items():
+                m = node(path)
+                m.scale = nnx.Param(jax.device_put(scale))
+                if mins:  # int8 groups with minimums
+                    m.zero = nnx.Param(jax.device_put(mins[0]))
+                m.quantized = fmt
+                if path in self.rot8:
+                    m.rotated = True
+        return model
 
 
 def _group_of(parts: tuple[np.ndarray, ...], inputs: int) -> int:

@@ -64,6 +64,21 @@ from paged_jax.sharding import tensor_parallel_size as tensor_parallel_size_of
 log = logging.getLogger("paged_jax")
 
 
+def _max_model_len(value, longest: int) -> int:
+    """``ModelRunner(max_model_len=)`` checked against the model's ``longest`` (its
+    ``max_position_embeddings``, the default)."""
+    if value is None:
+        return longest
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"max_model_len: expected an int or None, got {value!r}")
+    if not 2 <= value <= longest:
+        raise ValueError(
+            f"max_model_len: expected 2 <= max_model_len <= {longest} (the model's "
+            f"max_position_embeddings), got {value}"
+        )
+    return value
+
+
 class ModelRunner:
     """The model, its KV pool and its compiled step on the device (or a mesh).
 
@@ -129,17 +144,7 @@ class ModelRunner:
         # The model takes each token's adapter index (``adapter_ids``): the hook of
         # per-request adapters (``EngineCore.add_request(adapter=)``).
         self.takes_adapters = "adapter_ids" in inspect.signature(model.__call__).parameters
-        longest = model.config.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = longest
-        elif isinstance(max_model_len, bool) or not isinstance(max_model_len, int):
-            raise TypeError(f"max_model_len: expected an int or None, got {max_model_len!r}")
-        elif not 2 <= max_model_len <= longest:
-            raise ValueError(
-                f"max_model_len: expected 2 <= max_model_len <= {longest} (the model's "
-                f"max_position_embeddings), got {max_model_len}"
-            )
-        self.max_model_len = max_model_len
+        self.max_model_len = _max_model_len(max_model_len, model.config.max_position_embeddings)
         # Steps compiled for every bucket at once (LLM.warm_up()): tables as wide as the
         # longest sequence and one sampler for greedy and sampled rows, so that the set of
         # shapes is small (paged_jax.engine.shapes).
@@ -191,6 +196,10 @@ class ModelRunner:
         self._shapes_seen: set[tuple] = set()  # step shapes this engine has run
         self._compiled_keys: set[tuple] = set()  # what the step compiled for (launch)
         self.announce: Callable[[str], None] | None = None
+        self._make_step_fn(deterministic)
+
+    def _make_step_fn(self, deterministic: bool) -> None:
+        """The model's weights as the step takes them and the jitted step (``step_fn``)."""
         from flax import nnx
 
         self._graphdef, state = nnx.split(self.model)
