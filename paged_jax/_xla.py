@@ -84,25 +84,17 @@ def attend_tokens(
     num_pages, page_size, combined, _ = kv_pages.shape
     num_kv_heads = combined // 2
     group = num_heads // num_kv_heads
-    max_pages = page_indices.shape[1]
     if num_tokens == 0:
         return q
-    if batch_invariant:
-        tokens_per_block = INVARIANT_TOKENS_PER_BLOCK
-        pages_per_block = max(1, INVARIANT_KV_TOKENS // page_size)
-        width = -(-max_pages // pages_per_block) * pages_per_block  # whole blocks only
-        page_indices = jnp.pad(page_indices, ((0, 0), (0, width - max_pages)))
-        max_pages = width
-    d_tq, d_pb = default_block_sizes(num_tokens, page_size, num_kv_heads, head_dim)
-    whole_step_bytes = num_tokens * max_pages * page_size * combined * head_dim * 4
-    if (
-        tokens_per_block is None
-        and pages_per_block is None
-        and (whole_step_bytes <= _TEMP_BUDGET_BYTES)
-    ):
-        d_tq, d_pb = num_tokens, max_pages
-    bq = tokens_per_block or d_tq
-    bp = min(pages_per_block or d_pb, max_pages)
+    page_indices, bq, bp = _block_sizes(
+        num_tokens,
+        page_indices,
+        kv_pages.shape,
+        tokens_per_block,
+        pages_per_block,
+        batch_invariant=batch_invariant,
+    )
+    max_pages = page_indices.shape[1]
     num_kv_blocks = -(-max_pages // bp)
     chunk = bp * page_size
     num_blocks = -(-num_tokens // bq)
@@ -130,7 +122,6 @@ def attend_tokens(
             start = jnp.clip(first_key, 0, None) // chunk
 
         def kv_step(j, carry):
-            m, l, acc = carry  # f32[bq, K, G], f32[bq, K, G], f32[bq, K, G, D]
             cols = j * bp + jnp.arange(bp)
             in_table = cols < max_pages
             pages = page_indices[seq_b[:, None], jnp.minimum(cols, max_pages - 1)[None, :]]
@@ -149,20 +140,10 @@ def attend_tokens(
             k = _quant.dequantize_rows(k, _scale_rows(k_scale, pages, num_kv_heads), jnp.float32)
             v = _quant.dequantize_rows(v, _scale_rows(v_scale, pages, num_kv_heads), jnp.float32)
             # Masked keys and values may be garbage or NaN (stale or unwritten pages). A
-            # masked key's score is replaced by -inf below, whatever it was; a masked value
+            # masked key's score is replaced by -inf in _fold, whatever it was; a masked value
             # is zeroed here, since its zero weight times NaN would still be NaN.
             v = jnp.where(mask[:, :, None, None], v, 0.0)
-            s = jnp.einsum("tkgd,tckd->tkgc", q_kgd, k, precision=_HI) * sm_scale
-            if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s / soft_cap)
-            s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-            p = jnp.exp(s - m_safe[..., None])
-            alpha = jnp.exp(m - m_safe)
-            l = alpha * l + jnp.sum(p, axis=-1)
-            acc = alpha[..., None] * acc + jnp.einsum("tkgc,tckd->tkgd", p, v, precision=_HI)
-            return m_new, l, acc
+            return _fold(carry, q_kgd, k, v, mask, sm_scale=sm_scale, soft_cap=soft_cap)
 
         init = (
             jnp.full((bq, num_kv_heads, group), -jnp.inf, jnp.float32),
@@ -182,6 +163,49 @@ def attend_tokens(
     else:
         out = jax.lax.map(one_block, blocks)
     return out.reshape(num_blocks * bq, num_heads, head_dim)[:num_tokens]
+
+
+def _block_sizes(
+    num_tokens, page_indices, pool_shape, tokens_per_block, pages_per_block, *, batch_invariant
+):
+    """``attend_tokens``' blocking: ``(page_indices, tokens a block, pages a KV block)``,
+    the table widened to whole KV blocks when ``batch_invariant``. With no sizes given, one
+    block of everything where its temporaries fit ``_TEMP_BUDGET_BYTES``."""
+    _, page_size, combined, head_dim = pool_shape
+    max_pages = page_indices.shape[1]
+    if batch_invariant:
+        tokens_per_block = INVARIANT_TOKENS_PER_BLOCK
+        pages_per_block = max(1, INVARIANT_KV_TOKENS // page_size)
+        width = -(-max_pages // pages_per_block) * pages_per_block  # whole blocks only
+        page_indices = jnp.pad(page_indices, ((0, 0), (0, width - max_pages)))
+        max_pages = width
+    d_tq, d_pb = default_block_sizes(num_tokens, page_size, combined // 2, head_dim)
+    whole_step_bytes = num_tokens * max_pages * page_size * combined * head_dim * 4
+    if (
+        tokens_per_block is None
+        and pages_per_block is None
+        and whole_step_bytes <= _TEMP_BUDGET_BYTES
+    ):
+        d_tq, d_pb = num_tokens, max_pages
+    return page_indices, tokens_per_block or d_tq, min(pages_per_block or d_pb, max_pages)
+
+
+def _fold(carry, q_kgd, k, v, mask, *, sm_scale, soft_cap):
+    """One KV block folded into the online softmax ``carry`` (``m``, ``l`` f32[bq, K, G],
+    ``acc`` f32[bq, K, G, D]): ``q_kgd`` f32[bq, K, G, D], ``k``/``v`` f32[bq, C, K, D]
+    (masked values already zero), ``mask`` bool[bq, C]."""
+    m, l, acc = carry
+    s = jnp.einsum("tkgd,tckd->tkgc", q_kgd, k, precision=_HI) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)
+    l = alpha * l + jnp.sum(p, axis=-1)
+    acc = alpha[..., None] * acc + jnp.einsum("tkgc,tckd->tkgd", p, v, precision=_HI)
+    return m_new, l, acc
 
 
 def ragged_token_layout(kv_lens, cu_q_lens, num_seqs, num_tokens: int):

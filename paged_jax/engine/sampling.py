@@ -14,7 +14,7 @@ import functools
 import math
 import numbers
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -489,85 +489,145 @@ def sample_rows(
     interpreted. Traceable.
     """
     raw = logits.astype(jnp.float32)
-    R, vocab = raw.shape
-    J = seeds.shape[1]
+    R = raw.shape[0]
     if min_p is None:
         min_p = jnp.zeros(R, jnp.float32)
+    way = "xla" if sort_free is True else sort_free
+    if way and way not in SORT_FREE_WAYS:
+        raise ValueError(f"sort_free: expected False, True or one of {SORT_FREE_WAYS}, got {way!r}")
     if cpu_kernel:
-        from paged_jax.kernels import cpu
-
-        logits = raw if penalties is None else apply_penalties(raw, penalties)
-        if allowed is not None:
-            logits = mask_logits(logits, allowed)
-        if greedy_only:
-            token, lse = cpu.greedy_rows(logits)
-            tokens = jnp.broadcast_to(token[:, None], (R, J))
-        else:
-            tokens, lse = cpu.sample_tokens(
-                logits,
-                temperature.astype(jnp.float32),
-                top_k.astype(jnp.int32),
-                top_p.astype(jnp.float32),
-                min_p.astype(jnp.float32),
-                _uniforms(seeds, positions),
-            )
-        if penalties is not None or allowed is not None:  # log-probs under the model's
-            lse = cpu.greedy_rows(raw)[1]  # own distribution, summed as the kernels do
-        return tokens, jnp.take_along_axis(raw, tokens, axis=-1) - lse[:, None]
+        return _sample_in_cpu_kernels(
+            raw,
+            temperature,
+            top_k,
+            top_p,
+            seeds,
+            positions,
+            min_p,
+            penalties,
+            allowed,
+            greedy_only=greedy_only,
+        )
     lse_raw = jax.nn.logsumexp(raw, axis=-1, keepdims=True)
     logits = raw if penalties is None else apply_penalties(raw, penalties)
     if allowed is not None:
         logits = mask_logits(logits, allowed)
-    greedy = jnp.broadcast_to(argmax_rows(logits)[:, None], (R, J))
-    if greedy_only:
-        return greedy, jnp.take_along_axis(raw, greedy, axis=-1) - lse_raw
-    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    scaled = logits / t
-    lse = jax.nn.logsumexp(scaled, axis=-1)
-    u = _uniforms(seeds, positions)
-
-    sampled_row = temperature > 0
-    restricted = (top_k > 0) | (top_p < 1.0) | (min_p > 0)
-    none = jnp.zeros((R, J), jnp.int32)
-
-    # Unrestricted rows: the whole distribution, in vocabulary order (no sort, no top-k).
-    def unrestricted():
-        return _inverse_cdf(jnp.exp(scaled - lse[:, None]), u).astype(jnp.int32)
-
-    way = "xla" if sort_free is True else sort_free
-    if way and way not in SORT_FREE_WAYS:
-        raise ValueError(f"sort_free: expected False, True or one of {SORT_FREE_WAYS}, got {way!r}")
-    if way in ("pallas_gpu", "interpret", "pallas_gpu_split", "interpret_split"):
-        # No lax.cond: on a GPU a conditional reads its predicate back to the host, which
-        # holds the step's dispatch until the device has run everything before it (the
-        # overlap of host work with the device's then stops). The kernel skips rows that
-        # are not drawn; the unrestricted rows' pass is cheap enough to run always.
-        from paged_jax.kernels.gpu.sample import nth_tied, restricted_draw, trial_counts
-
-        interpret = way.startswith("interpret")
-        p = top_p.astype(jnp.float32)
-        if way.endswith("_split"):
-            counts = functools.partial(trial_counts, interpret=interpret)
-            nth = functools.partial(nth_tied, interpret=interpret)
-            drawn = sort_free_draw(scaled, top_k, p, min_p, u, counts=counts, nth=nth)
+    greedy = jnp.broadcast_to(argmax_rows(logits)[:, None], seeds.shape)
+    if not greedy_only:
+        t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        rows = _Rows(
+            logits / t,
+            temperature,
+            top_k,
+            top_p.astype(jnp.float32),
+            min_p,
+            _uniforms(seeds, positions),
+        )
+        if way in ("pallas_gpu", "interpret", "pallas_gpu_split", "interpret_split"):
+            sampled = _draw_in_gpu_kernel(rows, way)
         else:
-            active = sampled_row & restricted
-            drawn = restricted_draw(scaled, top_k, p, min_p, u, active, interpret=interpret)
-        sampled = jnp.where(restricted[:, None], drawn, unrestricted())
-        tokens = jnp.where(temperature[:, None] > 0, sampled, greedy)
-        return tokens, jnp.take_along_axis(raw, tokens, axis=-1) - lse_raw
+            sampled = _draw_in_xla(rows, sort_free=way == "xla")
+        greedy = jnp.where(temperature[:, None] > 0, sampled, greedy)
+    return greedy, jnp.take_along_axis(raw, greedy, axis=-1) - lse_raw
 
-    full = jax.lax.cond(jnp.any(sampled_row & ~restricted), unrestricted, lambda: none)
 
-    if way == "xla":
+def _sample_in_cpu_kernels(
+    raw, temperature, top_k, top_p, seeds, positions, min_p, penalties, allowed, *, greedy_only
+):
+    """``sample_rows`` with ``cpu_kernel=True``: the C kernels pick the tokens."""
+    from paged_jax.kernels import cpu
+
+    R, J = seeds.shape
+    logits = raw if penalties is None else apply_penalties(raw, penalties)
+    if allowed is not None:
+        logits = mask_logits(logits, allowed)
+    if greedy_only:
+        token, lse = cpu.greedy_rows(logits)
+        tokens = jnp.broadcast_to(token[:, None], (R, J))
+    else:
+        tokens, lse = cpu.sample_tokens(
+            logits,
+            temperature.astype(jnp.float32),
+            top_k.astype(jnp.int32),
+            top_p.astype(jnp.float32),
+            min_p.astype(jnp.float32),
+            _uniforms(seeds, positions),
+        )
+    if penalties is not None or allowed is not None:  # log-probs under the model's
+        lse = cpu.greedy_rows(raw)[1]  # own distribution, summed as the kernels do
+    return tokens, jnp.take_along_axis(raw, tokens, axis=-1) - lse[:, None]
+
+
+class _Rows(NamedTuple):
+    """What a draw reads of the rows that sample: ``scaled`` f32[R, V] (logits over the
+    temperature), the row's settings (f32/i32[R]) and ``u`` f32[R, J] uniforms."""
+
+    scaled: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    u: jax.Array
+
+    @property
+    def lse(self) -> jax.Array:  # f32[R]
+        return jax.nn.logsumexp(self.scaled, axis=-1)
+
+    @property
+    def restricted(self) -> jax.Array:  # bool[R]
+        return (self.top_k > 0) | (self.top_p < 1.0) | (self.min_p > 0)
+
+    def unrestricted(self, lse: jax.Array) -> jax.Array:  # i32[R, J]
+        """The whole distribution, in vocabulary order (no sort, no top-k)."""
+        return _inverse_cdf(jnp.exp(self.scaled - lse[:, None]), self.u).astype(jnp.int32)
+
+
+def _draw_in_gpu_kernel(rows: _Rows, way: str) -> jax.Array:  # i32[R, J]
+    """Sampled rows' tokens with the restricted ones drawn by the GPU sampling kernels.
+
+    No lax.cond: on a GPU a conditional reads its predicate back to the host, which holds
+    the step's dispatch until the device has run everything before it (the overlap of host
+    work with the device's then stops). The kernel skips rows that are not drawn; the
+    unrestricted rows' pass is cheap enough to run always.
+    """
+    from paged_jax.kernels.gpu.sample import nth_tied, restricted_draw, trial_counts
+
+    interpret = way.startswith("interpret")
+    restricted = rows.restricted
+    if way.endswith("_split"):
+        counts = functools.partial(trial_counts, interpret=interpret)
+        nth = functools.partial(nth_tied, interpret=interpret)
+        drawn = sort_free_draw(
+            rows.scaled, rows.top_k, rows.top_p, rows.min_p, rows.u, counts=counts, nth=nth
+        )
+    else:
+        active = (rows.temperature > 0) & restricted
+        drawn = restricted_draw(
+            rows.scaled, rows.top_k, rows.top_p, rows.min_p, rows.u, active, interpret=interpret
+        )
+    return jnp.where(restricted[:, None], drawn, rows.unrestricted(rows.lse))
+
+
+def _draw_in_xla(rows: _Rows, *, sort_free: bool) -> jax.Array:  # i32[R, J]
+    """Sampled rows' tokens in XLA: unrestricted rows by the whole distribution; restricted
+    rows by ``sort_free.draw``'s radix passes (``sort_free``) or by the kept prefix of the
+    ``NUM_CANDIDATES`` largest logits, with a full sort for a row whose kept set could
+    reach past them. Each branch runs only when some row needs it (``lax.cond``)."""
+    scaled, u = rows.scaled, rows.u
+    R, vocab = scaled.shape
+    lse = rows.lse
+    sampled_row, restricted = rows.temperature > 0, rows.restricted
+    none = jnp.zeros(u.shape, jnp.int32)
+    full = jax.lax.cond(
+        jnp.any(sampled_row & ~restricted), lambda: rows.unrestricted(lse), lambda: none
+    )
+    if sort_free:
         drawn = jax.lax.cond(
             jnp.any(sampled_row & restricted),
-            lambda: sort_free_draw(scaled, top_k, top_p.astype(jnp.float32), min_p, u),
+            lambda: sort_free_draw(scaled, rows.top_k, rows.top_p, rows.min_p, u),
             lambda: none,
         )
-        sampled = jnp.where(restricted[:, None], drawn, full)
-        tokens = jnp.where(temperature[:, None] > 0, sampled, greedy)
-        return tokens, jnp.take_along_axis(raw, tokens, axis=-1) - lse_raw
+        return jnp.where(restricted[:, None], drawn, full)
 
     # Restricted rows: the kept prefix of the candidates (in descending order), drawn in
     # vocabulary order: the kept candidates sorted by index (C of them, not V).
@@ -575,7 +635,7 @@ def sample_rows(
 
     def candidates():
         vals, idx = jax.lax.top_k(scaled, C)
-        probs, keep = _kept(vals, lse, top_k, top_p, min_p)
+        probs, keep = _kept(vals, lse, rows.top_k, rows.top_p, rows.min_p)
         by_index = jnp.argsort(jnp.where(keep, idx, vocab), axis=-1)  # kept first, by index
         weights = jnp.take_along_axis(jnp.where(keep, probs, 0.0), by_index, axis=-1)
         at = jnp.take_along_axis(by_index, _inverse_cdf(weights, u), axis=-1)
@@ -592,17 +652,15 @@ def sample_rows(
     def sorted_draw():
         order = jnp.argsort(-scaled, axis=-1)
         srt = jnp.take_along_axis(scaled, order, axis=-1)
-        p, k = _kept(srt, lse, top_k, top_p, min_p)
+        p, k = _kept(srt, lse, rows.top_k, rows.top_p, rows.min_p)
         kept = _in_vocabulary_order(k, order, vocab)
         weights = jnp.where(kept, jnp.exp(scaled - lse[:, None]), 0.0)
         return _inverse_cdf(weights, u).astype(jnp.int32)
 
     exact = jax.lax.cond(jnp.any(overflow), sorted_draw, lambda: cand)
-    sampled = jnp.where(
-        restricted[:, None], jnp.where(overflow[:, None], exact, cand), full
-    ).astype(jnp.int32)
-    tokens = jnp.where(temperature[:, None] > 0, sampled, greedy)
-    return tokens, jnp.take_along_axis(raw, tokens, axis=-1) - lse_raw
+    return jnp.where(restricted[:, None], jnp.where(overflow[:, None], exact, cand), full).astype(
+        jnp.int32
+    )
 
 
 def prompt_scores(

@@ -179,6 +179,26 @@ def linear(
     rotation. Raises ``ValueError`` for other dtypes or shapes, a missing or out-of-range
     static ``layer``, ``rotated`` with f32 or bf16 weights or K not a multiple of 32, and
     when the kernels are not available."""
+    p, k = _check_operands(x, packed, n, layer, scales, mins, rotated)
+    count = threads_of(threads)
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)
+    params = jnp.stack(
+        [
+            jnp.asarray(0 if layer is None else layer, jnp.int32),
+            jnp.int32(count),
+            jnp.asarray(-1 if rows is None else rows, jnp.int32),
+            jnp.int32(1 if rotated else 0),
+        ]
+    )
+    call = jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
+    extra = () if scales is None else (scales,) if mins is None else (scales, mins)
+    _check_scales(packed, extra, p, k)
+    return call(x2, packed, *extra, params).reshape(*x.shape[:-1], n)
+
+
+def _check_operands(x, packed, n, layer, scales, mins, rotated) -> tuple[int, int]:
+    """``linear``'s checks of ``x``, ``packed``, ``n``, ``layer`` and ``rotated``; returns
+    the weight's panels ``P`` and inputs ``K``."""
     four, half = packed.dtype == jnp.uint8, packed.dtype == jnp.bfloat16
     # f32 weights alone; int8 ones with scales (and with grouped scales perhaps mins);
     # 4-bit ones with scales and mins; bf16 ones perhaps with column scales
@@ -221,45 +241,39 @@ def linear(
             f"rotated: needs int8 or 4-bit weights and K a multiple of {ROTATION}, got "
             f"{packed.dtype} weights and K {k}"
         )
-    count = threads_of(threads)
-    x2 = x.reshape(math.prod(x.shape[:-1]), k)
-    params = jnp.stack(
-        [
-            jnp.asarray(0 if layer is None else layer, jnp.int32),
-            jnp.int32(count),
-            jnp.asarray(-1 if rows is None else rows, jnp.int32),
-            jnp.int32(1 if rotated else 0),
-        ]
-    )
-    call = jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    lead = packed.shape[:-3]
     if half:
         if mins is not None:
             raise ValueError("mins: bf16 weights take none (column scales at most)")
         if k % 2:
             raise ValueError(f"packed: bf16 weights need K even, got {list(packed.shape)}")
-        if scales is not None and (scales.dtype != jnp.float32 or scales.shape != (*lead, p * nr)):
+    return p, k
+
+
+def _check_scales(packed, extra, p, k) -> None:
+    """``linear``'s checks of the ``scales`` (and ``mins``) in ``extra`` against the
+    weight's dtype and its ``P`` panels of ``K`` inputs."""
+    if not extra:
+        return
+    nr, lead, scales = panel_width(), packed.shape[:-3], extra[0]
+    if packed.dtype == jnp.bfloat16:
+        if scales.dtype != jnp.float32 or scales.shape != (*lead, p * nr):
             raise ValueError(
                 f"scales: expected float32{[*lead, p * nr]} (pack_scales), got "
                 f"{scales.dtype}{list(scales.shape)}"
             )
-    if scales is None:
-        return call(x2, packed, params).reshape(*x.shape[:-1], n)
-    if mins is not None:  # 4-bit weights, or int8 ones with groups
-        groups = scales.shape[-2] if scales.ndim == packed.ndim else 0
-        multiple = 8 if four else 4
+        return
+    groups = scales.shape[-2] if scales.ndim == packed.ndim else 0
+    if len(extra) == 2:  # 4-bit weights, or int8 ones with groups
+        multiple = 8 if packed.dtype == jnp.uint8 else 4
         ok = groups > 0 and k % groups == 0 and (k // groups) % multiple == 0
-        for name, a in (("scales", scales), ("mins", mins)):
+        for name, a in zip(("scales", "mins"), extra, strict=True):
             if not ok or a.dtype != jnp.float32 or a.shape != (*lead, p, groups, nr):
                 raise ValueError(
                     f"{name}: expected float32[{', '.join(map(str, (*lead, p)))}, K / G, {nr}] "
                     f"with K / G dividing {k} into groups G a multiple of {multiple}, got "
                     f"{a.dtype}{list(a.shape)}"
                 )
-        return call(x2, packed, scales, mins, params).reshape(*x.shape[:-1], n)
-    if half:
-        return call(x2, packed, scales, params).reshape(*x.shape[:-1], n)
-    groups = scales.shape[-2] if scales.ndim == packed.ndim else 0
+        return
     grouped = groups > 0 and k % groups == 0 and (k // groups) % 4 == 0
     if scales.dtype != jnp.float32 or (
         scales.shape != (*lead, p * nr) and not (grouped and scales.shape == (*lead, p, groups, nr))
@@ -269,7 +283,6 @@ def linear(
             f"{[*lead, p, 'K / G', nr]} (pack_weight of [K / G, n] scales, G a multiple of 4 "
             f"dividing {k}), got {scales.dtype}{list(scales.shape)}"
         )
-    return call(x2, packed, scales, params).reshape(*x.shape[:-1], n)
 
 
 def reference_bf16(

@@ -74,6 +74,49 @@ def _kernel(
         _draw(r, x_ref, top_k_ref, top_p_ref, min_p_ref, u_ref, token_ref, columns=columns, **kw)
 
 
+class _Row:
+    """One program's row of scaled logits (``x_ref`` f32[V]), read ``block`` lanes at a time."""
+
+    def __init__(self, x_ref, *, vocab, block, prefetch):
+        self.x_ref, self.vocab, self.block, self.prefetch = x_ref, vocab, block, prefetch
+        self.blocks = pl.cdiv(vocab, block)
+        self.lane = jnp.arange(block, dtype=jnp.int32)
+
+    def load(self, i):
+        """The i-th chunk: (index i32[block], scaled logits f32[block]); past the row: -inf."""
+        idx = i * self.block + self.lane
+        at = self.x_ref.at[pl.ds(i * self.block, self.block)]
+        return idx, plgpu.load(at, mask=idx < self.vocab, other=-jnp.inf)
+
+    def lanes(self, value, dtype, *trailing):
+        return jnp.full((self.block, *trailing), value, dtype)
+
+    def over(self, body, init, reduce):
+        """One pass over the row: ``body(chunk, carry)`` folds a chunk (``load``'s
+        ``(index, logits)``) into lane-wise accumulators (``init``: arrays with ``block``
+        leading lanes), which ``reduce`` (one function per accumulator) folds over the
+        lanes once, after the last chunk, so no step of the loop waits on a reduction
+        across the program's warps. With ``prefetch`` = d > 0 each step issues the load of
+        the chunk d ahead before it computes on this one, so d loads are in flight while
+        it computes (a pass's compute is a few instructions a logit: with one load in
+        flight a step takes a load's latency, compiled for sm_90; loads past the row's end
+        are masked off: they read nothing)."""
+        d, block, lane = self.prefetch, self.block, self.lane
+        if d:
+
+            def step(i, carry):
+                xs, acc = carry
+                ahead = self.load(i + d)[1]
+                return (*xs[1:], ahead), body((i * block + lane, xs[0]), acc)
+
+            first = tuple(self.load(j)[1] for j in range(d))
+            _, acc = jax.lax.fori_loop(0, self.blocks, step, (first, init))
+        else:
+            step = lambda i, acc: body(self.load(i), acc)  # noqa: E731
+            acc = jax.lax.fori_loop(0, self.blocks, step, init)
+        return tuple(f(a, axis=0) for f, a in zip(reduce, acc, strict=True))
+
+
 def _draw(
     r,
     x_ref,
@@ -89,48 +132,14 @@ def _draw(
     columns,
     prefetch,
 ):
-    digits = 1 << bits
-    rounds = 32 // bits
-    blocks = pl.cdiv(vocab, block)
-    lane = jnp.arange(block, dtype=jnp.int32)
-    b = jnp.arange(digits, dtype=jnp.uint32)
-
-    def load(i):  # the i-th chunk: (index, scaled logits); past the row: -inf
-        idx = i * block + lane
-        x = plgpu.load(x_ref.at[pl.ds(i * block, block)], mask=idx < vocab, other=-jnp.inf)
-        return idx, x
-
-    def over_row(body, init, reduce):
-        """One pass over the row: ``body(chunk, carry)`` folds a chunk (``load``'s
-        ``(index, logits)``) into lane-wise accumulators (``init``: arrays with ``block``
-        leading lanes), which ``reduce`` (one function per accumulator) folds over the
-        lanes once, after the last chunk, so no step of the loop waits on a reduction
-        across the program's warps. With ``prefetch`` = d > 0 each step issues the load of
-        the chunk d ahead before it computes on this one, so d loads are in flight while
-        it computes (a pass's compute is a few instructions a logit: with one load in
-        flight a step takes a load's latency, compiled for sm_90; loads past the row's end
-        are masked off: they read nothing)."""
-        if prefetch:
-
-            def step(i, carry):
-                xs, acc = carry
-                ahead = load(i + prefetch)[1]
-                return (*xs[1:], ahead), body((i * block + lane, xs[0]), acc)
-
-            first = tuple(load(j)[1] for j in range(prefetch))
-            _, acc = jax.lax.fori_loop(0, blocks, step, (first, init))
-        else:
-            acc = jax.lax.fori_loop(0, blocks, lambda i, acc: body(load(i), acc), init)
-        return tuple(f(a, axis=0) for f, a in zip(reduce, acc, strict=True))
-
-    def lanes(value, dtype, *trailing):
-        return jnp.full((block, *trailing), value, dtype)
-
+    """Row ``r``'s ``columns`` tokens into ``token_ref``: the row's maximum, total and lowest
+    key worth reaching, the cut of its kept set (``_cut``), then the draw (``_draw_kept``)."""
+    row = _Row(x_ref, vocab=vocab, block=block, prefetch=prefetch)
     # The row's largest value (its key is the largest key), then its weights' total and
     # the lowest key worth reaching (a positive weight of at least min_p).
-    (m,) = over_row(
+    (m,) = row.over(
         lambda chunk, acc: (jnp.maximum(acc[0], chunk[1]),),
-        (lanes(-jnp.inf, jnp.float32),),
+        (row.lanes(-jnp.inf, jnp.float32),),
         (jnp.max,),
     )
     min_p = min_p_ref[r]
@@ -142,23 +151,30 @@ def _draw(
         worth = (w > 0) & (w >= min_p)
         return total + w, jnp.minimum(lo, jnp.where(worth, sortable(x), _I32_MAX))
 
-    total, lo = over_row(
-        totals, (lanes(0, jnp.float32), lanes(_I32_MAX, jnp.int32)), (jnp.sum, jnp.min)
-    )
-    hi = sortable(m)
+    init = (row.lanes(0, jnp.float32), row.lanes(_I32_MAX, jnp.int32))
+    total, lo = row.over(totals, init, (jnp.sum, jnp.min))
     top_k = top_k_ref[r]
     limit_k = jnp.where(top_k > 0, top_k, _I32_MAX)
-    limit_p = top_p_ref[r] * total
+    v, last_v, kept_weight = _cut(row, m, lo, limit_k, top_p_ref[r] * total, bits=bits)
+    _draw_kept(row, m, v, last_v, kept_weight, u_ref, token_ref, columns=columns)
 
-    def above(t, counts=True):  # t i32[digits]: (count, weight) of the keys above each t
+
+def _cut(row: _Row, m, lo, limit_k, limit_p, *, bits):
+    """Where the kept set ends: ``(v, last_v, kept_weight)``, the key ``v`` of its last
+    tokens, the index of the last kept token of key ``v`` (``vocab`` for all of them) and
+    the kept tokens' total weight (weights ``exp(x - m)``)."""
+    digits, vocab = 1 << bits, row.vocab
+    b = jnp.arange(digits, dtype=jnp.uint32)
+
+    def above(t):  # t i32[digits]: (count, weight) of the keys above each t
         def body(chunk, carry):
             _, x = chunk
             gt = sortable(x)[:, None] > t[None, :]  # [block, digits]
-            mass = carry[-1] + jnp.where(gt, jnp.exp(x - m)[:, None], 0.0)
-            return (carry[0] + gt.astype(jnp.int32), mass) if counts else (mass,)
+            mass = carry[1] + jnp.where(gt, jnp.exp(x - m)[:, None], 0.0)
+            return carry[0] + gt.astype(jnp.int32), mass
 
-        init = (lanes(0, jnp.int32, digits),) * counts + (lanes(0, jnp.float32, digits),)
-        return over_row(body, init, (jnp.sum,) * len(init))
+        init = (row.lanes(0, jnp.int32, digits), row.lanes(0, jnp.float32, digits))
+        return row.over(body, init, (jnp.sum, jnp.sum))
 
     def radix_last(pred):
         """The largest u32 offset with ``pred`` true (true at 0, then false), ``bits`` per
@@ -173,10 +189,11 @@ def _draw(
             digit = jnp.sum((holds | (b == 0)).astype(jnp.uint32)) - 1
             return prefix + (digit << shift), at_zero
 
-        return jax.lax.fori_loop(0, rounds, round_, (jnp.uint32(0), jnp.array(False)))
+        init = (jnp.uint32(0), jnp.array(False))
+        return jax.lax.fori_loop(0, 32 // bits, round_, init)
 
     # 1. v: the smallest key >= lo at which the first token at or below it is kept.
-    span = (hi - lo).astype(jnp.uint32)
+    span = (sortable(m) - lo).astype(jnp.uint32)
 
     def dropped(d):
         n, mass = above(offset(lo, d, span))
@@ -199,8 +216,8 @@ def _draw(
             jnp.maximum(w_eq, jnp.where(eq, w, 0.0)),
         )
 
-    zero_i, zero_f = lanes(0, jnp.int32), lanes(0, jnp.float32)
-    n_above, mass_above, n_at_v, w_v = over_row(
+    zero_i, zero_f = row.lanes(0, jnp.int32), row.lanes(0, jnp.float32)
+    n_above, mass_above, n_at_v, w_v = row.over(
         at_v, (zero_i, zero_f, zero_i, zero_f), (jnp.sum, jnp.sum, jnp.sum, jnp.max)
     )
     by_p = jnp.ceil((limit_p - mass_above) / jnp.where(w_v > 0, w_v, 1.0))
@@ -212,12 +229,20 @@ def _draw(
     # order: all of them unless exactly equal logits straddle the cut (rare), and then
     # those up to the index of the last kept one, found by a radix search over indices.
     def last_kept_at_v(rank):
-        return _nth_index(x_ref, v, rank, vocab=vocab, block=block, bits=bits)
+        return _nth_index(row.x_ref, v, rank, vocab=vocab, block=row.block, bits=bits)
 
     # (the branches take an operand: Triton's lowering wants a traced value from each)
     last_v = jax.lax.cond(
         kept_at_v < n_at_v, last_kept_at_v, lambda rank: rank * 0 + vocab, kept_at_v - 1
     )
+    return v, last_v, kept_weight
+
+
+def _draw_kept(row: _Row, m, v, last_v, kept_weight, u_ref, token_ref, *, columns):
+    """The draw, in index order: one pass summing each chunk's kept weight finds, per
+    column, the chunk where the running sum passes u times the kept weight (or, where
+    rounding leaves it short to the end, the last chunk holding a kept token); then a
+    cumulative sum within that chunk finds the token."""
 
     def kept_weights(chunk):
         idx, x = chunk
@@ -225,15 +250,11 @@ def _draw(
         keep = (key > v) | ((key == v) & (idx <= last_v))
         return jnp.where(keep, jnp.exp(x - m), 0.0)
 
-    # 4. The draw, in index order: one pass summing each chunk's kept weight finds, per
-    # column, the chunk where the running sum passes u times the kept weight (or, where
-    # rounding leaves it short to the end, the last chunk holding a kept token); then a
-    # cumulative sum within that chunk finds the token.
     targets = [u_ref[j] * kept_weight for j in range(columns)]
 
     def passes(i, carry):
         run, last, last_before, found = carry
-        s = jnp.sum(kept_weights(load(i)))
+        s = jnp.sum(kept_weights(row.load(i)))
         hit = [(c < 0) & (run + s > t) for (c, _), t in zip(found, targets, strict=True)]
         found = tuple(
             (jnp.where(h, i, c), jnp.where(h, run, before))
@@ -244,13 +265,13 @@ def _draw(
 
     none = (jnp.int32(-1), jnp.float32(0))
     init = (jnp.float32(0), jnp.int32(0), jnp.float32(0), (none,) * columns)
-    _, last, last_before, found = jax.lax.fori_loop(0, blocks, passes, init)
+    _, last, last_before, found = jax.lax.fori_loop(0, row.blocks, passes, init)
     for j, (c, before) in enumerate(found):
         c, before = jnp.where(c >= 0, c, last), jnp.where(c >= 0, before, last_before)
-        wk = kept_weights(load(c))
+        wk = kept_weights(row.load(c))
         crossed = jnp.sum((before + jnp.cumsum(wk) <= targets[j]).astype(jnp.int32))
-        last_lane = jnp.max(jnp.where(wk > 0, lane, 0))
-        token_ref[j] = jnp.minimum(c * block + jnp.minimum(crossed, last_lane), vocab - 1)
+        last_lane = jnp.max(jnp.where(wk > 0, row.lane, 0))
+        token_ref[j] = jnp.minimum(c * row.block + jnp.minimum(crossed, last_lane), row.vocab - 1)
 
 
 def _nth_index(x_ref, t, rank, *, vocab, block, bits):
