@@ -22,19 +22,14 @@ passes no ``adapter_ids``).
 Off the CPU the projections of one input are fused (q/k/v, gate/up:
 ``LlamaForCausalLM.hold_for_accelerator``) and the bank follows (``LoraBank.regroup``):
 a fused projection's targets' A side by side and their B block-diagonal, so it adds its
-adapters with two products, not two a target (8 products a layer instead of 14). On an
-H200 each product of a decode step costs about 9 us beyond its bytes
-(``benchmarks/results/products_chain_h200.json``), and 8 adapters on the Llama-3-8B
-shape took the step from 5.59 to 7.60 ms at 64 requests with one pair a target, the bank
-stacked ``[L, ...]``.
-Since, the bank is held per layer there too (``LoraBank.split_layers``), as the model's
+adapters with two products, not two a target (8 products a layer instead of 14): on a
+GPU each product costs a launch beyond its bytes (docs/DECISIONS.md, "LoRA banks off the
+CPU"). The bank is held per layer there too (``LoraBank.split_layers``), as the model's
 own weights are: XLA copied each layer's static slice of a stacked array out before its
 product, 8 copies a layer and step (not yet measured on a GPU). The adapters' products
 take their projection's precision (``delta``'s ``precision``), so XLA:GPU computes
 ``x @ A`` in the projection's own GEMM, and an accelerator's bank pads A for JAX 0.11.2's
-pickier merger (``LoraBank.pad_for_merge``): 21 kernels a Llama-3-8B layer with 8 slots
-on 0.11.2 and 19 on 0.10.2 where there were 28 (12 without adapters; ``python -m
-benchmarks step_kernels``, a step compiled for an H200 on a CPU). On the
+pickier merger (``LoraBank.pad_for_merge``; the kernel counts in docs/DECISIONS.md). On the
 CPU (f32 banks, the C kernels built) each row is multiplied by its own slot's A and B
 only (``paged_jax.linear.lora_delta``; ``CPU_KERNEL``).
 """

@@ -34,8 +34,8 @@ def split_layer_weights(model):
     The forward pass then picks a layer's weights with a ``lax.switch`` per matrix
     product and reads them where they lie. With the stacked arrays, XLA:CPU copies
     each layer's slice out of the stack before every product, a copy of all the
-    weights every step (18 of 58 ms of a SmolLM2 step at 32 sequences); the copy's
-    speed also varied about 2x from one process to the next. The engine does this on
+    weights every step, at a speed that varied from one process to the next
+    (docs/DECISIONS.md, "Weights split per layer on XLA:CPU"). The engine does this on
     CPU (``LLM``); other backends read a slice in place. Norm scales stay stacked, and
     packed weights (``Linear.hold_packed``) stay whole.
     Not for a model on a mesh (its shardings are given for the stacked arrays).
@@ -72,9 +72,8 @@ def hold_for_accelerator(model, *, fp8_activations: bool | None = None):
     fused into one weight each (``Attention.fuse_projections``,
     ``MLP.fuse_projections``: 4 products a layer instead of 7). The scan over stacked
     ``[L, ...]`` weights copied each layer's slices into fresh buffers before multiplying, on
-    every step: on an H100 (JAX 0.11.2) XLA counted 2.5x the weight bytes accessed per
-    Llama-3-8B decode step, and 32 layers of an 8B MLP at 256 rows took 8.9 ms scanned
-    against 3.8 ms looped over per-layer arrays (reading the weights once: 2.2 ms).
+    every step, reading the weights' bytes more than twice (docs/DECISIONS.md, "Weights
+    read once per step on an accelerator").
     The cost: one traced body per layer, so compile time grows with the depth.
     Norm scales stay stacked (a static slice of a few kilobytes each). A tied
     embedding table is held ``[E, V]`` (``Embed.hold_transposed``), so the LM head
@@ -122,24 +121,22 @@ def hold_for_cpu(model, *, pack: bool | None = None):
     rows' exact products, then round to bf16): every
     linear weight, stacked layers included, and a tied embedding table are packed
     for the C matrix-product kernel (``Linear.hold_packed``, ``Embed.hold_packed``);
-    a layer's product reads its weight in the stack by index. SmolLM2-135M f32
-    decode on a 2-core CPU: 35-39 against 49-51 ms a step at 32 sequences, 14-16
-    against 20-22 at one. Before packing, q, k and v, and gate and up, are fused
+    a layer's product reads its weight in the stack by index (docs/DECISIONS.md, "The
+    CPU's C matrix-product kernel"). Before packing, q, k and v, and gate and up, are fused
     into one product each (``fuse_linears`` on the stacks; ``qkv_proj`` and
     ``gate_up_proj`` replace them, 4 calls of the kernel a layer instead of 7, and
-    a quantized product quantizes its rows once): SmolLM2 int8 and int4 at 32
-    sequences, 5-8% more tokens/s (7 alternated runs). A LoRA bank stays one pair
+    a quantized product quantizes its rows once; docs/DECISIONS.md, "Fused
+    projections"). A LoRA bank stays one pair
     a target (the kernel adds a fused projection's adapters part by part).
 
     Otherwise, for XLA's products:
 
     - ``split_layer_weights``: each layer's linear weights in arrays of their own.
     - A tied embedding table held ``[E, V]`` (``Embed.hold_transposed``), so the LM
-      head multiplies by it as it lies. XLA:CPU's product with the transpose of the
-      ``[V, E]`` table was 2.2-2.5x slower at 8-16 rows with its own dots (SmolLM2's
-      head: 9.9 against 4.0 ms at 8 rows) and 10% slower with YNNPACK's; lookups
-      gather columns instead of rows (5 ms for 2048 tokens against a prefill step of
-      seconds). No weight is copied: the memory held stays the same.
+      head multiplies by it as it lies (XLA:CPU's product with the transpose of the
+      ``[V, E]`` table was 2.2-2.5x slower at a few rows); lookups gather columns
+      instead of rows, a small cost beside a prefill step. No weight is copied: the
+      memory held stays the same.
     """
     model.unrolled = False  # the CPU's layouts are read in place by the scanned layers
     if model.lora is not None:  # (held for an accelerator before: stacked again)
@@ -221,10 +218,7 @@ def preferred_cache_dtype(model):
     written and read by the C kernels too, ``cache.narrow_pools_by_cpu_kernels``),
     else None (``make_cache``'s default, the compute dtype). On those weights the
     pool's rounding costs little beside theirs and the decode step reads half the
-    bytes: SmolLM2 int4 at 32 sequences, 27.5 against 29.7 ms a step (8 of 8
-    alternated rounds); next-token KL from f32 0.0111 against 0.0120 (int8: 0.0196
-    against 0.0208; rotated since, 0.0100 on either), where a bf16 pool under f32
-    weights adds 0.0002."""
+    bytes (docs/DECISIONS.md, "A bf16 pool under quantized CPU weights")."""
     from paged_jax.cache import narrow_pools_by_cpu_kernels
 
     quantized = any(

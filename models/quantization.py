@@ -34,13 +34,12 @@ Hadamard matrix of order 32 applied to each block of 32 inputs, and the C kernel
 rotates each row of ``x`` the same way before quantizing it (``R`` is symmetric and its
 own inverse: ``(x R)(R w) = x w``). The rotation spreads a block's outlier, in the
 weights and in the rows, over its 32 entries, so the block's scale stops rounding its
-other entries to nothing. SmolLM2's next-token KL from f32 over the 812-token text fell
-from 0.0196 to 0.0100 in the engine (2026-11-28; in a jnp simulation without the LM
-head, 0.018 to 0.009 with the rows quantized, 0.0075 to 0.0069 with float rows), for
-about 1% more time in the products (the rows' 80 additions and 32 multiplies per 32
-inputs, vectorized). Only weights quantized from float are rotated: a GGUF file's
-blocks kept as they are (and a weight some of whose layers keep them) are not, nor is
-the embedding table (rotating a tied head moved SmolLM2's KL from 0.0100 to 0.0099).
+other entries to nothing: SmolLM2's next-token KL from f32 halved, for about 1% more
+time in the products (the rows' 80 additions and 32 multiplies per 32 inputs,
+vectorized; docs/DECISIONS.md, "Rotated int8 groups"). Only weights quantized from
+float are rotated: a GGUF file's blocks kept as they are (and a weight some of whose
+layers keep them) are not, nor is the embedding table (rotating a tied head changed
+nothing measurable).
 
 ``int4`` (weight-only, 4-bit groups as GGUF's Q4_1): along the input axis (``in`` of a
 linear weight, ``E`` of an embedding table), each group of ``GROUP`` (32) weights of one

@@ -3,10 +3,8 @@
 A decode step reads the pool's pages in the order of its block tables, so its reads land
 all over the pool. With the kernel's 4 KiB pages, a pool of 1 GiB spans 262,144 of them,
 far more than the TLB holds, and the hardware prefetchers stop at every 4 KiB boundary.
-Backing the pool with 2 MiB pages (transparent huge pages) removes most of that: the
-CPU decode kernel on 64 sequences x 4k tokens (1.07 GB of bf16 K/V, random page order)
-ran in 0.93x the time (median of 8 paired rounds, 0.78-0.98x), 2-core AMD EPYC, Linux
-6.18, THP mode ``madvise``, 2026-11-24.
+Backing the pool with 2 MiB pages (transparent huge pages) removes most of that, a few
+per cent of a large decode step (docs/DECISIONS.md, "Huge pages for a CPU pool").
 
 Where the kernel's THP mode is ``madvise`` (the default of many distributions), memory
 gets huge pages only when asked. XLA allocates and zero-fills the pool before paged-jax
@@ -16,7 +14,7 @@ huge pages, when they are next touched. So it may only be called on memory that 
 zeros, right after it was created. ``PAGED_JAX_HUGE_PAGES=0`` turns it off.
 
 ``lazy_zeros`` goes further for a large pool: XLA's zero-fill writes through every page
-(4 GiB, the default CPU pool: 2.8-6.6 s of the engine's start-up on a 2-core CPU, page
+(4 GiB, the default CPU pool: seconds of the engine's start-up on a 2-core CPU, page
 faults mostly), most of which a run never uses. It takes an unwritten buffer from the C
 kernels instead and hands its whole pages straight back (``MADV_DONTNEED``), so each
 page is mapped, as zeros, when the engine first writes it.

@@ -30,21 +30,14 @@ _PREFERENCE = {
     "rocm": ("xla",),
     "cpu": ("cpu", "xla"),
 }
-# Which Pallas backends "auto" may pick.
-# * pallas_tpu: yes. Verified in TPU interpret mode (this project's machines never include
-#   a TPU), and compiled for v5e/v6e through libtpu on a CPU host (.ci/tpu_compile), which
-#   interpret mode alone had not caught refusing every attention kernel until 2026-11-29.
-#   Pools the kernels do not take go to XLA (_tpu_or_none). Speed is unmeasured;
-#   PAGED_JAX_BACKEND=xla restores the XLA path without a code change.
-# * pallas_gpu: yes. Compiled and run on an NVIDIA H100 (JAX 0.11.2, Triton lowering):
-#   tests/test_pallas_gpu.py and the model and engine tests with PAGED_JAX_BACKEND=pallas_gpu
-#   pass there, and the decode kernel read K/V at 0.93-1.07x of measured copy bandwidth at
-#   batch 64-256 x 4k-32k against 0.09-0.11x for the XLA path
-#   (benchmarks/results/kernels_gpu.json). PAGED_JAX_BACKEND=xla restores the XLA path.
-# * cpu: yes, where it builds. Against XLA's decode path on SmolLM2-135M (f32, 32 sequences,
-#   2-core AMD EPYC): 0.6 against 2.5 ms a layer at 256 tokens, the same greedy tokens.
-#   Ragged steps, one layer of SmolLM2's shape (f32): 1.2 against 6.1-6.7 ms for 32
-#   sequences x 9 new tokens at 105, 60 against 304-311 ms for one 2048-token prompt.
+# Which Pallas backends "auto" may pick (the measurements: docs/DECISIONS.md, "Which
+# backends "auto" picks"); PAGED_JAX_BACKEND=xla restores the XLA path without a code change.
+# * pallas_tpu: verified in TPU interpret mode and compiled for v5e/v6e through libtpu on a
+#   CPU host (.ci/tpu_compile); speed unmeasured. Pools the kernels do not take go to XLA
+#   (_tpu_or_none).
+# * pallas_gpu: compiled, tested and timed on an H100: the decode kernel reads K/V near copy
+#   bandwidth, about 10x the XLA path's.
+# * cpu: where it builds; 4-5x XLA's decode and ragged steps on SmolLM2's shapes.
 _AUTO_ENABLED = {"pallas_tpu": True, "pallas_gpu": True, "cpu": True}
 _ENV_OVERRIDE = "PAGED_JAX_BACKEND"
 
@@ -108,10 +101,9 @@ def _resolve(backend: str, kind: str, batch_invariant: bool = False) -> Callable
     if backend == "auto":
         backend = _auto()
         if batch_invariant and backend == "pallas_gpu" and not os.environ.get(_ENV_OVERRIDE):
-            # Bitwise invariance on a GPU is the XLA path's: on an H100 (2026-11-26) the
-            # engine's deterministic mode gave the same tokens alone and batched either
-            # way, and log-probs bitwise equal with XLA's attention but up to 1e-6 apart
-            # with the Triton kernels' batch-invariant mode.
+            # Bitwise invariance on a GPU is the XLA path's: the Triton kernels' invariant
+            # mode left log-probs up to 1e-6 apart alone and batched (docs/DECISIONS.md,
+            # "Batch-invariant attention on a GPU").
             return None
     if backend == "xla":
         return None
@@ -200,9 +192,9 @@ def ragged_paged_attention(
         sequences of the call: KV block sizes and order are fixed, never chosen from T, S
         or M (see ``_xla.attend_tokens``). The TPU kernels are so by construction; XLA
         and the GPU kernels fix their blocks. Costs some speed (the XLA path always loops).
-        On an NVIDIA GPU, ``"auto"`` then takes the XLA path: the engine's deterministic
-        mode measured bitwise there, and log-probs up to 1e-6 apart alone and batched
-        with the Triton kernels (asked for by name, they keep their invariant blocks).
+        On an NVIDIA GPU, ``"auto"`` then takes the XLA path, bitwise invariant there where
+        the Triton kernels' log-probs were up to 1e-6 apart (asked for by name, they keep
+        their invariant blocks).
 
     Returns ``[T, H, D]`` in q's dtype: new token t attends causally to its sequence's
     keys ``0 .. pos(t)`` where ``pos`` counts from ``kv_len - q_len``. Values (lengths, page

@@ -217,9 +217,8 @@ class PagedKVCache:
         XLA makes a bitcast) and the tables are shifted by ``layer * N``: layer l's page p
         is page ``l * N + p`` of the view. ``layer(l)`` instead slices ``kv_pages[l]``,
         which XLA materializes as a copy of the layer (``N * P * 2K * D`` elements) when
-        the slice feeds a Pallas kernel: measured on an H100 (32 layers, bf16, a 295 MB
-        layer, 64 sequences at 192 tokens) 7.9 ms of decode attention per step against 1.9
-        ms through this view (``python -m benchmarks layer_view``). The layer index may be
+        the slice feeds a Pallas kernel (4x the decode attention's time on an H100:
+        docs/DECISIONS.md, "The layer view of the pool"). The layer index may be
         traced. Quantized caches return ``layer(layer)`` and the tables unchanged: their
         scales are stored interleaved (``[..., 2K]``), so splitting them copies anyway.
         """

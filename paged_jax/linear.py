@@ -4,11 +4,8 @@ A weight ``w [K, N]`` packed by ``pack`` lies in column panels, ``[P, K, NR]``, 
 layout the kernel's ``linear.c`` reads front to back without repacking it on every call
 as a general matrix product does; ``matmul(x, packed, n)`` computes ``x @ w`` with it.
 ``LlamaForCausalLM.hold_for_cpu`` packs a model's weights this way where ``available()``.
-
-Measured on a 2-core AMD EPYC (Zen 5), f32, SmolLM2-135M's shapes (576 x 1536 and
-1536 x 576), min of 15: at 32 rows 0.12 ms a product against 0.28-0.32 for XLA's dot on
-the unpacked weight; at 64-256 rows 0.23-0.90 against 0.34-1.10; at 2048 rows 7.1-7.2
-against 7.5-8.3. XLA's own product on the packed layout was 5-30% slower than its dot.
+Faster than XLA's dot on the unpacked weight at every row count of a step, most at a few
+rows (docs/DECISIONS.md, "The CPU's C matrix-product kernel").
 """
 
 from __future__ import annotations

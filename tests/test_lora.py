@@ -171,7 +171,7 @@ def test_the_adapters_products_take_their_projection_s_precision():
     # merger, which merges only dots of one configuration, computes `x @ A` inside the
     # projection's GEMM (`python -m benchmarks step_kernels`, an H200's step compiled on a
     # CPU: 28 kernels a Llama-3-8B layer with 8 slots became 20 with JAX 0.10.2, 26 with
-    # 0.11.2, whose merger is pickier: pad_for_merge, below; docs/ARCHITECTURE.md).
+    # 0.11.2, whose merger is pickier: pad_for_merge, below; docs/DECISIONS.md).
     import re
 
     from flax import nnx

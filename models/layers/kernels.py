@@ -47,7 +47,8 @@ KERNELS: dict[str, KernelChoice] = {
         "paged_jax.linear.few_row_matmul",
         (),
         "off until a GPU times it: XLA's W8A16 products took as long as bf16's on an H200 "
-        "(``python -m benchmarks engine --w8a16-kernel off on`` runs the engine each way)",
+        "(docs/DECISIONS.md, 'The W8A16 kernel off'; ``python -m benchmarks engine "
+        "--w8a16-kernel off on`` runs the engine each way)",
     ),
 }
 

@@ -79,7 +79,7 @@ def _ragged(counts: np.ndarray) -> np.ndarray:
 class SeqRows:
     """Distinct sequences of one ``BlockManager`` with their rows, as ``seq_rows`` gave
     them: pass it where a batched call (``append_tokens``, ``reserve_tokens``,
-    ``fill_reserved``, ``paged_jax.advance_batch``) takes ``seq_ids``, and the manager
+    ``fill_reserved``, ``paged_jax.batch.advance_batch``) takes ``seq_ids``, and the manager
     checks it with two array comparisons instead of looking each sequence up (a
     multi-step launch's rows, reused launch after launch). A sequence freed since then
     (its row given to another) or swapped out is caught, and the call then looks the ids

@@ -34,7 +34,7 @@ def compilation_cache_of(args):
 
 def start_jax(args) -> None:
     """Imports JAX and starts its backend (joining the other processes first when
-    ``--coordinator`` is given), with Ctrl-C held (see _Interrupts)."""
+    ``--coordinator`` is given), with Ctrl-C held (see Interrupts)."""
     coordinator = getattr(args, "coordinator", None)
     if coordinator is None and (
         getattr(args, "num_processes", None) is not None
@@ -49,7 +49,7 @@ def start_jax(args) -> None:
             raise UsageError(
                 f"--process-id: expected an int in [0, {args.num_processes}), got {args.process_id}"
             )
-    with INTERRUPTS.held():  # imports and backend start-up: see _Interrupts
+    with INTERRUPTS.held():  # imports and backend start-up: see Interrupts
         import jax
 
         from paged_jax import engine, models  # noqa: F401

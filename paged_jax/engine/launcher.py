@@ -447,7 +447,8 @@ class StepLauncher:
         A prefill-heavy step has at least one row per 16 tokens (at most the bucket of
         ``max_num_seqs``): while prompts are being admitted a few per step, the batch
         grows through 8, 16, 32... sequences, and each size would compile its own
-        512-token step (measured on SmolLM2: 3 such buckets, 4 s each). The padding rows
+        512-token step (docs/DECISIONS.md, "A row per 16 tokens while prompts are
+        admitted"). The padding rows
         cost a few logits rows in a step of hundreds of tokens. Decode steps (one token
         per sequence) are unaffected.
         """

@@ -34,12 +34,9 @@ MAX_STOP_STRING_CHARS = 256
 # (``sample_rows``' ``sort_free``): "pallas_gpu", the Pallas kernel
 # (``paged_jax.kernels.gpu.sample``), or "xla", the same passes as XLA reductions. A
 # backend not named here takes the top-k candidates and the full-sort fallback; on CPU
-# the engine's C kernel samples instead. Measured on an H200 (128,256 logits, top-p 0.9,
-# benchmarks/results/draw_gpu_h200.json): at 256 rows the kernel took 3.66 ms whatever
-# the rows' shape, the candidates 2.90 on peaked rows and 6.00 on flat ones (a single
-# flat row sends the whole batch to the full sort), XLA's passes 9.6; the Llama-3-8B
-# shape sampling 256 requests at top-p 0.9 ran 1.25x faster on the kernel
-# (engine_gpu_h200_top_p.json).
+# the engine's C kernel samples instead. On a GPU the kernel's time does not depend on
+# how flat the rows are, where a single flat row sends the candidates' whole batch to the
+# full sort (docs/DECISIONS.md, "Sort-free draws per backend").
 # "pallas_gpu_split" (not yet timed on a GPU): XLA's passes with each radix round's sums
 # by ``paged_jax.kernels.gpu.sample.trial_counts``, a row over several programs.
 SORT_FREE_BACKENDS: dict[str, str] = {"gpu": "pallas_gpu"}
@@ -409,8 +406,8 @@ def argmax_rows(x: jax.Array) -> jax.Array:
     maximum (of the first NaN in a row holding one), as two plain reductions.
 
     XLA:CPU lowers ``argmax`` to a reduction over (value, index) pairs that it does not
-    vectorize: 3.4 ms for 32 x 49,152 on a 2-core AVX-512 EPYC, against 0.8 ms for the
-    maximum followed by the smallest index holding it. ``x != x`` marks NaNs: the
+    vectorize, about 4x the time of the maximum followed by the smallest index holding it
+    (docs/DECISIONS.md, "argmax as two reductions"). ``x != x`` marks NaNs: the
     maximum of a row with a NaN is NaN, which equals nothing, so its first NaN wins, as
     with ``argmax``."""
     V = x.shape[-1]
@@ -475,14 +472,13 @@ def sample_rows(
     the tokens, ``paged_jax.kernels.cpu.greedy_rows`` for a greedy-only step and
     ``cpu.sample_tokens`` otherwise, from the same uniforms and by the same definition,
     without sorting the vocabulary even where the candidates above would fall back to a
-    full sort (SmolLM2's 32 x 49,152 logits on a 2-core CPU: 0.3 ms greedy, 0.8-1.4 ms
-    top-p 0.9, against 1.3 and 5-300 ms here); tokens may differ from this path's only
-    where a decision falls within rounding. ``sort_free`` (static; XLA path only; one of
-    ``SORT_FREE_WAYS``, True meaning "xla"): restricted rows draw by ``sort_free.draw``'s
-    radix passes over the row instead of the candidates and the full-sort fallback, the
-    same token up to rounding at a cost that does not depend on how flat the row is:
-    "xla" runs the passes as XLA reductions, "pallas_gpu" in the GPU kernel
-    ``paged_jax.kernels.gpu.sample.restricted_draw`` (one program per row), "interpret"
+    full sort (docs/DECISIONS.md, "The CPU sampling kernels"); tokens may differ from
+    this path's only where a decision falls within rounding. ``sort_free`` (static; XLA
+    path only; one of ``SORT_FREE_WAYS``, True meaning "xla"): restricted rows draw by
+    ``sort_free.draw``'s radix passes over the row instead of the candidates and the
+    full-sort fallback, the same token up to rounding at a cost that does not depend on
+    how flat the row is: "xla" runs the passes as XLA reductions, "pallas_gpu" in the GPU
+    kernel ``paged_jax.kernels.gpu.sample.restricted_draw`` (one program per row), "interpret"
     that kernel under Pallas' interpreter (tests on CPU); "pallas_gpu_split" the XLA
     passes with each radix round summed by ``...gpu.sample.trial_counts`` (a row over
     several programs) and ties ranked by ``nth_tied``, "interpret_split" those
@@ -672,8 +668,8 @@ def prompt_scores(
     i32[E, k])``, the last two None for ``k`` 0. Under the model's raw distribution, as
     the sampled tokens' log-probs, and computed as they are (a logit minus the row's
     log-sum-exp, summed by the C kernel ``cpu.greedy_rows`` with ``cpu_kernel``, static,
-    as ``sample_rows`` does there: 9 against 71 ms for XLA's at 512 x 49,152 on the
-    2-core EPYC): a row's target's log-prob equals its entry among the ``k`` bit for bit."""
+    as ``sample_rows`` does there, several times faster than XLA's): a row's target's
+    log-prob equals its entry among the ``k`` bit for bit."""
     raw = logits.astype(jnp.float32)
     if cpu_kernel:
         from paged_jax.kernels import cpu

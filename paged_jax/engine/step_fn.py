@@ -78,10 +78,9 @@ _SMALL_STEP_OPTIONS = (
 def _small_step_options() -> tuple | None:
     """XLA options for small steps on CPU, or None (another backend, or a jaxlib that
     does not know them). With YNNPACK's fusions off, XLA:CPU emits its own dots, which
-    at a few rows read the weights faster: SmolLM2-135M f32 on a 2-core AVX2 CPU,
-    decode of 4 sequences, 113-122 ms a step instead of 137-147 ms, 4 x 128 greedy
-    tokens at 34.5 instead of 25.5 tokens/s with the same tokens; at 32 sequences and
-    in prefill the default is as fast or faster (measured 2026-11-23)."""
+    at a few rows read the weights faster, the same tokens; at 32 sequences and in
+    prefill the default is as fast or faster (docs/DECISIONS.md, "Small-step XLA options
+    on CPU")."""
     if jax.default_backend() != "cpu":
         return None
     try:

@@ -3,7 +3,7 @@ regular expression, a choice among strings or a Lark grammar.
 
 ``SamplingParams(structured=StructuredOutput(json=schema))`` asks for it. The engine keeps
 one grammar matcher per sequence on the host (``llguidance``, chosen by measurement:
-docs/ARCHITECTURE.md), fills each constrained row's token bitmask before the step (the
+docs/DECISIONS.md), fills each constrained row's token bitmask before the step (the
 ``allowed`` input of ``sample_rows``: every other token's logit becomes -inf, for greedy
 and sampled rows alike), feeds it each sampled token, and ends the sequence ("stop") when
 the grammar allows nothing more. Constrained rows are never scheduled before their last

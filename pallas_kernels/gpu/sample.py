@@ -2,8 +2,8 @@
 
 ``paged_jax.engine.sort_free.draw`` finds a top-k / top-p / min-p row's token with radix
 passes over the row, each of which XLA runs as a separate reduction over a
-``[R, V, 2**bits]`` comparison (9.4 ms for 256 rows of 128,256 logits on an H200, more than
-the 6.0 ms full sort it was to replace, when the draw took a second search). This kernel
+``[R, V, 2**bits]`` comparison, slower on an H200 than the full sort it was to replace
+(docs/DECISIONS.md, "Sort-free draws per backend"). This kernel
 runs the same search, pass for pass, inside one program per row: the row is streamed in
 ``block``-wide chunks, the comparisons against a round's trial keys stay in registers, and
 the per-row scalars (the maximum, the total weight, the radix prefixes) never leave the

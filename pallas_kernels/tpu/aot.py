@@ -4,19 +4,14 @@ Interpret mode runs a kernel's jaxpr with XLA on the CPU; it never meets Mosaic,
 compiler that builds the kernel for a TPU, and so never sees what Mosaic refuses. JAX can
 lower a ``pallas_call`` for the ``"tpu"`` platform on a CPU host when told which TPU to
 target (an abstract device): that runs Pallas' Mosaic lowering and MLIR's verifier, the
-first half of a TPU compile. Its first use here found a strided slice of a vector value
-(the K/V split of the page buffer) that Mosaic rejects; the kernels now load K and V with
-strided ref loads instead.
+first half of a TPU compile.
 
 The second half, Mosaic's own passes and XLA's TPU compiler, lives in libtpu, which pip
 installs on any Linux machine (``pip install "jax[tpu]"``, matching the installed jax).
 With it JAX compiles for a TPU topology described, not attached ("deviceless" ahead-of-
-time compilation): the whole kernel is compiled as a TPU would compile it. Its first use
-(2026-11-29, libtpu 0.0.42.1 with jax 0.10.2) found every attention kernel that lowered
-above refused by Mosaic: strided loads of 16- and 8-bit rows, 3- and 4-dimensional
-einsums, and table chunks that are not whole 512-byte DMAs. The kernels now read K and V
-as 32-bit words (``_pages._unpack``), compute a kv head at a time in two dimensions,
-and copy the table in chunks of 128 entries.
+time compilation): the whole kernel is compiled as a TPU would compile it. Each half
+found kernels that interpret mode had passed and Mosaic refuses (docs/DECISIONS.md,
+"Mosaic ahead of time").
 
 * :func:`lower_to_mosaic`: the Mosaic custom calls of ``jax.jit(fn)(*args)`` for a TPU kind.
 * :func:`compile_for_tpu` (needs libtpu): compiles ``jax.jit(fn)(*args)`` for a TPU

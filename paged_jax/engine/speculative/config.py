@@ -22,7 +22,7 @@ class SpeculativeConfig:
       num_speculative_tokens: proposed tokens per sequence per step, at most (1 to 16).
       prompt_lookup_max: longest suffix matched (tried first), 1 to 16.
         ``"draft"``: a second, smaller model (``draft_model``) that shares the target's
-        tokenizer proposes its greedy continuation (``paged_jax.engine.draft``).
+        tokenizer proposes its greedy continuation (``paged_jax.engine.speculative.draft``).
       num_speculative_tokens: proposed tokens per sequence per step, at most (1 to 16).
       prompt_lookup_max: longest suffix matched (tried first), 1 to 16 (n-gram).
       prompt_lookup_min: shortest suffix matched, 1 to ``prompt_lookup_max`` (n-gram).
