@@ -57,6 +57,17 @@ _UNSUPPORTED = {
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
+def _object_naming_a_model(raw: bytes) -> tuple[Mapping, str]:
+    """A body that must be a JSON object with a string ``model``: (the body, the model)."""
+    body = json_body(raw)
+    if not isinstance(body, Mapping):
+        raise ApiError(400, "body: expected a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise ApiError(400, f"model: expected a string, got {model!r}", "model")
+    return body, model
+
+
 def _prompt_list(prompt: Any) -> Any:
     """Completions' ``prompt`` as a list of prompts: itself when it is one (a non-empty
     list of strings or of token-id lists), else ``[prompt]`` (one string, or one list of
@@ -188,12 +199,7 @@ class RequestParser:
         """A completions (``chat`` False) or chat body, parsed and checked against the
         engine's limits before any answer starts (a stream's 200 could not become a 400
         later)."""
-        body = json_body(raw)
-        if not isinstance(body, Mapping):
-            raise ApiError(400, "body: expected a JSON object")
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise ApiError(400, f"model: expected a string, got {model!r}", "model")
+        body, model = _object_naming_a_model(raw)
         lora = self.lora_of(model)
         for name, (default, why) in _UNSUPPORTED.items():
             if body.get(name, default) not in (default, None, {}, [], {"type": "text"}):
@@ -470,12 +476,7 @@ class RequestParser:
 
     def embeddings(self, raw: bytes) -> EmbeddingJob:
         """A ``/v1/embeddings`` body, parsed and checked."""
-        body = json_body(raw)
-        if not isinstance(body, Mapping):
-            raise ApiError(400, "body: expected a JSON object")
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise ApiError(400, f"model: expected a string, got {model!r}", "model")
+        body, model = _object_naming_a_model(raw)
         if self.lora_of(model) is not None:
             raise ApiError(
                 400, f"model: embeddings come from the base model {self.model_name!r}", "model"

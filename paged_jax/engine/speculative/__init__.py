@@ -1,12 +1,8 @@
 """Speculative decoding (``LLM(speculative=...)``).
 
-A decoding sequence whose proposer finds a continuation computes it as extra query
-tokens of the same ragged step: its input is its last sampled token and the ``k``
-proposed tokens, and the step samples ``k + 1`` tokens, one from each position's logits,
-with the request's own sampling parameters and the seed and output position each token
-would have had without speculation. Token ``j`` is kept while every proposal before it
-equals the sample before it, so the tokens kept are exactly those the engine samples
-without speculation, greedy or seeded (see ``verifier``).
+Proposed tokens are computed as extra query tokens of the same ragged step and kept
+while each equals what the engine would have sampled there without speculation, so the
+output is the same, greedy or seeded (``verifier``'s docstring has the details).
 
 Modules: ``config`` (``SpeculativeConfig``), ``proposers`` (what the engine asks of a
 proposer, and prompt lookup), ``draft`` (a draft model as the proposer), ``verifier``
