@@ -73,7 +73,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import itertools
 import json
 import os
@@ -84,35 +83,21 @@ import time
 
 import numpy as np
 
-from benchmarks.common import environment, positive_int, table, time_samples, write_result
+from benchmarks.common import environment, positive_int, table, write_result
+from benchmarks.engine_roofline import (  # noqa: F401 (SHAPE_FIELDS, PAGE: the shapes' home)
+    PAGE,
+    PEAKS,
+    SHAPE_FIELDS,
+    abstract_decode_step,
+    device_peaks,
+    prefill_flops,
+    roofline_tokens_per_s,
+    weight_reads,
+)
+from benchmarks.engine_splits import decode_split, prefill_split
+from benchmarks.engine_switches import decode_kernel, decode_prefetch, w8a16_kernel
+from benchmarks.engine_switches import sort_free as sort_free_way
 
-# Shapes of the public checkpoints (config.json of each); weights are random here.
-SHAPE_FIELDS = {
-    "smollm2-135m": dict(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        rope_theta=100000.0,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    ),
-    "llama3-8b": dict(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        rope_theta=500000.0,
-        max_position_embeddings=8192,
-    ),
-}
-PAGE = 16
 LORA_RANK = 16  # --lora-adapters' rank, on every projection
 
 
@@ -123,172 +108,6 @@ def _stats(samples: list[float]) -> dict:
 def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return rng.integers(0, vocab, (n, length)).tolist()
-
-
-def abstract_decode_step(make, seqs: int, context: int, page: int = PAGE):
-    """A decode step of ``make()``'s model (a ``LlamaForCausalLM``) built from shapes
-    alone (``nnx.eval_shape``: nothing allocated): ``(graphdef, state, cache, batch, md)``
-    for ``seqs`` sequences of ``context - 1`` computed tokens computing one more each,
-    the cache (``ShapeDtypeStruct``s) just large enough, in pages of ``page`` tokens."""
-    import jax
-    from flax import nnx
-
-    import paged_jax as pj
-
-    abstract = nnx.eval_shape(make)
-    graphdef, state = nnx.split(abstract)
-    pages = seqs * -(-context // page) + 1
-    cache = jax.eval_shape(lambda: abstract.make_cache(pages, page))
-    bm = pj.BlockManager(pages, page, enable_prefix_caching=False, watermark=0.0)
-    for i in range(seqs):
-        bm.allocate(i, list(range(context - 1)))
-        bm.mark_computed(i, context - 1)
-        bm.append_slots(i, [1])
-    batch = pj.build_batch(bm, [pj.ScheduledSeq(i, context - 1, context) for i in range(seqs)])
-    return graphdef, state, cache, batch, pj.AttentionMetadata.from_batch(batch)
-
-
-def weight_reads(
-    fields: dict,
-    *,
-    dtype="float32",
-    seqs: int = 1,
-    context: int = 8,
-    layers=(2, 4),
-    hold=None,
-    backend: str = "xla",
-    compile_fn=None,
-) -> dict:
-    """How many times XLA's cost analysis says one compiled decode step reads each byte of
-    the layers' weights, for a model of config ``fields`` held as the engine holds a model
-    off the CPU (``hold_for_accelerator``; or ``hold(model)`` when given, which returns
-    the model), built from shapes alone (nothing allocated).
-
-    The step (``seqs`` sequences at ``context`` tokens, the XLA attention backend, the
-    model's own ``__call__``) is compiled for four models: ``layers[0]`` and ``layers[1]``
-    layers, each at the config's width and 5/4 of it (``hidden_size`` and
-    ``intermediate_size``; the same heads). ``bytes_per_weight_byte`` is the double
-    difference of the bytes accessed over that of the weight bytes: 1.0 when each weight
-    is read once, in place; about 3 when each layer's slice is copied out of a stack; far
-    below 1 when the layers run in a loop whose body the analysis counts once. The
-    differences cancel what the analysis charges that is not a layer's weights: the
-    embedding lookup (a gather is charged its whole table) and the head do not grow
-    with layers, attention and the pool do not grow with the width. The pool is kept
-    small (default: one sequence's page and the null page), because each in-place
-    scatter and gather is charged its whole ``[L, N, ...]`` operand, which grows with
-    layers x layers. Also returns the four ``bytes_accessed`` and ``weight_bytes``
-    (``[narrow, wide]`` per layer count) and the compile seconds. ``backend``: the
-    attention backend; ``compile_fn(fn, *args)``: what compiles the step (default:
-    ``jax.jit(fn).lower(*args).compile()`` on the default device; for a TPU,
-    ``paged_jax.kernels.tpu.aot.compile_for_tpu``)."""
-    import time
-
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from paged_jax import models
-
-    dt = jnp.dtype(dtype)
-
-    def one(f):
-        cfg = models.LlamaConfig(**f)
-
-        def make():
-            m = models.LlamaForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt)
-            return m.hold_for_accelerator() if hold is None else hold(m)
-
-        graphdef, state, cache, batch, md = abstract_decode_step(make, seqs, context)
-
-        def step(state, tokens, positions, cache):
-            return nnx.merge(graphdef, state)(tokens, positions, cache, md, backend=backend)
-
-        t = time.perf_counter()
-        args = (state, jnp.asarray(batch.token_ids), jnp.asarray(batch.positions), cache)
-        if compile_fn is None:
-            compiled = jax.jit(step, donate_argnums=(3,)).lower(*args).compile()
-        else:
-            compiled = compile_fn(step, *args)
-        seconds = time.perf_counter() - t
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-        return cost["bytes accessed"], weights, seconds
-
-    def widths(num_layers):
-        f = dict(fields, num_layers=num_layers)
-        wide = dict(
-            f,
-            hidden_size=f["hidden_size"] * 5 // 4,
-            intermediate_size=f["intermediate_size"] * 5 // 4,
-        )
-        return one(f), one(wide)
-
-    runs = [widths(n) for n in layers]
-    (b00, w00, _), (b01, w01, _) = runs[0]
-    (b10, w10, _), (b11, w11, _) = runs[1]
-    return dict(
-        bytes_per_weight_byte=((b11 - b10) - (b01 - b00)) / ((w11 - w10) - (w01 - w00)),
-        bytes_accessed=[[r[0] for r in pair] for pair in runs],
-        weight_bytes=[[r[1] for r in pair] for pair in runs],
-        compile_s=sum(r[2] for pair in runs for r in pair),
-    )
-
-
-# Dense bf16 peak (FLOP/s) and memory bandwidth (bytes/s) by device kind, from the
-# vendor's data sheets (SXM parts).
-PEAKS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12)}
-
-
-def device_peaks(device_kind: str) -> tuple[float, float] | None:
-    """``(bf16 FLOP/s, bytes/s)`` of a device kind ("NVIDIA H100 80GB HBM3"), or None."""
-    for key, peaks in PEAKS.items():
-        if key in device_kind:
-            return peaks
-    return None
-
-
-def prefill_flops(fields: dict, concurrency: int, prompt_len: int) -> float:
-    """FLOPs of one step prefilling ``concurrency`` prompts of ``prompt_len`` tokens: the
-    layers' products for every token, the head for each prompt's last, causal attention."""
-    E, F, L, V = (
-        fields[k] for k in ("hidden_size", "intermediate_size", "num_layers", "vocab_size")
-    )
-    H, K, D = fields["num_heads"], fields["num_kv_heads"], fields["head_dim"]
-    layer = 2 * E * H * D + 2 * E * K * D + 3 * E * F
-    attn = 4 * L * H * D
-    P = prompt_len
-    return concurrency * (2 * L * layer * P + 2 * V * E + attn * P * (P + 1) / 2)
-
-
-def roofline_tokens_per_s(
-    fields: dict, concurrency: int, prompt_len: int, output_len: int, peaks, bytes_per=2
-) -> float:
-    """Output tokens/s of the workload if every step took the larger of its bytes over the
-    bandwidth and its FLOPs over the peak (``peaks``: ``device_peaks``), with 16-bit
-    weights and KV: one prefill step of every prompt (its products, logits for the last
-    token only, causal attention), then ``output_len - 1`` decode steps, step k reading
-    every weight (the embedding table included) and the KV of ``prompt_len + k`` tokens
-    per sequence. (Issue 57's table counted every parameter's two FLOPs for every prompt
-    token; this ideal is a few percent higher, so its fractions a few percent lower.)"""
-    flops_peak, bandwidth = peaks
-    E, F, L, V = (
-        fields[k] for k in ("hidden_size", "intermediate_size", "num_layers", "vocab_size")
-    )
-    H, K, D = fields["num_heads"], fields["num_kv_heads"], fields["head_dim"]
-    layer = 2 * E * H * D + 2 * E * K * D + 3 * E * F
-    products = L * layer + V * E  # the layers and the head
-    tables = 1 if fields.get("tie_word_embeddings") else 2
-    weights = bytes_per * (L * (layer + 2 * E) + E + tables * V * E)
-    kv_per_token = bytes_per * L * 2 * K * D
-    attn = 4 * L * H * D  # QK and PV FLOPs per (query, key) pair
-    C, P = concurrency, prompt_len
-    seconds = prefill_flops(fields, C, P) / flops_peak
-    for k in range(1, output_len):
-        context = P + k
-        flops = C * (2 * products + attn * context)
-        seconds += max((weights + C * context * kv_per_token) / bandwidth, flops / flops_peak)
-    return C * output_len / seconds
 
 
 # --------------------------------------------------------------------------- transformers
@@ -600,96 +419,6 @@ def engine_runs(
     return rows, llm
 
 
-@contextlib.contextmanager
-def _sort_free(way: str):
-    """While active, engines built draw restricted rows ``way`` on this backend ("default":
-    as ``SORT_FREE_BACKENDS`` says; "off": the candidates and the full-sort fallback)."""
-    import jax
-
-    from paged_jax.engine import runner
-
-    saved = runner.SORT_FREE_BACKENDS
-    if way != "default":
-        table = dict(saved)
-        table.pop(jax.default_backend(), None)
-        if way != "off":
-            table[jax.default_backend()] = way
-        runner.SORT_FREE_BACKENDS = table
-    try:
-        yield
-    finally:
-        runner.SORT_FREE_BACKENDS = saved
-
-
-@contextlib.contextmanager
-def _traced_setting(owner, name: str, value):
-    """While active, ``owner.name`` is ``value``: a module-level setting the engine's step
-    reads when it is traced. The engine's step functions are cached per model
-    (``runner._make_run``), so the cache is emptied on the way in and, where the setting
-    changed, on the way out, and each engine traces its own step."""
-    from paged_jax.engine import runner
-
-    saved = getattr(owner, name)
-    setattr(owner, name, value)
-    runner._make_run.cache_clear()
-    try:
-        yield
-    finally:
-        if getattr(owner, name) != saved:
-            runner._make_run.cache_clear()
-        setattr(owner, name, saved)
-
-
-def _decode_prefetch(way: str):
-    """While active, the Pallas GPU decode kernel's walk is ``way``: "default" (as
-    ``tuning.DECODE_PREFETCH`` says), "on" (loading each next block ahead) or "off"."""
-    from paged_jax.kernels.gpu import tuning
-
-    if way == "default":
-        return contextlib.nullcontext()
-    return _traced_setting(tuning, "DECODE_PREFETCH", way == "on")
-
-
-@contextlib.contextmanager
-def _w8a16_kernel(way: str):
-    """While active, W8A16 products (int8, fp8 weight-only) on a GPU go through the
-    few-row Pallas product ("on"), XLA's dots ("off"), or as
-    ``models.layers.KERNELS["w8a16"]`` says ("default"); the engine's cached steps are
-    traced again (``_traced_setting``)."""
-    from paged_jax.engine import runner
-    from paged_jax.models.layers import KERNELS, use_kernel
-
-    if way == "default":
-        yield
-        return
-    platforms = ("gpu",) if way == "on" else ()
-    saved = KERNELS["w8a16"].platforms
-    runner._make_run.cache_clear()
-    try:
-        with use_kernel("w8a16", platforms):
-            yield
-    finally:
-        if platforms != saved:
-            runner._make_run.cache_clear()
-
-
-@contextlib.contextmanager
-def _decode_kernel(on: bool):
-    """While active with ``on=False``, every engine step is built with ``decode_only=False``
-    (the ragged kernel for decode steps too): the engine as it was before the decode path."""
-    from paged_jax.metadata import AttentionMetadata
-
-    orig = AttentionMetadata.__dict__["from_batch"]
-    if not on:
-        AttentionMetadata.from_batch = classmethod(
-            lambda cls, b, **kw: dataclasses.replace(orig.__func__(cls, b, **kw), decode_only=False)
-        )
-    try:
-        yield
-    finally:
-        AttentionMetadata.from_batch = orig
-
-
 def _delta(after, before):
     return dataclasses.replace(
         after,
@@ -701,192 +430,6 @@ def _delta(after, before):
         host_s=after.host_s - before.host_s,
         compile_s=after.compile_s - before.compile_s,
         compilations=after.compilations - before.compilations,
-    )
-
-
-def _device_time(fn) -> float:
-    """Median seconds of ``fn()``, which blocks on its own result."""
-    return statistics.median(time_samples(fn, repeats=20))
-
-
-def _run_step(llm, tokens, inputs, layout, decode_only) -> None:
-    """One call of the engine's jitted step (greedy rows, the pool donated), waited for."""
-    import jax
-
-    runner = llm.runner
-    out, runner.cache = runner.step_fn(
-        runner.weights,
-        tokens,
-        inputs,
-        runner.cache,
-        None,
-        layout=layout,
-        decode_only=decode_only,
-        batch_invariant=False,
-        num_candidates=0,
-        greedy_only=True,
-    )
-    jax.block_until_ready(out.tokens)
-
-
-def prefill_split(llm, name, backend, c, prompt_len) -> dict:
-    """Times the engine's jitted step prefilling ``c`` prompts of ``prompt_len`` tokens
-    in one step (a bucket the engine runs compiled when ``c`` is their concurrency;
-    another ``c`` compiles its own first), with its FLOP/s against the device's peak."""
-    import jax
-    import jax.numpy as jnp
-
-    from paged_jax.batch import ScheduledSeq, build_batch
-    from paged_jax.block_manager import BlockManager
-    from paged_jax.engine.runner import _pack_inputs
-    from paged_jax.engine.step_types import SamplingColumns
-
-    vocab = llm.model.config.vocab_size
-    rng = np.random.default_rng(1)
-    bm = BlockManager(llm.bm.num_pages, PAGE, enable_prefix_caching=False, watermark=0.0)
-    for i in range(c):
-        bm.allocate(i, rng.integers(0, vocab, prompt_len).tolist())
-    batch = build_batch(bm, [ScheduledSeq(i, 0, prompt_len) for i in range(c)])
-    inputs, layout = _pack_inputs(batch, SamplingColumns.idle(batch.kv_lens.shape[0]), None)
-    args = (jnp.asarray(batch.token_ids), jnp.asarray(inputs), layout, False)
-    _run_step(llm, *args)  # compiles a bucket the engine runs did not
-    t = statistics.median(time_samples(lambda: _run_step(llm, *args), repeats=5))
-    flops = prefill_flops(SHAPE_FIELDS[name], c, prompt_len) if name in SHAPE_FIELDS else 0.0
-    peaks = device_peaks(jax.devices()[0].device_kind)
-    return dict(
-        model=name,
-        backend=backend,
-        sequences=c,
-        prompt_len=prompt_len,
-        tokens=c * prompt_len,
-        tokens_bucket=int(batch.token_ids.shape[0]),
-        ms=1e3 * t,
-        tflops=flops / t / 1e12,
-        of_peak=flops / t / peaks[0] if peaks else None,
-    )
-
-
-def decode_split(llm, name, backend, c, context) -> dict:
-    """Times the parts of one decode step of ``c`` sequences at ``context`` tokens, reusing
-    ``llm``'s jitted step (its shape bucket is already compiled by the engine runs)."""
-    import jax
-    import jax.numpy as jnp
-
-    import paged_jax as pj
-    from paged_jax import AttentionMetadata
-    from paged_jax.batch import ScheduledSeq, build_batch
-    from paged_jax.block_manager import BlockManager
-    from paged_jax.engine.runner import _pack_inputs
-    from paged_jax.engine.sampling import sample_rows
-    from paged_jax.engine.step_types import SamplingColumns
-
-    cfg = llm.model.config
-    bm = BlockManager(llm.bm.num_pages, PAGE, enable_prefix_caching=False, watermark=0.0)
-    rng = np.random.default_rng(0)
-    for i in range(c):
-        bm.allocate(i, rng.integers(0, cfg.vocab_size, context - 1).tolist())
-        bm.mark_computed(i, context - 1)
-        bm.append_slots(i, [1])
-    batch = build_batch(bm, [ScheduledSeq(i, context - 1, context) for i in range(c)])
-    md = AttentionMetadata.from_batch(batch)
-    tokens = jnp.asarray(batch.token_ids)
-    S = batch.kv_lens.shape[0]
-    # the step's host inputs as the engine sends them (one buffer), here on the device
-    inputs, layout = _pack_inputs(batch, SamplingColumns.idle(S), None)
-    inputs = jnp.asarray(inputs)
-
-    def whole():  # the engine's jitted step: copies, model, sampler (cache donated)
-        _run_step(llm, tokens, inputs, layout, md.decode_only)
-
-    H, D = cfg.num_heads, cfg.head_dim
-    T = tokens.shape[0]
-    q = jax.random.normal(jax.random.key(0), (T, H, D), llm.cache.dtype)
-
-    @functools.partial(jax.jit, static_argnames="decode")
-    def attn(q, cache, md, decode):  # every layer in one call, scanned as the step runs it
-        def one_layer(out, i):
-            kv, table, _, _ = cache.attention_inputs(i, md.page_indices)  # as the model does
-            if decode:  # what a decode-only step runs: the decode kernel on S rows
-                o = pj.paged_attention(q[:S], kv, md.kv_lens, table, sm_scale=D**-0.5)
-                return out.at[:S].add(o), None
-            o = pj.ragged_paged_attention(
-                q, kv, md.kv_lens, table, md.cu_q_lens, md.num_seqs, sm_scale=D**-0.5
-            )
-            return out + o, None
-
-        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        return jax.lax.scan(one_layer, jnp.zeros(q.shape, jnp.float32), layers)[0]
-
-    R = md.logits_indices.shape[0]
-    logits = jax.random.normal(jax.random.key(1), (R, cfg.vocab_size), jnp.float32)
-    samp = jax.jit(sample_rows, static_argnames=("greedy_only", "sort_free"))
-    top_p = (
-        jnp.ones(R, jnp.float32),
-        jnp.zeros(R, jnp.int32),
-        jnp.full(R, 0.9, jnp.float32),
-        jnp.arange(R, dtype=jnp.uint32)[:, None],
-        jnp.zeros(R, jnp.int32),
-    )
-    greedy_r = (jnp.zeros(R, jnp.float32), *top_p[1:2], jnp.ones(R, jnp.float32), *top_p[3:])
-    # Logits N(0, 1): so flat that top-p 0.9 keeps most of the vocabulary (the sampler's
-    # full-sort fallback); x8: a peaked distribution, as trained models give.
-    peaked = logits * 8.0
-
-    t_whole = _device_time(whole)
-    t_attn = _device_time(lambda: jax.block_until_ready(attn(q, llm.cache, md, md.decode_only)))
-    t_ragged = _device_time(lambda: jax.block_until_ready(attn(q, llm.cache, md, False)))
-    t_greedy = _device_time(
-        lambda: jax.block_until_ready(samp(logits, *greedy_r, greedy_only=True))
-    )
-    t_topp = _device_time(lambda: jax.block_until_ready(samp(logits, *top_p)))
-    t_topp_peaked = _device_time(lambda: jax.block_until_ready(samp(peaked, *top_p)))
-    t_free = _device_time(lambda: jax.block_until_ready(samp(logits, *top_p, sort_free=True)))
-    t_free_peaked = _device_time(
-        lambda: jax.block_until_ready(samp(peaked, *top_p, sort_free=True))
-    )
-    # the GPU's default way (the Pallas kernel, no conditional), where it compiles
-    t_kernel = t_kernel_peaked = None
-    if jax.default_backend() == "gpu":
-        t_kernel = _device_time(
-            lambda: jax.block_until_ready(samp(logits, *top_p, sort_free="pallas_gpu"))
-        )
-        t_kernel_peaked = _device_time(
-            lambda: jax.block_until_ready(samp(peaked, *top_p, sort_free="pallas_gpu"))
-        )
-    # the radix rounds' other layout ([R, 16, V]: a reduction per trial), side by side
-    from paged_jax.engine import sort_free
-
-    minor = sort_free.TRIALS_MINOR
-    sort_free.TRIALS_MINOR = not minor
-    try:
-        other = jax.jit(
-            lambda *a, **k: sample_rows(*a, **k), static_argnames=("greedy_only", "sort_free")
-        )
-        t_free_other = _device_time(
-            lambda: jax.block_until_ready(other(logits, *top_p, sort_free=True))
-        )
-    finally:
-        sort_free.TRIALS_MINOR = minor
-    return dict(
-        model=name,
-        backend=backend,
-        concurrency=c,
-        context=context,
-        tokens_bucket=int(T),
-        step_ms=1e3 * t_whole,
-        decode_only=md.decode_only,
-        attention_ms=1e3 * t_attn,
-        attention_ragged_kernel_ms=1e3 * t_ragged,
-        rest_of_model_ms=1e3 * (t_whole - t_attn - t_greedy),
-        sampler_greedy_ms=1e3 * t_greedy,
-        sampler_top_p_ms=1e3 * t_topp,
-        sampler_top_p_peaked_ms=1e3 * t_topp_peaked,
-        sampler_top_p_sort_free_ms=1e3 * t_free,
-        sampler_top_p_peaked_sort_free_ms=1e3 * t_free_peaked,
-        sampler_top_p_kernel_ms=None if t_kernel is None else 1e3 * t_kernel,
-        sampler_top_p_peaked_kernel_ms=None if t_kernel_peaked is None else 1e3 * t_kernel_peaked,
-        sort_free_trials_minor=minor,
-        sampler_top_p_sort_free_other_layout_ms=1e3 * t_free_other,
     )
 
 
@@ -1108,10 +651,10 @@ def main(argv=None) -> int:
                 print(f"{name} / {label} ...", flush=True)
                 try:
                     with (
-                        _decode_kernel(on),
-                        _sort_free(sort_free),
-                        _decode_prefetch(walk),
-                        _w8a16_kernel(w8),
+                        decode_kernel(on),
+                        sort_free_way(sort_free),
+                        decode_prefetch(walk),
+                        w8a16_kernel(w8),
                     ):
                         runs, llm = engine_runs(
                             model, name, label, args, layout, overlap, loras, quant

@@ -188,7 +188,7 @@ def _time(f, layers, x, repeats: int) -> float:
 
 
 def main(argv=None) -> int:
-    from benchmarks.bench_engine import SHAPE_FIELDS
+    from benchmarks.engine_roofline import SHAPE_FIELDS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPE_FIELDS))

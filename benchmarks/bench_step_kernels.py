@@ -153,7 +153,7 @@ def compile_step(fields: dict, variant: str, sharding, *, seqs: int, context: in
     import jax.numpy as jnp
     from flax import nnx
 
-    from benchmarks.bench_engine import abstract_decode_step
+    from benchmarks.engine_roofline import abstract_decode_step
     from paged_jax import models
 
     cfg = models.LlamaConfig(**fields)
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.layers[0] >= args.layers[1]:
         p.error(f"--layers: expected two counts, the first smaller, got {args.layers}")
-    from benchmarks.bench_engine import SHAPE_FIELDS
+    from benchmarks.engine_roofline import SHAPE_FIELDS
 
     if args.model not in SHAPE_FIELDS:
         p.error(f"--model: expected one of {', '.join(SHAPE_FIELDS)}, got {args.model!r}")

@@ -197,7 +197,7 @@ def test_engine_benchmark_kernel_ways_reach_the_next_trace(monkeypatch):
     # and out, so each way's engine traces its own step.
     import jax.numpy as jnp
 
-    from benchmarks.bench_engine import _decode_prefetch
+    from benchmarks.engine_switches import decode_prefetch
     from paged_jax.engine import runner
     from paged_jax.kernels.gpu import decode, tuning
 
@@ -209,25 +209,25 @@ def test_engine_benchmark_kernel_ways_reach_the_next_trace(monkeypatch):
     monkeypatch.setattr(runner._make_run, "cache_clear", lambda: cleared.append(1))
     default = tuning.DECODE_PREFETCH
     for way, expected in (("on", True), ("off", False)):
-        with _decode_prefetch(way):
+        with decode_prefetch(way):
             decode.decode_paged_attention(*args, interpret=True)
         assert seen[-1] is expected and tuning.DECODE_PREFETCH == default
     assert len(cleared) == 3, cleared  # in for each way, out for the one that changed it
-    with _decode_prefetch("default"):
+    with decode_prefetch("default"):
         decode.decode_paged_attention(*args, interpret=True)
     assert seen[-1] is default
     # --w8a16-kernel on/off: the model's platforms for the few-row product, restored after
-    from benchmarks.bench_engine import _w8a16_kernel
+    from benchmarks.engine_switches import w8a16_kernel
     from paged_jax.models.layers import KERNELS
 
     for way, inside in (("on", ("gpu",)), ("off", ()), ("default", ())):
-        with _w8a16_kernel(way):
+        with w8a16_kernel(way):
             assert KERNELS["w8a16"].platforms == inside
         assert KERNELS["w8a16"].platforms == ()
 
 
 def test_roofline_of_the_engine_workload():
-    from benchmarks.bench_engine import (
+    from benchmarks.engine_roofline import (
         SHAPE_FIELDS,
         device_peaks,
         prefill_flops,

@@ -5,7 +5,7 @@ weights made XLA copy each layer's slices before multiplying, every step (2.5x t
 bytes on an H100); ``hold_for_accelerator`` (what the engine does off the CPU) holds
 them per layer and unrolls the loop. These tests compile the decode step on the CPU
 from shapes alone, for SmolLM2-135M's and Llama-3-8B's configs, and read the bytes the
-analysis charges per byte of layer weights (``benchmarks.bench_engine.weight_reads``
+analysis charges per byte of layer weights (``benchmarks.engine_roofline.weight_reads``
 says how the double difference cancels what is not a weight read). f32: XLA:CPU turns
 bf16 products into f32 ones with converted copies of the weights, which an accelerator
 does not.
@@ -14,7 +14,7 @@ does not.
 import jax
 import pytest
 
-from benchmarks.bench_engine import SHAPE_FIELDS, weight_reads
+from benchmarks.engine_roofline import SHAPE_FIELDS, weight_reads
 
 
 def _on_cpu(**kw):
