@@ -31,6 +31,7 @@ def _interpret_kernel(monkeypatch, product: str) -> None:
         KERNELS, product, dataclasses.replace(KERNELS[product], platforms=("gpu", "cpu"))
     )
 
+
 def test_int8_error_is_within_half_a_scale():
     rng = np.random.default_rng(0)
     w = rng.normal(size=(3, 64, 40)).astype(np.float32) * rng.uniform(0.01, 3, size=40)

@@ -337,5 +337,3 @@ def inside_ignored_context(frame) -> bool:
 
 
 INTERRUPTS = Interrupts()
-
-

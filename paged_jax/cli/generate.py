@@ -221,5 +221,3 @@ def chat(args) -> int:
             flush=True,
         )
         conversation.append({"role": "assistant", "content": reply})
-
-

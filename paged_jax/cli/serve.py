@@ -118,5 +118,3 @@ def serve(args) -> int:
         else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()],
     )
     return 0
-
-

@@ -577,6 +577,7 @@ class LLM:
         data-parallel replicas."""
         return embed(self.engine, prompts, pooling=pooling, normalize=normalize)
 
+
 def _checked_options(*, checked, deterministic, async_scheduling, num_scheduler_steps,
                      preemption, max_loras, **positive) -> bool:  # fmt: skip
     """Checks ``LLM``'s plain options (naming the argument); returns ``checked`` with its

@@ -278,9 +278,7 @@ class _StreamState:
                 self.offsets.get(index, 0),
             )
             if not job.chat:
-                self.offsets[index] = self.offsets.get(index, 0) + sum(
-                    map(len, logprobs["tokens"])
-                )
+                self.offsets[index] = self.offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
         if job.chat:
             delta = {"role": "assistant"} if role else {}
             if reasoning:
