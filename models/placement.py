@@ -199,8 +199,7 @@ def shard(model, mesh: jax.sharding.Mesh):
         {
             "packed for the CPU kernels" if n.packed else "held for fp8 activations"
             for _, n in nnx.iter_graph(model)
-            if isinstance(n, (Linear, Embed))
-            and (n.packed or getattr(n, "fp8_activations", False))
+            if isinstance(n, (Linear, Embed)) and (n.packed or getattr(n, "fp8_activations", False))
         }
     )
     if held:

@@ -175,9 +175,7 @@ class Embed(nnx.Embed):
             return jnp.dot(query, table.T)
         if self._groups():  # int8 groups along E, [V, E]: dequantized first
             z = None if zero is None else zero.T
-            table = dequantize8(self.embedding[...].T, scale.T, z).astype(
-                self.dtype or jnp.float32
-            )
+            table = dequantize8(self.embedding[...].T, scale.T, z).astype(self.dtype or jnp.float32)
             query, table = self.promote_dtype((query, table), dtype=self.dtype)
             return jnp.dot(query, table)
         if not self.transposed and not self.quantized:
