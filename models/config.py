@@ -1,4 +1,5 @@
-"""Configuration of the decoders: Llama 2/3, Qwen2, Qwen3, Mistral, Gemma 2 and Gemma 3 (text)."""
+"""Configuration of the decoders: Llama 2/3, Qwen2, Qwen3, Mistral, Gemma 2 and Gemma 3 (text),
+and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
+_MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 _ACTIVATIONS = ("silu", "gelu_tanh")
@@ -88,6 +93,15 @@ class LlamaConfig:
       ``head_dim ** -0.5``).
     - ``attn_logit_softcap`` / ``final_logit_softcap``: scores / logits become
       ``cap * tanh(x / cap)``.
+
+    Mixtures of experts (``num_experts`` > 0; every layer's feed-forward block sparse,
+    ``models.layers.moe.SparseMoE``):
+
+    - ``num_experts``, ``num_experts_per_tok``: experts a layer, and how many a token takes.
+    - ``moe_intermediate_size``: an expert's width (default ``intermediate_size``).
+    - ``norm_topk_prob``: the chosen experts' probabilities divided by their sum.
+    - ``shared_expert_intermediate_size``: a shared expert of this width every token takes,
+      scaled by a sigmoid gate (Qwen2-MoE); 0: none.
     """
 
     vocab_size: int
@@ -115,6 +129,11 @@ class LlamaConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -183,11 +202,40 @@ class LlamaConfig:
                 not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0
             ):
                 raise ValueError(f"{name}: expected None or a number > 0, got {value!r}")
+        self._check_experts()
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"architecture: expected one of {SUPPORTED_ARCHITECTURES}, got "
                 f"{self.architecture!r}"
             )
+
+    def _check_experts(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+        if not self.num_experts:
+            if self.num_experts_per_tok or self.shared_expert_intermediate_size:
+                raise ValueError(
+                    "num_experts: 0 (a dense model), but num_experts_per_tok or "
+                    "shared_expert_intermediate_size is set"
+                )
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok: expected an int in [1, num_experts={self.num_experts}], "
+                f"got {self.num_experts_per_tok!r}"
+            )
+        width = self.moe_intermediate_size
+        if width is None:
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
+        elif not isinstance(width, int) or isinstance(width, bool) or width < 1:
+            raise ValueError(f"moe_intermediate_size: expected a positive int, got {width!r}")
+
+    @property
+    def sparse(self) -> bool:
+        """Whether the layers' feed-forward blocks are mixtures of experts."""
+        return self.num_experts > 0
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -242,7 +290,7 @@ class LlamaConfig:
         gemma = arch in _GEMMA
         theta, scaling, local_theta = _hf_rope(hf, arch)
         window, layer_types = _hf_windows(hf, arch)
-        if arch == "Qwen2ForCausalLM":
+        if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             qkv_bias, o_bias = True, False
         else:  # Llama, Mistral, Qwen3, Gemma: q/k/v/o biases together, off by default
             qkv_bias = o_bias = bool(hf.get("attention_bias", False))
@@ -260,6 +308,7 @@ class LlamaConfig:
                 "supported (silu, gelu_pytorch_tanh)"
             )
         eos = hf.get("eos_token_id")
+        experts = _hf_experts(hf, arch)
         missing = [k for k in _REQUIRED_HF_KEYS if k not in hf]
         if missing:
             raise ValueError(f"missing key(s) {', '.join(map(repr, missing))}")
@@ -280,7 +329,7 @@ class LlamaConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             sliding_window=window,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             layer_types=None if layer_types is None else tuple(layer_types),
             local_rope_theta=local_theta,
             hidden_act=act,
@@ -294,6 +343,7 @@ class LlamaConfig:
             ),
             attn_logit_softcap=_optional(hf, "attn_logit_softcapping", 50.0 if gemma2 else None),
             final_logit_softcap=_optional(hf, "final_logit_softcapping", 30.0 if gemma2 else None),
+            **experts,
             architecture=arch,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
@@ -314,6 +364,9 @@ def _hf_architecture(hf: dict) -> str:
             "mistral": "MistralForCausalLM",
             "gemma2": "Gemma2ForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM",
+            "mixtral": "MixtralForCausalLM",
+            "qwen2_moe": "Qwen2MoeForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM",
         }.get(hf.get("model_type"))
     )
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -357,9 +410,9 @@ def _hf_rope(hf: dict, arch: str) -> tuple:
 def _hf_windows(hf: dict, arch: str) -> tuple:
     """``(sliding window or None, layer types or None)`` of a Hugging Face config."""
     window, layer_types = None, None
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         window = hf.get("sliding_window")
-    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
+    elif arch in _QWEN and hf.get("use_sliding_window"):
         types = hf.get("layer_types") or []
         if any(t != "sliding_attention" for t in types):
             raise ValueError(
@@ -379,6 +432,51 @@ def _hf_windows(hf: dict, arch: str) -> tuple:
                 for i in range(hf["num_hidden_layers"])
             ]
     return window, layer_types
+
+
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def _hf_experts(hf: dict, arch: str) -> dict:
+    """The ``LlamaConfig`` fields of a Hugging Face mixture of experts (none for a dense
+    architecture). Raises ValueError naming the key for a layout not supported: dense
+    layers among the sparse ones (``mlp_only_layers``, ``decoder_sparse_step``)."""
+    if arch not in _MOE:
+        return {}
+    if arch == "MixtralForCausalLM":
+        return dict(
+            num_experts=hf.get("num_local_experts", 8),
+            num_experts_per_tok=hf.get("num_experts_per_tok", 2),
+            moe_intermediate_size=hf.get("intermediate_size"),
+            norm_topk_prob=True,
+        )
+    if hf.get("mlp_only_layers"):
+        raise ValueError(
+            f"mlp_only_layers: {hf['mlp_only_layers']!r}: dense layers among the sparse ones "
+            "are not supported yet (every layer must be a mixture of experts)"
+        )
+    step = hf.get("decoder_sparse_step", 1)
+    if step != 1:
+        raise ValueError(
+            f"decoder_sparse_step: {step!r}: dense layers among the sparse ones are not "
+            "supported yet (only 1: every layer a mixture of experts)"
+        )
+    # (transformers 5 writes Qwen3-MoE's num_experts as num_local_experts)
+    given = {k: hf[k] for k in ("num_experts", "num_local_experts") if k in hf}
+    if len(set(map(repr, given.values()))) > 1:
+        raise ValueError(f"num_experts: the config gives two counts, {given}")
+    num = next(iter(given.values()), 60 if arch == "Qwen2MoeForCausalLM" else 128)
+    if num == 0:
+        raise ValueError(f"num_experts: 0 in a {arch} config (a dense model)")
+    return dict(
+        num_experts=num,
+        num_experts_per_tok=hf.get("num_experts_per_tok", 4 if "Qwen2" in arch else 8),
+        moe_intermediate_size=hf.get("moe_intermediate_size"),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=(
+            hf.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
+        ),
+    )
 
 
 def _rope(src: dict, default_theta: float) -> tuple[float, Any]:

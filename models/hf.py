@@ -46,6 +46,46 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
     return f"{name}.{leaf}", False  # norm weights, biases
 
 
+# A mixture's expert weights: our [L, X, in, out] stacks, one HF tensor [out, in] per
+# layer and expert (``_expert_names``).
+_EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+# Mixtral's names for the sparse block and its experts' projections (Qwen's are ours).
+_MIXTRAL = (
+    (".mlp.gate.", ".block_sparse_moe.gate."),
+    (".mlp.experts.", ".block_sparse_moe.experts."),
+)
+_MIXTRAL_EXPERT = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _is_expert_weight(path: tuple) -> bool:
+    parts = [str(x) for x in path]
+    return len(parts) >= 3 and parts[-2] == "experts" and parts[-1] in _EXPERT_WEIGHTS
+
+
+def _family_name(name: str, arch: str) -> str:
+    """An HF tensor name as ``_hf_name`` gives it (Llama's and Qwen's), in ``arch``'s own
+    naming (Mixtral's sparse block)."""
+    if arch != "MixtralForCausalLM":
+        return name
+    for ours, theirs in _MIXTRAL:
+        name = name.replace(ours, theirs)
+    for ours, theirs in _MIXTRAL_EXPERT.items():
+        name = name.replace(f".{ours}.weight", f".{theirs}.weight") if ".experts." in name else name
+    return name
+
+
+def _expert_names(path: tuple, layers: int, experts: int, arch: str) -> list[tuple[str, bool]]:
+    """The HF tensors of expert weight ``path`` (``("layers", "mlp", "experts",
+    "gate_proj")``), layer by layer and expert by expert, each stored ``[out, in]``."""
+    *mod, leaf = (str(x) for x in path[1:])
+    return [
+        (_family_name(".".join(["model.layers", str(i), *mod, str(e), leaf, "weight"]), arch), True)
+        for i in range(layers)
+        for e in range(experts)
+    ]
+
+
 def _weight_files(root: pathlib.Path) -> list[pathlib.Path]:
     index = root / "model.safetensors.index.json"
     if index.exists():
@@ -264,13 +304,19 @@ def build_model(
     )
     graphdef, abstract_state = nnx.split(abstract)
     b = _Builder(cfg, tensors, source, param_dtype, mesh, int4_blocks, quantized8, rotated8)
+    arch = cfg.architecture
     for p, var in nnx.to_flat_state(abstract_state):
         expected = tuple(var.get_value().shape)
+        if _is_expert_weight(p):  # [L, X, in, out]: one tensor per layer and expert
+            names = _expert_names(p, cfg.num_layers, cfg.num_experts, arch)
+            b.filled.append((p, var.replace(b.experts(p, names, expected))))
+            continue
         stacked = str(p[0]) == "layers"  # [L, ...]: one tensor per layer in the checkpoint
         if stacked:
             names = [_hf_name(("layers", i, *p[1:])) for i in range(cfg.num_layers)]
         else:
             names = [_hf_name(p)]
+        names = [(_family_name(n, arch), t) for n, t in names]
         want = expected[1:] if stacked else expected
         for take in (b.kept_int4, b.kept_int8, b.mixed_groups, b.floats):
             value = take(p, names, want, stacked)
@@ -372,9 +418,10 @@ class _Builder:
         release_freed_memory()
         return jax.device_put(kernel)
 
-    def floats(self, p, names, want, stacked):
+    def floats(self, p, names, want, stacked, shard=True):
         """A parameter in float: the checkpoint's tensors (kept blocks with a mesh, or
-        beside float layers, dequantized), checked, stacked, cast and placed."""
+        beside float layers, dequantized), checked, stacked, cast and placed (on one
+        device with ``shard=False``)."""
         tensors, source = self.tensors, self.source
         for n, _ in names:
             self._dequantize_kept(n)
@@ -395,13 +442,37 @@ class _Builder:
             stacked,
             dtype=self.param_dtype,
         )
-        if self.sharding is None:
+        if self.sharding is None or not shard:
             value = jax.device_put(host)
         else:
             host = pad_vocab(p, host, tensor_parallel_size(self.mesh))
             value = place(host, self.sharding(p, host.ndim))
         release_freed_memory()  # the per-layer tensors just copied and dropped
         return value
+
+    def experts(self, p, names, expected: tuple):
+        """A mixture's expert weight ``[L, X, in, out]`` from one float tensor per layer
+        and expert (``names``, in that order), checked, stacked, cast and placed. Raises
+        ValueError naming a missing or mis-shaped tensor: a checkpoint holding fewer
+        experts than the config's ``num_experts`` names the first one missing."""
+        self._check_expert_count(expected[1])
+        for n, _ in names:
+            self._dequantize_kept(n)
+        flat = self.floats(("experts",), names, expected[2:], True, shard=False)
+        value = flat.reshape(expected)
+        if self.sharding is not None:  # (each device its slice of every expert)
+            value = jax.device_put(value, self.sharding(p, value.ndim))
+        return value
+
+    def _check_expert_count(self, experts: int) -> None:
+        """ValueError naming ``num_experts`` where the checkpoint's experts (the distinct
+        ``experts.N`` of its tensors' names) are not ``experts`` of them."""
+        held = {int(m.group(1)) for n in self.tensors if (m := _EXPERT_INDEX.search(n))}
+        if held and held != set(range(experts)):
+            raise ValueError(
+                f"{self.source}: num_experts: the config says {experts} experts a layer, the "
+                f"checkpoint holds experts {min(held)}-{max(held)} ({len(held)} of them)"
+            )
 
     def _dequantize_kept(self, n: str) -> None:
         """Tensor ``n`` in f32 where it came kept (4-bit or 8-bit groups)."""
@@ -604,6 +675,12 @@ def to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
             value = functools.reduce(lambda node, part: getattr(node, str(part)), p[:-1], model)
             value = value.weight()
         value = np.asarray(value)
+        arch = model.config.architecture
+        if _is_expert_weight(p):  # [L, X, in, out]: a tensor per layer and expert
+            names = _expert_names(p, value.shape[0], value.shape[1], arch)
+            for (name, _), v in zip(names, value.reshape(-1, *value.shape[2:]), strict=True):
+                out[name] = np.ascontiguousarray(v.T)
+            continue
         parts = [(p, value)]
         if len(p) >= 2 and str(p[-2]) in FUSED:  # hold_for_accelerator's fused products
             node = functools.reduce(lambda n, part: getattr(n, str(part)), p[:-1], model)
@@ -615,5 +692,5 @@ def to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
             per_layer = enumerate(value) if str(path[0]) == "layers" else [(None, value)]
             for i, v in per_layer:
                 name, transposed = _hf_name(path if i is None else ("layers", i, *path[1:]))
-                out[name] = np.ascontiguousarray(v.T if transposed else v)
+                out[_family_name(name, arch)] = np.ascontiguousarray(v.T if transposed else v)
     return out

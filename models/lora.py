@@ -55,6 +55,15 @@ from .config import LlamaConfig
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+ATTENTION_TARGETS = TARGETS[:4]
+
+
+def targets_of(cfg: LlamaConfig) -> tuple[str, ...]:
+    """The projections of ``cfg``'s layers an adapter may reach: all of ``TARGETS``, or
+    for a mixture of experts the attention's (its feed-forward blocks are experts)."""
+    return ATTENTION_TARGETS if cfg.sparse else TARGETS
+
+
 def target_shape(cfg: LlamaConfig, target: str) -> tuple[int, int]:
     """``(in, out)`` of projection ``target`` of ``cfg``'s layers."""
     E, F = cfg.hidden_size, cfg.intermediate_size
@@ -89,7 +98,8 @@ def load_adapter(path: str | pathlib.Path, cfg: LlamaConfig, name: str | None = 
     ``LoraAdapter``. Raises FileNotFoundError for missing files and ValueError naming the
     field or tensor for what does not fit: another PEFT type, DoRA, biases,
     ``fan_in_fan_out``, ``modules_to_save``, per-module ranks, a target that is not one
-    of ``TARGETS``, a layer or a shape the model does not have."""
+    of ``targets_of(cfg)`` (a mixture's feed-forward targets named so), a layer or a shape
+    the model does not have."""
     root = pathlib.Path(path)
     cfg_file, weights_file = root / "adapter_config.json", root / "adapter_model.safetensors"
     for f in (cfg_file, weights_file):
@@ -127,10 +137,15 @@ def load_adapter(path: str | pathlib.Path, cfg: LlamaConfig, name: str | None = 
         if m is None:
             raise ValueError(f"{weights_file}: tensor {tname!r} is not a LoRA A or B weight")
         layer, target, ab = int(m.group(1)), m.group(2), m.group(3)
-        if target not in TARGETS:
+        if target not in targets_of(cfg):
+            why = (
+                "a mixture of experts' feed-forward blocks take no adapters; its targets are "
+                if target in TARGETS
+                else "not one of "
+            )
             raise ValueError(
-                f"{weights_file}: tensor {tname!r}: target {target!r} is not one of "
-                f"{', '.join(TARGETS)}"
+                f"{weights_file}: tensor {tname!r}: target {target!r}: {why}"
+                f"{', '.join(targets_of(cfg))}"
             )
         if layer >= L:
             raise ValueError(f"{weights_file}: tensor {tname!r}: the model has {L} layers")
@@ -143,7 +158,7 @@ def load_adapter(path: str | pathlib.Path, cfg: LlamaConfig, name: str | None = 
             )
         parts.setdefault((target, ab), {})[layer] = np.asarray(value, np.float32)
     weights = {}
-    for target in TARGETS:
+    for target in targets_of(cfg):
         a_of, b_of = parts.get((target, "A"), {}), parts.get((target, "B"), {})
         if set(a_of) != set(b_of):
             only = sorted(set(a_of) ^ set(b_of))
@@ -192,10 +207,11 @@ class LoraBank(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, slots: int, rank: int, dtype):
         self.slots, self.rank = slots, rank
-        self.groups = PER_TARGET
-        self.widths = tuple((t, target_shape(cfg, t)) for t in TARGETS)  # (in, out)
+        self.targets = targets_of(cfg)
+        self.groups = tuple((t, (t,)) for t in self.targets)
+        self.widths = tuple((t, target_shape(cfg, t)) for t in self.targets)  # (in, out)
         L, width = cfg.num_layers, slots * rank
-        for t in TARGETS:
+        for t in self.targets:
             fan_in, fan_out = target_shape(cfg, t)
             setattr(self, f"a_{t}", LoraWeight(jnp.zeros((L, fan_in, width), dtype)))
             setattr(self, f"b_{t}", LoraWeight(jnp.zeros((L, width, fan_out), dtype)))
@@ -215,8 +231,10 @@ class LoraBank(nnx.Module):
             raise ValueError("groups: the bank is split by layer already; regroup before")
         if any(len(ts) != 1 for _, ts in self.groups):
             raise ValueError("groups: the bank is grouped already; regroup from one a target")
-        if sorted(t for _, ts in groups for t in ts) != sorted(TARGETS):
-            raise ValueError(f"groups: expected each of {', '.join(TARGETS)} once, got {groups}")
+        if sorted(t for _, ts in groups for t in ts) != sorted(self.targets):
+            raise ValueError(
+                f"groups: expected each of {', '.join(self.targets)} once, got {groups}"
+            )
         for name, ts in groups:
             if len(ts) == 1:
                 continue

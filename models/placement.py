@@ -101,7 +101,7 @@ def hold_for_accelerator(model, *, fp8_activations: bool | None = None):
             if isinstance(node, Linear) and node.quantized == "fp8":
                 node.hold_fp8_activations()
         attn, mlp = model.layers.self_attn, model.layers.mlp
-        for node in (getattr(attn, "qkv_proj", None), attn.o_proj, mlp.down_proj):
+        for node in (getattr(attn, "qkv_proj", None), attn.o_proj, getattr(mlp, "down_proj", None)):
             if node is not None:
                 node.fp8_rows_kernel = node.fp8_activations
     if model.lm_head is None:

@@ -2,9 +2,11 @@
 
 q, k, v, gate and up are split by their outputs (heads and MLP columns), o and down by
 their inputs, so a layer needs two all-reduces (after o, after down) and no other
-communication; the embedding table and an untied LM head are split by vocabulary;
-norms are replicated. With the cache split along KV heads (``paged_jax.sharding``), a
-device's query heads meet exactly their KV heads.
+communication; a mixture's experts are split the same way, each expert's width over the
+devices (every device holds a slice of every expert; the router is replicated); the
+embedding table and an untied LM head are split by vocabulary; norms are replicated.
+With the cache split along KV heads (``paged_jax.sharding``), a device's query heads
+meet exactly their KV heads.
 """
 
 from __future__ import annotations
@@ -75,6 +77,12 @@ def weight_spec(path: tuple, ndim: int, *, replicate_kv: bool = False) -> P:
     every KV head and keeps the one its query heads read)."""
     names = _names(path)
     leaf = names[-1]
+    if len(names) >= 2 and names[-2] == "experts":  # [L, X, in, out]: each expert's width split
+        return (
+            P(None, None, None, TENSOR_AXIS)
+            if leaf != "down_proj"
+            else P(None, None, TENSOR_AXIS, None)
+        )
     if names[0] == "embed_tokens":  # [V, E]; quantized: scale [V] or [V, E / G] alike
         return P(TENSOR_AXIS, *([None] * (ndim - 1)))
     if names[0] == "lm_head":  # kernel [E, V], bias [V], scale [V] or [E / G, V]
@@ -102,10 +110,14 @@ def sharder(cfg: Any, mesh: jax.sharding.Mesh) -> Callable[[tuple, int], NamedSh
     divide is padded (``pad_vocab``; the loaders and ``shard_model`` pad it)."""
     tp = tensor_parallel_size(mesh)
     check_divides(cfg.num_heads, cfg.num_kv_heads, tp)
-    if cfg.intermediate_size % tp:
-        raise ValueError(
-            f"tensor_parallel_size: {tp} must divide intermediate_size={cfg.intermediate_size}"
-        )
+    widths = {"intermediate_size": cfg.intermediate_size}
+    if cfg.sparse:  # (a mixture's intermediate_size is unused but Mixtral's expert width)
+        widths = {"moe_intermediate_size": cfg.moe_intermediate_size}
+        if cfg.shared_expert_intermediate_size:
+            widths["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    for name, width in widths.items():
+        if width % tp:
+            raise ValueError(f"tensor_parallel_size: {tp} must divide {name}={width}")
     replicate_kv = kv_head_replicas(cfg.num_kv_heads, tp) > 1
     return lambda path, ndim: NamedSharding(
         mesh, weight_spec(path, ndim, replicate_kv=replicate_kv)

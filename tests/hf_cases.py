@@ -27,7 +27,15 @@ MODEL_CLASSES = {
     # two sliding layers per global one over 5 layers (a partial group at the end), local
     # and global RoPE bases, linear RoPE scaling on the global layers, QK-norm
     "gemma3": "Gemma3ForCausalLM",
+    # mixtures of experts: 4 experts, top 2, renormalized
+    "mixtral": "MixtralForCausalLM",
+    # a shared expert with its sigmoid gate, q/k/v biases, top-2 weights not renormalized
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    # 8 experts, top 2 renormalized, QK-norm, head_dim not hidden / heads
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# The mixtures: their golden files also hold the routers' inputs and choices
+MOE = ("mixtral", "qwen2moe", "qwen3moe")
 # Gemma's RMSNorm weights start at 0 (the scale is 1 + w): randomized too, or the golden
 # files would not see the offset.
 RANDOM_NORMS = ("gemma2", "gemma3")
@@ -101,7 +109,56 @@ def hf_config(transformers, name: str):
             },
             tie_word_embeddings=False,
         )
+    if name == "mixtral":
+        return transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
+    if name == "qwen2moe":
+        return transformers.Qwen2MoeConfig(
+            **COMMON,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+        )
+    if name == "qwen3moe":
+        return transformers.Qwen3MoeConfig(
+            **COMMON,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            head_dim=16,
+            norm_topk_prob=True,
+        )
     raise KeyError(name)
+
+
+def router_choices(ref, prompt):
+    """A mixture's routers on ``prompt``: ``(inputs f32[L, T, E], experts i32[L, T, K])``,
+    each layer's sparse block's input and the experts its router chose (transformers'
+    order: by weight, descending), caught by hooks on ``model.layers[i].mlp``."""
+    import numpy as np
+    import torch
+
+    layers = ref.model.layers
+    inputs, chosen = [None] * len(layers), [None] * len(layers)
+    hooks = []
+    for i, layer in enumerate(layers):
+
+        def keep_input(module, args, i=i):
+            inputs[i] = args[0].reshape(-1, args[0].shape[-1]).numpy().astype(np.float32)
+
+        def keep_choice(module, args, out, i=i):
+            chosen[i] = out[2].numpy().astype(np.int32)
+
+        hooks.append(layer.mlp.register_forward_pre_hook(keep_input))
+        hooks.append(layer.mlp.gate.register_forward_hook(keep_choice))
+    try:
+        with torch.no_grad():
+            ref(torch.tensor([prompt]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return np.stack(inputs), np.stack(chosen)
 
 
 def hf_greedy(hf, prompt, n):
@@ -127,7 +184,8 @@ def hf_greedy(hf, prompt, n):
 def golden_arrays(ref, new_tokens: int) -> dict:
     """What a golden.npz holds for reference model ``ref`` (transformers, with or without
     a peft adapter): ``logits`` (f32[T, V], every position of the "long" prompt) and
-    ``greedy_<prompt>`` (i32[new_tokens], ``hf_greedy``) for each of ``PROMPTS``."""
+    ``greedy_<prompt>`` (i32[new_tokens], ``hf_greedy``) for each of ``PROMPTS``; for a
+    mixture also ``router_inputs`` and ``router_choices`` (``router_choices``, "long")."""
     import numpy as np
     import torch
 
@@ -136,4 +194,6 @@ def golden_arrays(ref, new_tokens: int) -> dict:
     arrays = {"logits": logits}
     for key, prompt in PROMPTS.items():
         arrays[f"greedy_{key}"] = np.asarray(hf_greedy(ref, prompt, new_tokens), np.int32)
+    if hasattr(ref.model.layers[0].mlp, "gate") and hasattr(ref.model.layers[0].mlp, "experts"):
+        arrays["router_inputs"], arrays["router_choices"] = router_choices(ref, PROMPTS["long"])
     return arrays

@@ -1,7 +1,8 @@
 """Parity with Hugging Face transformers through golden files (no torch needed).
 
 tests/golden/hf holds tiny Llama, Llama-3 (rope scaling, tied head, attention bias), Qwen2,
-Mistral (sliding window), Qwen3 (QK-norm), Gemma 2 and Gemma 3 checkpoints written by
+Mistral (sliding window), Qwen3 (QK-norm), Gemma 2, Gemma 3 and the mixtures of experts
+Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE checkpoints written by
 transformers' ``save_pretrained``, with the prompt logits and greedy tokens transformers
 computed from them
 (tests/golden/regenerate_hf.py). Here they are loaded with ``models.load_hf`` and run in
@@ -15,7 +16,7 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_cases import MODEL_CLASSES, PROMPTS
+from hf_cases import MODEL_CLASSES, MOE, PROMPTS
 from model_helpers import (
     PagedGreedy,
     greedy_batch_fork_and_prefix_hit,
@@ -50,6 +51,20 @@ def test_greedy_batch_fork_and_prefix_match_transformers(variant):
         assert out[k] == golden[f"greedy_{k}"].tolist(), f"{name}/{k}"
     assert out["twin"] == golden["greedy_mid"].tolist(), f"{name}/twin"
     assert computed == 3, "the pages shared with 'mid' were prefilled again"
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_routers_choose_the_experts_transformers_chose(name):
+    """Each layer's router, given the input transformers' sparse block got on the "long"
+    prompt, picks the same experts in the same order (by weight, descending)."""
+    model, _ = load_hf(GOLDEN / name, dtype=jnp.float32)
+    golden = np.load(GOLDEN / name / "golden.npz")
+    inputs, chosen = golden["router_inputs"], golden["router_choices"]
+    assert inputs.shape[:2] == (model.config.num_layers, len(PROMPTS["long"]))
+    for i in range(model.config.num_layers):
+        weights, ids = model.layer(i).mlp.choices(jnp.asarray(inputs[i]))
+        np.testing.assert_array_equal(np.asarray(ids), chosen[i], err_msg=f"{name} layer {i}")
+        assert np.all(np.diff(np.asarray(weights), axis=-1) <= 0), "weights not descending"
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import pathlib
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_cases import MODEL_CLASSES, PROMPTS, hf_config, hf_greedy, randomize
+from hf_cases import MODEL_CLASSES, MOE, PROMPTS, hf_config, hf_greedy, randomize, router_choices
 from model_helpers import greedy_batch_fork_and_prefix_hit, paged_prompt_logits
 
 from paged_jax.models import load_hf
@@ -31,17 +31,22 @@ def libs():
     )
 
 
-@pytest.fixture(scope="module", params=list(MODEL_CLASSES))
-def pair(request, tmp_path_factory, libs):
+def _built(name, tmp_path_factory, libs):
+    """(transformers' model of variant ``name``, ours loaded from its saved checkpoint)."""
     transformers, torch = libs
     torch.manual_seed(100)
-    cfg = hf_config(transformers, request.param)
-    hf = getattr(transformers, MODEL_CLASSES[request.param])(cfg).eval()
-    randomize(hf, request.param)
-    path = tmp_path_factory.mktemp(request.param)
+    cfg = hf_config(transformers, name)
+    hf = getattr(transformers, MODEL_CLASSES[name])(cfg).eval()
+    randomize(hf, name)
+    path = tmp_path_factory.mktemp(name)
     hf.save_pretrained(path)
     model, _ = load_hf(path, dtype=jnp.float32)
-    return request.param, hf, model
+    return hf, model
+
+
+@pytest.fixture(scope="module", params=list(MODEL_CLASSES))
+def pair(request, tmp_path_factory, libs):
+    return request.param, *_built(request.param, tmp_path_factory, libs)
 
 
 def test_prompt_logits_match(pair, libs):
@@ -60,6 +65,15 @@ def test_greedy_batch_fork_and_prefix_match_transformers(pair):
         assert out[k] == hf_greedy(hf, PROMPTS[k], 32), f"{name}/{k}"
     assert out["twin"] == out["mid"], f"{name}/twin"
     assert computed == 3, "the pages shared with 'mid' were prefilled again"
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_routers_choose_as_transformers_does(name, tmp_path_factory, libs):
+    hf, model = _built(name, tmp_path_factory, libs)
+    inputs, chosen = router_choices(hf, PROMPTS["long"])
+    for i in range(model.config.num_layers):
+        _, ids = model.layer(i).mlp.choices(jnp.asarray(inputs[i]))
+        np.testing.assert_array_equal(np.asarray(ids), chosen[i], err_msg=f"{name} layer {i}")
 
 
 @pytest.mark.parametrize("name", list(MODEL_CLASSES))

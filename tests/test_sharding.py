@@ -41,6 +41,14 @@ def _check_steps(out: dict) -> None:
         assert r["all_reduces"] > 0, (name, r)  # the partial sums after o and down do
 
 
+def test_a_mixture_of_experts_on_a_tensor_parallel_mesh_equals_one_device():
+    """Each expert's width split over 2 and 4 devices (and the shared expert's), the
+    router replicated: the logits and greedy tokens of one device, the pool never moved."""
+    out = _worker("tp_worker.py", "xla", "moe-4:2,4")
+    assert set(out) == {"moe-4/tp2", "moe-4/tp4"} and not [r for r in out.values() if "error" in r]
+    _check_steps(out)
+
+
 @pytest.mark.slow  # 23-32 s; .ci/run runs it
 def test_a_vocabulary_the_mesh_does_not_divide_is_padded():
     """Issue 51, item 5: a vocabulary of 211 was refused at tp 2, 4 and 8. Padded as

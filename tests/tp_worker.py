@@ -3,7 +3,8 @@ count is fixed when JAX starts): a paged step under tensor parallelism against o
 
     python tests/tp_worker.py BACKEND MODEL:TP[,TP...] [MODEL:TP...]
 
-MODEL is tiny-llama (4 query, 2 KV heads), gqa-8-4, gqa-8-2 or vocab-211. Prints one JSON line."""
+MODEL is tiny-llama (4 query, 2 KV heads), gqa-8-4, gqa-8-2, vocab-211 or moe-4. Prints one
+JSON line."""
 
 import dataclasses
 import json
@@ -75,6 +76,14 @@ CONFIGS = {
     "gqa-8-2": gqa_config(2),
     # a vocabulary no tensor-parallel size divides: padded (models.sharding.pad_vocab)
     "vocab-211": dataclasses.replace(gqa_config(2), vocab_size=211),
+    # a mixture of experts with a shared expert: each expert's width split over the mesh
+    "moe-4": dataclasses.replace(
+        gqa_config(4),
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    ),
 }
 
 

@@ -7,6 +7,7 @@ device is ``models.placement``'s."""
 from .embed import Embed
 from .kernels import KERNELS, KernelChoice, use_kernel
 from .linear import FUSED, LAYER, ROWS, Linear, Packed, fp8_units, fuse_linears, make_linear
+from .mlp import MLP
 from .norms import RMSNorm, soft_cap
 from .rope import apply_rope, rope_inv_freq
 
@@ -18,6 +19,7 @@ __all__ = [
     "Embed",
     "KernelChoice",
     "Linear",
+    "MLP",
     "Packed",
     "RMSNorm",
     "apply_rope",

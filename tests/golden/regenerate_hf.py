@@ -6,7 +6,7 @@ it needs neither torch nor transformers; ``pytest -m hf`` (tests/test_hf_parity.
 the same comparison live. Run from the repository root, with transformers and a CPU torch
 installed::
 
-    python tests/golden/regenerate_hf.py
+    python tests/golden/regenerate_hf.py [VARIANT ...]   # default: every variant
 
 Each variant directory holds ``config.json``, ``model.safetensors`` (bf16 weights, about
 40 KB) and ``golden.npz``: ``logits`` (f32[T, V], every position of the "long" prompt,
@@ -39,7 +39,13 @@ def main() -> None:
     import torch
     import transformers
 
-    for seed, name in enumerate(MODEL_CLASSES):
+    only = set(sys.argv[1:])
+    unknown = only - set(MODEL_CLASSES)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {list(MODEL_CLASSES)}")
+    for seed, name in enumerate(MODEL_CLASSES):  # (each variant's seed whatever is asked)
+        if only and name not in only:
+            continue
         torch.manual_seed(seed)
         cfg = hf_config(transformers, name)
         hf = getattr(transformers, MODEL_CLASSES[name])(cfg).eval()
@@ -53,9 +59,17 @@ def main() -> None:
         np.savez_compressed(out / "golden.npz", **golden_arrays(ref, NEW_TOKENS))
         size = sum(f.stat().st_size for f in out.iterdir())
         print(f"{name}: {size / 1024:.0f} KB, vocab {COMMON['vocab_size']}")
-    (HERE / "VERSIONS").write_text(
-        f"transformers {transformers.__version__}\ntorch {torch.__version__}\n"
+    # one line a variant: what wrote its files
+    versions = HERE / "VERSIONS"
+    lines = (
+        dict(line.split(": ", 1) for line in versions.read_text().splitlines() if ": " in line)
+        if versions.exists()
+        else {}
     )
+    for name in MODEL_CLASSES:
+        if not only or name in only:
+            lines[name] = f"transformers {transformers.__version__}, torch {torch.__version__}"
+    versions.write_text("".join(f"{n}: {lines[n]}\n" for n in MODEL_CLASSES if n in lines))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,357 @@
+"""Mixtures of experts: the router, the experts' products each way, the families' configs
+and checkpoints, and the engine's features on a sparse model.
+
+Parity with transformers (logits, greedy tokens, forks, prefix hits, the routers'
+choices) is tests/test_hf_golden.py's, on the golden Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""
+
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_cases import PROMPTS
+from safetensors.numpy import load_file, save_file
+
+import paged_jax as pj
+from paged_jax.models import LlamaConfig, LlamaForCausalLM, load_hf
+from paged_jax.models.layers import moe
+
+GOLDEN = pathlib.Path(__file__).resolve().parent / "golden" / "hf"
+
+
+def _np_route(logits, k, normalize, scoring="softmax"):
+    """Route as transformers does it, in numpy float64 (a stable sort: ties by index)."""
+    logits = np.asarray(logits, np.float64)
+    if scoring == "topk_softmax":
+        ids = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+        top = np.take_along_axis(logits, ids, -1)
+        w = np.exp(top - top.max(-1, keepdims=True))
+        return w / w.sum(-1, keepdims=True), ids
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ids = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, ids, -1)
+    return (w / w.sum(-1, keepdims=True) if normalize else w), ids
+
+
+def _np_experts(x, w, ids, gate, up, down, gelu=False):
+    """The reference: token by token, expert by expert, in float64."""
+    x, gate, up, down = (np.asarray(a, np.float64) for a in (x, gate, up, down))
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(ids[t]):
+            g = x[t] @ gate[e]
+            a = (
+                0.5 * g * (1 + np.tanh(0.7978845608 * (g + 0.044715 * g**3)))
+                if gelu
+                else g / (1 + np.exp(-g))
+            )
+            out[t] += w[t, j] * ((a * (x[t] @ up[e])) @ down[e])
+    return out
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "topk_softmax"])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_route_picks_the_top_k_and_weighs_them_as_transformers(k, normalize, scoring):
+    rng = np.random.default_rng(k)
+    logits = rng.normal(size=(13, 8)).astype(np.float32) * 3
+    logits[0, :4] = 1.0  # ties: the lower index first
+    w, ids = moe.route(jnp.asarray(logits), k, normalize=normalize, scoring=scoring)
+    ref_w, ref_ids = _np_route(logits, k, normalize, scoring)
+    np.testing.assert_array_equal(np.asarray(ids), ref_ids)
+    np.testing.assert_allclose(np.asarray(w), ref_w, rtol=2e-6, atol=1e-7)
+    assert ids.dtype == jnp.int32 and w.dtype == jnp.float32
+    if normalize or scoring == "topk_softmax":
+        np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-6)
+
+
+def test_route_refuses_an_unknown_scoring():
+    with pytest.raises(ValueError, match="scoring: expected"):
+        moe.route(jnp.zeros((2, 4)), 2, normalize=True, scoring="sigmoid!")
+
+
+@pytest.mark.parametrize("way", moe.EXPERT_PRODUCTS)
+@pytest.mark.parametrize(
+    "tokens, experts, k, gelu",
+    [(1, 4, 2, False), (5, 8, 2, True), (17, 4, 4, False), (9, 6, 1, False)],
+)
+def test_each_way_computes_the_weighted_sum_of_the_chosen_experts(way, tokens, experts, k, gelu):
+    rng = np.random.default_rng(tokens * 10 + experts)
+    H, F = 12, 20
+    x = rng.normal(size=(tokens, H)).astype(np.float32)
+    gate, up = (rng.normal(size=(experts, H, F)).astype(np.float32) * 0.3 for _ in range(2))
+    down = rng.normal(size=(experts, F, H)).astype(np.float32) * 0.3
+    w, ids = _np_route(rng.normal(size=(tokens, experts)), k, True)
+    got = moe.expert_products(
+        jnp.asarray(x), jnp.asarray(w, jnp.float32), jnp.asarray(ids, jnp.int32),
+        jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down), way=way, gelu=gelu,
+    )  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(got), _np_experts(x, w, ids, gate, up, down, gelu), rtol=2e-5, atol=2e-5
+    )
+
+
+def test_a_way_is_chosen_per_platform_and_overridden_by_expert_way():
+    assert moe.current_way() == moe.EXPERT_WAYS["cpu"]
+    with moe.expert_way("gather"):
+        assert moe.current_way() == "gather"
+    assert moe.current_way() == moe.EXPERT_WAYS["cpu"]
+    with pytest.raises(ValueError, match="way: expected one of"), moe.expert_way("loop"):
+        pass
+
+
+def _tiny(**kw) -> LlamaConfig:
+    fields = dict(
+        vocab_size=320, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+        num_kv_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        architecture="Qwen3MoeForCausalLM", qk_norm=True, max_position_embeddings=256,
+    )  # fmt: skip
+    return LlamaConfig(**{**fields, **kw})
+
+
+def test_the_sparse_block_adds_its_gated_shared_expert():
+    from flax import nnx
+
+    cfg = _tiny(shared_expert_intermediate_size=24, architecture="Qwen2MoeForCausalLM")
+    block = LlamaForCausalLM(cfg, rngs=nnx.Rngs(3)).layer(0).mlp
+    x = jax.random.normal(jax.random.key(0), (6, 32))
+    w, ids = block.choices(x)
+    e = block.experts
+    routed = moe.expert_products(
+        x, w, ids, e.gate_proj[...], e.up_proj[...], e.down_proj[...], way="dense"
+    )
+    gate = jax.nn.sigmoid(block.shared_expert_gate(x))
+    np.testing.assert_allclose(
+        block(x), routed + gate * block.shared_expert(x), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (
+            dict(num_experts_per_tok=5),
+            r"num_experts_per_tok: expected an int in \[1, num_experts=4\]",
+        ),
+        (dict(num_experts_per_tok=0), r"num_experts_per_tok: expected an int in \[1"),
+        (dict(num_experts=0), "num_experts: 0 .a dense model., but num_experts_per_tok"),
+        (dict(moe_intermediate_size=0), "moe_intermediate_size: expected a positive int"),
+        (dict(num_experts=-1), "num_experts: expected an int >= 0"),
+    ],
+)
+def test_a_config_that_contradicts_itself_is_refused_by_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        _tiny(**fields)
+
+
+def _hf(name):
+    return json.loads((GOLDEN / name / "config.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "name, change, message",
+    [
+        ("qwen3moe", dict(mlp_only_layers=[0]), "mlp_only_layers: .0.: dense layers among"),
+        ("qwen2moe", dict(decoder_sparse_step=2), "decoder_sparse_step: 2: dense layers"),
+        ("qwen3moe", dict(num_experts=8, num_local_experts=4), "num_experts: the config gives two"),
+        (
+            "qwen3moe",
+            dict(num_experts_per_tok=9),
+            r"num_experts_per_tok: expected an int in \[1, num_experts=8\]",
+        ),
+    ],
+)
+def test_hugging_face_configs_name_what_is_not_supported(name, change, message):
+    with pytest.raises(ValueError, match=message):
+        LlamaConfig.from_hf({**_hf(name), **change})
+
+
+def test_the_families_read_their_fields():
+    mixtral = LlamaConfig.from_hf(_hf("mixtral"))
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.norm_topk_prob) == (
+        4,
+        2,
+        True,
+    )
+    assert mixtral.moe_intermediate_size == _hf("mixtral")["intermediate_size"]
+    qwen2 = LlamaConfig.from_hf(_hf("qwen2moe"))
+    assert (qwen2.shared_expert_intermediate_size, qwen2.norm_topk_prob, qwen2.qkv_bias) == (
+        48,
+        False,
+        True,
+    )
+    qwen3 = LlamaConfig.from_hf(_hf("qwen3moe"))
+    assert (qwen3.num_experts, qwen3.qk_norm, qwen3.shared_expert_intermediate_size) == (8, True, 0)
+
+
+def _copy(name, tmp_path) -> pathlib.Path:
+    dst = tmp_path / name
+    shutil.copytree(GOLDEN / name, dst)
+    return dst
+
+
+def test_a_checkpoint_with_other_experts_than_its_config_says_is_refused(tmp_path):
+    ckpt = _copy("mixtral", tmp_path)
+    (ckpt / "config.json").write_text(json.dumps({**_hf("mixtral"), "num_local_experts": 3}))
+    with pytest.raises(
+        ValueError,
+        match=r"num_experts: the config says 3 experts a layer, the checkpoint holds "
+        r"experts 0-3 \(4 of them\)",
+    ):
+        load_hf(ckpt)
+    ckpt = _copy("qwen3moe", tmp_path)
+    tensors = load_file(ckpt / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.7.up_proj.weight"]
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(
+        ValueError, match=r"tensor 'model.layers.1.mlp.experts.7.up_proj.weight' is missing"
+    ):
+        load_hf(ckpt)
+
+
+def test_quantizing_a_mixture_is_refused_by_name():
+    model, _ = load_hf(GOLDEN / "qwen3moe", dtype=jnp.float32)
+    with pytest.raises(ValueError, match="quantization: 'int8' for a mixture of experts"):
+        model.quantize("int8")
+
+
+@pytest.fixture(scope="module")
+def golden_moe():
+    model, _ = load_hf(GOLDEN / "qwen2moe", dtype=jnp.float32)
+    return model
+
+
+def _greedy(llm, prompts, **kw):
+    sp = pj.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, **kw)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, progress=False)]
+
+
+def test_every_way_gives_the_engine_the_same_tokens():
+    prompts = [PROMPTS["mid"], PROMPTS["short"], PROMPTS["long"]]
+    outs = {}
+    for way in moe.EXPERT_PRODUCTS:
+        model, _ = load_hf(GOLDEN / "qwen3moe", dtype=jnp.float32)
+        with moe.expert_way(way):
+            llm = pj.LLM(model, num_pages=64, page_size=8, compilation_cache=False)
+            outs[way] = _greedy(llm, prompts)
+    assert outs["gather"] == outs["dense"] and outs["ragged"] == outs["dense"]
+
+
+def test_speculation_and_samples_keep_a_mixture_s_tokens(golden_moe):
+    plain = pj.LLM(golden_moe, num_pages=96, page_size=8, compilation_cache=False)
+    want = _greedy(plain, [PROMPTS["long"], PROMPTS["mid"]])
+    spec = pj.LLM(
+        golden_moe, num_pages=96, page_size=8, compilation_cache=False,
+        speculative={"method": "ngram", "num_speculative_tokens": 3},
+    )  # fmt: skip
+    assert _greedy(spec, [PROMPTS["long"], PROMPTS["mid"]]) == want
+    # n samples of one request, seeded: each its own, and the same again
+    sp = pj.SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=5)
+    a = [c.token_ids for c in plain.generate([PROMPTS["mid"]], sp, progress=False)[0].outputs]
+    b = [c.token_ids for c in plain.generate([PROMPTS["mid"]], sp, progress=False)[0].outputs]
+    assert a == b and len({tuple(t) for t in a}) > 1
+
+
+def test_attention_adapters_reach_a_mixture_and_feed_forward_ones_are_refused(golden_moe, tmp_path):
+    from paged_jax.models import lora as lora_mod
+
+    cfg = golden_moe.config
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for i in range(cfg.num_layers):
+        for t in ("q_proj", "v_proj"):
+            fan_in, fan_out = lora_mod.target_shape(cfg, t)
+            tensors[f"base_model.model.model.layers.{i}.self_attn.{t}.lora_A.weight"] = rng.normal(
+                size=(4, fan_in)
+            ).astype(np.float32)
+            tensors[f"base_model.model.model.layers.{i}.self_attn.{t}.lora_B.weight"] = rng.normal(
+                size=(fan_out, 4)
+            ).astype(np.float32)
+    good = tmp_path / "attn"
+    good.mkdir()
+    (good / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8})
+    )
+    save_file(tensors, good / "adapter_model.safetensors")
+    llm = pj.LLM(
+        golden_moe, num_pages=96, page_size=8, compilation_cache=False, max_loras=1, max_lora_rank=4
+    )
+    llm.add_lora("attn", str(good))
+    base = _greedy(llm, [PROMPTS["mid"]])
+    adapted = _greedy_lora(llm, PROMPTS["mid"], "attn")
+    assert adapted != base
+    bad = tmp_path / "mlp"
+    shutil.copytree(good, bad)
+    extra = dict(tensors)
+    extra["base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"] = np.zeros(
+        (4, 32), np.float32
+    )
+    extra["base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight"] = np.zeros(
+        (48, 4), np.float32
+    )
+    save_file(extra, bad / "adapter_model.safetensors")
+    with pytest.raises(
+        ValueError,
+        match="target 'gate_proj': a mixture of experts' feed-forward blocks take no adapters",
+    ):
+        llm.add_lora("mlp", str(bad))
+
+
+def _greedy_lora(llm, prompt, name):
+    sp = pj.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    return [llm.generate([prompt], sp, lora=name, progress=False)[0].outputs[0].token_ids]
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """A real (tokenizers) byte-level tokenizer of 300 tokens, a GGUF file's."""
+    from test_gguf import _model, write_gguf
+
+    from paged_jax.models import load_gguf
+
+    path = tmp_path_factory.mktemp("tok") / "m.gguf"
+    write_gguf(path, _model(vocab_size=300))
+    return load_gguf(path)[1]
+
+
+def test_structured_output_on_a_mixture(tokenizer):
+    from flax import nnx
+
+    from paged_jax.engine.structured import StructuredOutput
+
+    model = LlamaForCausalLM(_tiny(), rngs=nnx.Rngs(1))
+    llm = pj.LLM(model, tokenizer, num_pages=96, page_size=8, compilation_cache=False)
+    sp = pj.SamplingParams(
+        max_tokens=40, temperature=0,
+        structured=StructuredOutput(json=SCHEMA),
+    )  # fmt: skip
+    text = llm.generate(["x"], sp, progress=False)[0].outputs[0].text
+    assert isinstance(json.loads(text)["a"], int), text
+
+
+def test_the_server_serves_a_mixture(tokenizer):
+    from flax import nnx
+    from starlette.testclient import TestClient
+
+    from paged_jax.server.api import Server
+
+    model = LlamaForCausalLM(_tiny(), rngs=nnx.Rngs(2))
+    llm = pj.LLM(model, tokenizer, num_pages=96, page_size=8, compilation_cache=False)
+    offline = llm.generate(
+        ["hello"], pj.SamplingParams(max_tokens=6, temperature=0), progress=False
+    )
+    with TestClient(Server(llm, model_name="moe").app) as c:
+        r = c.post(
+            "/v1/completions",
+            json={"model": "moe", "prompt": "hello", "max_tokens": 6, "temperature": 0},
+        )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == offline[0].outputs[0].text
