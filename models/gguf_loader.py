@@ -38,7 +38,7 @@ from paged_jax import linear
 
 from .config import LlamaConfig
 from .gguf_blocks import _EIGHT_BIT_BLOCKS, _dequantize, _q4_blocks, _q4_k_blocks
-from .hf import build_model, release_freed_memory
+from .hf import _family_name, build_model, release_freed_memory
 from .quantization import int8_group, quantize_fp8, quantize_int8
 from .tokenizer import TextTokenizer
 
@@ -50,7 +50,9 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
-}
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}  # (and "llama" files with experts: Mixtral)
 _GEMMA = ("gemma2", "gemma3")
 # Block formats read (by name of gguf.GGMLQuantizationType).
 # Block formats a GGUF file's tensors may come in: every one is dequantized by gguf's
@@ -82,6 +84,19 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm",  # Qwen3
     "attn_k_norm": "self_attn.k_norm",
+    # mixtures of experts: the router, the shared expert and its gate (Qwen2-MoE)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# The experts' weights, one 3-D tensor a layer: numpy [X, out, in], each expert's matrix in
+# Hugging Face's [out, in] layout (split into one tensor an expert when read)
+_EXPERT_TENSORS = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
 }
 # Gemma's sandwich norms (the gguf package's tensor map): llama.cpp names the norm before
 # the MLP ffn_norm, which in Llama files is the post-attention norm.
@@ -130,8 +145,9 @@ def load_gguf(
     """Loads a GGUF file: ``(LlamaForCausalLM, TextTokenizer | None)``.
 
     Args:
-      path: a ``.gguf`` file of a ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gemma2``
-        or ``gemma3`` (text) model whose
+      path: a ``.gguf`` file of a ``llama`` (Mixtral's with experts), ``mistral``,
+        ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3`` (text), ``qwen2moe`` or ``qwen3moe``
+        model whose
         tensors are in ``QUANT_TYPES`` (quantized ones are dequantized to float32 when loading).
       dtype: compute dtype (default float32).
       param_dtype: storage dtype of the weights (default ``dtype``).
@@ -155,28 +171,69 @@ def load_gguf(
     (``tokenizer.apply_chat_template``). Raises FileNotFoundError, and ``GGUFError`` (a
     ValueError) naming the file and what it cannot read.
     """
-    import gguf
-
     reader = _open(path)
     cfg = gguf_config(reader, path)  # checks the architecture
     arch = _field(reader, "general.architecture", path, kind="str")
+    if cfg.sparse and quantization is not None:
+        raise GGUFError(
+            f"{path}: quantization: {quantization!r} for a mixture of experts is not supported "
+            "yet (its experts would stay float); load it without quantization"
+        )
+    # int8 quantized here in groups for the CPU: rotated first (Linear.rotated), where
+    # every layer's tensor of that weight is quantized here (none keeps its blocks)
+    rotatable = _rotatable(reader, arch, path) if quantization == "int8" and mesh is None else set()
+    tensors, blocks, eight, rotated = _read_tensors(
+        reader, cfg, arch, path, quantization, rotatable
+    )
+    # The tokenizer first, then the file's map is closed (every array above is a copy):
+    # its pages no longer count while the model is built.
+    tokenizer = gguf_tokenizer(reader, path)
+    reader = None
+    release_freed_memory()  # what dequantizing each tensor freed
+    model = build_model(
+        cfg,
+        tensors,
+        source=str(path),
+        dtype=dtype if dtype is not None else np.float32,
+        param_dtype=param_dtype,
+        mesh=mesh,
+        int4_blocks=blocks,
+        quantized8=("fp8" if quantization == "fp8" else "int8", eight) if eight else None,
+        rotated8=frozenset(rotated),
+    )
+    return model, tokenizer
+
+
+def _read_tensors(reader: Any, cfg: LlamaConfig, arch: str, path: Any, quantization, rotatable):
+    """``load_gguf``'s reading of every tensor: ``(tensors, blocks, eight, rotated)``,
+    float tensors, Q4 tensors kept as ``(q, d, m)``, 8-bit ones kept or quantized as
+    ``(q, d(, m))``, and the names of the int8 ones rotated, by Hugging Face name."""
+    import gguf
+
     tensors: dict[str, np.ndarray] = {}
     blocks: dict[str, tuple[np.ndarray, ...]] = {}  # Q4 tensors kept as (q, d, m)
     eight: dict[str, tuple[np.ndarray, ...]] = {}  # KEPT_INT8 as (q, d) or (q, d, m)
-    # int8 quantized here in groups for the CPU: rotated first (Linear.rotated), where
-    # every layer's tensor of that weight is quantized here (none keeps its blocks)
-    rotated: set[str] = set()
-    rotatable = _rotatable(reader, arch, path) if quantization == "int8" and mesh is None else set()
+    rotated: set[str] = set()  # int8 quantized here, rotated first (Linear.rotated)
     for t in reader.tensors:
         name = _hf_tensor_name(t.name, arch, path)
         if name is None:
             continue
+        name = _family_name(name, cfg.architecture)  # (Mixtral's names for its block)
         qtype = gguf.GGMLQuantizationType(int(t.tensor_type))
         if qtype.name not in QUANT_TYPES:
             raise GGUFError(
                 f"{path}: tensor {t.name!r} is stored as {qtype.name}, which is not supported "
                 f"(supported: {', '.join(QUANT_TYPES)})"
             )
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
+        if kind == "ffn_gate_inp_shexp" and len(t.shape) == 1:  # llama.cpp's [E]: HF's [1, E]
+            tensors[name] = _dequantize(t, qtype).reshape(1, -1)
+            reader.release(t)
+            continue
+        if kind in _EXPERT_TENSORS:  # [X, out, in]: a tensor an expert
+            _split_experts(t, _dequantize(t, qtype), name, cfg.architecture, tensors)
+            reader.release(t)
+            continue
         matrix = len(t.shape) == 2
         keep = quantization == "int4" and qtype.name in KEPT_INT4 and matrix
         keep8 = quantization in ("int8", "int4") and qtype.name in KEPT_INT8 and matrix
@@ -212,23 +269,7 @@ def load_gguf(
             eight[name] = parts
         else:
             tensors[name] = parts[0]
-    # The tokenizer first, then the file's map is closed (every array above is a copy):
-    # its pages no longer count while the model is built.
-    tokenizer = gguf_tokenizer(reader, path)
-    reader = t = None
-    release_freed_memory()  # what dequantizing each tensor freed
-    model = build_model(
-        cfg,
-        tensors,
-        source=str(path),
-        dtype=dtype if dtype is not None else np.float32,
-        param_dtype=param_dtype,
-        mesh=mesh,
-        int4_blocks=blocks,
-        quantized8=("fp8" if quantization == "fp8" else "int8", eight) if eight else None,
-        rotated8=frozenset(rotated),
-    )
-    return model, tokenizer
+    return tensors, blocks, eight, rotated
 
 
 def _weight_of(name: str) -> str:
@@ -329,12 +370,41 @@ def gguf_config(reader: Any, path: str | os.PathLike = "<gguf>") -> LlamaConfig:
         hf["sliding_window"] = window
     if arch in _GEMMA:
         hf.update(_gemma_keys(arch, key, hf, window))
+    hf.update(_expert_keys(arch, key, path))
     try:
         cfg = LlamaConfig.from_hf(hf)
     except ValueError as e:
         raise GGUFError(f"{path}: {e}") from None
     # llama.cpp stores Gemma's norm weights as 1 + w: the norms use them as they are
     return dataclasses.replace(cfg, norm_unit_offset=False) if arch in _GEMMA else cfg
+
+
+def _expert_keys(arch: str, key: Callable[..., Any], path: Any) -> dict:
+    """The Hugging Face config keys of a mixture of experts' file (none for a dense one):
+    ``expert_count`` experts a layer, ``expert_used_count`` a token; a ``llama`` file
+    with experts is Mixtral's (each expert ``feed_forward_length`` wide, its weights
+    renormalized); ``qwen2moe`` / ``qwen3moe`` give ``expert_feed_forward_length``, the
+    shared expert's ``expert_shared_feed_forward_length`` (Qwen2-MoE), and
+    ``expert_weights_norm`` (default: as the families' checkpoints, Qwen3-MoE's
+    renormalized)."""
+    experts = key("expert_count", None, "int")
+    if not experts:
+        if arch in ("qwen2moe", "qwen3moe"):
+            raise GGUFError(f"{path}: metadata key '{arch}.expert_count' is missing or 0")
+        return {}
+    out = {"num_experts_per_tok": key("expert_used_count", kind="count")}
+    if arch == "llama":
+        return {**out, "architectures": ["MixtralForCausalLM"], "num_local_experts": experts}
+    if arch not in ("qwen2moe", "qwen3moe"):
+        raise GGUFError(f"{path}: '{arch}.expert_count': experts in {arch} files are not supported")
+    out |= {
+        "num_experts": experts,
+        "moe_intermediate_size": key("expert_feed_forward_length", kind="count"),
+        "norm_topk_prob": key("expert_weights_norm", arch == "qwen3moe", "bool"),
+    }
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = key("expert_shared_feed_forward_length", 0, "int")
+    return out
 
 
 def _gemma_keys(arch: str, key: Callable[..., Any], hf: dict, window: Any) -> dict:
@@ -627,7 +697,18 @@ def _hf_tensor_name(name: str, arch: str, path: Any) -> str | None:
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer:
         return f"model.layers.{parts[1]}.{layer[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _EXPERT_TENSORS:
+        return f"model.layers.{parts[1]}.mlp.experts"  # (split by _split_experts)
     raise GGUFError(f"{path}: tensor {name!r} is not a tensor of a Llama-family model")
+
+
+def _split_experts(t: Any, stack: np.ndarray, name: str, arch: str, tensors: dict) -> None:
+    """A layer's experts' weights ``stack [X, out, in]`` (GGUF tensor ``t``, named ``name``
+    = ``model.layers.N.mlp.experts``) into ``tensors`` as one Hugging Face tensor an
+    expert (``...experts.E.gate_proj.weight``, in ``arch``'s naming)."""
+    part = _EXPERT_TENSORS[t.name.split(".")[2]]
+    for e, w in enumerate(stack):
+        tensors[_family_name(f"{name}.{e}.{part}.weight", arch)] = np.ascontiguousarray(w)
 
 
 def _unpermute(w: np.ndarray, heads: int, name: str, path: Any) -> np.ndarray:

@@ -156,7 +156,8 @@ def load_hf(
     param_dtype: Any = None,
     mesh: Any = None,
 ) -> tuple[LlamaForCausalLM, Any | None]:
-    """Loads a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral checkpoint.
+    """Loads a local Hugging Face checkpoint of an architecture ``LlamaConfig`` supports
+    (Llama, Qwen2, Qwen3, Mistral, Gemma 2 and 3, Mixtral, Qwen2-MoE, Qwen3-MoE).
 
     Args:
       path: directory with ``config.json`` and safetensors weights.

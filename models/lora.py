@@ -139,12 +139,12 @@ def load_adapter(path: str | pathlib.Path, cfg: LlamaConfig, name: str | None = 
         layer, target, ab = int(m.group(1)), m.group(2), m.group(3)
         if target not in targets_of(cfg):
             why = (
-                "a mixture of experts' feed-forward blocks take no adapters; its targets are "
+                ": a mixture of experts' feed-forward blocks take no adapters; its targets are "
                 if target in TARGETS
-                else "not one of "
+                else " is not one of "
             )
             raise ValueError(
-                f"{weights_file}: tensor {tname!r}: target {target!r}: {why}"
+                f"{weights_file}: tensor {tname!r}: target {target!r}{why}"
                 f"{', '.join(targets_of(cfg))}"
             )
         if layer >= L:

@@ -17,6 +17,7 @@ from paged_jax import linear
 
 from .layers import Embed, Linear, Packed, fp8_units
 from .layers.linear import dtype_of
+from .layers.moe import Experts, current_way
 
 
 def held_per_layer(path, var) -> bool:
@@ -172,7 +173,9 @@ def hold_for_cpu(model, *, pack: bool | None = None):
         model.layers.self_attn.fuse_projections()
         model.layers.mlp.fuse_projections()
         for _, node in nnx.iter_graph(model):
-            if isinstance(node, Linear):
+            if isinstance(node, Linear) or (
+                isinstance(node, Experts) and current_way() == "packed"  # a mixture's experts
+            ):
                 node.hold_packed()
         if model.lm_head is None:
             model.embed_tokens.hold_packed()

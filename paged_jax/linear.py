@@ -143,6 +143,22 @@ def lora_delta(
     return cpu.lora_delta(x, a, b, ids, layer, rank)
 
 
+def expert_matmul(
+    x: jax.Array,  # f32[M, K], rows sorted by expert
+    packed: jax.Array,  # f32 or bf16 [W, P, K, NR]: W experts' weights, each packed by pack
+    n: int,
+    sizes: jax.Array,  # i32[X] each expert's rows, in order
+    first: jax.Array | int = 0,  # the weight of expert 0 (expert e's: first + e)
+) -> jax.Array:  # f32[M, n]
+    """Each expert's rows of ``x`` times its own weight, by the CPU kernel
+    (``paged_jax.kernels.cpu.grouped_linear``): expert e's ``sizes[e]`` rows, after the
+    experts before it, by weight ``first + e``, each row as ``matmul`` computes it alone;
+    the rows past the experts' are 0, and an expert no row chose is not read."""
+    from paged_jax.kernels import cpu
+
+    return cpu.grouped_linear(x, packed, n, sizes, first)
+
+
 def grouped_matmul(
     x: jax.Array,  # [M, K] bf16 / f32
     q: jax.Array,  # 4 bits: u8 [K / 2, N], two inputs a byte; 8 bits: int8 [K, N]

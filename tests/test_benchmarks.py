@@ -817,3 +817,23 @@ def test_step_kernels_says_what_it_needs_without_jax_s_cuda_plugin():
     )  # fmt: skip
     assert r.returncode == 2, r.stdout + r.stderr
     assert "jax[cuda12]==" in r.stdout and "cannot describe a CUDA device" in r.stdout
+
+
+def test_the_moe_benchmark_compares_each_way_with_a_dense_model(tmp_path, monkeypatch):
+    import json
+
+    from benchmarks import bench_moe
+    from benchmarks.common import OUT_ENV
+
+    monkeypatch.setenv(OUT_ENV, str(tmp_path))
+    small = dict(bench_moe.SHAPE, vocab_size=320, hidden_size=32, num_layers=2, head_dim=8)
+    monkeypatch.setattr(bench_moe, "SHAPE", small)
+    monkeypatch.setattr(bench_moe, "WIDTH", 16)
+    argv = "--concurrency 2 --prompt-len 4 --output-len 3 --repeats 1 --ways packed dense"
+    assert bench_moe.main(argv.split()) == 0
+    rows = json.loads((tmp_path / "moe_cpu.json").read_text())["rows"]
+    assert [r["engine"] for r in rows] == ["dense", "moe packed", "moe dense"]
+    assert rows[0]["ratio_to_dense"] == 1.0 and all(r["tokens_per_s"]["min"] > 0 for r in rows)
+    from paged_jax import linear
+
+    assert rows[1]["experts_packed"] == linear.available() and not rows[2]["experts_packed"]

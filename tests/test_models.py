@@ -120,7 +120,8 @@ def test_decode_loop_compiles_once_per_bucket(tiny):
             dict(architecture="GPT2LMHeadModel"),
             "architecture: expected one of ('LlamaForCausalLM', 'Qwen2ForCausalLM', "
             "'Qwen3ForCausalLM', 'MistralForCausalLM', 'Gemma2ForCausalLM', "
-            "'Gemma3ForCausalLM'), got 'GPT2LMHeadModel'",
+            "'Gemma3ForCausalLM', 'MixtralForCausalLM', 'Qwen2MoeForCausalLM', "
+            "'Qwen3MoeForCausalLM'), got 'GPT2LMHeadModel'",
         ),
     ],
 )

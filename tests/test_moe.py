@@ -75,7 +75,7 @@ def test_route_refuses_an_unknown_scoring():
         moe.route(jnp.zeros((2, 4)), 2, normalize=True, scoring="sigmoid!")
 
 
-@pytest.mark.parametrize("way", moe.EXPERT_PRODUCTS)
+@pytest.mark.parametrize("way", moe.EXPERT_PRODUCTS[1:])
 @pytest.mark.parametrize(
     "tokens, experts, k, gelu",
     [(1, 4, 2, False), (5, 8, 2, True), (17, 4, 4, False), (9, 6, 1, False)],
@@ -96,11 +96,14 @@ def test_each_way_computes_the_weighted_sum_of_the_chosen_experts(way, tokens, e
     )
 
 
-def test_a_way_is_chosen_per_platform_and_overridden_by_expert_way():
-    assert moe.current_way() == moe.EXPERT_WAYS["cpu"]
+def test_a_way_is_chosen_per_platform_and_overridden_by_expert_way(monkeypatch):
+    from paged_jax import linear
+
+    assert moe.current_way() == ("packed" if linear.available() else "dense")
     with moe.expert_way("gather"):
         assert moe.current_way() == "gather"
-    assert moe.current_way() == moe.EXPERT_WAYS["cpu"]
+    monkeypatch.setattr(linear, "available", lambda: False)  # no C kernels: XLA's dense
+    assert moe.current_way() == "dense"
     with pytest.raises(ValueError, match="way: expected one of"), moe.expert_way("loop"):
         pass
 
@@ -232,14 +235,53 @@ def _greedy(llm, prompts, **kw):
 
 
 def test_every_way_gives_the_engine_the_same_tokens():
+    """On CPU the engine packs the experts for the C kernel's grouped product ("packed");
+    held as they are, each of XLA's ways: all give the same greedy tokens."""
+    from paged_jax import linear
+
     prompts = [PROMPTS["mid"], PROMPTS["short"], PROMPTS["long"]]
     outs = {}
     for way in moe.EXPERT_PRODUCTS:
-        model, _ = load_hf(GOLDEN / "qwen3moe", dtype=jnp.float32)
         with moe.expert_way(way):
+            model, _ = load_hf(GOLDEN / "qwen3moe", dtype=jnp.float32)
             llm = pj.LLM(model, num_pages=64, page_size=8, compilation_cache=False)
             outs[way] = _greedy(llm, prompts)
-    assert outs["gather"] == outs["dense"] and outs["ragged"] == outs["dense"]
+        packed = llm.model.layers.mlp.experts.packed
+        assert packed == (way == "packed" and linear.available()), way
+    assert all(tokens == outs["dense"] for tokens in outs.values()), outs
+
+
+def test_the_packed_experts_read_this_layer_s_weights_and_skip_padding_rows():
+    from flax import nnx
+
+    from paged_jax import linear
+    from paged_jax.models.layers.linear import LAYER, ROWS
+
+    if not linear.available():
+        pytest.skip("the CPU kernels are not built here (no C compiler)")
+    cfg = _tiny(num_layers=3, num_experts=5, num_experts_per_tok=2)
+    experts = LlamaForCausalLM(cfg, rngs=nnx.Rngs(7)).layers.mlp.experts
+    gate, up, down = (
+        np.asarray(w[...]) for w in (experts.gate_proj, experts.up_proj, experts.down_proj)
+    )
+    experts.hold_packed()
+    assert experts.packed and experts.gate_up[...].ndim == 5
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(6, 32)).astype(np.float32)
+    w, ids = _np_route(rng.normal(size=(6, 5)), 2, True)
+    for layer in range(3):
+        LAYER_token, rows_token = LAYER.set(jnp.int32(layer)), ROWS.set((6, jnp.int32(4)))
+        try:
+            got = moe.packed_products(
+                jnp.asarray(x), jnp.asarray(w, jnp.float32), jnp.asarray(ids, jnp.int32),
+                experts.gate_up[...], experts.down[...], width=16,
+            )  # fmt: skip
+        finally:
+            LAYER.reset(LAYER_token)
+            ROWS.reset(rows_token)
+        want = _np_experts(x, w, ids, gate[layer], up[layer], down[layer])
+        np.testing.assert_allclose(np.asarray(got)[:4], want[:4], rtol=2e-5, atol=2e-5)
+        assert not np.asarray(got)[4:].any(), "padding rows were computed"
 
 
 def test_speculation_and_samples_keep_a_mixture_s_tokens(golden_moe):
@@ -355,3 +397,136 @@ def test_the_server_serves_a_mixture(tokenizer):
         )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == offline[0].outputs[0].text
+
+
+# GGUF: the tensor names llama.cpp gives a mixture's weights (beside test_gguf's dense ones)
+_GGUF_PARTS = {
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+_GGUF_EXPERTS = {
+    "gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+    "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps",
+}  # fmt: skip
+
+
+def write_moe_gguf(path, model, arch: str, expert_qtype=None):
+    """Writes a mixture as llama.cpp's converter would: its dense tensors as test_gguf's
+    ``write_gguf`` names them (Q/K rows reordered for "llama", Mixtral's arch), each
+    layer's experts as one 3-D tensor a projection (``ffn_gate_exps`` ..., numpy ``[X,
+    out, in]``; in ``expert_qtype`` if given), the router ``ffn_gate_inp``, the shared
+    expert's ``*_shexp`` and its gate as a vector. Returns the experts' float weights as
+    the file holds them, by GGUF name."""
+    import re
+
+    import gguf
+    from test_gguf import _NAMES, TEMPLATE, _add_byte_level_vocab, _llama_cpp_order, _writer
+
+    from paged_jax.models.hf import to_hf_tensors
+
+    c = model.config
+    w = _writer(path, arch, c)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_vocab_size(c.vocab_size)
+    _add_byte_level_vocab(w, c.vocab_size)
+    w.add_chat_template(TEMPLATE)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    if arch != "llama":
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_weights_norm(c.norm_topk_prob)
+    if c.shared_expert_intermediate_size:
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, value in to_hf_tensors(model).items():
+        value = value.astype(np.float32)
+        m = re.fullmatch(r"model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.weight", name)
+        if m:
+            g = f"blk.{m.group(1)}.{_GGUF_EXPERTS[m.group(3)]}.weight"
+            experts.setdefault(g, {})[int(m.group(2))] = value
+            continue
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            g = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+                 "output_norm.weight", "lm_head.weight": "output.weight"}[name]  # fmt: skip
+        else:
+            _, _, i, *mod, leaf = name.split(".")
+            mod = ".".join(mod)
+            g = f"blk.{i}.{_GGUF_PARTS.get(mod) or _NAMES[mod]}.{leaf}"
+        if arch == "llama" and (".attn_q." in g or ".attn_k." in g):
+            value = _llama_cpp_order(value, c.num_heads if ".attn_q." in g else c.num_kv_heads)
+        if g.endswith("ffn_gate_inp_shexp.weight"):
+            value = value.reshape(-1)  # llama.cpp holds it as a vector
+        w.add_tensor(g, value)
+    held = {}
+    for g, by_expert in experts.items():
+        stack = np.stack([by_expert[e] for e in range(c.num_experts)])
+        if expert_qtype is None:
+            w.add_tensor(g, stack)
+            held[g] = stack
+        else:
+            raw = gguf.quants.quantize(stack, expert_qtype)
+            w.add_tensor(g, raw, raw_dtype=expert_qtype)
+            held[g] = gguf.quants.dequantize(raw, expert_qtype).astype(np.float32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held
+
+
+@pytest.mark.parametrize(
+    "name, arch", [("mixtral", "llama"), ("qwen2moe", "qwen2moe"), ("qwen3moe", "qwen3moe")]
+)
+def test_a_mixture_s_gguf_file_loads_as_its_checkpoint(name, arch, tmp_path):
+    from paged_jax.models import load_gguf
+
+    model, _ = load_hf(GOLDEN / name, dtype=jnp.float32)
+    write_moe_gguf(tmp_path / "m.gguf", model, arch)
+    loaded, tok = load_gguf(tmp_path / "m.gguf")
+    assert loaded.config.architecture == model.config.architecture and tok is not None
+    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "shared_expert_intermediate_size", "qkv_bias", "qk_norm"):  # fmt: skip
+        assert getattr(loaded.config, field) == getattr(model.config, field), field
+    golden = np.load(GOLDEN / name / "golden.npz")
+    llm = pj.LLM(loaded, num_pages=64, page_size=8, compilation_cache=False)
+    sp = pj.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    out = llm.generate([PROMPTS["long"]], sp, progress=False)[0].outputs[0].token_ids
+    assert out == golden["greedy_long"].tolist()
+
+
+def test_a_gguf_file_s_quantized_experts_are_read_as_their_blocks_say(tmp_path):
+    import gguf
+
+    from paged_jax.models import load_gguf
+    from paged_jax.models.hf import to_hf_tensors
+
+    model, _ = load_hf(GOLDEN / "qwen3moe", dtype=jnp.float32)
+    held = write_moe_gguf(tmp_path / "m.gguf", model, "qwen3moe", gguf.GGMLQuantizationType.Q8_0)
+    loaded, _ = load_gguf(tmp_path / "m.gguf")
+    got = to_hf_tensors(loaded)
+    for g, stack in held.items():
+        i, part = g.split(".")[1], {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                                    "ffn_down_exps": "down_proj"}[g.split(".")[2]]  # fmt: skip
+        for e in range(stack.shape[0]):
+            np.testing.assert_array_equal(
+                got[f"model.layers.{i}.mlp.experts.{e}.{part}.weight"], stack[e]
+            )
+    with pytest.raises(ValueError, match="quantization: 'int8' for a mixture of experts"):
+        load_gguf(tmp_path / "m.gguf", quantization="int8")
+
+
+@pytest.mark.parametrize("held", ["accelerator", "cpu"])
+def test_a_mixture_held_for_each_device_gives_transformers_logits(held):
+    """The layouts the engine holds a model in (per-layer weights and unrolled layers, for
+    a GPU or TPU; packed for the CPU's kernels) keep the golden logits."""
+    from model_helpers import paged_prompt_logits
+
+    model, _ = load_hf(GOLDEN / "qwen2moe", dtype=jnp.float32)
+    model = model.hold_for_accelerator() if held == "accelerator" else model.hold_for_cpu()
+    golden = np.load(GOLDEN / "qwen2moe" / "golden.npz")["logits"]
+    logits = paged_prompt_logits(model, PROMPTS["long"])
+    assert np.abs(logits - golden).max() / np.abs(golden).max() <= 1e-4

@@ -7,8 +7,13 @@ Shapes: T tokens, E hidden size (the model's; ``H`` here to keep ``E`` for exper
 it would clash: ``x [T, H]``), X experts, K experts a token, F an expert's width.
 
 How the experts' products are computed is a static choice per platform (``EXPERT_WAYS``;
-``expert_way`` overrides it while a block runs, for tests and A/B runs):
+``expert_way`` overrides it while a model is held and its steps traced, for tests and A/B
+runs):
 
+- ``"packed"`` (CPU, where the C kernels build): the experts packed for the C kernel when
+  the engine holds the model (``Experts.hold_packed``), the (token, expert) pairs sorted
+  by expert and each expert's rows multiplied by its own weights (``packed_products``):
+  the chosen FLOPs, and an expert no token chose is not read.
 - ``"dense"``: every expert on every token, the unchosen ones weighted 0. X / K times the
   chosen products' FLOPs; each expert's weights read once a step, no gather, no sort.
 - ``"gather"``: each token's K experts' weights gathered (``w[ids]``) and multiplied: the
@@ -30,14 +35,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .linear import make_linear
+from paged_jax import linear
+
+from .linear import LAYER, ROWS, Packed, make_linear
 from .mlp import MLP
 
-EXPERT_PRODUCTS = ("dense", "gather", "ragged")
+EXPERT_PRODUCTS = ("packed", "dense", "gather", "ragged")
 # The way each platform multiplies a step's tokens by its experts (see the module
-# docstring). CPU: "dense" (docs/DECISIONS.md, "Expert products on CPU"); GPU and TPU
-# wait for a device to time them (benchmarks/gpu_session.sh).
-EXPERT_WAYS: dict[str, str] = {"cpu": "dense", "gpu": "ragged", "tpu": "ragged"}
+# docstring). CPU: "packed" (docs/DECISIONS.md, "Expert products on CPU"); GPU and TPU:
+# "ragged" until a device times the ways (benchmarks/gpu_session.sh).
+EXPERT_WAYS: dict[str, str] = {"cpu": "packed", "gpu": "ragged", "tpu": "ragged"}
 _WAY: contextvars.ContextVar = contextvars.ContextVar("paged_jax_expert_way", default=None)
 
 
@@ -55,11 +62,13 @@ def expert_way(way: str):
 
 
 def current_way() -> str:
-    """The way blocks traced now take: ``expert_way``'s, else ``EXPERT_WAYS``' entry for
-    the platform computations go to ("dense" for one it does not name)."""
+    """The way models held and blocks traced now take: ``expert_way``'s, else
+    ``EXPERT_WAYS``' entry for the platform computations go to ("dense" for one it does
+    not name, and for "packed" where the C kernels are not available)."""
     from ..quantization import _target_platform
 
-    return _WAY.get() or EXPERT_WAYS.get(_target_platform(), "dense")
+    way = _WAY.get() or EXPERT_WAYS.get(_target_platform(), "dense")
+    return "dense" if way == "packed" and not linear.available() else way
 
 
 def route(
@@ -132,8 +141,51 @@ def expert_products(
         back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
         picked = y[back].reshape(T, K, H)
     else:
-        raise ValueError(f"way: expected one of {EXPERT_PRODUCTS}, got {way!r}")
+        raise ValueError(
+            f"way: expected one of {EXPERT_PRODUCTS[1:]} (packed experts: packed_products), "
+            f"got {way!r}"
+        )
     out = jnp.einsum("tkh,tk->th", picked.astype(jnp.float32), weights, precision=hi)
+    return out.astype(x.dtype)
+
+
+def packed_products(
+    x: jax.Array,  # [T, H]
+    weights: jax.Array,  # f32[T, K]
+    ids: jax.Array,  # i32[T, K]
+    gate_up: jax.Array,  # [(L,) X, P, H, NR] packed (Experts.hold_packed)
+    down: jax.Array,  # [(L,) X, P, F, NR] packed
+    *,
+    width: int,
+    gelu: bool = False,
+) -> jax.Array:  # [T, H], x.dtype
+    """``expert_products``' sum with the experts packed for the CPU: the (token, expert)
+    pairs sorted by expert, each expert's rows multiplied by its own weights only
+    (``paged_jax.linear.expert_matmul``; the experts of a layer stack from ``LAYER``'s
+    layer on), in f32. A step's padding tokens (``ROWS``) choose no expert: no product
+    is computed for them."""
+    T, H = x.shape
+    K = ids.shape[1]
+    if gate_up.ndim == 5:  # a layer stack: this layer's experts, read where they lie
+        X = gate_up.shape[1]
+        first = LAYER.get() * X
+        gate_up = gate_up.reshape(-1, *gate_up.shape[2:])
+        down = down.reshape(-1, *down.shape[2:])
+    else:
+        X, first = gate_up.shape[0], 0
+    step = ROWS.get()
+    if step is not None and step[0] == T:  # padding rows after the real ones: expert X
+        ids = jnp.where(jnp.arange(T)[:, None] < step[1], ids, X)
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # by expert; padding last
+    sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
+    rows = x.astype(jnp.float32)[order // K]
+    both = linear.expert_matmul(rows, gate_up, 2 * width, sizes, first)
+    act = _act(both[:, :width], gelu) * both[:, width:]
+    y = linear.expert_matmul(act, down, H, sizes, first)
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    picked = y[back].reshape(T, K, H)
+    out = jnp.einsum("tkh,tk->th", picked, weights, precision=jax.lax.Precision.HIGHEST)
     return out.astype(x.dtype)
 
 
@@ -157,13 +209,38 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
     """``X`` gated feed-forward experts of width ``F``: ``gate_proj``, ``up_proj`` ``[X, H,
     F]`` and ``down_proj`` ``[X, F, H]`` (``[L, X, ...]`` in a layer stack), ``[in, out]``
-    per expert as ``Linear`` holds its kernels."""
+    per expert as ``Linear`` holds its kernels; or, packed for the CPU's C kernel
+    (``hold_packed``), ``gate_up`` ``[(L,) X, P, H, NR]`` (gate's columns, then up's) and
+    ``down`` ``[(L,) X, P, F, NR]``, multiplied by ``products``' "packed" way."""
+
+    packed = False  # hold_packed sets it on the instance (a static attribute)
 
     def __init__(self, hidden: int, width: int, experts: int, *, rngs: nnx.Rngs, param_dtype):
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         self.gate_proj = nnx.Param(init(rngs.params(), (experts, hidden, width), param_dtype))
         self.up_proj = nnx.Param(init(rngs.params(), (experts, hidden, width), param_dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (experts, width, hidden), param_dtype))
+        self.hidden, self.width, self.experts = hidden, width, experts
+
+    def hold_packed(self) -> Experts:
+        """In place: the experts' f32 or bf16 weights packed for the CPU's grouped product
+        (``paged_jax.linear.expert_matmul``): gate and up side by side in ``gate_up``, and
+        ``down``, each a ``Packed`` read whole by the layer being computed. Returns the
+        module. Idempotent. Raises ``ValueError`` for other dtypes."""
+        if self.packed:
+            return self
+        gate, up, down = (w.get_value() for w in (self.gate_proj, self.up_proj, self.down_proj))
+        if gate.dtype not in (jnp.float32, jnp.bfloat16):
+            raise ValueError(f"experts: expected float32 or bfloat16 weights, got {gate.dtype}")
+        lead = gate.shape[:-2]  # (L, X) or (X,)
+        both = jnp.concatenate([gate, up], axis=-1).reshape(-1, self.hidden, 2 * self.width)
+        gate_up = linear.pack(both)  # [W, P, H, NR], W = L * X
+        packed_down = linear.pack(down.reshape(-1, self.width, self.hidden))
+        del self.gate_proj, self.up_proj, self.down_proj
+        self.gate_up = Packed(gate_up.reshape(*lead, *gate_up.shape[1:]))
+        self.down = Packed(packed_down.reshape(*lead, *packed_down.shape[1:]))
+        self.packed = True
+        return self
 
 
 class SparseMoE(nnx.Module):
@@ -211,16 +288,21 @@ class SparseMoE(nnx.Module):
         weights, ids = self.choices(x)
         e = self.experts
         x = x if self.dtype is None else x.astype(self.dtype)
-        out = expert_products(
-            x,
-            weights,
-            ids,
-            e.gate_proj[...],
-            e.up_proj[...],
-            e.down_proj[...],
-            way=current_way(),
-            gelu=self.gelu,
-        )
+        if e.packed:
+            out = packed_products(
+                x, weights, ids, e.gate_up[...], e.down[...], width=e.width, gelu=self.gelu
+            )
+        else:
+            out = expert_products(
+                x,
+                weights,
+                ids,
+                e.gate_proj[...],
+                e.up_proj[...],
+                e.down_proj[...],
+                way="dense" if (way := current_way()) == "packed" else way,
+                gelu=self.gelu,
+            )
         if self.shared_expert is not None:
             scale = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
             out = out + (scale * self.shared_expert(x).astype(jnp.float32)).astype(out.dtype)

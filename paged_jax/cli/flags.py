@@ -35,6 +35,7 @@ BENCHMARKS = (
     "draw",
     "lm_eval",
     "step_kernels",
+    "moe",
 )
 
 

@@ -15,7 +15,8 @@ compiler, or a failed build, leaves ``available()`` False and "auto" on the XLA 
   queries and pools, sliding windows, soft caps. Not for quantized pools (scales):
   ``paged_jax.attention`` sends those to XLA. Batch invariant as they are.
 * ``pack_weight``, ``unpack_weight``, ``linear``, ``panel_width``: matrix products
-  against weights packed once in column panels (``linear.c``; ``paged_jax.linear``).
+  against weights packed once in column panels (``linear.c``; ``paged_jax.linear``);
+  ``grouped_linear``: each group of rows by its own weight (a mixture's experts).
 * ``lora_delta``: LoRA adapters' products for rows of different adapters, each row
   multiplied by its own slot's A and B only (``lora.c``; ``paged_jax.linear``).
 * ``greedy_rows``: each row's argmax and log-sum-exp (``sample.c``), for greedy steps.
@@ -30,6 +31,7 @@ from .attention import decode_paged_attention, ragged_paged_attention
 from .build import available, cache_dir, unavailable_reason
 from .linear import (
     ROTATION,
+    grouped_linear,
     linear,
     lora_delta,
     pack_scales,
@@ -52,6 +54,7 @@ __all__ = [
     "copy_pages",
     "decode_paged_attention",
     "greedy_rows",
+    "grouped_linear",
     "linear",
     "lora_delta",
     "pack_scales",

@@ -22,6 +22,7 @@ from .._paths import cache_root
 TARGET = "paged_jax_cpu_decode_attention"
 RAGGED_TARGET = "paged_jax_cpu_ragged_attention"
 LINEAR_TARGET = "paged_jax_cpu_linear"
+GROUPED_TARGET = "paged_jax_cpu_grouped_linear"
 GREEDY_TARGET = "paged_jax_cpu_greedy_rows"
 SAMPLE_TARGET = "paged_jax_cpu_sample_rows"
 UNINITIALIZED_TARGET = "paged_jax_cpu_uninitialized"
@@ -110,6 +111,7 @@ def build_library() -> tuple[ctypes.CDLL | None, str]:
         lora_handler = lib.PagedJaxLoraDelta
         write_handler = lib.PagedJaxWriteRows
         pages_handler = lib.PagedJaxPages
+        grouped_handler = lib.PagedJaxGroupedLinear
         _state["panel_width"] = int(lib.paged_jax_linear_panel_width())
     except (OSError, AttributeError) as e:
         return None, f"loading {lib_path} failed: {e}"
@@ -124,6 +126,7 @@ def build_library() -> tuple[ctypes.CDLL | None, str]:
     jax.ffi.register_ffi_target(LORA_TARGET, jax.ffi.pycapsule(lora_handler), platform="cpu")
     jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(write_handler), platform="cpu")
     jax.ffi.register_ffi_target(PAGES_TARGET, jax.ffi.pycapsule(pages_handler), platform="cpu")
+    jax.ffi.register_ffi_target(GROUPED_TARGET, jax.ffi.pycapsule(grouped_handler), platform="cpu")
     return lib, ""
 
 

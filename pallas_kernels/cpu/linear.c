@@ -727,3 +727,99 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
   free(xb);
   return NULL;
 }
+
+/* Grouped products (a mixture of experts' rows, sorted by expert):
+ *   x        f32[M, K]            rows sorted by group: group g's are the n_g rows after
+ *                                 the groups before it
+ *   w        f32 or bf16[W, P, K, NR]  W weights packed as above (f32 ones, or bf16 ones in
+ *                                 pairs of rows)
+ *   sizes    s32[G]               n_g, each >= 0, their sum at most M
+ *   params   s32[2]               {the weight of group 0 (group g's is that plus g; all in
+ *                                 [0, W)), at most this many threads}
+ * Result: y f32[M, N]: group g's rows times its weight, each row as PagedJaxLinear
+ * computes it alone (the same sums in the same order); the rows past the groups are 0.
+ * Each thread takes the same run of panels of every group's weight in turn, so a weight
+ * no row chose is never read. */
+typedef struct {
+  LinearJob base;        /* x, y, xb of row 0; w of weight 0; first, last: the panels */
+  const int32_t *sizes;  /* the groups' rows */
+  int64_t groups, stride; /* stride: one weight's lanes */
+  int half;
+} GroupedJob;
+
+static void *run_grouped(void *arg) {
+  GroupedJob *g = (GroupedJob *)arg;
+  LinearJob j = g->base;
+  const int64_t K = j.K, N = j.N;
+  int64_t row = 0;
+  for (int64_t e = 0; e < g->groups; ++e) {
+    const int64_t n = g->sizes[e];
+    if (n > 0) {
+      j.M = n;
+      j.x = g->base.x ? g->base.x + row * K : NULL;
+      j.xb = g->base.xb ? g->base.xb + row * (K / 2) : NULL;
+      j.y = g->base.y + row * N;
+      j.w = (const float *)g->base.w + e * g->stride;
+      run_rows(&j, g->half);
+    }
+    row += n;
+  }
+  return NULL;
+}
+
+XLA_FFI_Error *PagedJaxGroupedLinear(XLA_FFI_CallFrame *frame) {
+  if (ffi_metadata(frame)) return NULL;
+  if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
+  if (frame->args.size != 4 || frame->rets.size != 1)
+    return fail(frame, "paged_jax grouped linear: expected x, w, sizes, params and 1 result");
+  const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1],
+                       *sizes = frame->args.args[2], *params = frame->args.args[3],
+                       *y = frame->rets.rets[0];
+  const int half = w->dtype == XLA_FFI_DataType_BF16;
+  if (x->rank != 2 || w->rank != 4 || sizes->rank != 1 || params->rank != 1 || y->rank != 2 ||
+      x->dtype != XLA_FFI_DataType_F32 || y->dtype != XLA_FFI_DataType_F32 ||
+      (w->dtype != XLA_FFI_DataType_F32 && !half) || sizes->dtype != XLA_FFI_DataType_S32 ||
+      params->dtype != XLA_FFI_DataType_S32 || params->dims[0] != 2)
+    return fail(frame, "paged_jax grouped linear: expected f32 x[M,K], f32 or bf16 "
+                       "w[W,P,K,NR], s32 sizes[G], s32 params[2], f32 y[M,N]");
+  const int64_t W = w->dims[0], P = w->dims[1], K = x->dims[1], M = x->dims[0];
+  const int64_t N = y->dims[1], G = sizes->dims[0];
+  if (w->dims[2] != K || w->dims[3] != NR || y->dims[0] != M || N > P * NR ||
+      N <= P * NR - NR || (half && K % 2))
+    return fail(frame, "paged_jax grouped linear: operand shapes disagree (w's panels must be "
+                       "this build's panel width and cover N; bf16 weights need K even)");
+  const int32_t *p = (const int32_t *)params->data, *n = (const int32_t *)sizes->data;
+  if (p[0] < 0 || p[0] + G > W)
+    return fail(frame, "paged_jax grouped linear: the groups' weights are out of range");
+  int64_t rows = 0;
+  for (int64_t e = 0; e < G; ++e) {
+    if (n[e] < 0) return fail(frame, "paged_jax grouped linear: a group of negative size");
+    rows += n[e];
+  }
+  if (rows > M) return fail(frame, "paged_jax grouped linear: the groups hold more rows than x");
+  memset((float *)y->data + rows * N, 0, sizeof(float) * (size_t)((M - rows) * N));
+  if (rows == 0 || N == 0) return NULL;
+  if (K == 0) {
+    memset(y->data, 0, sizeof(float) * (size_t)(rows * N));
+    return NULL;
+  }
+  uint32_t *xb = NULL;
+  if (half) {
+    xb = malloc(sizeof(uint32_t) * (size_t)(rows * (K / 2)));
+    if (!xb) return fail(frame, "paged_jax grouped linear: out of memory");
+    round_rows_bf16((const float *)x->data, rows, K, xb);
+  }
+  const int64_t stride = P * (half ? K / 2 : K) * NR; /* 4-byte lanes a weight */
+  const int64_t threads = clamp_threads(p[1], rows * K * P * NR / MIN_MACS_PER_THREAD, P);
+  GroupedJob jobs[MAX_THREADS];
+  for (int64_t t = 0; t < threads; ++t) {
+    LinearJob base = {.x = half ? NULL : (const float *)x->data,
+                      .w = (const float *)w->data + p[0] * stride, .y = (float *)y->data,
+                      .K = K, .N = N, .first = P * t / threads, .last = P * (t + 1) / threads,
+                      .xb = xb};
+    jobs[t] = (GroupedJob){.base = base, .sizes = n, .groups = G, .stride = stride, .half = half};
+  }
+  run_jobs(frame, jobs, sizeof(GroupedJob), threads, run_grouped);
+  free(xb);
+  return NULL;
+}

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import build
 from .build import (
+    GROUPED_TARGET,
     LINEAR_TARGET,
     LORA_TARGET,
     require,
@@ -194,6 +195,48 @@ def linear(
     extra = () if scales is None else (scales,) if mins is None else (scales, mins)
     _check_scales(packed, extra, p, k)
     return call(x2, packed, *extra, params).reshape(*x.shape[:-1], n)
+
+
+def grouped_linear(
+    x: jax.Array,  # f32[M, K], rows sorted by group
+    packed: jax.Array,  # f32 or bf16 [W, P, K, NR]: W weights, each packed by pack_weight
+    n: int,
+    sizes: jax.Array,  # i32[G] rows of each group, in order; sum <= M
+    first: jax.Array | int = 0,  # the weight of group 0 (group g's: first + g)
+    *,
+    threads: int | None = None,
+) -> jax.Array:  # f32[M, n]
+    """Each group's rows of ``x`` times its own weight (``linear.c``'s grouped product):
+    group g's ``sizes[g]`` rows, after the groups before it, by weight ``first + g`` of
+    ``packed``, each row computed as ``linear`` computes it alone; rows past the groups
+    are 0. A weight no row chose is never read (a mixture of experts' rows sorted by
+    expert, the experts of a layer stack ``[L * X, ...]`` from ``first = layer * X``).
+    ``first`` may be traced; the groups' weights must lie in ``packed`` (checked by the
+    kernel, which fails the call otherwise). Raises ``ValueError`` for other dtypes or
+    shapes and when the kernels are not available."""
+    require()
+    nr = panel_width()
+    if x.dtype != jnp.float32 or packed.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(
+            f"x, packed: expected float32 and float32 or bfloat16, got {x.dtype} and {packed.dtype}"
+        )
+    if packed.ndim != 4 or packed.shape[-1] != nr:
+        raise ValueError(f"packed: expected [W, P, K, {nr}], got {list(packed.shape)}")
+    _, p, k, _ = packed.shape
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x: expected [M, {k}] (packed's K), got {list(x.shape)}")
+    if not isinstance(n, int) or not p * nr - nr < n <= p * nr:
+        raise ValueError(f"n: expected an int in ({p * nr - nr}, {p * nr}], got {n!r}")
+    if sizes.ndim != 1 or not jnp.issubdtype(sizes.dtype, jnp.integer):
+        raise ValueError(f"sizes: expected an int vector [G], got {sizes.dtype}{list(sizes.shape)}")
+    if isinstance(first, int) and not 0 <= first <= packed.shape[0] - sizes.shape[0]:
+        raise ValueError(
+            f"first: expected an int in [0, {packed.shape[0] - sizes.shape[0]}] (the groups' "
+            f"weights within packed's {packed.shape[0]}), got {first}"
+        )
+    params = jnp.stack([jnp.asarray(first, jnp.int32), jnp.int32(threads_of(threads))])
+    call = jax.ffi.ffi_call(GROUPED_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    return call(x, packed, sizes.astype(jnp.int32), params)
 
 
 def _check_operands(x, packed, n, layer, scales, mins, rotated) -> tuple[int, int]:
