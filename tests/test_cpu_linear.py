@@ -334,3 +334,50 @@ def test_splitting_a_packed_model_leaves_its_stacks_whole():
     model = init_model(TINY_LLAMA, seed=0).hold_for_cpu()
     kernel = model.layers.mlp.gate_up_proj.kernel.get_value()
     assert model.split_layer_weights().layers.mlp.gate_up_proj.kernel.get_value() is kernel
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_grouped_rows_are_each_group_s_plain_product(dtype):
+    """linear.c's grouped product (a mixture's experts): group g's rows by weight first + g,
+    bit for bit each row as the plain product computes it alone; rows past the groups 0;
+    a group of no rows, and rows choosing none of a stack's weights."""
+    rng = np.random.default_rng(3)
+    W, K, N = 7, 40, 2 * cpu.panel_width() + 5
+    w = jnp.asarray(rng.normal(size=(W, K, N)).astype(np.float32)).astype(dtype)
+    packed = cpu.pack_weight(w)
+    sizes = np.array([2, 0, 5, 1], np.int32)
+    x = rng.normal(size=(11, K)).astype(np.float32)
+    for first in (0, 3):
+        y = np.asarray(
+            jax.jit(lambda x, s, f: cpu.grouped_linear(x, packed, N, s, f))(
+                jnp.asarray(x), jnp.asarray(sizes), jnp.int32(first)
+            )
+        )
+        row = 0
+        for g, n in enumerate(sizes):
+            if n:
+                alone = cpu.linear(jnp.asarray(x[row : row + n]), packed, N, layer=first + g)
+                np.testing.assert_array_equal(y[row : row + n], np.asarray(alone))
+            row += n
+        assert not y[row:].any()
+
+
+@needs_cc
+def test_grouped_product_boundary_errors():
+    packed = cpu.pack_weight(jnp.ones((3, 8, 10), jnp.float32))
+    x = jnp.ones((4, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"first: expected an int in \[0, 1\]"):
+        cpu.grouped_linear(x, packed, 10, jnp.asarray([1, 1], jnp.int32), 2)
+    with pytest.raises(ValueError, match=r"x: expected \[M, 8\]"):
+        cpu.grouped_linear(jnp.ones((4, 9)), packed, 10, jnp.asarray([1], jnp.int32))
+    with pytest.raises(ValueError, match="n: expected an int in"):
+        cpu.grouped_linear(x, packed, 100, jnp.asarray([1], jnp.int32))
+    with pytest.raises(Exception, match="the groups hold more rows than x"):
+        jax.block_until_ready(cpu.grouped_linear(x, packed, 10, jnp.asarray([3, 2], jnp.int32)))
+    with pytest.raises(Exception, match="out of range"):
+        jax.block_until_ready(
+            jax.jit(lambda f: cpu.grouped_linear(x, packed, 10, jnp.asarray([1, 1], jnp.int32), f))(
+                jnp.int32(2)
+            )
+        )
