@@ -69,11 +69,15 @@ def attend_tokens(
     soft_cap: float | None,
     k_scale,
     v_scale,
+    sinks: jax.Array | None = None,  # f32[H]
     tokens_per_block: int | None = None,
     pages_per_block: int | None = None,
     batch_invariant: bool = False,
 ) -> jax.Array:  # [T, H, D], q.dtype
-    """``batch_invariant``: every token's result is bitwise independent of the rest of the
+    """``sinks``: each query head's sink, a logit in the softmax's sum whose value is 0
+    (the running max starts at it and the sum at 1).
+
+    ``batch_invariant``: every token's result is bitwise independent of the rest of the
     step. Its keys are folded in KV blocks of a fixed size (``INVARIANT_KV_TOKENS``) in a
     fixed order, through the same compiled loop body, and tokens are grouped in blocks of
     a fixed count: no size is chosen from the step's token count or table width (which
@@ -145,9 +149,12 @@ def attend_tokens(
             v = jnp.where(mask[:, :, None, None], v, 0.0)
             return _fold(carry, q_kgd, k, v, mask, sm_scale=sm_scale, soft_cap=soft_cap)
 
+        shape = (bq, num_kv_heads, group)
         init = (
-            jnp.full((bq, num_kv_heads, group), -jnp.inf, jnp.float32),
-            jnp.zeros((bq, num_kv_heads, group), jnp.float32),
+            jnp.full(shape, -jnp.inf, jnp.float32)
+            if sinks is None
+            else jnp.broadcast_to(sinks.astype(jnp.float32).reshape(shape[1:]), shape),
+            jnp.zeros(shape, jnp.float32) if sinks is None else jnp.ones(shape, jnp.float32),
             jnp.zeros((bq, num_kv_heads, group, head_dim), jnp.float32),
         )
         if num_kv_blocks == 1 and not batch_invariant:  # no loop: see the module docstring
@@ -245,6 +252,7 @@ def ragged_paged_attention(
     soft_cap,
     k_scale,
     v_scale,
+    sinks=None,
     tokens_per_block=None,
     pages_per_block=None,
     batch_invariant=False,
@@ -263,6 +271,7 @@ def ragged_paged_attention(
         soft_cap=soft_cap,
         k_scale=k_scale,
         v_scale=v_scale,
+        sinks=sinks,
         tokens_per_block=tokens_per_block,
         pages_per_block=pages_per_block,
         batch_invariant=batch_invariant,
@@ -291,6 +300,7 @@ def paged_attention(
     soft_cap,
     k_scale,
     v_scale,
+    sinks=None,
     tokens_per_block=None,
     pages_per_block=None,
     batch_invariant=False,
@@ -310,6 +320,7 @@ def paged_attention(
         soft_cap=soft_cap,
         k_scale=k_scale,
         v_scale=v_scale,
+        sinks=sinks,
         tokens_per_block=tokens_per_block,
         pages_per_block=pages_per_block,
         batch_invariant=batch_invariant,

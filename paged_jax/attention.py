@@ -148,6 +148,31 @@ def _cpu_or_none(impl, q, kv_pages, k_scale, v_scale) -> Callable | None:
     return impl if plain and floats else None
 
 
+def _check_sinks(sinks, q) -> None:
+    """``ValueError``/``TypeError`` naming ``sinks`` unless it is None or a float ``[H]``."""
+    if sinks is None:
+        return
+    shape, dtype = getattr(sinks, "shape", None), getattr(sinks, "dtype", None)
+    if shape is None or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"sinks: expected a float array [H] or None, got {type(sinks).__name__}")
+    if tuple(shape) != (q.shape[1],):
+        raise ValueError(f"sinks: expected shape ({q.shape[1]},) (one a query head), got {shape}")
+
+
+def _sinks_or_none(impl, backend: str, sinks) -> Callable | None:
+    """``impl``, or None (XLA) where ``"auto"`` picked Pallas kernels for a call with
+    attention sinks, which only the XLA path and the CPU kernels take; a Pallas backend
+    asked for by name raises ``ValueError`` naming ``sinks``."""
+    if sinks is None or impl is None or backend_of(impl) == "cpu":
+        return impl
+    if backend == "auto":
+        return None
+    raise ValueError(
+        f"sinks: backend={backend!r} does not take attention sinks yet; use 'auto', 'xla' "
+        "or 'cpu'"
+    )
+
+
 def ragged_paged_attention(
     q: jax.Array,  # [T, H, D]
     kv_pages: jax.Array,  # [N, P, 2K, D]
@@ -161,6 +186,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     k_scale: float | jax.Array | None = None,
     v_scale: float | jax.Array | None = None,
+    sinks: jax.Array | None = None,  # f32[H]
     backend: str = "auto",
     interpret: bool = False,
     batch_invariant: bool = False,
@@ -185,6 +211,10 @@ def ragged_paged_attention(
       soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)``.
       k_scale, v_scale: dequantization of int8/fp8 pages: a float, or per-token
         ``f32[N, P, K]`` scales (``PagedKVCache.layer`` returns them).
+      sinks: ``f32[H]`` or None: each query head's attention sink (GPT-OSS), a logit on the
+        scale of ``sm_scale * q.k`` that joins the softmax's sum with a value of 0, so a
+        token may attend to "nothing". Taken by ``"xla"`` and ``"cpu"``; ``"auto"`` runs
+        XLA where it would have picked Pallas kernels.
       backend: ``"auto" | "xla" | "pallas_tpu" | "pallas_gpu" | "cpu"`` (``"cpu"``: the C
         kernels for f32/bf16 pools, XLA for quantized pools).
       interpret: run Pallas kernels in interpret mode (CPU testing); ignored by ``"xla"``.
@@ -213,8 +243,9 @@ def ragged_paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )
+    _check_sinks(sinks, q)
     impl = _cpu_or_none(_resolve(backend, "ragged", batch_invariant), q, kv_pages, k_scale, v_scale)
-    impl = _tpu_or_none(impl, backend, kv_pages)
+    impl = _sinks_or_none(_tpu_or_none(impl, backend, kv_pages), backend, sinks)
     kwargs = dict(
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
@@ -222,6 +253,8 @@ def ragged_paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )
+    if sinks is not None:
+        kwargs["sinks"] = sinks
     if impl is None:
         return _xla.ragged_paged_attention(
             q,
@@ -251,6 +284,7 @@ def paged_attention(
     soft_cap: float | None = None,
     k_scale: float | jax.Array | None = None,
     v_scale: float | jax.Array | None = None,
+    sinks: jax.Array | None = None,  # f32[H]
     backend: str = "auto",
     interpret: bool = False,
     batch_invariant: bool = False,
@@ -271,8 +305,9 @@ def paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )
+    _check_sinks(sinks, q)
     impl = _cpu_or_none(_resolve(backend, "decode", batch_invariant), q, kv_pages, k_scale, v_scale)
-    impl = _tpu_or_none(impl, backend, kv_pages)
+    impl = _sinks_or_none(_tpu_or_none(impl, backend, kv_pages), backend, sinks)
     kwargs = dict(
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
@@ -280,6 +315,8 @@ def paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )
+    if sinks is not None:
+        kwargs["sinks"] = sinks
     if impl is None:
         return _xla.paged_attention(
             q, kv_pages, kv_lens, page_indices, batch_invariant=bool(batch_invariant), **kwargs

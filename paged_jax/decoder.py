@@ -31,6 +31,7 @@ def paged_self_attention(
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[H]
     backend: str = "auto",
     interpret: bool = False,
 ) -> tuple[jax.Array, PagedKVCache]:  # (o[T, H, D] in q's dtype, cache)
@@ -47,6 +48,8 @@ def paged_self_attention(
       sm_scale: softmax scale (default ``D ** -0.5``).
       sliding_window: attend to at most this many most recent tokens (None: all).
       soft_cap: scores become ``soft_cap * tanh(scores / soft_cap)`` (Gemma 2).
+      sinks: ``f32[H]``, each query head's attention sink (GPT-OSS; see
+        ``ragged_paged_attention``), or None.
       backend, interpret: see ``ragged_paged_attention``.
 
     Token t is causal: it sees its own sequence's tokens up to its own position.
@@ -66,12 +69,12 @@ def paged_self_attention(
     local = functools.partial(_self_attention, interpret=interpret, **kw)
     tp = tensor_parallel_size()
     if tp > 1 or data_parallel_size() > 1:
-        return sharded_attention(local, q, k, v, cache, layer, metadata, tp)
-    return local(q, k, v, cache, layer, metadata)
+        return sharded_attention(local, q, k, v, cache, layer, metadata, tp, sinks)
+    return local(q, k, v, cache, layer, metadata, sinks)
 
 
 def _self_attention(
-    q, k, v, cache, layer, metadata, *, sm_scale, sliding_window, soft_cap, backend, interpret
+    q, k, v, cache, layer, metadata, sinks, *, sm_scale, sliding_window, soft_cap, backend, interpret
 ):
     T, D = q.shape[0], q.shape[-1]
     cache = cache.write(layer, k, v, metadata.slot_mapping)
@@ -82,6 +85,7 @@ def _self_attention(
         soft_cap=soft_cap,
         k_scale=k_scale,
         v_scale=v_scale,
+        sinks=sinks,
         backend=backend,
         interpret=interpret,
         batch_invariant=metadata.batch_invariant,

@@ -194,14 +194,15 @@ def _check_pages(num_pages: int, dp: int) -> None:
         )
 
 
-def sharded_attention(attend, q, k, v, cache: PagedKVCache, layer, metadata, tp: int):
-    """Runs ``attend(q, k, v, cache, layer, metadata) -> (o, cache)`` per shard of the
+def sharded_attention(attend, q, k, v, cache: PagedKVCache, layer, metadata, tp: int, sinks=None):
+    """Runs ``attend(q, k, v, cache, layer, metadata, sinks) -> (o, cache)`` per shard of the
     mesh set with ``jax.set_mesh``: q ``[T, H, D]``, k and v ``[T, K, D]`` and the cache
     split along heads (``"tp"``); on a ``"dp"`` axis also the token rows, the cache's
     pages and every metadata array along its first axis (each replica's batch, page ids
     local to its pool), else ``metadata`` replicated; ``layer`` replicated. A cache with
     more KV heads than ``k`` (``replicate_kv_heads``) gets each of ``k``'s and ``v``'s
-    heads repeated to match. Returns ``(o [T, H, D], cache)`` split the same way."""
+    heads repeated to match. ``sinks`` (``f32[H]`` or None) split along heads as q is.
+    Returns ``(o [T, H, D], cache)`` split the same way."""
     check_divides(q.shape[1], k.shape[1], tp)
     if cache.num_kv_heads != k.shape[1]:  # KV heads replicated: one copy per device
         replicas = cache.num_kv_heads // k.shape[1]
@@ -210,19 +211,20 @@ def sharded_attention(attend, q, k, v, cache: PagedKVCache, layer, metadata, tp:
     heads, pages_spec, scales_spec = _specs(dp)
     scales_spec = None if cache.kv_scales is None else scales_spec
 
-    def local(q, k, v, pages, scales, layer, md):
+    def local(q, k, v, pages, scales, layer, md, sinks):
         part = dataclasses.replace(
             cache, kv_pages=pages, kv_scales=scales, num_kv_heads=cache.num_kv_heads // tp
         )
-        o, part = attend(q, k, v, part, layer, md)
+        o, part = attend(q, k, v, part, layer, md, sinks)
         return o, part.kv_pages, part.kv_scales
 
+    sinks_spec = None if sinks is None else P(TENSOR_AXIS)
     o, pages, scales = jax.shard_map(
         local,
-        in_specs=(heads, heads, heads, pages_spec, scales_spec, P(), P(dp)),
+        in_specs=(heads, heads, heads, pages_spec, scales_spec, P(), P(dp), sinks_spec),
         out_specs=(heads, pages_spec, scales_spec),
         check_vma=False,  # the Pallas kernels' outputs carry no varying-axis types
-    )(q, k, v, cache.kv_pages, cache.kv_scales, layer, metadata)
+    )(q, k, v, cache.kv_pages, cache.kv_scales, layer, metadata, sinks)
     return o, dataclasses.replace(cache, kv_pages=pages, kv_scales=scales)
 
 

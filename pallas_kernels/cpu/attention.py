@@ -27,6 +27,7 @@ def decode_paged_attention(
     soft_cap: float | None = None,
     k_scale=None,
     v_scale=None,
+    sinks: jax.Array | None = None,  # f32[H]
     batch_invariant: bool = False,
     interpret: bool = False,
     threads: int | None = None,
@@ -38,7 +39,7 @@ def decode_paged_attention(
     the kernel is not available here (``unavailable_reason()``)."""
     del interpret, batch_invariant  # one computation; every row independent of the batch
     params = _attention_params(
-        q, kv_pages, k_scale, v_scale, sm_scale, sliding_window, soft_cap, threads
+        q, kv_pages, k_scale, v_scale, sm_scale, sliding_window, soft_cap, threads, sinks
     )
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(
@@ -59,6 +60,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     k_scale=None,
     v_scale=None,
+    sinks: jax.Array | None = None,  # f32[H]
     batch_invariant: bool = False,
     interpret: bool = False,
     threads: int | None = None,
@@ -73,15 +75,18 @@ def ragged_paged_attention(
     ``decode_paged_attention``."""
     del interpret, batch_invariant
     params = _attention_params(
-        q, kv_pages, k_scale, v_scale, sm_scale, sliding_window, soft_cap, threads
+        q, kv_pages, k_scale, v_scale, sm_scale, sliding_window, soft_cap, threads, sinks
     )
     call = jax.ffi.ffi_call(RAGGED_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     return call(q, kv_pages, i32(kv_lens), i32(page_indices), i32(cu_q_lens), i32(num_seqs), params)
 
 
-def _attention_params(q, kv_pages, k_scale, v_scale, sm_scale, sliding_window, soft_cap, threads):
-    """Checks what the attention kernels read; their f32[4] params operand."""
+def _attention_params(
+    q, kv_pages, k_scale, v_scale, sm_scale, sliding_window, soft_cap, threads, sinks=None
+):
+    """Checks what the attention kernels read; their params operand: f32[4], or f32[4 + H]
+    with the heads' ``sinks`` after the four."""
     if k_scale is not None or v_scale is not None:
         raise ValueError("k_scale/v_scale: the CPU kernel reads f32 or bf16 pools only")
     for name, x in (("q", q), ("kv_pages", kv_pages)):
@@ -89,4 +94,7 @@ def _attention_params(q, kv_pages, k_scale, v_scale, sm_scale, sliding_window, s
             raise ValueError(f"{name}: expected float32 or bfloat16, got {x.dtype}")
     count = threads_of(threads)
     require()
-    return jnp.asarray([sm_scale, sliding_window or 0, soft_cap or 0.0, count], jnp.float32)
+    params = jnp.asarray([sm_scale, sliding_window or 0, soft_cap or 0.0, count], jnp.float32)
+    if sinks is None:
+        return params
+    return jnp.concatenate([params, jnp.asarray(sinks, jnp.float32).reshape(q.shape[1])])

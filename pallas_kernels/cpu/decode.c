@@ -12,6 +12,8 @@
  *   kv_lens  i32[B]         sequence b's query sits at position kv_lens[b] - 1
  *   tables   i32[B, M]      sequence b's pages, in order
  *   params   f32[4]         {sm_scale, sliding window (0: none), soft cap (0: none), threads}
+ *            or f32[4 + H]  the same, then each query head's sink: a logit (on the scale of
+ *                           sm_scale * q.k) in the softmax's sum whose value is 0 (GPT-OSS)
  * Result: o [B, H, D] in q's dtype.
  *
  * Sequence b attends to its keys [max(0, kv_lens[b] - window), kv_lens[b]), clipped to
@@ -69,6 +71,7 @@ typedef struct {
   const int32_t *seq, *tok, *nq;
   int64_t H, D, N, P, K, M, window, first, last; /* items [first, last) */
   float scale, cap;
+  const float *sinks; /* per query head, a logit of a key with value 0 (NULL: none) */
   int q16, kv16, ok;
 } Job;
 
@@ -210,7 +213,8 @@ static inline __attribute__((always_inline)) void prefetch_rows(const Job *j, in
 }
 
 /* Item b's starting state, per head of its tokens (token i's head h at i * H + h): q
- * scaled to f32 in qf [nq * H, D], acc zero, the running max -inf and sum 0. */
+ * scaled to f32 in qf [nq * H, D], acc zero, the running max -inf and sum 0; with sinks,
+ * the max the head's sink and the sum 1 (the sink as a key whose value is 0). */
 static void start_row(const Job *j, int64_t b, float *qf, float *acc, float *mx, float *sum,
                       float *tmp) {
   const int64_t H = j->H, D = j->D, hq = item_tokens(j, b) * H, q0 = item_row(j, b) * H;
@@ -218,8 +222,8 @@ static void start_row(const Job *j, int64_t b, float *qf, float *acc, float *mx,
   for (int64_t h = 0; h < hq; ++h) {
     const float *r = row_f32(j->q, j->q16, q0 + h, D, tmp);
     for (int64_t d = 0; d < D; ++d) qf[h * D + d] = r[d] * j->scale;
-    mx[h] = -INFINITY;
-    sum[h] = 0.0f;
+    mx[h] = j->sinks ? j->sinks[h % H] : -INFINITY;
+    sum[h] = j->sinks ? 1.0f : 0.0f;
   }
 }
 
@@ -571,20 +575,21 @@ static XLA_FFI_Error *run_split(XLA_FFI_CallFrame *frame, const Job *base, int64
   return ok ? NULL : fail(frame, oom);
 }
 
-/* Checks q [B, H, D], kv [N, P, 2K, D], tables [S, M], params f32[4] and o (as q) and
- * fills `j` from them; an error message, or NULL. */
+/* Checks q [B, H, D], kv [N, P, 2K, D], tables [S, M], params f32[4] or f32[4 + H] (the
+ * heads' sinks after the four) and o (as q) and fills `j` from them; an error message,
+ * or NULL. */
 static const char *common_operands(const XLA_FFI_Buffer *q, const XLA_FFI_Buffer *kv,
                                    const XLA_FFI_Buffer *tables, const XLA_FFI_Buffer *params,
                                    const XLA_FFI_Buffer *out, Job *j) {
   if (q->rank != 3 || kv->rank != 4 || tables->rank != 2 || params->rank != 1 || out->rank != 3)
     return "paged_jax attention: expected q[T,H,D], kv_pages[N,P,2K,D], tables[S,M], "
            "params[4] and o[T,H,D]";
+  const int64_t H = q->dims[1], D = q->dims[2], K = kv->dims[2] / 2;
   if (!is_float(q) || !is_float(kv) || out->dtype != q->dtype ||
       tables->dtype != XLA_FFI_DataType_S32 || params->dtype != XLA_FFI_DataType_F32 ||
-      params->dims[0] != 4)
+      (params->dims[0] != 4 && params->dims[0] != 4 + H))
     return "paged_jax attention: expected f32/bf16 q and kv_pages, i32 tables, f32[4] "
-           "params, o in q's dtype";
-  const int64_t H = q->dims[1], D = q->dims[2], K = kv->dims[2] / 2;
+           "or f32[4 + H] params, o in q's dtype";
   if (kv->dims[3] != D || kv->dims[2] % 2 || K == 0 || H % K || H / K > MAX_GROUP ||
       out->dims[0] != q->dims[0] || out->dims[1] != H || out->dims[2] != D)
     return "paged_jax attention: operand shapes disagree (or > 64 query heads per KV head)";
@@ -593,6 +598,7 @@ static const char *common_operands(const XLA_FFI_Buffer *q, const XLA_FFI_Buffer
       .q = q->data, .kv = kv->data, .out = out->data, .tables = (const int32_t *)tables->data,
       .H = H, .D = D, .N = kv->dims[0], .P = kv->dims[1], .K = K, .M = tables->dims[1],
       .window = (int64_t)p[1], .scale = p[0], .cap = p[2],
+      .sinks = params->dims[0] == 4 + H ? p + 4 : NULL,
       .q16 = q->dtype == XLA_FFI_DataType_BF16, .kv16 = kv->dtype == XLA_FFI_DataType_BF16,
   };
   return NULL;
