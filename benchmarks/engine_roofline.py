@@ -31,6 +31,25 @@ SHAPE_FIELDS = {
         rope_theta=500000.0,
         max_position_embeddings=8192,
     ),
+    # a mixture of experts: 128 experts of width 768 a layer, 8 a token (3.3 B active of
+    # 30.5 B weights)
+    "qwen3-30b-a3b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        qk_norm=True,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        architecture="Qwen3MoeForCausalLM",
+    ),
 }
 PAGE = 16
 
@@ -132,6 +151,8 @@ def weight_reads(
             hidden_size=f["hidden_size"] * 5 // 4,
             intermediate_size=f["intermediate_size"] * 5 // 4,
         )
+        if f.get("moe_intermediate_size"):  # a mixture: its experts' width too
+            wide["moe_intermediate_size"] = f["moe_intermediate_size"] * 5 // 4
         return one(f), one(wide)
 
     runs = [widths(n) for n in layers]

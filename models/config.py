@@ -1,9 +1,10 @@
 """Configuration of the decoders: Llama 2/3, Qwen2, Qwen3, Mistral, Gemma 2 and Gemma 3 (text),
-and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE."""
+and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = (
@@ -16,8 +17,9 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
 )
-_MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+_MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 _ACTIVATIONS = ("silu", "gelu_tanh")
@@ -61,13 +63,42 @@ class LinearRopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN (HF ``rope_type="yarn"``; GPT-OSS): frequencies rotating fewer than
+    ``beta_slow`` times over ``original_max_position_embeddings`` are slowed by ``factor``,
+    those rotating more than ``beta_fast`` times kept, the band between blended linearly
+    (its ends rounded out to whole dimensions when ``truncate``); queries' and keys'
+    rotations are scaled by ``attention_factor``."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+
+    def __post_init__(self):
+        for name in ("factor", "beta_fast", "beta_slow", "attention_factor"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"rope_scaling.{name}: expected > 0, got {getattr(self, name)}")
+        if self.original_max_position_embeddings < 1:
+            raise ValueError(
+                "rope_scaling.original_max_position_embeddings: expected >= 1, got "
+                f"{self.original_max_position_embeddings}"
+            )
+
+
+RopeScalings = RopeScaling | LinearRopeScaling | YarnRopeScaling
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerKind:
     """What one layer's attention needs beyond the shared shapes: its sliding window (None:
     every earlier token) and its RoPE base and scaling."""
 
     sliding_window: int | None
     rope_theta: float
-    rope_scaling: RopeScaling | LinearRopeScaling | None
+    rope_scaling: RopeScalings | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +133,15 @@ class LlamaConfig:
     - ``norm_topk_prob``: the chosen experts' probabilities divided by their sum.
     - ``shared_expert_intermediate_size``: a shared expert of this width every token takes,
       scaled by a sigmoid gate (Qwen2-MoE); 0: none.
+    - ``router_scoring``: ``"softmax"`` (over every expert, then the top k) or
+      ``"topk_softmax"`` (the top k logits, then the softmax over them: GPT-OSS).
+    - ``moe_bias``: the router and the experts' projections have biases (GPT-OSS).
+    - ``swiglu_limit``: the experts' gated unit clamped (GPT-OSS): the gate to at most
+      ``limit``, the up projection to ``[-limit, limit]``, then ``(up + 1) * gate *
+      sigmoid(swiglu_alpha * gate)``; None: SwiGLU (or GeGLU) as ``hidden_act`` says.
+
+    ``attention_sinks``: each attention head has a learned sink, a logit that joins the
+    softmax's sum with a value of 0 (GPT-OSS; ``paged_jax.ragged_paged_attention``).
     """
 
     vocab_size: int
@@ -113,7 +153,7 @@ class LlamaConfig:
     head_dim: int | None = None
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | LinearRopeScaling | None = None
+    rope_scaling: RopeScalings | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -134,6 +174,11 @@ class LlamaConfig:
     moe_intermediate_size: int | None = None
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
+    router_scoring: str = "softmax"
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    attention_sinks: bool = False
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -214,11 +259,21 @@ class LlamaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+        if self.router_scoring not in ("softmax", "topk_softmax"):
+            raise ValueError(
+                f"router_scoring: expected 'softmax' or 'topk_softmax', got {self.router_scoring!r}"
+            )
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            value = getattr(self, name)
+            if (value is not None or name == "swiglu_alpha") and (
+                not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0
+            ):
+                raise ValueError(f"{name}: expected a number > 0, got {value!r}")
         if not self.num_experts:
-            if self.num_experts_per_tok or self.shared_expert_intermediate_size:
+            if self.num_experts_per_tok or self.shared_expert_intermediate_size or self.moe_bias:
                 raise ValueError(
-                    "num_experts: 0 (a dense model), but num_experts_per_tok or "
-                    "shared_expert_intermediate_size is set"
+                    "num_experts: 0 (a dense model), but num_experts_per_tok, "
+                    "shared_expert_intermediate_size or moe_bias is set"
                 )
             return
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -292,6 +347,8 @@ class LlamaConfig:
         window, layer_types = _hf_windows(hf, arch)
         if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             qkv_bias, o_bias = True, False
+        elif arch == "GptOssForCausalLM":  # transformers' default: biases on
+            qkv_bias = o_bias = bool(hf.get("attention_bias", True))
         else:  # Llama, Mistral, Qwen3, Gemma: q/k/v/o biases together, off by default
             qkv_bias = o_bias = bool(hf.get("attention_bias", False))
         if hf.get("mlp_bias"):
@@ -344,6 +401,7 @@ class LlamaConfig:
             attn_logit_softcap=_optional(hf, "attn_logit_softcapping", 50.0 if gemma2 else None),
             final_logit_softcap=_optional(hf, "final_logit_softcapping", 30.0 if gemma2 else None),
             **experts,
+            attention_sinks=arch == "GptOssForCausalLM",
             architecture=arch,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
@@ -367,6 +425,7 @@ def _hf_architecture(hf: dict) -> str:
             "mixtral": "MixtralForCausalLM",
             "qwen2_moe": "Qwen2MoeForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM",
+            "gpt_oss": "GptOssForCausalLM",
         }.get(hf.get("model_type"))
     )
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -420,6 +479,12 @@ def _hf_windows(hf: dict, arch: str) -> tuple:
                 "for Qwen models"
             )
         window = hf.get("sliding_window")
+    elif arch == "GptOssForCausalLM":  # transformers' defaults: 128, every other layer
+        window = hf.get("sliding_window", 128)
+        layer_types = hf.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 else "full_attention"
+            for i in range(hf["num_hidden_layers"])
+        ]
     elif arch in _GEMMA:
         if hf.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention: only causal Gemma is supported")
@@ -449,6 +514,17 @@ def _hf_experts(hf: dict, arch: str) -> dict:
             num_experts_per_tok=hf.get("num_experts_per_tok", 2),
             moe_intermediate_size=hf.get("intermediate_size"),
             norm_topk_prob=True,
+        )
+    if arch == "GptOssForCausalLM":
+        return dict(
+            num_experts=hf.get("num_local_experts", 128),
+            num_experts_per_tok=hf.get("num_experts_per_tok", 4),
+            moe_intermediate_size=hf.get("intermediate_size"),
+            norm_topk_prob=True,
+            router_scoring="topk_softmax",
+            moe_bias=True,
+            swiglu_limit=_number({"swiglu_limit": 7.0, **hf}, "swiglu_limit"),
+            swiglu_alpha=_number({"swiglu_alpha": 1.702, **hf}, "swiglu_alpha"),
         )
     if hf.get("mlp_only_layers"):
         raise ValueError(
@@ -504,7 +580,39 @@ def _rope(src: dict, default_theta: float) -> tuple[float, Any]:
                 _number(src, "original_max_position_embeddings", "rope_scaling.")
             ),
         )
-    raise ValueError(f"rope_type: {rope_type!r} is not supported (default, linear, llama3)")
+    if rope_type == "yarn":
+        return theta, _yarn(src)
+    raise ValueError(f"rope_type: {rope_type!r} is not supported (default, linear, llama3, yarn)")
+
+
+def _yarn(src: dict) -> YarnRopeScaling:
+    """YaRN's settings; its attention factor as transformers derives it when not given
+    (``0.1 * ln(factor) + 1``, or the ratio of two such with ``mscale`` and
+    ``mscale_all_dim``)."""
+    if "original_max_position_embeddings" not in src:
+        raise ValueError(
+            "rope_scaling: yarn rope scaling needs original_max_position_embeddings, which "
+            "config.json does not give"
+        )
+    factor = _number(src, "factor", "rope_scaling.")
+
+    def mscale(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    attention = src.get("attention_factor")
+    if attention is None:
+        m, m_all = src.get("mscale"), src.get("mscale_all_dim")
+        attention = mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
+    return YarnRopeScaling(
+        factor=factor,
+        original_max_position_embeddings=int(
+            _number(src, "original_max_position_embeddings", "rope_scaling.")
+        ),
+        beta_fast=float(src.get("beta_fast") or 32.0),
+        beta_slow=float(src.get("beta_slow") or 1.0),
+        truncate=bool(src.get("truncate", True)),
+        attention_factor=float(attention),
+    )
 
 
 def _optional(src: dict, key: str, default: float | None) -> float | None:

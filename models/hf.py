@@ -23,6 +23,7 @@ from paged_jax import linear
 from paged_jax.sharding import tensor_parallel_size
 
 from . import compressed
+from . import gpt_oss as gpt_oss_tensors
 from .config import LlamaConfig
 from .llama import FUSED, LlamaForCausalLM
 from .sharding import pad_vocab, place, sharder
@@ -157,7 +158,7 @@ def load_hf(
     mesh: Any = None,
 ) -> tuple[LlamaForCausalLM, Any | None]:
     """Loads a local Hugging Face checkpoint of an architecture ``LlamaConfig`` supports
-    (Llama, Qwen2, Qwen3, Mistral, Gemma 2 and 3, Mixtral, Qwen2-MoE, Qwen3-MoE).
+    (Llama, Qwen2, Qwen3, Mistral, Gemma 2 and 3, Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS).
 
     Args:
       path: directory with ``config.json`` and safetensors weights.
@@ -170,7 +171,8 @@ def load_hf(
     A ``quantization_config`` of compressed-tensors' 8-bit weights (the public FP8 and
     INT8 checkpoints) keeps each quantized linear weight in ``models.quantization``'s
     ``fp8`` or ``int8`` format as stored (``models.compressed``); other schemes are
-    refused, naming what the config says.
+    refused, naming what the config says. GPT-OSS's MXFP4 experts are dequantized
+    (``models.gpt_oss``) to ``param_dtype``.
 
     Returns ``(model, tokenizer)``; the tokenizer is None without ``tokenizer.json``.
     Raises FileNotFoundError, ValueError (unsupported architecture, missing or
@@ -193,7 +195,9 @@ def load_hf(
         cfg = LlamaConfig.from_hf(raw)
     except ValueError as e:
         raise ValueError(f"{cfg_file}: {_first_line(e)}") from None
-    sch = compressed.scheme(raw, str(cfg_file)) if isinstance(raw, dict) else None
+    gpt_oss = cfg.architecture == "GptOssForCausalLM"
+    mxfp4 = gpt_oss and (raw.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    sch = compressed.scheme(raw, str(cfg_file)) if isinstance(raw, dict) and not mxfp4 else None
     # (numpy's safetensors loader has no float8: a quantized checkpoint's files are read
     # by compressed.read_safetensors)
     read = load_file if sch is None else compressed.read_safetensors
@@ -206,6 +210,8 @@ def load_hf(
     quantized8 = None
     if sch is not None:
         quantized8 = (sch.fmt, compressed.take_quantized(tensors, sch, str(root)))
+    if gpt_oss:  # its experts as one tensor a projection: as the other mixtures' per expert
+        gpt_oss_tensors.to_canonical(tensors, cfg.num_layers, cfg.num_experts, str(root))
     model = build_model(
         cfg,
         tensors,
@@ -694,4 +700,6 @@ def to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
             for i, v in per_layer:
                 name, transposed = _hf_name(path if i is None else ("layers", i, *path[1:]))
                 out[_family_name(name, arch)] = np.ascontiguousarray(v.T if transposed else v)
+    if arch == "GptOssForCausalLM":
+        gpt_oss_tensors.from_canonical(out, model.config.num_layers, model.config.num_experts)
     return out

@@ -1,5 +1,5 @@
 """The decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, and the mixtures of
-experts Mixtral, Qwen2-MoE, Qwen3-MoE) in Flax NNX, on the paged KV cache.
+experts Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS) in Flax NNX, on the paged KV cache.
 
 One forward pass serves a ragged batch: T new tokens of S sequences, each a prefill chunk
 or a decode token. Per layer the tokens' K/V are written into the ``PagedKVCache`` by
@@ -37,10 +37,12 @@ from .layers import (
     apply_rope,
     fuse_linears,
     make_linear,
+    rope_attention_factor,
     rope_inv_freq,
     soft_cap,
 )
 from .layers.kernels import kernel_platform
+from .layers.linear import layer_value
 from .layers.moe import SparseMoE
 from .quantization import check_format
 
@@ -66,6 +68,12 @@ class Attention(nnx.Module):
         norm = dict(dtype=dtype, param_dtype=param_dtype)
         self.q_norm = _norm(cfg, D, norm) if cfg.qk_norm else None
         self.k_norm = _norm(cfg, D, norm) if cfg.qk_norm else None
+        # GPT-OSS: each head's attention sink (f32[H]; paged_jax.ragged_paged_attention)
+        self.sinks = (
+            nnx.Param(jax.random.normal(rngs.params(), (H,), jnp.float32) * 0.02)
+            if cfg.attention_sinks
+            else None
+        )
 
     def fuse_projections(self) -> bool:
         """In place: q, k and v in one product (``fuse_linears``; ``qkv_proj`` replaces
@@ -79,10 +87,10 @@ class Attention(nnx.Module):
         del self.q_proj, self.k_proj, self.v_proj
         return True
 
-    def project(self, x_TE, positions_T, inv_freq, rows=None):
-        """Row-wise: ``(q[T, H, D], k[T, K, D], v[T, K, D])``, RoPE applied. ``rows``: the
-        fused q/k/v product's fp8 rows already quantized (``Linear.__call__``), ``x_TE``
-        then None."""
+    def project(self, x_TE, positions_T, inv_freq, rows=None, rope_scale=1.0):
+        """Row-wise: ``(q[T, H, D], k[T, K, D], v[T, K, D])``, RoPE applied (its rotation
+        times ``rope_scale``, YaRN's attention factor). ``rows``: the fused q/k/v
+        product's fp8 rows already quantized (``Linear.__call__``), ``x_TE`` then None."""
         T = x_TE.shape[0] if rows is None else rows[0].shape[0]
         if hasattr(self, "qkv_proj"):  # fuse_projections: one product, split
             qkv = self.qkv_proj(x_TE, rows=rows)
@@ -97,8 +105,8 @@ class Attention(nnx.Module):
         if self.q_norm is not None:  # Qwen3, Gemma 3: each head normalized over D, before RoPE
             q_THD, k_TKD = self.q_norm(q_THD), self.k_norm(k_TKD)
         return (
-            apply_rope(q_THD, positions_T, inv_freq),
-            apply_rope(k_TKD, positions_T, inv_freq),
+            apply_rope(q_THD, positions_T, inv_freq, rope_scale),
+            apply_rope(k_TKD, positions_T, inv_freq, rope_scale),
             v_TKD,
         )
 
@@ -119,6 +127,7 @@ class Attention(nnx.Module):
             sm_scale=self.sm_scale,
             sliding_window=window,
             soft_cap=self.soft_cap,
+            sinks=None if self.sinks is None else layer_value(self.sinks),
             backend=backend,
             interpret=interpret,
         )
@@ -145,6 +154,9 @@ class DecoderLayer(nnx.Module):
                 normalize=cfg.norm_topk_prob,
                 act=cfg.hidden_act,
                 shared_width=cfg.shared_expert_intermediate_size,
+                scoring=cfg.router_scoring,
+                bias=cfg.moe_bias,
+                clamp=None if cfg.swiglu_limit is None else (cfg.swiglu_limit, cfg.swiglu_alpha),
                 rngs=rngs,
                 **kw,
             )
@@ -160,6 +172,7 @@ class DecoderLayer(nnx.Module):
         window and RoPE. Returns ``(x[T, E], cache)``."""
         attn, inv = self.self_attn, md.batch_invariant
         inv_freq = rope_inv_freq(attn.head_dim, kind.rope_theta, kind.rope_scaling)
+        rope_scale = rope_attention_factor(kind.rope_scaling)
         # LoRA adapters' rows (models.lora): their mask travels with the rows
         bank, mask = _lora._LORA.get() or (None, None)
 
@@ -167,8 +180,8 @@ class DecoderLayer(nnx.Module):
             with _lora.rows(bank, m):
                 rows = self._fp8_qkv_rows(x)
                 if rows is not None:  # q/k/v's fp8 rows, normed and quantized in one kernel
-                    return attn.project(None, pos, inv_freq, rows=rows)
-                return attn.project(self.input_layernorm(x), pos, inv_freq)
+                    return attn.project(None, pos, inv_freq, rows=rows, rope_scale=rope_scale)
+                return attn.project(self.input_layernorm(x), pos, inv_freq, rope_scale=rope_scale)
 
         def after(x, o, m):
             with _lora.rows(bank, m):

@@ -9,6 +9,8 @@ these from its methods of the same names (the engine calls those); they need its
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -83,7 +85,7 @@ def hold_for_accelerator(model, *, fp8_activations: bool | None = None):
     Not for a model on a mesh (its shardings are given for the stacked arrays).
     Raises ``ValueError`` for a model packed for the CPU kernels (``hold_for_cpu``).
     """
-    if any(isinstance(n, (Linear, Embed)) and n.packed for _, n in nnx.iter_graph(model)):
+    if any(isinstance(n, (Linear, Embed, Experts)) and n.packed for _, n in nnx.iter_graph(model)):
         raise ValueError(
             "model: its weights are packed for the CPU kernels (hold_for_cpu), which "
             "only a CPU computes with; load it again to run it on an accelerator"
@@ -91,6 +93,7 @@ def hold_for_accelerator(model, *, fp8_activations: bool | None = None):
     if model.unrolled and fp8_activations is None:  # held already: as it was held
         return model
     split_layer_weights(model)
+    _split_layer_arrays(model)
     model.layers.self_attn.fuse_projections()
     model.layers.mlp.fuse_projections()
     if model.lora is not None:  # a fused projection's adapters in one pair, per layer
@@ -109,6 +112,27 @@ def hold_for_accelerator(model, *, fp8_activations: bool | None = None):
         model.embed_tokens.hold_transposed()
     model.unrolled = True
     return model
+
+
+def _split_layer_arrays(model) -> None:
+    """In place: the layers' arrays outside ``Linear`` modules that a product reads whole
+    (a mixture's experts and router, their biases; GPT-OSS's attention sinks) as tuples
+    of per-layer arrays (``layers.linear.layer_value`` picks one), for the unrolled loop
+    of ``hold_for_accelerator``: a static slice of a stack is a copy of it each step
+    (three bytes read for each expert weight byte of a Qwen3-30B-A3B-shaped step)."""
+    L = model.config.num_layers
+    for path, var in nnx.to_flat_state(nnx.state(model.layers, nnx.Param)):
+        names = [str(p) for p in path]
+        wanted = "experts" in names or names[-2:-1] == ["gate"] or names[-1] == "sinks"
+        if not wanted or (len(names) >= 2 and names[-2] == "shared_expert_gate"):
+            continue
+        node = functools.reduce(lambda n, part: getattr(n, str(part)), path[:-1], model.layers)
+        if isinstance(node, Linear):  # (split_layer_weights' own)
+            continue
+        param = getattr(node, str(path[-1]))
+        w = param.get_value()
+        if not isinstance(w, tuple) and not isinstance(param, Packed):
+            param.set_value(tuple(w[i] for i in range(L)))
 
 
 def hold_for_cpu(model, *, pack: bool | None = None):

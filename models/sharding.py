@@ -78,6 +78,8 @@ def weight_spec(path: tuple, ndim: int, *, replicate_kv: bool = False) -> P:
     names = _names(path)
     leaf = names[-1]
     if len(names) >= 2 and names[-2] == "experts":  # [L, X, in, out]: each expert's width split
+        if leaf.endswith("_bias"):  # GPT-OSS: gate's and up's [L, X, F] split as their columns
+            return P() if leaf == "down_bias" else P(None, None, TENSOR_AXIS)
         return (
             P(None, None, None, TENSOR_AXIS)
             if leaf != "down_proj"

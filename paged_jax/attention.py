@@ -168,8 +168,7 @@ def _sinks_or_none(impl, backend: str, sinks) -> Callable | None:
     if backend == "auto":
         return None
     raise ValueError(
-        f"sinks: backend={backend!r} does not take attention sinks yet; use 'auto', 'xla' "
-        "or 'cpu'"
+        f"sinks: backend={backend!r} does not take attention sinks yet; use 'auto', 'xla' or 'cpu'"
     )
 
 

@@ -74,7 +74,19 @@ def paged_self_attention(
 
 
 def _self_attention(
-    q, k, v, cache, layer, metadata, sinks, *, sm_scale, sliding_window, soft_cap, backend, interpret
+    q,
+    k,
+    v,
+    cache,
+    layer,
+    metadata,
+    sinks,
+    *,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    backend,
+    interpret,
 ):
     T, D = q.shape[0], q.shape[-1]
     cache = cache.write(layer, k, v, metadata.slot_mapping)

@@ -33,9 +33,13 @@ MODEL_CLASSES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     # 8 experts, top 2 renormalized, QK-norm, head_dim not hidden / heads
     "qwen3moe": "Qwen3MoeForCausalLM",
+    # alternating sliding (window 8) and full layers, attention sinks, YaRN RoPE, q/k/v/o
+    # biases, a router with a bias (top-k logits, then their softmax), experts with biases
+    # and a clamped unit (a small limit, so that it clamps)
+    "gptoss": "GptOssForCausalLM",
 }
 # The mixtures: their golden files also hold the routers' inputs and choices
-MOE = ("mixtral", "qwen2moe", "qwen3moe")
+MOE = ("mixtral", "qwen2moe", "qwen3moe", "gptoss")
 # Gemma's RMSNorm weights start at 0 (the scale is 1 + w): randomized too, or the golden
 # files would not see the offset.
 RANDOM_NORMS = ("gemma2", "gemma3")
@@ -129,7 +133,34 @@ def hf_config(transformers, name: str):
             head_dim=16,
             norm_topk_prob=True,
         )
+    if name == "gptoss":
+        return transformers.GptOssConfig(
+            **COMMON,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            head_dim=16,
+            sliding_window=8,
+            swiglu_limit=1.0,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 32,
+            },
+        )
     raise KeyError(name)
+
+
+def _router(mlp):
+    """A sparse block's router module (``gate``; GPT-OSS: ``router``) or None."""
+    return (
+        getattr(mlp, "gate", None)
+        if hasattr(mlp, "experts") and hasattr(mlp, "gate")
+        else (getattr(mlp, "router", None))
+    )
 
 
 def router_choices(ref, prompt):
@@ -151,7 +182,7 @@ def router_choices(ref, prompt):
             chosen[i] = out[2].numpy().astype(np.int32)
 
         hooks.append(layer.mlp.register_forward_pre_hook(keep_input))
-        hooks.append(layer.mlp.gate.register_forward_hook(keep_choice))
+        hooks.append(_router(layer.mlp).register_forward_hook(keep_choice))
     try:
         with torch.no_grad():
             ref(torch.tensor([prompt]))
@@ -194,6 +225,6 @@ def golden_arrays(ref, new_tokens: int) -> dict:
     arrays = {"logits": logits}
     for key, prompt in PROMPTS.items():
         arrays[f"greedy_{key}"] = np.asarray(hf_greedy(ref, prompt, new_tokens), np.int32)
-    if hasattr(ref.model.layers[0].mlp, "gate") and hasattr(ref.model.layers[0].mlp, "experts"):
+    if _router(ref.model.layers[0].mlp) is not None:
         arrays["router_inputs"], arrays["router_choices"] = router_choices(ref, PROMPTS["long"])
     return arrays

@@ -69,8 +69,9 @@ def test_routers_choose_the_experts_transformers_chose(name):
 
 @pytest.mark.parametrize(
     "name",
-    # Gemma 3 has the most groups (4 sliding, 1 global); the others under -m slow
-    [pytest.param(n, marks=pytest.mark.slow) for n in ("mistral", "gemma2")] + ["gemma3"],
+    # Gemma 3 has the most groups (4 sliding, 1 global), GPT-OSS sinks in its sliding
+    # layers; the others under -m slow
+    [pytest.param(n, marks=pytest.mark.slow) for n in ("mistral", "gemma2")] + ["gemma3", "gptoss"],
 )
 def test_hybrid_pool_frees_sliding_pages_and_keeps_every_token(name):
     """The same tokens with a pool of layer groups whose sliding groups drop pages the

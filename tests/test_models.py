@@ -121,7 +121,7 @@ def test_decode_loop_compiles_once_per_bucket(tiny):
             "architecture: expected one of ('LlamaForCausalLM', 'Qwen2ForCausalLM', "
             "'Qwen3ForCausalLM', 'MistralForCausalLM', 'Gemma2ForCausalLM', "
             "'Gemma3ForCausalLM', 'MixtralForCausalLM', 'Qwen2MoeForCausalLM', "
-            "'Qwen3MoeForCausalLM'), got 'GPT2LMHeadModel'",
+            "'Qwen3MoeForCausalLM', 'GptOssForCausalLM'), got 'GPT2LMHeadModel'",
         ),
     ],
 )
@@ -236,7 +236,7 @@ def test_gemma_configs_as_the_hub_writes_them():
             {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
             "only the default RoPE is supported on sliding layers",
         ),
-        ({"rope_scaling": {"rope_type": "yarn"}}, "rope_type: 'yarn' is not supported"),
+        ({"rope_scaling": {"rope_type": "longrope"}}, "rope_type: 'longrope' is not supported"),
     ],
 )
 def test_gemma_config_errors(changes, msg):

@@ -38,19 +38,24 @@ def _np_route(logits, k, normalize, scoring="softmax"):
     return (w / w.sum(-1, keepdims=True) if normalize else w), ids
 
 
-def _np_experts(x, w, ids, gate, up, down, gelu=False):
-    """The reference: token by token, expert by expert, in float64."""
+def _np_experts(x, w, ids, gate, up, down, gelu=False, biases=None, limit=None, alpha=1.702):
+    """The reference: token by token, expert by expert, in float64; ``biases`` (gate, up,
+    down) and ``limit`` as GPT-OSS's experts have them."""
     x, gate, up, down = (np.asarray(a, np.float64) for a in (x, gate, up, down))
+    zero = (np.zeros(gate.shape[::2]), np.zeros(gate.shape[::2]), np.zeros(down.shape[::2]))
+    bg, bu, bd = (np.asarray(b, np.float64) for b in (biases or zero))
     out = np.zeros_like(x)
     for t in range(x.shape[0]):
         for j, e in enumerate(ids[t]):
-            g = x[t] @ gate[e]
-            a = (
-                0.5 * g * (1 + np.tanh(0.7978845608 * (g + 0.044715 * g**3)))
-                if gelu
-                else g / (1 + np.exp(-g))
-            )
-            out[t] += w[t, j] * ((a * (x[t] @ up[e])) @ down[e])
+            g, u = x[t] @ gate[e] + bg[e], x[t] @ up[e] + bu[e]
+            if limit is not None:
+                g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+                a = (u + 1) * g / (1 + np.exp(-alpha * g))
+            elif gelu:
+                a = 0.5 * g * (1 + np.tanh(0.7978845608 * (g + 0.044715 * g**3))) * u
+            else:
+                a = g / (1 + np.exp(-g)) * u
+            out[t] += w[t, j] * (a @ down[e] + bd[e])
     return out
 
 
@@ -89,11 +94,49 @@ def test_each_way_computes_the_weighted_sum_of_the_chosen_experts(way, tokens, e
     w, ids = _np_route(rng.normal(size=(tokens, experts)), k, True)
     got = moe.expert_products(
         jnp.asarray(x), jnp.asarray(w, jnp.float32), jnp.asarray(ids, jnp.int32),
-        jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down), way=way, gelu=gelu,
+        jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down), way=way, glu=moe.Glu(gelu),
     )  # fmt: skip
     np.testing.assert_allclose(
         np.asarray(got), _np_experts(x, w, ids, gate, up, down, gelu), rtol=2e-5, atol=2e-5
     )
+
+
+@pytest.mark.parametrize("way", moe.EXPERT_PRODUCTS)
+def test_each_way_adds_gpt_oss_s_biases_and_clamps_its_unit(way):
+    """Gates and ups well past the limit, so that both clamps bite."""
+    from paged_jax import linear
+    from paged_jax.models.layers.linear import LAYER
+
+    if way == "packed" and not linear.available():
+        pytest.skip("the CPU kernels are not built here (no C compiler)")
+    rng = np.random.default_rng(4)
+    T, X, K, H, F, limit = 9, 6, 2, 16, 8, 1.5
+    x = rng.normal(size=(T, H)).astype(np.float32)
+    gate, up = (rng.normal(size=(X, H, F)).astype(np.float32) for _ in range(2))
+    down = rng.normal(size=(X, F, H)).astype(np.float32) * 0.3
+    biases = tuple(rng.normal(size=s).astype(np.float32) for s in ((X, F), (X, F), (X, H)))
+    w, ids = _np_route(rng.normal(size=(T, X)), K, True, "topk_softmax")
+    glu = moe.Glu(limit=limit, alpha=1.702)
+    args = (jnp.asarray(x), jnp.asarray(w, jnp.float32), jnp.asarray(ids, jnp.int32))
+    b = moe.Biases(*map(jnp.asarray, biases))
+    if way == "packed":
+        both = jnp.concatenate([jnp.asarray(gate), jnp.asarray(up)], -1)
+        token = LAYER.set(jnp.int32(0))
+        try:
+            got = moe.packed_products(
+                *args, linear.pack(both), linear.pack(jnp.asarray(down)), width=F, glu=glu,
+                biases=b,
+            )  # fmt: skip
+        finally:
+            LAYER.reset(token)
+    else:
+        got = moe.expert_products(
+            *args, *map(jnp.asarray, (gate, up, down)), way=way, glu=glu, biases=b
+        )
+    want = _np_experts(x, w, ids, gate, up, down, biases=biases, limit=limit)
+    g = np.einsum("th,xhf->txf", x, gate) + biases[0]
+    assert (g > limit).mean() > 0.2 and (np.einsum("th,xhf->txf", x, up) < -limit).any()
+    np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
 
 
 def test_a_way_is_chosen_per_platform_and_overridden_by_expert_way(monkeypatch):

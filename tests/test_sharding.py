@@ -43,9 +43,11 @@ def _check_steps(out: dict) -> None:
 
 def test_a_mixture_of_experts_on_a_tensor_parallel_mesh_equals_one_device():
     """Each expert's width split over 2 and 4 devices (and the shared expert's), the
-    router replicated: the logits and greedy tokens of one device, the pool never moved."""
-    out = _worker("tp_worker.py", "xla", "moe-4:2,4")
-    assert set(out) == {"moe-4/tp2", "moe-4/tp4"} and not [r for r in out.values() if "error" in r]
+    router replicated: the logits and greedy tokens of one device, the pool never moved;
+    GPT-OSS's sinks split with their heads, its experts' biases with their columns."""
+    out = _worker("tp_worker.py", "xla", "moe-4:2,4", "gpt-oss-4:2")
+    assert set(out) == {"moe-4/tp2", "moe-4/tp4", "gpt-oss-4/tp2"}
+    assert not [r for r in out.values() if "error" in r], out
     _check_steps(out)
 
 

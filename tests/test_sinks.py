@@ -11,7 +11,10 @@ from paged_cases import HAS_CC, make_case
 
 import paged_jax as pj
 
-BACKENDS = ["xla", pytest.param("cpu", marks=pytest.mark.skipif(not HAS_CC, reason="no C compiler"))]
+BACKENDS = [
+    "xla",
+    pytest.param("cpu", marks=pytest.mark.skipif(not HAS_CC, reason="no C compiler")),
+]
 
 
 def oracle(case, seqs, sinks, *, sm_scale, window=None):

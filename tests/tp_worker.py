@@ -3,7 +3,8 @@ count is fixed when JAX starts): a paged step under tensor parallelism against o
 
     python tests/tp_worker.py BACKEND MODEL:TP[,TP...] [MODEL:TP...]
 
-MODEL is tiny-llama (4 query, 2 KV heads), gqa-8-4, gqa-8-2, vocab-211 or moe-4. Prints one
+MODEL is tiny-llama (4 query, 2 KV heads), gqa-8-4, gqa-8-2, vocab-211, moe-4 or gpt-oss-4.
+Prints one
 JSON line."""
 
 import dataclasses
@@ -25,6 +26,7 @@ from paged_jax import (  # noqa: E402
     build_batch,
     models,  # noqa: E402
 )
+from paged_jax.models.config import YarnRopeScaling  # noqa: E402
 from paged_jax.models.sharding import shard_model  # noqa: E402
 from paged_jax.sharding import shard_cache, tensor_parallel_mesh  # noqa: E402
 
@@ -83,6 +85,24 @@ CONFIGS = {
         num_experts_per_tok=2,
         moe_intermediate_size=64,
         shared_expert_intermediate_size=64,
+    ),
+    # GPT-OSS's parts: attention sinks (split with the heads), sliding and full layers,
+    # YaRN, biases on attention, router and experts, the clamped unit
+    "gpt-oss-4": dataclasses.replace(
+        gqa_config(4),
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        router_scoring="topk_softmax",
+        moe_bias=True,
+        swiglu_limit=7.0,
+        attention_sinks=True,
+        qkv_bias=True,
+        o_bias=True,
+        sliding_window=8,
+        layer_types=("sliding_attention", "full_attention"),
+        rope_scaling=YarnRopeScaling(factor=4.0, original_max_position_embeddings=32),
+        architecture="GptOssForCausalLM",
     ),
 }
 

@@ -36,6 +36,20 @@ LAYER: contextvars.ContextVar = contextvars.ContextVar("paged_jax_layer")
 ROWS: contextvars.ContextVar = contextvars.ContextVar("paged_jax_rows", default=None)
 
 
+def layer_value(var: nnx.Variable) -> jax.Array:
+    """A layer's value of ``var``: the array itself, or where it is held as a tuple of
+    per-layer arrays (``placement.hold_for_accelerator``'s experts, routers and sinks)
+    the one of the layer being computed (``LAYER``: a Python int in an unrolled loop;
+    a traced index picks by ``lax.switch``)."""
+    value = var.get_value()
+    if not isinstance(value, tuple):
+        return value
+    layer = LAYER.get()
+    if isinstance(layer, int):
+        return value[layer]
+    return jax.lax.switch(layer, [lambda v=v: v for v in value])
+
+
 class Packed(nnx.Param):
     """A linear kernel packed for the CPU kernel (``paged_jax.linear.pack``): ``[P, in,
     NR]``, or ``[L, P, in, NR]`` for the layers' stack, which the forward pass hands whole

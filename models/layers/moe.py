@@ -1,7 +1,8 @@
 """A sparse mixture-of-experts block: a router picks each token's ``k`` experts of ``E``,
 each a gated feed-forward block, and the token's output is their outputs weighted by the
-router (Mixtral, Qwen2-MoE, Qwen3-MoE); Qwen2-MoE adds a shared expert every token
-takes, scaled by a sigmoid gate of its own.
+router (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS); Qwen2-MoE adds a shared expert every
+token takes, scaled by a sigmoid gate of its own; GPT-OSS gives the router and the
+experts' projections biases and clamps the experts' gated unit (``Glu``).
 
 Shapes: T tokens, E hidden size (the model's; ``H`` here to keep ``E`` for experts where
 it would clash: ``x [T, H]``), X experts, K experts a token, F an expert's width.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +39,7 @@ from flax import nnx
 
 from paged_jax import linear
 
-from .linear import LAYER, ROWS, Packed, make_linear
+from .linear import LAYER, ROWS, Packed, layer_value, make_linear
 from .mlp import MLP
 
 EXPERT_PRODUCTS = ("packed", "dense", "gather", "ragged")
@@ -97,8 +99,39 @@ def route(
     return top, ids.astype(jnp.int32)
 
 
-def _act(h: jax.Array, gelu: bool) -> jax.Array:
-    return jax.nn.gelu(h, approximate=True) if gelu else jax.nn.silu(h)
+class Glu(NamedTuple):
+    """An expert's gated unit, ``g`` and ``u`` its gate's and up projection's outputs:
+    ``act(g) * u`` with SiLU (or tanh GELU with ``gelu``); with ``limit`` (GPT-OSS), ``g``
+    clamped to at most ``limit`` and ``u`` to ``[-limit, limit]``, then ``(u + 1) * g *
+    sigmoid(alpha * g)``."""
+
+    gelu: bool = False
+    limit: float | None = None
+    alpha: float = 1.702
+
+    def __call__(self, g: jax.Array, u: jax.Array) -> jax.Array:
+        if self.limit is not None:
+            g = jnp.minimum(g, self.limit)
+            u = jnp.clip(u, -self.limit, self.limit)
+            return (u + 1) * (g * jax.nn.sigmoid(self.alpha * g))
+        return (jax.nn.gelu(g, approximate=True) if self.gelu else jax.nn.silu(g)) * u
+
+
+SWIGLU = Glu()  # SiLU(gate) * up: Mixtral's and Qwen's experts
+
+
+class Biases(NamedTuple):
+    """The experts' biases (GPT-OSS): ``gate`` and ``up`` ``[X, F]``, ``down`` ``[X, H]``."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+
+    def of(self, experts: jax.Array) -> Biases:
+        """Each row's biases for the experts ``experts`` (any shape ``[...]``; an id past
+        the last expert, a padding row's, takes zeros): ``[..., F]``, ``[..., H]``."""
+        take = lambda b: jnp.take(b, experts, axis=0, mode="fill", fill_value=0)  # noqa: E731
+        return Biases(take(self.gate), take(self.up), take(self.down))
 
 
 def expert_products(
@@ -110,25 +143,36 @@ def expert_products(
     down: jax.Array,  # [X, F, H]
     *,
     way: str,
-    gelu: bool = False,
+    glu: Glu = SWIGLU,
+    biases: Biases | None = None,
 ) -> jax.Array:  # [T, H], x.dtype
-    """``sum_k weights[t, k] * down_e(act(gate_e(x_t)) * up_e(x_t))`` with ``e = ids[t,
-    k]``, each token's sum over its experts in the order given, computed ``way`` (one of
-    ``EXPERT_PRODUCTS``; module docstring). Products in ``x``'s dtype at the highest
-    precision, the weighted sum in f32."""
+    """``sum_k weights[t, k] * down_e(glu(gate_e(x_t), up_e(x_t)))`` with ``e = ids[t,
+    k]`` (each projection plus its bias where ``biases`` are given), each token's sum
+    over its experts in the order given, computed ``way`` (one of ``EXPERT_PRODUCTS``;
+    module docstring). Products in ``x``'s dtype at the highest precision, the weighted
+    sum in f32."""
     hi = jax.lax.Precision.HIGHEST
     T, H = x.shape
     X = gate.shape[0]
     gate, up, down = (w.astype(x.dtype) for w in (gate, up, down))
+    if biases is not None:
+        biases = Biases(*(b.astype(x.dtype) for b in biases))
     if way == "dense":
         g = jnp.einsum("th,xhf->txf", x, gate, precision=hi)
         u = jnp.einsum("th,xhf->txf", x, up, precision=hi)
-        y = jnp.einsum("txf,xfh->txh", _act(g, gelu) * u, down, precision=hi)
+        if biases is not None:
+            g, u = g + biases.gate[None], u + biases.up[None]
+        y = jnp.einsum("txf,xfh->txh", glu(g, u), down, precision=hi)
+        y = y if biases is None else y + biases.down[None]
         picked = jnp.take_along_axis(y, ids[:, :, None], axis=1)  # [T, K, H]
     elif way == "gather":
         g = jnp.einsum("th,tkhf->tkf", x, gate[ids], precision=hi)
         u = jnp.einsum("th,tkhf->tkf", x, up[ids], precision=hi)
-        picked = jnp.einsum("tkf,tkfh->tkh", _act(g, gelu) * u, down[ids], precision=hi)
+        b = None if biases is None else biases.of(ids)
+        if b is not None:
+            g, u = g + b.gate, u + b.up
+        picked = jnp.einsum("tkf,tkfh->tkh", glu(g, u), down[ids], precision=hi)
+        picked = picked if b is None else picked + b.down
     elif way == "ragged":
         K = ids.shape[1]
         flat = ids.reshape(-1)
@@ -137,7 +181,11 @@ def expert_products(
         sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
         g = jax.lax.ragged_dot(rows, gate, sizes, precision=hi)
         u = jax.lax.ragged_dot(rows, up, sizes, precision=hi)
-        y = jax.lax.ragged_dot(_act(g, gelu) * u, down, sizes, precision=hi)
+        b = None if biases is None else biases.of(flat[order])
+        if b is not None:
+            g, u = g + b.gate, u + b.up
+        y = jax.lax.ragged_dot(glu(g, u), down, sizes, precision=hi)
+        y = y if b is None else y + b.down
         back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
         picked = y[back].reshape(T, K, H)
     else:
@@ -157,7 +205,8 @@ def packed_products(
     down: jax.Array,  # [(L,) X, P, F, NR] packed
     *,
     width: int,
-    gelu: bool = False,
+    glu: Glu = SWIGLU,
+    biases: Biases | None = None,
 ) -> jax.Array:  # [T, H], x.dtype
     """``expert_products``' sum with the experts packed for the CPU: the (token, expert)
     pairs sorted by expert, each expert's rows multiplied by its own weights only
@@ -181,8 +230,12 @@ def packed_products(
     sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
     rows = x.astype(jnp.float32)[order // K]
     both = linear.expert_matmul(rows, gate_up, 2 * width, sizes, first)
-    act = _act(both[:, :width], gelu) * both[:, width:]
-    y = linear.expert_matmul(act, down, H, sizes, first)
+    g, u = both[:, :width], both[:, width:]
+    b = None if biases is None else biases.of(flat[order])
+    if b is not None:
+        g, u = g + b.gate.astype(jnp.float32), u + b.up.astype(jnp.float32)
+    y = linear.expert_matmul(glu(g, u), down, H, sizes, first)
+    y = y if b is None else y + b.down.astype(jnp.float32)
     back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     picked = y[back].reshape(T, K, H)
     out = jnp.einsum("tkh,tk->th", picked, weights, precision=jax.lax.Precision.HIGHEST)
@@ -190,20 +243,27 @@ def packed_products(
 
 
 class Router(nnx.Module):
-    """The router's weight ``kernel [H, X]`` (``[L, H, X]`` in a layer stack), held in
-    float and computed in f32 whatever the model's weights are quantized to."""
+    """The router's weight ``kernel [H, X]`` (``[L, H, X]`` in a layer stack) and, with
+    ``bias``, its ``bias [X]`` (GPT-OSS), held in float and computed in f32 whatever the
+    model's weights are quantized to."""
 
-    def __init__(self, hidden: int, experts: int, *, rngs: nnx.Rngs, param_dtype):
+    def __init__(
+        self, hidden: int, experts: int, *, rngs: nnx.Rngs, param_dtype, bias: bool = False
+    ):
         init = nnx.initializers.lecun_normal()
         self.kernel = nnx.Param(init(rngs.params(), (hidden, experts), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((experts,), param_dtype)) if bias else None
 
     def weight(self) -> jax.Array:  # [(L,) H, X]
         """The kernel as it is held (``Linear.weight``'s counterpart, for writers)."""
         return self.kernel[...]
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, H] -> f32[T, X]
-        w = self.kernel[...].astype(jnp.float32)
-        return jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+        w = layer_value(self.kernel).astype(jnp.float32)
+        logits = jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+        if self.bias is None:
+            return logits
+        return logits + layer_value(self.bias).astype(jnp.float32)[None]
 
 
 class Experts(nnx.Module):
@@ -211,16 +271,42 @@ class Experts(nnx.Module):
     F]`` and ``down_proj`` ``[X, F, H]`` (``[L, X, ...]`` in a layer stack), ``[in, out]``
     per expert as ``Linear`` holds its kernels; or, packed for the CPU's C kernel
     (``hold_packed``), ``gate_up`` ``[(L,) X, P, H, NR]`` (gate's columns, then up's) and
-    ``down`` ``[(L,) X, P, F, NR]``, multiplied by ``products``' "packed" way."""
+    ``down`` ``[(L,) X, P, F, NR]``, multiplied by ``products``' "packed" way. With
+    ``bias`` (GPT-OSS), ``gate_bias``, ``up_bias`` ``[(L,) X, F]`` and ``down_bias``
+    ``[(L,) X, H]``, kept as they are when packed."""
 
     packed = False  # hold_packed sets it on the instance (a static attribute)
 
-    def __init__(self, hidden: int, width: int, experts: int, *, rngs: nnx.Rngs, param_dtype):
+    def __init__(
+        self,
+        hidden: int,
+        width: int,
+        experts: int,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype,
+        bias: bool = False,
+    ):
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         self.gate_proj = nnx.Param(init(rngs.params(), (experts, hidden, width), param_dtype))
         self.up_proj = nnx.Param(init(rngs.params(), (experts, hidden, width), param_dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (experts, width, hidden), param_dtype))
         self.hidden, self.width, self.experts = hidden, width, experts
+        if bias:
+            zeros = lambda *shape: nnx.Param(jnp.zeros(shape, param_dtype))  # noqa: E731
+            self.gate_bias = zeros(experts, width)
+            self.up_bias = zeros(experts, width)
+            self.down_bias = zeros(experts, hidden)
+
+    def biases(self) -> Biases | None:
+        """The experts' biases as they are held, or None (no biases)."""
+        if not hasattr(self, "gate_bias"):
+            return None
+        return Biases(*map(layer_value, (self.gate_bias, self.up_bias, self.down_bias)))
+
+    def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(gate_proj, up_proj, down_proj)`` of the layer being computed, unpacked."""
+        return tuple(map(layer_value, (self.gate_proj, self.up_proj, self.down_proj)))
 
     def hold_packed(self) -> Experts:
         """In place: the experts' f32 or bf16 weights packed for the CPU's grouped product
@@ -246,10 +332,12 @@ class Experts(nnx.Module):
 class SparseMoE(nnx.Module):
     """A sparse mixture-of-experts block, ``x [T, H]`` to ``[T, H]``.
 
-    ``gate`` (``Router``) scores the experts, ``route`` picks each token's ``k``,
-    ``experts`` (``Experts``) are multiplied ``current_way()``; with
+    ``gate`` (``Router``) scores the experts, ``route`` picks each token's ``k``
+    (``scoring``), ``experts`` (``Experts``) are multiplied ``current_way()``; with
     ``shared_width`` > 0 a shared expert (``MLP`` of that width, not a LoRA target) adds
-    ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` (Qwen2-MoE)."""
+    ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` (Qwen2-MoE). ``bias``: the
+    router and the experts have biases; ``clamp``: ``(limit, alpha)`` of GPT-OSS's
+    clamped unit (``Glu``), or None."""
 
     def __init__(
         self,
@@ -261,13 +349,19 @@ class SparseMoE(nnx.Module):
         normalize: bool,
         act: str,
         shared_width: int = 0,
+        scoring: str = "softmax",
+        bias: bool = False,
+        clamp: tuple[float, float] | None = None,
         rngs: nnx.Rngs,
         dtype,
         param_dtype,
     ):
-        self.gate = Router(hidden, experts, rngs=rngs, param_dtype=param_dtype)
-        self.experts = Experts(hidden, width, experts, rngs=rngs, param_dtype=param_dtype)
-        self.k, self.normalize, self.gelu = k, normalize, act == "gelu_tanh"
+        kw = dict(rngs=rngs, param_dtype=param_dtype, bias=bias)
+        self.gate = Router(hidden, experts, **kw)
+        self.experts = Experts(hidden, width, experts, **kw)
+        self.k, self.normalize, self.scoring = k, normalize, scoring
+        limit, alpha = clamp or (None, 1.702)
+        self.glu = Glu(gelu=act == "gelu_tanh", limit=limit, alpha=alpha)
         self.dtype = dtype
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.shared_expert = (
@@ -282,7 +376,7 @@ class SparseMoE(nnx.Module):
 
     def choices(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``route`` of ``x [T, H]``: ``(f32[T, K] weights, i32[T, K] experts)``."""
-        return route(self.gate(x), self.k, normalize=self.normalize)
+        return route(self.gate(x), self.k, normalize=self.normalize, scoring=self.scoring)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         weights, ids = self.choices(x)
@@ -290,18 +384,24 @@ class SparseMoE(nnx.Module):
         x = x if self.dtype is None else x.astype(self.dtype)
         if e.packed:
             out = packed_products(
-                x, weights, ids, e.gate_up[...], e.down[...], width=e.width, gelu=self.gelu
+                x,
+                weights,
+                ids,
+                e.gate_up[...],
+                e.down[...],
+                width=e.width,
+                glu=self.glu,
+                biases=e.biases(),
             )
         else:
             out = expert_products(
                 x,
                 weights,
                 ids,
-                e.gate_proj[...],
-                e.up_proj[...],
-                e.down_proj[...],
+                *e.weights(),
                 way="dense" if (way := current_way()) == "packed" else way,
-                gelu=self.gelu,
+                glu=self.glu,
+                biases=e.biases(),
             )
         if self.shared_expert is not None:
             scale = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
