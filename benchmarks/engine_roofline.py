@@ -1,6 +1,7 @@
 """The engine benchmark's model shapes and ideals: the public checkpoints' shapes
 (``SHAPE_FIELDS``), a decode step built from shapes alone (``abstract_decode_step``), how
-often a compiled step reads each weight byte (``weight_reads``), and the roofline of a
+often a compiled step reads each weight byte (``weight_reads``), a step compiled for a
+TPU slice none of whose chips is attached (``compile_on_tpu_mesh``), and the roofline of a
 workload on a device whose peaks are known (``device_peaks``, ``prefill_flops``,
 ``roofline_tokens_per_s``). Used by ``bench_engine``, ``bench_step_kernels`` and tests."""
 
@@ -87,6 +88,7 @@ def weight_reads(
     hold=None,
     backend: str = "xla",
     compile_fn=None,
+    widen: float = 1.25,
 ) -> dict:
     """How many times XLA's cost analysis says one compiled decode step reads each byte of
     the layers' weights, for a model of config ``fields`` held as the engine holds a model
@@ -95,10 +97,12 @@ def weight_reads(
 
     The step (``seqs`` sequences at ``context`` tokens, the XLA attention backend, the
     model's own ``__call__``) is compiled for four models: ``layers[0]`` and ``layers[1]``
-    layers, each at the config's width and 5/4 of it (``hidden_size`` and
-    ``intermediate_size``; the same heads). ``bytes_per_weight_byte`` is the double
-    difference of the bytes accessed over that of the weight bytes: 1.0 when each weight
-    is read once, in place; about 3 when each layer's slice is copied out of a stack; far
+    layers, each at the config's width and ``widen`` times it (``hidden_size``,
+    ``intermediate_size`` and a mixture's ``moe_intermediate_size``; the same heads;
+    keep the wide sizes multiples of 256 where a compiler pads others: TPU's grouped
+    product read an expert width of 960 three times, 1536 once).
+    ``bytes_per_weight_byte`` is the double difference of the bytes accessed over that of
+    the weight bytes: 1.0 when each weight is read once, in place; about 3 when each layer's slice is copied out of a stack; far
     below 1 when the layers run in a loop whose body the analysis counts once. The
     differences cancel what the analysis charges that is not a layer's weights: the
     embedding lookup (a gather is charged its whole table) and the head do not grow
@@ -148,11 +152,11 @@ def weight_reads(
         f = dict(fields, num_layers=num_layers)
         wide = dict(
             f,
-            hidden_size=f["hidden_size"] * 5 // 4,
-            intermediate_size=f["intermediate_size"] * 5 // 4,
+            hidden_size=int(f["hidden_size"] * widen),
+            intermediate_size=int(f["intermediate_size"] * widen),
         )
         if f.get("moe_intermediate_size"):  # a mixture: its experts' width too
-            wide["moe_intermediate_size"] = f["moe_intermediate_size"] * 5 // 4
+            wide["moe_intermediate_size"] = int(f["moe_intermediate_size"] * widen)
         return one(f), one(wide)
 
     runs = [widths(n) for n in layers]
@@ -220,3 +224,88 @@ def roofline_tokens_per_s(
         flops = C * (2 * products + attn * context)
         seconds += max((weights + C * context * kv_per_token) / bandwidth, flops / flops_peak)
     return C * output_len / seconds
+
+
+def compile_on_tpu_mesh(
+    fields: dict,
+    topology: str,
+    chips: tuple[int, int],
+    *,
+    seqs: int = 64,
+    context: int = 1024,
+    dtype="bfloat16",
+    backend: str = "pallas_tpu",
+) -> dict:
+    """Compiles the decode step of a model of config ``fields`` (``seqs`` sequences at
+    ``context`` tokens; weights and pool from shapes alone) for a TPU slice described,
+    not attached (``topology``, e.g. ``"v6e:2x2"``, of ``chips`` (x, y) chips on one
+    host), with the weights and the pool split over all its chips on a ``"tp"`` axis as
+    ``paged_jax.models.sharding`` splits them (the layers scanned, as the engine runs a
+    model on a mesh). Needs libtpu and ``JAX_PLATFORMS=cpu``
+    (``paged_jax.kernels.tpu.aot``). Returns the compile seconds, the chips, the weight
+    bytes and XLA's memory analysis per chip."""
+    import os
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from paged_jax import models
+    from paged_jax.models.sharding import state_shardings
+    from paged_jax.sharding import cache_shardings, kv_head_replicas, replicate_kv_heads
+
+    n = chips[0] * chips[1]
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")  # quiets libtpu's probing
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    desc = topologies.get_topology_desc(
+        platform="tpu",
+        topology_name=topology,
+        chip_config_name="default",
+        chips_per_host_bounds=(*chips, 1),
+        num_slices=1,
+    )
+    mesh = Mesh(np.array(desc.devices), ("tp",))
+    cfg = models.LlamaConfig(**fields)
+    dt = jnp.dtype(dtype)
+
+    def make():
+        return models.LlamaForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt)
+
+    graphdef, state, cache, batch, md = abstract_decode_step(make, seqs, context)
+    cache = jax.eval_shape(
+        lambda c: replicate_kv_heads(c, kv_head_replicas(cfg.num_kv_heads, n)), cache
+    )
+
+    def placed(tree, shardings):
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings
+        )
+
+    state = placed(state, state_shardings(cfg, state, mesh))
+    cache = placed(cache, cache_shardings(cache, mesh))
+    whole = NamedSharding(mesh, PartitionSpec())
+    tokens, positions = (
+        jax.ShapeDtypeStruct(a.shape, jnp.int32, sharding=whole)
+        for a in (batch.token_ids, batch.positions)
+    )
+
+    def step(state, tokens, positions, cache):
+        return nnx.merge(graphdef, state)(tokens, positions, cache, md, backend=backend)
+
+    with jax.set_mesh(mesh), jax.default_device(desc.devices[0]):
+        t = time.perf_counter()
+        compiled = jax.jit(step, donate_argnums=(3,)).lower(state, tokens, positions, cache)
+        compiled = compiled.compile()
+        seconds = time.perf_counter() - t
+    mem = compiled.memory_analysis()
+    return dict(
+        compile_s=seconds,
+        chips=n,
+        weight_bytes=sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state)),
+        argument_bytes_per_chip=getattr(mem, "argument_size_in_bytes", None),
+        temp_bytes_per_chip=getattr(mem, "temp_size_in_bytes", None),
+    )

@@ -119,8 +119,7 @@ def _split_layer_arrays(model) -> None:
     (a mixture's experts and router, their biases; GPT-OSS's attention sinks) as tuples
     of per-layer arrays (``layers.linear.layer_value`` picks one), for the unrolled loop
     of ``hold_for_accelerator``: a static slice of a stack is copied before its product,
-    each step (XLA:CPU's cost analysis of a Qwen3-30B-A3B-shaped decode step, "dense"
-    way: 3.03 bytes accessed a weight byte stacked, 2.37 split)."""
+    each step (docs/DECISIONS.md, "A mixture's experts per layer on an accelerator")."""
     L = model.config.num_layers
     for path, _ in nnx.to_flat_state(nnx.state(model.layers, nnx.Param)):
         names = [str(p) for p in path]

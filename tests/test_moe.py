@@ -139,6 +139,26 @@ def test_each_way_adds_gpt_oss_s_biases_and_clamps_its_unit(way):
     np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
 
 
+@pytest.mark.parametrize("way", moe.EXPERT_PRODUCTS[1:])
+def test_each_way_takes_bf16_rows(way):
+    """bf16 rows and experts (ragged: at the default precision, which TPU's grouped
+    kernel takes) give the f64 sum of the bf16 values within bf16's rounding."""
+    rng = np.random.default_rng(9)
+    T, X, K, H, F = 7, 6, 2, 32, 16
+    bf = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+    x = bf(rng.normal(size=(T, H)))
+    gate, up = (bf(rng.normal(size=(X, H, F)) * 0.3) for _ in range(2))
+    down = bf(rng.normal(size=(X, F, H)) * 0.3)
+    w, ids = _np_route(rng.normal(size=(T, X)), K, True)
+    got = moe.expert_products(
+        jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.float32), jnp.asarray(ids, jnp.int32),
+        *(jnp.asarray(a, jnp.bfloat16) for a in (gate, up, down)), way=way,
+    )  # fmt: skip
+    assert got.dtype == jnp.bfloat16
+    want = _np_experts(x, w, ids, gate, up, down)
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, rtol=0.05, atol=0.05)
+
+
 def test_a_way_is_chosen_per_platform_and_overridden_by_expert_way(monkeypatch):
     from paged_jax import linear
 
@@ -570,6 +590,10 @@ def test_a_mixture_held_for_each_device_gives_transformers_logits(held):
 
     model, _ = load_hf(GOLDEN / "qwen2moe", dtype=jnp.float32)
     model = model.hold_for_accelerator() if held == "accelerator" else model.hold_for_cpu()
+    if held == "accelerator":  # each layer's experts and router its own arrays, not slices
+        mlp = model.layers.mlp
+        for var in (mlp.experts.gate_proj, mlp.experts.down_proj, mlp.gate.kernel):
+            assert isinstance(var.get_value(), tuple) and len(var.get_value()) == 2
     golden = np.load(GOLDEN / "qwen2moe" / "golden.npz")["logits"]
     logits = paged_prompt_logits(model, PROMPTS["long"])
     assert np.abs(logits - golden).max() / np.abs(golden).max() <= 1e-4

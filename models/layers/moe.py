@@ -179,12 +179,15 @@ def expert_products(
         order = jnp.argsort(flat, stable=True)  # the (token, choice) pairs by expert
         rows = x[order // K]  # [T * K, H]
         sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
-        g = jax.lax.ragged_dot(rows, gate, sizes, precision=hi)
-        u = jax.lax.ragged_dot(rows, up, sizes, precision=hi)
+        # (16-bit rows at the default precision: their products are exact in f32 anyway,
+        # and TPU's grouped kernel refuses bf16 operands at HIGHEST)
+        rp = hi if x.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+        g = jax.lax.ragged_dot(rows, gate, sizes, precision=rp)
+        u = jax.lax.ragged_dot(rows, up, sizes, precision=rp)
         b = None if biases is None else biases.of(flat[order])
         if b is not None:
             g, u = g + b.gate, u + b.up
-        y = jax.lax.ragged_dot(glu(g, u), down, sizes, precision=hi)
+        y = jax.lax.ragged_dot(glu(g, u).astype(x.dtype), down, sizes, precision=rp)
         y = y if b is None else y + b.down
         back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
         picked = y[back].reshape(T, K, H)
