@@ -102,8 +102,8 @@ def weight_reads(
     keep the wide sizes multiples of 256 where a compiler pads others: TPU's grouped
     product read an expert width of 960 three times, 1536 once).
     ``bytes_per_weight_byte`` is the double difference of the bytes accessed over that of
-    the weight bytes: 1.0 when each weight is read once, in place; about 3 when each layer's slice is copied out of a stack; far
-    below 1 when the layers run in a loop whose body the analysis counts once. The
+    the weight bytes: 1.0 when each weight is read once, in place; about 3 when each
+    layer's slice is copied out of a stack; far below 1 when the layers run in a loop whose body the analysis counts once. The
     differences cancel what the analysis charges that is not a layer's weights: the
     embedding lookup (a gather is charged its whole table) and the head do not grow
     with layers, attention and the pool do not grow with the width. The pool is kept
