@@ -91,29 +91,29 @@ def weight_reads(
     widen: float = 1.25,
 ) -> dict:
     """How many times XLA's cost analysis says one compiled decode step reads each byte of
-    the layers' weights, for a model of config ``fields`` held as the engine holds a model
-    off the CPU (``hold_for_accelerator``; or ``hold(model)`` when given, which returns
-    the model), built from shapes alone (nothing allocated).
+    the layers' weights, for a model of config ``fields`` held as the engine holds a
+    model off the CPU (``hold_for_accelerator``; or ``hold(model)`` when given, which
+    returns the model), built from shapes alone (nothing allocated).
 
     The step (``seqs`` sequences at ``context`` tokens, the XLA attention backend, the
-    model's own ``__call__``) is compiled for four models: ``layers[0]`` and ``layers[1]``
-    layers, each at the config's width and ``widen`` times it (``hidden_size``,
-    ``intermediate_size`` and a mixture's ``moe_intermediate_size``; the same heads;
-    keep the wide sizes multiples of 256 where a compiler pads others: TPU's grouped
-    product read an expert width of 960 three times, 1536 once).
-    ``bytes_per_weight_byte`` is the double difference of the bytes accessed over that of
-    the weight bytes: 1.0 when each weight is read once, in place; about 3 when each
-    layer's slice is copied out of a stack; far below 1 when the layers run in a loop whose body the analysis counts once. The
-    differences cancel what the analysis charges that is not a layer's weights: the
-    embedding lookup (a gather is charged its whole table) and the head do not grow
-    with layers, attention and the pool do not grow with the width. The pool is kept
-    small (default: one sequence's page and the null page), because each in-place
-    scatter and gather is charged its whole ``[L, N, ...]`` operand, which grows with
-    layers x layers. Also returns the four ``bytes_accessed`` and ``weight_bytes``
-    (``[narrow, wide]`` per layer count) and the compile seconds. ``backend``: the
-    attention backend; ``compile_fn(fn, *args)``: what compiles the step (default:
-    ``jax.jit(fn).lower(*args).compile()`` on the default device; for a TPU,
-    ``paged_jax.kernels.tpu.aot.compile_for_tpu``)."""
+    model's own ``__call__``) is compiled for four models: ``layers[0]`` and
+    ``layers[1]`` layers, each at the config's width and ``widen`` times it
+    (``hidden_size``, ``intermediate_size`` and a mixture's ``moe_intermediate_size``;
+    the same heads; keep the wide sizes multiples of 256 where a compiler pads others:
+    TPU's grouped product read an expert width of 960 three times, 1536 once).
+    ``bytes_per_weight_byte`` is the double difference of the bytes accessed over that
+    of the weight bytes: 1.0 when each weight is read once, in place; about 3 when each
+    layer's slice is copied out of a stack; far below 1 when the layers run in a loop
+    whose body the analysis counts once. The differences cancel what the analysis
+    charges that is not a layer's weights: the embedding lookup (a gather is charged its
+    whole table) and the head do not grow with layers, attention and the pool do not
+    grow with the width. The pool is kept small (default: one sequence's page and the
+    null page), because each in-place scatter and gather is charged its whole ``[L, N,
+    ...]`` operand, which grows with layers x layers. Also returns the four
+    ``bytes_accessed`` and ``weight_bytes`` (``[narrow, wide]`` per layer count) and the
+    compile seconds. ``backend``: the attention backend; ``compile_fn(fn, *args)``: what
+    compiles the step (default: ``jax.jit(fn).lower(*args).compile()`` on the default
+    device; for a TPU, ``paged_jax.kernels.tpu.aot.compile_for_tpu``)."""
     import time
 
     import jax
