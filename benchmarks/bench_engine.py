@@ -5,9 +5,11 @@ decode step split into its parts, and transformers ``generate`` on the same devi
 [--concurrency 64 256] [--prompt-len 128] [--output-len 128] [--backends pallas_gpu xla]
 [--repeats 3] [--transformers] [--decode-kernel on|off|both] [--layout per-layer|scan|both]
 [--num-scheduler-steps K] [--async-scheduling on|off|both] [--prefill-tokens N ...]
-[--no-split] [--quantization none int8 fp8 int4] [--lora-adapters 0 8]``
+[--no-split] [--quantization none int8 fp8 int4] [--lora-adapters 0 8]
+[--expert-way ragged dense gather]``
 
-Models: SmolLM2-135M-shaped and Llama-3-8B-shaped decoders (``SHAPE_FIELDS``), random weights,
+Models: SmolLM2-135M-shaped and Llama-3-8B-shaped decoders, and a Qwen3-30B-A3B-shaped
+mixture of experts (``SHAPE_FIELDS``; by default the two dense ones), random weights,
 bf16 weights, activations and KV cache, built on the device (real checkpoints are not needed
 to time them). Workload per concurrency C: C requests of ``--prompt-len`` random tokens
 (no shared prefixes; prefix caching off), each generating exactly ``--output-len`` greedy
@@ -95,7 +97,7 @@ from benchmarks.engine_roofline import (  # noqa: F401 (SHAPE_FIELDS, PAGE: the 
     weight_reads,
 )
 from benchmarks.engine_splits import decode_split, prefill_split
-from benchmarks.engine_switches import decode_kernel, decode_prefetch, w8a16_kernel
+from benchmarks.engine_switches import decode_kernel, decode_prefetch, expert_way, w8a16_kernel
 from benchmarks.engine_switches import sort_free as sort_free_way
 
 LORA_RANK = 16  # --lora-adapters' rank, on every projection
@@ -451,7 +453,12 @@ def main(argv=None) -> int:
     if "--peer" in argv:
         return peer_main(argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=list(SHAPE_FIELDS), choices=sorted(SHAPE_FIELDS))
+    ap.add_argument(
+        "--models",
+        nargs="+",
+        default=["smollm2-135m", "llama3-8b"],
+        choices=sorted(SHAPE_FIELDS),
+    )
     ap.add_argument("--concurrency", type=positive_int, nargs="+", default=[64, 256])
     ap.add_argument("--prompt-len", type=positive_int, default=128)
     ap.add_argument("--output-len", type=positive_int, default=128)
@@ -535,6 +542,14 @@ def main(argv=None) -> int:
         "(on), XLA's dots (off), or as models.layers.KERNELS['w8a16'] says; each in turn",
     )
     ap.add_argument(
+        "--expert-way",
+        nargs="+",
+        default=["default"],
+        choices=["default", "packed", "dense", "gather", "ragged"],
+        help="a mixture of experts (--models qwen3-30b-a3b): its experts' products each way "
+        "(models.layers.moe.EXPERT_PRODUCTS), or as moe.EXPERT_WAYS says; each in turn",
+    )
+    ap.add_argument(
         "--quantization",
         nargs="+",
         default=["none"],
@@ -600,6 +615,7 @@ def main(argv=None) -> int:
                     sort_free=args.sort_free,
                     decode_prefetch=args.decode_prefetch,
                     w8a16_kernel=args.w8a16_kernel,
+                    expert_way=args.expert_way,
                     quantization=args.quantization,
                     lora_adapters=args.lora_adapters,
                     lora_rank=LORA_RANK,
@@ -629,13 +645,14 @@ def main(argv=None) -> int:
             if quant is not None:
                 base = f"{base}, {quant} weights"
             ways = {"on": [True], "off": [False], "both": [True, False]}
-            for on, overlap, sort_free, walk, w8, loras in itertools.product(
+            for on, overlap, sort_free, walk, w8, loras, experts in itertools.product(
                 ways[args.decode_kernel],
                 ways[args.async_scheduling],
                 args.sort_free,
                 args.decode_prefetch,
                 args.w8a16_kernel,
                 sorted(args.lora_adapters),  # no slots first: slots stay on the model
+                args.expert_way,
             ):
                 label = base if on else f"{base}, ragged kernel for decode steps"
                 if not overlap:
@@ -648,6 +665,8 @@ def main(argv=None) -> int:
                     label = f"{label}, W8A16 kernel {w8}"
                 if loras:
                     label = f"{label}, {loras} LoRA adapters"
+                if experts != "default":
+                    label = f"{label}, experts {experts}"
                 print(f"{name} / {label} ...", flush=True)
                 try:
                     with (
@@ -655,6 +674,7 @@ def main(argv=None) -> int:
                         sort_free_way(sort_free),
                         decode_prefetch(walk),
                         w8a16_kernel(w8),
+                        expert_way(experts),
                     ):
                         runs, llm = engine_runs(
                             model, name, label, args, layout, overlap, loras, quant

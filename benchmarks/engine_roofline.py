@@ -183,14 +183,27 @@ def device_peaks(device_kind: str) -> tuple[float, float] | None:
     return None
 
 
+def _feed_forward(fields: dict, tokens: int) -> tuple[int, int]:
+    """``(parameters a token multiplies by, parameters a step of ``tokens`` tokens reads)``
+    of one layer's feed-forward block: a dense MLP's, or a mixture's router and chosen
+    experts (the experts ``tokens`` tokens choose, expected under uniform routing:
+    ``X * (1 - (1 - k / X) ** tokens)``)."""
+    E = fields["hidden_size"]
+    X = fields.get("num_experts", 0)
+    if not X:
+        return 3 * E * fields["intermediate_size"], 3 * E * fields["intermediate_size"]
+    k, F = fields["num_experts_per_tok"], fields["moe_intermediate_size"]
+    chosen = X * (1 - (1 - k / X) ** tokens)
+    return E * X + k * 3 * E * F, int(E * X + chosen * 3 * E * F)
+
+
 def prefill_flops(fields: dict, concurrency: int, prompt_len: int) -> float:
     """FLOPs of one step prefilling ``concurrency`` prompts of ``prompt_len`` tokens: the
-    layers' products for every token, the head for each prompt's last, causal attention."""
-    E, F, L, V = (
-        fields[k] for k in ("hidden_size", "intermediate_size", "num_layers", "vocab_size")
-    )
+    layers' products for every token (a mixture's: its router and chosen experts), the
+    head for each prompt's last, causal attention."""
+    E, L, V = (fields[k] for k in ("hidden_size", "num_layers", "vocab_size"))
     H, K, D = fields["num_heads"], fields["num_kv_heads"], fields["head_dim"]
-    layer = 2 * E * H * D + 2 * E * K * D + 3 * E * F
+    layer = 2 * E * H * D + 2 * E * K * D + _feed_forward(fields, 1)[0]
     attn = 4 * L * H * D
     P = prompt_len
     return concurrency * (2 * L * layer * P + 2 * V * E + attn * P * (P + 1) / 2)
@@ -203,18 +216,19 @@ def roofline_tokens_per_s(
     bandwidth and its FLOPs over the peak (``peaks``: ``device_peaks``), with 16-bit
     weights and KV: one prefill step of every prompt (its products, logits for the last
     token only, causal attention), then ``output_len - 1`` decode steps, step k reading
-    every weight (the embedding table included) and the KV of ``prompt_len + k`` tokens
-    per sequence. (Issue 57's table counted every parameter's two FLOPs for every prompt
-    token; this ideal is a few percent higher, so its fractions a few percent lower.)"""
+    every weight (the embedding table included; of a mixture's experts, those its
+    ``concurrency`` tokens choose, ``_feed_forward``) and the KV of ``prompt_len + k``
+    tokens per sequence. (Issue 57's table counted every parameter's two FLOPs for every
+    prompt token; this ideal is a few percent higher, so its fractions a few percent
+    lower.)"""
     flops_peak, bandwidth = peaks
-    E, F, L, V = (
-        fields[k] for k in ("hidden_size", "intermediate_size", "num_layers", "vocab_size")
-    )
+    E, L, V = (fields[k] for k in ("hidden_size", "num_layers", "vocab_size"))
     H, K, D = fields["num_heads"], fields["num_kv_heads"], fields["head_dim"]
-    layer = 2 * E * H * D + 2 * E * K * D + 3 * E * F
-    products = L * layer + V * E  # the layers and the head
+    attention = 2 * E * H * D + 2 * E * K * D
+    per_token, read = _feed_forward(fields, concurrency)
+    products = L * (attention + per_token) + V * E  # the layers and the head
     tables = 1 if fields.get("tie_word_embeddings") else 2
-    weights = bytes_per * (L * (layer + 2 * E) + E + tables * V * E)
+    weights = bytes_per * (L * (attention + read + 2 * E) + E + tables * V * E)
     kv_per_token = bytes_per * L * 2 * K * D
     attn = 4 * L * H * D  # QK and PV FLOPs per (query, key) pair
     C, P = concurrency, prompt_len

@@ -1,7 +1,8 @@
 """The engine benchmark's A/B switches: context managers under which engines built draw
 restricted rows another way (``sort_free``), run the GPU decode kernel's walk with or
 without prefetch (``decode_prefetch``), send W8A16 products through the few-row kernel
-or XLA (``w8a16_kernel``), or run decode steps on the ragged kernel (``decode_kernel``).
+or XLA (``w8a16_kernel``), run decode steps on the ragged kernel (``decode_kernel``), or
+multiply a mixture's experts another way (``expert_way``).
 Each restores what it changed; the engine's cached step functions are dropped where a
 setting read at trace time changed (``traced_setting``)."""
 
@@ -99,3 +100,16 @@ def decode_kernel(on: bool):
         yield
     finally:
         AttentionMetadata.from_batch = orig
+
+
+def expert_way(way: str):
+    """While active, engines built multiply a mixture's experts ``way`` (one of
+    ``moe.EXPERT_PRODUCTS``) on every platform, or as ``moe.EXPERT_WAYS`` says
+    ("default"); the engine's cached steps are traced again (``traced_setting``)."""
+    from paged_jax.models.layers import moe
+
+    if way == "default":
+        return contextlib.nullcontext()
+    if way not in moe.EXPERT_PRODUCTS:
+        raise ValueError(f"way: expected 'default' or one of {moe.EXPERT_PRODUCTS}, got {way!r}")
+    return traced_setting(moe, "EXPERT_WAYS", {k: way for k in moe.EXPERT_WAYS})

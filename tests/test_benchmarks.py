@@ -191,6 +191,32 @@ def test_engine_benchmark_runs_quantized_weights_and_lora_adapters_side_by_side(
         bench_engine.main(["--models", "tiny-test", "--lora-adapters", "-1"])
 
 
+@pytest.mark.slow  # 6-8 s: two engines; .ci/run runs it
+def test_engine_benchmark_runs_a_mixture_each_way_its_experts_multiply(tmp_path, monkeypatch):
+    # --expert-way (a tiny mixture on CPU, timings meaningless): a row per way, labelled,
+    # every request its full output; the platform's way restored afterwards
+    import json
+
+    from benchmarks import bench_engine
+    from benchmarks.common import OUT_ENV
+    from paged_jax.models.layers import moe
+
+    shape = dict(TINY_SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    monkeypatch.setitem(bench_engine.SHAPE_FIELDS, "tiny-moe", shape)
+    monkeypatch.setenv(OUT_ENV, str(tmp_path))
+    before = dict(moe.EXPERT_WAYS)
+    argv = "--models tiny-moe --concurrency 2 --prompt-len 5 --output-len 4 --repeats 1 "
+    argv += "--backends xla --no-split --expert-way dense gather"
+    assert bench_engine.main(argv.split()) == 0
+    assert moe.EXPERT_WAYS == before
+    rows = json.loads((tmp_path / "engine_cpu.json").read_text())["results"]
+    assert [r["system"] for r in rows] == [
+        "paged-jax (xla, experts dense)",
+        "paged-jax (xla, experts gather)",
+    ], rows
+    assert all(r["steps"] == 4 and r["tokens_per_s"]["median"] > 0 for r in rows)
+
+
 def test_engine_benchmark_kernel_ways_reach_the_next_trace(monkeypatch):
     # --decode-prefetch on/off: the decode kernel reads tuning.DECODE_PREFETCH at each call
     # (outside its jit), and the engine's cached step functions are dropped on the way in
@@ -255,6 +281,14 @@ def test_roofline_of_the_engine_workload():
     ideal = roofline_tokens_per_s(SHAPE_FIELDS["llama3-8b"], 256, 128, 128, h100)
     assert 23_552 < ideal < 1.07 * 23_552, ideal
     assert device_peaks("cpu") is None
+    # A mixture: 4 experts of width 8, 2 a token, a router of 8 x 4. A token multiplies by
+    # its router and 2 experts (32 + 2 * 3 * 8 * 8 = 416 parameters); 2 tokens choose
+    # 4 * (1 - (1 - 2/4) ** 2) = 3 experts on average: 32 + 3 * 192 = 608 read
+    from benchmarks.engine_roofline import _feed_forward
+
+    m = dict(f, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    assert _feed_forward(m, 2) == (416, 608) and _feed_forward(f, 2) == (192, 192)
+    assert prefill_flops(m, 2, 4) == 2 * (2 * (256 + 416) * 4 + 2 * 16 * 8 + 4 * 8 * 10)
 
 
 def test_every_benchmark_module_is_named_by_both_commands(capsys):
