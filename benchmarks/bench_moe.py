@@ -2,8 +2,8 @@
 of computing the experts' products, on the engine.
 
 ``python -m benchmarks moe [--out DIR] [--concurrency 1 4 16] [--prompt-len 64]
-[--output-len 64] [--repeats 3] [--ways packed dense gather ragged]``, written to
-``moe_<backend>.json``.
+[--output-len 64] [--repeats 3] [--ways packed dense gather ragged] [--quantization none
+int8]``, written to ``moe_<backend>.json``.
 
 Models (random weights, f32, built here): ``moe``, Qwen3-MoE-shaped and small (8 layers,
 hidden 512, 8 query and 4 KV heads of 64, QK-norm, vocabulary 4096; 8 experts of width
@@ -16,6 +16,8 @@ tokens/s = C * output_len / wall time. Reported: min / median / max of each engi
 rounds, and its ratio to ``dense`` taken round by round (the median of the rounds'
 ratios). The MoE engines are one per way of ``models.layers.moe.EXPERT_PRODUCTS`` asked
 for (``--ways``; "packed": the C kernel's grouped product, on CPU where it builds).
+``--quantization int8`` runs both models again with int8 weights (``model.quantize``: the
+experts too), each compared with the dense model of its own format.
 """
 
 from __future__ import annotations
@@ -70,13 +72,16 @@ def _way(way: str | None):
     return moe.expert_way(way) if way else contextlib.nullcontext()
 
 
-def build(cfg, way: str | None, pool_tokens: int):
-    """An engine on a random model of ``cfg``, its experts held ``way`` (None: dense)."""
+def build(cfg, way: str | None, pool_tokens: int, quantization: str | None = None):
+    """An engine on a random model of ``cfg``, its experts held ``way`` (None: dense), its
+    weights in ``quantization`` (None: f32)."""
     import paged_jax as pj
     from paged_jax.models import init_model
 
     with _way(way):
         model = init_model(cfg, seed=0)
+        if quantization is not None:
+            model.quantize(quantization)
         return pj.LLM(model, num_pages=pool_tokens // 16 + 8, page_size=16, compilation_cache=False)
 
 
@@ -87,6 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=positive_int, default=64)
     ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--ways", nargs="+", default=["packed", "dense", "gather", "ragged"])
+    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8"])
     args = ap.parse_args(argv)
 
     import jax
@@ -99,9 +105,15 @@ def main(argv=None) -> int:
         ap.error(f"--ways: {bad} not among {moe.EXPERT_PRODUCTS}")
     cfgs = configs()
     longest = max(args.concurrency) * (args.prompt_len + args.output_len)
-    engines = {"dense": (build(cfgs["dense"], None, longest), None)}
-    for way in args.ways:
-        engines[f"moe {way}"] = (build(cfgs["moe"], way, longest), way)
+    engines, base = {}, {}  # name -> (engine, way); name -> its dense model's name
+    for quant in args.quantization:
+        q = None if quant == "none" else quant
+        suffix = "" if q is None else f" {q}"
+        engines[f"dense{suffix}"] = (build(cfgs["dense"], None, longest, q), None)
+        base[f"dense{suffix}"] = f"dense{suffix}"
+        for way in args.ways:
+            engines[f"moe {way}{suffix}"] = (build(cfgs["moe"], way, longest, q), way)
+            base[f"moe {way}{suffix}"] = f"dense{suffix}"
     rng = np.random.default_rng(0)
     sp = pj.SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     rows = []
@@ -118,7 +130,7 @@ def main(argv=None) -> int:
                     runs[name].append(c * args.output_len / seconds)
             print(f"moe: C={c} round {r} done", file=sys.stderr, flush=True)
         for name, tps in runs.items():
-            ratios = [a / b for a, b in zip(tps, runs["dense"], strict=True)]
+            ratios = [a / b for a, b in zip(tps, runs[base[name]], strict=True)]
             rows.append(
                 dict(
                     concurrency=c,
@@ -126,7 +138,7 @@ def main(argv=None) -> int:
                     tokens_per_s=dict(min=min(tps), median=statistics.median(tps), max=max(tps)),
                     ratio_to_dense=statistics.median(ratios),
                     experts_packed=bool(
-                        name != "dense" and engines[name][0].model.layers.mlp.experts.packed
+                        name.startswith("moe") and engines[name][0].model.layers.mlp.experts.packed
                     ),
                 )
             )
@@ -147,7 +159,10 @@ def main(argv=None) -> int:
             environment=environment(with_jax=True),
             configs={k: str(v) for k, v in cfgs.items()},
             workload=dict(
-                prompt_len=args.prompt_len, output_len=args.output_len, repeats=args.repeats
+                prompt_len=args.prompt_len,
+                output_len=args.output_len,
+                repeats=args.repeats,
+                quantization=args.quantization,
             ),
             rows=rows,
         ),

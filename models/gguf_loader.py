@@ -174,11 +174,15 @@ def load_gguf(
     reader = _open(path)
     cfg = gguf_config(reader, path)  # checks the architecture
     arch = _field(reader, "general.architecture", path, kind="str")
+    after = None  # a mixture: read in float, then quantized whole (experts included)
     if cfg.sparse and quantization is not None:
-        raise GGUFError(
-            f"{path}: quantization: {quantization!r} for a mixture of experts is not supported "
-            "yet (its experts would stay float); load it without quantization"
-        )
+        if quantization != "int8":
+            raise GGUFError(
+                f"{path}: quantization: {quantization!r} for a mixture of experts is not "
+                "supported yet (its experts take int8); load it without quantization or "
+                "with 'int8'"
+            )
+        after, quantization = quantization, None
     # int8 quantized here in groups for the CPU: rotated first (Linear.rotated), where
     # every layer's tensor of that weight is quantized here (none keeps its blocks)
     rotatable = _rotatable(reader, arch, path) if quantization == "int8" and mesh is None else set()
@@ -201,6 +205,8 @@ def load_gguf(
         quantized8=("fp8" if quantization == "fp8" else "int8", eight) if eight else None,
         rotated8=frozenset(rotated),
     )
+    if after is not None:
+        model.quantize(after)
     return model, tokenizer
 
 

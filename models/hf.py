@@ -664,6 +664,16 @@ def _int4_layout(blocks, transposed: bool, want: tuple, source: str, name: str):
     return (q.T, d.T, m.T) if transposed else (q, d, m)
 
 
+def _dequantized_experts(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """int8 experts ``q [L, X, in, out]`` times their scales (``[L, X, in / G, out]`` or
+    ``[L, X, out]``), in f32."""
+    if scale.ndim == q.ndim:
+        scale = np.repeat(scale, q.shape[-2] // scale.shape[-2], axis=-2)
+    else:
+        scale = scale[..., None, :]
+    return q.astype(np.float32) * scale
+
+
 def to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
     """The model's weights under Hugging Face tensor names and layouts (numpy arrays):
     what ``load_hf`` reads back, e.g. to write with ``safetensors.numpy.save_file``.
@@ -683,6 +693,13 @@ def to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
             value = value.weight()
         value = np.asarray(value)
         arch = model.config.architecture
+        if len(p) >= 2 and str(p[-2]) == "experts" and str(p[-1]).endswith("_scale"):
+            continue  # int8 experts' scales: their weights come dequantized
+        if _is_expert_weight(p) and str(p[-1]).endswith("_proj"):
+            node = functools.reduce(lambda n, part: getattr(n, str(part)), p[:-1], model)
+            if node.quantized:  # int8 experts, dequantized
+                scale = np.asarray(getattr(node, str(p[-1]).replace("_proj", "_scale")).get_value())
+                value = _dequantized_experts(value, scale)
         if _is_expert_weight(p):  # [L, X, in, out]: a tensor per layer and expert
             names = _expert_names(p, value.shape[0], value.shape[1], arch)
             for (name, _), v in zip(names, value.reshape(-1, *value.shape[2:]), strict=True):

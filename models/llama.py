@@ -43,7 +43,7 @@ from .layers import (
 )
 from .layers.kernels import kernel_platform
 from .layers.linear import layer_value
-from .layers.moe import SparseMoE
+from .layers.moe import Experts, SparseMoE
 from .quantization import check_format
 
 
@@ -355,19 +355,22 @@ class LlamaForCausalLM(nnx.Module):
         4 bits); returns the model. Norms stay float. Before the engine
         holds the weights for a device (``hold_for_cpu``, ``hold_for_accelerator``,
         ``shard``), which ``paged_jax.models.load(..., quantization=)`` ensures.
-        Idempotent. Raises ``ValueError`` for an unknown format, and for a mixture of
-        experts (not yet)."""
+        Idempotent. A mixture's experts go to int8 (``Experts.quantize``) and its routers
+        stay float; raises ``ValueError`` for an unknown format, and for another format
+        on a mixture (not yet)."""
         check_format(fmt)
-        if self.config.sparse:
+        if self.config.sparse and fmt != "int8":
             raise ValueError(
                 f"quantization: {fmt!r} for a mixture of experts is not supported yet (its "
-                "experts would stay float); load it without quantization"
+                "experts take int8); load it without quantization or with 'int8'"
             )
         for _, node in nnx.iter_graph(self):
             if isinstance(node, Linear):
                 node.quantize(fmt)
             elif isinstance(node, Embed):  # int4: the table (a tied head) in int8
                 node.quantize("int8" if fmt == "int4" else fmt)
+            elif isinstance(node, Experts):
+                node.quantize(fmt)
         return self
 
     def hold_for_accelerator(self, *, fp8_activations: bool | None = None) -> LlamaForCausalLM:

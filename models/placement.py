@@ -198,7 +198,9 @@ def hold_for_cpu(model, *, pack: bool | None = None):
         model.layers.mlp.fuse_projections()
         for _, node in nnx.iter_graph(model):
             if isinstance(node, Linear) or (
-                isinstance(node, Experts) and current_way() == "packed"  # a mixture's experts
+                isinstance(node, Experts)
+                and current_way() == "packed"  # a mixture's experts
+                and node.packable()
             ):
                 node.hold_packed()
         if model.lm_head is None:

@@ -145,18 +145,20 @@ def lora_delta(
 
 def expert_matmul(
     x: jax.Array,  # f32[M, K], rows sorted by expert
-    packed: jax.Array,  # f32 or bf16 [W, P, K, NR]: W experts' weights, each packed by pack
+    packed: jax.Array,  # f32, bf16 or int8 [W, P, K, NR]: W experts' weights, each packed
     n: int,
     sizes: jax.Array,  # i32[X] each expert's rows, in order
     first: jax.Array | int = 0,  # the weight of expert 0 (expert e's: first + e)
+    scales: jax.Array | None = None,  # int8: f32[W, P, K / G, NR]
 ) -> jax.Array:  # f32[M, n]
     """Each expert's rows of ``x`` times its own weight, by the CPU kernel
     (``paged_jax.kernels.cpu.grouped_linear``): expert e's ``sizes[e]`` rows, after the
-    experts before it, by weight ``first + e``, each row as ``matmul`` computes it alone;
-    the rows past the experts' are 0, and an expert no row chose is not read."""
+    experts before it, by weight ``first + e``, each row as ``matmul`` computes it alone
+    (int8 weights with their ``scales`` per group of inputs: W8A8); the rows past the
+    experts' are 0, and an expert no row chose is not read."""
     from paged_jax.kernels import cpu
 
-    return cpu.grouped_linear(x, packed, n, sizes, first)
+    return cpu.grouped_linear(x, packed, n, sizes, first, scales=scales)
 
 
 def grouped_matmul(

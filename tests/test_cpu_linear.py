@@ -364,6 +364,45 @@ def test_grouped_rows_are_each_group_s_plain_product(dtype):
 
 
 @needs_cc
+@pytest.mark.parametrize("group", [32, 8])
+def test_grouped_int8_rows_are_each_group_s_plain_product(group):
+    """int8 weights with scales per group of inputs (a mixture's quantized experts): each
+    row bit for bit the plain int8 product by its group's weight (the rows quantized in
+    blocks of the group, W8A8), and near the float product of the weights' values."""
+    rng = np.random.default_rng(5)
+    W, K, N = 5, 64, cpu.panel_width() + 3
+    q = rng.integers(-127, 128, (W, K, N)).astype(np.int8)
+    sc = (rng.uniform(0.5, 2, (W, K // group, N)) / 127).astype(np.float32)
+    packed, scales = cpu.pack_weight(jnp.asarray(q)), cpu.pack_weight(jnp.asarray(sc))
+    sizes = np.array([3, 0, 1, 4], np.int32)
+    x = rng.normal(size=(10, K)).astype(np.float32)
+    y = np.asarray(
+        jax.jit(lambda x, s: cpu.grouped_linear(x, packed, N, s, 1, scales=scales))(
+            jnp.asarray(x), jnp.asarray(sizes)
+        )
+    )
+    row = 0
+    for g, n in enumerate(sizes):
+        if n:
+            alone = cpu.linear(jnp.asarray(x[row : row + n]), packed, N, layer=1 + g, scales=scales)
+            np.testing.assert_array_equal(y[row : row + n], np.asarray(alone))
+            w = q[1 + g].astype(np.float64) * np.repeat(sc[1 + g], group, axis=0)
+            want = x[row : row + n].astype(np.float64) @ w
+            np.testing.assert_allclose(
+                y[row : row + n], want, rtol=0.03, atol=0.03 * np.abs(want).max()
+            )
+        row += n
+    assert not y[row:].any()
+    with pytest.raises(ValueError, match="scales: int8 weights need f32"):
+        cpu.grouped_linear(jnp.asarray(x), packed, N, jnp.asarray(sizes))
+    with pytest.raises(ValueError, match="scales: only int8 weights take scales"):
+        cpu.grouped_linear(
+            jnp.asarray(x), cpu.pack_weight(jnp.ones((3, K, N), jnp.float32)), N,
+            jnp.asarray(sizes[:2]), scales=scales,
+        )  # fmt: skip
+
+
+@needs_cc
 def test_grouped_product_boundary_errors():
     packed = cpu.pack_weight(jnp.ones((3, 8, 10), jnp.float32))
     x = jnp.ones((4, 8), jnp.float32)

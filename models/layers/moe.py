@@ -39,6 +39,7 @@ from flax import nnx
 
 from paged_jax import linear
 
+from ..quantization import int8_group, quantize_int8
 from .linear import LAYER, ROWS, Packed, layer_value, make_linear
 from .mlp import MLP
 
@@ -118,6 +119,16 @@ class Glu(NamedTuple):
 
 
 SWIGLU = Glu()  # SiLU(gate) * up: Mixtral's and Qwen's experts
+
+
+def _dequantize(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """int8 experts ``q [X, in, out]`` times their scales: ``[X, in / G, out]`` (each
+    group of G inputs) or ``[X, out]`` (each column), in ``dtype``."""
+    if scale.ndim == q.ndim:
+        scale = jnp.repeat(scale, q.shape[-2] // scale.shape[-2], axis=-2)
+    else:
+        scale = scale[..., None, :]
+    return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
 class Biases(NamedTuple):
@@ -210,19 +221,24 @@ def packed_products(
     width: int,
     glu: Glu = SWIGLU,
     biases: Biases | None = None,
+    scales: tuple[jax.Array, jax.Array] | tuple[None, None] = (None, None),
 ) -> jax.Array:  # [T, H], x.dtype
-    """``expert_products``' sum with the experts packed for the CPU: the (token, expert)
+    """``expert_products``' sum with the experts packed for the CPU (int8 ones with their
+    packed ``scales``, ``Experts.packed_scales``): the (token, expert)
     pairs sorted by expert, each expert's rows multiplied by its own weights only
     (``paged_jax.linear.expert_matmul``; the experts of a layer stack from ``LAYER``'s
     layer on), in f32. A step's padding tokens (``ROWS``) choose no expert: no product
     is computed for them."""
     T, H = x.shape
     K = ids.shape[1]
+    s_up, s_down = scales
     if gate_up.ndim == 5:  # a layer stack: this layer's experts, read where they lie
         X = gate_up.shape[1]
         first = LAYER.get() * X
         gate_up = gate_up.reshape(-1, *gate_up.shape[2:])
         down = down.reshape(-1, *down.shape[2:])
+        if s_up is not None:
+            s_up, s_down = (a.reshape(-1, *a.shape[2:]) for a in (s_up, s_down))
     else:
         X, first = gate_up.shape[0], 0
     step = ROWS.get()
@@ -232,12 +248,12 @@ def packed_products(
     order = jnp.argsort(flat, stable=True)  # by expert; padding last
     sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
     rows = x.astype(jnp.float32)[order // K]
-    both = linear.expert_matmul(rows, gate_up, 2 * width, sizes, first)
+    both = linear.expert_matmul(rows, gate_up, 2 * width, sizes, first, s_up)
     g, u = both[:, :width], both[:, width:]
     b = None if biases is None else biases.of(flat[order])
     if b is not None:
         g, u = g + b.gate.astype(jnp.float32), u + b.up.astype(jnp.float32)
-    y = linear.expert_matmul(glu(g, u), down, H, sizes, first)
+    y = linear.expert_matmul(glu(g, u), down, H, sizes, first, s_down)
     y = y if b is None else y + b.down.astype(jnp.float32)
     back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     picked = y[back].reshape(T, K, H)
@@ -276,9 +292,14 @@ class Experts(nnx.Module):
     (``hold_packed``), ``gate_up`` ``[(L,) X, P, H, NR]`` (gate's columns, then up's) and
     ``down`` ``[(L,) X, P, F, NR]``, multiplied by ``products``' "packed" way. With
     ``bias`` (GPT-OSS), ``gate_bias``, ``up_bias`` ``[(L,) X, F]`` and ``down_bias``
-    ``[(L,) X, H]``, kept as they are when packed."""
+    ``[(L,) X, H]``, kept as they are when packed. ``quantize("int8")``: the three
+    weights int8 with f32 scales ``gate_scale``, ``up_scale``, ``down_scale`` (per group
+    of 32 inputs for the CPU, ``[(L,) X, in / 32, out]``, or per column elsewhere,
+    ``[(L,) X, out]``; ``models.quantization.int8_group``), packed with their scales
+    (``gate_up_scales``, ``down_scales``) for the CPU's grouped int8 product."""
 
     packed = False  # hold_packed sets it on the instance (a static attribute)
+    quantized = None  # quantize sets it: "int8"
 
     def __init__(
         self,
@@ -307,9 +328,37 @@ class Experts(nnx.Module):
             return None
         return Biases(*map(layer_value, (self.gate_bias, self.up_bias, self.down_bias)))
 
-    def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``(gate_proj, up_proj, down_proj)`` of the layer being computed, unpacked."""
-        return tuple(map(layer_value, (self.gate_proj, self.up_proj, self.down_proj)))
+    def weights(self, dtype=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(gate_proj, up_proj, down_proj)`` of the layer being computed, unpacked; int8
+        ones dequantized to ``dtype`` (default f32) inside the step."""
+        ws = tuple(map(layer_value, (self.gate_proj, self.up_proj, self.down_proj)))
+        if not self.quantized:
+            return ws
+        scales = map(layer_value, (self.gate_scale, self.up_scale, self.down_scale))
+        return tuple(
+            _dequantize(q, s, dtype or jnp.float32) for q, s in zip(ws, scales, strict=True)
+        )
+
+    def quantize(self, fmt: str = "int8") -> Experts:
+        """In place: the experts' float weights in int8 (the class docstring); returns the
+        module. Idempotent. Raises ``ValueError`` for another format, and once packed
+        or split per layer."""
+        if fmt != "int8":
+            raise ValueError(
+                f"quantization: {fmt!r} for a mixture's experts is not supported yet (int8 is)"
+            )
+        if self.quantized:
+            return self
+        if self.packed or isinstance(self.gate_proj.get_value(), tuple):
+            raise ValueError("experts: quantize before packing or splitting the weights")
+        for name in ("gate", "up", "down"):
+            var = getattr(self, f"{name}_proj")
+            w = var.get_value()
+            q, scale = quantize_int8(w, -2, int8_group(w, -2))
+            var.set_value(jnp.asarray(q))
+            setattr(self, f"{name}_scale", nnx.Param(jnp.asarray(scale)))
+        self.quantized = "int8"
+        return self
 
     def hold_packed(self) -> Experts:
         """In place: the experts' f32 or bf16 weights packed for the CPU's grouped product
@@ -319,9 +368,24 @@ class Experts(nnx.Module):
         if self.packed:
             return self
         gate, up, down = (w.get_value() for w in (self.gate_proj, self.up_proj, self.down_proj))
-        if gate.dtype not in (jnp.float32, jnp.bfloat16):
-            raise ValueError(f"experts: expected float32 or bfloat16 weights, got {gate.dtype}")
+        if gate.dtype not in (jnp.float32, jnp.bfloat16, jnp.int8):
+            raise ValueError(
+                f"experts: expected float32, bfloat16 or int8 weights, got {gate.dtype}"
+            )
         lead = gate.shape[:-2]  # (L, X) or (X,)
+        if self.quantized:  # int8: its scales packed alike, in groups of 32 inputs
+            scales = [getattr(self, f"{n}_scale").get_value() for n in ("gate", "up", "down")]
+            if scales[0].ndim != gate.ndim:
+                raise ValueError(
+                    "experts: their int8 scales are per column (quantized for an "
+                    "accelerator); quantize them where the CPU computes to pack them"
+                )
+            both = jnp.concatenate(scales[:2], axis=-1)
+            s_up = linear.pack(both.reshape(-1, *both.shape[-2:]))
+            s_down = linear.pack(scales[2].reshape(-1, *scales[2].shape[-2:]))
+            del self.gate_scale, self.up_scale, self.down_scale
+            self.gate_up_scales = Packed(s_up.reshape(*lead, *s_up.shape[1:]))
+            self.down_scales = Packed(s_down.reshape(*lead, *s_down.shape[1:]))
         both = jnp.concatenate([gate, up], axis=-1).reshape(-1, self.hidden, 2 * self.width)
         gate_up = linear.pack(both)  # [W, P, H, NR], W = L * X
         packed_down = linear.pack(down.reshape(-1, self.width, self.hidden))
@@ -330,6 +394,21 @@ class Experts(nnx.Module):
         self.down = Packed(packed_down.reshape(*lead, *packed_down.shape[1:]))
         self.packed = True
         return self
+
+    def packable(self) -> bool:
+        """Whether ``hold_packed`` takes these experts: float ones, or int8 ones with
+        scales per group of inputs (per column, as quantized for an accelerator or for
+        widths no group of 32 divides, they stay as they are: the XLA ways dequantize
+        them in the step)."""
+        if self.packed or not self.quantized:
+            return True
+        return self.gate_scale.get_value().ndim == self.gate_proj.get_value().ndim
+
+    def packed_scales(self) -> tuple[jax.Array | None, jax.Array | None]:
+        """``(gate_up_scales, down_scales)`` as packed (int8 experts), or ``(None, None)``."""
+        if not self.quantized:
+            return None, None
+        return self.gate_up_scales[...], self.down_scales[...]
 
 
 class SparseMoE(nnx.Module):
@@ -395,13 +474,14 @@ class SparseMoE(nnx.Module):
                 width=e.width,
                 glu=self.glu,
                 biases=e.biases(),
+                scales=e.packed_scales(),
             )
         else:
             out = expert_products(
                 x,
                 weights,
                 ids,
-                *e.weights(),
+                *e.weights(x.dtype),
                 way="dense" if (way := current_way()) == "packed" else way,
                 glu=self.glu,
                 biases=e.biases(),

@@ -731,26 +731,28 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
 /* Grouped products (a mixture of experts' rows, sorted by expert):
  *   x        f32[M, K]            rows sorted by group: group g's are the n_g rows after
  *                                 the groups before it
- *   w        f32 or bf16[W, P, K, NR]  W weights packed as above (f32 ones, or bf16 ones in
- *                                 pairs of rows)
+ *   w        f32, bf16 or s8[W, P, K, NR]  W weights packed as above (f32 ones, bf16 ones
+ *                                 in pairs of rows, int8 ones in quads of rows)
+ *   scales   f32[W, P, K / G, NR] int8 weights only: each group of G rows' column
+ *                                 scales (G a multiple of 4), packed as f32 weights
  *   sizes    s32[G]               n_g, each >= 0, their sum at most M
  *   params   s32[2]               {the weight of group 0 (group g's is that plus g; all in
  *                                 [0, W)), at most this many threads}
  * Result: y f32[M, N]: group g's rows times its weight, each row as PagedJaxLinear
- * computes it alone (the same sums in the same order); the rows past the groups are 0.
- * Each thread takes the same run of panels of every group's weight in turn, so a weight
- * no row chose is never read. */
+ * computes it alone (the same sums in the same order; int8 weights: the rows quantized in
+ * blocks of G, W8A8); the rows past the groups are 0. Each thread takes the same run of
+ * panels of every group's weight in turn, so a weight no row chose is never read. */
 typedef struct {
-  LinearJob base;        /* x, y, xb of row 0; w of weight 0; first, last: the panels */
+  LinearJob base;        /* x, y, xb, xq, dx, xc of row 0; w, scale of weight 0; panels */
   const int32_t *sizes;  /* the groups' rows */
-  int64_t groups, stride; /* stride: one weight's lanes */
-  int half;
+  int64_t groups, stride, scale_stride; /* a weight's 4-byte lanes (bytes: int8); scales' */
+  int half, q;
 } GroupedJob;
 
 static void *run_grouped(void *arg) {
   GroupedJob *g = (GroupedJob *)arg;
   LinearJob j = g->base;
-  const int64_t K = j.K, N = j.N;
+  const int64_t K = j.K, N = j.N, blocks = g->q ? (K + j.B - 1) / j.B : 0;
   int64_t row = 0;
   for (int64_t e = 0; e < g->groups; ++e) {
     const int64_t n = g->sizes[e];
@@ -759,8 +761,17 @@ static void *run_grouped(void *arg) {
       j.x = g->base.x ? g->base.x + row * K : NULL;
       j.xb = g->base.xb ? g->base.xb + row * (K / 2) : NULL;
       j.y = g->base.y + row * N;
-      j.w = (const float *)g->base.w + e * g->stride;
-      run_rows(&j, g->half);
+      if (g->q) {
+        j.xq = g->base.xq + row * K;
+        j.dx = g->base.dx + row * blocks;
+        j.xc = g->base.xc + row * blocks;
+        j.w = (const int8_t *)g->base.w + e * g->stride;
+        j.scale = g->base.scale + e * g->scale_stride;
+        run_rows_q(&j, 2);
+      } else {
+        j.w = (const float *)g->base.w + e * g->stride;
+        run_rows(&j, g->half);
+      }
     }
     row += n;
   }
@@ -770,24 +781,40 @@ static void *run_grouped(void *arg) {
 XLA_FFI_Error *PagedJaxGroupedLinear(XLA_FFI_CallFrame *frame) {
   if (ffi_metadata(frame)) return NULL;
   if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
-  if (frame->args.size != 4 || frame->rets.size != 1)
-    return fail(frame, "paged_jax grouped linear: expected x, w, sizes, params and 1 result");
+  const int64_t nargs = frame->args.size;
+  if ((nargs != 4 && nargs != 5) || frame->rets.size != 1)
+    return fail(frame, "paged_jax grouped linear: expected x, w, (scales,) sizes, params and "
+                       "1 result");
   const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1],
-                       *sizes = frame->args.args[2], *params = frame->args.args[3],
+                       *scales = nargs == 5 ? frame->args.args[2] : NULL,
+                       *sizes = frame->args.args[nargs - 2], *params = frame->args.args[nargs - 1],
                        *y = frame->rets.rets[0];
-  const int half = w->dtype == XLA_FFI_DataType_BF16;
+  const int half = w->dtype == XLA_FFI_DataType_BF16, q = w->dtype == XLA_FFI_DataType_S8;
   if (x->rank != 2 || w->rank != 4 || sizes->rank != 1 || params->rank != 1 || y->rank != 2 ||
       x->dtype != XLA_FFI_DataType_F32 || y->dtype != XLA_FFI_DataType_F32 ||
-      (w->dtype != XLA_FFI_DataType_F32 && !half) || sizes->dtype != XLA_FFI_DataType_S32 ||
-      params->dtype != XLA_FFI_DataType_S32 || params->dims[0] != 2)
+      (w->dtype != XLA_FFI_DataType_F32 && !half && !q) || sizes->dtype != XLA_FFI_DataType_S32 ||
+      params->dtype != XLA_FFI_DataType_S32 || params->dims[0] != 2 || (q != (scales != NULL)))
     return fail(frame, "paged_jax grouped linear: expected f32 x[M,K], f32 or bf16 "
-                       "w[W,P,K,NR], s32 sizes[G], s32 params[2], f32 y[M,N]");
+                       "w[W,P,K,NR] (or s8 with f32 scales[W,P,K/G,NR]), s32 sizes[G], s32 "
+                       "params[2], f32 y[M,N]");
   const int64_t W = w->dims[0], P = w->dims[1], K = x->dims[1], M = x->dims[0];
   const int64_t N = y->dims[1], G = sizes->dims[0];
   if (w->dims[2] != K || w->dims[3] != NR || y->dims[0] != M || N > P * NR ||
-      N <= P * NR - NR || (half && K % 2))
+      N <= P * NR - NR || (half && K % 2) || (q && K % 4))
     return fail(frame, "paged_jax grouped linear: operand shapes disagree (w's panels must be "
-                       "this build's panel width and cover N; bf16 weights need K even)");
+                       "this build's panel width and cover N; bf16 weights need K even, int8 "
+                       "ones K a multiple of 4)");
+  int64_t B = 0; /* int8: the rows of a scale's group */
+  if (q) {
+    const int64_t *sd = scales->dims;
+    const int ok = scales->rank == 4 && scales->dtype == XLA_FFI_DataType_F32 && sd[0] == W &&
+                   sd[1] == P && sd[3] == NR && sd[2] > 0 && K % sd[2] == 0 &&
+                   (K / sd[2]) % 4 == 0;
+    if (!ok)
+      return fail(frame, "paged_jax grouped linear: expected f32 scales [W, P, K / G, NR] with "
+                         "s8 weights, G a multiple of 4");
+    B = K / sd[2];
+  }
   const int32_t *p = (const int32_t *)params->data, *n = (const int32_t *)sizes->data;
   if (p[0] < 0 || p[0] + G > W)
     return fail(frame, "paged_jax grouped linear: the groups' weights are out of range");
@@ -809,17 +836,38 @@ XLA_FFI_Error *PagedJaxGroupedLinear(XLA_FFI_CallFrame *frame) {
     if (!xb) return fail(frame, "paged_jax grouped linear: out of memory");
     round_rows_bf16((const float *)x->data, rows, K, xb);
   }
-  const int64_t stride = P * (half ? K / 2 : K) * NR; /* 4-byte lanes a weight */
+  void *buf = NULL; /* int8 weights: the rows quantized, xq [rows, K], dx, xc [rows, blocks] */
+  int8_t *xq = NULL;
+  float *dx = NULL;
+  int32_t *xc = NULL;
+  const int64_t blocks = q ? K / B : 0;
+  if (q) {
+    const size_t per = (size_t)(rows * blocks);
+    buf = malloc(sizeof(float) * per * 2 + (size_t)(rows * K));
+    if (!buf) return fail(frame, "paged_jax grouped linear: out of memory");
+    dx = (float *)buf;
+    xc = (int32_t *)(dx + per);
+    xq = (int8_t *)(dx + 2 * per);
+    quantize_rows((const float *)x->data, rows, K, B, xq, dx, xc, NULL, NULL);
+  }
+  /* one weight: 4-byte lanes (f32, bf16 pairs) or bytes (int8) */
+  const int64_t stride = q ? P * K * NR : P * (half ? K / 2 : K) * NR;
+  const int64_t scale_stride = q ? P * blocks * NR : 0;
   const int64_t threads = clamp_threads(p[1], rows * K * P * NR / MIN_MACS_PER_THREAD, P);
   GroupedJob jobs[MAX_THREADS];
   for (int64_t t = 0; t < threads; ++t) {
-    LinearJob base = {.x = half ? NULL : (const float *)x->data,
-                      .w = (const float *)w->data + p[0] * stride, .y = (float *)y->data,
-                      .K = K, .N = N, .first = P * t / threads, .last = P * (t + 1) / threads,
-                      .xb = xb};
-    jobs[t] = (GroupedJob){.base = base, .sizes = n, .groups = G, .stride = stride, .half = half};
+    LinearJob base = {.x = half || q ? NULL : (const float *)x->data,
+                      .w = q ? (const void *)((const int8_t *)w->data + p[0] * stride)
+                             : (const void *)((const float *)w->data + p[0] * stride),
+                      .scale = q ? (const float *)scales->data + p[0] * scale_stride : NULL,
+                      .y = (float *)y->data, .K = K, .N = N, .B = B, .grouped = q,
+                      .xq = xq, .dx = dx, .xc = xc,
+                      .first = P * t / threads, .last = P * (t + 1) / threads, .xb = xb};
+    jobs[t] = (GroupedJob){.base = base, .sizes = n, .groups = G, .stride = stride,
+                           .scale_stride = scale_stride, .half = half, .q = q};
   }
   run_jobs(frame, jobs, sizeof(GroupedJob), threads, run_grouped);
   free(xb);
+  free(buf);
   return NULL;
 }

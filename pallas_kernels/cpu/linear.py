@@ -199,11 +199,12 @@ def linear(
 
 def grouped_linear(
     x: jax.Array,  # f32[M, K], rows sorted by group
-    packed: jax.Array,  # f32 or bf16 [W, P, K, NR]: W weights, each packed by pack_weight
+    packed: jax.Array,  # f32, bf16 or int8 [W, P, K, NR]: W weights, each packed by pack_weight
     n: int,
     sizes: jax.Array,  # i32[G] rows of each group, in order; sum <= M
     first: jax.Array | int = 0,  # the weight of group 0 (group g's: first + g)
     *,
+    scales: jax.Array | None = None,  # int8: f32[W, P, K / G, NR]
     threads: int | None = None,
 ) -> jax.Array:  # f32[M, n]
     """Each group's rows of ``x`` times its own weight (``linear.c``'s grouped product):
@@ -211,32 +212,57 @@ def grouped_linear(
     ``packed``, each row computed as ``linear`` computes it alone; rows past the groups
     are 0. A weight no row chose is never read (a mixture of experts' rows sorted by
     expert, the experts of a layer stack ``[L * X, ...]`` from ``first = layer * X``).
+    int8 weights come with ``scales`` per group of G rows (``pack_weight`` of each
+    weight's ``f32[K / G, n]``, G a multiple of 4): the weight is ``q[k, j] * scales[k //
+    G, j]``, and the rows are quantized in blocks of G (W8A8, as ``linear``).
     ``first`` may be traced; the groups' weights must lie in ``packed`` (checked by the
     kernel, which fails the call otherwise). Raises ``ValueError`` for other dtypes or
     shapes and when the kernels are not available."""
     require()
     nr = panel_width()
-    if x.dtype != jnp.float32 or packed.dtype not in (jnp.float32, jnp.bfloat16):
+    if x.dtype != jnp.float32 or packed.dtype not in (jnp.float32, jnp.bfloat16, jnp.int8):
         raise ValueError(
-            f"x, packed: expected float32 and float32 or bfloat16, got {x.dtype} and {packed.dtype}"
+            f"x, packed: expected float32 and float32, bfloat16 or int8, got {x.dtype} and "
+            f"{packed.dtype}"
         )
     if packed.ndim != 4 or packed.shape[-1] != nr:
         raise ValueError(f"packed: expected [W, P, K, {nr}], got {list(packed.shape)}")
-    _, p, k, _ = packed.shape
+    w, p, k, _ = packed.shape
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"x: expected [M, {k}] (packed's K), got {list(x.shape)}")
     if not isinstance(n, int) or not p * nr - nr < n <= p * nr:
         raise ValueError(f"n: expected an int in ({p * nr - nr}, {p * nr}], got {n!r}")
     if sizes.ndim != 1 or not jnp.issubdtype(sizes.dtype, jnp.integer):
         raise ValueError(f"sizes: expected an int vector [G], got {sizes.dtype}{list(sizes.shape)}")
-    if isinstance(first, int) and not 0 <= first <= packed.shape[0] - sizes.shape[0]:
+    if isinstance(first, int) and not 0 <= first <= w - sizes.shape[0]:
         raise ValueError(
-            f"first: expected an int in [0, {packed.shape[0] - sizes.shape[0]}] (the groups' "
-            f"weights within packed's {packed.shape[0]}), got {first}"
+            f"first: expected an int in [0, {w - sizes.shape[0]}] (the groups' "
+            f"weights within packed's {w}), got {first}"
         )
+    extra = ()
+    if packed.dtype == jnp.int8:
+        ok = (
+            scales is not None
+            and scales.dtype == jnp.float32
+            and scales.ndim == 4
+            and scales.shape[:2] == (w, p)
+            and scales.shape[3] == nr
+            and scales.shape[2] > 0
+            and k % scales.shape[2] == 0
+            and (k // scales.shape[2]) % 4 == 0
+        )
+        if not ok:
+            got = None if scales is None else f"{scales.dtype}{list(scales.shape)}"
+            raise ValueError(
+                f"scales: int8 weights need f32 [{w}, {p}, K / G, {nr}] scales, G a multiple "
+                f"of 4 dividing K={k}; got {got}"
+            )
+        extra = (scales,)
+    elif scales is not None:
+        raise ValueError(f"scales: only int8 weights take scales, got {packed.dtype} weights")
     params = jnp.stack([jnp.asarray(first, jnp.int32), jnp.int32(threads_of(threads))])
     call = jax.ffi.ffi_call(GROUPED_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x, packed, sizes.astype(jnp.int32), params)
+    return call(x, packed, *extra, sizes.astype(jnp.int32), params)
 
 
 def _check_operands(x, packed, n, layer, scales, mins, rotated) -> tuple[int, int]:
