@@ -174,15 +174,13 @@ def load_gguf(
     reader = _open(path)
     cfg = gguf_config(reader, path)  # checks the architecture
     arch = _field(reader, "general.architecture", path, kind="str")
-    after = None  # a mixture: read in float, then quantized whole (experts included)
-    if cfg.sparse and quantization is not None:
-        if quantization != "int8":
-            raise GGUFError(
-                f"{path}: quantization: {quantization!r} for a mixture of experts is not "
-                "supported yet (its experts take int8); load it without quantization or "
-                "with 'int8'"
-            )
-        after, quantization = quantization, None
+    if cfg.sparse and quantization not in (None, "int8"):
+        raise GGUFError(
+            f"{path}: quantization: {quantization!r} for a mixture of experts is not supported "
+            "yet (its experts take int8); load it without quantization or with 'int8'"
+        )
+    # a mixture: read in float, then quantized whole (its experts included)
+    after, quantization = (quantization, None) if cfg.sparse else (None, quantization)
     # int8 quantized here in groups for the CPU: rotated first (Linear.rotated), where
     # every layer's tensor of that weight is quantized here (none keeps its blocks)
     rotatable = _rotatable(reader, arch, path) if quantization == "int8" and mesh is None else set()
@@ -205,9 +203,7 @@ def load_gguf(
         quantized8=("fp8" if quantization == "fp8" else "int8", eight) if eight else None,
         rotated8=frozenset(rotated),
     )
-    if after is not None:
-        model.quantize(after)
-    return model, tokenizer
+    return (model if after is None else model.quantize(after)), tokenizer
 
 
 def _read_tensors(reader: Any, cfg: LlamaConfig, arch: str, path: Any, quantization, rotatable):

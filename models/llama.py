@@ -383,10 +383,11 @@ class LlamaForCausalLM(nnx.Module):
         (``placement.hold_for_cpu``); returns the model."""
         return placement.hold_for_cpu(self, pack=pack)
 
-    def shard(self, mesh: jax.sharding.Mesh) -> LlamaForCausalLM:
+    def shard(self, mesh: jax.sharding.Mesh, *, expert_parallel: bool = False) -> LlamaForCausalLM:
         """The weights moved into their tensor-parallel shards on ``mesh``
-        (``placement.shard``); returns the model."""
-        return placement.shard(self, mesh)
+        (``placement.shard``; a mixture's experts split by expert with
+        ``expert_parallel``); returns the model."""
+        return placement.shard(self, mesh, expert_parallel=expert_parallel)
 
     def preferred_cache_dtype(self):
         """The KV pool's dtype the engine gives this model when none is asked for

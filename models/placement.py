@@ -212,14 +212,15 @@ def hold_for_cpu(model, *, pack: bool | None = None):
     return model
 
 
-def shard(model, mesh: jax.sharding.Mesh):
+def shard(model, mesh: jax.sharding.Mesh, *, expert_parallel: bool = False):
     """Moves the weights into their tensor-parallel shards on ``mesh`` (its ``"tp"``
     axis; ``paged_jax.models.sharding``) and returns the model. The engine calls it
     for a model it is given off the mesh; ``paged_jax.models.load(name, mesh=...)``
     loads straight into the shards instead. Quantized weights (``quantize``) are
     split as their float kernels are, their scales and minimums along (the row-split
     o and down projections' scales whole on every device); they compute by XLA's
-    products there (W8A16, weight-only). Raises ``ValueError`` for weights held for
+    products there (W8A16, weight-only). ``expert_parallel``: a mixture's experts split
+    by expert instead of by width (``models.sharding``). Raises ``ValueError`` for weights held for
     one device's kernels (``hold_for_cpu``'s packing, fp8 activations), which have
     no split layout."""
     from .sharding import shard_model
@@ -236,7 +237,7 @@ def shard(model, mesh: jax.sharding.Mesh):
             f"model: weights {' and '.join(held)} cannot be sharded over a mesh; shard "
             "the model as loaded (or as quantized), before the engine holds it for one device"
         )
-    return shard_model(model, mesh)
+    return shard_model(model, mesh, expert_parallel=expert_parallel)
 
 
 def preferred_cache_dtype(model):

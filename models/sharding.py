@@ -3,8 +3,11 @@
 q, k, v, gate and up are split by their outputs (heads and MLP columns), o and down by
 their inputs, so a layer needs two all-reduces (after o, after down) and no other
 communication; a mixture's experts are split the same way, each expert's width over the
-devices (every device holds a slice of every expert; the router is replicated); the
-embedding table and an untied LM head are split by vocabulary; norms are replicated.
+devices (every device holds a slice of every expert; the router is replicated), or with
+``expert_parallel`` split by expert (every device holds whole experts, X / tp of them,
+and adds its experts' share of each token's sum before one all-reduce:
+``models.layers.moe.SparseMoE``); the embedding table and an untied LM head are split by
+vocabulary; norms are replicated.
 With the cache split along KV heads (``paged_jax.sharding``), a device's query heads
 meet exactly their KV heads.
 """
@@ -70,13 +73,18 @@ def pad_vocab(path: tuple, value: Any, tp: int) -> Any:
     return np.pad(value, widths) if isinstance(value, np.ndarray) else jnp.pad(value, widths)
 
 
-def weight_spec(path: tuple, ndim: int, *, replicate_kv: bool = False) -> P:
+def weight_spec(
+    path: tuple, ndim: int, *, replicate_kv: bool = False, expert_parallel: bool = False
+) -> P:
     """The ``PartitionSpec`` of the parameter at ``path`` (names as in ``nnx.state``;
     layer weights carry a leading ``[L]`` axis). ``replicate_kv``: k and v projections
     are replicated (the tensor-parallel size exceeds the KV heads; each device computes
-    every KV head and keeps the one its query heads read)."""
+    every KV head and keeps the one its query heads read). ``expert_parallel``: a
+    mixture's experts (weights, scales, biases: ``[L, X, ...]``) split by expert."""
     names = _names(path)
     leaf = names[-1]
+    if expert_parallel and len(names) >= 2 and names[-2] == "experts":
+        return P(None, TENSOR_AXIS, *([None] * (ndim - 2)))
     if len(names) >= 2 and names[-2] == "experts":  # [L, X, in, out]: each expert's width split
         if leaf.endswith("_bias"):  # GPT-OSS: gate's and up's [L, X, F] split as their columns
             return P() if leaf == "down_bias" else P(None, None, TENSOR_AXIS)
@@ -106,17 +114,27 @@ def weight_spec(path: tuple, ndim: int, *, replicate_kv: bool = False) -> P:
     return P()
 
 
-def sharder(cfg: Any, mesh: jax.sharding.Mesh) -> Callable[[tuple, int], NamedSharding]:
+def sharder(
+    cfg: Any, mesh: jax.sharding.Mesh, *, expert_parallel: bool = False
+) -> Callable[[tuple, int], NamedSharding]:
     """``f(path, ndim) -> NamedSharding`` of a ``LlamaForCausalLM`` of config ``cfg`` on
-    ``mesh``'s ``"tp"`` axis (``path``: a jax tree path or a tuple of names). Raises
-    ValueError naming the numbers when the tensor-parallel size does not divide the query
-    heads, the KV heads (or a multiple of them) or the MLP width. A vocabulary it does not
-    divide is padded (``pad_vocab``; the loaders and ``shard_model`` pad it)."""
+    ``mesh``'s ``"tp"`` axis (``path``: a jax tree path or a tuple of names; a mixture's
+    experts split by expert with ``expert_parallel``). Raises ValueError naming the
+    numbers when the tensor-parallel size does not divide the query heads, the KV heads
+    (or a multiple of them), the MLP width or, with ``expert_parallel``, the experts. A
+    vocabulary it does not divide is padded (``pad_vocab``; the loaders and
+    ``shard_model`` pad it)."""
     tp = tensor_parallel_size(mesh)
     check_divides(cfg.num_heads, cfg.num_kv_heads, tp)
     widths = {"intermediate_size": cfg.intermediate_size}
+    if expert_parallel and not cfg.sparse:
+        raise ValueError("expert_parallel: the model has no experts (num_experts is 0)")
     if cfg.sparse:  # (a mixture's intermediate_size is unused but Mixtral's expert width)
-        widths = {"moe_intermediate_size": cfg.moe_intermediate_size}
+        widths = {
+            "num_experts" if expert_parallel else "moe_intermediate_size": (
+                cfg.num_experts if expert_parallel else cfg.moe_intermediate_size
+            )
+        }
         if cfg.shared_expert_intermediate_size:
             widths["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
     for name, width in widths.items():
@@ -124,25 +142,35 @@ def sharder(cfg: Any, mesh: jax.sharding.Mesh) -> Callable[[tuple, int], NamedSh
             raise ValueError(f"tensor_parallel_size: {tp} must divide {name}={width}")
     replicate_kv = kv_head_replicas(cfg.num_kv_heads, tp) > 1
     return lambda path, ndim: NamedSharding(
-        mesh, weight_spec(path, ndim, replicate_kv=replicate_kv)
+        mesh, weight_spec(path, ndim, replicate_kv=replicate_kv, expert_parallel=expert_parallel)
     )
 
 
-def state_shardings(cfg: Any, state: Any, mesh: jax.sharding.Mesh) -> Any:
+def state_shardings(
+    cfg: Any, state: Any, mesh: jax.sharding.Mesh, *, expert_parallel: bool = False
+) -> Any:
     """The ``NamedSharding`` of every array of ``state`` (an ``nnx.State`` of a model of
     config ``cfg``, real or abstract), as a tree of the same structure (``sharder``)."""
-    sharding = sharder(cfg, mesh)
+    sharding = sharder(cfg, mesh, expert_parallel=expert_parallel)
     return jax.tree_util.tree_map_with_path(lambda p, x: sharding(p, x.ndim), state)
 
 
-def shard_model(model: Any, mesh: jax.sharding.Mesh) -> Any:
+def shard_model(model: Any, mesh: jax.sharding.Mesh, *, expert_parallel: bool = False) -> Any:
     """Places ``model``'s weights on ``mesh`` (its ``"tp"`` axis) and returns it (errors:
-    ``sharder``). The weights move from where they are; to load a checkpoint
-    straight into its shards, pass ``mesh`` to ``paged_jax.models.load``."""
+    ``sharder``); with ``expert_parallel``, a mixture's experts split by expert, which its
+    sparse blocks then compute so (``Experts.expert_parallel``). The weights move from
+    where they are; to load a checkpoint straight into its shards, pass ``mesh`` to
+    ``paged_jax.models.load``."""
+    from .layers.moe import Experts
+
     tp = tensor_parallel_size(mesh)
     state = nnx.state(model)
     state = jax.tree_util.tree_map_with_path(lambda p, x: pad_vocab(p, x, tp), state)
-    nnx.update(model, jax.device_put(state, state_shardings(model.config, state, mesh)))
+    shardings = state_shardings(model.config, state, mesh, expert_parallel=expert_parallel)
+    nnx.update(model, jax.device_put(state, shardings))
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, Experts):
+            node.expert_parallel = expert_parallel
     return model
 
 

@@ -1,19 +1,22 @@
 """Run by tests/test_sharding.py in fresh processes with fake CPU devices (the device
 count is fixed when JAX starts): the engine (``LLM``) under tensor and data parallelism.
 
-    python tests/mesh_worker.py engine MESH[,MESH...] [tiny-llama|gemma3]   one process, 8 devices
+    python tests/mesh_worker.py engine MESH[,MESH...] [MODEL]  one process, 8 devices
     python tests/mesh_worker.py host PID PORT MESH[,MESH...] one of 2 processes x 4 devices
     python tests/mesh_worker.py routing                      2 replicas on 2 devices
     python tests/mesh_worker.py draft                        a draft and embeddings at tp 2
 
-A MESH is ``TP`` or ``TPxDP`` (tensor- x data-parallel size). The model is one with 8
+A MESH is ``TP`` or ``TPxDP`` (tensor- x data-parallel size). The MODEL is one with 8
 query and 2 KV heads, the ``tiny-llama`` preset (4 and 2), or ``gemma3``, the golden
-tiny Gemma 3 (4 and 2; sliding layers, so a hybrid pool of layer groups). Prints one JSON line: for
+tiny Gemma 3 (4 and 2; sliding layers, so a hybrid pool of layer groups), or ``moe-ep``: a
+mixture of 8 experts (2 a token) with 8 and 2 heads, its experts split by expert
+(``model.shard(mesh, expert_parallel=True)``). Prints one JSON line: for
 each mesh, every request's tokens and facts about the cache, the compiled steps and
 their HLO.
 """
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -90,6 +93,13 @@ def run(spec: str) -> dict:
         model, _ = models.load_hf(GEMMA3, dtype=jnp.float32, mesh=mesh)
         pages = 62  # of one layer slot: each request fits alone (5 groups x 6 pages x n=2
         # at admission), together they preempt
+    elif MODEL == "moe-ep":  # whole experts on each device, then the engine on the mesh
+        cfg = dataclasses.replace(
+            GQA_2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64
+        )
+        model = models.init_model(cfg, seed=1)
+        if mesh is not None:
+            model.shard(mesh, expert_parallel=True)
     else:
         model = models.init_model(GQA_2, seed=1, mesh=mesh)
     llm = pj.LLM(

@@ -44,11 +44,20 @@ def _check_steps(out: dict) -> None:
 def test_a_mixture_of_experts_on_a_tensor_parallel_mesh_equals_one_device():
     """Each expert's width split over 2 and 4 devices (and the shared expert's), the
     router replicated: the logits and greedy tokens of one device, the pool never moved;
-    GPT-OSS's sinks split with their heads, its experts' biases with their columns."""
-    out = _worker("tp_worker.py", "xla", "moe-4:2,4", "gpt-oss-4:2")
-    assert set(out) == {"moe-4/tp2", "moe-4/tp4", "gpt-oss-4/tp2"}
+    GPT-OSS's sinks split with their heads, its experts' biases with their columns. With
+    expert_parallel, whole experts on each device instead (2 or 1 of the 4), each
+    token's sum added up over the devices: the same logits and tokens."""
+    out = _worker("tp_worker.py", "xla", "moe-4:2,4", "gpt-oss-4:2", "moe-4-ep:4", "gpt-oss-4-ep:2")
+    assert set(out) == {
+        "moe-4/tp2", "moe-4/tp4", "gpt-oss-4/tp2", "moe-4-ep/tp4",
+        "gpt-oss-4-ep/tp2",
+    }  # fmt: skip
     assert not [r for r in out.values() if "error" in r], out
     _check_steps(out)
+    for name, r in out.items():  # [L, X, H, F]: 4 experts 128 x 64, split one way or the other
+        tp = int(name.rpartition("/tp")[2])
+        want = [2, 4 // tp, 128, 64] if "-ep/" in name else [2, 4, 128, 64 // tp]
+        assert r["expert_shard"] == want, (name, r)
 
 
 @pytest.mark.slow  # 23-32 s; .ci/run runs it
@@ -186,6 +195,18 @@ def test_engine_parallel_tiny_llama():
     out = _worker("mesh_worker.py", "engine", "1,2,4,1x2,2x2,4x2", "tiny-llama")
     ref = out.pop("1")
     out.pop("errors")
+    _check_engine(out, ref)
+
+
+@pytest.mark.slow  # 40-60 s; .ci/run runs it
+def test_engine_with_experts_split_by_expert_matches_one_device():
+    """A mixture sharded with expert_parallel (8 experts: 4, 2 or 1 on each device, also
+    beside data-parallel replicas): the engine's tokens of one device, swap and forks
+    included."""
+    out = _worker("mesh_worker.py", "engine", "1,2,4,8,2x2", "moe-ep")
+    ref = out.pop("1")
+    out.pop("errors")
+    assert ref["preemptions"] > 0, ref
     _check_engine(out, ref)
 
 

@@ -3,8 +3,9 @@ count is fixed when JAX starts): a paged step under tensor parallelism against o
 
     python tests/tp_worker.py BACKEND MODEL:TP[,TP...] [MODEL:TP...]
 
-MODEL is tiny-llama (4 query, 2 KV heads), gqa-8-4, gqa-8-2, vocab-211, moe-4 or gpt-oss-4.
-Prints one
+MODEL is tiny-llama (4 query, 2 KV heads), gqa-8-4, gqa-8-2, vocab-211, moe-4 or gpt-oss-4,
+or a mixture's name with "-ep": its experts split by expert (expert_parallel), against
+one device. Prints one
 JSON line."""
 
 import dataclasses
@@ -33,11 +34,11 @@ from paged_jax.sharding import shard_cache, tensor_parallel_mesh  # noqa: E402
 PROMPTS = {"a": list(range(1, 30)), "b": [5, 6, 7, 8, 9], "c": [200, 3] * 9}
 
 
-def run(cfg, tp: int, backend: str, steps: int = 4):
+def run(cfg, tp: int, backend: str, steps: int = 4, expert_parallel: bool = False):
     """Prefill, then ``steps`` greedy decode steps; returns (all logits, tokens, facts)."""
     model = models.init_model(cfg, seed=1)
     mesh = tensor_parallel_mesh(tp)
-    model = shard_model(model, mesh)
+    model = shard_model(model, mesh, expert_parallel=expert_parallel)
     interpret = backend != "xla"
     step, state = models.make_step(model, backend=backend, interpret=interpret)
     cache = shard_cache(model.make_cache(num_pages=64, page_size=8), mesh)
@@ -69,6 +70,9 @@ def run(cfg, tp: int, backend: str, steps: int = 4):
         cache_collectives=pool_collectives(hlo, cache),
         all_reduces=hlo.count("all-reduce"),
     )
+    if cfg.sparse:  # one device's slice of the experts' gate weights [L, X, H, F]
+        gate = model.layers.mlp.experts.gate_proj.get_value()
+        facts["expert_shard"] = list(gate.addressable_shards[0].data.shape)
     return logits_all, tokens, facts
 
 
@@ -112,11 +116,12 @@ def main() -> None:
     out = {}
     for entry in grid:
         name, _, sizes = entry.partition(":")
-        cfg = CONFIGS[name]
+        ep = name.endswith("-ep")
+        cfg = CONFIGS[name.removesuffix("-ep")]
         ref_logits, ref_tokens, _ = run(cfg, 1, backend)
         for tp in map(int, sizes.split(",")):
             try:
-                logits, tokens, facts = run(cfg, tp, backend)
+                logits, tokens, facts = run(cfg, tp, backend, expert_parallel=ep)
             except ValueError as e:
                 out[f"{name}/tp{tp}"] = {"error": str(e)}
                 continue

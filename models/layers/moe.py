@@ -211,6 +211,57 @@ def expert_products(
     return out.astype(x.dtype)
 
 
+def expert_parallel_products(
+    x: jax.Array,  # [T, H]
+    weights: jax.Array,  # f32[T, K]
+    ids: jax.Array,  # i32[T, K]
+    gate: jax.Array,  # [X, H, F], split by expert over the mesh's "tp" axis
+    up: jax.Array,  # [X, H, F], so
+    down: jax.Array,  # [X, F, H], so
+    *,
+    way: str,
+    glu: Glu = SWIGLU,
+    biases: Biases | None = None,
+) -> jax.Array:  # [T, H], x.dtype
+    """``expert_products``' sum with the experts split by expert over the mesh set with
+    ``jax.set_mesh`` (its ``"tp"`` axis; the tokens split along a ``"dp"`` axis where it
+    has one): each device weighs 0 the (token, expert) pairs whose expert it does not
+    hold, computes its experts' share of every token's sum ``way``, and one all-reduce
+    adds the shares (the tokens were on every device already: an all-gather dispatch)."""
+    from jax.sharding import PartitionSpec as P
+
+    from paged_jax.sharding import DATA_AXIS, TENSOR_AXIS
+
+    mesh = jax.sharding.get_abstract_mesh()
+    rows = P(DATA_AXIS if DATA_AXIS in mesh.axis_names else None)
+    experts = P(TENSOR_AXIS)
+
+    def local(x, weights, ids, gate, up, down, biases):
+        held = gate.shape[0]
+        first = jax.lax.axis_index(TENSOR_AXIS) * held
+        mine = (ids >= first) & (ids < first + held)
+        part = expert_products(
+            x,
+            jnp.where(mine, weights, 0.0),
+            jnp.where(mine, ids - first, 0),
+            gate,
+            up,
+            down,
+            way=way,
+            glu=glu,
+            biases=biases,
+        )
+        return jax.lax.psum(part, TENSOR_AXIS)
+
+    bias_specs = None if biases is None else Biases(experts, experts, experts)
+    return jax.shard_map(
+        local,
+        in_specs=(rows, rows, rows, experts, experts, experts, bias_specs),
+        out_specs=rows,
+        check_vma=False,
+    )(x, weights, ids, gate, up, down, biases)
+
+
 def packed_products(
     x: jax.Array,  # [T, H]
     weights: jax.Array,  # f32[T, K]
@@ -300,6 +351,9 @@ class Experts(nnx.Module):
 
     packed = False  # hold_packed sets it on the instance (a static attribute)
     quantized = None  # quantize sets it: "int8"
+    # models.sharding.shard_model(expert_parallel=True) sets it: the experts split by
+    # expert over the mesh's "tp" axis (SparseMoE computes each device's share)
+    expert_parallel = False
 
     def __init__(
         self,
@@ -477,12 +531,14 @@ class SparseMoE(nnx.Module):
                 scales=e.packed_scales(),
             )
         else:
-            out = expert_products(
+            way = "dense" if (way := current_way()) == "packed" else way
+            products = expert_parallel_products if e.expert_parallel else expert_products
+            out = products(
                 x,
                 weights,
                 ids,
                 *e.weights(x.dtype),
-                way="dense" if (way := current_way()) == "packed" else way,
+                way=way,
                 glu=self.glu,
                 biases=e.biases(),
             )
