@@ -374,6 +374,10 @@ def test_a_real_ctrl_c_at_any_moment_is_one_line_and_exit_code_130(delay):
             "--data-parallel-size: expected an int in [1, {devices}] (the devices available), "
             "got 0",
         ),
+        (
+            ["--enable-expert-parallel"],
+            "--enable-expert-parallel: needs --tensor-parallel-size above 1",
+        ),
         (["--process-id", "1"], "--num-processes / --process-id: need --coordinator HOST:PORT"),
         (
             ["--coordinator", "127.0.0.1:9", "--process-id", "0"],

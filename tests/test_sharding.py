@@ -210,6 +210,42 @@ def test_engine_with_experts_split_by_expert_matches_one_device():
     _check_engine(out, ref)
 
 
+@pytest.mark.slow  # 15-20 s: three CLI processes
+def test_the_cli_splits_a_mixture_by_expert():
+    """``paged-jax generate --tensor-parallel-size 2 --enable-expert-parallel`` on the
+    golden Mixtral (2 fake CPU devices, f32): the tokens of one device and of the width
+    split; a dense model refused naming the flag."""
+    import os
+
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu"
+    )
+    argv = ["-m", "paged_jax.cli", "generate", "--no-progress", "--dtype", "float32"]
+    argv += ["--prompt-ids", "3,7,3,7,3,7", "--max-tokens", "8", "--temperature", "0"]
+    mixtral = ["--model", str(HERE / "golden" / "hf" / "mixtral")]
+    lines = []
+    for extra in (
+        [],
+        ["--tensor-parallel-size", "2"],
+        ["--tensor-parallel-size", "2", "--enable-expert-parallel"],
+    ):
+        done = subprocess.run(
+            [sys.executable, *argv, *mixtral, *extra], capture_output=True, text=True,
+            timeout=300, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        lines.append(next(x for x in done.stdout.splitlines() if "token ids" in x))
+    assert lines[0] == lines[1] == lines[2], lines
+    dense = ["--model", "tiny-llama", "--tensor-parallel-size", "2", "--enable-expert-parallel"]
+    done = subprocess.run(
+        [sys.executable, *argv, *dense], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert (
+        done.returncode == 2
+        and "--enable-expert-parallel: expert_parallel: the model has no experts" in done.stderr
+    )
+
+
 @pytest.mark.slow
 def test_engine_tensor_parallel_on_a_hybrid_pool():
     """Gemma 3's layer groups (sliding ones dropping pages) split along KV heads: the same

@@ -246,20 +246,31 @@ def kv_cache_dtype(args):
     return None if name is None else jnp.dtype(name)
 
 
-def load_model(name: str, dtype: str | None = None, mesh=None, quantization=None):
+def load_model(
+    name: str, dtype: str | None = None, mesh=None, quantization=None, expert_parallel=False
+):
     """(model, tokenizer) of ``--model`` (quantized as ``--quantization`` asks), its
-    weights placed in their shards on ``mesh``;
+    weights placed in their shards on ``mesh`` (a mixture's experts split by expert with
+    ``expert_parallel``, ``--enable-expert-parallel``);
     a broken checkpoint is a UsageError naming the file (config.json, a safetensors file,
     tokenizer.json), a model the mesh does not divide one naming the flag."""
     from paged_jax import models
 
+    if expert_parallel and mesh is None:
+        raise UsageError("--enable-expert-parallel: needs --tensor-parallel-size above 1")
     try:
-        return models.load(name, dtype=dtype, mesh=mesh, quantization=quantization)
+        model, tokenizer = models.load(name, dtype=dtype, mesh=mesh, quantization=quantization)
     except (ValueError, FileNotFoundError) as e:
         flagged = flag_names(str(e))  # a model the mesh does not divide
         raise UsageError(flagged if flagged != str(e) else f"--model: {e}") from None
     except models.FetchError as e:  # the package index is unreachable: not a usage error
         raise Unavailable(f"--model: {e}") from None
+    if expert_parallel:
+        try:
+            model.shard(mesh, expert_parallel=True)
+        except ValueError as e:  # a dense model, experts the mesh does not divide
+            raise UsageError(f"--enable-expert-parallel: {e}") from None
+    return model, tokenizer
 
 
 def read_text(where: str, flag: str) -> str:

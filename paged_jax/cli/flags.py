@@ -477,6 +477,13 @@ def _parallel_flags(parser: argparse.ArgumentParser, *, processes: bool) -> None
         help="replicas of the model, each with its own KV pool and its share of the "
         "requests, all stepped in one call (default 1); uses dp x tp devices",
     )
+    parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="a mixture of experts: whole experts on each of the --tensor-parallel-size "
+        "devices (their shares of each token added by one all-reduce) instead of every "
+        "expert split by width",
+    )
     if not processes:
         return
     parser.add_argument(

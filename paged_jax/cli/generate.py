@@ -57,7 +57,9 @@ def generate(args) -> int:
     except (ValueError, TypeError) as e:
         raise UsageError(flag_names(str(e))) from None
     mesh = mesh_of(args)
-    model, tokenizer = load_model(args.model, args.dtype, mesh, args.quantization)
+    model, tokenizer = load_model(
+        args.model, args.dtype, mesh, args.quantization, args.enable_expert_parallel
+    )
     if tokenizer is None and any(isinstance(p, str) for p in prompts):
         raise UsageError(
             f"--model: {args.model} has no tokenizer.json; give prompts as token ids "
@@ -153,7 +155,9 @@ def chat(args) -> int:
     from paged_jax.engine import LLM, SamplingParams
 
     mesh = mesh_of(args)
-    model, tokenizer = load_model(args.model, args.dtype, mesh, args.quantization)
+    model, tokenizer = load_model(
+        args.model, args.dtype, mesh, args.quantization, args.enable_expert_parallel
+    )
     if getattr(tokenizer, "chat_template", None) is None:
         raise UsageError(f"--model: {args.model} has no chat template")
     try:

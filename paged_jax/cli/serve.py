@@ -59,7 +59,9 @@ def serve(args) -> int:
     from paged_jax.engine import LLM
 
     mesh = mesh_of(args)
-    model, tokenizer = load_model(args.model, args.dtype, mesh, args.quantization)
+    model, tokenizer = load_model(
+        args.model, args.dtype, mesh, args.quantization, args.enable_expert_parallel
+    )
     if tokenizer is None:
         raise UsageError(f"--model: {args.model} has no tokenizer; the server serves text")
     try:
