@@ -93,12 +93,14 @@ RopeScalings = RopeScaling | LinearRopeScaling | YarnRopeScaling
 
 @dataclasses.dataclass(frozen=True)
 class LayerKind:
-    """What one layer's attention needs beyond the shared shapes: its sliding window (None:
-    every earlier token) and its RoPE base and scaling."""
+    """What one layer needs beyond the shared shapes: its attention's sliding window (None:
+    every earlier token) and RoPE base and scaling, and whether a mixture's layer has a
+    dense feed-forward block instead of its experts (``LlamaConfig.dense_layers``)."""
 
     sliding_window: int | None
     rope_theta: float
     rope_scaling: RopeScalings | None
+    dense_ffn: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +142,11 @@ class LlamaConfig:
       ``limit``, the up projection to ``[-limit, limit]``, then ``(up + 1) * gate *
       sigmoid(swiglu_alpha * gate)``; None: SwiGLU (or GeGLU) as ``hidden_act`` says.
 
+    - ``dense_layers``: the layers of a mixture whose feed-forward block is a dense MLP of
+      ``intermediate_size`` (Qwen's ``mlp_only_layers`` and ``decoder_sparse_step``);
+      every layer holds both blocks' weights (the unused one zeros), so the layers stay
+      one stack.
+
     ``attention_sinks``: each attention head has a learned sink, a logit that joins the
     softmax's sum with a value of 0 (GPT-OSS; ``paged_jax.ragged_paged_attention``).
     """
@@ -179,6 +186,7 @@ class LlamaConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     attention_sinks: bool = False
+    dense_layers: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -270,16 +278,31 @@ class LlamaConfig:
             ):
                 raise ValueError(f"{name}: expected a number > 0, got {value!r}")
         if not self.num_experts:
-            if self.num_experts_per_tok or self.shared_expert_intermediate_size or self.moe_bias:
+            if (
+                self.num_experts_per_tok
+                or self.shared_expert_intermediate_size
+                or self.moe_bias
+                or self.dense_layers
+            ):
                 raise ValueError(
                     "num_experts: 0 (a dense model), but num_experts_per_tok, "
-                    "shared_expert_intermediate_size or moe_bias is set"
+                    "shared_expert_intermediate_size, moe_bias or dense_layers is set"
                 )
             return
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok: expected an int in [1, num_experts={self.num_experts}], "
                 f"got {self.num_experts_per_tok!r}"
+            )
+        dense = tuple(self.dense_layers)
+        object.__setattr__(self, "dense_layers", dense)
+        if any(
+            not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers
+            for i in dense
+        ) or len(set(dense)) != len(dense):
+            raise ValueError(
+                f"dense_layers: expected distinct layer indices in [0, {self.num_layers}), "
+                f"got {list(dense)!r}"
             )
         width = self.moe_intermediate_size
         if width is None:
@@ -304,14 +327,21 @@ class LlamaConfig:
         """Each layer's window and RoPE settings, in order (``[L]``)."""
         full = LayerKind(self.sliding_window, self.rope_theta, self.rope_scaling)
         if self.layer_types is None:
-            return (full,) * self.num_layers
+            return self._with_dense((full,) * self.num_layers)
         local = LayerKind(
             self.sliding_window,
             self.rope_theta if self.local_rope_theta is None else self.local_rope_theta,
             self.rope_scaling if self.local_rope_theta is None else None,
         )
         full = dataclasses.replace(full, sliding_window=None)
-        return tuple(local if t == "sliding_attention" else full for t in self.layer_types)
+        kinds = tuple(local if t == "sliding_attention" else full for t in self.layer_types)
+        return self._with_dense(kinds)
+
+    def _with_dense(self, kinds: tuple[LayerKind, ...]) -> tuple[LayerKind, ...]:
+        dense = set(self.dense_layers)
+        return tuple(
+            dataclasses.replace(k, dense_ffn=True) if i in dense else k for i, k in enumerate(kinds)
+        )
 
     @property
     def layer_period(self) -> int:
@@ -504,8 +534,9 @@ _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3Mo
 
 def _hf_experts(hf: dict, arch: str) -> dict:
     """The ``LlamaConfig`` fields of a Hugging Face mixture of experts (none for a dense
-    architecture). Raises ValueError naming the key for a layout not supported: dense
-    layers among the sparse ones (``mlp_only_layers``, ``decoder_sparse_step``)."""
+    architecture); Qwen's dense layers among the sparse ones (``mlp_only_layers``,
+    ``decoder_sparse_step``) as ``dense_layers``. Raises ValueError naming the key for a
+    value not understood."""
     if arch not in _MOE:
         return {}
     if arch == "MixtralForCausalLM":
@@ -526,17 +557,17 @@ def _hf_experts(hf: dict, arch: str) -> dict:
             swiglu_limit=_number({"swiglu_limit": 7.0, **hf}, "swiglu_limit"),
             swiglu_alpha=_number({"swiglu_alpha": 1.702, **hf}, "swiglu_alpha"),
         )
-    if hf.get("mlp_only_layers"):
-        raise ValueError(
-            f"mlp_only_layers: {hf['mlp_only_layers']!r}: dense layers among the sparse ones "
-            "are not supported yet (every layer must be a mixture of experts)"
-        )
+    layers = hf.get("num_hidden_layers", 0)
+    only = hf.get("mlp_only_layers") or []
     step = hf.get("decoder_sparse_step", 1)
-    if step != 1:
+    if not isinstance(only, list) or not all(isinstance(i, int) and 0 <= i < layers for i in only):
         raise ValueError(
-            f"decoder_sparse_step: {step!r}: dense layers among the sparse ones are not "
-            "supported yet (only 1: every layer a mixture of experts)"
+            f"mlp_only_layers: expected a list of layer indices in [0, {layers}), got {only!r}"
         )
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"decoder_sparse_step: expected an int >= 1, got {step!r}")
+    # transformers' rule: layer i is sparse unless listed, and only every step-th one
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
     # (transformers 5 writes Qwen3-MoE's num_experts as num_local_experts)
     given = {k: hf[k] for k in ("num_experts", "num_local_experts") if k in hf}
     if len(set(map(repr, given.values()))) > 1:
@@ -552,6 +583,7 @@ def _hf_experts(hf: dict, arch: str) -> dict:
         shared_expert_intermediate_size=(
             hf.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
         ),
+        dense_layers=dense,
     )
 
 

@@ -41,6 +41,7 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
     if parts == ["lm_head", "kernel"]:
         return "lm_head.weight", True
     *mod, leaf = parts
+    mod = ["mlp" if m == "dense_mlp" else m for m in mod]  # a mixture's dense layers' MLP
     name = ".".join(["model", *mod])
     if leaf == "kernel":
         return f"{name}.weight", True
@@ -85,6 +86,27 @@ def _expert_names(path: tuple, layers: int, experts: int, arch: str) -> list[tup
         for i in range(layers)
         for e in range(experts)
     ]
+
+
+def _placeholder(path: tuple, layer: int, cfg: LlamaConfig) -> bool:
+    """Whether layer ``layer``'s part of parameter ``path`` is a placeholder of zeros: a
+    mixture's dense layer's sparse block, or a sparse layer's dense MLP
+    (``LlamaConfig.dense_layers``: every layer holds both)."""
+    if not cfg.dense_layers or str(path[0]) != "layers":
+        return False
+    parts = [str(x) for x in path]
+    if "dense_mlp" in parts:
+        return layer not in cfg.dense_layers
+    return "mlp" in parts and layer in cfg.dense_layers
+
+
+def _add_placeholders(tensors: dict, p: tuple, names: list, per_layer: int, want: tuple, cfg):
+    """Zeros under the names (``[(name, transposed)]``, ``per_layer`` a layer) of the
+    layers whose part of ``p`` is a placeholder (``_placeholder``), each of shape
+    ``want`` as stored."""
+    for k, (name, transposed) in enumerate(names):
+        if _placeholder(p, k // per_layer, cfg) and name not in tensors:
+            tensors[name] = np.zeros(want[::-1] if transposed else want, np.float32)
 
 
 def _weight_files(root: pathlib.Path) -> list[pathlib.Path]:
@@ -316,6 +338,7 @@ def build_model(
         expected = tuple(var.get_value().shape)
         if _is_expert_weight(p):  # [L, X, in, out]: one tensor per layer and expert
             names = _expert_names(p, cfg.num_layers, cfg.num_experts, arch)
+            _add_placeholders(tensors, p, names, cfg.num_experts, expected[2:], cfg)
             b.filled.append((p, var.replace(b.experts(p, names, expected))))
             continue
         stacked = str(p[0]) == "layers"  # [L, ...]: one tensor per layer in the checkpoint
@@ -325,6 +348,7 @@ def build_model(
             names = [_hf_name(p)]
         names = [(_family_name(n, arch), t) for n, t in names]
         want = expected[1:] if stacked else expected
+        _add_placeholders(tensors, p, names, 1, want, cfg)
         for take in (b.kept_int4, b.kept_int8, b.mixed_groups, b.floats):
             value = take(p, names, want, stacked)
             if value is not None:
@@ -700,10 +724,14 @@ def to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
             if node.quantized:  # int8 experts, dequantized
                 scale = np.asarray(getattr(node, str(p[-1]).replace("_proj", "_scale")).get_value())
                 value = _dequantized_experts(value, scale)
+        cfg = model.config
         if _is_expert_weight(p):  # [L, X, in, out]: a tensor per layer and expert
             names = _expert_names(p, value.shape[0], value.shape[1], arch)
-            for (name, _), v in zip(names, value.reshape(-1, *value.shape[2:]), strict=True):
-                out[name] = np.ascontiguousarray(v.T)
+            for k, ((name, _), v) in enumerate(
+                zip(names, value.reshape(-1, *value.shape[2:]), strict=True)
+            ):
+                if not _placeholder(p, k // value.shape[1], cfg):
+                    out[name] = np.ascontiguousarray(v.T)
             continue
         parts = [(p, value)]
         if len(p) >= 2 and str(p[-2]) in FUSED:  # hold_for_accelerator's fused products
@@ -715,6 +743,8 @@ def to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
         for path, value in parts:
             per_layer = enumerate(value) if str(path[0]) == "layers" else [(None, value)]
             for i, v in per_layer:
+                if i is not None and _placeholder(path, i, cfg):
+                    continue
                 name, transposed = _hf_name(path if i is None else ("layers", i, *path[1:]))
                 out[_family_name(name, arch)] = np.ascontiguousarray(v.T if transposed else v)
     if arch == "GptOssForCausalLM":

@@ -163,6 +163,13 @@ class DecoderLayer(nnx.Module):
             if cfg.sparse
             else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, rngs=rngs, **kw)
         )
+        # a mixture's dense layers' MLP (cfg.dense_layers): in every layer, zeros where
+        # the experts compute (the layers stay one stack; kind.dense_ffn picks)
+        self.dense_mlp = (
+            MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, lora=False, rngs=rngs, **kw)
+            if cfg.dense_layers
+            else None
+        )
         sandwich = cfg.sandwich_norms
         self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size, kw) if sandwich else None
         self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size, kw) if sandwich else None
@@ -185,7 +192,7 @@ class DecoderLayer(nnx.Module):
 
         def after(x, o, m):
             with _lora.rows(bank, m):
-                return self._after_attention(x, o)
+                return self._after_attention(x, o, kind.dense_ffn)
 
         q, k, v = rowwise(project, x_TE, positions_T, mask, invariant=inv)
         window = kind.sliding_window
@@ -212,13 +219,15 @@ class DecoderLayer(nnx.Module):
             interpret=platform != "gpu",
         )
 
-    def _after_attention(self, x_TE, o_THD):
-        """Row-wise: the residual, the MLP and its residual."""
+    def _after_attention(self, x_TE, o_THD, dense_ffn=False):
+        """Row-wise: the residual, the MLP (a mixture's dense layer's: ``dense_mlp``) and
+        its residual."""
+        mlp = self.dense_mlp if dense_ffn else self.mlp
         if self.pre_feedforward_layernorm is None:
             x_TE = x_TE + self.self_attn.output(o_THD)
-            return x_TE + self.mlp(self.post_attention_layernorm(x_TE))
+            return x_TE + mlp(self.post_attention_layernorm(x_TE))
         x_TE = x_TE + self.post_attention_layernorm(self.self_attn.output(o_THD))
-        h = self.mlp(self.pre_feedforward_layernorm(x_TE))
+        h = mlp(self.pre_feedforward_layernorm(x_TE))
         return x_TE + self.post_feedforward_layernorm(h)
 
 

@@ -96,6 +96,8 @@ def hold_for_accelerator(model, *, fp8_activations: bool | None = None):
     _split_layer_arrays(model)
     model.layers.self_attn.fuse_projections()
     model.layers.mlp.fuse_projections()
+    if model.layers.dense_mlp is not None:  # a mixture's dense layers
+        model.layers.dense_mlp.fuse_projections()
     if model.lora is not None:  # a fused projection's adapters in one pair, per layer
         model.lora.regroup(model.lora_groups()).pad_for_merge().split_layers()
     if fp8_activations is None:
@@ -196,6 +198,8 @@ def hold_for_cpu(model, *, pack: bool | None = None):
         # a LoRA bank stays one pair a target, which the kernel adds part by part
         model.layers.self_attn.fuse_projections()
         model.layers.mlp.fuse_projections()
+        if model.layers.dense_mlp is not None:
+            model.layers.dense_mlp.fuse_projections()
         for _, node in nnx.iter_graph(model):
             if isinstance(node, Linear) or (
                 isinstance(node, Experts)

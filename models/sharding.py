@@ -137,6 +137,8 @@ def sharder(
         }
         if cfg.shared_expert_intermediate_size:
             widths["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+        if cfg.dense_layers:  # a mixture's dense layers' MLP, split as a dense model's
+            widths["intermediate_size"] = cfg.intermediate_size
     for name, width in widths.items():
         if width % tp:
             raise ValueError(f"tensor_parallel_size: {tp} must divide {name}={width}")

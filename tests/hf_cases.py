@@ -37,6 +37,10 @@ MODEL_CLASSES = {
     # biases, a router with a bias (top-k logits, then their softmax), experts with biases
     # and a clamped unit (a small limit, so that it clamps)
     "gptoss": "GptOssForCausalLM",
+    # dense layers among the sparse ones: mlp_only_layers=[0] (a dense first layer, as
+    # DeepSeek's), and decoder_sparse_step=2 over 4 layers (dense, sparse, dense, sparse)
+    "qwen2moe_mixed": "Qwen2MoeForCausalLM",
+    "qwen3moe_mixed": "Qwen3MoeForCausalLM",
 }
 # The mixtures: their golden files also hold the routers' inputs and choices
 MOE = ("mixtral", "qwen2moe", "qwen3moe", "gptoss")
@@ -132,6 +136,24 @@ def hf_config(transformers, name: str):
             moe_intermediate_size=32,
             head_dim=16,
             norm_topk_prob=True,
+        )
+    if name == "qwen2moe_mixed":
+        return transformers.Qwen2MoeConfig(
+            **COMMON,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[0],
+        )
+    if name == "qwen3moe_mixed":
+        return transformers.Qwen3MoeConfig(
+            **{**COMMON, "num_hidden_layers": 4},
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            head_dim=16,
+            decoder_sparse_step=2,
         )
     if name == "gptoss":
         return transformers.GptOssConfig(

@@ -82,13 +82,15 @@ CONFIGS = {
     "gqa-8-2": gqa_config(2),
     # a vocabulary no tensor-parallel size divides: padded (models.sharding.pad_vocab)
     "vocab-211": dataclasses.replace(gqa_config(2), vocab_size=211),
-    # a mixture of experts with a shared expert: each expert's width split over the mesh
+    # a mixture of experts with a shared expert: each expert's width split over the mesh;
+    # its first layer dense (dense_layers: that layer's MLP split as a dense model's)
     "moe-4": dataclasses.replace(
         gqa_config(4),
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=64,
         shared_expert_intermediate_size=64,
+        dense_layers=(0,),
     ),
     # GPT-OSS's parts: attention sinks (split with the heads), sliding and full layers,
     # YaRN, biases on attention, router and experts, the clamped unit
