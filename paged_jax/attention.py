@@ -160,10 +160,10 @@ def _check_sinks(sinks, q) -> None:
 
 
 def _sinks_or_none(impl, backend: str, sinks) -> Callable | None:
-    """``impl``, or None (XLA) where ``"auto"`` picked Pallas kernels for a call with
-    attention sinks, which only the XLA path and the CPU kernels take; a Pallas backend
-    asked for by name raises ``ValueError`` naming ``sinks``."""
-    if sinks is None or impl is None or backend_of(impl) == "cpu":
+    """``impl``, or None (XLA) where ``"auto"`` picked the TPU kernels for a call with
+    attention sinks, which the XLA path, the CPU kernels and the GPU kernels take;
+    ``"pallas_tpu"`` asked for by name raises ``ValueError`` naming ``sinks``."""
+    if sinks is None or impl is None or backend_of(impl) in ("cpu", "pallas_gpu"):
         return impl
     if backend == "auto":
         return None
@@ -212,8 +212,8 @@ def ragged_paged_attention(
         ``f32[N, P, K]`` scales (``PagedKVCache.layer`` returns them).
       sinks: ``f32[H]`` or None: each query head's attention sink (GPT-OSS), a logit on the
         scale of ``sm_scale * q.k`` that joins the softmax's sum with a value of 0, so a
-        token may attend to "nothing". Taken by ``"xla"`` and ``"cpu"``; ``"auto"`` runs
-        XLA where it would have picked Pallas kernels.
+        token may attend to "nothing". Taken by ``"xla"``, ``"cpu"`` and
+        ``"pallas_gpu"``; ``"auto"`` runs XLA where it would have picked the TPU kernels.
       backend: ``"auto" | "xla" | "pallas_tpu" | "pallas_gpu" | "cpu"`` (``"cpu"``: the C
         kernels for f32/bf16 pools, XLA for quantized pools).
       interpret: run Pallas kernels in interpret mode (CPU testing); ignored by ``"xla"``.

@@ -102,13 +102,13 @@ def test_hybrid_pool_frees_sliding_pages_and_keeps_every_token(name):
     "backend",
     [pytest.param("pallas_tpu", marks=pytest.mark.slow), "pallas_gpu"],  # TPU: 50 s on CPU
 )
-def test_gemma2_through_the_pallas_kernels(backend):
+def test_gemma2_through_the_pallas_kernels(backend, name="gemma2"):
     """Soft-capped scores and alternating sliding / global layers inside the Pallas
     kernels (interpreted on CPU): the ragged kernel for the prompt, the decode kernel for
     the tokens after it."""
     kw = kernel_kwargs(backend)
-    model, _ = load_hf(GOLDEN / "gemma2", dtype=jnp.float32)
-    golden = np.load(GOLDEN / "gemma2" / "golden.npz")
+    model, _ = load_hf(GOLDEN / name, dtype=jnp.float32)
+    golden = np.load(GOLDEN / name / "golden.npz")
     logits = paged_prompt_logits(model, PROMPTS["long"], **kw)
     rel = np.abs(logits - golden["logits"]).max() / np.abs(golden["logits"]).max()
     assert rel <= 1e-4, f"relative error {rel:.2e}"
@@ -116,6 +116,12 @@ def test_gemma2_through_the_pallas_kernels(backend):
     out = g.decode(g.prefill({"long": PROMPTS["long"]}), max_new=4)
     assert out["long"] == golden["greedy_long"][:4].tolist()
     assert g.shapes[-1][-1], "the last step was not decode-only"
+
+
+def test_gpt_oss_s_sinks_through_the_gpu_kernels():
+    """GPT-OSS's attention sinks in its sliding and full layers inside the GPU kernels
+    (interpreted): the golden logits and tokens, as for Gemma 2 above."""
+    test_gemma2_through_the_pallas_kernels("pallas_gpu", name="gptoss")
 
 
 def _shard(src: pathlib.Path, dst: pathlib.Path) -> dict:

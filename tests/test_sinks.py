@@ -1,7 +1,8 @@
 """Attention sinks (GPT-OSS): each query head's sink is a logit in the softmax's sum whose
-value is 0. Checked on the XLA path and the CPU kernels against an f64 oracle of this
-file's own (the dense softmax with one more column), decode and ragged, with windows,
-bf16, and with sinks far below and far above the scores."""
+value is 0. Checked on the XLA path, the CPU kernels and the GPU kernels (interpreted)
+against an f64 oracle of this file's own (the dense softmax with one more column), decode
+(one split and several) and ragged, with windows, bf16, and with sinks far below and far
+above the scores."""
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import paged_jax as pj
 BACKENDS = [
     "xla",
     pytest.param("cpu", marks=pytest.mark.skipif(not HAS_CC, reason="no C compiler")),
+    "pallas_gpu",  # interpreted
 ]
 
 
@@ -40,6 +42,7 @@ def oracle(case, seqs, sinks, *, sm_scale, window=None):
 
 
 def run(case, sinks, backend, *, decode, **kw):
+    kw.setdefault("interpret", backend == "pallas_gpu")
     if decode:
         return pj.paged_attention(
             case.q[: case.kv_lens.shape[0]],
@@ -112,7 +115,23 @@ def test_bad_sinks_are_named():
         pj.ragged_paged_attention(*case.args, sinks=jnp.zeros(4, jnp.int32), backend="xla")
 
 
-@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_gpu_decode_kernel_takes_sinks_with_one_split_and_several(splits):
+    """One split: the sinks start each program's softmax; several: they join the merge."""
+    from paged_jax.kernels.gpu import decode
+
+    seqs = [(1, 40), (1, 7), (1, 65)]
+    case = make_case(2, seqs, num_q_heads=6, num_kv_heads=2, head_dim=32, pad_seqs=0)
+    sinks = jnp.asarray([1.0, -2.0, 0.5, 3.0, -0.5, 0.0], jnp.float32)
+    out = decode.decode_paged_attention(
+        case.q[:3], case.kv_pages, case.kv_lens, case.page_indices, sm_scale=32**-0.5,
+        sinks=sinks, num_splits=splits, pages_per_block=2, interpret=True,
+    )  # fmt: skip
+    want = oracle(case, seqs, sinks, sm_scale=32**-0.5)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want[:3], atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu"])
 def test_a_pallas_backend_asked_by_name_refuses_sinks(backend):
     case = make_case(1, [(2, 4)], num_q_heads=4, num_kv_heads=2, head_dim=128)
     with pytest.raises(ValueError, match=f"sinks: backend='{backend}' does not take"):

@@ -25,6 +25,27 @@ def empty_carry(rows: int, head_dim: int):
     )
 
 
+def sink_carry(sinks, head_dim: int):
+    """``empty_carry`` with attention sinks: ``sinks`` ``f32[rows]`` (-inf: a row with no
+    sink) start the running maximum, and the running sum at 1 where one is finite (the
+    sink a key whose value is 0)."""
+    rows = sinks.shape[0]
+    return (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        sinks,
+        jnp.where(sinks > -jnp.inf, 1.0, 0.0).astype(jnp.float32),
+    )
+
+
+def group_sinks(sinks, num_kv_heads: int, group: int, rows: int):
+    """Each KV head's query heads' sinks ``f32[H]`` as ``f32[K, rows]``, rows past the
+    group's ``group`` padded with -inf (no sink); None stays None."""
+    if sinks is None:
+        return None
+    s = jnp.asarray(sinks, jnp.float32).reshape(num_kv_heads, group)
+    return jnp.pad(s, ((0, 0), (0, rows - group)), constant_values=-jnp.inf)
+
+
 def load_pages(refs, pages):
     """The raw contents of ``pages`` (``i32[bp]`` ids) from ``refs`` (``(k_ref, v_ref,
     k_scale_ref | None, v_scale_ref | None)`` over the whole pool of one kv head): ``(k,

@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .._table import safe_lens, safe_table
 from . import tuning
-from ._block import empty_carry, fold_pages, walk
+from ._block import empty_carry, fold_pages, group_sinks, sink_carry, walk
 from ._scales import prepare_scales
 
 NUM_SMS_GUESS = 132  # H100 SXM; only used to choose the split count
@@ -65,6 +65,7 @@ def _kernel(
     rows,
     prefetch=False,
     vm_ref=None,
+    sinks_ref=None,
 ):
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_len = lens_ref[b]
@@ -92,7 +93,10 @@ def _kernel(
         valid = (tok < kv_len) & (tok >= first_key)
         return fold_pages(q, raw, valid, valid[None, :], carry, **fold_kw)
 
-    init = empty_carry(rows, head_dim)
+    # (with sinks: one split only; several splits add them in merge_splits)
+    init = (
+        empty_carry(rows, head_dim) if sinks_ref is None else sink_carry(sinks_ref[...], head_dim)
+    )
     refs = (k_ref, v_ref, ks_ref, vs_ref)
     acc, m, l = walk(
         refs,
@@ -119,13 +123,14 @@ def _kernel(
 
 
 def _kernel_one_split(
-    lens_ref, table_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, vm_ref, o_ref, **kw
+    lens_ref, table_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, vm_ref, sinks_ref, o_ref, **kw
 ):
     """``_kernel`` for a grid of one split: the output ``[H, D]`` of the sequence, each
     program writing its group's rows, normalized (and times ``vm_ref``'s per-tensor V
-    scale), in the queries' dtype, so nothing is merged or sliced after the kernel."""
+    scale; with ``sinks_ref``'s ``f32[rows]`` sinks), in the queries' dtype, so nothing
+    is merged or sliced after the kernel."""
     _kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, None, None,
-            vm_ref=vm_ref, **kw)  # fmt: skip
+            vm_ref=vm_ref, sinks_ref=sinks_ref, **kw)  # fmt: skip
 
 
 def decode_paged_attention(
@@ -148,7 +153,9 @@ def decode_paged_attention(
     each step of a program's walk loads the next block's K/V and the table entries of the
     one after before it computes, the same sums in the same order).
     ``batch_invariant``: one split and a block size not taken from B or M, so a row's
-    reduction order never depends on the batch. ``interpret``: run on CPU.
+    reduction order never depends on the batch. ``interpret``: run on CPU. ``sinks``
+    (``f32[H]``): each query head's attention sink, starting the program's softmax with
+    one split, added in the merge of several.
     The dots take 16-bit operands for 16-bit
     queries and f32 otherwise (three TF32 passes on a GPU, exact f32 when interpreted);
     they accumulate in f32, as does the softmax."""
@@ -186,6 +193,7 @@ def _decode(
     soft_cap: float | None = None,
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
+    sinks: jax.Array | None = None,  # f32[H]
     pages_per_block: int | None = None,
     num_splits: int | None = None,
     batch_invariant: bool = False,
@@ -252,16 +260,18 @@ def _decode(
         seq = pl.BlockSpec((None, H, D), lambda b, h, s: (b, 0, 0))
         in_specs[2] = seq
         vm = None if v_mul is None else jnp.reshape(v_mul, (1,))
+        sk = group_sinks(sinks, K, G, rows)  # [K, rows]: a program's row of it
+        sink_spec = None if sk is None else pl.BlockSpec((None, rows), lambda b, h, s: (h, 0))
         return pl.pallas_call(
             functools.partial(_kernel_one_split, **kernel_kw),
             grid=(B, K, 1),
-            in_specs=[*in_specs, None if vm is None else full((1,))],
+            in_specs=[*in_specs, None if vm is None else full((1,)), sink_spec],
             out_specs=seq,
             out_shape=jax.ShapeDtypeStruct((B, H, D), q.dtype),
             interpret=interpret,
             compiler_params=params,
             name="paged_flash_decode",
-        )(kv_lens, table, q_in, kv_pages, kv_pages, scales[0], scales[1], vm)
+        )(kv_lens, table, q_in, kv_pages, kv_pages, scales[0], scales[1], vm, sk)
     q4 = jnp.pad(q_in.reshape(B, K, G, D), ((0, 0), (0, 0), (0, rows - G), (0, 0)))
     in_specs[2] = pl.BlockSpec((None, None, rows, D), lambda b, h, s: (b, h, 0, 0))
     acc, m, l = pl.pallas_call(
@@ -282,6 +292,11 @@ def _decode(
         compiler_params=params,
         name="paged_flash_decode",
     )(kv_lens, table, q4, kv_pages, kv_pages, scales[0], scales[1])
+    sk = group_sinks(sinks, K, G, rows)
+    if sk is not None:  # each row's sink as one more split: m = the sink, l = 1, acc = 0
+        m = jnp.concatenate([m, jnp.broadcast_to(sk[None, :, None], (B, K, 1, rows))], axis=2)
+        l = jnp.concatenate([l, jnp.where(m[:, :, -1:] > -jnp.inf, 1.0, 0.0)], axis=2)
+        acc = jnp.concatenate([acc, jnp.zeros((B, K, 1, rows, D), acc.dtype)], axis=2)
     out = merge_splits(acc, m, l)[:, :, :G].reshape(B, H, D)
     if v_mul is not None:
         out = out * v_mul

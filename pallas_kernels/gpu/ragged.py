@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 from .._table import safe_lens, safe_table
 from .._worklist import work_list
 from . import tuning
-from ._block import empty_carry, fold_pages, walk
+from ._block import empty_carry, fold_pages, group_sinks, sink_carry, walk
 from ._scales import prepare_scales
 
 
@@ -39,6 +39,7 @@ def _kernel(
     ks_ref,
     vs_ref,
     v_mul_ref,
+    sinks_ref,
     o_in_ref,
     o_ref,
     *,
@@ -96,7 +97,11 @@ def _kernel(
             soft_cap=soft_cap,
         )
 
-    init = empty_carry(bq * G, head_dim)
+    if sinks_ref is None:
+        init = empty_carry(bq * G, head_dim)
+    else:  # this KV head's query heads' sinks, for each of the block's tokens
+        sink_rows = jax.lax.broadcast_in_dim(sinks_ref[...], (bq, G), (1,)).reshape(bq * G)
+        init = sink_carry(sink_rows, head_dim)
     refs = (k_ref, v_ref, ks_ref, vs_ref)
     acc, _, l = walk(
         refs,
@@ -149,6 +154,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
+    sinks: jax.Array | None = None,  # f32[H]
     tokens_per_block: int | None = None,
     pages_per_block: int | None = None,
     batch_invariant: bool = False,
@@ -166,7 +172,8 @@ def ragged_paged_attention(
     same sums; not yet timed on a GPU, so off).
     ``batch_invariant``: ``pages_per_block`` is not capped by the table width (the only
     size taken from the batch; work items are per sequence). Dot operands and
-    accumulation as in ``decode_paged_attention``."""
+    accumulation as in ``decode_paged_attention``; ``sinks`` start each program's
+    softmax."""
     tuning.check_pow2("tokens_per_block", tokens_per_block)
     tuning.check_pow2("pages_per_block", pages_per_block)
     if num_stages is None:
@@ -195,6 +202,7 @@ def ragged_paged_attention(
     kv_lens = safe_lens(kv_lens, M * P)
     scales = [k_sc, v_sc]
     v_mul = None if v_mul is None else v_mul.reshape(1)
+    sk = group_sinks(sinks, K, G0, G)  # [K, G]: a program's row of it
     head_scale = pl.BlockSpec((N, P, None), lambda w, h: (0, 0, h))
     scale_specs = [None if sc is None else head_scale for sc in scales]
     full = lambda shape: pl.BlockSpec(shape, lambda w, h: (0,) * len(shape))  # noqa: E731
@@ -227,12 +235,13 @@ def ragged_paged_attention(
             scale_specs[0],
             scale_specs[1],
             None if v_mul is None else full((1,)),
+            None if sk is None else pl.BlockSpec((None, G), lambda w, h: (h, 0)),
             full(q_pad.shape),
         ],
         out_specs=full(q_pad.shape),
         out_shape=jax.ShapeDtypeStruct(q_pad.shape, out_dtype),
         # None inputs (absent scales) are not operands: count the arrays before the output.
-        input_output_aliases={9 + sum(x is not None for x in (*scales, v_mul)): 0},
+        input_output_aliases={9 + sum(x is not None for x in (*scales, v_mul, sk)): 0},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="paged_ragged_attention",
@@ -249,6 +258,7 @@ def ragged_paged_attention(
         scales[0],
         scales[1],
         v_mul,
+        sk,
         jnp.zeros(q_pad.shape, out_dtype),
     )
     out = out[:T]
