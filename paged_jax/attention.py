@@ -159,19 +159,6 @@ def _check_sinks(sinks, q) -> None:
         raise ValueError(f"sinks: expected shape ({q.shape[1]},) (one a query head), got {shape}")
 
 
-def _sinks_or_none(impl, backend: str, sinks) -> Callable | None:
-    """``impl``, or None (XLA) where ``"auto"`` picked the TPU kernels for a call with
-    attention sinks, which the XLA path, the CPU kernels and the GPU kernels take;
-    ``"pallas_tpu"`` asked for by name raises ``ValueError`` naming ``sinks``."""
-    if sinks is None or impl is None or backend_of(impl) in ("cpu", "pallas_gpu"):
-        return impl
-    if backend == "auto":
-        return None
-    raise ValueError(
-        f"sinks: backend={backend!r} does not take attention sinks yet; use 'auto', 'xla' or 'cpu'"
-    )
-
-
 def ragged_paged_attention(
     q: jax.Array,  # [T, H, D]
     kv_pages: jax.Array,  # [N, P, 2K, D]
@@ -212,8 +199,7 @@ def ragged_paged_attention(
         ``f32[N, P, K]`` scales (``PagedKVCache.layer`` returns them).
       sinks: ``f32[H]`` or None: each query head's attention sink (GPT-OSS), a logit on the
         scale of ``sm_scale * q.k`` that joins the softmax's sum with a value of 0, so a
-        token may attend to "nothing". Taken by ``"xla"``, ``"cpu"`` and
-        ``"pallas_gpu"``; ``"auto"`` runs XLA where it would have picked the TPU kernels.
+        token may attend to "nothing". Taken by every backend.
       backend: ``"auto" | "xla" | "pallas_tpu" | "pallas_gpu" | "cpu"`` (``"cpu"``: the C
         kernels for f32/bf16 pools, XLA for quantized pools).
       interpret: run Pallas kernels in interpret mode (CPU testing); ignored by ``"xla"``.
@@ -244,7 +230,7 @@ def ragged_paged_attention(
     )
     _check_sinks(sinks, q)
     impl = _cpu_or_none(_resolve(backend, "ragged", batch_invariant), q, kv_pages, k_scale, v_scale)
-    impl = _sinks_or_none(_tpu_or_none(impl, backend, kv_pages), backend, sinks)
+    impl = _tpu_or_none(impl, backend, kv_pages)
     kwargs = dict(
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
@@ -306,7 +292,7 @@ def paged_attention(
     )
     _check_sinks(sinks, q)
     impl = _cpu_or_none(_resolve(backend, "decode", batch_invariant), q, kv_pages, k_scale, v_scale)
-    impl = _sinks_or_none(_tpu_or_none(impl, backend, kv_pages), backend, sinks)
+    impl = _tpu_or_none(impl, backend, kv_pages)
     kwargs = dict(
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,

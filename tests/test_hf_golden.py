@@ -118,10 +118,13 @@ def test_gemma2_through_the_pallas_kernels(backend, name="gemma2"):
     assert g.shapes[-1][-1], "the last step was not decode-only"
 
 
-def test_gpt_oss_s_sinks_through_the_gpu_kernels():
-    """GPT-OSS's attention sinks in its sliding and full layers inside the GPU kernels
+@pytest.mark.parametrize(
+    "backend", [pytest.param("pallas_tpu", marks=pytest.mark.slow), "pallas_gpu"]
+)
+def test_gpt_oss_s_sinks_through_the_pallas_kernels(backend):
+    """GPT-OSS's attention sinks in its sliding and full layers inside the Pallas kernels
     (interpreted): the golden logits and tokens, as for Gemma 2 above."""
-    test_gemma2_through_the_pallas_kernels("pallas_gpu", name="gptoss")
+    test_gemma2_through_the_pallas_kernels(backend, name="gptoss")
 
 
 def _shard(src: pathlib.Path, dst: pathlib.Path) -> dict:

@@ -42,7 +42,7 @@ def oracle(case, seqs, sinks, *, sm_scale, window=None):
 
 
 def run(case, sinks, backend, *, decode, **kw):
-    kw.setdefault("interpret", backend == "pallas_gpu")
+    kw.setdefault("interpret", backend.startswith("pallas"))
     if decode:
         return pj.paged_attention(
             case.q[: case.kv_lens.shape[0]],
@@ -131,8 +131,15 @@ def test_the_gpu_decode_kernel_takes_sinks_with_one_split_and_several(splits):
     np.testing.assert_allclose(np.asarray(out, np.float64), want[:3], atol=2e-5)
 
 
-@pytest.mark.parametrize("backend", ["pallas_tpu"])
-def test_a_pallas_backend_asked_by_name_refuses_sinks(backend):
-    case = make_case(1, [(2, 4)], num_q_heads=4, num_kv_heads=2, head_dim=128)
-    with pytest.raises(ValueError, match=f"sinks: backend='{backend}' does not take"):
-        pj.ragged_paged_attention(*case.args, sinks=jnp.zeros(4), backend=backend, interpret=True)
+@pytest.mark.parametrize("decode", [True, False])
+def test_the_tpu_kernels_take_sinks(decode):
+    """TPU interpret mode (D 128, as the kernels' layout wants): decode and ragged rows,
+    a sliding window on the ragged ones."""
+    seqs = [(1, 30), (1, 9)] if decode else [(5, 21), (1, 12), (3, 3)]
+    case = make_case(4, seqs, num_q_heads=4, num_kv_heads=2, head_dim=128, pad_seqs=0)
+    sinks = jnp.asarray([0.7, -1.5, 2.5, 0.0], jnp.float32)
+    window = None if decode else 6
+    out = run(case, sinks, "pallas_tpu", decode=decode, sm_scale=0.1, sliding_window=window)
+    want = oracle(case, seqs, sinks, sm_scale=0.1, window=window)
+    T = sum(q for q, _ in seqs)
+    np.testing.assert_allclose(np.asarray(out[:T], np.float64), want[:T], atol=2e-5)

@@ -323,6 +323,28 @@ def empty_folds(heads: int, rows: int, head_dim: int) -> tuple:
     return (one,) * heads
 
 
+def sink_folds(sinks_ref, heads: int, head_dim: int) -> tuple:
+    """``empty_folds`` with attention sinks: ``sinks_ref`` ``f32[heads, R, 1]``, each
+    kv head's rows' sinks (-inf: none), start the running maximum, and the running sum
+    at 1 where one is finite (the sink a key whose value is 0)."""
+    folds = []
+    for h in range(heads):
+        m = sinks_ref[h]  # [R, 1]
+        acc = jnp.zeros((m.shape[0], head_dim), jnp.float32)
+        folds.append((acc, m, jnp.where(m > -jnp.inf, 1.0, 0.0).astype(jnp.float32)))
+    return tuple(folds)
+
+
+def rows_of_sinks(sinks, heads: int, group: int, tokens: int = 1):
+    """``f32[H]`` sinks as the kernels read them: ``f32[heads, tokens * group, 1]``,
+    kv head h's query heads' sinks repeated for each of ``tokens`` tokens (rows in token
+    order, a token's ``group`` heads together); None stays None."""
+    if sinks is None:
+        return None
+    s = jnp.asarray(sinks, jnp.float32).reshape(heads, 1, group)
+    return jnp.broadcast_to(s, (heads, tokens, group)).reshape(heads, tokens * group, 1)
+
+
 def finish(carry):
     """The attention output ``f32[R, D]`` of a finished ``fold_rows`` carry (rows that
     saw no key: 0)."""

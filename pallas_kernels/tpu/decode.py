@@ -42,8 +42,10 @@ from ._pages import (
     empty_folds,
     finish,
     fold_rows,
+    rows_of_sinks,
     scores,
     scratch_shapes,
+    sink_folds,
     split_refs,
 )
 
@@ -66,7 +68,10 @@ def _kernel(
     quantized,
     kv_dtype,
     interpret,
+    has_sinks=False,
 ):
+    sinks_ref = refs[1] if has_sinks else None  # after the queries: f32[K, G, 1]
+    refs = (refs[0], *refs[2:]) if has_sinks else refs
     q_ref, o_ref, parts = split_refs(refs, quantized)
     b = pl.program_id(0)
     bp, P, K = pages_per_block, page_size, num_kv_heads
@@ -110,7 +115,8 @@ def _kernel(
     def _():
         pipe.start(0, 0)
 
-    heads = jax.lax.fori_loop(0, num_blocks, body, empty_folds(K, G, D))
+    init = empty_folds(K, G, D) if sinks_ref is None else sink_folds(sinks_ref, K, D)
+    heads = jax.lax.fori_loop(0, num_blocks, body, init)
     for h, carry in enumerate(heads):
         o_ref[0, pl.ds(h * G, G), :] = finish(carry).astype(o_ref.dtype)
 
@@ -150,12 +156,14 @@ def decode_paged_attention(
     soft_cap: float | None = None,
     k_scale: jax.Array | float | None = None,  # f32[N, P, K] or a float
     v_scale: jax.Array | float | None = None,
+    sinks: jax.Array | None = None,  # f32[H]
     pages_per_block: int | None = None,
     table_chunk: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # [B, H, D]
     """Decode attention (see the module docstring); arguments as
-    ``paged_jax.paged_attention``. Knobs: ``pages_per_block`` (pages per DMA buffer;
+    ``paged_jax.paged_attention`` (``sinks``: each query head's sink starts its rows'
+    softmax). Knobs: ``pages_per_block`` (pages per DMA buffer;
     default ~512 KiB of K/V, from page size, kv heads, head_dim and dtype) and
     ``table_chunk`` (block-table entries per SMEM copy; default 16 blocks' worth)."""
     check_table_chunk(pages_per_block, table_chunk, interpret)
@@ -166,6 +174,7 @@ def decode_paged_attention(
         kv_lens,
         page_indices,
         arrays,
+        sinks,
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -196,6 +205,7 @@ def _decode(
     kv_lens,
     page_indices,
     scale_arrays,
+    sinks,
     *,
     sm_scale,
     sliding_window,
@@ -235,14 +245,18 @@ def _decode(
         quantized=quantized,
         kv_dtype=kv_dtype,
         interpret=interpret,
+        has_sinks=sinks is not None,
     )
+    K, G = combined // 2, H // (combined // 2)
+    sink_rows = rows_of_sinks(sinks, K, G)  # [K, G, 1]
+    sink_spec = [] if sinks is None else [pl.BlockSpec((K, G, 1), lambda b, lens: (0, 0, 0))]
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(B,),
-            in_specs=[pl.BlockSpec((1, H, D), lambda b, lens: (b, 0, 0)), hbm, hbm]
+            in_specs=[pl.BlockSpec((1, H, D), lambda b, lens: (b, 0, 0)), *sink_spec, hbm, hbm]
             + ([hbm, hbm] if quantized else []),
             out_specs=pl.BlockSpec((1, H, D), lambda b, lens: (b, 0, 0)),
             scratch_shapes=scratch_shapes(bp, P, combined, D, kv_pages.dtype, ch, quantized),
@@ -251,5 +265,5 @@ def _decode(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paged_decode_tpu",
-    )(kv_lens, q, table, kv_pages, *(scale_arrays or ()))
+    )(kv_lens, q, *([] if sinks is None else [sink_rows]), table, kv_pages, *(scale_arrays or ()))
     return out.astype(out_dtype)

@@ -39,8 +39,10 @@ from ._pages import (
     empty_folds,
     finish,
     fold_rows,
+    rows_of_sinks,
     scores,
     scratch_shapes,
+    sink_folds,
     split_refs,
 )
 from .decode import check_table_chunk, split_scales
@@ -67,7 +69,10 @@ def _kernel(
     kv_dtype,
     interpret,
     tokens_per_block,
+    has_sinks=False,
 ):
+    sinks_ref = refs[1] if has_sinks else None  # after the queries: f32[K, bq G, 1]
+    refs = (refs[0], *refs[2:]) if has_sinks else refs
     q_ref, o_ref, parts = split_refs(refs, quantized)
     w = pl.program_id(0)
     bp, P, K = pages_per_block, page_size, num_kv_heads
@@ -124,7 +129,8 @@ def _kernel(
     def _():
         pipe.start(0, 0)
 
-    heads = jax.lax.fori_loop(0, num_blocks, body, empty_folds(K, R, D))
+    init = empty_folds(K, R, D) if sinks_ref is None else sink_folds(sinks_ref, K, D)
+    heads = jax.lax.fori_loop(0, num_blocks, body, init)
     for h, carry in enumerate(heads):
         o_ref[0, h] = finish(carry).astype(o_ref.dtype)
 
@@ -142,13 +148,15 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     k_scale: jax.Array | float | None = None,  # f32[N, P, K] or a float
     v_scale: jax.Array | float | None = None,
+    sinks: jax.Array | None = None,  # f32[H]
     tokens_per_block: int | None = None,
     pages_per_block: int | None = None,
     table_chunk: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # [T, H, D]
     """Ragged paged attention (see the module docstring); arguments as
-    ``paged_jax.ragged_paged_attention``. Knobs: ``tokens_per_block`` (query rows per
+    ``paged_jax.ragged_paged_attention`` (``sinks``: each query head's sink starts its
+    rows' softmax). Knobs: ``tokens_per_block`` (query rows per
     program; default 16), ``pages_per_block`` (pages per DMA buffer; default ~512 KiB of
     K/V), ``table_chunk`` (block-table entries per SMEM copy)."""
     check_table_chunk(pages_per_block, table_chunk, interpret)
@@ -161,6 +169,7 @@ def ragged_paged_attention(
         cu_q_lens,
         num_seqs,
         arrays,
+        sinks,
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -195,6 +204,7 @@ def _ragged(
     cu_q_lens,
     num_seqs,
     scale_arrays,
+    sinks,
     *,
     sm_scale,
     sliding_window,
@@ -244,14 +254,22 @@ def _ragged(
         quantized=quantized,
         kv_dtype=kv_dtype,
         interpret=interpret,
+        has_sinks=sinks is not None,
     )
+    sink_rows = rows_of_sinks(sinks, K, G, bq)  # [K, bq G, 1]
+    sink_spec = [] if sinks is None else [pl.BlockSpec((K, bq * G, 1), lambda w, *_: (0, 0, 0))]
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     out_blocks = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(W,),
-            in_specs=[pl.BlockSpec((1, K, bq * G, D), lambda w, *_: (w, 0, 0, 0)), hbm, hbm]
+            in_specs=[
+                pl.BlockSpec((1, K, bq * G, D), lambda w, *_: (w, 0, 0, 0)),
+                *sink_spec,
+                hbm,
+                hbm,
+            ]
             + ([hbm, hbm] if quantized else []),
             out_specs=pl.BlockSpec((1, K, bq * G, D), lambda w, *_: (w, 0, 0, 0)),
             scratch_shapes=scratch_shapes(bp, P, combined, D, kv_pages.dtype, ch, quantized),
@@ -260,7 +278,18 @@ def _ragged(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paged_ragged_tpu",
-    )(seq, start, valid, kv_lens, cu_q_lens, q_blocks, table, kv_pages, *(scale_arrays or ()))
+    )(
+        seq,
+        start,
+        valid,
+        kv_lens,
+        cu_q_lens,
+        q_blocks,
+        *([] if sinks is None else [sink_rows]),
+        table,
+        kv_pages,
+        *(scale_arrays or ()),
+    )
     # Scatter the live rows back; rows of other sequences or past the end are dropped.
     row_end = cu_q_lens[seq + 1][:, None]
     keep = (rows < row_end) & (valid[:, None] > 0)
