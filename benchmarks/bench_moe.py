@@ -16,8 +16,9 @@ tokens/s = C * output_len / wall time. Reported: min / median / max of each engi
 rounds, and its ratio to ``dense`` taken round by round (the median of the rounds'
 ratios). The MoE engines are one per way of ``models.layers.moe.EXPERT_PRODUCTS`` asked
 for (``--ways``; "packed": the C kernel's grouped product, on CPU where it builds).
-``--quantization int8`` runs both models again with int8 weights (``model.quantize``: the
-experts too), each compared with the dense model of its own format.
+``--quantization int8 int4`` runs both models again with int8 (int4) weights
+(``model.quantize``: the experts too), each compared with the dense model of its own
+format.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=positive_int, default=64)
     ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--ways", nargs="+", default=["packed", "dense", "gather", "ragged"])
-    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8"])
+    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "int4"])
     args = ap.parse_args(argv)
 
     import jax

@@ -174,10 +174,10 @@ def load_gguf(
     reader = _open(path)
     cfg = gguf_config(reader, path)  # checks the architecture
     arch = _field(reader, "general.architecture", path, kind="str")
-    if cfg.sparse and quantization not in (None, "int8"):
+    if cfg.sparse and quantization not in (None, "int8", "int4"):
         raise GGUFError(
             f"{path}: quantization: {quantization!r} for a mixture of experts is not supported "
-            "yet (its experts take int8); load it without quantization or with 'int8'"
+            "yet (its experts take int8 and int4)"
         )
     # a mixture: read in float, then quantized whole (its experts included)
     after, quantization = (quantization, None) if cfg.sparse else (None, quantization)

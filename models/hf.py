@@ -688,9 +688,14 @@ def _int4_layout(blocks, transposed: bool, want: tuple, source: str, name: str):
     return (q.T, d.T, m.T) if transposed else (q, d, m)
 
 
-def _dequantized_experts(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+def _dequantized_experts(q: np.ndarray, scale: np.ndarray, zero=None) -> np.ndarray:
     """int8 experts ``q [L, X, in, out]`` times their scales (``[L, X, in / G, out]`` or
-    ``[L, X, out]``), in f32."""
+    ``[L, X, out]``), or 4-bit ones (``q [L, X, in / 2, out]`` with ``zero``, the groups'
+    minimums), in f32."""
+    if zero is not None:
+        from .quantization import dequantize_int4
+
+        return np.asarray(dequantize_int4(q, scale, zero, -2))
     if scale.ndim == q.ndim:
         scale = np.repeat(scale, q.shape[-2] // scale.shape[-2], axis=-2)
     else:
@@ -717,13 +722,17 @@ def to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
             value = value.weight()
         value = np.asarray(value)
         arch = model.config.architecture
-        if len(p) >= 2 and str(p[-2]) == "experts" and str(p[-1]).endswith("_scale"):
-            continue  # int8 experts' scales: their weights come dequantized
+        if len(p) >= 2 and str(p[-2]) == "experts" and str(p[-1]).endswith(("_scale", "_zero")):
+            continue  # quantized experts' scales and minimums: their weights come dequantized
         if _is_expert_weight(p) and str(p[-1]).endswith("_proj"):
             node = functools.reduce(lambda n, part: getattr(n, str(part)), p[:-1], model)
-            if node.quantized:  # int8 experts, dequantized
-                scale = np.asarray(getattr(node, str(p[-1]).replace("_proj", "_scale")).get_value())
-                value = _dequantized_experts(value, scale)
+            if node.quantized:  # quantized experts, dequantized
+                part = str(p[-1]).removesuffix("_proj")
+                scale = np.asarray(getattr(node, f"{part}_scale").get_value())
+                zero = getattr(node, f"{part}_zero", None)
+                value = _dequantized_experts(
+                    value, scale, None if zero is None else zero.get_value()
+                )
         cfg = model.config
         if _is_expert_weight(p):  # [L, X, in, out]: a tensor per layer and expert
             names = _expert_names(p, value.shape[0], value.shape[1], arch)

@@ -364,14 +364,14 @@ class LlamaForCausalLM(nnx.Module):
         4 bits); returns the model. Norms stay float. Before the engine
         holds the weights for a device (``hold_for_cpu``, ``hold_for_accelerator``,
         ``shard``), which ``paged_jax.models.load(..., quantization=)`` ensures.
-        Idempotent. A mixture's experts go to int8 (``Experts.quantize``) and its routers
-        stay float; raises ``ValueError`` for an unknown format, and for another format
-        on a mixture (not yet)."""
+        Idempotent. A mixture's experts go to int8 or int4 (``Experts.quantize``; int4:
+        4-bit groups of 32 as well) and its routers stay float; raises ``ValueError`` for an
+        unknown format, and for fp8 on a mixture (not yet)."""
         check_format(fmt)
-        if self.config.sparse and fmt != "int8":
+        if self.config.sparse and fmt not in ("int8", "int4"):
             raise ValueError(
                 f"quantization: {fmt!r} for a mixture of experts is not supported yet (its "
-                "experts take int8); load it without quantization or with 'int8'"
+                "experts take int8 and int4)"
             )
         for _, node in nnx.iter_graph(self):
             if isinstance(node, Linear):

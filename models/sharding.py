@@ -88,8 +88,9 @@ def weight_spec(
     if len(names) >= 2 and names[-2] == "experts":  # [L, X, in, out]: each expert's width split
         if leaf.endswith("_bias"):  # GPT-OSS: gate's and up's [L, X, F] split as their columns
             return P() if leaf == "down_bias" else P(None, None, TENSOR_AXIS)
-        if leaf.endswith("_scale"):  # int8: gate's and up's split as their columns; down's whole
-            return P() if leaf == "down_scale" else P(*([None] * (ndim - 1)), TENSOR_AXIS)
+        if leaf.endswith(("_scale", "_zero")):  # quantized: gate's and up's split as their
+            # columns; down's whole
+            return P() if leaf.startswith("down") else P(*([None] * (ndim - 1)), TENSOR_AXIS)
         return (
             P(None, None, None, TENSOR_AXIS)
             if leaf != "down_proj"

@@ -145,20 +145,22 @@ def lora_delta(
 
 def expert_matmul(
     x: jax.Array,  # f32[M, K], rows sorted by expert
-    packed: jax.Array,  # f32, bf16 or int8 [W, P, K, NR]: W experts' weights, each packed
+    packed: jax.Array,  # f32, bf16, int8 [W, P, K, NR], uint8 [W, P, K / 2, NR]: W experts
     n: int,
     sizes: jax.Array,  # i32[X] each expert's rows, in order
     first: jax.Array | int = 0,  # the weight of expert 0 (expert e's: first + e)
-    scales: jax.Array | None = None,  # int8: f32[W, P, K / G, NR]
+    scales: jax.Array | None = None,  # int8, 4-bit: f32[W, P, K / G, NR]
+    mins: jax.Array | None = None,  # 4-bit: f32[W, P, K / G, NR]
 ) -> jax.Array:  # f32[M, n]
     """Each expert's rows of ``x`` times its own weight, by the CPU kernel
     (``paged_jax.kernels.cpu.grouped_linear``): expert e's ``sizes[e]`` rows, after the
     experts before it, by weight ``first + e``, each row as ``matmul`` computes it alone
-    (int8 weights with their ``scales`` per group of inputs: W8A8); the rows past the
-    experts' are 0, and an expert no row chose is not read."""
+    (int8 weights with their ``scales`` per group of inputs, 4-bit ones with ``scales``
+    and ``mins``: the rows quantized to int8 in those groups); the rows past the experts'
+    are 0, and an expert no row chose is not read."""
     from paged_jax.kernels import cpu
 
-    return cpu.grouped_linear(x, packed, n, sizes, first, scales=scales)
+    return cpu.grouped_linear(x, packed, n, sizes, first, scales=scales, mins=mins)
 
 
 def grouped_matmul(

@@ -395,11 +395,39 @@ def test_grouped_int8_rows_are_each_group_s_plain_product(group):
     assert not y[row:].any()
     with pytest.raises(ValueError, match="scales: int8 weights need f32"):
         cpu.grouped_linear(jnp.asarray(x), packed, N, jnp.asarray(sizes))
-    with pytest.raises(ValueError, match="scales: only int8 weights take scales"):
+    with pytest.raises(ValueError, match="scales, mins: only int8 and 4-bit weights take them"):
         cpu.grouped_linear(
             jnp.asarray(x), cpu.pack_weight(jnp.ones((3, K, N), jnp.float32)), N,
             jnp.asarray(sizes[:2]), scales=scales,
         )  # fmt: skip
+
+
+@needs_cc
+def test_grouped_4_bit_rows_are_each_group_s_plain_product():
+    """4-bit weights with a scale and a minimum per group of 32 inputs (a mixture's int4
+    experts): each row bit for bit the plain 4-bit product by its group's weight."""
+    from paged_jax.models.quantization import quantize_int4
+
+    rng = np.random.default_rng(6)
+    W, K, N = 4, 64, cpu.panel_width() + 7
+    q, sc, mn = quantize_int4(rng.normal(size=(W, K, N)).astype(np.float32), axis=-2)
+    packed = cpu.pack_weight(jnp.asarray(q))
+    scales, mins = cpu.pack_weight(jnp.asarray(sc)), cpu.pack_weight(jnp.asarray(mn))
+    sizes = np.array([2, 3, 0, 4], np.int32)
+    x = rng.normal(size=(12, K)).astype(np.float32)
+    y = np.asarray(cpu.grouped_linear(jnp.asarray(x), packed, N, jnp.asarray(sizes), 0,
+                                      scales=scales, mins=mins))  # fmt: skip
+    row = 0
+    for g, n in enumerate(sizes):
+        if n:
+            alone = cpu.linear(
+                jnp.asarray(x[row : row + n]), packed, N, layer=g, scales=scales, mins=mins
+            )
+            np.testing.assert_array_equal(y[row : row + n], np.asarray(alone))
+        row += n
+    assert not y[row:].any()
+    with pytest.raises(ValueError, match="mins: uint8 weights need f32"):
+        cpu.grouped_linear(jnp.asarray(x), packed, N, jnp.asarray(sizes), scales=scales)
 
 
 @needs_cc

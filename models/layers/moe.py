@@ -39,7 +39,7 @@ from flax import nnx
 
 from paged_jax import linear
 
-from ..quantization import int8_group, quantize_int8
+from ..quantization import dequantize_int4, int8_group, quantize_int4, quantize_int8
 from .linear import LAYER, ROWS, Packed, layer_value, make_linear
 from .mlp import MLP
 
@@ -272,24 +272,24 @@ def packed_products(
     width: int,
     glu: Glu = SWIGLU,
     biases: Biases | None = None,
-    scales: tuple[jax.Array, jax.Array] | tuple[None, None] = (None, None),
+    scales: tuple = ((None, None), (None, None)),
 ) -> jax.Array:  # [T, H], x.dtype
-    """``expert_products``' sum with the experts packed for the CPU (int8 ones with their
-    packed ``scales``, ``Experts.packed_scales``): the (token, expert)
+    """``expert_products``' sum with the experts packed for the CPU (quantized ones with
+    their packed scales and minimums, ``Experts.packed_scales``): the (token, expert)
     pairs sorted by expert, each expert's rows multiplied by its own weights only
     (``paged_jax.linear.expert_matmul``; the experts of a layer stack from ``LAYER``'s
     layer on), in f32. A step's padding tokens (``ROWS``) choose no expert: no product
     is computed for them."""
     T, H = x.shape
     K = ids.shape[1]
-    s_up, s_down = scales
+    (s_up, s_down), (m_up, m_down) = scales
     if gate_up.ndim == 5:  # a layer stack: this layer's experts, read where they lie
         X = gate_up.shape[1]
         first = LAYER.get() * X
-        gate_up = gate_up.reshape(-1, *gate_up.shape[2:])
-        down = down.reshape(-1, *down.shape[2:])
-        if s_up is not None:
-            s_up, s_down = (a.reshape(-1, *a.shape[2:]) for a in (s_up, s_down))
+        flat = lambda a: None if a is None else a.reshape(-1, *a.shape[2:])  # noqa: E731
+        gate_up, down, s_up, s_down, m_up, m_down = map(
+            flat, (gate_up, down, s_up, s_down, m_up, m_down)
+        )
     else:
         X, first = gate_up.shape[0], 0
     step = ROWS.get()
@@ -299,12 +299,12 @@ def packed_products(
     order = jnp.argsort(flat, stable=True)  # by expert; padding last
     sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
     rows = x.astype(jnp.float32)[order // K]
-    both = linear.expert_matmul(rows, gate_up, 2 * width, sizes, first, s_up)
+    both = linear.expert_matmul(rows, gate_up, 2 * width, sizes, first, s_up, m_up)
     g, u = both[:, :width], both[:, width:]
     b = None if biases is None else biases.of(flat[order])
     if b is not None:
         g, u = g + b.gate.astype(jnp.float32), u + b.up.astype(jnp.float32)
-    y = linear.expert_matmul(glu(g, u), down, H, sizes, first, s_down)
+    y = linear.expert_matmul(glu(g, u), down, H, sizes, first, s_down, m_down)
     y = y if b is None else y + b.down.astype(jnp.float32)
     back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     picked = y[back].reshape(T, K, H)
@@ -347,10 +347,13 @@ class Experts(nnx.Module):
     weights int8 with f32 scales ``gate_scale``, ``up_scale``, ``down_scale`` (per group
     of 32 inputs for the CPU, ``[(L,) X, in / 32, out]``, or per column elsewhere,
     ``[(L,) X, out]``; ``models.quantization.int8_group``), packed with their scales
-    (``gate_up_scales``, ``down_scales``) for the CPU's grouped int8 product."""
+    (``gate_up_scales``, ``down_scales``) for the CPU's grouped int8 product.
+    ``quantize("int4")``: 4-bit groups of 32 inputs (``quantize_int4``: uint8 ``[(L,) X,
+    in / 2, out]``, scales and minimums ``gate_zero``... ``[(L,) X, in / 32, out]``),
+    packed with them (``gate_up_zeros``, ``down_zeros`` beside the scales)."""
 
     packed = False  # hold_packed sets it on the instance (a static attribute)
-    quantized = None  # quantize sets it: "int8"
+    quantized = None  # quantize sets it: "int8" or "int4"
     # models.sharding.shard_model(expert_parallel=True) sets it: the experts split by
     # expert over the mesh's "tp" axis (SparseMoE computes each device's share)
     expert_parallel = False
@@ -383,23 +386,30 @@ class Experts(nnx.Module):
         return Biases(*map(layer_value, (self.gate_bias, self.up_bias, self.down_bias)))
 
     def weights(self, dtype=None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``(gate_proj, up_proj, down_proj)`` of the layer being computed, unpacked; int8
-        ones dequantized to ``dtype`` (default f32) inside the step."""
-        ws = tuple(map(layer_value, (self.gate_proj, self.up_proj, self.down_proj)))
+        """``(gate_proj, up_proj, down_proj)`` of the layer being computed, unpacked;
+        quantized ones dequantized to ``dtype`` (default f32) inside the step."""
+        names = ("gate", "up", "down")
+        ws = tuple(layer_value(getattr(self, f"{n}_proj")) for n in names)
         if not self.quantized:
             return ws
-        scales = map(layer_value, (self.gate_scale, self.up_scale, self.down_scale))
-        return tuple(
-            _dequantize(q, s, dtype or jnp.float32) for q, s in zip(ws, scales, strict=True)
-        )
+        dtype = dtype or jnp.float32
+        scales = [layer_value(getattr(self, f"{n}_scale")) for n in names]
+        if self.quantized == "int4":
+            zeros = [layer_value(getattr(self, f"{n}_zero")) for n in names]
+            return tuple(
+                dequantize_int4(q, s, z, -2, dtype)
+                for q, s, z in zip(ws, scales, zeros, strict=True)
+            )
+        return tuple(_dequantize(q, s, dtype) for q, s in zip(ws, scales, strict=True))
 
     def quantize(self, fmt: str = "int8") -> Experts:
-        """In place: the experts' float weights in int8 (the class docstring); returns the
-        module. Idempotent. Raises ``ValueError`` for another format, and once packed
-        or split per layer."""
-        if fmt != "int8":
+        """In place: the experts' float weights in int8 or int4 (the class docstring);
+        returns the module. Idempotent. Raises ``ValueError`` for another format, and
+        once packed or split per layer."""
+        if fmt not in ("int8", "int4"):
             raise ValueError(
-                f"quantization: {fmt!r} for a mixture's experts is not supported yet (int8 is)"
+                f"quantization: {fmt!r} for a mixture's experts is not supported yet (int8 "
+                "and int4 are)"
             )
         if self.quantized:
             return self
@@ -408,10 +418,14 @@ class Experts(nnx.Module):
         for name in ("gate", "up", "down"):
             var = getattr(self, f"{name}_proj")
             w = var.get_value()
-            q, scale = quantize_int8(w, -2, int8_group(w, -2))
+            if fmt == "int4":
+                q, scale, zero = quantize_int4(w, -2)
+                setattr(self, f"{name}_zero", nnx.Param(jnp.asarray(zero)))
+            else:
+                q, scale = quantize_int8(w, -2, int8_group(w, -2))
             var.set_value(jnp.asarray(q))
             setattr(self, f"{name}_scale", nnx.Param(jnp.asarray(scale)))
-        self.quantized = "int8"
+        self.quantized = fmt
         return self
 
     def hold_packed(self) -> Experts:
@@ -422,27 +436,34 @@ class Experts(nnx.Module):
         if self.packed:
             return self
         gate, up, down = (w.get_value() for w in (self.gate_proj, self.up_proj, self.down_proj))
-        if gate.dtype not in (jnp.float32, jnp.bfloat16, jnp.int8):
+        if gate.dtype not in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.uint8):
             raise ValueError(
-                f"experts: expected float32, bfloat16 or int8 weights, got {gate.dtype}"
+                f"experts: expected float32, bfloat16, int8 or 4-bit weights, got {gate.dtype}"
             )
         lead = gate.shape[:-2]  # (L, X) or (X,)
-        if self.quantized:  # int8: its scales packed alike, in groups of 32 inputs
-            scales = [getattr(self, f"{n}_scale").get_value() for n in ("gate", "up", "down")]
-            if scales[0].ndim != gate.ndim:
-                raise ValueError(
-                    "experts: their int8 scales are per column (quantized for an "
-                    "accelerator); quantize them where the CPU computes to pack them"
-                )
-            both = jnp.concatenate(scales[:2], axis=-1)
-            s_up = linear.pack(both.reshape(-1, *both.shape[-2:]))
-            s_down = linear.pack(scales[2].reshape(-1, *scales[2].shape[-2:]))
-            del self.gate_scale, self.up_scale, self.down_scale
-            self.gate_up_scales = Packed(s_up.reshape(*lead, *s_up.shape[1:]))
-            self.down_scales = Packed(s_down.reshape(*lead, *s_down.shape[1:]))
-        both = jnp.concatenate([gate, up], axis=-1).reshape(-1, self.hidden, 2 * self.width)
-        gate_up = linear.pack(both)  # [W, P, H, NR], W = L * X
-        packed_down = linear.pack(down.reshape(-1, self.width, self.hidden))
+
+        def pack_pair(a, b):  # gate's and up's side by side, packed: [(L,) X, P, rows, NR]
+            both = jnp.concatenate([a, b], axis=-1) if b is not None else a
+            packed = linear.pack(both.reshape(-1, *both.shape[-2:]))
+            return Packed(packed.reshape(*lead, *packed.shape[1:]))
+
+        if self.quantized:  # their scales (and minimums) packed alike, per group of inputs
+            for kind in ("scale", "zero") if self.quantized == "int4" else ("scale",):
+                a, b, c = (getattr(self, f"{n}_{kind}").get_value() for n in ("gate", "up", "down"))
+                if a.ndim != gate.ndim:
+                    raise ValueError(
+                        "experts: their int8 scales are per column (quantized for an "
+                        "accelerator); quantize them where the CPU computes to pack them"
+                    )
+                setattr(self, f"gate_up_{kind}s", pack_pair(a, b))
+                setattr(self, f"down_{kind}s", pack_pair(c, None))
+                for n in ("gate", "up", "down"):
+                    delattr(self, f"{n}_{kind}")
+        rows = gate.shape[-2]  # H (H / 2 for 4-bit weights)
+        gate_up = linear.pack(
+            jnp.concatenate([gate, up], axis=-1).reshape(-1, rows, 2 * self.width)
+        )
+        packed_down = linear.pack(down.reshape(-1, down.shape[-2], self.hidden))
         del self.gate_proj, self.up_proj, self.down_proj
         self.gate_up = Packed(gate_up.reshape(*lead, *gate_up.shape[1:]))
         self.down = Packed(packed_down.reshape(*lead, *packed_down.shape[1:]))
@@ -458,11 +479,15 @@ class Experts(nnx.Module):
             return True
         return self.gate_scale.get_value().ndim == self.gate_proj.get_value().ndim
 
-    def packed_scales(self) -> tuple[jax.Array | None, jax.Array | None]:
-        """``(gate_up_scales, down_scales)`` as packed (int8 experts), or ``(None, None)``."""
+    def packed_scales(self) -> tuple:
+        """``((gate_up_scales, down_scales), (gate_up_zeros, down_zeros))`` as packed (the
+        scales of int8 and 4-bit experts, the minimums of 4-bit ones; None where none)."""
         if not self.quantized:
-            return None, None
-        return self.gate_up_scales[...], self.down_scales[...]
+            return (None, None), (None, None)
+        scales = (self.gate_up_scales[...], self.down_scales[...])
+        if self.quantized != "int4":
+            return scales, (None, None)
+        return scales, (self.gate_up_zeros[...], self.down_zeros[...])
 
 
 class SparseMoE(nnx.Module):

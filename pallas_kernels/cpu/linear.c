@@ -732,21 +732,24 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
  *   x        f32[M, K]            rows sorted by group: group g's are the n_g rows after
  *                                 the groups before it
  *   w        f32, bf16 or s8[W, P, K, NR]  W weights packed as above (f32 ones, bf16 ones
- *                                 in pairs of rows, int8 ones in quads of rows)
- *   scales   f32[W, P, K / G, NR] int8 weights only: each group of G rows' column
- *                                 scales (G a multiple of 4), packed as f32 weights
+ *                                 in pairs of rows, int8 ones in quads of rows), or
+ *            u8[W, P, K / 2, NR]  4-bit ones in octets of rows
+ *   scales   f32[W, P, K / G, NR] int8 and 4-bit weights only: each group of G rows'
+ *                                 column scales (G a multiple of 4; of 8 for 4-bit ones),
+ *                                 packed as f32 weights
+ *   mins     f32[W, P, K / G, NR] 4-bit weights only: each group's minimums, so
  *   sizes    s32[G]               n_g, each >= 0, their sum at most M
  *   params   s32[2]               {the weight of group 0 (group g's is that plus g; all in
  *                                 [0, W)), at most this many threads}
  * Result: y f32[M, N]: group g's rows times its weight, each row as PagedJaxLinear
- * computes it alone (the same sums in the same order; int8 weights: the rows quantized in
- * blocks of G, W8A8); the rows past the groups are 0. Each thread takes the same run of
+ * computes it alone (the same sums in the same order; int8 and 4-bit weights: the rows
+ * quantized in blocks of G); the rows past the groups are 0. Each thread takes the same run of
  * panels of every group's weight in turn, so a weight no row chose is never read. */
 typedef struct {
   LinearJob base;        /* x, y, xb, xq, dx, xc of row 0; w, scale of weight 0; panels */
   const int32_t *sizes;  /* the groups' rows */
   int64_t groups, stride, scale_stride; /* a weight's 4-byte lanes (bytes: int8); scales' */
-  int half, q;
+  int half, q; /* q: 1 int8 weights, 2 4-bit ones */
 } GroupedJob;
 
 static void *run_grouped(void *arg) {
@@ -764,10 +767,16 @@ static void *run_grouped(void *arg) {
       if (g->q) {
         j.xq = g->base.xq + row * K;
         j.dx = g->base.dx + row * blocks;
-        j.xc = g->base.xc + row * blocks;
         j.w = (const int8_t *)g->base.w + e * g->stride;
         j.scale = g->base.scale + e * g->scale_stride;
-        run_rows_q(&j, 2);
+        if (g->q == 1) {
+          j.xc = g->base.xc + row * blocks;
+          run_rows_q(&j, 2);
+        } else {
+          j.xsum = g->base.xsum + row * blocks;
+          j.mins = g->base.mins + e * g->scale_stride;
+          run_rows_q(&j, 0);
+        }
       } else {
         j.w = (const float *)g->base.w + e * g->stride;
         run_rows(&j, g->half);
@@ -782,37 +791,44 @@ XLA_FFI_Error *PagedJaxGroupedLinear(XLA_FFI_CallFrame *frame) {
   if (ffi_metadata(frame)) return NULL;
   if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
   const int64_t nargs = frame->args.size;
-  if ((nargs != 4 && nargs != 5) || frame->rets.size != 1)
-    return fail(frame, "paged_jax grouped linear: expected x, w, (scales,) sizes, params and "
-                       "1 result");
+  if (nargs < 4 || nargs > 6 || frame->rets.size != 1)
+    return fail(frame, "paged_jax grouped linear: expected x, w, (scales, (mins,)) sizes, "
+                       "params and 1 result");
   const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1],
-                       *scales = nargs == 5 ? frame->args.args[2] : NULL,
+                       *scales = nargs >= 5 ? frame->args.args[2] : NULL,
+                       *mins = nargs == 6 ? frame->args.args[3] : NULL,
                        *sizes = frame->args.args[nargs - 2], *params = frame->args.args[nargs - 1],
                        *y = frame->rets.rets[0];
-  const int half = w->dtype == XLA_FFI_DataType_BF16, q = w->dtype == XLA_FFI_DataType_S8;
+  const int half = w->dtype == XLA_FFI_DataType_BF16;
+  const int q = w->dtype == XLA_FFI_DataType_S8 ? 1 : w->dtype == XLA_FFI_DataType_U8 ? 2 : 0;
   if (x->rank != 2 || w->rank != 4 || sizes->rank != 1 || params->rank != 1 || y->rank != 2 ||
       x->dtype != XLA_FFI_DataType_F32 || y->dtype != XLA_FFI_DataType_F32 ||
       (w->dtype != XLA_FFI_DataType_F32 && !half && !q) || sizes->dtype != XLA_FFI_DataType_S32 ||
-      params->dtype != XLA_FFI_DataType_S32 || params->dims[0] != 2 || (q != (scales != NULL)))
+      params->dtype != XLA_FFI_DataType_S32 || params->dims[0] != 2 ||
+      (q != 0) != (scales != NULL) || (q == 2) != (mins != NULL))
     return fail(frame, "paged_jax grouped linear: expected f32 x[M,K], f32 or bf16 "
-                       "w[W,P,K,NR] (or s8 with f32 scales[W,P,K/G,NR]), s32 sizes[G], s32 "
-                       "params[2], f32 y[M,N]");
+                       "w[W,P,K,NR] (s8 with f32 scales[W,P,K/G,NR], u8 w[W,P,K/2,NR] with "
+                       "scales and mins), s32 sizes[G], s32 params[2], f32 y[M,N]");
   const int64_t W = w->dims[0], P = w->dims[1], K = x->dims[1], M = x->dims[0];
   const int64_t N = y->dims[1], G = sizes->dims[0];
-  if (w->dims[2] != K || w->dims[3] != NR || y->dims[0] != M || N > P * NR ||
-      N <= P * NR - NR || (half && K % 2) || (q && K % 4))
+  if (w->dims[2] * (q == 2 ? 2 : 1) != K || w->dims[3] != NR || y->dims[0] != M ||
+      N > P * NR || N <= P * NR - NR || (half && K % 2) || (q && K % (q == 2 ? 8 : 4)))
     return fail(frame, "paged_jax grouped linear: operand shapes disagree (w's panels must be "
                        "this build's panel width and cover N; bf16 weights need K even, int8 "
-                       "ones K a multiple of 4)");
-  int64_t B = 0; /* int8: the rows of a scale's group */
+                       "ones K a multiple of 4, 4-bit ones of 8)");
+  int64_t B = 0; /* int8 and 4-bit: the rows of a scale's group */
   if (q) {
     const int64_t *sd = scales->dims;
-    const int ok = scales->rank == 4 && scales->dtype == XLA_FFI_DataType_F32 && sd[0] == W &&
-                   sd[1] == P && sd[3] == NR && sd[2] > 0 && K % sd[2] == 0 &&
-                   (K / sd[2]) % 4 == 0;
+    int ok = scales->rank == 4 && scales->dtype == XLA_FFI_DataType_F32 && sd[0] == W &&
+             sd[1] == P && sd[3] == NR && sd[2] > 0 && K % sd[2] == 0 &&
+             (K / sd[2]) % (q == 2 ? 8 : 4) == 0;
+    if (mins)
+      ok = ok && mins->rank == 4 && mins->dtype == XLA_FFI_DataType_F32 &&
+           mins->dims[0] == W && mins->dims[1] == P && mins->dims[2] == sd[2] &&
+           mins->dims[3] == NR;
     if (!ok)
       return fail(frame, "paged_jax grouped linear: expected f32 scales [W, P, K / G, NR] with "
-                         "s8 weights, G a multiple of 4");
+                         "s8 weights (G a multiple of 4), and mins alike with u8 ones (of 8)");
     B = K / sd[2];
   }
   const int32_t *p = (const int32_t *)params->data, *n = (const int32_t *)sizes->data;
@@ -836,9 +852,11 @@ XLA_FFI_Error *PagedJaxGroupedLinear(XLA_FFI_CallFrame *frame) {
     if (!xb) return fail(frame, "paged_jax grouped linear: out of memory");
     round_rows_bf16((const float *)x->data, rows, K, xb);
   }
-  void *buf = NULL; /* int8 weights: the rows quantized, xq [rows, K], dx, xc [rows, blocks] */
+  /* int8 and 4-bit weights: the rows quantized, xq [rows, K], dx and xc (int8) or xs
+   * (4-bit) [rows, blocks] */
+  void *buf = NULL;
   int8_t *xq = NULL;
-  float *dx = NULL;
+  float *dx = NULL, *xs = NULL;
   int32_t *xc = NULL;
   const int64_t blocks = q ? K / B : 0;
   if (q) {
@@ -846,12 +864,15 @@ XLA_FFI_Error *PagedJaxGroupedLinear(XLA_FFI_CallFrame *frame) {
     buf = malloc(sizeof(float) * per * 2 + (size_t)(rows * K));
     if (!buf) return fail(frame, "paged_jax grouped linear: out of memory");
     dx = (float *)buf;
-    xc = (int32_t *)(dx + per);
+    if (q == 1)
+      xc = (int32_t *)(dx + per);
+    else
+      xs = dx + per;
     xq = (int8_t *)(dx + 2 * per);
-    quantize_rows((const float *)x->data, rows, K, B, xq, dx, xc, NULL, NULL);
+    quantize_rows((const float *)x->data, rows, K, B, xq, dx, xc, xs, NULL);
   }
-  /* one weight: 4-byte lanes (f32, bf16 pairs) or bytes (int8) */
-  const int64_t stride = q ? P * K * NR : P * (half ? K / 2 : K) * NR;
+  /* one weight: 4-byte lanes (f32, bf16 pairs) or bytes (int8, 4-bit) */
+  const int64_t stride = q ? P * (q == 2 ? K / 2 : K) * NR : P * (half ? K / 2 : K) * NR;
   const int64_t scale_stride = q ? P * blocks * NR : 0;
   const int64_t threads = clamp_threads(p[1], rows * K * P * NR / MIN_MACS_PER_THREAD, P);
   GroupedJob jobs[MAX_THREADS];
@@ -860,8 +881,9 @@ XLA_FFI_Error *PagedJaxGroupedLinear(XLA_FFI_CallFrame *frame) {
                       .w = q ? (const void *)((const int8_t *)w->data + p[0] * stride)
                              : (const void *)((const float *)w->data + p[0] * stride),
                       .scale = q ? (const float *)scales->data + p[0] * scale_stride : NULL,
-                      .y = (float *)y->data, .K = K, .N = N, .B = B, .grouped = q,
-                      .xq = xq, .dx = dx, .xc = xc,
+                      .mins = mins ? (const float *)mins->data + p[0] * scale_stride : NULL,
+                      .y = (float *)y->data, .K = K, .N = N, .B = B, .grouped = q == 1,
+                      .xq = xq, .dx = dx, .xc = xc, .xsum = xs,
                       .first = P * t / threads, .last = P * (t + 1) / threads, .xb = xb};
     jobs[t] = (GroupedJob){.base = base, .sizes = n, .groups = G, .stride = stride,
                            .scale_stride = scale_stride, .half = half, .q = q};

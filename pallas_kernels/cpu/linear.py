@@ -199,12 +199,13 @@ def linear(
 
 def grouped_linear(
     x: jax.Array,  # f32[M, K], rows sorted by group
-    packed: jax.Array,  # f32, bf16 or int8 [W, P, K, NR]: W weights, each packed by pack_weight
+    packed: jax.Array,  # f32, bf16, int8 [W, P, K, NR] or uint8 [W, P, K / 2, NR]
     n: int,
     sizes: jax.Array,  # i32[G] rows of each group, in order; sum <= M
     first: jax.Array | int = 0,  # the weight of group 0 (group g's: first + g)
     *,
-    scales: jax.Array | None = None,  # int8: f32[W, P, K / G, NR]
+    scales: jax.Array | None = None,  # int8, 4-bit: f32[W, P, K / G, NR]
+    mins: jax.Array | None = None,  # 4-bit: f32[W, P, K / G, NR]
     threads: int | None = None,
 ) -> jax.Array:  # f32[M, n]
     """Each group's rows of ``x`` times its own weight (``linear.c``'s grouped product):
@@ -214,20 +215,25 @@ def grouped_linear(
     expert, the experts of a layer stack ``[L * X, ...]`` from ``first = layer * X``).
     int8 weights come with ``scales`` per group of G rows (``pack_weight`` of each
     weight's ``f32[K / G, n]``, G a multiple of 4): the weight is ``q[k, j] * scales[k //
-    G, j]``, and the rows are quantized in blocks of G (W8A8, as ``linear``).
+    G, j]``, and the rows are quantized in blocks of G (W8A8, as ``linear``); 4-bit ones
+    (uint8, two rows a byte, as ``linear`` takes them) with ``scales`` and ``mins`` per
+    group (G a multiple of 8): ``scales * q + mins``.
     ``first`` may be traced; the groups' weights must lie in ``packed`` (checked by the
     kernel, which fails the call otherwise). Raises ``ValueError`` for other dtypes or
     shapes and when the kernels are not available."""
     require()
     nr = panel_width()
-    if x.dtype != jnp.float32 or packed.dtype not in (jnp.float32, jnp.bfloat16, jnp.int8):
+    kinds = (jnp.float32, jnp.bfloat16, jnp.int8, jnp.uint8)
+    if x.dtype != jnp.float32 or packed.dtype not in kinds:
         raise ValueError(
-            f"x, packed: expected float32 and float32, bfloat16 or int8, got {x.dtype} and "
-            f"{packed.dtype}"
+            f"x, packed: expected float32 and float32, bfloat16, int8 or uint8, got {x.dtype} "
+            f"and {packed.dtype}"
         )
     if packed.ndim != 4 or packed.shape[-1] != nr:
         raise ValueError(f"packed: expected [W, P, K, {nr}], got {list(packed.shape)}")
+    four = packed.dtype == jnp.uint8
     w, p, k, _ = packed.shape
+    k = 2 * k if four else k
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"x: expected [M, {k}] (packed's K), got {list(x.shape)}")
     if not isinstance(n, int) or not p * nr - nr < n <= p * nr:
@@ -240,26 +246,34 @@ def grouped_linear(
             f"weights within packed's {w}), got {first}"
         )
     extra = ()
-    if packed.dtype == jnp.int8:
-        ok = (
-            scales is not None
-            and scales.dtype == jnp.float32
-            and scales.ndim == 4
-            and scales.shape[:2] == (w, p)
-            and scales.shape[3] == nr
-            and scales.shape[2] > 0
-            and k % scales.shape[2] == 0
-            and (k // scales.shape[2]) % 4 == 0
-        )
-        if not ok:
-            got = None if scales is None else f"{scales.dtype}{list(scales.shape)}"
-            raise ValueError(
-                f"scales: int8 weights need f32 [{w}, {p}, K / G, {nr}] scales, G a multiple "
-                f"of 4 dividing K={k}; got {got}"
+    if packed.dtype in (jnp.int8, jnp.uint8):
+        multiple = 8 if four else 4
+        for name, a in (("scales", scales), ("mins", mins if four else scales)):
+            ok = (
+                a is not None
+                and a.dtype == jnp.float32
+                and a.ndim == 4
+                and a.shape[:2] == (w, p)
+                and a.shape[3] == nr
+                and a.shape[2] > 0
+                and k % a.shape[2] == 0
+                and (k // a.shape[2]) % multiple == 0
             )
-        extra = (scales,)
-    elif scales is not None:
-        raise ValueError(f"scales: only int8 weights take scales, got {packed.dtype} weights")
+            if not ok:
+                got = None if a is None else f"{a.dtype}{list(a.shape)}"
+                raise ValueError(
+                    f"{name}: {packed.dtype} weights need f32 [{w}, {p}, K / G, {nr}] {name}, "
+                    f"G a multiple of {multiple} dividing K={k}; got {got}"
+                )
+        if four and mins.shape != scales.shape:
+            raise ValueError(f"mins: expected scales' shape {scales.shape}, got {mins.shape}")
+        extra = (scales, mins) if four else (scales,)
+        if not four and mins is not None:
+            raise ValueError("mins: int8 weights take no mins here")
+    elif scales is not None or mins is not None:
+        raise ValueError(
+            f"scales, mins: only int8 and 4-bit weights take them, got {packed.dtype} weights"
+        )
     params = jnp.stack([jnp.asarray(first, jnp.int32), jnp.int32(threads_of(threads))])
     call = jax.ffi.ffi_call(GROUPED_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x, packed, *extra, sizes.astype(jnp.int32), params)

@@ -176,14 +176,10 @@ def ragged_paged_attention(
     softmax."""
     tuning.check_pow2("tokens_per_block", tokens_per_block)
     tuning.check_pow2("pages_per_block", pages_per_block)
-    if num_stages is None:
-        num_stages = 1 if prefetch else 2
-    T, H, D = q.shape
-    N, P, combined, _ = kv_pages.shape
-    K = combined // 2
-    G0 = H // K
-    compute = tuning.compute_dtype(q.dtype)
-    out_dtype = q.dtype
+    num_stages = (1 if prefetch else 2) if num_stages is None else num_stages
+    (T, H, D), (N, P, combined, _) = q.shape, kv_pages.shape
+    K, G0 = combined // 2, H // (combined // 2)
+    compute, out_dtype = tuning.compute_dtype(q.dtype), q.dtype
     q, k_sc, v_sc, v_mul = prepare_scales(q, k_scale, v_scale)
     G = pl.next_power_of_2(G0)  # Triton block dims are powers of two: pad the group
     if G != G0:
