@@ -18,6 +18,11 @@
 # bench (the decode kernel's knobs at short contexts: splits, 1-8 page blocks, one stage, the
 # walk ahead), PRODUCTS_ARGS="--formats int4 int8 --no-separate --pallas 64:128:4:3
 # 64:128:4:3:p 64:256:4:2:p --pallas-formats int8" ... products, and sampled.
+# Issue 83 (mixtures of experts), on an H200 if the lease has one (61 GB of bf16 weights):
+# bash benchmarks/gpu_session.sh moe (the mixtures' tests on the GPU, GPT-OSS's sinks in
+# the Triton kernels among them; then the Qwen3-30B-A3B shape's tokens/s at 64 and 256
+# requests, each expert way; MOE_ARGS="--concurrency 64 --repeats 3" on an H100). Set
+# moe.EXPERT_WAYS["gpu"] to the way that wins.
 #
 #   install  pip install --no-deps --no-build-isolation -e . (offline: the GPU machines have
 #            no package index; paged_jax.models and paged_jax.kernels exist only once
