@@ -4,10 +4,11 @@ count is fixed when JAX starts): a paged step under tensor parallelism against o
     python tests/tp_worker.py BACKEND MODEL:TP[,TP...] [MODEL:TP...]
 
 MODEL is tiny-llama (4 query, 2 KV heads), gqa-8-4, gqa-8-2, vocab-211, moe-4 or gpt-oss-4,
-or a mixture's name with "-ep": its experts split by expert (expert_parallel), against
-one device. Prints one
+or a mixture's name with "-ep": its experts split by expert (expert_parallel), and
+"@ragged" after it: the experts' products that way, against one device. Prints one
 JSON line."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,6 +29,7 @@ from paged_jax import (  # noqa: E402
     models,  # noqa: E402
 )
 from paged_jax.models.config import YarnRopeScaling  # noqa: E402
+from paged_jax.models.layers import moe  # noqa: E402
 from paged_jax.models.sharding import shard_model  # noqa: E402
 from paged_jax.sharding import shard_cache, tensor_parallel_mesh  # noqa: E402
 
@@ -118,12 +120,14 @@ def main() -> None:
     out = {}
     for entry in grid:
         name, _, sizes = entry.partition(":")
-        ep = name.endswith("-ep")
-        cfg = CONFIGS[name.removesuffix("-ep")]
+        base, _, way = name.partition("@")  # "@ragged": the experts' products that way
+        ep = base.endswith("-ep")
+        cfg = CONFIGS[base.removesuffix("-ep")]
         ref_logits, ref_tokens, _ = run(cfg, 1, backend)
         for tp in map(int, sizes.split(",")):
             try:
-                logits, tokens, facts = run(cfg, tp, backend, expert_parallel=ep)
+                with moe.expert_way(way) if way else contextlib.nullcontext():
+                    logits, tokens, facts = run(cfg, tp, backend, expert_parallel=ep)
             except ValueError as e:
                 out[f"{name}/tp{tp}"] = {"error": str(e)}
                 continue

@@ -240,10 +240,13 @@ def expert_parallel_products(
         held = gate.shape[0]
         first = jax.lax.axis_index(TENSOR_AXIS) * held
         mine = (ids >= first) & (ids < first + held)
+        # ragged: another device's pairs to no group (rows past the groups: 0, nothing
+        # computed); the other ways multiply every pair, weighed 0 on expert 0
+        elsewhere = held if way == "ragged" else 0
         part = expert_products(
             x,
             jnp.where(mine, weights, 0.0),
-            jnp.where(mine, ids - first, 0),
+            jnp.where(mine, ids - first, elsewhere),
             gate,
             up,
             down,
@@ -286,9 +289,9 @@ def packed_products(
     if gate_up.ndim == 5:  # a layer stack: this layer's experts, read where they lie
         X = gate_up.shape[1]
         first = LAYER.get() * X
-        flat = lambda a: None if a is None else a.reshape(-1, *a.shape[2:])  # noqa: E731
+        whole = lambda a: None if a is None else a.reshape(-1, *a.shape[2:])  # noqa: E731
         gate_up, down, s_up, s_down, m_up, m_down = map(
-            flat, (gate_up, down, s_up, s_down, m_up, m_down)
+            whole, (gate_up, down, s_up, s_down, m_up, m_down)
         )
     else:
         X, first = gate_up.shape[0], 0
