@@ -46,18 +46,20 @@ def test_a_mixture_of_experts_on_a_tensor_parallel_mesh_equals_one_device():
     router replicated: the logits and greedy tokens of one device, the pool never moved;
     GPT-OSS's sinks split with their heads, its experts' biases with their columns. With
     expert_parallel, whole experts on each device instead (2 or 1 of the 4), each
-    token's sum added up over the devices: the same logits and tokens."""
-    out = _worker(
-        "tp_worker.py", "xla", "moe-4:2,4", "gpt-oss-4:2", "moe-4-ep:4", "gpt-oss-4-ep@ragged:2"
-    )
+    token's sum added up over the devices: the same logits and tokens; int8 and int4
+    experts (their scales split along) against one device's quantized model."""
+    mixtures = ("moe-4:2,4", "gpt-oss-4:2", "moe-4-ep:4", "gpt-oss-4-ep@ragged:2")
+    out = _worker("tp_worker.py", "xla", *mixtures, "moe-4-ep#int8:2", "moe-4#int4:2")
     assert set(out) == {
         "moe-4/tp2", "moe-4/tp4", "gpt-oss-4/tp2", "moe-4-ep/tp4", "gpt-oss-4-ep@ragged/tp2",
+        "moe-4-ep#int8/tp2", "moe-4#int4/tp2",
     }  # fmt: skip
     assert not [r for r in out.values() if "error" in r], out
     _check_steps(out)
     for name, r in out.items():  # [L, X, H, F]: 4 experts 128 x 64, split one way or the other
         tp = int(name.rpartition("/tp")[2])
-        want = [2, 4 // tp, 128, 64] if "-ep" in name else [2, 4, 128, 64 // tp]
+        rows = 64 if "#int4" in name else 128  # (4-bit: two rows a byte)
+        want = [2, 4 // tp, rows, 64] if "-ep" in name else [2, 4, rows, 64 // tp]
         assert r["expert_shard"] == want, (name, r)
 
 

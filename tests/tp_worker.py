@@ -4,8 +4,9 @@ count is fixed when JAX starts): a paged step under tensor parallelism against o
     python tests/tp_worker.py BACKEND MODEL:TP[,TP...] [MODEL:TP...]
 
 MODEL is tiny-llama (4 query, 2 KV heads), gqa-8-4, gqa-8-2, vocab-211, moe-4 or gpt-oss-4,
-or a mixture's name with "-ep": its experts split by expert (expert_parallel), and
-"@ragged" after it: the experts' products that way, against one device. Prints one
+or a mixture's name with "-ep": its experts split by expert (expert_parallel); "#int8"
+after a name quantizes the weights first (the experts too), "@ragged" multiplies the
+experts that way; each against one device. Prints one
 JSON line."""
 
 import contextlib
@@ -36,9 +37,12 @@ from paged_jax.sharding import shard_cache, tensor_parallel_mesh  # noqa: E402
 PROMPTS = {"a": list(range(1, 30)), "b": [5, 6, 7, 8, 9], "c": [200, 3] * 9}
 
 
-def run(cfg, tp: int, backend: str, steps: int = 4, expert_parallel: bool = False):
-    """Prefill, then ``steps`` greedy decode steps; returns (all logits, tokens, facts)."""
+def run(cfg, tp: int, backend: str, steps: int = 4, expert_parallel: bool = False, fmt=None):
+    """Prefill, then ``steps`` greedy decode steps (the weights quantized to ``fmt`` first,
+    if given); returns (all logits, tokens, facts)."""
     model = models.init_model(cfg, seed=1)
+    if fmt:
+        model.quantize(fmt)
     mesh = tensor_parallel_mesh(tp)
     model = shard_model(model, mesh, expert_parallel=expert_parallel)
     interpret = backend != "xla"
@@ -121,13 +125,14 @@ def main() -> None:
     for entry in grid:
         name, _, sizes = entry.partition(":")
         base, _, way = name.partition("@")  # "@ragged": the experts' products that way
+        base, _, fmt = base.partition("#")  # "#int8": the weights quantized first
         ep = base.endswith("-ep")
         cfg = CONFIGS[base.removesuffix("-ep")]
-        ref_logits, ref_tokens, _ = run(cfg, 1, backend)
+        ref_logits, ref_tokens, _ = run(cfg, 1, backend, fmt=fmt)
         for tp in map(int, sizes.split(",")):
             try:
                 with moe.expert_way(way) if way else contextlib.nullcontext():
-                    logits, tokens, facts = run(cfg, tp, backend, expert_parallel=ep)
+                    logits, tokens, facts = run(cfg, tp, backend, expert_parallel=ep, fmt=fmt)
             except ValueError as e:
                 out[f"{name}/tp{tp}"] = {"error": str(e)}
                 continue
