@@ -52,6 +52,18 @@ def attention_case(
     return fn, args
 
 
+def sinks_case(kernel: Callable, kind: str, **kernel_kw) -> tuple[Callable, list]:
+    """``attention_case`` at GPT-OSS-20B's attention (64 query and 8 KV heads of 64, a
+    window of 128) with its sinks, an ``f32[H]`` operand after the case's; ``kernel_kw``
+    to the kernel."""
+    _, args = attention_case(kernel, kind, heads=64, kv_heads=8, head_dim=64)
+
+    def fn(*a):
+        return kernel(*a[:-1], sm_scale=0.125, sliding_window=128, sinks=a[-1], **kernel_kw)
+
+    return fn, [*args, jax.ShapeDtypeStruct((64,), "float32")]
+
+
 def standard_grid(kind: str) -> dict[str, dict]:
     """Label -> ``attention_case`` keywords: every pool dtype at D 128 / page 16 / group 4;
     head dims 64 and 256; pages 8 and 32; groups 1 and 8; window + soft cap."""

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 
 import jax
 
-from .._aot_cases import attention_case, standard_grid
+from .._aot_cases import attention_case, sinks_case, standard_grid
 
 # Shared memory one thread block may use on sm_90 (H100/H200): 227 KiB of the SM's 228.
 SM90_SHARED_LIMIT = 227 * 1024
@@ -244,24 +244,14 @@ def standard_cases() -> dict[str, tuple[Callable, list]]:
         cases[f"fp8_rows 64x{width}{' ' + act if act else ''}"] = _rows_case(64, width, act)
     cases["fp8_rows 64x4096 rms norm"] = _rows_case(64, 4096, None, norm=True)  # q/k/v's
     label = "bfloat16 D64 G8 sinks+window (GPT-OSS)"
-    cases[f"decode {label}"] = _sinks_case("decode")  # several splits: sinks in the merge
-    cases[f"decode {label} one split"] = _sinks_case("decode", batch_invariant=True)
-    cases[f"ragged {label}"] = _sinks_case("ragged", ragged_paged_attention)
+    from .decode import decode_paged_attention
+
+    cases[f"decode {label}"] = sinks_case(decode_paged_attention, "decode")  # merged splits
+    cases[f"decode {label} one split"] = sinks_case(
+        decode_paged_attention, "decode", batch_invariant=True
+    )
+    cases[f"ragged {label}"] = sinks_case(ragged_paged_attention, "ragged")
     return cases
-
-
-def _sinks_case(kind: str, kernel=None, **kw):
-    """GPT-OSS-20B's attention (64 query and 8 KV heads of 64, a window of 128) with its
-    sinks, an ``f32[H]`` operand beside the case's; ``kw`` to the kernel."""
-    if kernel is None:
-        from .decode import decode_paged_attention as kernel
-
-    _, args = attention_case(kernel, kind, heads=64, kv_heads=8, head_dim=64)
-
-    def fn(*a):
-        return kernel(*a[:-1], sm_scale=0.125, sliding_window=128, sinks=a[-1], **kw)
-
-    return fn, [*args, jax.ShapeDtypeStruct((64,), "float32")]
 
 
 def _rows_case(m: int, width: int, act: str | None, norm: bool = False):

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import jax
 
-from .._aot_cases import attention_case, standard_grid
+from .._aot_cases import attention_case, sinks_case, standard_grid
 
 TPU_KINDS = ("TPU v5 lite", "TPU v6 lite")  # device_kind of v5e and v6e
 TOPOLOGIES = {"TPU v5 lite": "v5e:1x1", "TPU v6 lite": "v6e:1x1"}  # one chip of each
@@ -130,19 +130,8 @@ def standard_cases() -> dict[str, tuple[Callable, list]]:
     for dtype in ("bfloat16", "float16", "int8"):
         cases[f"kv_write {dtype} D128 P16"] = write_case(dtype)
     for kind, kernel in (("decode", decode_paged_attention), ("ragged", ragged_paged_attention)):
-        cases[f"{kind} bfloat16 D64 G8 sinks+window (GPT-OSS)"] = _sinks_case(kind, kernel)
+        cases[f"{kind} bfloat16 D64 G8 sinks+window (GPT-OSS)"] = sinks_case(kernel, kind)
     return cases
-
-
-def _sinks_case(kind: str, kernel):
-    """GPT-OSS-20B's attention (64 query and 8 KV heads of 64, a window of 128) with its
-    sinks, an ``f32[H]`` operand beside the case's."""
-    _, args = attention_case(kernel, kind, heads=64, kv_heads=8, head_dim=64)
-
-    def fn(*a):
-        return kernel(*a[:-1], sm_scale=0.125, sliding_window=128, sinks=a[-1])
-
-    return fn, [*args, jax.ShapeDtypeStruct((64,), "float32")]
 
 
 def main(argv=None) -> int:
