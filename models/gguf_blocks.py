@@ -1,14 +1,176 @@
 """A GGUF file's quantized tensors as paged-jax holds them: llama.cpp's blocks decoded
 into a scale (and minimum) per group of inputs with the weights as integers, kept rather
-than widened (Q4_0 / Q4_1 / Q4_K as 4-bit groups; Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K,
-Q2_K as int8 groups), or dequantized to f32 by the gguf package (``_dequantize``). No
-JAX."""
+than widened: by default as ``Nibbles`` (4 low bits two a byte, 1 or 2 high bits in a
+plane, float16 scales: about the file's size) and Q8_0 as int8 groups; with
+``quantization="int8"`` the 5- to 8-bit formats as int8 groups; or dequantized to f32 by
+the gguf package (``_dequantize``). No JAX."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
+
+F16_MAX = 65504.0  # and its largest finite one
+
+
+@dataclasses.dataclass
+class Nibbles:
+    """One GGUF tensor's blocks as the model holds them by default (``load_gguf``): each
+    weight an unsigned value ``u`` in ``[0, 2 ** (4 + bits))``, its low 4 bits two a byte
+    and its high ``bits`` (0, 1 or 2) in a plane of their own, and per group of ``G``
+    inputs a scale ``d`` and either a minimum ``m`` (weight ``d u + m``) or the tensor's
+    ``offset`` (weight ``d (u - offset)``). Numpy, ``[out, in]`` order:
+
+    - ``q`` uint8 ``[out, in / 2]``: byte j holds input 2j's low 4 bits in its low nibble
+      and input 2j + 1's in its high one;
+    - ``high`` uint8 ``[out, in bits / 8]`` or None: byte j holds input ``(8 / bits) j +
+      t``'s high bits at bit ``t bits``;
+    - ``d``, ``m`` float16 (the file's own precision: exact for the 32-weight formats;
+      a K-quant's ``d * sc`` rounded once: within 2 ** -11 of the tensor's largest scale)
+      or float32 where float16 cannot hold them so; ``[out, in / G]``;
+      ``m`` None with an ``offset``.
+
+    Q4_0 (offset 8), Q4_1, Q4_K, Q5_0 (bits 1, offset 16), Q5_1, Q5_K, Q6_K (bits 2,
+    offset 32, G 16), Q3_K (offset 4, G 16) and Q2_K (G 16) come so: at most 1.11x the
+    file's bytes for the first seven (Q3_K 1.45x, Q2_K 2.3x)."""
+
+    q: np.ndarray
+    d: np.ndarray
+    m: np.ndarray | None
+    high: np.ndarray | None = None
+    bits: int = 0
+    offset: int = 0
+
+    @property
+    def inputs(self) -> int:
+        return 2 * self.q.shape[1]
+
+    @property
+    def group(self) -> int:
+        return self.inputs // self.d.shape[1]
+
+    def values(self) -> np.ndarray:
+        """``u`` uint8 ``[out, in]``."""
+        q = self.q
+        u = np.stack([q & 15, q >> 4], axis=-1).reshape(q.shape[0], -1)
+        if self.high is not None:
+            u |= _unpack_bits(self.high, self.bits) << 4
+        return u
+
+    def as_int8(self) -> tuple[np.ndarray, ...]:
+        """The same weights as int8 groups: ``(q int8 [out, in], d f32 [out, in / G](, m
+        f32))``, ``q = u`` with a minimum, else ``u - offset``."""
+        u = self.values()
+        d = self.d.astype(np.float32)
+        if self.m is not None:
+            return u.astype(np.int8), d, self.m.astype(np.float32)
+        return (u.astype(np.int16) - self.offset).astype(np.int8), d
+
+    def dequantize(self) -> np.ndarray:
+        """f32 ``[out, in]``."""
+        q, d, *m = self.as_int8()
+        g = self.group
+        w = q.astype(np.float32) * np.repeat(d, g, axis=1)
+        return w + np.repeat(m[0], g, axis=1) if m else w
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.q, self.d, self.m, self.high) if a is not None)
+
+
+def nibbles(
+    u: np.ndarray,
+    bits: int,
+    d: np.ndarray,
+    m: np.ndarray | None,
+    offset: int = 0,
+    dtype: Any = None,
+) -> Nibbles:
+    """``Nibbles`` of values ``u`` (``[out, in]``, in ``[0, 2 ** (4 + bits))``), with
+    scales ``d`` and minimums ``m`` (f32 ``[out, in / G]``, held in ``dtype``; default
+    float16 where it holds each of them within 2 ** -11 of its largest magnitude, else
+    float32)."""
+    u = u.astype(np.uint8)
+    q = (u[:, 0::2] & 15) | ((u[:, 1::2] & 15) << 4)
+    high = _pack_bits(u >> 4, bits) if bits else None
+    scales = [d] if m is None else [d, m]
+    if dtype is None:
+        dtype = np.float16 if all(_fits_f16(a) for a in scales) else np.float32
+    return Nibbles(
+        q,
+        d.astype(dtype),
+        None if m is None else m.astype(dtype),
+        high,
+        bits,
+        offset,
+    )
+
+
+def common_layout(parts: list[Nibbles], what: str = "tensors") -> list[Nibbles]:
+    """The layers of one weight in one layout, each the same weights as before (a file
+    mixing block formats across layers, as llama.cpp's Q4_K_M does with Q4_K and Q6_K):
+    the smallest of their groups (each scale and minimum repeated over the smaller
+    groups), minimums where any layer has them (``-offset * d`` for the others) or else
+    the largest offset (the others' values raised by the difference, in as many high
+    bits as that takes; minimums where it takes more than 2), and float16 scales where
+    every layer's fit. Returns ``parts`` itself where they agree already. Raises
+    ``ValueError`` naming ``what`` where the groups are not multiples of the smallest."""
+    layouts = {(p.group, p.bits, p.m is None, p.offset, p.d.dtype) for p in parts}
+    if len(layouts) == 1:
+        return parts
+    group = min(p.group for p in parts)
+    if any(p.group % group for p in parts):
+        raise ValueError(
+            f"{what}: blocks of {sorted({p.group for p in parts})} inputs across layers, not "
+            "all multiples of the smallest"
+        )
+    mins = any(p.m is not None for p in parts)
+    top = max(p.offset for p in parts)
+    need = max(2 ** (4 + p.bits) - 1 + top - p.offset for p in parts)
+    mins = mins or need > 63
+    bits = max(p.bits for p in parts) if mins else next(b for b in (0, 1, 2) if need < 2 ** (4 + b))
+    out = []
+    for p in parts:
+        u, k = p.values(), p.group // group
+        d = np.repeat(p.d.astype(np.float32), k, axis=1)
+        if mins:
+            m = np.repeat(p.m.astype(np.float32), k, axis=1) if p.m is not None else -p.offset * d
+        else:
+            m, u = None, u + np.uint8(top - p.offset)
+        out.append((u, d, m))
+    fits = all(_fits_f16(a) for _, d, m in out for a in (d, m) if a is not None)
+    dtype = np.float16 if fits else np.float32
+    return [nibbles(u, bits, d, m, 0 if mins else top, dtype) for u, d, m in out]
+
+
+def _fits_f16(a: np.ndarray) -> bool:
+    """Whether float16 holds ``a`` (f32) within 2 ** -11 of its largest magnitude: every
+    entry finite and at most float16's largest, each rounded (a normal one within 2 ** -11
+    of itself; a subnormal one within 2 ** -25) no further than that from itself."""
+    mag = np.abs(a)
+    top = float(mag.max()) if mag.size else 0.0
+    if not np.isfinite(top) or top > F16_MAX:
+        return False
+    err = np.abs(a.astype(np.float16).astype(np.float32) - a)
+    return bool(np.all(err <= 2.0**-11 * top))
+
+
+def _pack_bits(h: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 ``[out, in]`` values below ``2 ** bits`` packed ``8 / bits`` a byte along
+    ``in`` (value ``(8 / bits) j + t`` at bit ``t bits`` of byte j)."""
+    per = 8 // bits
+    h = h.reshape(h.shape[0], -1, per).astype(np.uint8)
+    shifts = (np.arange(per, dtype=np.uint8) * bits).astype(np.uint8)
+    return np.bitwise_or.reduce(h << shifts, axis=-1).astype(np.uint8)
+
+
+def _unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
+    """``_pack_bits``' inverse: uint8 ``[out, in]``."""
+    per = 8 // bits
+    shifts = (np.arange(per, dtype=np.uint8) * bits).astype(np.uint8)
+    h = (packed[..., None] >> shifts) & ((1 << bits) - 1)
+    return h.reshape(packed.shape[0], -1).astype(np.uint8)
 
 
 def _dequantize(t: Any, qtype: Any) -> np.ndarray:
@@ -229,3 +391,89 @@ _EIGHT_BIT_BLOCKS = {
     "Q3_K": _q3_k_blocks,
     "Q2_K": _q2_k_blocks,
 }
+
+
+def group_of(parts, inputs: int) -> int:
+    """The inputs a scale covers in one tensor's kept blocks: ``Nibbles``, ``(q int8 [out,
+    in], d [out, in / G](, m))`` int8 groups, or ``(q, scale [out])`` int8 per channel
+    (the whole row)."""
+    if isinstance(parts, Nibbles):
+        return parts.group
+    d = parts[1]
+    return inputs if d.ndim == 1 else inputs // d.shape[-1]
+
+
+def common_group(names, blocks, eight, want: tuple, source: str) -> int:
+    """The group every layer's kept blocks can be cut into (the smallest of theirs, which
+    the others are multiples of: 16, 32, or a whole row), for ``int8_groups``. Raises
+    ValueError naming the tensor for blocks that do not fit the parameter's shape."""
+    inputs = want[0]  # a linear kernel [in, out]
+    groups = []
+    for n, _ in names:
+        parts = blocks.get(n) if n in blocks else eight[n]
+        q = parts.q if n in blocks else parts[0]
+        cols = q.shape[1] * (2 if n in blocks else 1)
+        if (cols, q.shape[0]) != tuple(want):
+            raise ValueError(
+                f"{source}: tensor {n!r} has shape {(q.shape[0], cols)}, expected "
+                f"{tuple(want)[::-1]}"
+            )
+        groups.append(group_of(parts, inputs))
+    group = min(groups)
+    if any(g % group for g in groups):
+        raise ValueError(
+            f"{source}: tensors {names[0][0]!r}...: blocks of {sorted(set(groups))} inputs "
+            "across layers, not all multiples of the smallest"
+        )
+    return group
+
+
+def int8_groups(
+    parts: tuple[np.ndarray, ...], group: int, with_mins: bool
+) -> tuple[np.ndarray, ...]:
+    """One tensor's kept blocks (``group_of``'s kinds) as int8 groups of ``group`` inputs:
+    ``(q int8 [out, in], d f32 [out, in / group])``, and ``with_mins`` ``m f32 [out, in /
+    group]`` too, the weights ``d q (+ m)`` exactly as before (4-bit values unpacked, each
+    scale and minimum repeated over the smaller groups, 0 where there was no minimum)."""
+    if isinstance(parts, Nibbles):
+        parts = parts.as_int8()
+    q, d, *m = parts
+    if d.ndim == 1:  # one scale a row
+        d = d[:, None]
+    k = q.shape[1] // d.shape[1] // group
+    d = np.repeat(d.astype(np.float32), k, axis=1)
+    if not with_mins:
+        return q, d
+    return q, d, np.repeat(m[0], k, axis=1) if m else np.zeros_like(d)
+
+
+def nibble_blocks(t: Any, qtype: str) -> Nibbles:
+    """A tensor in one of ``KEPT`` formats as ``Nibbles`` (its blocks decoded, never
+    widened to float)."""
+    if qtype in ("Q4_0", "Q4_1"):
+        q, d, m = _q4_blocks(t, qtype)
+        u = np.stack([q & 15, q >> 4], axis=-1).reshape(q.shape[0], -1)
+        return nibbles(u, 0, d, None, 8) if qtype == "Q4_0" else nibbles(u, 0, d, m)
+    if qtype == "Q4_K":
+        q, d, m = _q4_k_blocks(t)
+        return nibbles(np.stack([q & 15, q >> 4], axis=-1).reshape(q.shape[0], -1), 0, d, m)
+    if qtype == "Q5_0":
+        q, d = _q5_0_blocks(t)
+        return nibbles((q.astype(np.int16) + 16).astype(np.uint8), 1, d, None, 16)
+    if qtype in ("Q5_1", "Q5_K"):
+        q, d, m = _q5_1_blocks(t) if qtype == "Q5_1" else _q5_k_blocks(t)
+        return nibbles(q.astype(np.uint8), 1, d, m)
+    if qtype == "Q6_K":
+        q, d = _q6_k_blocks(t)
+        return nibbles((q.astype(np.int16) + 32).astype(np.uint8), 2, d, None, 32)
+    if qtype == "Q3_K":
+        q, d = _q3_k_blocks(t)
+        return nibbles((q.astype(np.int16) + 4).astype(np.uint8), 0, d, None, 4)
+    if qtype == "Q2_K":
+        q, d, m = _q2_k_blocks(t)
+        return nibbles(q.astype(np.uint8), 0, d, m)
+    raise ValueError(f"qtype: expected one of {KEPT}, got {qtype!r}")
+
+
+# Formats load_gguf keeps as Nibbles by default (Q8_0: as int8 groups)
+KEPT = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K")

@@ -1,10 +1,13 @@
 """Loads a GGUF file (llama.cpp's single-file format) into ``LlamaForCausalLM``, with the
 tokenizer and chat template its metadata carries.
 
-Weights go through the ``gguf`` package: ``GGUFReader`` maps the file and
-``gguf.quants.dequantize`` turns every supported block format into float32. Tensors are
-renamed to Hugging Face names and layouts, and the model is built by the same code as
-``load_hf`` (``build_model``). Facts of the format this relies on:
+Weights go through the ``gguf`` package: ``GGUFReader`` maps the file; quantized blocks
+are kept as they are (``gguf_blocks``: decoded into 4-bit values, high-bit planes and
+float16 scales, about the file's bytes), or widened to float32 by
+``gguf.quants.dequantize`` (``dequantize=True``). Tensors are renamed to Hugging Face
+names and layouts, and the model is built by the same code as ``load_hf``
+(``build_model``). Metadata is read by ``gguf_fields``, the tokenizer rebuilt by
+``gguf_tokenizer``. Facts of the format this relies on:
 
 * a 2-D tensor of GGUF shape ``[in, out]`` (fastest dimension first) reads as a numpy
   ``[out, in]`` matrix: Hugging Face's layout of a linear weight;
@@ -22,9 +25,7 @@ renamed to Hugging Face names and layouts, and the model is built by the same co
 from __future__ import annotations
 
 import dataclasses
-import math
 import mmap
-import numbers
 import os
 import pathlib
 import re
@@ -37,10 +38,13 @@ import numpy as np
 from paged_jax import linear
 
 from .config import LlamaConfig
-from .gguf_blocks import _EIGHT_BIT_BLOCKS, _dequantize, _q4_blocks, _q4_k_blocks
+from .gguf_blocks import _EIGHT_BIT_BLOCKS, KEPT, _dequantize, nibble_blocks
+from .gguf_fields import _REQUIRED, GGUFError
+from .gguf_fields import field as _field
+from .gguf_fields import token_id as _token_id
+from .gguf_tokenizer import gguf_tokenizer
 from .hf import _family_name, build_model, release_freed_memory
 from .quantization import int8_group, quantize_fp8, quantize_int8
-from .tokenizer import TextTokenizer
 
 # GGUF architecture -> Hugging Face architecture (Mistral files usually say "llama").
 ARCHITECTURES = {
@@ -54,17 +58,17 @@ ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
 }  # (and "llama" files with experts: Mixtral)
 _GEMMA = ("gemma2", "gemma3")
-# Block formats read (by name of gguf.GGMLQuantizationType).
-# Block formats a GGUF file's tensors may come in: every one is dequantized by gguf's
-# numpy code; some are kept quantized with ``quantization=`` (``KEPT_INT4``, ``KEPT_INT8``)
+# Block formats a GGUF file's tensors may come in (by name of gguf.GGMLQuantizationType):
+# every one can be dequantized by gguf's numpy code; ``KEPT`` ones are kept by default
+# (``gguf_blocks.Nibbles``) and Q8_0 as int8 groups, and with ``quantization="int8"``
+# ``KEPT_INT8`` ones as int8 groups
 QUANT_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
     "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S",
     "TQ1_0", "TQ2_0",
 )  # fmt: skip
-KEPT_INT4 = ("Q4_0", "Q4_1", "Q4_K")  # as the int4 format's groups, with "int4"
-# as int8 groups, with "int8" or "int4"
+# as int8 groups, with "int8" (Q8_0 always)
 KEPT_INT8 = ("Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K")
 
 _GLOBAL_TENSORS = {
@@ -109,29 +113,9 @@ _GEMMA_LAYER_TENSORS = {
 # Tensors llama.cpp writes that the model recomputes or does not use.
 _IGNORED = ("rope_freqs.weight",)
 
-# token_type values of tokenizer.ggml.token_type
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
-
-# Pre-tokenizer split patterns, by tokenizer.ggml.pre (the models' published regexes).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-PRE_TOKENIZERS = ("default", "gpt2", "gpt-2", "smollm", "llama-bpe", "llama3", "qwen2")
-
-
 # Entries of one metadata array a file may declare: real vocabularies and merge lists hold
 # up to ~300k (Gemma 3: 262,144 tokens; Llama 3: 280,147 merges).
 MAX_METADATA_ARRAY = 1 << 21
-
-
-class GGUFError(ValueError):
-    """A GGUF file this loader cannot read: unsupported architecture, block format or
-    tokenizer, or missing metadata. The message names the file and the key or tensor."""
 
 
 def load_gguf(
@@ -141,6 +125,7 @@ def load_gguf(
     param_dtype: Any = None,
     mesh: Any = None,
     quantization: str | None = None,
+    dequantize: bool = False,
 ) -> tuple[Any, Any]:
     """Loads a GGUF file: ``(LlamaForCausalLM, TextTokenizer | None)``.
 
@@ -148,24 +133,32 @@ def load_gguf(
       path: a ``.gguf`` file of a ``llama`` (Mixtral's with experts), ``mistral``,
         ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3`` (text), ``qwen2moe`` or ``qwen3moe``
         model whose
-        tensors are in ``QUANT_TYPES`` (quantized ones are dequantized to float32 when loading).
+        tensors are in ``QUANT_TYPES``.
       dtype: compute dtype (default float32).
       param_dtype: storage dtype of the weights (default ``dtype``).
       mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` axis: each weight goes straight into
         its tensor-parallel shards; None: one device.
-      quantization: ``"int8"`` or ``"int4"``: Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q3_K and
-        Q2_K tensors keep their blocks (int8 weights with a scale per group of 32
-        inputs, 16 for Q6_K, Q3_K and Q2_K, and for Q5_1 / Q5_K / Q2_K a minimum per
-        group, values in [0, 31]: ``Linear`` /
-        ``Embed``'s int8 with grouped scales); ``"int4"``: Q4_0, Q4_1 and Q4_K tensors
-        keep theirs too (each block of 32 weights, or each group of 32 of a Q4_K
-        super-block, becomes a group of ``models.quantization``'s int4 format with its
-        own scale and minimum: the same weights, never widened to float). ``"int8"``
-        and ``"fp8"``: the other linear weights are quantized (``models.quantization``'s
-        scales: int8's per group of 32 inputs for the CPU, else per output channel) a
-        tensor at a time as they are read, so the load never holds them all in float.
-        The model's remaining float weights are quantized by ``paged_jax.models.load``.
-        None: every tensor dequantized.
+      quantization: None (default): the file's quantized tensors as stored. Q4_0,
+        Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K and Q2_K keep their blocks as
+        ``gguf_blocks.Nibbles`` (``Linear``'s int4 format: 4 low bits two a byte, 1 or 2
+        high bits in a plane beside them for the 5- and 6-bit formats, a float16 scale
+        and minimum or offset per group of 32 or 16 inputs), within 1.11x the file's
+        bytes for the first seven (Q3_K 1.45x, Q2_K 2.3x); Q8_0 keeps its blocks as int8
+        groups (an f32 scale per 32: 1.06x); an embedding table with high bits becomes
+        int8 groups. Every weight is the one the file defines (the K-quants' scales
+        rounded once to float16, within 2 ** -11 of themselves). F32 / F16 / BF16 tensors
+        stay float. ``"int4"``: the same, and ``paged_jax.models.load`` quantizes the
+        float weights to int4. ``"int8"``: Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q3_K and Q2_K
+        tensors keep their blocks as int8 groups (a scale per group of 32 inputs, 16 for
+        Q6_K, Q3_K and Q2_K, and for Q5_1 / Q5_K / Q2_K a minimum per group), and the
+        other linear weights are quantized to int8 (``models.quantization``'s scales:
+        per group of 32 inputs for the CPU, else per output channel) a tensor at a time
+        as they are read, so the load never holds them all in f32; ``"fp8"`` likewise
+        with every linear weight quantized to fp8. A mixture's experts are read in float
+        and quantized with the model (``LlamaForCausalLM.quantize``).
+      dequantize: every tensor dequantized to float32 instead (``quantization``
+        None), as the gguf package defines each format: a quantized file's weights at
+        4 bytes each, multiplied as float (no rows quantized by the CPU's kernel).
 
     The tokenizer is None if the file has none; it carries the file's chat template
     (``tokenizer.apply_chat_template``). Raises FileNotFoundError, and ``GGUFError`` (a
@@ -174,6 +167,11 @@ def load_gguf(
     reader = _open(path)
     cfg = gguf_config(reader, path)  # checks the architecture
     arch = _field(reader, "general.architecture", path, kind="str")
+    if dequantize and quantization is not None:
+        raise ValueError(
+            f"dequantize: widens the file's tensors to float32, which quantization="
+            f"{quantization!r} would quantize again; pass one of them"
+        )
     if cfg.sparse and quantization not in (None, "int8", "int4"):
         raise GGUFError(
             f"{path}: quantization: {quantization!r} for a mixture of experts is not supported "
@@ -181,11 +179,12 @@ def load_gguf(
         )
     # a mixture: read in float, then quantized whole (its experts included)
     after, quantization = (quantization, None) if cfg.sparse else (None, quantization)
+    keep = not (dequantize or cfg.sparse)  # the blocks kept (quantization None, "int4")
     # int8 quantized here in groups for the CPU: rotated first (Linear.rotated), where
     # every layer's tensor of that weight is quantized here (none keeps its blocks)
     rotatable = _rotatable(reader, arch, path) if quantization == "int8" and mesh is None else set()
     tensors, blocks, eight, rotated = _read_tensors(
-        reader, cfg, arch, path, quantization, rotatable
+        reader, cfg, arch, path, quantization, rotatable, keep
     )
     # The tokenizer first, then the file's map is closed (every array above is a copy):
     # its pages no longer count while the model is built.
@@ -202,18 +201,22 @@ def load_gguf(
         int4_blocks=blocks,
         quantized8=("fp8" if quantization == "fp8" else "int8", eight) if eight else None,
         rotated8=frozenset(rotated),
+        float_rows=quantization is None,
     )
     return (model if after is None else model.quantize(after)), tokenizer
 
 
-def _read_tensors(reader: Any, cfg: LlamaConfig, arch: str, path: Any, quantization, rotatable):
+def _read_tensors(
+    reader: Any, cfg: LlamaConfig, arch: str, path: Any, quantization, rotatable, keep: bool
+):
     """``load_gguf``'s reading of every tensor: ``(tensors, blocks, eight, rotated)``,
-    float tensors, Q4 tensors kept as ``(q, d, m)``, 8-bit ones kept or quantized as
-    ``(q, d(, m))``, and the names of the int8 ones rotated, by Hugging Face name."""
+    float tensors, ``KEPT`` ones kept as ``Nibbles`` (``keep``, unless ``quantization``
+    is "int8" or "fp8"), 8-bit ones kept or quantized as ``(q, d(, m))``, and the names of
+    the int8 ones rotated, by Hugging Face name."""
     import gguf
 
     tensors: dict[str, np.ndarray] = {}
-    blocks: dict[str, tuple[np.ndarray, ...]] = {}  # Q4 tensors kept as (q, d, m)
+    blocks: dict[str, Any] = {}  # KEPT tensors as gguf_blocks.Nibbles
     eight: dict[str, tuple[np.ndarray, ...]] = {}  # KEPT_INT8 as (q, d) or (q, d, m)
     rotated: set[str] = set()  # int8 quantized here, rotated first (Linear.rotated)
     for t in reader.tensors:
@@ -237,16 +240,19 @@ def _read_tensors(reader: Any, cfg: LlamaConfig, arch: str, path: Any, quantizat
             reader.release(t)
             continue
         matrix = len(t.shape) == 2
-        keep = quantization == "int4" and qtype.name in KEPT_INT4 and matrix
-        keep8 = quantization in ("int8", "int4") and qtype.name in KEPT_INT8 and matrix
+        nibble = keep and quantization in (None, "int4") and qtype.name in KEPT and matrix
+        keep8 = matrix and (
+            (quantization == "int8" and qtype.name in KEPT_INT8)
+            or (keep and quantization in (None, "int4") and qtype.name == "Q8_0")
+        )
         # int8 / fp8: the other linear weights quantized here, a tensor at a time, as
         # models.load would quantize the whole float model afterwards (the same scales):
         # the load never holds them all in f32
         requantize = (
             quantization in ("int8", "fp8") and matrix and name != "model.embed_tokens.weight"
         )
-        if keep:
-            parts = _q4_k_blocks(t) if qtype.name == "Q4_K" else _q4_blocks(t, qtype.name)
+        if nibble:
+            parts = nibble_blocks(t, qtype.name)
         elif keep8:
             parts = _EIGHT_BIT_BLOCKS[qtype.name](t)
         elif requantize and quantization == "fp8":  # [out, in] -> scale [out]
@@ -264,8 +270,18 @@ def _read_tensors(reader: Any, cfg: LlamaConfig, arch: str, path: Any, quantizat
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
         if arch in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
             heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
-            parts = tuple(_unpermute(w, heads, t.name, path) for w in parts)
-        if keep:
+            if nibble:  # (rows: each array's first axis)
+                parts = dataclasses.replace(
+                    parts,
+                    **{
+                        f: _unpermute(getattr(parts, f), heads, t.name, path)
+                        for f in ("q", "d", "m", "high")
+                        if getattr(parts, f) is not None
+                    },
+                )
+            else:
+                parts = tuple(_unpermute(w, heads, t.name, path) for w in parts)
+        if nibble:
             blocks[name] = parts
         elif keep8 or requantize:
             eight[name] = parts
@@ -449,74 +465,7 @@ def gguf_chat_template(path_or_reader: Any) -> str | None:
     return _field(reader, "tokenizer.chat_template", "<gguf>", None, "str")
 
 
-def gguf_tokenizer(reader: Any, path: str | os.PathLike = "<gguf>") -> Any | None:
-    """The tokenizer a GGUF file's metadata describes (a ``TextTokenizer``: a
-    ``tokenizers.Tokenizer`` with the file's chat template and special tokens), or None if
-    it has no ``tokenizer.ggml.model``. Raises ``GGUFError`` for an unsupported tokenizer model or
-    pre-tokenizer."""
-    model = _field(reader, "tokenizer.ggml.model", path, None, "str")
-    if model is None:
-        return None
-    tokens = _field(reader, "tokenizer.ggml.tokens", path, kind="strs")
-    types = _field(reader, "tokenizer.ggml.token_type", path, [_NORMAL] * len(tokens), "ints")
-    if len(types) != len(tokens):
-        raise GGUFError(
-            f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
-        )
-    if model == "gpt2":
-        tok = _byte_level_bpe(reader, path, tokens)
-        default_bos = False
-    elif model == "llama":
-        tok = _sentencepiece_bpe(reader, path, tokens, types)
-        default_bos = True
-    else:
-        raise GGUFError(
-            f"{path}: tokenizer.ggml.model {model!r} is not supported (supported: gpt2, llama)"
-        )
-    from tokenizers import AddedToken, processors
-
-    special = [
-        AddedToken(t, special=True, normalized=False)
-        for t, k in zip(tokens, types, strict=True)
-        if k in (_CONTROL, _UNKNOWN)
-    ]
-    user = [
-        AddedToken(t, special=False, normalized=False)
-        for t, k in zip(tokens, types, strict=True)
-        if k == _USER_DEFINED
-    ]
-    tok.add_special_tokens(special)
-    if user:
-        tok.add_tokens(user)
-    bos = _token_id(reader, "tokenizer.ggml.bos_token_id", path, len(tokens))
-    eos = _token_id(reader, "tokenizer.ggml.eos_token_id", path, len(tokens))
-    add_bos = _field(reader, "tokenizer.ggml.add_bos_token", path, default_bos, "bool")
-    add_eos = _field(reader, "tokenizer.ggml.add_eos_token", path, False, "bool")
-    single, specials = "$A:0", []
-    if add_bos and bos is not None:
-        single = f"{tokens[bos]}:0 {single}"
-        specials.append((tokens[bos], int(bos)))
-    if add_eos and eos is not None:
-        single = f"{single} {tokens[eos]}:0"
-        specials.append((tokens[eos], int(eos)))
-    tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
-    names = {}
-    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown")):
-        i = _token_id(reader, f"tokenizer.ggml.{key}_token_id", path, len(tokens))
-        if i is not None:
-            names[name] = tokens[i]
-    template = _field(reader, "tokenizer.chat_template", path, None, "str")
-    return TextTokenizer(tok, chat_template=template, special_tokens=names)
-
-
 # ---------------------------------------------------------------------------- internals
-class _Required:
-    pass
-
-
-_REQUIRED: Any = _Required()
-
-
 def _open(path: str | os.PathLike) -> Any:
     import gguf
 
@@ -612,84 +561,6 @@ def _open(path: str | os.PathLike) -> Any:
         raise GGUFError(f"{p}: not a readable GGUF file ({first})") from None
 
 
-_KINDS = {  # kind: (what the error says it expected, the check, the conversion)
-    "str": ("a string", lambda v: isinstance(v, str), str),
-    "int": (
-        "an integer",
-        lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),
-        int,
-    ),
-    "count": (
-        "an integer >= 1",
-        lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1,
-        int,
-    ),
-    "float": (
-        "a number",
-        lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v),
-        float,
-    ),
-    "bool": ("a bool", lambda v: isinstance(v, (bool, numbers.Integral)), bool),
-    "strs": (
-        "an array of strings",
-        lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-        list,
-    ),
-    "ints": (
-        "an array of integers",
-        lambda v: (
-            isinstance(v, list)
-            and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in v)
-        ),
-        list,
-    ),
-    "floats": (
-        "an array of numbers",
-        lambda v: (
-            isinstance(v, list)
-            and all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in v)
-        ),
-        list,
-    ),
-}
-
-
-def _field(
-    reader: Any, key: str, path: Any, default: Any = _REQUIRED, kind: str | None = None
-) -> Any:
-    """Metadata ``key``'s value, checked to be of ``kind`` (``_KINDS``) when given;
-    ``default`` when it is absent (``_REQUIRED``: a ``GGUFError``). Every failure is a
-    ``GGUFError`` naming the file and the key."""
-    f = reader.fields.get(key)
-    if f is None:
-        if default is _REQUIRED:
-            raise GGUFError(f"{path}: metadata key {key!r} is missing")
-        return default
-    try:
-        value = f.contents()
-    except Exception as e:  # the reader's own failure on malformed bytes
-        raise GGUFError(
-            f"{path}: metadata key {key!r} cannot be read ({type(e).__name__})"
-        ) from None
-    if kind is None:
-        return value
-    expected, ok, convert = _KINDS[kind]
-    if not ok(value):
-        shown = f"an array of {len(value)}" if isinstance(value, list) else f"{value!r:.60}"
-        raise GGUFError(f"{path}: metadata key {key!r}: expected {expected}, got {shown}")
-    return convert(value)
-
-
-def _token_id(reader: Any, key: str, path: Any, num_tokens: int | None) -> int | None:
-    """A token id key (``tokenizer.ggml.bos_token_id``, ...): None when absent, else an
-    integer in ``[0, num_tokens)`` (unchecked when ``num_tokens`` is None)."""
-    i = _field(reader, key, path, None, "int")
-    if i is not None and (i < 0 or (num_tokens is not None and i >= num_tokens)):
-        bound = "" if num_tokens is None else f" < {num_tokens} (the vocabulary)"
-        raise GGUFError(f"{path}: metadata key {key!r}: expected a token id >= 0{bound}, got {i}")
-    return i
-
-
 def _hf_tensor_name(name: str, arch: str, path: Any) -> str | None:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
@@ -721,80 +592,3 @@ def _unpermute(w: np.ndarray, heads: int, name: str, path: Any) -> np.ndarray:
         raise GGUFError(f"{path}: tensor {name!r} has {rows} rows, not a multiple of 2 x {heads}")
     half = rows // heads // 2
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _byte_level_bpe(reader: Any, path: Any, tokens: list[str]) -> Any:
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-
-    merges = [
-        tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", path, kind="strs")
-    ]
-    pre = _field(reader, "tokenizer.ggml.pre", path, "default", "str")
-    if pre not in PRE_TOKENIZERS:
-        raise GGUFError(
-            f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: "
-            f"{', '.join(PRE_TOKENIZERS)})"
-        )
-    vocab = {t: i for i, t in enumerate(tokens)}
-    llama3 = pre in ("llama-bpe", "llama3")
-    tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=llama3))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if llama3 or pre == "qwen2":
-        split = pre_tokenizers.Split(
-            Regex(_LLAMA3_SPLIT if llama3 else _QWEN2_SPLIT), behavior="isolated"
-        )
-        tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
-    elif pre == "smollm":  # digits one by one, then GPT-2's split
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    else:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "qwen2":
-        tok.normalizer = normalizers.NFC()
-    tok.decoder = decoders.ByteLevel()
-    return tok
-
-
-def _sentencepiece_bpe(reader: Any, path: Any, tokens: list[str], types: list[int]) -> Any:
-    """SentencePiece BPE: merges recovered from the pieces' scores (a pair of pieces merges
-    into their concatenation, higher scores first), "▁" for spaces, byte fallback."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-
-    scores = _field(reader, "tokenizer.ggml.scores", path, kind="floats")
-    if len(scores) != len(tokens):
-        raise GGUFError(
-            f"{path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens"
-        )
-    vocab = {t: i for i, t in enumerate(tokens)}
-    mergeable = {t: i for i, t in enumerate(tokens) if types[i] in (_NORMAL, _USER_DEFINED)}
-    ranked = []
-    for piece, i in mergeable.items():
-        for k in range(1, len(piece)):
-            a, b = piece[:k], piece[k:]
-            if a in mergeable and b in mergeable:
-                ranked.append((-scores[i], i, vocab[a], a, b))
-    ranked.sort()
-    unk = _token_id(reader, "tokenizer.ggml.unknown_token_id", path, len(tokens))
-    tok = Tokenizer(
-        models.BPE(
-            vocab,
-            [(a, b) for *_, a, b in ranked],
-            unk_token=None if unk is None else tokens[unk],
-            fuse_unk=True,
-            byte_fallback=True,
-        )
-    )
-    prefix = _field(reader, "tokenizer.ggml.add_space_prefix", path, True, "bool")
-    steps = [normalizers.Replace(" ", "\u2581")]
-    if prefix:
-        steps.insert(0, normalizers.Prepend("\u2581"))
-    tok.normalizer = normalizers.Sequence(steps)
-    dec = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if prefix:
-        dec.append(decoders.Strip(" ", 1, 0))
-    tok.decoder = decoders.Sequence(dec)
-    return tok

@@ -8,6 +8,7 @@ Reads ``config.json``, the safetensors weights (one file, or shards listed in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -25,6 +26,7 @@ from paged_jax.sharding import tensor_parallel_size
 from . import compressed
 from . import gpt_oss as gpt_oss_tensors
 from .config import LlamaConfig
+from .gguf_blocks import Nibbles, common_group, common_layout, int8_groups
 from .llama import FUSED, LlamaForCausalLM
 from .sharding import pad_vocab, place, sharder
 from .tokenizer import TextTokenizer
@@ -288,6 +290,7 @@ def build_model(
     int4_blocks: dict[str, tuple[np.ndarray, ...]] | None = None,
     quantized8: tuple[str, dict[str, tuple[np.ndarray, ...]]] | None = None,
     rotated8: frozenset[str] = frozenset(),
+    float_rows: bool = False,
 ) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` from numpy tensors under Hugging Face names and layouts
     (``[out, in]`` linear weights, one tensor per layer), as ``load_hf`` and ``load_gguf``
@@ -309,7 +312,9 @@ def build_model(
     (``load_gguf``'s Q5_1 and Q5_K blocks, ``q`` in [0, 31]). ``rotated8``: the names
     among them whose int8 weights are rotated along ``in`` (``Linear.rotated``,
     ``paged_jax.linear.rotate``; every layer of a weight or none), rotated
-    back where dequantized.
+    back where dequantized. ``float_rows``: the modules holding ``int4_blocks`` or int8
+    groups multiply float rows by their dequantized panels on the CPU (``Linear.
+    float_rows``: a GGUF file's blocks kept by default, computed as their float weights).
 
     ``dtype`` defaults to the tensors' dtype (f32 if mixed), ``param_dtype`` to ``dtype``.
     ``mesh``: place each weight in its tensor-parallel shards (``sharding.sharder``).
@@ -333,6 +338,7 @@ def build_model(
     )
     graphdef, abstract_state = nnx.split(abstract)
     b = _Builder(cfg, tensors, source, param_dtype, mesh, int4_blocks, quantized8, rotated8)
+    b.float_rows = float_rows
     arch = cfg.architecture
     for p, var in nnx.to_flat_state(abstract_state):
         expected = tuple(var.get_value().shape)
@@ -379,18 +385,37 @@ class _Builder:
         self.mixed = {}  # module path: [scale, minimums] of int8 groups made of mixed formats
 
     def kept_int4(self, p, names, want, stacked):
-        """A weight every layer of which came as 4-bit groups: held so."""
+        """A weight every layer of which came as ``Nibbles`` (a GGUF file's blocks): held
+        so, in one layout (``gguf_blocks.common_layout``). An embedding table takes 4-bit
+        values only, with minimums (an offset becomes them); one with high bits goes to
+        int8 groups (``kept_int8``)."""
         blocks, source = self.blocks, self.source
         if not (names[0][0] in blocks and all(n in blocks for n, _ in names)) or self.mesh:
             return None
+        table = not names[0][1]
+        if table and any(blocks[n].bits for n, _ in names):  # as int8 groups
+            for n, _ in names:
+                self.eight[n] = blocks.pop(n).as_int8()
+            self.fmt8 = self.fmt8 or "int8"
+            return None
+        parts = common_layout([blocks[n] for n, _ in names], f"{source}: tensors {names[0][0]!r}")
+        if table and parts[0].m is None:  # an offset as minimums: -offset * d
+            parts = [dataclasses.replace(b, m=-b.offset * b.d, offset=0) for b in parts]
+        for (n, _), b in zip(names, parts, strict=True):
+            blocks[n] = b
+        first = parts[0]
+        del parts
         self.used.update(n for n, _ in names)
-        packed, scale, zero = _gather(
+        held = _gather(
             names,
             lambda n, t, want=want: _int4_layout(blocks.pop(n), t, want, source, n),
             stacked,
         )
-        self.int4[p[:-1]] = (scale, zero)
-        return jax.device_put(packed)
+        scale = held[1]
+        zero = held[2] if first.m is not None else None
+        high = held[-1] if first.bits else None
+        self.int4[p[:-1]] = (scale, zero, high, first.bits, first.offset)
+        return jax.device_put(held[0])
 
     def kept_int8(self, p, names, want, stacked):
         """A weight every layer of which came as 8-bit values with the same scales' shape
@@ -436,13 +461,15 @@ class _Builder:
             and all(n in blocks or n in eight for n, _ in names)
         ):
             return None
-        group = _common_group(names, blocks, eight, want, self.source)
-        with_mins = any(n in blocks or len(eight[n]) == 3 for n, _ in names)
+        group = common_group(names, blocks, eight, want, self.source)
+        with_mins = any(
+            blocks[n].m is not None if n in blocks else len(eight[n]) == 3 for n, _ in names
+        )
         self.used.update(n for n, _ in names)
 
         def take_mixed(n, t):
             parts = blocks.pop(n) if n in blocks else eight.pop(n)
-            parts = _int8_groups(parts, group, with_mins)
+            parts = int8_groups(parts, group, with_mins)
             return tuple(a.T for a in parts) if t else parts
 
         kernel, *self.mixed[p[:-1]] = _gather(names, take_mixed, stacked)
@@ -506,11 +533,9 @@ class _Builder:
             )
 
     def _dequantize_kept(self, n: str) -> None:
-        """Tensor ``n`` in f32 where it came kept (4-bit or 8-bit groups)."""
+        """Tensor ``n`` in f32 where it came kept (``Nibbles`` or 8-bit groups)."""
         if n in self.blocks:
-            q, d, m = self.blocks.pop(n)
-            q = np.stack([q & 15, q >> 4], axis=-1).reshape(q.shape[0], -1)
-            self.tensors[n] = q * np.repeat(d, 32, axis=-1) + np.repeat(m, 32, axis=-1)
+            self.tensors[n] = self.blocks.pop(n).dequantize()
         if n in self.eight:
             q, scale, *mins = self.eight.pop(n)
             if scale.ndim == 2:  # per group of the last axis
@@ -542,11 +567,16 @@ class _Builder:
         def node(path):
             return functools.reduce(lambda n, part: getattr(n, str(part)), path, model)
 
-        for path, (scale, zero) in self.int4.items():
+        for path, (scale, zero, high, bits, offset) in self.int4.items():
             m = node(path)
             m.scale = nnx.Param(jax.device_put(scale))
-            m.zero = nnx.Param(jax.device_put(zero))
+            if zero is not None:
+                m.zero = nnx.Param(jax.device_put(zero))
+            if high is not None:
+                m.high = nnx.Param(jax.device_put(high))
+            m.high_bits, m.offset = bits, offset
             m.quantized = "int4"
+            m.float_rows = self.float_rows
         for fmt, held in ((self.fmt8, self.held8), ("int8", self.mixed)):
             for path, (scale, *mins) in held.items():
                 m = node(path)
@@ -556,59 +586,9 @@ class _Builder:
                 m.quantized = fmt
                 if path in self.rot8:
                     m.rotated = True
+                elif fmt == "int8" and scale.ndim == _weight_rank(m):  # int8 groups
+                    m.float_rows = self.float_rows
         return model
-
-
-def _group_of(parts: tuple[np.ndarray, ...], inputs: int) -> int:
-    """The inputs a scale covers in one tensor's kept blocks: ``(q uint8 [out, in / 2], d,
-    m)`` 4-bit groups, ``(q int8 [out, in], d [out, in / G](, m))`` int8 groups, or
-    ``(q, scale [out])`` int8 per channel (the whole row)."""
-    d = parts[1]
-    return inputs if d.ndim == 1 else inputs // d.shape[-1]
-
-
-def _common_group(names, blocks, eight, want: tuple, source: str) -> int:
-    """The group every layer's kept blocks can be cut into (the smallest of theirs, which
-    the others are multiples of: 16, 32, or a whole row), for ``_int8_groups``. Raises
-    ValueError naming the tensor for blocks that do not fit the parameter's shape."""
-    inputs = want[0]  # a linear kernel [in, out]
-    groups = []
-    for n, _ in names:
-        parts = blocks.get(n) if n in blocks else eight[n]
-        q = parts[0]
-        cols = q.shape[1] * (2 if n in blocks else 1)
-        if (cols, q.shape[0]) != tuple(want):
-            raise ValueError(
-                f"{source}: tensor {n!r} has shape {(q.shape[0], cols)}, expected "
-                f"{tuple(want)[::-1]}"
-            )
-        groups.append(_group_of(parts, inputs))
-    group = min(groups)
-    if any(g % group for g in groups):
-        raise ValueError(
-            f"{source}: tensors {names[0][0]!r}...: blocks of {sorted(set(groups))} inputs "
-            "across layers, not all multiples of the smallest"
-        )
-    return group
-
-
-def _int8_groups(
-    parts: tuple[np.ndarray, ...], group: int, with_mins: bool
-) -> tuple[np.ndarray, ...]:
-    """One tensor's kept blocks (``_group_of``'s kinds) as int8 groups of ``group`` inputs:
-    ``(q int8 [out, in], d f32 [out, in / group])``, and ``with_mins`` ``m f32 [out, in /
-    group]`` too, the weights ``d q (+ m)`` exactly as before (4-bit values unpacked, each
-    scale and minimum repeated over the smaller groups, 0 where there was no minimum)."""
-    q, d, *m = parts
-    if q.dtype == np.uint8:  # 4-bit values two a byte
-        q = np.stack([q & 15, q >> 4], axis=-1).reshape(q.shape[0], -1).astype(np.int8)
-    if d.ndim == 1:  # one scale a row
-        d = d[:, None]
-    k = q.shape[1] // d.shape[1] // group
-    d = np.repeat(d.astype(np.float32), k, axis=1)
-    if not with_mins:
-        return q, d
-    return q, d, np.repeat(m[0], k, axis=1) if m else np.zeros_like(d)
 
 
 def release_freed_memory() -> None:
@@ -631,6 +611,12 @@ def _malloc_trim():
         return libc.malloc_trim
     except (OSError, AttributeError):
         return None
+
+
+def _weight_rank(module) -> int:
+    """The rank of a module's weight as held (an embedding table or a linear kernel)."""
+    weight = module.embedding if hasattr(module, "embedding") else module.kernel
+    return weight.get_value().ndim
 
 
 def _gather(names, take, stacked: bool, dtype=None) -> tuple[np.ndarray, ...]:
@@ -673,19 +659,20 @@ def _aligned(shape: tuple, dtype) -> np.ndarray:
     return raw[at : at + size].view(dtype).reshape(shape)
 
 
-def _int4_layout(blocks, transposed: bool, want: tuple, source: str, name: str):
-    """``(packed, scale, zero)`` of one tensor's 4-bit groups ``(q [out, in / 2], d, m)``
-    (``q``: two weights a byte along ``in``, the even index in the low nibble) as the model
-    holds them: a linear kernel ``[in / 2, out]`` (``transposed``), an embedding table
-    ``[V, E / 2]`` as it comes (two entries of the groups' axis a byte either way)."""
-    q, d, m = blocks
+def _int4_layout(blocks: Nibbles, transposed: bool, want: tuple, source: str, name: str):
+    """``(packed, scale(, zero)(, high))`` of one tensor's ``Nibbles`` (``q [out, in / 2]``:
+    two weights a byte along ``in``, the even index in the low nibble) as the model holds
+    them: a linear kernel ``[in / 2, out]`` (``transposed``), an embedding table ``[V, E /
+    2]`` as it comes (two entries of the groups' axis a byte either way)."""
+    q = blocks.q
+    parts = tuple(a for a in (q, blocks.d, blocks.m, blocks.high) if a is not None)
     out, half = q.shape
     if ((2 * half, out) if transposed else (out, 2 * half)) != tuple(want):
         raise ValueError(
             f"{source}: tensor {name!r} has shape {(out, 2 * half)}, expected "
             f"{tuple(want)[::-1] if transposed else tuple(want)}"
         )
-    return (q.T, d.T, m.T) if transposed else (q, d, m)
+    return tuple(a.T for a in parts) if transposed else parts
 
 
 def _dequantized_experts(q: np.ndarray, scale: np.ndarray, zero=None) -> np.ndarray:
@@ -710,7 +697,7 @@ def to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
     their own)."""
     out = {}
     for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if str(p[-1]) in ("scale", "zero"):
+        if str(p[-1]) in ("scale", "zero", "high"):
             node = functools.reduce(lambda n, part: getattr(n, str(part)), p[:-1], model)
             if getattr(node, "quantized", None):
                 continue

@@ -34,6 +34,7 @@ def load(
     seed: int = 0,
     mesh: Any = None,
     quantization: str | None = None,
+    dequantize: bool = False,
 ) -> tuple[Any, Any]:
     """``(model, tokenizer)`` for a preset, a named real model, a Hugging Face checkpoint
     directory or a GGUF file.
@@ -46,8 +47,7 @@ def load(
         ``.gguf`` file (``load_gguf``).
       dtype: compute and weight dtype (default: a checkpoint's as stored, except that
         16-bit checkpoints run in float32 on a CPU without native bf16, with a one-line
-        note: ``cpu_compute_dtype``; float32 for GGUF files, which are dequantized, and
-        presets).
+        note: ``cpu_compute_dtype``; float32 for GGUF files and presets).
       seed: initialisation seed of a preset's random weights.
       mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` axis
         (``paged_jax.tensor_parallel_mesh(n)``): every weight is placed straight into
@@ -58,13 +58,15 @@ def load(
         ``models.quantization``; on CPU the C kernel quantizes the activations too,
         W8A8): the linear weights and the embedding table take about a quarter of f32's
         memory; ``"int4"``: 4-bit groups of 32 inputs with a scale and a minimum each
-        (0.75 bytes a weight, under a fifth of f32's). A GGUF file's Q8_0,
-        Q6_K and Q5_0 tensors keep their own blocks with either (int8 with a scale per
-        group of 32 or 16), and its Q4_0 / Q4_1 / Q4_K tensors with ``"int4"``
-        (``load_gguf``). None: as loaded. With a ``mesh`` the float weights are placed
+        (0.75 bytes a weight, under a fifth of f32's). None: as stored: a GGUF file's
+        quantized tensors keep their blocks (``load_gguf``: about the file's bytes),
+        which ``"int4"`` keeps too; with ``"int8"`` its 5- to 8-bit ones become int8
+        groups. With a ``mesh`` the float weights are placed
         in their shards first, then quantized and placed again (per output channel on
         accelerators; a GGUF file's blocks are not kept): the products are XLA's,
         weight-only (W8A16).
+      dequantize: a GGUF file's tensors widened to float32 (``load_gguf``'s
+        ``dequantize``) rather than kept; only with ``quantization`` None.
 
     Returns ``(model, tokenizer)``; the tokenizer is None for a checkpoint without
     ``tokenizer.json`` or a GGUF file without tokenizer metadata. Raises ``TypeError``
@@ -77,7 +79,9 @@ def load(
     check_format(quantization)
     # With a mesh the loaders place float weights (a GGUF file's blocks, kept, have no
     # split layout); the whole model is quantized after and placed in its shards again
-    model, tokenizer = _load(name, dtype, seed, mesh, quantization if mesh is None else None)
+    model, tokenizer = _load(
+        name, dtype, seed, mesh, quantization if mesh is None else None, dequantize
+    )
     if quantization is not None:
         model.quantize(quantization)
         if mesh is not None:
@@ -85,15 +89,21 @@ def load(
     return model, tokenizer
 
 
-def _load(name, dtype, seed, mesh, quantization=None) -> tuple[Any, Any]:
+def _load(name, dtype, seed, mesh, quantization=None, dequantize=False) -> tuple[Any, Any]:
+    if dequantize and isinstance(name, str) and name in PRESETS:
+        raise ValueError(f"dequantize: only for a GGUF file, not the preset {name!r}")
     if isinstance(name, str) and name in PRESETS:
         kw = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
         return init_model(PRESETS[name], seed=seed, mesh=mesh, **kw), ByteTokenizer()
     if isinstance(name, str) and name in ALIASES:
-        return load_gguf(fetch(name), dtype=dtype, mesh=mesh, quantization=quantization)
-    path = pathlib.Path(name)
+        path = fetch(name)
+    else:
+        path = pathlib.Path(name)
     if path.is_file() and _is_gguf(path):
-        return load_gguf(path, dtype=dtype, mesh=mesh, quantization=quantization)
+        kw = dict(dtype=dtype, mesh=mesh, quantization=quantization, dequantize=dequantize)
+        return load_gguf(path, **kw)
+    if dequantize:
+        raise ValueError(f"dequantize: only for a GGUF file, not {name!r}")
     if not path.is_dir():
         raise FileNotFoundError(
             f"{name}: neither a preset ({', '.join(sorted(PRESETS))}), a named model "

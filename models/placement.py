@@ -50,7 +50,7 @@ def split_layer_weights(model):
         for var in (
             node.kernel,
             node.bias,
-            *(getattr(node, a, None) for a in ("scale", "zero")),
+            *(getattr(node, a, None) for a in ("scale", "zero", "high")),
         ):
             w = None if var is None else var.get_value()
             if w is not None and not isinstance(w, tuple):

@@ -224,17 +224,29 @@ def quantize_int4(w, axis: int, group: int = GROUP, *, xp=np) -> tuple[np.ndarra
     )
 
 
-def dequantize_int4(packed, scale, zero, axis: int, dtype=None):
+def dequantize_int4(packed, scale, zero, axis: int, dtype=None, high=None, offset: int = 0):
     """The float weights ``quantize_int4`` held as ``packed``, ``scale``, ``zero`` (the
     group size is the axis' length over ``scale``'s), in jnp (traceable; ``dtype``
-    default f32)."""
+    default f32). A GGUF file's blocks kept (``gguf_blocks.Nibbles``) may add ``high``
+    (uint8, ``[.., in bits / 8, ..]`` along ``axis``: 1 or 2 bits above each value) and
+    come without ``zero``: the weights ``scale * (q - offset)``; their scales may be
+    float16."""
     import jax.numpy as jnp
 
     dtype = jnp.float32 if dtype is None else dtype
     p = jnp.moveaxis(packed, axis, -1)
     q = jnp.stack([p & 15, p >> 4], axis=-1).reshape(*p.shape[:-1], 2 * p.shape[-1])
+    if high is not None:
+        h = jnp.moveaxis(high, axis, -1)
+        bits = h.shape[-1] * 8 // q.shape[-1]
+        shifts = (jnp.arange(8 // bits, dtype=jnp.uint8) * bits).reshape((1,) * h.ndim + (-1,))
+        h = ((h[..., None] >> shifts) & ((1 << bits) - 1)).reshape(q.shape)
+        q = q | (h << 4)
     d = jnp.moveaxis(scale, axis, -1).astype(dtype)
-    m = jnp.moveaxis(zero, axis, -1).astype(dtype)
     group = q.shape[-1] // d.shape[-1]
-    w = q.reshape(*q.shape[:-1], d.shape[-1], group).astype(dtype) * d[..., None] + m[..., None]
-    return jnp.moveaxis(w.reshape(q.shape), -1, axis)
+    q = q.reshape(*q.shape[:-1], d.shape[-1], group).astype(dtype)
+    if zero is None:
+        w = (q - offset) * d[..., None] if offset else q * d[..., None]
+    else:
+        w = q * d[..., None] + jnp.moveaxis(zero, axis, -1).astype(dtype)[..., None]
+    return jnp.moveaxis(w.reshape(*p.shape[:-1], 2 * p.shape[-1]), -1, axis)

@@ -49,6 +49,25 @@ def pack_scales(scales: jax.Array) -> jax.Array:  # f32[(L,) N] -> f32[(L,) P * 
     return cpu.pack_scales(scales)
 
 
+def pack_high(
+    high: jax.Array, bits: int
+) -> jax.Array:  # u8[(L,) K b / 8, N] -> [(L,) P, K b / 8, NR]
+    """The high bits (``bits`` 1 or 2 a weight) of 4-bit weights ``pack`` packed, laid out
+    beside them for ``matmul(..., high=)`` (a GGUF file's 5- and 6-bit blocks kept:
+    ``models.gguf_blocks.Nibbles``)."""
+    from paged_jax.kernels import cpu
+
+    return cpu.pack_high(high, bits)
+
+
+def unpack_high(packed: jax.Array, n: int, bits: int) -> jax.Array:
+    """The high bits ``pack_high`` packed: ``[(L,) P, K bits / 8, NR] -> [(L,) K bits / 8,
+    n]``."""
+    from paged_jax.kernels import cpu
+
+    return cpu.unpack_high(packed, n, bits)
+
+
 def unpack(packed: jax.Array, n: int) -> jax.Array:  # [(L,) P, K, NR] -> [(L,) K, n]
     """The weight that ``pack`` made ``packed``."""
     from paged_jax.kernels import cpu
@@ -76,6 +95,9 @@ def matmul(
     scales: jax.Array | None = None,  # int8: f32[(L,) P * NR] (pack_scales) or groups'
     mins: jax.Array | None = None,  # 4-bit, int8 groups: scales and mins f32[(L,) P, K / G, NR]
     rotated: bool = False,  # static: quantized weights rotated along K (below)
+    high: jax.Array | None = None,  # 4-bit: u8[(L,) P, K bits / 8, NR] (pack_high)
+    offset: int = 0,  # static: 4-bit without mins: scales * (q - offset)
+    float_rows: bool = False,  # static: 4-bit, int8 groups: weights dequantized, x as is
 ) -> jax.Array:  # [..., n] f32
     """``x @ w`` for the ``[K, n]`` weight ``w`` packed as ``packed`` (of a stack of L, the
     one at ``layer``, read where it lies), by the CPU kernel: one f32 sum per output
@@ -85,7 +107,11 @@ def matmul(
     scales[j]``, or with scales per group of rows (``[(L,) P, K / G, NR]``) ``q[k, j] *
     scales[k // G, j]``, plus ``mins[k // G, j]`` where ``mins`` are given. 4-bit
     weights (uint8 ``[(L,) P, K / 2, NR]``) need their groups' ``scales`` and ``mins``
-    (each packed by ``pack`` from ``[(L,) K / G, n]``). bf16 weights multiply rows rounded
+    (each packed by ``pack`` from ``[(L,) K / G, n]``; f32 or f16), or ``scales`` alone
+    and an ``offset``: ``scales * (q - offset)``; ``high`` adds 1 or 2 bits above each
+    4-bit value (``pack_high``). ``float_rows``: the quantized weights are dequantized a
+    panel at a time and multiply ``x`` as it is (not quantized): the very sums of the f32
+    product on the dequantized weights. bf16 weights multiply rows rounded
     to bf16, each product exact in f32, times column ``scales`` if given
     (``paged_jax.kernels.cpu.reference_bf16``). Quantized
     weights multiply rows of ``x`` quantized to int8 in blocks of 32 inputs (4-bit: the
@@ -98,7 +124,17 @@ def matmul(
     from paged_jax.kernels import cpu
 
     return cpu.linear(
-        x, packed, n, layer=layer, rows=rows, scales=scales, mins=mins, rotated=rotated
+        x,
+        packed,
+        n,
+        layer=layer,
+        rows=rows,
+        scales=scales,
+        mins=mins,
+        rotated=rotated,
+        high=high,
+        offset=offset,
+        float_rows=float_rows,
     )
 
 
@@ -234,8 +270,10 @@ __all__ = [
     "lora_delta",
     "matmul",
     "pack",
+    "pack_high",
     "packed_columns",
     "pack_scales",
     "rotate",
     "unpack",
+    "unpack_high",
 ]

@@ -134,9 +134,10 @@ def test_boundary_errors():
         cpu.linear(x, packed, 20, layer=1)  # one weight, not a stack
     with pytest.raises(
         ValueError,
-        match=r"w: expected a \[K, N\] or \[L, K, N\] float32, int8, uint8 or bfloat16 array",
+        match=r"w: expected a \[K, N\] or \[L, K, N\] float32, float16, int8, uint8 or "
+        r"bfloat16 array, got int16",
     ):
-        cpu.pack_weight(jnp.asarray(w, jnp.float16))
+        cpu.pack_weight(jnp.asarray(w, jnp.int16))
 
 
 @needs_cc

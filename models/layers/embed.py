@@ -31,8 +31,12 @@ class Embed(nnx.Embed):
     # quantize sets it: "int8" or "fp8" (table int8 or float8_e4m3fn, scale f32 [V], one
     # a token; int8 for the CPU or kept from a GGUF's Q8_0 blocks: scale [V, E / 32],
     # groups along E, and from Q5_1 / Q5_K blocks zero [V, E / 32] too, their minimums)
-    # or "int4" (table uint8 [V, E / 2], scale and zero f32 [V, E / 32]: groups along E)
+    # or "int4" (table uint8 [V, E / 2], scale and zero f32 [V, E / 32]: groups along E;
+    # a GGUF file's blocks kept: scale and zero perhaps f16, groups of 32 or 16)
     quantized = None
+    # A GGUF file's blocks kept by default: a packed tied head multiplies the rows as
+    # they are by its dequantized panels (Linear.float_rows)
+    float_rows = False
 
     def quantize(self, fmt: str = "int8") -> Embed:
         """In place: the float table ``[V, E]`` becomes ``fmt`` (``"int8"``: int8 with f32
@@ -167,7 +171,10 @@ class Embed(nnx.Embed):
         zero = zero_of(self)
         if self.packed:
             x = query.astype(jnp.float32)
-            y = linear.matmul(x, self.embedding[...], self.num_embeddings, scales=scale, mins=zero)
+            kept = {"float_rows": True} if self.float_rows else {}  # a GGUF file's blocks
+            y = linear.matmul(
+                x, self.embedding[...], self.num_embeddings, scales=scale, mins=zero, **kept
+            )
             return y.astype(self.dtype or y.dtype)
         if self.quantized == "int4":
             table = dequantize_int4(self.embedding[...], scale, zero, axis=-1, dtype=self.dtype)

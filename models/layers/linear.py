@@ -76,8 +76,17 @@ class Linear(nnx.Linear):
     # Q8_0 / Q6_K blocks kept hold; with a GGUF's Q5_1 / Q5_K blocks a minimum too, zero
     # f32 [(L,) in / 32, out]: weights scale * q + zero), "fp8" (kernel float8_e4m3fn,
     # scale f32 [(L,) out]) or "int4" (kernel uint8 [(L,) in / 2, out], two rows a byte;
-    # scale and zero f32 [(L,) in / 32, out])
+    # scale and zero f32 [(L,) in / 32, out]; a GGUF file's blocks kept, gguf_blocks.
+    # Nibbles: scale (and zero) perhaps f16 [(L,) in / G, out], G 32 or 16, zero perhaps
+    # absent (weights scale * (q - offset)), and high uint8 [(L,) in * high_bits / 8, out]
+    # perhaps, 1 or 2 bits above each value)
     quantized = None
+    high_bits = 0  # int4 from a GGUF file's 5- or 6-bit blocks: the bits in ``high``
+    offset = 0  # int4 without zero: the weights are scale * (q - offset)
+    # A GGUF file's blocks kept by default (int4, or int8 groups): packed products
+    # dequantize each panel and multiply the rows as they are (paged_jax.linear.matmul's
+    # float_rows: the float weights' very sums), rather than quantizing the rows (W8A8)
+    float_rows = False
     # quantize sets it for int8 groups made for the CPU (and the GGUF loader where it
     # quantizes so): the kernel is R w, w rotated along its inputs in blocks of 32
     # (paged_jax.linear.rotate), and each product rotates its rows likewise
@@ -138,12 +147,16 @@ class Linear(nnx.Linear):
         if self.quantized == "fp8":
             kernel = kernel.astype(jnp.bfloat16)
         self.kernel = Packed(linear.pack(kernel))
-        for var in (self.bias, getattr(self, "scale", None), getattr(self, "zero", None)):
+        held = (self.bias, *(getattr(self, a, None) for a in ("scale", "zero", "high")))
+        for var in held:
             if var is not None and isinstance(var.get_value(), tuple):
                 var.set_value(jnp.stack(var.get_value()))
         if self.quantized == "int4":  # the groups' panels, as the weight's
             self.scale = Packed(linear.pack(self.scale.get_value()))
-            self.zero = Packed(linear.pack(self.zero.get_value()))
+            if zero_of(self) is not None:
+                self.zero = Packed(linear.pack(self.zero.get_value()))
+            if self.high_bits:
+                self.high = Packed(linear.pack_high(self.high.get_value(), self.high_bits))
         elif self.quantized and grouped(kernel, self.scale.get_value()):  # int8 groups
             self.scale = Packed(linear.pack(self.scale.get_value()))
             if zero_of(self) is not None:  # and their minimums
@@ -217,15 +230,21 @@ class Linear(nnx.Linear):
             return kernel
         scale, zero = self.scale.get_value(), zero_of(self)
         if self.quantized == "int4":
+            high = high_of(self)
             if self.packed:
                 scale = linear.unpack(scale, self.out_features)
-                zero = linear.unpack(zero, self.out_features)
+                zero = None if zero is None else linear.unpack(zero, self.out_features)
+                if high is not None:
+                    high = linear.unpack_high(high, self.out_features, self.high_bits)
             if isinstance(kernel, tuple):
+                n = len(kernel)
                 return tuple(
-                    dequantize_int4(k, s, z, axis=-2)
-                    for k, s, z in zip(kernel, scale, zero, strict=True)
+                    dequantize_int4(k, s, z, -2, None, h, self.offset)
+                    for k, s, z, h in zip(
+                        kernel, scale, zero or (None,) * n, high or (None,) * n, strict=True
+                    )
                 )
-            return dequantize_int4(kernel, scale, zero, axis=-2)
+            return dequantize_int4(kernel, scale, zero, -2, None, high, self.offset)
         if self.packed and grouped(self.kernel.get_value(), scale):  # int8 groups
             scale = linear.unpack(scale, self.out_features)
             if zero is not None:
@@ -254,7 +273,7 @@ class Linear(nnx.Linear):
         kernel = self.kernel.get_value()
         bias = None if self.bias is None else self.bias.get_value()
         scale = self.scale.get_value() if self.quantized else None
-        zero = zero_of(self)
+        zero, high = zero_of(self), high_of(self)
 
         def add_bias(y, b):
             return y if b is None else y + jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,))
@@ -267,6 +286,13 @@ class Linear(nnx.Linear):
             step = ROWS.get()
             rows = step[1] if step is not None and inputs.shape[:-1] == (step[0],) else None
             x = inputs.astype(jnp.float32)
+            kept = {}  # a GGUF file's blocks kept: only what they need, named
+            if high is not None:
+                kept["high"] = high
+            if self.offset:
+                kept["offset"] = self.offset
+            if self.float_rows:
+                kept["float_rows"] = True
             y = linear.matmul(
                 x,
                 kernel,
@@ -276,20 +302,22 @@ class Linear(nnx.Linear):
                 scales=scale,
                 mins=zero,
                 rotated=self.rotated,
+                **kept,
             )
             return add_bias(y.astype(self.dtype or y.dtype), bias)
         if not isinstance(kernel, tuple):
             if scale is None:
                 return super().__call__(inputs)
-            return dot_layer(self, inputs, kernel, bias, scale, zero, rows)
+            return dot_layer(self, inputs, kernel, bias, scale, zero, rows, high)
         layer = LAYER.get()
         if isinstance(layer, int):  # an unrolled layer loop: this layer's own arrays
             w = (kernel[layer], pick(bias, layer), pick(scale, layer), pick(zero, layer))
-            return dot_layer(self, inputs, *w, rows)
+            return dot_layer(self, inputs, *w, rows, pick(high, layer))
 
         def one(i):
             w = (kernel[i], pick(bias, i), pick(scale, i), pick(zero, i))
-            return lambda operand: dot_layer(self, operand[0], *w, operand[1])
+            h = pick(high, i)
+            return lambda operand: dot_layer(self, operand[0], *w, operand[1], h)
 
         return jax.lax.switch(layer, [one(i) for i in range(len(kernel))], (inputs, rows))
 
@@ -322,6 +350,13 @@ def zero_of(module):
     return None if zero is None else zero.get_value()
 
 
+def high_of(module):
+    """An int4 module's high bits (``high``: a GGUF file's 5- or 6-bit blocks kept), as
+    held, or None."""
+    high = getattr(module, "high", None) if module.high_bits else None
+    return None if high is None else high.get_value()
+
+
 def dequantize8(q, scale, zero=None):
     """An 8-bit weight ``[..., in, out]`` times its scales, f32: one per output channel
     (``scale [..., out]``) or per channel and group of ``in / scale.shape[-2]`` inputs
@@ -343,11 +378,13 @@ def dot_layer(
     scale: jax.Array | None = None,
     zero: jax.Array | None = None,
     rows=None,
+    high: jax.Array | None = None,
 ):
     """``x @ kernel + bias`` as ``nnx.Linear`` computes it, for one layer's own arrays;
     an int8 ``kernel`` is widened to the compute dtype and its product times ``scale``
     (with scales per group, and ``zero``: dequantized first); a 4-bit one (with
-    ``zero``) is dequantized to the compute dtype first. ``rows``: an fp8 module's rows
+    ``zero``, or the module's ``offset``, and ``high`` bits where the module has them) is
+    dequantized to the compute dtype first. ``rows``: an fp8 module's rows
     quantized already (``Linear.__call__``), ``x`` then None."""
     if module.fp8_activations:  # W8A8: fp8 rows by the fp8 kernel held [out, in]
         out_dtype = module.dtype or (jnp.bfloat16 if x is None else x.dtype)
@@ -364,8 +401,10 @@ def dot_layer(
         y = y * xs[..., None] * jnp.reshape(scale, (1,) * (y.ndim - 1) + (-1,))
         y = y.astype(out_dtype)
         return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-    four = zero is not None and module.quantized == "int4"
-    if four or (scale is not None and grouped(kernel, scale)):  # groups along the inputs
+    four = module.quantized == "int4"
+    # the GPU's 4-bit kernel reads 4-bit values with f32 scales and minimums only
+    plain = not four or (zero is not None and high is None and scale.dtype == jnp.float32)
+    if plain and (four or (scale is not None and grouped(kernel, scale))):  # groups
         y = grouped_by_kernel(module, x, kernel, scale, zero, 4 if four else 8)
         if y is not None:
             return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
@@ -374,7 +413,8 @@ def dot_layer(
         if y is not None:
             return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
     if four:
-        kernel = dequantize_int4(kernel, scale, zero, axis=-2, dtype=module.dtype or x.dtype)
+        dtype = module.dtype or x.dtype
+        kernel = dequantize_int4(kernel, scale, zero, -2, dtype, high, module.offset)
         scale = None
     elif scale is not None and grouped(kernel, scale):  # int8 groups: dequantized first
         kernel = dequantize8(kernel, scale, zero).astype(module.dtype or x.dtype)
@@ -408,10 +448,12 @@ def fuse_linears(linears: list[Linear]) -> Linear | None:
     kernels = [m.kernel.get_value() for m in linears]
     if len({isinstance(k, tuple) for k in kernels}) != 1 or any(m.packed for m in linears):
         return None
-    if (
-        len({(m.quantized, m.rotated, dtype_of(k)) for m, k in zip(linears, kernels, strict=True)})
-        != 1
-    ):
+    kinds = {
+        (m.quantized, m.rotated, dtype_of(k), m.high_bits, m.offset, m.float_rows)
+        + ((dtype_of(m.scale.get_value()),) if m.quantized else ())
+        for m, k in zip(linears, kernels, strict=True)
+    }
+    if len(kinds) != 1:  # (a GGUF file's kept blocks: the same bits, offset, scale dtype)
         return None
     if len({m.bias is None for m in linears}) != 1:
         return None
@@ -419,10 +461,11 @@ def fuse_linears(linears: list[Linear]) -> Linear | None:
     if len({zero_of(m) is None for m in linears}) != 1:  # minimums in some parts only
         return None
     del kernels
-    extra = {"int8": ["scale"], "fp8": ["scale"], "int4": ["scale", "zero"]}
-    names = ["kernel", "bias"] + extra.get(first.quantized, [])
-    if first.quantized == "int8" and zero_of(first) is not None:
+    names = ["kernel", "bias"] + (["scale"] if first.quantized else [])
+    if zero_of(first) is not None:
         names.append("zero")
+    if first.high_bits:
+        names.append("high")
     for name in names[2:]:  # the same groups of inputs (or none) in every part
         shapes = {first_of(getattr(m, name).get_value()).shape[:-1] for m in linears}
         if len(shapes) != 1:

@@ -384,7 +384,10 @@ def _quantization_flag(parser: argparse.ArgumentParser) -> None:
         "group of 32 inputs on CPU, per output channel on a GPU or TPU (about a quarter "
         "of f32's memory), int4, 4-bit groups of 32 with a scale and a minimum (under a "
         "fifth), or fp8, e4m3 values with one scale per output channel (held as bf16 for "
-        "the CPU's kernel); default: as stored",
+        "the CPU's kernel); on CPU int8 and int4 quantize the activations too (W8A8). "
+        "default: as stored: a GGUF file's Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 "
+        "blocks kept at about the file's size (at most 1.11x its bytes), multiplied as "
+        "the float weights they stand for",
     )
 
 

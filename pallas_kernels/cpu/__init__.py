@@ -14,7 +14,7 @@ compiler, or a failed build, leaves ``available()`` False and "auto" on the XLA 
   ``paged_jax.paged_attention`` and ``paged_jax.ragged_paged_attention``; f32 or bf16
   queries and pools, sliding windows, soft caps. Not for quantized pools (scales):
   ``paged_jax.attention`` sends those to XLA. Batch invariant as they are.
-* ``pack_weight``, ``unpack_weight``, ``linear``, ``panel_width``: matrix products
+* ``pack_weight``, ``pack_high``, ``unpack_weight``, ``linear``, ``panel_width``: matrix products
   against weights packed once in column panels (``linear.c``; ``paged_jax.linear``);
   ``grouped_linear``: each group of rows by its own weight (a mixture's experts).
 * ``lora_delta``: LoRA adapters' products for rows of different adapters, each row
@@ -34,6 +34,7 @@ from .linear import (
     grouped_linear,
     linear,
     lora_delta,
+    pack_high,
     pack_scales,
     pack_weight,
     packed_columns,
@@ -42,6 +43,7 @@ from .linear import (
     reference_bf16,
     reference_quantized,
     rotate_blocks,
+    unpack_high,
     unpack_weight,
 )
 from .pages import copy_pages, read_pages, uninitialized, write_pages, write_rows
@@ -57,6 +59,7 @@ __all__ = [
     "grouped_linear",
     "linear",
     "lora_delta",
+    "pack_high",
     "pack_scales",
     "pack_weight",
     "packed_columns",
@@ -70,6 +73,7 @@ __all__ = [
     "sample_tokens",
     "uninitialized",
     "unavailable_reason",
+    "unpack_high",
     "unpack_weight",
     "write_pages",
     "write_rows",

@@ -22,15 +22,26 @@
  *   mins     f32[(L,) P, K / G, NR]  its minimum m: the weights are d * q + m
  *            (int8 weights with scales per group take mins too: GGUF's Q5_1 and Q5_K
  *            blocks, q in [0, 31], as d * q + m)
+ *            4-bit weights may come without mins, params[4] then an offset o: the weights
+ *            are d * (q - o) (GGUF's Q4_0, Q5_0, Q6_K blocks: o 8, 16, 32); their scales
+ *            (and mins alike) may be f16 rather than f32 (a GGUF file's own precision);
+ *            and a last operand may add high bits to each 4-bit value:
+ *   high     u8[(L,) P, K hb / 8, NR]  hb (1 or 2) bits above each value, q then in [0, 2 **
+ *                              (4 + hb)) (GGUF's 5- and 6-bit blocks): a row of 4 NR
+ *                              bytes serves 4 / hb octets of rows, byte 4 j + r of it
+ *                              holding, for its o-th octet i, the bits of W[8i + r, j] at
+ *                              2 o hb and of W[8i + 4 + r, j] at (2 o + 1) hb
+ *                              (paged_jax.kernels.cpu.pack_high)
  *            or bf16[(L,) P, K, NR] 16-bit float weights, K even, in pairs of rows: panel p's
  *                              values [2 NR i, 2 NR (i + 1)) hold, for each column j in turn,
  *                              W[2i, j] and W[2i + 1, j]; perhaps with a 3rd operand before
  *                              params: scales f32[(L,) P * NR], column n's (fp8 weights held
  *                              so, an e4m3 value being a bf16 one: q[k, n] * scales[n])
- *   params   i32[3] or i32[4]  {the weight to use (0 for a 3-D w), at most this many threads,
- *                              the rows to compute (R; outside [0, M]: all M), and (int8 or
+ *   params   i32[3] to i32[6]  {the weight to use (0 for a 3-D w), at most this many threads,
+ *                              the rows to compute (R; outside [0, M]: all M), (int8 or
  *                              4-bit weights, K a multiple of 32) 1 where the weights were
- *                              rotated along K (below), else 0}
+ *                              rotated along K (below), else 0, the 4-bit offset above, and
+ *                              1 for float rows (below), else 0}
  * Result: y f32[M, N], N in (P * NR - NR, P * NR]; rows R .. M - 1 are 0. A step padded
  * to a power-of-two count of tokens thus pays only for its real ones.
  *
@@ -67,6 +78,12 @@
  * v[i + h]), then every value is multiplied by the f32 nearest 1 / sqrt(32) (in f32, so
  * paged_jax.kernels.cpu.rotate_blocks gives the same bits). A block's outlier is spread
  * over its 32 inputs, and the block's scale no longer rounds its other inputs to 0.
+ * Float rows (params[5] = 1; 4-bit weights, or int8 ones with scales per group): each
+ * panel of the weights is dequantized once into an f32 panel, d * q then + m (or (q -
+ * o) * d), a product and a sum each rounded on its own as the gguf package dequantizes
+ * in numpy, and the rows of x multiply it as they are, exactly as f32 weights: the sums
+ * of x @ W on the dequantized W, bit for bit, at the quantized weights' bytes (a GGUF
+ * file's blocks kept by default).
  * bf16 weights multiply the rows of x rounded to bf16 (to nearest, ties to even):
  *   y[m, n] = scales[n] * sum over pairs i, in order, of bf16(x[m, 2i]) * W[2i, n]
  *                                                     + bf16(x[m, 2i + 1]) * W[2i + 1, n]
@@ -162,6 +179,13 @@ typedef struct {
   int64_t M, K, N, B, first, last; /* panels [first, last); B: a block's inputs */
   int grouped;                      /* int8 weights: scales per group of B rows */
   const uint32_t *xb;               /* bf16 weights: x's rows in bf16 pairs [M, K / 2] */
+  /* 4-bit weights kept from GGUF blocks: */
+  const uint8_t *high;  /* the weights' high bits, [P, K hb / 8, NR] (planes), or NULL */
+  int hb;               /* the high bits a weight: 0, 1 or 2 */
+  int half;             /* scales (and mins) are f16, read through wide */
+  int offset;           /* without mins: the weights are scale * (q - offset) */
+  float *wide;          /* this job's [2, K / B, NR] f32: a panel's scales and mins widened */
+  float *panel;         /* float rows: this job's [K, NR] f32, a panel's weights dequantized */
 } LinearJob;
 
 static inline lv load(const float *p) {
@@ -265,7 +289,7 @@ static inline int32_t quad_at(const int8_t *p) {
 static inline __attribute__((always_inline)) void qtile(
     const int8_t *xq, const float *dx, const int32_t *xc, const float *xs, const int8_t *wp,
     const int8_t *ahead, float *y, int64_t K, int64_t N, int64_t n0, const int mr, const int s,
-    int64_t B, const float *sc, const float *mn) {
+    int64_t B, const float *sc, const float *mn, const uint8_t *hp, const int hb) {
   const int64_t blocks = (K + B - 1) / B;
   lv f[QMR][3];
   for (int i = 0; i < mr; ++i) f[i][0] = f[i][1] = f[i][2] = (lv){};
@@ -294,9 +318,23 @@ static inline __attribute__((always_inline)) void qtile(
             __builtin_prefetch(ahead + k / 2 * NR + c, 0, 3);
         const ubv b0 = (ubv)load_b(at), b1 = (ubv)load_b(at + 4 * VL),
                   b2 = (ubv)load_b(at + 8 * VL);
-        const bv l0 = (bv)(b0 & (uint8_t)15), l1 = (bv)(b1 & (uint8_t)15),
-                 l2 = (bv)(b2 & (uint8_t)15);
-        const bv h0 = (bv)(b0 >> 4), h1 = (bv)(b1 >> 4), h2 = (bv)(b2 >> 4);
+        bv l0 = (bv)(b0 & (uint8_t)15), l1 = (bv)(b1 & (uint8_t)15), l2 = (bv)(b2 & (uint8_t)15);
+        bv h0 = (bv)(b0 >> 4), h1 = (bv)(b1 >> 4), h2 = (bv)(b2 >> 4);
+        if (hp) { /* the octet's high bits: above each nibble, values to 4 + hb bits */
+          const int64_t octet = k / 8, per = 4 / hb; /* octets a plane row holds */
+          const uint8_t *pr = hp + octet / per * 4 * NR;
+          const int lo = (int)(2 * (octet % per)) * hb, up = lo + hb;
+          const uint8_t mask = (uint8_t)((1 << hb) - 1);
+          const ubv p0 = (ubv)load_b((const int8_t *)pr),
+                    p1 = (ubv)load_b((const int8_t *)pr + 4 * VL),
+                    p2 = (ubv)load_b((const int8_t *)pr + 8 * VL);
+          l0 |= (bv)(((p0 >> lo) & mask) << 4);
+          l1 |= (bv)(((p1 >> lo) & mask) << 4);
+          l2 |= (bv)(((p2 >> lo) & mask) << 4);
+          h0 |= (bv)(((p0 >> up) & mask) << 4);
+          h1 |= (bv)(((p1 >> up) & mask) << 4);
+          h2 |= (bv)(((p2 >> up) & mask) << 4);
+        }
         for (int i = 0; i < mr; ++i) {
           const int32_t x4 = quad_at(xq + i * K + k), x4h = quad_at(xq + i * K + k + 4);
           t[i][0] = qdot(qdot(t[i][0], l0, x4, 0), h0, x4h, 0);
@@ -340,6 +378,47 @@ static inline __attribute__((always_inline)) void qtile(
   }
 }
 
+/* f16 (binary16) h as f32, exactly (subnormals, infinities and NaNs too). */
+static inline float f32_of_f16(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, f = h & 1023u;
+  uint32_t bits;
+  if (e == 31)
+    bits = sign | 0x7F800000u | (f << 13);
+  else if (e)
+    bits = sign | ((e + 112) << 23) | (f << 13);
+  else { /* zero or subnormal: f * 2^-24, exact in f32 */
+    const float v = (float)f * 5.9604644775390625e-8f;
+    memcpy(&bits, &v, 4);
+    bits |= sign;
+  }
+  float out;
+  memcpy(&out, &bits, 4);
+  return out;
+}
+
+/* Panel p's n scales and minimums of 4-bit weights in f32, into j->wide [2, n]: widened
+ * from f16 where they are held so, and without minimums -offset times each scale. */
+static void widen(const LinearJob *j, int64_t p, int64_t n) {
+  float *sc = j->wide, *mn = j->wide + n;
+  if (j->half) {
+    const uint16_t *s16 = (const uint16_t *)j->scale + p * n;
+    for (int64_t i = 0; i < n; ++i) sc[i] = f32_of_f16(s16[i]);
+    if (j->mins) {
+      const uint16_t *m16 = (const uint16_t *)j->mins + p * n;
+      for (int64_t i = 0; i < n; ++i) mn[i] = f32_of_f16(m16[i]);
+      return;
+    }
+  } else {
+    memcpy(sc, j->scale + p * n, sizeof(float) * (size_t)n);
+    if (j->mins) {
+      memcpy(mn, j->mins + p * n, sizeof(float) * (size_t)n);
+      return;
+    }
+  }
+  const float off = (float)-j->offset;
+  for (int64_t i = 0; i < n; ++i) mn[i] = off * sc[i];
+}
+
 /* Rows m0 .. m1 of a quantized product by the panels [first, last) of job j. */
 static inline __attribute__((always_inline)) void run_rows_q(LinearJob *j, const int s) {
   const int64_t M = j->M, K = j->K, N = j->N, B = j->B, blocks = (K + B - 1) / B;
@@ -349,13 +428,19 @@ static inline __attribute__((always_inline)) void run_rows_q(LinearJob *j, const
     for (int64_t p = j->first; p < j->last; ++p) {
       const int8_t *wp = (const int8_t *)j->w + p * panel;
       const float *sc = s == 1 ? j->scale + p * NR : j->scale + p * blocks * NR;
-      const float *mn = s == 0 || s == 3 ? j->mins + p * blocks * NR : NULL;
+      const float *mn = (s == 0 || s == 3) && j->mins ? j->mins + p * blocks * NR : NULL;
+      const uint8_t *hp = s == 0 && j->high ? j->high + p * (K * j->hb / 8) * NR : NULL;
+      if (s == 0 && j->wide) { /* f16 scales, or no mins: this panel's in f32 */
+        widen(j, p, blocks * NR);
+        sc = j->wide;
+        mn = j->wide + blocks * NR;
+      }
       const int8_t *next = p + 1 < j->last ? wp + panel : NULL;
       int64_t m = m0;
 #define QTILE(R)                                                                          \
   qtile(j->xq + m * K, j->dx + m * blocks, s ? j->xc + m * blocks : NULL,                \
         mn ? j->xsum + m * blocks : NULL, wp, next, j->y + m * N, K, N, p * NR, R, s, B, sc, \
-        mn)
+        mn, hp, j->hb)
       for (; m + QMR <= m1; m += QMR, next = NULL) QTILE(QMR);
       switch (m1 - m) {
         case 3: QTILE(3); break;
@@ -457,13 +542,113 @@ static inline __attribute__((always_inline)) void run_rows(LinearJob *j, const i
   }
 }
 
+/* Panel p of job j's quantized weights dequantized into j->panel, the f32 panel layout
+ * [K, NR]: int8 groups q d (+ m), 4-bit values (with their high bits) u d + m, or (u -
+ * offset) d without mins; a product, then a sum, never fused into one rounding, as the
+ * gguf package dequantizes its blocks in numpy, so that the weights are those very f32
+ * values. */
+__attribute__((noinline, optimize("fp-contract=off"))) static void dequantize_panel(
+    const LinearJob *j, int64_t p) {
+  const int64_t K = j->K, B = j->B, blocks = (K + B - 1) / B;
+  const int four = j->wide || (j->mins && !j->grouped);
+  const float *sc = j->scale + p * blocks * NR, *mn = j->mins ? j->mins + p * blocks * NR : NULL;
+  if (j->wide) { /* f16 scales, or an offset: widened first */
+    widen(j, p, blocks * NR);
+    sc = j->wide;
+    mn = j->offset ? NULL : j->wide + blocks * NR;
+  }
+  float *out = j->panel;
+  if (!four) { /* int8 in quads of rows: lane c of a quad's u32s holds column c's 4 rows */
+    const int8_t *wp = (const int8_t *)j->w + p * K * NR;
+    for (int64_t k0 = 0; k0 < K; k0 += 4) {
+      const float *d = sc + (k0 / B) * NR, *m = mn ? mn + (k0 / B) * NR : NULL;
+      for (int v = 0; v < 3; ++v) {
+        uv lanes;
+        memcpy(&lanes, wp + k0 * NR + 4 * VL * v, sizeof lanes);
+        const lv dv = load(d + v * VL), mv = m ? load(m + v * VL) : (lv){};
+        for (int r = 0; r < 4; ++r) { /* byte r, sign-extended */
+          const iv q = ((iv)(lanes << (24 - 8 * r))) >> 24;
+          lv w = __builtin_convertvector(q, lv) * dv;
+          if (m) w = w + mv;
+          memcpy(out + (k0 + r) * NR + v * VL, &w, sizeof w);
+        }
+      }
+    }
+    return;
+  }
+  /* 4-bit: lane c of an octet's u32s holds column c's rows r (low nibbles) and 4 + r
+   * (high ones) in byte r; a plane row's lane the octets' high bits alike */
+  const uint8_t *wp = (const uint8_t *)j->w + p * (K / 2) * NR;
+  const uint8_t *hp = j->high ? j->high + p * (K * j->hb / 8) * NR : NULL;
+  const int hb = j->hb, per = hb ? 4 / hb : 1;
+  const float off = (float)j->offset;
+  for (int64_t octet = 0; octet < K / 8; ++octet) {
+    const int64_t k0 = 8 * octet;
+    const float *d = sc + (k0 / B) * NR, *m = mn ? mn + (k0 / B) * NR : NULL;
+    const int at = (int)(2 * (octet % per)) * hb;
+    for (int v = 0; v < 3; ++v) {
+      uv lanes, plane = (uv){};
+      memcpy(&lanes, wp + octet * 4 * NR + 4 * VL * v, sizeof lanes);
+      if (hp) memcpy(&plane, hp + octet / per * 4 * NR + 4 * VL * v, sizeof plane);
+      const lv dv = load(d + v * VL), mv = m ? load(m + v * VL) : (lv){};
+      for (int r = 0; r < 4; ++r) {
+        uv lo = (lanes >> (8 * r)) & 15u, up = (lanes >> (8 * r + 4)) & 15u;
+        if (hp) {
+          const uv bits = plane >> (8 * r + at);
+          lo |= (bits & ((1u << hb) - 1)) << 4;
+          up |= ((bits >> hb) & ((1u << hb) - 1)) << 4;
+        }
+        lv wl = __builtin_convertvector(lo, lv), wu = __builtin_convertvector(up, lv);
+        if (m) {
+          wl = wl * dv + mv;
+          wu = wu * dv + mv;
+        } else {
+          wl = (wl - off) * dv;
+          wu = (wu - off) * dv;
+        }
+        memcpy(out + (k0 + r) * NR + v * VL, &wl, sizeof wl);
+        memcpy(out + (k0 + 4 + r) * NR + v * VL, &wu, sizeof wu);
+      }
+    }
+  }
+}
+
+/* Float rows: each panel of job j dequantized once (dequantize_panel), then every row of
+ * x times it as tile multiplies an f32 panel: the same sums, in the same order, as the
+ * f32 kernel on the dequantized weights. */
+static void run_rows_dequantized(LinearJob *j) {
+  const int64_t M = j->M, K = j->K, N = j->N;
+  for (int64_t p = j->first; p < j->last; ++p) {
+    dequantize_panel(j, p);
+    const float *wp = j->panel;
+    int64_t m = 0;
+#define FTILE(R) tile(j->x + m * K, wp, NULL, j->y + m * N, K, N, p * NR, R)
+    for (; m + MR <= M; m += MR) FTILE(MR);
+    switch (M - m) {
+#if MR == 8
+      case 7: FTILE(7); break;
+      case 6: FTILE(6); break;
+      case 5: FTILE(5); break;
+      case 4: FTILE(4); break;
+#endif
+      case 3: FTILE(3); break;
+      case 2: FTILE(2); break;
+      case 1: FTILE(1); break;
+      default: break;
+    }
+#undef FTILE
+  }
+}
+
 static void *run_linear(void *arg) {
   LinearJob *j = (LinearJob *)arg;
-  if (j->xb)
+  if (j->panel)
+    run_rows_dequantized(j);
+  else if (j->xb)
     run_rows(j, 1);
   else if (j->mins && j->grouped)
     run_rows_q(j, 3); /* a copy per weight type, each with it fixed */
-  else if (j->mins)
+  else if (j->mins || j->wide) /* 4-bit weights (wide: f16 scales or no mins) */
     run_rows_q(j, 0);
   else if (j->scale && j->grouped)
     run_rows_q(j, 2);
@@ -600,20 +785,31 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
   if (ffi_metadata(frame)) return NULL;
   if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
   const int64_t nargs = frame->args.size;
-  if (nargs < 3 || nargs > 5 || frame->rets.size != 1)
-    return fail(frame, "paged_jax linear: expected 3 to 5 operands and 1 result");
+  if (nargs < 3 || nargs > 6 || frame->rets.size != 1)
+    return fail(frame, "paged_jax linear: expected 3 to 6 operands and 1 result");
   /* q, by the weights' dtype: 0 f32 weights, alone; 1 int8 ones, with their scales (and
-   * with scales per group perhaps minimums); 2 4-bit ones, with scales and minimums */
+   * with scales per group perhaps minimums); 2 4-bit ones, with scales, perhaps minimums
+   * and perhaps their high bits (u8) */
   const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1];
   const int bf = w->dtype == XLA_FFI_DataType_BF16; /* bf16 weights, perhaps column scales */
   const int q = w->dtype == XLA_FFI_DataType_S8 ? 1 : w->dtype == XLA_FFI_DataType_U8 ? 2 : 0;
   const int extra = (int)nargs - 3; /* operands between the weights and params */
-  if (bf ? extra > 1 : extra != q && !(q == 1 && extra == 2))
+  if (bf ? extra > 1 : q == 2 ? extra < 1 : extra != q && !(q == 1 && extra == 2))
     return fail(frame, "paged_jax linear: expected f32 weights alone, s8 ones with scales (and "
-                       "mins), u8 ones with scales and mins, bf16 ones perhaps with scales");
-  const XLA_FFI_Buffer *scales = extra ? frame->args.args[2] : NULL,
-                       *mins = extra == 2 ? frame->args.args[3] : NULL,
+                       "mins), u8 ones with scales (mins, high bits), bf16 ones perhaps with "
+                       "scales");
+  const XLA_FFI_Buffer *scales = extra ? frame->args.args[2] : NULL, *mins = NULL, *high = NULL,
                        *params = frame->args.args[2 + extra], *y = frame->rets.rets[0];
+  for (int a = 3; a < 2 + extra; ++a) { /* u8: the high bits; else minimums */
+    const XLA_FFI_Buffer *b = frame->args.args[a];
+    if (q == 2 && b->dtype == XLA_FFI_DataType_U8 && !high)
+      high = b;
+    else if (!mins && !high)
+      mins = b;
+    else
+      return fail(frame, "paged_jax linear: expected scales, then mins, then high bits");
+  }
+  if (high && q != 2) return fail(frame, "paged_jax linear: only 4-bit weights take high bits");
   if (x->rank != 2 || (w->rank != 3 && w->rank != 4) || params->rank != 1 || y->rank != 2)
     return fail(frame, "paged_jax linear: expected x[M,K], w[(L,)P,K,NR], params[3 or 4], y[M,N]");
   const XLA_FFI_DataType wt = bf       ? XLA_FFI_DataType_BF16
@@ -621,9 +817,9 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
                               : q == 1 ? XLA_FFI_DataType_S8
                                        : XLA_FFI_DataType_U8;
   if (x->dtype != XLA_FFI_DataType_F32 || w->dtype != wt || y->dtype != XLA_FFI_DataType_F32 ||
-      params->dtype != XLA_FFI_DataType_S32 || (params->dims[0] != 3 && params->dims[0] != 4))
+      params->dtype != XLA_FFI_DataType_S32 || params->dims[0] < 3 || params->dims[0] > 6)
     return fail(frame, "paged_jax linear: expected f32 x and y, f32 w (s8 with scales, u8 with "
-                       "scales and minimums), and i32[3] or i32[4] params");
+                       "scales and minimums), and i32[3] to i32[6] params");
   const int64_t *wd = w->dims + (w->rank - 3); /* P, K (K / 2 for 4-bit), NR */
   const int64_t L = w->rank == 4 ? w->dims[0] : 1;
   const int64_t K = x->dims[1], P = wd[0], N = y->dims[1];
@@ -653,10 +849,12 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
   if (q == 2 || grouped) {
     const int64_t *sd = scales->dims + (scales->rank - 3);
     const int64_t *md = mins ? mins->dims + (mins->rank - 3) : sd;
-    int ok = scales->dtype == XLA_FFI_DataType_F32 && scales->rank == w->rank && sd[0] == P &&
-             sd[2] == NR && sd[1] > 0;
+    /* 4-bit weights' scales (and mins) may be f16 */
+    const int f16 = q == 2 && scales->dtype == XLA_FFI_DataType_F16;
+    int ok = (scales->dtype == XLA_FFI_DataType_F32 || f16) && scales->rank == w->rank &&
+             sd[0] == P && sd[2] == NR && sd[1] > 0;
     if (mins)
-      ok = ok && mins->dtype == XLA_FFI_DataType_F32 && mins->rank == w->rank && md[0] == P &&
+      ok = ok && mins->dtype == scales->dtype && mins->rank == w->rank && md[0] == P &&
            md[1] == sd[1] && md[2] == NR;
     if (w->rank == 4) ok = ok && scales->dims[0] == L && (!mins || mins->dims[0] == L);
     if (ok) {
@@ -664,14 +862,32 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
       ok = G * sd[1] == K && G % (q == 2 ? 8 : 4) == 0;
     }
     if (!ok)
-      return fail(frame, q == 2 ? "paged_jax linear: expected f32 scales and minimums [(L,) P, "
-                                  "K / G, NR] with u8 weights, G a multiple of 8"
+      return fail(frame, q == 2 ? "paged_jax linear: expected f32 or f16 scales (and minimums "
+                                  "alike) [(L,) P, K / G, NR] with u8 weights, G a multiple "
+                                  "of 8"
                                 : "paged_jax linear: expected f32 scales [(L,) P, K / G, NR] "
                                   "with s8 weights, G a multiple of 4");
   }
+  /* 4-bit weights' high bits: hb a weight, [(L,) P, K hb / 8, NR] */
+  int hb = 0;
+  if (high) {
+    const int64_t *hd = high->dims + (high->rank - 3);
+    hb = (int)(hd[1] * 8 / K);
+    if (high->rank != w->rank || hd[0] != P || hd[2] != NR || (hb != 1 && hb != 2) ||
+        hd[1] * 8 != K * hb || K % (16 / hb) || (w->rank == 4 && high->dims[0] != L))
+      return fail(frame, "paged_jax linear: expected u8 high bits [(L,) P, K hb / 8, NR], hb 1 "
+                         "(K a multiple of 32) or 2 (of 16)");
+  }
   const int32_t *p = (const int32_t *)params->data;
   if (p[0] < 0 || p[0] >= L) return fail(frame, "paged_jax linear: weight index out of range");
-  const int rot = params->dims[0] == 4 && p[3] != 0;
+  const int rot = params->dims[0] >= 4 && p[3] != 0;
+  const int offset = params->dims[0] >= 5 ? p[4] : 0; /* 4-bit without mins */
+  if (offset && (q != 2 || mins))
+    return fail(frame, "paged_jax linear: an offset needs 4-bit weights without mins");
+  const int float_rows = params->dims[0] == 6 && p[5] != 0; /* weights dequantized, x as is */
+  if (float_rows && (rot || !(q == 2 || grouped)))
+    return fail(frame, "paged_jax linear: float rows need int8 weights with scales per group "
+                       "or 4-bit ones, not rotated");
   if (rot && (!q || K % ROTATION))
     return fail(frame, "paged_jax linear: rotated rows need int8 or 4-bit weights and K a "
                        "multiple of 32");
@@ -691,7 +907,7 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
   int8_t *xq = NULL;
   float *dx = NULL, *xs = NULL;
   int32_t *xc = NULL;
-  if (q) {
+  if (q && !float_rows) {
     const size_t per = (size_t)(M * blocks);
     /* dx, xc, xs, then a rotated row (where rotated), then xq */
     const size_t tmp = rot ? (size_t)K : 0;
@@ -699,7 +915,7 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
     if (!buf) return fail(frame, "paged_jax linear: out of memory");
     dx = (float *)buf;
     if (q == 1) xc = (int32_t *)(dx + per);
-    if (mins) xs = dx + 2 * per;
+    if (mins || q == 2) xs = dx + 2 * per;
     xq = (int8_t *)(dx + 3 * per + tmp);
     quantize_rows((const float *)x->data, M, K, B, xq, dx, xc, xs, rot ? dx + 3 * per : NULL);
   }
@@ -711,20 +927,47 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
     if (!xb) return fail(frame, "paged_jax linear: out of memory");
     round_rows_bf16((const float *)x->data, M, K, xb);
   }
+  const int half = q == 2 && scales->dtype == XLA_FFI_DataType_F16;
+  float *wide = NULL; /* 4-bit with f16 scales or without mins: each thread's f32 panel */
   if (q == 2 || grouped) {
-    const size_t per = (size_t)P * (size_t)blocks * NR;
-    scale = (const float *)scales->data + (size_t)p[0] * per;
-    if (mins) mn = (const float *)mins->data + (size_t)p[0] * per;
+    const size_t per = (size_t)P * (size_t)blocks * NR, bytes = half ? 2 : 4;
+    scale = (const float *)((const char *)scales->data + (size_t)p[0] * per * bytes);
+    if (mins) mn = (const float *)((const char *)mins->data + (size_t)p[0] * per * bytes);
+  }
+  if (q == 2 && (half || !mins)) {
+    wide = malloc(sizeof(float) * 2 * (size_t)(blocks * NR) * (size_t)threads);
+    if (!wide) {
+      free(buf);
+      free(xb);
+      return fail(frame, "paged_jax linear: out of memory");
+    }
+  }
+  const uint8_t *hi = high ? (const uint8_t *)high->data + (size_t)p[0] * (size_t)(P * (K * hb / 8) * NR)
+                           : NULL;
+  float *panels = NULL; /* float rows: each thread's panel dequantized */
+  if (float_rows) {
+    panels = malloc(sizeof(float) * (size_t)(K * NR) * (size_t)threads);
+    if (!panels) {
+      free(buf);
+      free(xb);
+      free(wide);
+      return fail(frame, "paged_jax linear: out of memory");
+    }
   }
   LinearJob jobs[MAX_THREADS];
   for (int64_t t = 0; t < threads; ++t)
     jobs[t] = (LinearJob){.x = (const float *)x->data, .w = weight, .scale = scale, .mins = mn,
                           .xsum = xs, .xq = xq, .dx = dx, .xc = xc, .y = (float *)y->data,
                           .M = M, .K = K, .N = N, .B = B, .first = P * t / threads,
-                          .last = P * (t + 1) / threads, .grouped = grouped, .xb = xb};
+                          .last = P * (t + 1) / threads, .grouped = grouped, .xb = xb,
+                          .high = hi, .hb = hb, .half = half, .offset = offset,
+                          .wide = wide ? wide + 2 * blocks * NR * t : NULL,
+                          .panel = panels ? panels + K * NR * t : NULL};
   run_jobs(frame, jobs, sizeof(LinearJob), threads, run_linear);
   free(buf);
   free(xb);
+  free(wide);
+  free(panels);
   return NULL;
 }
 

@@ -34,7 +34,7 @@ def pack_weight(w: jax.Array) -> jax.Array:
     ``[L, K, N]`` stack:
 
     - float32 ``[K, N] -> [P, K, NR]``, ``packed[p, k, j] = w[k, p * NR + j]``; the 4-bit
-      groups' scales and minimums are packed this way too;
+      groups' scales and minimums are packed this way too (float16 ones alike);
     - int8 ``[K, N] -> [P, K, NR]``, K a multiple of 4, in quads of rows: row i of
       ``packed[p].reshape(K / 4, 4 * NR)`` holds ``w[4i .. 4i + 3, p * NR + j]`` for each
       column j in turn (what an integer dot-product instruction reads);
@@ -48,10 +48,11 @@ def pack_weight(w: jax.Array) -> jax.Array:
 
     Raises ``ValueError`` for another dtype, rank or K. Outside ``jit`` the panels are
     filled in numpy (no XLA program compiled per weight shape)."""
-    if w.ndim not in (2, 3) or w.dtype not in (jnp.float32, jnp.int8, jnp.uint8, jnp.bfloat16):
+    kinds = (jnp.float32, jnp.float16, jnp.int8, jnp.uint8, jnp.bfloat16)
+    if w.ndim not in (2, 3) or w.dtype not in kinds:
         raise ValueError(
-            f"w: expected a [K, N] or [L, K, N] float32, int8, uint8 or bfloat16 array, got "
-            f"{w.dtype}{list(w.shape)}"
+            f"w: expected a [K, N] or [L, K, N] float32, float16, int8, uint8 or bfloat16 "
+            f"array, got {w.dtype}{list(w.shape)}"
         )
     if w.dtype == jnp.bfloat16 and w.shape[-2] % 2:
         raise ValueError(f"w: bf16 weights need K even, got {list(w.shape)}")
@@ -84,7 +85,7 @@ def _panels(w, nr: int, xp):
         w = v[..., 0, :, :] | (v[..., 1, :, :] << 4)  # [.., K / 8, 4, N]
         w = w.reshape(*lead, k, n)  # rows (o, r): octet o, its r-th row pair
     w = xp.pad(w, [(0, 0)] * len(lead) + [(0, 0), (0, p * nr - n)])
-    if w.dtype == np.float32:
+    if w.dtype in (np.float32, np.float16):
         return xp.moveaxis(w.reshape(*lead, k, p, nr), -2, -3)
     g = _row_group(w.dtype)  # [.., K / g, g, P, NR] -> [.., P, K / g, NR, g]
     w = xp.moveaxis(w.reshape(*lead, k // g, g, p, nr), (-4, -3, -2, -1), (-3, -1, -4, -2))
@@ -95,6 +96,65 @@ def _row_group(dtype) -> int:
     """Rows of a column side by side in a packed panel: 2 for bf16 weights (a 32-bit
     lane's pair), 4 for 8-bit ones (a lane's quad)."""
     return 2 if jnp.dtype(dtype) == jnp.bfloat16 else 4
+
+
+def pack_high(high: jax.Array, bits: int) -> jax.Array:
+    """The high bits of 4-bit weights (``bits`` 1 or 2 a weight, above each weight's 4
+    low bits) in the layout ``linear`` reads beside the weights ``pack_weight`` packed:
+    ``u8[(L,) K bits / 8, N]`` (byte i holding inputs ``(8 / bits) i + t`` at bits ``t
+    bits``, ``t < 8 / bits``) ``-> u8[(L,) P, K bits / 8, NR]``: a run of ``4 / bits``
+    octets of rows (``pack_weight``'s) shares one row of ``4 NR`` bytes, byte ``4 j + r``
+    of run ``u`` holding, for its ``o``-th octet, row ``8 o + r``'s bits at ``2 o bits``
+    and row ``8 o + 4 + r``'s at ``(2 o + 1) bits`` (column j). K must be a multiple of
+    32 (``bits`` 1) or 16 (2). Raises ``ValueError`` otherwise."""
+    if bits not in (1, 2):
+        raise ValueError(f"bits: expected 1 or 2, got {bits!r}")
+    if high.dtype != jnp.uint8 or high.ndim not in (2, 3):
+        raise ValueError(f"high: expected a uint8 [(L,) K bits / 8, N] array, got {high.dtype}")
+    *lead, kb, n = high.shape
+    k = kb * 8 // bits
+    per = 4 // bits  # octets a row of the plane holds
+    if k % (8 * per):
+        raise ValueError(f"high: K = {k} is not a multiple of {8 * per} for {bits} bits")
+    nr = panel_width()
+    xp = np
+    try:
+        high = np.asarray(high)
+    except jax.errors.TracerArrayConversionError:
+        xp = jnp
+    shifts = (xp.arange(8 // bits, dtype=np.uint8) * bits).reshape((1,) * (len(lead) + 1) + (-1, 1))
+    h = (high[..., :, None, :] >> shifts) & ((1 << bits) - 1)  # [.., kb, 8 / bits, N]
+    h = h.reshape(*lead, k // (8 * per), per, 2, 4, n)  # run, octet, half, r, column
+    place = (2 * xp.arange(per)[:, None] + xp.arange(2)[None, :]).astype(np.uint8) * bits
+    place = place.reshape((1,) * (len(lead) + 1) + (per, 2, 1, 1))
+    rows = (h << place).sum(axis=(-4, -3), dtype=np.uint8)  # [.., runs, 4, N]
+    p = -(-n // nr)
+    rows = xp.pad(rows, [(0, 0)] * (len(lead) + 2) + [(0, p * nr - n)])
+    rows = rows.reshape(*lead, k // (8 * per), 4, p, nr)
+    # [.., runs, 4 (r), P, NR] -> [.., P, runs, NR, 4]: byte 4 j + r of each run's row
+    rows = xp.moveaxis(rows, (-4, -3, -2, -1), (-3, -1, -4, -2))
+    packed = rows.reshape(*lead, p, kb, nr)
+    return packed if xp is jnp else jnp.asarray(packed)
+
+
+def unpack_high(packed: jax.Array, n: int, bits: int) -> jax.Array:
+    """The high bits ``pack_high`` packed (``bits`` a weight): ``u8[(L,) P, K bits / 8,
+    NR] -> u8[(L,) K bits / 8, n]``."""
+    *lead, p, kb, nr = packed.shape
+    per = 4 // bits
+    # [.., P, runs, NR, 4] -> [.., runs, 4, P, NR] -> [.., runs, 4, N]: each run's bytes
+    rows = packed.reshape(*lead, p, kb // 4, nr, 4)
+    rows = jnp.moveaxis(rows, (-3, -1, -4, -2), (-4, -3, -2, -1)).reshape(*lead, kb // 4, 4, p * nr)
+    rows = rows[..., :n]
+    place = (2 * jnp.arange(per)[:, None] + jnp.arange(2)[None, :]).astype(jnp.uint8) * bits
+    place = place.reshape((1,) * (len(lead) + 1) + (per, 2, 1, 1))
+    # [.., runs, per, 2, 4, N]: run, octet, half, r -> the K rows in order
+    h = (rows[..., None, None, :, :] >> place) & ((1 << bits) - 1)
+    h = h.reshape(*lead, kb, 8 // bits, n)
+    shifts = (jnp.arange(8 // bits, dtype=jnp.uint8) * bits).reshape(
+        (1,) * (len(lead) + 1) + (-1, 1)
+    )
+    return (h << shifts).sum(axis=-2, dtype=jnp.uint8)  # (disjoint bits: the sum is the or)
 
 
 def pack_scales(scales: jax.Array) -> jax.Array:
@@ -111,7 +171,7 @@ def unpack_weight(packed: jax.Array, n: int) -> jax.Array:
     ``[L, P, K, NR] -> [L, K, n]`` (any NR; 4-bit: ``[.., P, K / 2, NR] -> [.., K / 2,
     n]``, two rows a byte as before packing)."""
     *lead, p, k, nr = packed.shape
-    if packed.dtype == jnp.float32:
+    if packed.dtype in (jnp.float32, jnp.float16):
         return jnp.moveaxis(packed, -3, -2).reshape(*lead, k, p * nr)[..., :n]
     g = _row_group(packed.dtype)  # [.., P, K / g, NR, g] -> [.., K / g, g, P, NR]
     w = packed.reshape(*lead, p, k // g, nr, g)
@@ -129,7 +189,7 @@ def packed_columns(packed: jax.Array, ids: jax.Array) -> jax.Array:
     ``[..., K]`` (4-bit: ``[..., K / 2]``, two rows a byte as before packing). An
     embedding table packed as its tied head's weight looks its tokens up this way."""
     nr = packed.shape[-1]
-    if packed.dtype == jnp.float32:
+    if packed.dtype in (jnp.float32, jnp.float16):
         return packed[ids // nr, :, ids % nr]
     p, k, _ = packed.shape
     g = _row_group(packed.dtype)
@@ -151,6 +211,9 @@ def linear(
     scales: jax.Array | None = None,  # int8, bf16: f32[(L,) P * NR]; int8: [(L,) P, K / G, NR]
     mins: jax.Array | None = None,  # uint8, int8 with groups: f32[(L,) P, K / G, NR]
     rotated: bool = False,
+    high: jax.Array | None = None,  # uint8 weights' high bits: u8[(L,) P, K hb / 8, NR]
+    offset: int = 0,  # static: uint8 weights without mins are scales * (q - offset)
+    float_rows: bool = False,  # static: weights dequantized, x not quantized
 ) -> jax.Array:  # [..., n] f32
     """``x @ w`` for the ``[K, n]`` weight ``w`` that ``pack_weight`` made ``packed`` (for an
     ``[L, ...]`` stack, weight ``layer``: an int or a traced i32 scalar, read in place,
@@ -166,7 +229,15 @@ def linear(
     G, j] + mins[k // G, j]`` (GGUF's Q5_1 and Q5_K blocks). 4-bit weights (uint8, two rows
     of ``q`` in [0, 15] a byte, the even row in the low nibble) come with ``scales`` and
     ``mins`` per group of G rows (G a multiple of 8; ``pack_weight`` of their ``[K / G, n]``
-    arrays): the weight is ``scales * q + mins``. bf16 weights (K even) may come with
+    arrays): the weight is ``scales * q + mins``; or without ``mins`` ``scales * (q -
+    offset)`` (GGUF's Q4_0 and Q6_K blocks, offset 8 and 32). Their ``scales`` and ``mins``
+    may be float16 (a GGUF file's own scales, kept at their size), and ``high``
+    (``pack_high``) adds 1 or 2 high bits above each 4-bit value: ``q`` in [0, 2 ** (4 +
+    hb)) (GGUF's 5- and 6-bit blocks). ``float_rows`` (4-bit weights, or int8 ones with
+    scales per group): each panel of the weights is dequantized to f32 (a product and a
+    sum, unfused, as the gguf package dequantizes) and multiplied by ``x`` as it is, as
+    the f32 kernel multiplies: the very sums of ``x @ w`` in f32 on the dequantized
+    weights, at the quantized weights' bytes. bf16 weights (K even) may come with
     column ``scales`` (``pack_scales``; an fp8 weight held as bf16: ``q[k, j] *
     scales[j]``); they multiply the rows of ``x`` rounded to bf16, each product exact and
     added into an f32 sum per output (``reference_bf16``). Quantized weights multiply the rows of
@@ -181,6 +252,14 @@ def linear(
     static ``layer``, ``rotated`` with f32 or bf16 weights or K not a multiple of 32, and
     when the kernels are not available."""
     p, k = _check_operands(x, packed, n, layer, scales, mins, rotated)
+    _check_kept(packed, scales, mins, high, offset, k)
+    if float_rows and (rotated or packed.dtype not in (jnp.int8, jnp.uint8)):
+        raise ValueError(
+            f"float_rows: needs 4-bit weights or int8 ones with scales per group, not rotated; "
+            f"got {packed.dtype} weights{' (rotated)' if rotated else ''}"
+        )
+    if float_rows and packed.dtype == jnp.int8 and (scales is None or scales.ndim != packed.ndim):
+        raise ValueError("float_rows: int8 weights need scales per group ([(L,) P, K / G, NR])")
     count = threads_of(threads)
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
     params = jnp.stack(
@@ -189,12 +268,46 @@ def linear(
             jnp.int32(count),
             jnp.asarray(-1 if rows is None else rows, jnp.int32),
             jnp.int32(1 if rotated else 0),
+            jnp.int32(offset),
+            jnp.int32(1 if float_rows else 0),
         ]
     )
     call = jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
     extra = () if scales is None else (scales,) if mins is None else (scales, mins)
     _check_scales(packed, extra, p, k)
+    if high is not None:
+        extra = (*extra, high)
     return call(x2, packed, *extra, params).reshape(*x.shape[:-1], n)
+
+
+def _check_kept(packed, scales, mins, high, offset, k: int) -> None:
+    """``linear``'s checks of ``high`` and ``offset`` (4-bit weights only; ``offset`` an
+    int >= 0 and only without ``mins``), and of ``high``'s shape against ``K``."""
+    if not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"offset: expected an int >= 0, got {offset!r}")
+    four = packed.dtype == jnp.uint8
+    if (offset or high is not None) and not four:
+        raise ValueError(f"high, offset: only uint8 (4-bit) weights take them, got {packed.dtype}")
+    if offset and mins is not None:
+        raise ValueError("offset: weights with mins take none (the mins hold it)")
+    if four and scales is None:
+        raise ValueError("scales: uint8 (4-bit) weights need their scales")
+    if high is None:
+        return
+    lead, nr = packed.shape[:-2], packed.shape[-1]
+    hb = high.shape[-2] * 8 // k if k else 0
+    if (
+        high.dtype != jnp.uint8
+        or high.ndim != packed.ndim
+        or hb not in (1, 2)
+        or high.shape != (*lead, k * hb // 8, nr)
+        or k % (16 // hb)
+    ):
+        raise ValueError(
+            f"high: expected uint8[{', '.join(map(str, lead))}, K hb / 8, {nr}] (pack_high) "
+            f"with hb 1 (K a multiple of 32) or 2 (of 16), K {k}; got {high.dtype}"
+            f"{list(high.shape)}"
+        )
 
 
 def grouped_linear(
@@ -289,6 +402,8 @@ def _check_operands(x, packed, n, layer, scales, mins, rotated) -> tuple[int, in
         want = jnp.bfloat16
     elif scales is None:
         want = jnp.float32
+    elif four:  # 4-bit: scales, perhaps mins (else an offset)
+        want = jnp.uint8
     else:
         want = jnp.int8 if mins is None or packed.dtype == jnp.int8 else jnp.uint8
     if x.dtype != jnp.float32 or packed.dtype != want:
@@ -346,15 +461,24 @@ def _check_scales(packed, extra, p, k) -> None:
             )
         return
     groups = scales.shape[-2] if scales.ndim == packed.ndim else 0
-    if len(extra) == 2:  # 4-bit weights, or int8 ones with groups
-        multiple = 8 if packed.dtype == jnp.uint8 else 4
+    four = packed.dtype == jnp.uint8
+    if len(extra) == 2 or four:  # 4-bit weights, or int8 ones with groups
+        multiple = 8 if four else 4
         ok = groups > 0 and k % groups == 0 and (k // groups) % multiple == 0
-        for name, a in zip(("scales", "mins"), extra, strict=True):
-            if not ok or a.dtype != jnp.float32 or a.shape != (*lead, p, groups, nr):
+        # 4-bit weights' scales (and mins alike) may be float16
+        dtypes = (jnp.float32, jnp.float16) if four else (jnp.float32,)
+        for name, a in zip(("scales", "mins")[: len(extra)], extra, strict=True):
+            if (
+                not ok
+                or a.dtype not in dtypes
+                or a.dtype != scales.dtype
+                or a.shape != (*lead, p, groups, nr)
+            ):
+                kinds = " or ".join(str(jnp.dtype(d)) for d in dtypes)
                 raise ValueError(
-                    f"{name}: expected float32[{', '.join(map(str, (*lead, p)))}, K / G, {nr}] "
-                    f"with K / G dividing {k} into groups G a multiple of {multiple}, got "
-                    f"{a.dtype}{list(a.shape)}"
+                    f"{name}: expected {kinds}[{', '.join(map(str, (*lead, p)))}, K / G, {nr}] "
+                    f"(mins as scales) with K / G dividing {k} into groups G a multiple of "
+                    f"{multiple}, got {a.dtype}{list(a.shape)}"
                 )
         return
     grouped = groups > 0 and k % groups == 0 and (k // groups) % 4 == 0
@@ -436,6 +560,8 @@ def reference_quantized(
     scales: np.ndarray,  # int8: f32[N] or f32[K / G, N]; 4-bit: f32[K / G, N]
     mins: np.ndarray | None = None,  # 4-bit, int8 with groups: f32[K / G, N]
     rotated: bool = False,
+    high: np.ndarray | None = None,  # 4-bit: u8[K bits / 8, N], each weight's high bits
+    offset: int = 0,  # 4-bit without mins: the weights are scales * (q - offset)
 ) -> np.ndarray:  # f64[M, N]
     """What ``linear`` computes for quantized weights (unpacked), in numpy: the rows of
     ``x`` quantized in blocks (``quantize_blocks``: the weights' groups, or 32 inputs for
@@ -444,14 +570,26 @@ def reference_quantized(
     groups: ``sum over blocks of isum * d * dx``; 4-bit and int8 groups with ``mins``:
     that ``+ m * dx * (the block's sum of xq)``: the dequantized weights times the
     quantized rows). ``rotated``: ``q`` holds rotated weights (``linear``'s ``rotated``),
-    and the rows are rotated by ``rotate_blocks`` before they are quantized. In f64, so
-    it differs from the kernel's f32 sums by their rounding only."""
+    and the rows are rotated by ``rotate_blocks`` before they are quantized. 4-bit weights
+    may come with ``high`` bits (``pack_high``'s input: ``q`` then ``q + 16 h``) and
+    without ``mins`` (``mins = -offset * scales``); float16 scales are widened exactly. In
+    f64, so it differs from the kernel's f32 sums by their rounding only."""
     x = np.asarray(x, np.float32)
     if rotated:
         x = rotate_blocks(x)
     four, grouped = q.dtype == np.uint8, np.ndim(scales) == 2
+    scales = np.asarray(scales, np.float32)
+    if four and mins is None:
+        mins = np.float32(-offset) * scales
+    if mins is not None:
+        mins = np.asarray(mins, np.float32)
     if four:
         q = np.stack([q & 15, q >> 4], axis=-2).reshape(2 * q.shape[0], q.shape[1])
+        if high is not None:
+            bits = high.shape[0] * 8 // q.shape[0]
+            shifts = np.arange(8 // bits, dtype=np.uint8) * bits
+            h = (high[:, None, :] >> shifts[:, None]) & ((1 << bits) - 1)
+            q = q | (h.reshape(q.shape) << 4)
     k = x.shape[1]
     block = k // scales.shape[0] if grouped else 32
     xq, dx = quantize_blocks(x, block)
