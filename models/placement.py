@@ -251,10 +251,13 @@ def preferred_cache_dtype(model):
     written and read by the C kernels too, ``cache.narrow_pools_by_cpu_kernels``),
     else None (``make_cache``'s default, the compute dtype). On those weights the
     pool's rounding costs little beside theirs and the decode step reads half the
-    bytes (docs/DECISIONS.md, "A bf16 pool under quantized CPU weights")."""
+    bytes (docs/DECISIONS.md, "A bf16 pool under quantized CPU weights"). A GGUF
+    file's blocks kept as stored (``Linear.float_rows``) compute the float model's
+    sums, which a bf16 pool would round: they keep the compute dtype."""
     from paged_jax.cache import narrow_pools_by_cpu_kernels
 
     quantized = any(
-        isinstance(n, Linear) and n.packed and n.quantized for _, n in nnx.iter_graph(model)
+        isinstance(n, Linear) and n.packed and n.quantized and not n.float_rows
+        for _, n in nnx.iter_graph(model)
     )
     return jnp.bfloat16 if quantized and narrow_pools_by_cpu_kernels() else None

@@ -871,3 +871,26 @@ def test_the_moe_benchmark_compares_each_way_with_a_dense_model(tmp_path, monkey
     from paged_jax import linear
 
     assert rows[1]["experts_packed"] == linear.available() and not rows[2]["experts_packed"]
+
+
+def test_the_gguf_benchmark_compares_the_loads_of_one_file(tmp_path, monkeypatch):
+    import json
+
+    from gguf import GGMLQuantizationType as Q
+    from test_gguf import _model, write_gguf
+
+    from benchmarks import bench_gguf
+    from benchmarks.common import OUT_ENV
+
+    monkeypatch.setenv(OUT_ENV, str(tmp_path / "out"))
+    path = tmp_path / "m.gguf"
+    write_gguf(path, _model(), qtype=Q.Q4_1)
+    argv = [str(path), "--prompts", "2", "--tokens", "3", "--repeats", "1"]
+    assert bench_gguf.main(argv) == 0
+    (result,) = json.loads((tmp_path / "out" / "gguf.json").read_text())["results"]
+    loads = result["loads"]
+    assert list(loads) == ["kept", "dequantized", "int4"]
+    assert result["formats"]["Q4_1"] > 0
+    assert loads["kept"]["bytes"] < 0.3 * loads["dequantized"]["bytes"]
+    assert loads["kept"]["same_sequences"] == loads["dequantized"]["same_sequences"] == 2
+    assert all(v["tokens_per_s"]["min"] > 0 for v in loads.values())

@@ -408,6 +408,64 @@ def test_auto_and_none_leave_a_reply_that_makes_no_call_alone(client):
         c = r.json()["choices"][0]
         assert r.status_code == 200 and c["finish_reason"] == "length"
         assert "tool_calls" not in c["message"] and isinstance(c["message"]["content"], str)
+        assert "<tool_call>" not in c["message"]["content"]
+
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def calling_client(tmp_path_factory):
+    """A server (model "t") whose vocabulary has one more, user-defined token: ``CALL``, a
+    whole call as one piece, which ``logit_bias`` then makes the model write (a random
+    model never writes a call of its own)."""
+    from gguf import GGUFValueType as V
+    from starlette.testclient import TestClient
+    from test_gguf import _byte_pieces
+
+    from paged_jax.server.api import Server
+
+    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld"]
+    tokens = ["<s>", "</s>", *_byte_pieces(), *(m.replace(" ", "") for m in merges), CALL]
+    types = [3, 3] + [1] * (len(tokens) - 3) + [4]  # 4: user-defined, decoded as it is
+    extra = {
+        "tokenizer.chat_template": TOOLS_TEMPLATE,
+        "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
+        "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32),
+    }
+    path = tmp_path_factory.mktemp("calls") / "m.gguf"
+    write_gguf(path, _model(vocab_size=300), extra=extra)
+    model, tok = load_gguf(path)
+    assert tok.decode([len(tokens) - 1]) == CALL
+    llm = pj.LLM(model, tok, page_size=8, num_pages=128, compilation_cache=False)
+    with TestClient(Server(llm, model_name="t").app) as c:
+        c.call_token = len(tokens) - 1
+        yield c
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_auto_parses_a_reply_s_calls_and_none_leaves_them_as_text(calling_client, stream):
+    # A reply that does write calls (the call token, twice: max_tokens 2): "auto" returns
+    # them as tool_calls, no content; "none" returns the very text, no tool_calls.
+    bias = {str(calling_client.call_token): 100}
+    for choice in ("auto", "none"):
+        body = _body(choice, max_tokens=2, logit_bias=bias)
+        if stream:
+            chunks = _chunks(calling_client, body)
+            deltas = [ch["choices"][0]["delta"] for ch in chunks if ch["choices"]]
+            text = "".join(d.get("content") or "" for d in deltas)
+            calls = _assemble([tc for d in deltas for tc in d.get("tool_calls") or []])
+        else:
+            r = calling_client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            message = r.json()["choices"][0]["message"]
+            text, calls = message["content"] or "", message.get("tool_calls") or []
+        if choice == "auto":
+            assert text == ""
+            assert [c["function"]["name"] for c in calls] == ["get_weather", "get_weather"]
+            assert all(json.loads(c["function"]["arguments"]) == {"city": "Oslo"} for c in calls)
+        else:
+            assert text == CALL + CALL and calls == []
 
 
 def test_bad_tools_are_a_400_naming_the_field(client):

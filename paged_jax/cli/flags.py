@@ -36,6 +36,7 @@ BENCHMARKS = (
     "lm_eval",
     "step_kernels",
     "moe",
+    "gguf",
 )
 
 
