@@ -13,6 +13,13 @@ one, each after filling the mask (``[1, ceil(V / 32)]`` int32 bits) and checking
 token is allowed. Reported per library: tokenizer set-up (s), compile per schema (ms, a
 fresh compiler each repeat, so no cache), mask fill per token (median and max over all
 tokens, us); min / median / max of ``--repeats``.
+
+``--step-rows N`` measures instead what one engine step of N constrained rows costs on the
+host (``paged_jax.engine.structured.Grammars``, llguidance, no ``transformers``
+needed): N matchers of ``SCHEMAS``, each advanced to a different point of its instance,
+their masks filled one row after another (``fill``) and all at once on llguidance's
+thread pool (``fill_rows``), ``--steps`` steps (each matcher then takes its next token)
+per repeat; ms per step, min / median / max, written to ``grammar_step.json``.
 """
 
 from __future__ import annotations
@@ -134,11 +141,91 @@ def _stats(xs):
     return dict(min=min(xs), median=statistics.median(xs), max=max(xs))
 
 
+def step_fill(tok, rows: int, steps: int, repeats: int) -> dict:
+    """``--step-rows``: ms per step of filling ``rows`` constrained rows' masks, row by
+    row and together (the module's docstring)."""
+    import numpy as np
+
+    from paged_jax.engine.structured import Grammars, StructuredOutput
+
+    vocab = tok.tokenizer.get_vocab_size()
+    grammars = Grammars(tok, eos=None, vocab=vocab)
+    cases = [
+        (StructuredOutput(json=schema), tok.encode(instance, add_special_tokens=False).ids)
+        for schema, instance in SCHEMAS.values()
+    ]
+    serial, together = [], []
+    for _ in range(repeats):
+        state = []  # (matcher, its instance's ids, tokens taken)
+        for r in range(rows):
+            spec, ids = cases[r % len(cases)]
+            m, at = grammars.matcher(spec), 0
+            while at < (r * 7) % max(len(ids) - steps, 1) and m.consume_token(ids[at]):
+                at += 1
+            state.append([m, ids, at])
+        words = -(-vocab // 32)
+        for step in range(steps):
+            pairs = [(m, r) for r, (m, _, _) in enumerate(state)]
+            twins = [(m.deep_copy(), r) for m, r in pairs]  # (no state shared by the ways)
+            one, both = np.zeros((rows, words), np.int32), np.zeros((rows, words), np.int32)
+            for way in ("serial", "together") if step % 2 else ("together", "serial"):
+                t0 = time.perf_counter()
+                if way == "serial":
+                    for m, r in pairs:
+                        grammars.fill(m, one, r)
+                    serial.append((time.perf_counter() - t0) * 1e3)
+                else:
+                    grammars.fill_rows(twins, both)
+                    together.append((time.perf_counter() - t0) * 1e3)
+            if not np.array_equal(one, both):
+                raise RuntimeError("fill_rows wrote other masks than fill")
+            for s in state:  # each row's next token of its instance
+                m, ids, at = s
+                if at < len(ids) and m.consume_token(ids[at]):
+                    s[2] = at + 1
+    return dict(
+        rows=rows,
+        steps=steps,
+        repeats=repeats,
+        threads=__import__("os").cpu_count(),
+        row_by_row_ms=_stats(serial),
+        together_ms=_stats(together),
+        speedup_median=statistics.median(serial) / statistics.median(together),
+    )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks grammar")
     ap.add_argument("--repeats", type=positive_int, default=3)
+    ap.add_argument("--step-rows", type=positive_int, default=None)
+    ap.add_argument("--steps", type=positive_int, default=20)
     args = ap.parse_args(argv)
     import importlib.util
+
+    if args.step_rows is not None:
+        from paged_jax import models
+
+        _, tok = models.load(MODEL)
+        r = step_fill(tok, args.step_rows, args.steps, args.repeats)
+        print(
+            f"{r['rows']} constrained rows, a step's masks: row by row "
+            f"{r['row_by_row_ms']['median']:.2f} ms, together {r['together_ms']['median']:.2f} ms "
+            f"({r['speedup_median']:.2f}x; medians of {args.steps * args.repeats} steps, "
+            f"{r['threads']} cores)",
+            flush=True,
+        )
+        path = write_result(
+            "grammar_step",
+            dict(
+                environment=environment(),
+                command="python -m benchmarks grammar " + " ".join(argv or []),
+                model=f"{MODEL} (vocabulary of 49,152)",
+                schemas=list(SCHEMAS),
+                **r,
+            ),
+        )
+        print(f"results: {path}")
+        return 0
 
     from transformers import PreTrainedTokenizerFast
 

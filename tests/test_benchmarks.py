@@ -894,3 +894,15 @@ def test_the_gguf_benchmark_compares_the_loads_of_one_file(tmp_path, monkeypatch
     assert loads["kept"]["bytes"] < 0.3 * loads["dequantized"]["bytes"]
     assert loads["kept"]["same_sequences"] == loads["dequantized"]["same_sequences"] == 2
     assert all(v["tokens_per_s"]["min"] > 0 for v in loads.values())
+
+
+def test_the_grammar_step_benchmark_fills_a_step_s_rows_both_ways(tmp_path):
+    from test_gguf import _model, write_gguf
+
+    from benchmarks import bench_grammar
+    from paged_jax.models import load_gguf
+
+    write_gguf(tmp_path / "m.gguf", _model(vocab_size=300))
+    _, tok = load_gguf(tmp_path / "m.gguf")
+    r = bench_grammar.step_fill(tok, rows=6, steps=2, repeats=1)  # raises if the masks differ
+    assert r["rows"] == 6 and r["row_by_row_ms"]["min"] > 0 and r["together_ms"]["min"] > 0

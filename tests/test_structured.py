@@ -74,6 +74,32 @@ def test_the_mask_is_what_the_grammar_accepts_token_by_token(engine):
         m.consume_token(t)
 
 
+def test_a_step_s_rows_fill_together_as_each_alone(engine):
+    # fill_rows (llguidance's parallel fill, every constrained row of a step at once):
+    # each row as fill writes it alone, the other rows untouched, matchers at different
+    # points of different constraints
+    from paged_jax.engine.structured import Grammars
+
+    model, tok = engine
+    vocab = model.config.vocab_size
+    grammars = Grammars(tok, eos=None, vocab=vocab)
+    specs = [StructuredOutput(regex=r"(ab|c)[0-9]{1,2}"), StructuredOutput(regex=CODE)]
+    pairs = []
+    for k in range(6):
+        m = grammars.matcher(specs[k % 2])
+        text = ("ab7", "bc-12")[k % 2][: k // 2 + 1]
+        for t in tok.encode(text, add_special_tokens=False).ids:
+            assert m.consume_token(t)
+        pairs.append((m, 2 * k + 1))  # odd rows; the even ones keep their bits
+    together = np.full((13, -(-vocab // 32)), -1, np.int32)
+    grammars.fill_rows(pairs, together)
+    alone = np.full_like(together, -1)
+    for m, row in pairs:
+        grammars.fill(m, alone, row)
+    np.testing.assert_array_equal(together, alone)
+    assert (together[::2] == -1).all() and len({together[r].tobytes() for _, r in pairs}) > 2
+
+
 def test_every_output_follows_its_constraint_through_the_engine(engine):
     # Greedy, sampled and n = 2 rows with a JSON schema (as a dict and as text), a regex,
     # a choice and a Lark grammar in one batch, twice (the second time from the prefix

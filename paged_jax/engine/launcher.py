@@ -174,8 +174,8 @@ class StepLauncher:
     def _masks(self, placed, rows, S_b: int, params) -> tuple:
         """The rows' token masks (``step_inputs.token_masks``) with the engine's grammars."""
 
-        def fill(matcher, masks, row):
-            self.grammars().fill(matcher, masks, row)
+        def fill(pairs, masks):
+            self.grammars().fill_rows(pairs, masks)
 
         return step_inputs.token_masks(placed, rows, S_b, params, self.vocab_size, fill)
 

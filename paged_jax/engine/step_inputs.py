@@ -142,13 +142,14 @@ def token_masks(
     S_b: int,
     params: Iterable[SamplingParams],
     vocab: int,
-    fill_grammar: Callable,
+    fill_grammars: Callable,
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """``(allowed, cand_allowed)``, each ``i32[S_b, ceil(V / 32)]`` or None.
     ``allowed``: each sampling row's allowed tokens as a bitmask (``sample_rows``'
     ``allowed``; every token for rows without a restriction), or None when no row has
-    one: a grammar's (``SamplingParams.structured``, filled by ``fill_grammar(matcher,
-    masks, row)``) and ``SamplingParams.allowed_token_ids``. ``cand_allowed``: the same
+    one: a grammar's (``SamplingParams.structured``, filled by ``fill_grammars(pairs,
+    masks)`` for the ``(matcher, row)`` pairs of the step's constrained rows) and
+    ``SamplingParams.allowed_token_ids``. ``cand_allowed``: the same
     rows for beams under a grammar (their candidates, ``beam_candidates``), every token
     for other rows (whose candidates are the model's ``top_logprobs``), or None when no
     beam has a grammar. ``params``: the rows' distinct params."""
@@ -156,12 +157,18 @@ def token_masks(
         return None, None
     masks = np.full((S_b, -(-vocab // 32)), -1, np.int32)  # every bit set
     seqs = {i: w for i, w in placed if i in rows}
+    # the grammars' next tokens (structured.py), every row at once (in parallel); a
+    # sequence that ended in the step this one overlapped keeps every bit (its row's
+    # sample is dropped)
+    fill_grammars(
+        [
+            (seqs[i].group.matchers[seqs[i].seq.seq_id], i)
+            for i, (p, _, _) in rows.items()
+            if p.structured is not None and seqs[i].seq.finish_reason is None
+        ],
+        masks,
+    )
     for i, (p, _, _) in rows.items():
-        w = seqs[i]
-        if p.structured is not None and w.seq.finish_reason is None:
-            # the grammar's next tokens (structured.py); a sequence that ended in the
-            # step this one overlapped keeps every bit (its row's sample is dropped)
-            fill_grammar(w.group.matchers[w.seq.seq_id], masks, i)
         if p.allowed_token_ids is not None:
             masks[i] &= _allowed_row(p.allowed_token_ids, vocab)
     beams = [i for i, (p, _, _) in rows.items() if p.use_beam_search and p.structured]

@@ -134,6 +134,7 @@ class Grammars:
         self.vocab = vocab
         self._lt = None
         self._cache: dict = {}
+        self._executor = None  # llguidance's thread pool, made at the first parallel fill
 
     def _adapted(self):
         if self._lt is None:
@@ -164,6 +165,28 @@ class Grammars:
         llg.numpy.fill_next_token_bitmask(matcher, tmp, 0)
         masks[row] = 0
         masks[row, :words] = tmp[0]
+
+    def fill_rows(self, pairs: Sequence[tuple[Any, int]], masks) -> None:
+        """``fill`` for each ``(matcher, row)`` of ``pairs``: from two rows on, in
+        parallel on llguidance's thread pool (``LLExecutor``, a thread a core; its
+        ``fill_next_token_bitmask_par``), each row as ``fill`` writes it (one row: by
+        ``fill``)."""
+        if len(pairs) < 2:
+            for matcher, row in pairs:
+                self.fill(matcher, masks, row)
+            return
+        llg = _llguidance()
+        if self._executor is None:
+            self._executor = llg.LLExecutor()
+        words = -(-self._adapted().vocab_size // 32)
+        if words == masks.shape[1]:  # the common case: the vocabularies agree
+            llg.numpy.fill_next_token_bitmask_par(self._executor, list(pairs), masks)
+            return
+        tmp = np.zeros((masks.shape[0], words), np.int32)  # a padded model vocabulary
+        llg.numpy.fill_next_token_bitmask_par(self._executor, list(pairs), tmp)
+        for _, row in pairs:  # (the rest of each row stays 0)
+            masks[row] = 0
+            masks[row, :words] = tmp[row]
 
 
 # JSON as json.dumps writes it: a model may not pad it with whitespace without end
