@@ -1089,3 +1089,32 @@ def test_gemma_query_scale_follows_the_real_models(
     assert cfg.query_pre_attn_scalar == scalar
     every = 2 if arch == "gemma2" else 6
     assert cfg.layer_types[:every] == ("sliding_attention",) * (every - 1) + ("full_attention",)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_kept_4_bit_blocks_take_the_gpu_s_4_bit_product(tmp_path, qtype, monkeypatch):
+    # Held for an accelerator, a file's 4-bit blocks (float16 scales, Q4_0's offset) go
+    # to the GPU's matmul_int4 (interpreted here), their scales widened and the offset
+    # made minimums on the fly, and give the dequantized load's logits
+    from test_quantization import _interpret_kernel
+
+    from paged_jax.kernels.gpu import matmul as gpu_matmul
+
+    _interpret_kernel(monkeypatch, "grouped")
+    monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")
+    calls = []
+    real = gpu_matmul.matmul_int4
+
+    def counted(*a, **kw):
+        calls.append(a[1].shape)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gpu_matmul, "matmul_int4", counted)
+    write_gguf(tmp_path / "m.gguf", _model(), qtype=qtype)
+    kept, _ = load_gguf(tmp_path / "m.gguf")
+    floats, _ = load_gguf(tmp_path / "m.gguf", dequantize=True)
+    kept.hold_for_accelerator()
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 50, 60]
+    got, want = paged_prompt_logits(kept, ids), paged_prompt_logits(floats, ids)
+    assert calls  # (the products a block fits: q/k/v, o, gate/up, down)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())

@@ -402,10 +402,15 @@ def dot_layer(
         y = y.astype(out_dtype)
         return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
     four = module.quantized == "int4"
-    # the GPU's 4-bit kernel reads 4-bit values with f32 scales and minimums only
-    plain = not four or (zero is not None and high is None and scale.dtype == jnp.float32)
-    if plain and (four or (scale is not None and grouped(kernel, scale))):  # groups
-        y = grouped_by_kernel(module, x, kernel, scale, zero, 4 if four else 8)
+    if four and high is None:  # the GPU's 4-bit kernel: f32 scales and minimums (a GGUF
+        # file's float16 ones widened, an offset as -offset * scale: small arrays)
+        s32 = scale.astype(jnp.float32)
+        z32 = -float(module.offset) * s32 if zero is None else zero.astype(jnp.float32)
+        y = grouped_by_kernel(module, x, kernel, s32, z32, 4)
+        if y is not None:
+            return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+    elif not four and scale is not None and grouped(kernel, scale):  # int8 groups
+        y = grouped_by_kernel(module, x, kernel, scale, zero, 8)
         if y is not None:
             return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
     if scale is not None and not four and not grouped(kernel, scale):
