@@ -447,6 +447,22 @@ def int8_groups(
     return q, d, np.repeat(m[0], k, axis=1) if m else np.zeros_like(d)
 
 
+def kept_layout(blocks: Nibbles, transposed: bool, want: tuple, source: str, name: str):
+    """``(packed, scale(, zero)(, high))`` of one tensor's ``Nibbles`` (``q [out, in / 2]``:
+    two weights a byte along ``in``, the even index in the low nibble) as the model holds
+    them: a linear kernel ``[in / 2, out]`` (``transposed``), an embedding table ``[V, E /
+    2]`` as it comes (two entries of the groups' axis a byte either way)."""
+    q = blocks.q
+    parts = tuple(a for a in (q, blocks.d, blocks.m, blocks.high) if a is not None)
+    out, half = q.shape
+    if ((2 * half, out) if transposed else (out, 2 * half)) != tuple(want):
+        raise ValueError(
+            f"{source}: tensor {name!r} has shape {(out, 2 * half)}, expected "
+            f"{tuple(want)[::-1] if transposed else tuple(want)}"
+        )
+    return tuple(a.T for a in parts) if transposed else parts
+
+
 def nibble_blocks(t: Any, qtype: str) -> Nibbles:
     """A tensor in one of ``KEPT`` formats as ``Nibbles`` (its blocks decoded, never
     widened to float)."""

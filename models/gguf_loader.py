@@ -30,6 +30,7 @@ import os
 import pathlib
 import re
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -154,8 +155,10 @@ def load_gguf(
         other linear weights are quantized to int8 (``models.quantization``'s scales:
         per group of 32 inputs for the CPU, else per output channel) a tensor at a time
         as they are read, so the load never holds them all in f32; ``"fp8"`` likewise
-        with every linear weight quantized to fp8. A mixture's experts are read in float
-        and quantized with the model (``LlamaForCausalLM.quantize``).
+        with every linear weight quantized to fp8. A mixture's experts in ``KEPT``
+        formats are kept by default too (``Experts``' int4, gate's and up's in one
+        layout); with ``quantization`` (or in Q8_0, F16...) they are read in float (and
+        quantized with the model: ``LlamaForCausalLM.quantize``).
       dequantize: every tensor dequantized to float32 instead (``quantization``
         None), as the gguf package defines each format: a quantized file's weights at
         4 bytes each, multiplied as float (no rows quantized by the CPU's kernel).
@@ -179,7 +182,8 @@ def load_gguf(
         )
     # a mixture: read in float, then quantized whole (its experts included)
     after, quantization = (quantization, None) if cfg.sparse else (None, quantization)
-    keep = not (dequantize or cfg.sparse)  # the blocks kept (quantization None, "int4")
+    # the blocks kept: by default, and with "int4" (a mixture: by default only)
+    keep = not dequantize and (not cfg.sparse or after is None)
     # int8 quantized here in groups for the CPU: rotated first (Linear.rotated), where
     # every layer's tensor of that weight is quantized here (none keeps its blocks)
     rotatable = _rotatable(reader, arch, path) if quantization == "int8" and mesh is None else set()
@@ -236,7 +240,10 @@ def _read_tensors(
             reader.release(t)
             continue
         if kind in _EXPERT_TENSORS:  # [X, out, in]: a tensor an expert
-            _split_experts(t, _dequantize(t, qtype), name, cfg.architecture, tensors)
+            if keep and quantization is None and qtype.name in KEPT:  # kept, by expert
+                _split_kept_experts(t, qtype.name, name, cfg.architecture, blocks)
+            else:
+                _split_experts(t, _dequantize(t, qtype), name, cfg.architecture, tensors)
             reader.release(t)
             continue
         matrix = len(t.shape) == 2
@@ -582,6 +589,23 @@ def _split_experts(t: Any, stack: np.ndarray, name: str, arch: str, tensors: dic
     part = _EXPERT_TENSORS[t.name.split(".")[2]]
     for e, w in enumerate(stack):
         tensors[_family_name(f"{name}.{e}.{part}.weight", arch)] = np.ascontiguousarray(w)
+
+
+def _split_kept_experts(t: Any, qtype: str, name: str, arch: str, blocks: dict) -> None:
+    """``_split_experts`` for a layer's experts kept as stored: each expert's rows of the
+    GGUF tensor's blocks as ``gguf_blocks.Nibbles`` into ``blocks``."""
+    part = _EXPERT_TENSORS[t.name.split(".")[2]]
+    raw = np.asarray(t.data, np.uint8)
+    experts, out = raw.shape[0], raw.shape[1]
+    rows = nibble_blocks(types.SimpleNamespace(data=raw.reshape(experts * out, -1)), qtype)
+    fields = ("q", "d", "m", "high")
+    for e in range(experts):
+        one = {
+            f: np.ascontiguousarray(getattr(rows, f)[e * out : (e + 1) * out])
+            for f in fields
+            if getattr(rows, f) is not None
+        }
+        blocks[_family_name(f"{name}.{e}.{part}.weight", arch)] = dataclasses.replace(rows, **one)
 
 
 def _unpermute(w: np.ndarray, heads: int, name: str, path: Any) -> np.ndarray:

@@ -26,7 +26,7 @@ from paged_jax.sharding import tensor_parallel_size
 from . import compressed
 from . import gpt_oss as gpt_oss_tensors
 from .config import LlamaConfig
-from .gguf_blocks import Nibbles, common_group, common_layout, int8_groups
+from .gguf_blocks import common_group, common_layout, int8_groups, kept_layout
 from .llama import FUSED, LlamaForCausalLM
 from .sharding import pad_vocab, place, sharder
 from .tokenizer import TextTokenizer
@@ -383,6 +383,8 @@ class _Builder:
         self.held8 = {}  # module path: [scale] or [scale, minimums], set after the merge
         self.rot8 = set()  # module paths of held8's whose weights are rotated
         self.mixed = {}  # module path: [scale, minimums] of int8 groups made of mixed formats
+        self.common = set()  # kept experts' tensors already in their pair's layout
+        self.kept_experts = {}  # Experts path: {"gate": (scale, zero, high, bits, offset), ...}
 
     def kept_int4(self, p, names, want, stacked):
         """A weight every layer of which came as ``Nibbles`` (a GGUF file's blocks): held
@@ -408,7 +410,7 @@ class _Builder:
         self.used.update(n for n, _ in names)
         held = _gather(
             names,
-            lambda n, t, want=want: _int4_layout(blocks.pop(n), t, want, source, n),
+            lambda n, t, want=want: kept_layout(blocks.pop(n), t, want, source, n),
             stacked,
         )
         scale = held[1]
@@ -514,6 +516,9 @@ class _Builder:
         ValueError naming a missing or mis-shaped tensor: a checkpoint holding fewer
         experts than the config's ``num_experts`` names the first one missing."""
         self._check_expert_count(expected[1])
+        kept = self._kept_experts(p, names, expected)
+        if kept is not None:
+            return kept
         for n, _ in names:
             self._dequantize_kept(n)
         flat = self.floats(("experts",), names, expected[2:], True, shard=False)
@@ -521,6 +526,48 @@ class _Builder:
         if self.sharding is not None:  # (each device its slice of every expert)
             value = jax.device_put(value, self.sharding(p, value.ndim))
         return value
+
+    def _kept_experts(self, p, names, expected: tuple):
+        """A mixture's expert weight ``[L, X, in / 2, out]`` every layer and expert of which
+        came as ``Nibbles`` (a GGUF file's blocks kept), in one layout with its partner
+        (gate's and up's are packed side by side, so they share one); its scales,
+        minimums and high bits wait for ``attach``. None where some tensor came otherwise
+        (float, a dense layer's placeholder), or on a mesh."""
+        blocks, leaf = self.blocks, str(p[-1])
+        if self.mesh is not None or not all(n in blocks for n, _ in names):
+            return None
+        group = list(names)
+        if leaf in ("gate_proj", "up_proj") and names[0][0] not in self.common:
+            other = "up_proj" if leaf == "gate_proj" else "gate_proj"
+            cfg = self.cfg
+            partner = _expert_names(
+                (*p[:-1], other), cfg.num_layers, cfg.num_experts, cfg.architecture
+            )
+            if not all(n in blocks for n, _ in partner):
+                return None
+            group += partner
+        if names[0][0] not in self.common:
+            what = f"{self.source}: tensors {names[0][0]!r}..."
+            for (n, _), b in zip(
+                group, common_layout([blocks[n] for n, _ in group], what), strict=True
+            ):
+                blocks[n] = b
+                self.common.add(n)
+        first = blocks[names[0][0]]
+        self.used.update(n for n, _ in names)
+        source, want = self.source, expected[2:]
+        held = _gather(names, lambda n, t: kept_layout(blocks.pop(n), t, want, source, n), True)
+        held = [a.reshape(*expected[:2], *a.shape[1:]) for a in held]
+        zero = held[2] if first.m is not None else None
+        high = held[-1] if first.bits else None
+        self.kept_experts.setdefault(p[:-1], {})[leaf.removesuffix("_proj")] = (
+            held[1],
+            zero,
+            high,
+            first.bits,
+            first.offset,
+        )
+        return jax.device_put(held[0])
 
     def _check_expert_count(self, experts: int) -> None:
         """ValueError naming ``num_experts`` where the checkpoint's experts (the distinct
@@ -567,6 +614,18 @@ class _Builder:
         def node(path):
             return functools.reduce(lambda n, part: getattr(n, str(part)), path, model)
 
+        for path, parts in self.kept_experts.items():  # a GGUF file's experts kept
+            m = node(path)
+            for name, (scale, zero, high, bits, offset) in parts.items():
+                setattr(m, f"{name}_scale", nnx.Param(jax.device_put(scale)))
+                if zero is not None:
+                    setattr(m, f"{name}_zero", nnx.Param(jax.device_put(zero)))
+                if high is not None:
+                    setattr(m, f"{name}_high", nnx.Param(jax.device_put(high)))
+                part = "down" if name == "down" else "gate_up"
+                setattr(m, f"{part}_bits", bits)
+                setattr(m, f"{part}_offset", offset)
+            m.quantized, m.float_rows = "int4", self.float_rows
         for path, (scale, zero, high, bits, offset) in self.int4.items():
             m = node(path)
             m.scale = nnx.Param(jax.device_put(scale))
@@ -586,8 +645,9 @@ class _Builder:
                 m.quantized = fmt
                 if path in self.rot8:
                     m.rotated = True
-                elif fmt == "int8" and scale.ndim == _weight_rank(m):  # int8 groups
-                    m.float_rows = self.float_rows
+                elif fmt == "int8":  # int8 groups (a table's or a kernel's rank)
+                    w = m.embedding if hasattr(m, "embedding") else m.kernel
+                    m.float_rows = self.float_rows and scale.ndim == w.get_value().ndim
         return model
 
 
@@ -611,12 +671,6 @@ def _malloc_trim():
         return libc.malloc_trim
     except (OSError, AttributeError):
         return None
-
-
-def _weight_rank(module) -> int:
-    """The rank of a module's weight as held (an embedding table or a linear kernel)."""
-    weight = module.embedding if hasattr(module, "embedding") else module.kernel
-    return weight.get_value().ndim
 
 
 def _gather(names, take, stacked: bool, dtype=None) -> tuple[np.ndarray, ...]:
@@ -659,30 +713,17 @@ def _aligned(shape: tuple, dtype) -> np.ndarray:
     return raw[at : at + size].view(dtype).reshape(shape)
 
 
-def _int4_layout(blocks: Nibbles, transposed: bool, want: tuple, source: str, name: str):
-    """``(packed, scale(, zero)(, high))`` of one tensor's ``Nibbles`` (``q [out, in / 2]``:
-    two weights a byte along ``in``, the even index in the low nibble) as the model holds
-    them: a linear kernel ``[in / 2, out]`` (``transposed``), an embedding table ``[V, E /
-    2]`` as it comes (two entries of the groups' axis a byte either way)."""
-    q = blocks.q
-    parts = tuple(a for a in (q, blocks.d, blocks.m, blocks.high) if a is not None)
-    out, half = q.shape
-    if ((2 * half, out) if transposed else (out, 2 * half)) != tuple(want):
-        raise ValueError(
-            f"{source}: tensor {name!r} has shape {(out, 2 * half)}, expected "
-            f"{tuple(want)[::-1] if transposed else tuple(want)}"
-        )
-    return tuple(a.T for a in parts) if transposed else parts
-
-
-def _dequantized_experts(q: np.ndarray, scale: np.ndarray, zero=None) -> np.ndarray:
+def _dequantized_experts(
+    q: np.ndarray, scale: np.ndarray, zero=None, high=None, offset: int = 0
+) -> np.ndarray:
     """int8 experts ``q [L, X, in, out]`` times their scales (``[L, X, in / G, out]`` or
-    ``[L, X, out]``), or 4-bit ones (``q [L, X, in / 2, out]`` with ``zero``, the groups'
-    minimums), in f32."""
-    if zero is not None:
+    ``[L, X, out]``), or 4-bit ones (uint8 ``q [L, X, in / 2, out]`` with ``zero``, the
+    groups' minimums, or an ``offset``, and perhaps ``high`` bits: a GGUF file's experts
+    kept), in f32."""
+    if q.dtype == np.uint8:
         from .quantization import dequantize_int4
 
-        return np.asarray(dequantize_int4(q, scale, zero, -2))
+        return np.asarray(dequantize_int4(q, scale, zero, -2, None, high, offset))
     if scale.ndim == q.ndim:
         scale = np.repeat(scale, q.shape[-2] // scale.shape[-2], axis=-2)
     else:
@@ -709,16 +750,25 @@ def to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
             value = value.weight()
         value = np.asarray(value)
         arch = model.config.architecture
-        if len(p) >= 2 and str(p[-2]) == "experts" and str(p[-1]).endswith(("_scale", "_zero")):
+        if (
+            len(p) >= 2
+            and str(p[-2]) == "experts"
+            and str(p[-1]).endswith(("_scale", "_zero", "_high"))
+        ):
             continue  # quantized experts' scales and minimums: their weights come dequantized
         if _is_expert_weight(p) and str(p[-1]).endswith("_proj"):
             node = functools.reduce(lambda n, part: getattr(n, str(part)), p[:-1], model)
             if node.quantized:  # quantized experts, dequantized
                 part = str(p[-1]).removesuffix("_proj")
                 scale = np.asarray(getattr(node, f"{part}_scale").get_value())
-                zero = getattr(node, f"{part}_zero", None)
+                zero, high = (getattr(node, f"{part}_{k}", None) for k in ("zero", "high"))
+                offset = node.down_offset if part == "down" else node.gate_up_offset
                 value = _dequantized_experts(
-                    value, scale, None if zero is None else zero.get_value()
+                    value,
+                    scale,
+                    None if zero is None else zero.get_value(),
+                    None if high is None else high.get_value(),
+                    offset,
                 )
         cfg = model.config
         if _is_expert_weight(p):  # [L, X, in, out]: a tensor per layer and expert

@@ -225,8 +225,8 @@ def shard(model, mesh: jax.sharding.Mesh, *, expert_parallel: bool = False):
     o and down projections' scales whole on every device); they compute by XLA's
     products there (W8A16, weight-only). ``expert_parallel``: a mixture's experts split
     by expert instead of by width (``models.sharding``). Raises ``ValueError`` for weights held for
-    one device's kernels (``hold_for_cpu``'s packing, fp8 activations), which have
-    no split layout."""
+    one device's kernels (``hold_for_cpu``'s packing, fp8 activations) or a GGUF file's
+    blocks kept as stored, which have no split layout."""
     from .sharding import shard_model
 
     held = sorted(
@@ -240,6 +240,15 @@ def shard(model, mesh: jax.sharding.Mesh, *, expert_parallel: bool = False):
         raise ValueError(
             f"model: weights {' and '.join(held)} cannot be sharded over a mesh; shard "
             "the model as loaded (or as quantized), before the engine holds it for one device"
+        )
+    if any(  # (high bits and offsets: no split rule; 4-bit groups with mins have theirs)
+        (isinstance(n, Linear) and (n.high_bits or n.offset))
+        or (isinstance(n, Experts) and n.float_rows)
+        for _, n in nnx.iter_graph(model)
+    ):
+        raise ValueError(
+            "model: a GGUF file's blocks kept as stored have no split layout; load it with "
+            "mesh= (its tensors then go to their shards in float) or with dequantize=True"
         )
     return shard_model(model, mesh, expert_parallel=expert_parallel)
 

@@ -187,16 +187,18 @@ def expert_matmul(
     first: jax.Array | int = 0,  # the weight of expert 0 (expert e's: first + e)
     scales: jax.Array | None = None,  # int8, 4-bit: f32[W, P, K / G, NR]
     mins: jax.Array | None = None,  # 4-bit: f32[W, P, K / G, NR]
+    **kept,  # a GGUF file's 4-bit experts kept: high, offset, float_rows (as matmul's)
 ) -> jax.Array:  # f32[M, n]
     """Each expert's rows of ``x`` times its own weight, by the CPU kernel
     (``paged_jax.kernels.cpu.grouped_linear``): expert e's ``sizes[e]`` rows, after the
     experts before it, by weight ``first + e``, each row as ``matmul`` computes it alone
     (int8 weights with their ``scales`` per group of inputs, 4-bit ones with ``scales``
     and ``mins``: the rows quantized to int8 in those groups); the rows past the experts'
-    are 0, and an expert no row chose is not read."""
+    are 0, and an expert no row chose is not read. ``kept``: ``high``, ``offset`` and
+    ``float_rows`` of a GGUF file's 4-bit experts kept, as ``matmul`` takes them."""
     from paged_jax.kernels import cpu
 
-    return cpu.grouped_linear(x, packed, n, sizes, first, scales=scales, mins=mins)
+    return cpu.grouped_linear(x, packed, n, sizes, first, scales=scales, mins=mins, **kept)
 
 
 def grouped_matmul(

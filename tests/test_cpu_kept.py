@@ -148,3 +148,35 @@ def test_kept_blocks_boundary_errors():
         cpu.linear(x, int8, 20, scales=cpu.pack_scales(jnp.ones(20)), offset=4)
     with pytest.raises(ValueError, match="bits: expected 1 or 2, got 3"):
         cpu.pack_high(jnp.asarray(high), 3)
+
+
+@needs_cc
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("float_rows", [False, True], ids=["w8a8", "float-rows"])
+def test_grouped_kept_rows_are_each_group_s_plain_product(name, float_rows):
+    # A mixture's experts kept as stored (grouped_linear): each expert's rows as linear
+    # computes them alone by that expert's blocks, bit for bit; the rows past the groups 0
+    bits, group, offset, dtype = LAYOUTS[name]
+    rng = np.random.default_rng(8)
+    w, k, n = 4, 64, 50
+    q, high, scales, mins = _kept(rng, w, k, n, bits, group, offset, dtype)
+    pq, ps = cpu.pack_weight(jnp.asarray(q)), cpu.pack_weight(jnp.asarray(scales))
+    pm = None if mins is None else cpu.pack_weight(jnp.asarray(mins))
+    ph = None if high is None else cpu.pack_high(jnp.asarray(high), bits)
+    sizes = np.array([3, 0, 5, 2], np.int32)
+    x = rng.standard_normal((12, k)).astype(np.float32)
+    kw = dict(scales=ps, mins=pm, high=ph, offset=offset or 0, float_rows=float_rows)
+    y = np.asarray(cpu.grouped_linear(jnp.asarray(x), pq, n, jnp.asarray(sizes), 0, **kw))
+    row = 0
+    for e, size in enumerate(sizes):
+        one = dict(
+            scales=ps[e],
+            mins=None if pm is None else pm[e],
+            high=None if ph is None else ph[e],
+            offset=offset or 0,
+            float_rows=float_rows,
+        )
+        want = np.asarray(cpu.linear(jnp.asarray(x[row : row + size]), pq[e], n, **one))
+        np.testing.assert_array_equal(y[row : row + size], want)
+        row += size
+    assert not y[row:].any()

@@ -728,3 +728,58 @@ def test_a_mixture_held_for_each_device_gives_transformers_logits(held):
     golden = np.load(GOLDEN / "qwen2moe" / "golden.npz")["logits"]
     logits = paged_prompt_logits(model, PROMPTS["long"])
     assert np.abs(logits - golden).max() / np.abs(golden).max() <= 1e-4
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q4_0"])
+def test_a_gguf_file_s_experts_are_kept_as_stored_and_computed_as_their_floats(
+    tmp_path, qtype, monkeypatch
+):
+    # By default a mixture's 4- and 5-bit experts keep their blocks (gate's and up's in
+    # one layout, down's in its own), the very weights the file defines; packed for the
+    # CPU they multiply the rows as they are by each dequantized panel (float rows): the
+    # dequantized load's tokens and log-probs; XLA's ways (held for an accelerator) its
+    # tokens. Sharding them is refused (no split layout).
+    import gguf
+
+    from paged_jax.models import load_gguf
+    from paged_jax.models.hf import to_hf_tensors
+
+    Q = gguf.GGMLQuantizationType[qtype]
+    model, _ = load_hf(GOLDEN / "qwen3moe", dtype=jnp.float32)
+    held = write_moe_gguf(tmp_path / "m.gguf", model, "qwen3moe", Q)
+    kept, _ = load_gguf(tmp_path / "m.gguf")
+    floats, _ = load_gguf(tmp_path / "m.gguf", dequantize=True)
+    e = kept.layers.mlp.experts
+    assert e.quantized == "int4" and e.float_rows and e.gate_proj.get_value().dtype == jnp.uint8
+    bits, offset = {"Q4_1": (0, 0), "Q5_0": (1, 16), "Q4_0": (0, 8)}[qtype]
+    assert (e.gate_up_bits, e.gate_up_offset, e.down_bits, e.down_offset) == (
+        bits, offset, bits, offset
+    )  # fmt: skip
+    assert e.gate_scale.get_value().dtype == jnp.float16
+    got = to_hf_tensors(kept)
+    for g, stack in held.items():
+        i, part = g.split(".")[1], {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                                    "ffn_down_exps": "down_proj"}[g.split(".")[2]]  # fmt: skip
+        for x in range(stack.shape[0]):
+            np.testing.assert_array_equal(
+                got[f"model.layers.{i}.mlp.experts.{x}.{part}.weight"], stack[x]
+            )
+    prompts = [PROMPTS["long"], PROMPTS["long"][:5]]
+    sp = pj.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
+    kw = dict(num_pages=64, page_size=8, compilation_cache=False, cache_dtype="float32")
+    want = pj.LLM(floats, **kw).generate(prompts, sp, progress=False)
+    out = pj.LLM(kept, **kw).generate(prompts, sp, progress=False)
+    from paged_jax import linear
+
+    assert kept.layers.mlp.experts.packed == linear.available()
+    for a, b in zip(out, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose(a.outputs[0].logprobs, b.outputs[0].logprobs, atol=1e-5)
+    monkeypatch.setenv("PAGED_JAX_BACKEND", "xla")  # (no packing: XLA's products)
+    again, _ = load_gguf(tmp_path / "m.gguf")
+    again.hold_for_accelerator()  # each layer's experts dequantized in the step
+    held_out = pj.LLM(again, **kw).generate(prompts, sp, progress=False)
+    for a, b in zip(held_out, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    with pytest.raises(ValueError, match="a GGUF file's blocks kept as stored have no split"):
+        load_gguf(tmp_path / "m.gguf")[0].shard(pj.tensor_parallel_mesh(1))

@@ -276,6 +276,7 @@ def packed_products(
     glu: Glu = SWIGLU,
     biases: Biases | None = None,
     scales: tuple = ((None, None), (None, None)),
+    kept: tuple = ((None, None), (0, 0), False),
 ) -> jax.Array:  # [T, H], x.dtype
     """``expert_products``' sum with the experts packed for the CPU (quantized ones with
     their packed scales and minimums, ``Experts.packed_scales``): the (token, expert)
@@ -286,12 +287,13 @@ def packed_products(
     T, H = x.shape
     K = ids.shape[1]
     (s_up, s_down), (m_up, m_down) = scales
+    (h_up, h_down), (o_up, o_down), float_rows = kept
     if gate_up.ndim == 5:  # a layer stack: this layer's experts, read where they lie
         X = gate_up.shape[1]
         first = LAYER.get() * X
         whole = lambda a: None if a is None else a.reshape(-1, *a.shape[2:])  # noqa: E731
-        gate_up, down, s_up, s_down, m_up, m_down = map(
-            whole, (gate_up, down, s_up, s_down, m_up, m_down)
+        gate_up, down, s_up, s_down, m_up, m_down, h_up, h_down = map(
+            whole, (gate_up, down, s_up, s_down, m_up, m_down, h_up, h_down)
         )
     else:
         X, first = gate_up.shape[0], 0
@@ -302,12 +304,22 @@ def packed_products(
     order = jnp.argsort(flat, stable=True)  # by expert; padding last
     sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
     rows = x.astype(jnp.float32)[order // K]
-    both = linear.expert_matmul(rows, gate_up, 2 * width, sizes, first, s_up, m_up)
+
+    def extra(high, offset):  # a GGUF file's kept experts: only what they need, named
+        kw = {} if high is None else {"high": high}
+        kw |= {"offset": offset} if offset else {}
+        return kw | ({"float_rows": True} if float_rows else {})
+
+    both = linear.expert_matmul(
+        rows, gate_up, 2 * width, sizes, first, s_up, m_up, **extra(h_up, o_up)
+    )
     g, u = both[:, :width], both[:, width:]
     b = None if biases is None else biases.of(flat[order])
     if b is not None:
         g, u = g + b.gate.astype(jnp.float32), u + b.up.astype(jnp.float32)
-    y = linear.expert_matmul(glu(g, u), down, H, sizes, first, s_down, m_down)
+    y = linear.expert_matmul(
+        glu(g, u), down, H, sizes, first, s_down, m_down, **extra(h_down, o_down)
+    )
     y = y if b is None else y + b.down.astype(jnp.float32)
     back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     picked = y[back].reshape(T, K, H)
@@ -357,6 +369,14 @@ class Experts(nnx.Module):
 
     packed = False  # hold_packed sets it on the instance (a static attribute)
     quantized = None  # quantize sets it: "int8" or "int4"
+    # A GGUF file's experts kept as stored (build_model; models.gguf_blocks.Nibbles):
+    # "int4" with float16 scales (f32 where float16 cannot hold them), gate's and up's
+    # in one layout and down's in its own, each with its high bits (``gate_high``...
+    # ``[(L,) X, in * bits / 8, out]``, ``{part}_bits`` 1 or 2) and minimums or an offset
+    # (no ``{n}_zero``: the weights scale * (q - offset)); float_rows: packed products
+    # multiply the rows as they are by each dequantized panel (Linear.float_rows)
+    float_rows = False
+    gate_up_bits = gate_up_offset = down_bits = down_offset = 0
     # models.sharding.shard_model(expert_parallel=True) sets it: the experts split by
     # expert over the mesh's "tp" axis (SparseMoE computes each device's share)
     expert_parallel = False
@@ -398,11 +418,13 @@ class Experts(nnx.Module):
         dtype = dtype or jnp.float32
         scales = [layer_value(getattr(self, f"{n}_scale")) for n in names]
         if self.quantized == "int4":
-            zeros = [layer_value(getattr(self, f"{n}_zero")) for n in names]
-            return tuple(
-                dequantize_int4(q, s, z, -2, dtype)
-                for q, s, z in zip(ws, scales, zeros, strict=True)
-            )
+            out = []
+            for n, q, s in zip(names, ws, scales, strict=True):
+                z, h = (getattr(self, f"{n}_{kind}", None) for kind in ("zero", "high"))
+                z, h = (None if v is None else layer_value(v) for v in (z, h))
+                offset = self.down_offset if n == "down" else self.gate_up_offset
+                out.append(dequantize_int4(q, s, z, -2, dtype, h, offset))
+            return tuple(out)
         return tuple(_dequantize(q, s, dtype) for q, s in zip(ws, scales, strict=True))
 
     def quantize(self, fmt: str = "int8") -> Experts:
@@ -451,7 +473,10 @@ class Experts(nnx.Module):
             return Packed(packed.reshape(*lead, *packed.shape[1:]))
 
         if self.quantized:  # their scales (and minimums) packed alike, per group of inputs
-            for kind in ("scale", "zero") if self.quantized == "int4" else ("scale",):
+            kinds = ("scale", "zero") if self.quantized == "int4" else ("scale",)
+            for kind in kinds:
+                if getattr(self, f"gate_{kind}", None) is None:  # (a kept offset: no mins)
+                    continue
                 a, b, c = (getattr(self, f"{n}_{kind}").get_value() for n in ("gate", "up", "down"))
                 if a.ndim != gate.ndim:
                     raise ValueError(
@@ -462,6 +487,15 @@ class Experts(nnx.Module):
                 setattr(self, f"down_{kind}s", pack_pair(c, None))
                 for n in ("gate", "up", "down"):
                     delattr(self, f"{n}_{kind}")
+            for part, bits in (("gate_up", self.gate_up_bits), ("down", self.down_bits)):
+                if not bits:  # the high bits of a GGUF file's 5- and 6-bit experts kept
+                    continue
+                names = ("gate", "up") if part == "gate_up" else ("down",)
+                both = jnp.concatenate([getattr(self, f"{n}_high").get_value() for n in names], -1)
+                planes = linear.pack_high(both.reshape(-1, *both.shape[-2:]), bits)
+                setattr(self, f"{part}_highs", Packed(planes.reshape(*lead, *planes.shape[1:])))
+                for n in names:
+                    delattr(self, f"{n}_high")
         rows = gate.shape[-2]  # H (H / 2 for 4-bit weights)
         gate_up = linear.pack(
             jnp.concatenate([gate, up], axis=-1).reshape(-1, rows, 2 * self.width)
@@ -490,7 +524,20 @@ class Experts(nnx.Module):
         scales = (self.gate_up_scales[...], self.down_scales[...])
         if self.quantized != "int4":
             return scales, (None, None)
-        return scales, (self.gate_up_zeros[...], self.down_zeros[...])
+        zeros = tuple(
+            None if (z := getattr(self, f"{part}_zeros", None)) is None else z[...]
+            for part in ("gate_up", "down")
+        )
+        return scales, zeros
+
+    def packed_kept(self) -> tuple:
+        """``((gate_up_highs, down_highs), (gate_up_offset, down_offset), float_rows)`` of
+        a GGUF file's experts kept, as packed (None where a part has no high bits)."""
+        highs = tuple(
+            None if (h := getattr(self, f"{part}_highs", None)) is None else h[...]
+            for part in ("gate_up", "down")
+        )
+        return highs, (self.gate_up_offset, self.down_offset), self.float_rows
 
 
 class SparseMoE(nnx.Module):
@@ -557,6 +604,7 @@ class SparseMoE(nnx.Module):
                 glu=self.glu,
                 biases=e.biases(),
                 scales=e.packed_scales(),
+                kept=e.packed_kept(),
             )
         else:
             way = "dense" if (way := current_way()) == "packed" else way

@@ -981,9 +981,12 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
  *                                 column scales (G a multiple of 4; of 8 for 4-bit ones),
  *                                 packed as f32 weights
  *   mins     f32[W, P, K / G, NR] 4-bit weights only: each group's minimums, so
+ *            (4-bit weights as PagedJaxLinear takes them: scales and mins perhaps f16, the
+ *            mins absent with an offset, then perhaps high u8[W, P, K hb / 8, NR])
  *   sizes    s32[G]               n_g, each >= 0, their sum at most M
- *   params   s32[2]               {the weight of group 0 (group g's is that plus g; all in
- *                                 [0, W)), at most this many threads}
+ *   params   s32[2] or s32[4]     {the weight of group 0 (group g's is that plus g; all in
+ *                                 [0, W)), at most this many threads, and (4-bit weights)
+ *                                 the offset and 1 for float rows, else 0}
  * Result: y f32[M, N]: group g's rows times its weight, each row as PagedJaxLinear
  * computes it alone (the same sums in the same order; int8 and 4-bit weights: the rows
  * quantized in blocks of G); the rows past the groups are 0. Each thread takes the same run of
@@ -993,6 +996,7 @@ typedef struct {
   const int32_t *sizes;  /* the groups' rows */
   int64_t groups, stride, scale_stride; /* a weight's 4-byte lanes (bytes: int8); scales' */
   int half, q; /* q: 1 int8 weights, 2 4-bit ones */
+  int64_t scale_bytes, high_stride; /* a scale's bytes (4, or 2: f16); a weight's high bits */
 } GroupedJob;
 
 static void *run_grouped(void *arg) {
@@ -1011,14 +1015,20 @@ static void *run_grouped(void *arg) {
         j.xq = g->base.xq + row * K;
         j.dx = g->base.dx + row * blocks;
         j.w = (const int8_t *)g->base.w + e * g->stride;
-        j.scale = g->base.scale + e * g->scale_stride;
+        const int64_t at = e * g->scale_stride * g->scale_bytes; /* (bytes: f32 or f16) */
+        j.scale = (const float *)((const char *)g->base.scale + at);
         if (g->q == 1) {
           j.xc = g->base.xc + row * blocks;
           run_rows_q(&j, 2);
         } else {
-          j.xsum = g->base.xsum + row * blocks;
-          j.mins = g->base.mins + e * g->scale_stride;
-          run_rows_q(&j, 0);
+          j.mins = g->base.mins ? (const float *)((const char *)g->base.mins + at) : NULL;
+          j.high = g->base.high ? g->base.high + e * g->high_stride : NULL;
+          if (j.panel) /* float rows: x as it is, each panel dequantized */
+            run_rows_dequantized(&j);
+          else {
+            j.xsum = g->base.xsum + row * blocks;
+            run_rows_q(&j, 0);
+          }
         }
       } else {
         j.w = (const float *)g->base.w + e * g->stride;
@@ -1034,24 +1044,34 @@ XLA_FFI_Error *PagedJaxGroupedLinear(XLA_FFI_CallFrame *frame) {
   if (ffi_metadata(frame)) return NULL;
   if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
   const int64_t nargs = frame->args.size;
-  if (nargs < 4 || nargs > 6 || frame->rets.size != 1)
-    return fail(frame, "paged_jax grouped linear: expected x, w, (scales, (mins,)) sizes, "
-                       "params and 1 result");
+  if (nargs < 4 || nargs > 7 || frame->rets.size != 1)
+    return fail(frame, "paged_jax grouped linear: expected x, w, (scales, (mins,) (high,)) "
+                       "sizes, params and 1 result");
   const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1],
-                       *scales = nargs >= 5 ? frame->args.args[2] : NULL,
-                       *mins = nargs == 6 ? frame->args.args[3] : NULL,
-                       *sizes = frame->args.args[nargs - 2], *params = frame->args.args[nargs - 1],
-                       *y = frame->rets.rets[0];
+                       *scales = nargs >= 5 ? frame->args.args[2] : NULL, *mins = NULL,
+                       *high = NULL, *sizes = frame->args.args[nargs - 2],
+                       *params = frame->args.args[nargs - 1], *y = frame->rets.rets[0];
+  for (int64_t a = 3; a < nargs - 2; ++a) { /* u8: 4-bit weights' high bits; else mins */
+    const XLA_FFI_Buffer *o = frame->args.args[a];
+    if (o->dtype == XLA_FFI_DataType_U8 && !high)
+      high = o;
+    else if (!mins && !high)
+      mins = o;
+    else
+      return fail(frame, "paged_jax grouped linear: expected scales, then mins, then high bits");
+  }
   const int half = w->dtype == XLA_FFI_DataType_BF16;
   const int q = w->dtype == XLA_FFI_DataType_S8 ? 1 : w->dtype == XLA_FFI_DataType_U8 ? 2 : 0;
+  const int np = params->rank == 1 ? (int)params->dims[0] : 0;
   if (x->rank != 2 || w->rank != 4 || sizes->rank != 1 || params->rank != 1 || y->rank != 2 ||
       x->dtype != XLA_FFI_DataType_F32 || y->dtype != XLA_FFI_DataType_F32 ||
       (w->dtype != XLA_FFI_DataType_F32 && !half && !q) || sizes->dtype != XLA_FFI_DataType_S32 ||
-      params->dtype != XLA_FFI_DataType_S32 || params->dims[0] != 2 ||
-      (q != 0) != (scales != NULL) || (q == 2) != (mins != NULL))
+      params->dtype != XLA_FFI_DataType_S32 || (np != 2 && np != 4) ||
+      (q != 0) != (scales != NULL) || (q != 2 && (mins || high)))
     return fail(frame, "paged_jax grouped linear: expected f32 x[M,K], f32 or bf16 "
                        "w[W,P,K,NR] (s8 with f32 scales[W,P,K/G,NR], u8 w[W,P,K/2,NR] with "
-                       "scales and mins), s32 sizes[G], s32 params[2], f32 y[M,N]");
+                       "scales, perhaps mins and high bits), s32 sizes[G], s32 params[2] or "
+                       "params[4], f32 y[M,N]");
   const int64_t W = w->dims[0], P = w->dims[1], K = x->dims[1], M = x->dims[0];
   const int64_t N = y->dims[1], G = sizes->dims[0];
   if (w->dims[2] * (q == 2 ? 2 : 1) != K || w->dims[3] != NR || y->dims[0] != M ||
@@ -1062,21 +1082,34 @@ XLA_FFI_Error *PagedJaxGroupedLinear(XLA_FFI_CallFrame *frame) {
   int64_t B = 0; /* int8 and 4-bit: the rows of a scale's group */
   if (q) {
     const int64_t *sd = scales->dims;
-    int ok = scales->rank == 4 && scales->dtype == XLA_FFI_DataType_F32 && sd[0] == W &&
-             sd[1] == P && sd[3] == NR && sd[2] > 0 && K % sd[2] == 0 &&
+    const int f16 = q == 2 && scales->dtype == XLA_FFI_DataType_F16;
+    int ok = scales->rank == 4 && (scales->dtype == XLA_FFI_DataType_F32 || f16) &&
+             sd[0] == W && sd[1] == P && sd[3] == NR && sd[2] > 0 && K % sd[2] == 0 &&
              (K / sd[2]) % (q == 2 ? 8 : 4) == 0;
     if (mins)
-      ok = ok && mins->rank == 4 && mins->dtype == XLA_FFI_DataType_F32 &&
-           mins->dims[0] == W && mins->dims[1] == P && mins->dims[2] == sd[2] &&
-           mins->dims[3] == NR;
+      ok = ok && mins->rank == 4 && mins->dtype == scales->dtype && mins->dims[0] == W &&
+           mins->dims[1] == P && mins->dims[2] == sd[2] && mins->dims[3] == NR;
     if (!ok)
       return fail(frame, "paged_jax grouped linear: expected f32 scales [W, P, K / G, NR] with "
-                         "s8 weights (G a multiple of 4), and mins alike with u8 ones (of 8)");
+                         "s8 weights (G a multiple of 4), and f32 or f16 ones (mins alike) "
+                         "with u8 ones (of 8)");
     B = K / sd[2];
+  }
+  int hb = 0; /* 4-bit weights' high bits: [W, P, K hb / 8, NR] */
+  if (high) {
+    hb = (int)(high->dims[2] * 8 / K);
+    if (high->rank != 4 || high->dims[0] != W || high->dims[1] != P || high->dims[3] != NR ||
+        (hb != 1 && hb != 2) || high->dims[2] * 8 != K * hb || K % (16 / hb))
+      return fail(frame, "paged_jax grouped linear: expected u8 high bits [W, P, K hb / 8, NR], "
+                         "hb 1 (K a multiple of 32) or 2 (of 16)");
   }
   const int32_t *p = (const int32_t *)params->data, *n = (const int32_t *)sizes->data;
   if (p[0] < 0 || p[0] + G > W)
     return fail(frame, "paged_jax grouped linear: the groups' weights are out of range");
+  const int offset = np == 4 ? p[2] : 0, float_rows = np == 4 && p[3] != 0;
+  if ((offset && (q != 2 || mins)) || (float_rows && q != 2))
+    return fail(frame, "paged_jax grouped linear: an offset needs 4-bit weights without mins, "
+                       "float rows 4-bit weights");
   int64_t rows = 0;
   for (int64_t e = 0; e < G; ++e) {
     if (n[e] < 0) return fail(frame, "paged_jax grouped linear: a group of negative size");
@@ -1102,7 +1135,7 @@ XLA_FFI_Error *PagedJaxGroupedLinear(XLA_FFI_CallFrame *frame) {
   float *dx = NULL, *xs = NULL;
   int32_t *xc = NULL;
   const int64_t blocks = q ? K / B : 0;
-  if (q) {
+  if (q && !float_rows) {
     const size_t per = (size_t)(rows * blocks);
     buf = malloc(sizeof(float) * per * 2 + (size_t)(rows * K));
     if (!buf) return fail(frame, "paged_jax grouped linear: out of memory");
@@ -1117,22 +1150,44 @@ XLA_FFI_Error *PagedJaxGroupedLinear(XLA_FFI_CallFrame *frame) {
   /* one weight: 4-byte lanes (f32, bf16 pairs) or bytes (int8, 4-bit) */
   const int64_t stride = q ? P * (q == 2 ? K / 2 : K) * NR : P * (half ? K / 2 : K) * NR;
   const int64_t scale_stride = q ? P * blocks * NR : 0;
+  const int64_t scale_bytes = scales && scales->dtype == XLA_FFI_DataType_F16 ? 2 : 4;
+  const int64_t high_stride = high ? P * (K * hb / 8) * NR : 0;
   const int64_t threads = clamp_threads(p[1], rows * K * P * NR / MIN_MACS_PER_THREAD, P);
+  /* 4-bit weights with f16 scales or without mins: each thread's panel's scales widened;
+   * float rows: each thread's panel dequantized */
+  const int wide_needed = q == 2 && (scale_bytes == 2 || !mins);
+  float *wide = wide_needed ? malloc(sizeof(float) * 2 * (size_t)(blocks * NR * threads)) : NULL;
+  float *panels = float_rows ? malloc(sizeof(float) * (size_t)(K * NR * threads)) : NULL;
+  if ((wide_needed && !wide) || (float_rows && !panels)) {
+    free(xb);
+    free(buf);
+    free(wide);
+    free(panels);
+    return fail(frame, "paged_jax grouped linear: out of memory");
+  }
+  const int64_t first_at = p[0] * scale_stride * scale_bytes; /* bytes */
   GroupedJob jobs[MAX_THREADS];
   for (int64_t t = 0; t < threads; ++t) {
-    LinearJob base = {.x = half || q ? NULL : (const float *)x->data,
-                      .w = q ? (const void *)((const int8_t *)w->data + p[0] * stride)
-                             : (const void *)((const float *)w->data + p[0] * stride),
-                      .scale = q ? (const float *)scales->data + p[0] * scale_stride : NULL,
-                      .mins = mins ? (const float *)mins->data + p[0] * scale_stride : NULL,
-                      .y = (float *)y->data, .K = K, .N = N, .B = B, .grouped = q == 1,
-                      .xq = xq, .dx = dx, .xc = xc, .xsum = xs,
-                      .first = P * t / threads, .last = P * (t + 1) / threads, .xb = xb};
+    LinearJob base = {
+        .x = (half || q) && !float_rows ? NULL : (const float *)x->data,
+        .w = q ? (const void *)((const int8_t *)w->data + p[0] * stride)
+               : (const void *)((const float *)w->data + p[0] * stride),
+        .scale = q ? (const float *)((const char *)scales->data + first_at) : NULL,
+        .mins = mins ? (const float *)((const char *)mins->data + first_at) : NULL,
+        .y = (float *)y->data, .K = K, .N = N, .B = B, .grouped = q == 1, .xq = xq, .dx = dx,
+        .xc = xc, .xsum = xs, .first = P * t / threads, .last = P * (t + 1) / threads, .xb = xb,
+        .high = high ? (const uint8_t *)high->data + p[0] * high_stride : NULL, .hb = hb,
+        .half = scale_bytes == 2, .offset = offset,
+        .wide = wide ? wide + 2 * blocks * NR * t : NULL,
+        .panel = panels ? panels + K * NR * t : NULL};
     jobs[t] = (GroupedJob){.base = base, .sizes = n, .groups = G, .stride = stride,
-                           .scale_stride = scale_stride, .half = half, .q = q};
+                           .scale_stride = scale_stride, .half = half, .q = q,
+                           .scale_bytes = scale_bytes, .high_stride = high_stride};
   }
   run_jobs(frame, jobs, sizeof(GroupedJob), threads, run_grouped);
   free(xb);
   free(buf);
+  free(wide);
+  free(panels);
   return NULL;
 }

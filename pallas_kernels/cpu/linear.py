@@ -320,6 +320,9 @@ def grouped_linear(
     scales: jax.Array | None = None,  # int8, 4-bit: f32[W, P, K / G, NR]
     mins: jax.Array | None = None,  # 4-bit: f32[W, P, K / G, NR]
     threads: int | None = None,
+    high: jax.Array | None = None,  # 4-bit: u8[W, P, K hb / 8, NR] (pack_high)
+    offset: int = 0,  # static: 4-bit without mins: scales * (q - offset)
+    float_rows: bool = False,  # static: 4-bit weights dequantized, x as it is
 ) -> jax.Array:  # f32[M, n]
     """Each group's rows of ``x`` times its own weight (``linear.c``'s grouped product):
     group g's ``sizes[g]`` rows, after the groups before it, by weight ``first + g`` of
@@ -330,7 +333,10 @@ def grouped_linear(
     weight's ``f32[K / G, n]``, G a multiple of 4): the weight is ``q[k, j] * scales[k //
     G, j]``, and the rows are quantized in blocks of G (W8A8, as ``linear``); 4-bit ones
     (uint8, two rows a byte, as ``linear`` takes them) with ``scales`` and ``mins`` per
-    group (G a multiple of 8): ``scales * q + mins``.
+    group (G a multiple of 8): ``scales * q + mins``; as ``linear`` takes them, their
+    scales and mins may be float16, the mins absent with an ``offset``, ``high`` bits
+    above the 4 (a GGUF file's experts kept), and ``float_rows`` multiplies the rows as
+    they are by each dequantized panel.
     ``first`` may be traced; the groups' weights must lie in ``packed`` (checked by the
     kernel, which fails the call otherwise). Raises ``ValueError`` for other dtypes or
     shapes and when the kernels are not available."""
@@ -359,12 +365,23 @@ def grouped_linear(
             f"weights within packed's {w}), got {first}"
         )
     extra = ()
+    if float_rows and not four:
+        raise ValueError(f"float_rows: needs 4-bit weights, got {packed.dtype}")
+    # a GGUF file's experts kept: mins may be absent (an offset), scales float16
+    kept = four and (
+        high is not None or offset or (scales is not None and scales.dtype == jnp.float16)
+    )
     if packed.dtype in (jnp.int8, jnp.uint8):
         multiple = 8 if four else 4
-        for name, a in (("scales", scales), ("mins", mins if four else scales)):
+        dtypes = (jnp.float32, jnp.float16) if four else (jnp.float32,)
+        checks = [("scales", scales)]
+        if not four or mins is not None or not kept:
+            checks.append(("mins", mins if four else scales))
+        for name, a in checks:
             ok = (
                 a is not None
-                and a.dtype == jnp.float32
+                and a.dtype in dtypes
+                and a.dtype == scales.dtype
                 and a.ndim == 4
                 and a.shape[:2] == (w, p)
                 and a.shape[3] == nr
@@ -378,18 +395,23 @@ def grouped_linear(
                     f"{name}: {packed.dtype} weights need f32 [{w}, {p}, K / G, {nr}] {name}, "
                     f"G a multiple of {multiple} dividing K={k}; got {got}"
                 )
-        if four and mins.shape != scales.shape:
+        if four and mins is not None and mins.shape != scales.shape:
             raise ValueError(f"mins: expected scales' shape {scales.shape}, got {mins.shape}")
-        extra = (scales, mins) if four else (scales,)
+        extra = (scales, mins) if four and mins is not None else (scales,)
         if not four and mins is not None:
             raise ValueError("mins: int8 weights take no mins here")
     elif scales is not None or mins is not None:
         raise ValueError(
             f"scales, mins: only int8 and 4-bit weights take them, got {packed.dtype} weights"
         )
-    params = jnp.stack([jnp.asarray(first, jnp.int32), jnp.int32(threads_of(threads))])
+    _check_kept(packed, scales, mins, high, offset, k)
+    if high is not None:
+        extra = (*extra, high)
+    params = [jnp.asarray(first, jnp.int32), jnp.int32(threads_of(threads))]
+    if offset or float_rows:
+        params += [jnp.int32(offset), jnp.int32(1 if float_rows else 0)]
     call = jax.ffi.ffi_call(GROUPED_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x, packed, *extra, sizes.astype(jnp.int32), params)
+    return call(x, packed, *extra, sizes.astype(jnp.int32), jnp.stack(params))
 
 
 def _check_operands(x, packed, n, layer, scales, mins, rotated) -> tuple[int, int]:
