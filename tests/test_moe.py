@@ -685,6 +685,18 @@ def test_a_mixture_s_gguf_file_loads_as_its_checkpoint(name, arch, tmp_path):
     assert out == golden["greedy_long"].tolist()
 
 
+def _assert_experts_are(got: dict, held: dict) -> None:
+    """The experts' weights of ``got`` (``to_hf_tensors``) are the file's (``held``:
+    ``write_moe_gguf``'s), exactly."""
+    parts = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+    for g, stack in held.items():
+        i, part = g.split(".")[1], parts[g.split(".")[2]]
+        for e in range(stack.shape[0]):
+            np.testing.assert_array_equal(
+                got[f"model.layers.{i}.mlp.experts.{e}.{part}.weight"], stack[e]
+            )
+
+
 def test_a_gguf_file_s_quantized_experts_are_read_as_their_blocks_say(tmp_path):
     import gguf
 
@@ -695,13 +707,7 @@ def test_a_gguf_file_s_quantized_experts_are_read_as_their_blocks_say(tmp_path):
     held = write_moe_gguf(tmp_path / "m.gguf", model, "qwen3moe", gguf.GGMLQuantizationType.Q8_0)
     loaded, _ = load_gguf(tmp_path / "m.gguf")
     got = to_hf_tensors(loaded)
-    for g, stack in held.items():
-        i, part = g.split(".")[1], {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
-                                    "ffn_down_exps": "down_proj"}[g.split(".")[2]]  # fmt: skip
-        for e in range(stack.shape[0]):
-            np.testing.assert_array_equal(
-                got[f"model.layers.{i}.mlp.experts.{e}.{part}.weight"], stack[e]
-            )
+    _assert_experts_are(got, held)
     with pytest.raises(ValueError, match="quantization: 'fp8' for a mixture of experts"):
         load_gguf(tmp_path / "m.gguf", quantization="fp8")
     eight, _ = load_gguf(tmp_path / "m.gguf", quantization="int8")
@@ -756,14 +762,7 @@ def test_a_gguf_file_s_experts_are_kept_as_stored_and_computed_as_their_floats(
         bits, offset, bits, offset
     )  # fmt: skip
     assert e.gate_scale.get_value().dtype == jnp.float16
-    got = to_hf_tensors(kept)
-    for g, stack in held.items():
-        i, part = g.split(".")[1], {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
-                                    "ffn_down_exps": "down_proj"}[g.split(".")[2]]  # fmt: skip
-        for x in range(stack.shape[0]):
-            np.testing.assert_array_equal(
-                got[f"model.layers.{i}.mlp.experts.{x}.{part}.weight"], stack[x]
-            )
+    _assert_experts_are(to_hf_tensors(kept), held)
     prompts = [PROMPTS["long"], PROMPTS["long"][:5]]
     sp = pj.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
     kw = dict(num_pages=64, page_size=8, compilation_cache=False, cache_dtype="float32")
