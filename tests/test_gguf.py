@@ -596,7 +596,7 @@ def test_kept_blocks_run_in_the_engine_as_their_float_weights(tmp_path, qtype, f
     # or held for accelerators) the same tokens as the floats.
     from paged_jax import linear
 
-    write_gguf(tmp_path / "m.gguf", _model(tie_word_embeddings=qtype != Q.Q6_K), qtype=qtype)
+    write_gguf(tmp_path / "m.gguf", _model(tie_word_embeddings=qtype != Q.Q5_1), qtype=qtype)
     floats, _ = load_gguf(tmp_path / "m.gguf", dequantize=True)
     kept, _ = models.load(tmp_path / "m.gguf", quantization=fmt)
     assert kept.layers.mlp.down_proj.float_rows == (fmt is None)
