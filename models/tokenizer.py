@@ -49,6 +49,10 @@ class TextTokenizer:
         """The ``tokenizers.Encoding`` of ``text`` (``.ids``, ``.tokens``)."""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    # decode(ids) is self.tokenizer's with special tokens skipped: the engine may decode
+    # outputs incrementally with the library's DecodeStream (engine/outputs.py)
+    stream_decodable = True
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

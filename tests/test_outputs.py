@@ -195,3 +195,31 @@ def test_request_output_orders_samples_and_ranks_beams():
         _seq([0], [3, 3], cum_logprob=-1.8),
     ]
     assert [o.text for o in proc.request_output(g).outputs] == ["dd", "ccc"]
+
+
+def test_streamed_text_is_the_whole_decode_after_every_token():
+    # StreamedText (tokenizers' DecodeStream, what a TextTokenizer's outputs use): the
+    # same check as IncrementalText's, each id stepped through the stream once
+    import numpy as np
+
+    from paged_jax.engine.outputs import StreamedText
+
+    corpus, tokenizers = _trained_tokenizers()
+    rng = np.random.default_rng(1)
+    for name, tok in tokenizers.items():
+        for trial in range(200):
+            if trial % 2:
+                ids = tok.encode(corpus[trial % 3][: rng.integers(1, 60)]).ids
+            else:
+                ids = rng.integers(0, tok.get_vocab_size(), rng.integers(1, 40)).tolist()
+            st = StreamedText(tok)
+            for n in range(1, len(ids) + 1):
+                assert st.update(tok.decode, ids[:n]) == tok.decode(ids[:n]), (name, ids[:n])
+            # another list (not an extension): starts over
+            other = ids[:-1] + [(ids[-1] + 1) % tok.get_vocab_size()]
+            assert st.update(tok.decode, other) == tok.decode(other), (name, other)
+    # a TextTokenizer's outputs take it; another tokenizer keeps IncrementalText
+    from paged_jax.models.tokenizer import TextTokenizer
+
+    assert OutputProcessor(TextTokenizer(tok), {EOS}, 100)._streamable is tok
+    assert OutputProcessor(Letters(), {EOS}, 100)._streamable is None

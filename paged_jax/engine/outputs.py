@@ -169,6 +169,69 @@ class IncrementalText:
         return self.text
 
 
+class StreamedText:
+    """``IncrementalText``'s interface over the ``tokenizers`` library's own incremental
+    decoder (``tokenizers.decoders.DecodeStream``, special tokens skipped) for a
+    ``tokenizers.Tokenizer``: each new id is stepped through it once, and what it emits
+    (whole characters, the decoder's spacing rules applied across tokens) is appended
+    to ``committed``; ``tail`` is the text of the ids it holds back (half a UTF-8
+    sequence: U+FFFD), by ``decode``. A list that does not extend the ids seen (shorter,
+    or another id where the last one was) starts over."""
+
+    __slots__ = ("_tokenizer", "stream", "n", "last", "pending", "committed", "tail", "checked")
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        self._start()
+
+    def _start(self) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self.stream = DecodeStream(skip_special_tokens=True)
+        self.n = self.checked = 0
+        self.last = None
+        self.pending: list[int] = []
+        self.committed = self.tail = ""
+
+    @property
+    def text(self) -> str:
+        return self.committed + self.tail
+
+    def update(self, decode: Callable[[list[int]], str], ids: list[int]) -> str:
+        """The text of ``ids``, which extend the ids of the last update."""
+        if len(ids) < self.n or (self.n and ids[self.n - 1] != self.last):
+            self._start()
+        if len(ids) == self.n:
+            return self.text
+        step, tok = self.stream.step, self._tokenizer
+        for t in ids[self.n :]:
+            piece = step(tok, t)
+            if piece is None:
+                self.pending.append(t)
+            else:
+                self.committed += piece
+                self.pending = []
+        self.n, self.last = len(ids), ids[-1]
+        self.tail = decode(self.pending) if self.pending else ""
+        return self.text
+
+
+def _stream_decodable(tokenizer: Any) -> Any | None:
+    """The ``tokenizers.Tokenizer`` of a tokenizer that says its ``decode`` is that
+    tokenizer's with special tokens skipped, as ``StreamedText``'s stream decodes
+    (``stream_decodable``: ``models.tokenizer.TextTokenizer``), or None (another
+    tokenizer: the byte tokenizer, a user's object)."""
+    if not getattr(tokenizer, "stream_decodable", False):
+        return None
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream  # noqa: F401  (tokenizers >= 0.21)
+    except ImportError:
+        return None
+    inner = tokenizer.tokenizer
+    return inner if isinstance(inner, Tokenizer) else None
+
+
 @functools.lru_cache(maxsize=256)
 def _stop_pattern(stops: tuple[str, ...]) -> re.Pattern:
     """One pattern matching any of ``stops``: at the leftmost position, the first of them
@@ -190,6 +253,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        # a TextTokenizer's tokenizers.Tokenizer: outputs decoded by its DecodeStream
+        self._streamable = _stream_decodable(tokenizer)
         # streamed requests (request id -> what their stream has been sent), in order
         self._streams: dict[Hashable, _Stream] = {}
 
@@ -260,7 +325,11 @@ class OutputProcessor:
         if self.tokenizer is None:
             return None
         if s.detok is None:
-            s.detok = IncrementalText()
+            s.detok = (
+                StreamedText(self._streamable)
+                if self._streamable is not None
+                else IncrementalText()
+            )
         return s.detok.update(self.decode, s.output)
 
     def cut_at_stop_string(self, s: Seq, p: SamplingParams) -> bool:
