@@ -141,6 +141,21 @@ def _stats(xs):
     return dict(min=min(xs), median=statistics.median(xs), max=max(xs))
 
 
+def _write(name: str, argv, **fields):
+    """``write_result`` of ``name`` with the machine, the command, the vocabulary and the
+    schemas, and ``fields``."""
+    return write_result(
+        name,
+        dict(
+            environment=environment(),
+            command="python -m benchmarks grammar " + " ".join(argv or []),
+            model=f"{MODEL} (vocabulary of 49,152)",
+            schemas=list(SCHEMAS),
+            **fields,
+        ),
+    )
+
+
 def step_fill(tok, rows: int, steps: int, repeats: int) -> dict:
     """``--step-rows``: ms per step of filling ``rows`` constrained rows' masks, row by
     row and together (the module's docstring)."""
@@ -214,16 +229,7 @@ def main(argv=None) -> int:
             f"{r['threads']} cores)",
             flush=True,
         )
-        path = write_result(
-            "grammar_step",
-            dict(
-                environment=environment(),
-                command="python -m benchmarks grammar " + " ".join(argv or []),
-                model=f"{MODEL} (vocabulary of 49,152)",
-                schemas=list(SCHEMAS),
-                **r,
-            ),
-        )
+        path = _write("grammar_step", argv, **r)
         print(f"results: {path}")
         return 0
 
@@ -262,16 +268,6 @@ def main(argv=None) -> int:
             f"(max {med['mask_per_token_max_us']:.0f})",
             flush=True,
         )
-    path = write_result(
-        "grammar",
-        dict(
-            environment=environment(),
-            command="python -m benchmarks grammar " + " ".join(argv or []),
-            model=f"{MODEL} (vocabulary of 49,152)",
-            schemas=list(SCHEMAS),
-            repeats=args.repeats,
-            results=rows,
-        ),
-    )
+    path = _write("grammar", argv, repeats=args.repeats, results=rows)
     print(f"results: {path}")
     return 0
