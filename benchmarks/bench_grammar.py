@@ -17,8 +17,8 @@ tokens, us); min / median / max of ``--repeats``.
 ``--step-rows N`` measures instead what one engine step of N constrained rows costs on the
 host (``paged_jax.engine.structured.Grammars``, llguidance, no ``transformers``
 needed): N matchers of ``SCHEMAS``, each advanced to a different point of its instance,
-their masks filled one row after another (``fill``) and all at once on llguidance's
-thread pool (``fill_rows``), ``--steps`` steps (each matcher then takes its next token)
+their masks filled one row after another (``fill``) and as the engine fills them
+(``fill_rows``: all at once on llguidance's thread pool from ``PARALLEL_ROWS`` rows on), ``--steps`` steps (each matcher then takes its next token)
 per repeat; ms per step, min / median / max, written to ``grammar_step.json``.
 """
 

@@ -85,13 +85,16 @@ def test_a_step_s_rows_fill_together_as_each_alone(engine):
     grammars = Grammars(tok, eos=None, vocab=vocab)
     specs = [StructuredOutput(regex=r"(ab|c)[0-9]{1,2}"), StructuredOutput(regex=CODE)]
     pairs = []
-    for k in range(6):
+    for k in range(40):  # (from PARALLEL_ROWS rows on, the thread pool's way)
         m = grammars.matcher(specs[k % 2])
-        text = ("ab7", "bc-12")[k % 2][: k // 2 + 1]
+        text = ("ab7", "bc-12")[k % 2][: k % 6 // 2 + 1]
         for t in tok.encode(text, add_special_tokens=False).ids:
             assert m.consume_token(t)
         pairs.append((m, 2 * k + 1))  # odd rows; the even ones keep their bits
-    together = np.full((13, -(-vocab // 32)), -1, np.int32)
+    from paged_jax.engine.structured import PARALLEL_ROWS
+
+    assert len(pairs) >= PARALLEL_ROWS
+    together = np.full((81, -(-vocab // 32)), -1, np.int32)
     grammars.fill_rows(pairs, together)
     alone = np.full_like(together, -1)
     for m, row in pairs:
