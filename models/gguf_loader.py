@@ -157,8 +157,8 @@ def load_gguf(
         as they are read, so the load never holds them all in f32; ``"fp8"`` likewise
         with every linear weight quantized to fp8. A mixture's experts in ``KEPT``
         formats are kept by default too (``Experts``' int4, gate's and up's in one
-        layout); with ``quantization`` (or in Q8_0, F16...) they are read in float (and
-        quantized with the model: ``LlamaForCausalLM.quantize``).
+        layout; Q8_0 ones as int8 groups); with ``quantization`` (or in F16...) they are
+        read in float (and quantized with the model: ``LlamaForCausalLM.quantize``).
       dequantize: every tensor dequantized to float32 instead (``quantization``
         None), as the gguf package defines each format: a quantized file's weights at
         4 bytes each, multiplied as float (no rows quantized by the CPU's kernel).
@@ -242,6 +242,8 @@ def _read_tensors(
         if kind in _EXPERT_TENSORS:  # [X, out, in]: a tensor an expert
             if keep and quantization is None and qtype.name in KEPT:  # kept, by expert
                 _split_kept_experts(t, qtype.name, name, cfg.architecture, blocks)
+            elif keep and quantization is None and qtype.name == "Q8_0":  # int8 groups
+                _split_kept_experts(t, qtype.name, name, cfg.architecture, eight)
             else:
                 _split_experts(t, _dequantize(t, qtype), name, cfg.architecture, tensors)
             reader.release(t)
@@ -593,11 +595,20 @@ def _split_experts(t: Any, stack: np.ndarray, name: str, arch: str, tensors: dic
 
 def _split_kept_experts(t: Any, qtype: str, name: str, arch: str, blocks: dict) -> None:
     """``_split_experts`` for a layer's experts kept as stored: each expert's rows of the
-    GGUF tensor's blocks as ``gguf_blocks.Nibbles`` into ``blocks``."""
+    GGUF tensor's blocks into ``blocks``, as ``gguf_blocks.Nibbles`` (Q8_0: as int8
+    groups, ``(q, d)``)."""
     part = _EXPERT_TENSORS[t.name.split(".")[2]]
     raw = np.asarray(t.data, np.uint8)
     experts, out = raw.shape[0], raw.shape[1]
-    rows = nibble_blocks(types.SimpleNamespace(data=raw.reshape(experts * out, -1)), qtype)
+    flat = types.SimpleNamespace(data=raw.reshape(experts * out, -1))
+    if qtype == "Q8_0":  # int8 groups of 32: (q [out, in], d [out, in / 32]) an expert
+        q, d = _EIGHT_BIT_BLOCKS["Q8_0"](flat)
+        for e in range(experts):
+            rows_of = slice(e * out, (e + 1) * out)
+            key = _family_name(f"{name}.{e}.{part}.weight", arch)
+            blocks[key] = (np.ascontiguousarray(q[rows_of]), np.ascontiguousarray(d[rows_of]))
+        return
+    rows = nibble_blocks(flat, qtype)
     fields = ("q", "d", "m", "high")
     for e in range(experts):
         one = {

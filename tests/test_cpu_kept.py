@@ -180,3 +180,27 @@ def test_grouped_kept_rows_are_each_group_s_plain_product(name, float_rows):
         np.testing.assert_array_equal(y[row : row + size], want)
         row += size
     assert not y[row:].any()
+
+
+@needs_cc
+def test_grouped_int8_float_rows_are_each_group_s_dequantized_product():
+    # A mixture's Q8_0 experts kept (int8, an f32 scale per group of 32), float rows:
+    # each expert's rows the f32 kernel's sums on its dequantized weight
+    rng = np.random.default_rng(9)
+    w, k, n = 3, 64, 40
+    q = rng.integers(-127, 128, (w, k, n), dtype=np.int8)
+    scales = (rng.random((w, k // 32, n)) * 0.01).astype(np.float32)
+    sizes = np.array([2, 4, 0], np.int32)
+    x = rng.standard_normal((7, k)).astype(np.float32)
+    ps = cpu.pack_weight(jnp.asarray(scales))
+    y = cpu.grouped_linear(
+        jnp.asarray(x), cpu.pack_weight(jnp.asarray(q)), n, jnp.asarray(sizes), 0,
+        scales=ps, float_rows=True,
+    )  # fmt: skip
+    y, row = np.asarray(y), 0
+    for e, size in enumerate(sizes):
+        dense = q[e].astype(np.float32) * np.repeat(scales[e], 32, axis=0)
+        want = cpu.linear(jnp.asarray(x[row : row + size]), cpu.pack_weight(jnp.asarray(dense)), n)
+        np.testing.assert_array_equal(y[row : row + size], np.asarray(want))
+        row += size
+    assert not y[row:].any()

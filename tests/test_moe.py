@@ -736,7 +736,7 @@ def test_a_mixture_held_for_each_device_gives_transformers_logits(held):
     assert np.abs(logits - golden).max() / np.abs(golden).max() <= 1e-4
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q4_0", "Q8_0"])
 def test_a_gguf_file_s_experts_are_kept_as_stored_and_computed_as_their_floats(
     tmp_path, qtype, monkeypatch
 ):
@@ -756,12 +756,18 @@ def test_a_gguf_file_s_experts_are_kept_as_stored_and_computed_as_their_floats(
     kept, _ = load_gguf(tmp_path / "m.gguf")
     floats, _ = load_gguf(tmp_path / "m.gguf", dequantize=True)
     e = kept.layers.mlp.experts
-    assert e.quantized == "int4" and e.float_rows and e.gate_proj.get_value().dtype == jnp.uint8
-    bits, offset = {"Q4_1": (0, 0), "Q5_0": (1, 16), "Q4_0": (0, 8)}[qtype]
-    assert (e.gate_up_bits, e.gate_up_offset, e.down_bits, e.down_offset) == (
-        bits, offset, bits, offset
-    )  # fmt: skip
-    assert e.gate_scale.get_value().dtype == jnp.float16
+    if qtype == "Q8_0":  # int8 groups of 32, the file's f16 scales in f32
+        assert e.quantized == "int8" and e.float_rows
+        assert e.gate_proj.get_value().dtype == jnp.int8
+        assert e.gate_scale.get_value().shape[-2] == e.gate_proj.get_value().shape[-2] // 32
+    else:
+        assert e.quantized == "int4" and e.float_rows
+        assert e.gate_proj.get_value().dtype == jnp.uint8
+        bits, offset = {"Q4_1": (0, 0), "Q5_0": (1, 16), "Q4_0": (0, 8)}[qtype]
+        assert (e.gate_up_bits, e.gate_up_offset, e.down_bits, e.down_offset) == (
+            bits, offset, bits, offset
+        )  # fmt: skip
+        assert e.gate_scale.get_value().dtype == jnp.float16
     _assert_experts_are(to_hf_tensors(kept), held)
     prompts = [PROMPTS["long"], PROMPTS["long"][:5]]
     sp = pj.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)

@@ -986,7 +986,8 @@ XLA_FFI_Error *PagedJaxLinear(XLA_FFI_CallFrame *frame) {
  *   sizes    s32[G]               n_g, each >= 0, their sum at most M
  *   params   s32[2] or s32[4]     {the weight of group 0 (group g's is that plus g; all in
  *                                 [0, W)), at most this many threads, and (4-bit weights)
- *                                 the offset and 1 for float rows, else 0}
+ *                                 the offset and 1 for float rows (int8 and 4-bit
+ *                                 weights), else 0}
  * Result: y f32[M, N]: group g's rows times its weight, each row as PagedJaxLinear
  * computes it alone (the same sums in the same order; int8 and 4-bit weights: the rows
  * quantized in blocks of G); the rows past the groups are 0. Each thread takes the same run of
@@ -1017,7 +1018,9 @@ static void *run_grouped(void *arg) {
         j.w = (const int8_t *)g->base.w + e * g->stride;
         const int64_t at = e * g->scale_stride * g->scale_bytes; /* (bytes: f32 or f16) */
         j.scale = (const float *)((const char *)g->base.scale + at);
-        if (g->q == 1) {
+        if (g->q == 1 && j.panel) /* float rows: x as it is, each panel dequantized */
+          run_rows_dequantized(&j);
+        else if (g->q == 1) {
           j.xc = g->base.xc + row * blocks;
           run_rows_q(&j, 2);
         } else {
@@ -1107,9 +1110,9 @@ XLA_FFI_Error *PagedJaxGroupedLinear(XLA_FFI_CallFrame *frame) {
   if (p[0] < 0 || p[0] + G > W)
     return fail(frame, "paged_jax grouped linear: the groups' weights are out of range");
   const int offset = np == 4 ? p[2] : 0, float_rows = np == 4 && p[3] != 0;
-  if ((offset && (q != 2 || mins)) || (float_rows && q != 2))
+  if ((offset && (q != 2 || mins)) || (float_rows && !q))
     return fail(frame, "paged_jax grouped linear: an offset needs 4-bit weights without mins, "
-                       "float rows 4-bit weights");
+                       "float rows int8 or 4-bit weights");
   int64_t rows = 0;
   for (int64_t e = 0; e < G; ++e) {
     if (n[e] < 0) return fail(frame, "paged_jax grouped linear: a group of negative size");

@@ -365,8 +365,8 @@ def grouped_linear(
             f"weights within packed's {w}), got {first}"
         )
     extra = ()
-    if float_rows and not four:
-        raise ValueError(f"float_rows: needs 4-bit weights, got {packed.dtype}")
+    if float_rows and packed.dtype not in (jnp.int8, jnp.uint8):
+        raise ValueError(f"float_rows: needs int8 or 4-bit weights, got {packed.dtype}")
     # a GGUF file's experts kept: mins may be absent (an offset), scales float16
     kept = four and (
         high is not None or offset or (scales is not None and scales.dtype == jnp.float16)
