@@ -18,8 +18,9 @@ tokens, us); min / median / max of ``--repeats``.
 host (``paged_jax.engine.structured.Grammars``, llguidance, no ``transformers``
 needed): N matchers of ``SCHEMAS``, each advanced to a different point of its instance,
 their masks filled one row after another (``fill``) and as the engine fills them
-(``fill_rows``: all at once on llguidance's thread pool from ``PARALLEL_ROWS`` rows on), ``--steps`` steps (each matcher then takes its next token)
-per repeat; ms per step, min / median / max, written to ``grammar_step.json``.
+(``fill_rows``: all at once on llguidance's thread pool from ``PARALLEL_ROWS`` rows
+on), ``--steps`` steps (each matcher then takes its next token) per repeat; ms per step,
+min / median / max, written to ``grammar_step.json``.
 """
 
 from __future__ import annotations
