@@ -75,9 +75,6 @@ class Nibbles:
         w = q.astype(np.float32) * np.repeat(d, g, axis=1)
         return w + np.repeat(m[0], g, axis=1) if m else w
 
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.q, self.d, self.m, self.high) if a is not None)
-
 
 def nibbles(
     u: np.ndarray,
