@@ -70,9 +70,10 @@
 #            next kernel early shorten the ~9 us each of a 64-row step's products costs
 #            beyond its bytes (products_chain_h200.json)? Each set in a process of its own
 #   moe      the mixtures' tests on the GPU (tests/test_moe.py, tests/test_gpt_oss.py: every
-#            way's tokens, the layouts held for a device, GPT-OSS's sinks through XLA), then
-#            python -m benchmarks engine --models qwen3-30b-a3b --expert-way ragged dense
-#            gather (issue 83: the Qwen3-30B-A3B shape's tokens/s and roofline fraction at
+#            way's tokens, the layouts held for a device, GPT-OSS's sinks through XLA;
+#            tests/test_grouped_kernels.py: the Pallas grouped product compiled), then
+#            python -m benchmarks engine --models qwen3-30b-a3b --expert-way ragged pallas
+#            dense gather (issue 83: the Qwen3-30B-A3B shape's tokens/s and roofline fraction at
 #            64 and 256 requests, each way its experts' products can take; 61 GB of bf16
 #            weights: an H200, or an H100 with MOE_ARGS at one concurrency; MOE_ARGS)
 #   sampled  python -m benchmarks engine --top-p 0.9 --sort-free default pallas_gpu_split
@@ -204,10 +205,10 @@ EOF
     moe)
       JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false run moe_tests "$(limit moe 200)" \
         $PY -m pytest -q -p no:cacheprovider -n 8 --durations=5 -rf \
-        tests/test_moe.py tests/test_gpt_oss.py tests/test_sinks.py
+        tests/test_moe.py tests/test_gpt_oss.py tests/test_sinks.py tests/test_grouped_kernels.py
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 run moe "$(limit moe 420)" \
         $PY -m benchmarks engine --out "$OUT/moe" --no-split --models qwen3-30b-a3b \
-        --expert-way ragged dense gather ${MOE_ARGS---concurrency 64 256 --repeats 3}
+        --expert-way ragged pallas dense gather ${MOE_ARGS---concurrency 64 256 --repeats 3}
       ;;
     sampled)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run sampled "$(limit sampled 300)" \

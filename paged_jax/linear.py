@@ -201,6 +201,56 @@ def expert_matmul(
     return cpu.grouped_linear(x, packed, n, sizes, first, scales=scales, mins=mins, **kept)
 
 
+def expert_tiles(ids: jax.Array, num_experts: int, block_m: int):
+    """The tile table of a step's (token, expert) pairs whose experts are ``ids``
+    (``i32[N]``) for ``tiled_expert_matmul``: ``(rows i32[N], tile_expert i32[tiles],
+    tiles_used i32[1])`` (``paged_jax.kernels._groups.expert_tiles``; an id outside ``[0,
+    num_experts)`` gets no row). ``num_experts``, ``block_m`` static."""
+    from paged_jax.kernels import _groups
+
+    return _groups.expert_tiles(ids, num_experts, block_m)
+
+
+def least_tile_rows(kernel: str, dtype) -> int:
+    """The fewest rows a tile of ``tiled_expert_matmul``'s ``kernel`` ("gpu" or "tpu")
+    may hold for rows of ``dtype``."""
+    if kernel == "tpu":
+        from paged_jax.kernels.tpu import grouped
+
+        return grouped.min_block_m(dtype)
+    if kernel == "gpu":
+        from paged_jax.kernels.gpu import grouped
+
+        return grouped.MIN_BLOCK_M
+    raise ValueError(f"kernel: expected 'gpu' or 'tpu', got {kernel!r}")
+
+
+def tiled_expert_matmul(
+    x: jax.Array,  # [M, K], M = tiles * block_m: the pairs' rows laid out by expert_tiles
+    w: jax.Array,  # [X, K, F], x's dtype or int8
+    tile_expert: jax.Array,  # i32[tiles]
+    tiles_used: jax.Array,  # i32[1]
+    scale: jax.Array | None = None,  # f32[X, F] for an int8 w
+    *,
+    block_m: int,
+    kernel: str,
+    interpret: bool = False,
+) -> jax.Array:  # [M, F] in x's dtype; rows of tiles past tiles_used: anything
+    """Each used tile's rows times its expert's weight (times that expert's column
+    ``scale`` for an int8 ``w``), by the Pallas grouped product of ``kernel``: "gpu"
+    (``paged_jax.kernels.gpu.grouped``, Triton) or "tpu" (``kernels.tpu.grouped``,
+    Mosaic). ``interpret``: run it interpreted (off its device)."""
+    if kernel == "tpu":
+        from paged_jax.kernels.tpu import grouped
+    elif kernel == "gpu":
+        from paged_jax.kernels.gpu import grouped
+    else:
+        raise ValueError(f"kernel: expected 'gpu' or 'tpu', got {kernel!r}")
+    return grouped.grouped_matmul(
+        x, w, tile_expert, tiles_used, scale, block_m=block_m, interpret=interpret
+    )
+
+
 def grouped_matmul(
     x: jax.Array,  # [M, K] bf16 / f32
     q: jax.Array,  # 4 bits: u8 [K / 2, N], two inputs a byte; 8 bits: int8 [K, N]

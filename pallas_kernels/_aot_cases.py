@@ -79,3 +79,34 @@ def standard_grid(kind: str) -> dict[str, dict]:
     grid[f"{kind} bfloat16 D128 P16 G8"] = dict(heads=64)
     grid[f"{kind} bfloat16 D128 P16 G4 window+softcap"] = dict(sliding_window=1024, soft_cap=30.0)
     return grid
+
+
+def grouped_case(
+    kernel: Callable,
+    w_dtype="bfloat16",
+    *,
+    block_m: int = 16,
+    pairs: int = 512,
+    experts: int = 128,
+    inputs: int = 2048,
+    outputs: int = 768,
+    **kernel_kw,
+) -> tuple[Callable, list]:
+    """``(fn, args)``: ``kernel`` (a ``grouped_matmul``) of bf16 rows by ``experts`` weights
+    ``[inputs, outputs]`` of ``w_dtype`` (int8: with column scales) over the tiles of
+    ``pairs`` (token, expert) pairs. The defaults: a Qwen3-30B-A3B-shaped decode step of
+    64 sequences (8 experts each of 128) at gate's / up's product; down's is ``inputs=768,
+    outputs=2048``."""
+    from ._groups import num_tiles
+
+    S = jax.ShapeDtypeStruct
+    tiles = num_tiles(pairs, experts, block_m)
+    args = [
+        S((tiles * block_m, inputs), "bfloat16"),
+        S((experts, inputs, outputs), w_dtype),
+        S((tiles,), "int32"),
+        S((1,), "int32"),
+    ]
+    if jnp.dtype(w_dtype) == jnp.int8:
+        args.append(S((experts, outputs), "float32"))
+    return (lambda *a: kernel(*a, block_m=block_m, **kernel_kw)), args

@@ -58,7 +58,7 @@ def test_gpu_kernels_lower_to_triton(label):
     (module,) = gpu_aot.lower_to_triton(fn, *args)
     kind = label.split()[0]
     names = {"decode": "paged_flash_decode", "ragged": "paged_ragged_attention"}
-    names |= {"fp8_rows": "fp8_rows"}
+    names |= {"fp8_rows": "fp8_rows", "grouped_matmul": "grouped_matmul_gpu"}
     assert module.name == names.get(kind, "few_row_" + kind.replace("_groups", ""))
     if kind in ("decode", "ragged"):  # attention: dots in 4 warps
         assert "tt.dot" in module.ttir and module.num_warps == 4

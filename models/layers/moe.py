@@ -23,8 +23,13 @@ runs):
 - ``"ragged"``: the (token, expert) pairs sorted by expert and multiplied as a grouped
   product (``jax.lax.ragged_dot``): the chosen FLOPs where the compiler has a grouped
   kernel (TPU); XLA's generic lowering pads it to the dense product.
+- ``"pallas"``: the pairs laid out in tiles of one expert each (``paged_jax.kernels.
+  _groups.expert_tiles``) and multiplied by the platform's Pallas grouped product
+  (``kernels.gpu.grouped`` / ``kernels.tpu.grouped``, interpreted on CPU), each tile
+  reading its expert's weights through the tile table: the chosen FLOPs and bytes, int8
+  experts (scales per column) read as int8 (``pallas_products``).
 
-All three give each token the same sum, up to the order of float additions.
+All of them give each token the same sum, up to the order of float additions.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from ..quantization import dequantize_int4, int8_group, quantize_int4, quantize_
 from .linear import LAYER, ROWS, Packed, layer_value, make_linear
 from .mlp import MLP
 
-EXPERT_PRODUCTS = ("packed", "dense", "gather", "ragged")
+EXPERT_PRODUCTS = ("packed", "dense", "gather", "ragged", "pallas")
 # The way each platform multiplies a step's tokens by its experts (see the module
 # docstring). CPU: "packed" (docs/DECISIONS.md, "Expert products on CPU"); GPU and TPU:
 # "ragged" until a device times the ways (benchmarks/gpu_session.sh).
@@ -165,6 +170,8 @@ def expert_products(
     hi = jax.lax.Precision.HIGHEST
     T, H = x.shape
     X = gate.shape[0]
+    if way == "pallas":
+        return pallas_products(x, weights, ids, gate, up, down, glu=glu, biases=biases)
     gate, up, down = (w.astype(x.dtype) for w in (gate, up, down))
     if biases is not None:
         biases = Biases(*(b.astype(x.dtype) for b in biases))
@@ -211,6 +218,106 @@ def expert_products(
     return out.astype(x.dtype)
 
 
+def _split_by_mesh() -> bool:
+    """Whether the mesh set now splits a step's computations (tensor or data parallel)."""
+    from paged_jax import sharding
+
+    return sharding.tensor_parallel_size() > 1 or sharding.data_parallel_size() > 1
+
+
+def _block_m(pairs: int, experts: int, least: int) -> int:
+    """A tile's rows for ``pairs`` pairs over ``experts`` experts: the pairs an expert
+    gets on average, as a power of two from ``least`` up to 128 (a decode step's few
+    rows an expert waste little of a tile; a prefill's many fill whole ones)."""
+    mean = -(-pairs // experts)
+    return min(128, max(least, 1 << max(0, (mean - 1).bit_length())))
+
+
+def pallas_products(
+    x: jax.Array,  # [T, H]
+    weights: jax.Array,  # f32[T, K]
+    ids: jax.Array,  # i32[T, K]; an id outside [0, X): a pair of no expert (weighed 0)
+    gate: jax.Array,  # [X, H, F], float or int8 (with scales)
+    up: jax.Array,  # [X, H, F], so
+    down: jax.Array,  # [X, F, H], so
+    *,
+    glu: Glu = SWIGLU,
+    biases: Biases | None = None,
+    scales: tuple | None = None,  # int8 experts' f32 (gate [X, F], up [X, F], down [X, H])
+    kernel: str | None = None,
+) -> jax.Array:  # [T, H], x.dtype
+    """``expert_products``' sum through a Pallas grouped product: the pairs laid out in
+    ``block_m``-row tiles of one expert each (``expert_tiles``), then gate's and up's
+    products, the gated unit and down's product over the tiles, each tile reading only its
+    expert's weights. Float weights are read in ``x``'s dtype; int8 ones (``scales``: a
+    scale per output column) as int8, their scales applied to the sums. ``kernel``:
+    "gpu" (Triton) or "tpu" (Mosaic); default the platform computations go to, and on a
+    CPU the GPU kernel interpreted."""
+    from ..quantization import _target_platform
+
+    platform = kernel or _target_platform()
+    kernel = "tpu" if platform == "tpu" else "gpu" if platform in ("gpu", "cpu") else None
+    if kernel is None:
+        raise ValueError(f"kernel: expected 'gpu' or 'tpu', got {platform!r}")
+    interpret = platform != _target_platform() or platform == "cpu"
+    T, H = x.shape
+    X, K = gate.shape[0], ids.shape[1]
+    if scales is None:
+        gate, up, down = (w.astype(x.dtype) for w in (gate, up, down))
+        scales = (None, None, None)
+    F = gate.shape[2]
+    if platform != "tpu" and (H % 16 or F % 16):
+        # Triton's blocks are powers of two of at least 16: pad H and F with zeros in the
+        # step (a copy of the weights: a tiny test model's shapes, no real model's)
+        h, f = -H % 16, -F % 16
+        pad = lambda a, *widths: jnp.pad(a, [(0, 0)] * (a.ndim - len(widths)) + list(widths))  # noqa: E731
+        x = pad(x, (0, h))
+        gate, up, down = (
+            pad(gate, (0, h), (0, f)),
+            pad(up, (0, h), (0, f)),
+            pad(down, (0, f), (0, h)),
+        )
+        if scales[0] is not None:
+            scales = (pad(scales[0], (0, f)), pad(scales[1], (0, f)), pad(scales[2], (0, h)))
+        if biases is not None:
+            biases = Biases(
+                pad(biases.gate, (0, f)), pad(biases.up, (0, f)), pad(biases.down, (0, h))
+            )
+        out = pallas_products(
+            x,
+            weights,
+            ids,
+            gate,
+            up,
+            down,
+            glu=glu,
+            biases=biases,
+            scales=None if scales[0] is None else scales,
+            kernel=platform,
+        )
+        return out[:, :H]
+    bm = _block_m(T * K, X, linear.least_tile_rows(kernel, x.dtype))
+    tiles = linear.expert_tiles(ids.reshape(-1), X, bm)
+    M = tiles.tile_expert.shape[0] * bm
+    rows = jnp.zeros((M, H), x.dtype).at[tiles.rows].set(jnp.repeat(x, K, axis=0), mode="drop")
+
+    def product(a, w, s):
+        kw = dict(block_m=bm, kernel=kernel, interpret=interpret)
+        return linear.tiled_expert_matmul(a, w, tiles.tile_expert, tiles.tiles_used, s, **kw)
+
+    g, u = product(rows, gate, scales[0]), product(rows, up, scales[1])
+    b = None
+    if biases is not None:  # each padded row's expert's biases
+        b = Biases(*(v.astype(x.dtype) for v in biases)).of(jnp.repeat(tiles.tile_expert, bm))
+        g, u = g + b.gate, u + b.up
+    y = product(glu(g, u).astype(x.dtype), down, scales[2])
+    y = y if b is None else y + b.down
+    picked = jnp.take(y, tiles.rows, axis=0, mode="fill", fill_value=0).reshape(T, K, H)
+    hi = jax.lax.Precision.HIGHEST
+    out = jnp.einsum("tkh,tk->th", picked.astype(jnp.float32), weights, precision=hi)
+    return out.astype(x.dtype)
+
+
 def expert_parallel_products(
     x: jax.Array,  # [T, H]
     weights: jax.Array,  # f32[T, K]
@@ -240,9 +347,9 @@ def expert_parallel_products(
         held = gate.shape[0]
         first = jax.lax.axis_index(TENSOR_AXIS) * held
         mine = (ids >= first) & (ids < first + held)
-        # ragged: another device's pairs to no group (rows past the groups: 0, nothing
-        # computed); the other ways multiply every pair, weighed 0 on expert 0
-        elsewhere = held if way == "ragged" else 0
+        # ragged, pallas: another device's pairs to no group (rows past the groups: 0,
+        # nothing computed); the other ways multiply every pair, weighed 0 on expert 0
+        elsewhere = held if way in ("ragged", "pallas") else 0
         part = expert_products(
             x,
             jnp.where(mine, weights, 0.0),
@@ -516,6 +623,13 @@ class Experts(nnx.Module):
             return True
         return self.gate_scale.get_value().ndim == self.gate_proj.get_value().ndim
 
+    def column_int8(self) -> bool:
+        """Whether the experts are int8 with a scale per output column (as quantized for an
+        accelerator): the "pallas" way reads them as they are."""
+        if self.packed or self.quantized != "int8":
+            return False
+        return self.gate_scale.get_value().ndim < self.gate_proj.get_value().ndim
+
     def packed_scales(self) -> tuple:
         """``((gate_up_scales, down_scales), (gate_up_zeros, down_zeros))`` as packed (the
         scales of int8 and 4-bit experts, the minimums of 4-bit ones; None where none)."""
@@ -608,16 +722,30 @@ class SparseMoE(nnx.Module):
             )
         else:
             way = "dense" if (way := current_way()) == "packed" else way
+            if way == "pallas" and not e.expert_parallel and _split_by_mesh():
+                way = "ragged"  # a Pallas call is not partitioned: XLA's grouped product
             products = expert_parallel_products if e.expert_parallel else expert_products
-            out = products(
-                x,
-                weights,
-                ids,
-                *e.weights(x.dtype),
-                way=way,
-                glu=self.glu,
-                biases=e.biases(),
-            )
+            if way == "pallas" and e.column_int8() and not e.expert_parallel:
+                names = ("gate", "up", "down")  # read as int8, their scales on the sums
+                out = pallas_products(
+                    x,
+                    weights,
+                    ids,
+                    *(layer_value(getattr(e, f"{n}_proj")) for n in names),
+                    glu=self.glu,
+                    biases=e.biases(),
+                    scales=tuple(layer_value(getattr(e, f"{n}_scale")) for n in names),
+                )
+            else:
+                out = products(
+                    x,
+                    weights,
+                    ids,
+                    *e.weights(x.dtype),
+                    way=way,
+                    glu=self.glu,
+                    biases=e.biases(),
+                )
         if self.shared_expert is not None:
             scale = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
             out = out + (scale * self.shared_expert(x).astype(jnp.float32)).astype(out.dtype)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 
 import jax
 
-from .._aot_cases import attention_case, sinks_case, standard_grid
+from .._aot_cases import attention_case, grouped_case, sinks_case, standard_grid
 
 # Shared memory one thread block may use on sm_90 (H100/H200): 227 KiB of the SM's 228.
 SM90_SHARED_LIMIT = 227 * 1024
@@ -223,9 +223,10 @@ def _decode_case(dtype="bfloat16", **kw):
 
 def standard_cases() -> dict[str, tuple[Callable, list]]:
     """The report's kernels over ``standard_grid`` (both kinds); the dtype sweep of decode
-    runs at the benchmark's batch 64 x 4k context (Hq 32, Hkv 8, D 128, page 16); and the
+    runs at the benchmark's batch 64 x 4k context (Hq 32, Hkv 8, D 128, page 16); the
     grouped products (``matmul.matmul_int4``, ``matmul_int8_groups``), the W8A16 ones
-    (``matmul.matmul``) and the fp8 rows (``rows.fp8_rows``) at the Llama-3-8B shape's."""
+    (``matmul.matmul``) and the fp8 rows (``rows.fp8_rows``) at the Llama-3-8B shape's;
+    the experts' grouped product (``grouped.grouped_matmul``) at Qwen3-30B-A3B's."""
     from .ragged import ragged_paged_attention
 
     cases = {}
@@ -251,6 +252,15 @@ def standard_cases() -> dict[str, tuple[Callable, list]]:
         decode_paged_attention, "decode", batch_invariant=True
     )
     cases[f"ragged {label}"] = sinks_case(ragged_paged_attention, "ragged")
+    from .grouped import grouped_matmul
+
+    for dtype in ("bfloat16", "int8"):  # a Qwen3-30B-A3B decode step of 64: gate's, down's
+        cases[f"grouped_matmul {dtype} 512 pairs 128x2048x768"] = grouped_case(
+            grouped_matmul, dtype
+        )
+        cases[f"grouped_matmul {dtype} 512 pairs 128x768x2048"] = grouped_case(
+            grouped_matmul, dtype, inputs=768, outputs=2048
+        )
     return cases
 
 

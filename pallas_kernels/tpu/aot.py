@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import jax
 
-from .._aot_cases import attention_case, sinks_case, standard_grid
+from .._aot_cases import attention_case, grouped_case, sinks_case, standard_grid
 
 TPU_KINDS = ("TPU v5 lite", "TPU v6 lite")  # device_kind of v5e and v6e
 TOPOLOGIES = {"TPU v5 lite": "v5e:1x1", "TPU v6 lite": "v6e:1x1"}  # one chip of each
@@ -109,7 +109,8 @@ FEW_KV_HEADS = (
 
 def standard_cases() -> dict[str, tuple[Callable, list]]:
     """Both attention kernels over ``standard_grid`` and ``FEW_KV_HEADS`` (less any pool
-    they refuse); the KV write for a 16-bit and a quantized cache."""
+    they refuse); the KV write for a 16-bit and a quantized cache; the experts' grouped
+    product at a Qwen3-30B-A3B decode step's shapes."""
     from . import decode_paged_attention, ragged_paged_attention
     from ._pages import check_layout
 
@@ -131,6 +132,15 @@ def standard_cases() -> dict[str, tuple[Callable, list]]:
         cases[f"kv_write {dtype} D128 P16"] = write_case(dtype)
     for kind, kernel in (("decode", decode_paged_attention), ("ragged", ragged_paged_attention)):
         cases[f"{kind} bfloat16 D64 G8 sinks+window (GPT-OSS)"] = sinks_case(kernel, kind)
+    from .grouped import grouped_matmul
+
+    for dtype in ("bfloat16", "int8"):  # a Qwen3-30B-A3B decode step of 64: gate's, down's
+        cases[f"grouped_matmul {dtype} 512 pairs 128x2048x768"] = grouped_case(
+            grouped_matmul, dtype
+        )
+        cases[f"grouped_matmul {dtype} 512 pairs 128x768x2048"] = grouped_case(
+            grouped_matmul, dtype, inputs=768, outputs=2048
+        )
     return cases
 
 
