@@ -392,3 +392,34 @@ def test_a_constraint_holds_after_the_thinking_block(engine, spec, think, good, 
         assert not takes(text), text
     with pytest.raises(ValueError, match="structured.think: expected None, 'inside' or"):
         StructuredOutput(regex="a", think="always")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_constrained_requests_compile_nothing_after_warm_up(engine, async_scheduling):
+    # After warm-up a grammar's rows sample in the extras sampler (overlapped: once the
+    # running step's token reached the matcher): nothing compiles, every output matches,
+    # and the tokens are those of an engine that compiles its variants as they come.
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+    llm = _llm(engine, async_scheduling=async_scheduling, **kw)
+    n = len(llm.warm_up(progress=False))
+    specs = [
+        StructuredOutput(json=SCHEMA),
+        StructuredOutput(regex=CODE),
+        StructuredOutput(choice=["red", "green", "blue"]),
+    ]
+    params = [pj.SamplingParams(max_tokens=60, structured=s) for s in specs]
+    params += [
+        pj.SamplingParams(max_tokens=60, temperature=1.0, seed=i, structured=s)
+        for i, s in enumerate(specs)
+    ]
+    params.append(pj.SamplingParams(max_tokens=60, beam_width=2, n=2, structured=specs[1]))
+    params.append(pj.SamplingParams(max_tokens=20, temperature=0.8, seed=9))  # unconstrained
+    prompts = [f"warm {i} " * 5 for i in range(len(params))]
+    got = llm.generate(prompts, params, progress=False)
+    assert len(llm.compiled_buckets) == n, llm.compiled_buckets[n:]
+    want = _llm(engine, async_scheduling=async_scheduling, **kw).generate(
+        prompts, params, progress=False
+    )
+    for g, w in zip(got, want, strict=True):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+    assert _valid(json.loads(got[0].outputs[0].text)) and re.fullmatch(CODE, got[1].outputs[0].text)

@@ -108,8 +108,9 @@ def test_nothing_compiles_after_warm_up(tiny, async_scheduling, capsys):
     assert all(s.pages_per_seq == bucket(160 // 8) for s in shapes)
     buckets = llm.warm_up()
     assert "warm-up: every step shape ready" in capsys.readouterr().err
-    # (engines of one model share compiled steps: a second one compiles none)
-    assert len(buckets) == len(llm.compiled_buckets) <= len(shapes)
+    # (engines of one model share compiled steps: a second one compiles none; the extras
+    # sampler: one a row count)
+    assert len(buckets) == len(llm.compiled_buckets) <= len(shapes) + 1
     assert llm.metrics.steps == 0
     ref = _engine(tiny, async_scheduling=async_scheduling, num_pages=200)
     rng = np.random.default_rng(0)
@@ -257,6 +258,81 @@ def test_each_warm_up_line_says_what_sets_its_program_apart(capsys):
         if line.startswith("warm-up: compiled a step bucket")
     ]
     shown = [line.split(" s: ", 1)[1] for line in lines]  # (the seconds differ anyway)
-    assert len(shown) == len(llm.compiled_buckets) and len(set(shown)) == len(shown), shown
+    steps = [b for b in llm.compiled_buckets if b.get("variant") != ("the extras sampler",)]
+    assert len(shown) == len(steps) and len(set(shown)) == len(shown), shown
     assert any("decode rows only" in s for s in shown)
     assert any("speculative verify" in s for s in shown)
+
+
+def _every_kind(rng, n, vocab):
+    """Requests of every kind the server takes beside plain ones, mixed: penalties,
+    logit biases, min_tokens, allowed_token_ids, top log-probs, beam search (up to 16
+    wide), and plain greedy and sampled rows among them."""
+    kinds = [
+        dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2),
+        dict(logit_bias={3: 5.0, 7: -100.0}),
+        dict(min_tokens=6),
+        dict(allowed_token_ids=list(range(10, 60))),
+        dict(top_logprobs=3, logprobs=True),
+        dict(top_logprobs=20, logprobs=True, temperature=0.7),
+        dict(beam_width=2, n=2),
+        dict(beam_width=4, n=1),
+        dict(),
+        dict(temperature=0.9, top_p=0.8),
+    ]
+    prompts, params = [], []
+    for k in range(n):
+        kw = dict(kinds[k % len(kinds)])
+        beam = "beam_width" in kw
+        kw.setdefault("temperature", 0.0)
+        kw.setdefault("seed", k)
+        prompts.append(rng.integers(1, vocab, int(rng.integers(2, 40))).tolist())
+        params.append(
+            pj.SamplingParams(max_tokens=int(rng.integers(8, 24)), ignore_eos=not beam, **kw)
+        )
+    return prompts, params
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_requests_of_every_kind_compile_nothing_after_warm_up(tiny, async_scheduling):
+    """Penalties, biases, min_tokens, allowed tokens, top log-probs and beams, mixed with
+    plain rows and arriving between steps: after warm-up their rows sample in the extras
+    sampler warm-up compiled, nothing compiles, and every output is the one an engine
+    that compiles each variant as it comes gives (tokens, log-probs, top log-probs)."""
+    llm = _engine(tiny, async_scheduling=async_scheduling, num_pages=200)
+    buckets = llm.warm_up(progress=False)
+    sampled = []
+    real = llm.runner.extras.sample
+    llm.runner.extras.sample = lambda *a: sampled.append(1) or real(*a)
+    ref = _engine(tiny, async_scheduling=async_scheduling, num_pages=200)
+    rng = np.random.default_rng(5)
+    prompts, params = _every_kind(rng, 30, tiny.config.vocab_size)
+    want = ref.generate(prompts, params, progress=False)
+    assert ref.compiled_buckets, "the reference compiles its variants as they come"
+    got, k = {}, 0
+    while k < len(prompts) or llm.has_unfinished():
+        for _ in range(int(rng.integers(0, 4))):
+            if k < len(prompts):
+                llm.add_request(k, prompts[k], params[k])
+                k += 1
+        for o in llm.step():
+            if o.finished:
+                got[o.request_id] = o
+    assert len(llm.compiled_buckets) == len(buckets), llm.compiled_buckets[len(buckets) :]
+    assert llm.metrics.compilations == 0 and sampled
+    for i, w in enumerate(want):
+        ours, theirs = got[i].outputs, w.outputs
+        assert [c.token_ids for c in ours] == [c.token_ids for c in theirs], (i, params[i])
+        for a, b in zip(ours, theirs, strict=True):
+            np.testing.assert_allclose(a.cumulative_logprob, b.cumulative_logprob, rtol=1e-5)
+            if a.logprobs is not None:
+                np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6)
+            if params[i].top_logprobs:
+                assert a.top_logprobs and len(a.top_logprobs) == len(a.token_ids)
+                ids = [[t for t, _ in step] for step in a.top_logprobs]
+                assert ids == [[t for t, _ in step] for step in b.top_logprobs], i
+                np.testing.assert_allclose(
+                    [v for step in a.top_logprobs for _, v in step],
+                    [v for step in b.top_logprobs for _, v in step],
+                    rtol=1e-5, atol=1e-6,
+                )  # fmt: skip

@@ -339,9 +339,9 @@ class LLM:
         sampler, which leaves one shape per pair of token and sequence buckets
         (``step_shapes()``; ``paged_jax.engine.shapes``). Each is run once on a batch
         that touches only the null page, and so is each shape of a draft model's own
-        steps (speculative decoding). Requests with beam search, ``n > 1``, penalties,
-        ``allowed_token_ids``, ``structured``, ``top_logprobs`` or ``prompt_logprobs``
-        still compile their own steps on first use.
+        steps (speculative decoding), and the extras sampler of each row count
+        (``engine/extras.py``: penalties, masks, top log-probs, beams up to 16 wide). The
+        first token of ``n > 1``, ``prompt_logprobs`` and wider beams compile on first use.
 
         ``warm_up(num_seqs, prompt_len, max_tokens)`` instead runs that workload once on
         random token ids (``ignore_eos``), compiling exactly the buckets the scheduler

@@ -32,6 +32,7 @@ from paged_jax.engine.devices import (  # noqa: F401 (resolve_mesh: the engine's
     resolve_mesh,
     where_allocated,
 )
+from paged_jax.engine.extras import EXTRAS_BIASES, EXTRAS_CANDIDATES, ExtrasSample, ExtrasSampler
 from paged_jax.engine.protocol import check_model
 from paged_jax.engine.sampling import SORT_FREE_BACKENDS
 from paged_jax.engine.step_fn import (  # noqa: F401 (STEP_STATIC_ARGS, SMALL_STEP_TOKENS: read here)
@@ -220,6 +221,14 @@ class ModelRunner:
             run(None, self.sort_free),
             None if options is None else run(options, self.sort_free),
         )
+        self.extras = ExtrasSampler(
+            self.mesh,
+            self.sort_free,
+            max_model_len=self.max_model_len,
+            vocab_size=self.model.config.vocab_size,
+            batch_invariant=deterministic,
+            record=self.compiled_buckets.append,
+        )
 
     def make_cache(self, num_pages: int):
         """An empty pool of ``num_pages`` pages, on the mesh in its shards if there is one."""
@@ -232,8 +241,53 @@ class ModelRunner:
         """Dispatches the jitted step on ``inputs`` (``StepInputs``: the batch, its input
         tokens, the rows' sampling columns and whatever else some row needs) without
         waiting for it. Returns its outputs (``StepOutputs``, still on the device; with
-        ``defer_sample`` the ``DeferredSample`` for ``sample``), the dispatch call's
-        seconds and whether it compiled a new program."""
+        ``defer_sample`` the ``DeferredSample`` or ``ExtrasSample`` for ``sample``), the
+        dispatch call's seconds and whether it compiled a new program.
+
+        With static shapes, a step whose rows have extras (penalties, biases, token
+        masks, candidates: ``takes_extras_sampler``) runs the plain step's program, which
+        keeps its logits, and its rows are sampled by the extras sampler of their row
+        count (``step_io._make_extras_sample``): both compiled by warm-up."""
+        if self.takes_extras_sampler(inputs):
+            plain = dataclasses.replace(
+                inputs,
+                penalties=None,
+                allowed=None,
+                cand_allowed=None,
+                num_candidates=0,
+                defer_sample=False,
+            )
+            d = self._launch(plain)
+            extras = ExtrasSample(
+                d.outputs.logits,
+                inputs.sampling,
+                inputs.penalties,
+                inputs.num_candidates,
+                self.deterministic,
+                d.outputs.scores,
+            )
+            if inputs.defer_sample:
+                return Dispatched(extras, d.seconds, d.compiled)
+            s = self.extras.sample(extras, inputs.allowed, inputs.cand_allowed)
+            return Dispatched(s.outputs, d.seconds + s.seconds, d.compiled or s.compiled)
+        return self._launch(inputs)
+
+    def takes_extras_sampler(self, inputs: StepInputs) -> bool:
+        """Whether ``launch`` samples ``inputs``' rows with the extras sampler: static
+        shapes, one step, no prompt scoring, some row with extras (or masks deferred), one
+        sample a row, at most ``EXTRAS_CANDIDATES`` candidates and ``EXTRAS_BIASES``
+        biases a row. (Other steps compile a variant of their own on first use.)"""
+        if not self.static_shapes or inputs.steps is not None or inputs.scoring is not None:
+            return False
+        pen = inputs.penalties
+        extras = (pen, inputs.allowed, inputs.cand_allowed)
+        if all(x is None for x in extras) and not (inputs.num_candidates or inputs.defer_sample):
+            return False
+        if inputs.sampling.seeds.shape[1] != 1 or inputs.num_candidates > EXTRAS_CANDIDATES:
+            return False
+        return pen is None or pen.bias_tokens is None or pen.bias_tokens.shape[1] <= EXTRAS_BIASES
+
+    def _launch(self, inputs: StepInputs) -> Dispatched:
         batch, sampling = inputs.batch, inputs.sampling
         K = 1 if inputs.steps is None else self.num_scheduler_steps
         S_b = batch.kv_lens.shape[0]
@@ -311,6 +365,8 @@ class ModelRunner:
             if inputs.allowed is not None or inputs.cand_allowed is not None or K > 1:
                 raise ValueError("defer_sample: one step, its masks given to sample()")
             flags["logits_only"] = True  # (only when set: the other steps' jit key as before)
+        elif self.static_shapes and K == 1:  # the extras sampler's input, if a row has extras
+            flags["keep_logits"] = True
         if inputs.scoring is not None:
             flags["score_top"] = inputs.scoring.top
         return flags
@@ -325,7 +381,9 @@ class ModelRunner:
         ``allowed`` masks (``i32[S_b, ceil(V / 32)]`` or None) applied to the logits the
         model call left on the device, and ``cand_allowed`` to its candidates (as
         ``StepInputs``'). Does not wait for it; its ``StepOutputs`` carry the model call's
-        prompt scores."""
+        prompt scores. An ``ExtrasSample`` goes to the extras sampler."""
+        if isinstance(deferred, ExtrasSample):
+            return self.extras.sample(deferred, allowed, cand_allowed)
         fn = _make_sample(self.mesh, self.sort_free)
         before = fn._cache_size()
         t = time.perf_counter()

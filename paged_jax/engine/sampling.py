@@ -527,6 +527,20 @@ def sample_rows(
     return greedy, jnp.take_along_axis(raw, greedy, axis=-1) - lse_raw
 
 
+def raw_logprobs(raw: jax.Array, tokens: jax.Array, *, cpu_kernel: bool) -> jax.Array:
+    """``f32[R, J]``: the log-probs of ``tokens`` (``i32[R, J]``) under the rows' raw
+    distribution ``raw`` (``f32[R, V]`` logits, before penalties and masks), normalized
+    as ``sample_rows`` normalizes them for rows with penalties or masks (``cpu_kernel``:
+    summed as the C kernels sum)."""
+    if cpu_kernel:
+        from paged_jax.kernels import cpu
+
+        lse = cpu.greedy_rows(raw)[1][:, None]
+    else:
+        lse = jax.nn.logsumexp(raw, axis=-1, keepdims=True)
+    return jnp.take_along_axis(raw, tokens, axis=-1) - lse
+
+
 def _sample_in_cpu_kernels(
     raw, temperature, top_k, top_p, seeds, positions, min_p, penalties, allowed, *, greedy_only
 ):

@@ -125,6 +125,7 @@ STEP_STATIC_ARGS = (
     "num_steps",
     "logits_only",
     "score_top",
+    "keep_logits",
 )
 
 
@@ -170,6 +171,7 @@ def _make_run(
         num_steps=1,
         logits_only=False,
         score_top=0,
+        keep_logits=False,
     ):
         x = _unpack_inputs(inputs, layout)
         positions, out_pos, steps = x["positions"], x["out_pos"], x.get("steps")
@@ -226,7 +228,10 @@ def _make_run(
         out.tokens, out.logprobs = sample(logits, out_pos)
         if num_candidates:
             out.cand_logprobs, out.cand_ids = beam_candidates(logits, num_candidates, cand_allowed)
-        return out.map(replicated), cache
+        out = out.map(replicated)
+        if keep_logits:  # (static shapes: the extras sampler's input, if a row has extras)
+            out.logits = logits
+        return out, cache
 
     return run
 

@@ -1,7 +1,9 @@
 """Compiling before serving: every step shape an engine configuration reaches
 (``step_shapes``; ``paged_jax.engine.shapes``) run once on batches that touch only the
 null page (``compile_all``, what ``LLM.warm_up()`` runs), each shape's programs apart
-(overlapped merges, speculative verify steps, adapter rows); a given workload run once
+(overlapped merges, speculative verify steps, adapter rows), and the extras sampler of
+each of their row counts (``extras_rows``: rows with penalties, masks or candidates
+sample there once warmed up); a given workload run once
 instead (``run_workload``); and the warm-up's lines on the terminal (``echo``)."""
 
 from __future__ import annotations
@@ -73,6 +75,14 @@ def compile_all(core, progress: bool) -> list[dict]:
             "this process)",
             programs, len(shapes), time.perf_counter() - t0, compiled,
         )  # fmt: skip
+        rows = extras_rows(core, shapes)
+        t1 = time.perf_counter()
+        samplers = sum(bool(runner.extras.warm(r)) for r in rows)
+        log.info(
+            "the extras sampler (penalties, masks, candidates) ready for %d row counts "
+            "in %.1f s (%d new to this process)",
+            len(rows), time.perf_counter() - t1, samplers,
+        )  # fmt: skip
         if core.speculator is not None:  # a draft model's own steps
             core.speculator.warm_up(progress)
         new = core.runner.compiled_buckets[before:]
@@ -106,6 +116,20 @@ def run_workload(
         llm.generate(prompts, p, progress=False, cache_salt=salt)
     llm.metrics.reset()
     return llm.compiled_buckets[before:]
+
+
+def extras_rows(core, shapes: list[StepShape]) -> list[int]:
+    """The sampling-row counts of ``shapes``' single steps (all replicas together; a
+    verify step's rows too): one extras sampler each (``ExtrasSampler.warm``)."""
+    replicas = len(core.schedulers)
+    rows = set()
+    for shape in shapes:
+        if shape.steps != 1:
+            continue
+        rows.add(shape.seqs * replicas)
+        if core.speculator is not None and not shape.decode_only:
+            rows.add((shape.seqs + shape.tokens) * replicas)
+    return sorted(rows)
 
 
 def _programs(core, shape: StepShape, merges) -> list[dict]:
