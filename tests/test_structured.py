@@ -413,6 +413,9 @@ def test_constrained_requests_compile_nothing_after_warm_up(engine, async_schedu
         for i, s in enumerate(specs)
     ]
     params.append(pj.SamplingParams(max_tokens=60, beam_width=2, n=2, structured=specs[1]))
+    params.append(
+        pj.SamplingParams(max_tokens=60, temperature=1.0, seed=5, n=2, structured=specs[0])
+    )
     params.append(pj.SamplingParams(max_tokens=20, temperature=0.8, seed=9))  # unconstrained
     prompts = [f"warm {i} " * 5 for i in range(len(params))]
     got = llm.generate(prompts, params, progress=False)

@@ -267,7 +267,7 @@ def test_each_warm_up_line_says_what_sets_its_program_apart(capsys):
 def _every_kind(rng, n, vocab):
     """Requests of every kind the server takes beside plain ones, mixed: penalties,
     logit biases, min_tokens, allowed_token_ids, top log-probs, beam search (up to 16
-    wide), and plain greedy and sampled rows among them."""
+    wide), n > 1 samples, and plain greedy and sampled rows among them."""
     kinds = [
         dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2),
         dict(logit_bias={3: 5.0, 7: -100.0}),
@@ -277,6 +277,8 @@ def _every_kind(rng, n, vocab):
         dict(top_logprobs=20, logprobs=True, temperature=0.7),
         dict(beam_width=2, n=2),
         dict(beam_width=4, n=1),
+        dict(n=3, temperature=0.8, top_p=0.9),
+        dict(n=2, temperature=0.0, presence_penalty=0.4),
         dict(),
         dict(temperature=0.9, top_p=0.8),
     ]
@@ -295,8 +297,8 @@ def _every_kind(rng, n, vocab):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_requests_of_every_kind_compile_nothing_after_warm_up(tiny, async_scheduling):
-    """Penalties, biases, min_tokens, allowed tokens, top log-probs and beams, mixed with
-    plain rows and arriving between steps: after warm-up their rows sample in the extras
+    """Penalties, biases, min_tokens, allowed tokens, top log-probs, beams and n > 1,
+    mixed with plain rows and arriving between steps: after warm-up their rows sample in the extras
     sampler warm-up compiled, nothing compiles, and every output is the one an engine
     that compiles each variant as it comes gives (tokens, log-probs, top log-probs)."""
     llm = _engine(tiny, async_scheduling=async_scheduling, num_pages=200)

@@ -32,7 +32,13 @@ from paged_jax.engine.devices import (  # noqa: F401 (resolve_mesh: the engine's
     resolve_mesh,
     where_allocated,
 )
-from paged_jax.engine.extras import EXTRAS_BIASES, EXTRAS_CANDIDATES, ExtrasSample, ExtrasSampler
+from paged_jax.engine.extras import (
+    EXTRAS_BIASES,
+    EXTRAS_CANDIDATES,
+    EXTRAS_SAMPLES,
+    ExtrasSample,
+    ExtrasSampler,
+)
 from paged_jax.engine.protocol import check_model
 from paged_jax.engine.sampling import SORT_FREE_BACKENDS
 from paged_jax.engine.step_fn import (  # noqa: F401 (STEP_STATIC_ARGS, SMALL_STEP_TOKENS: read here)
@@ -251,6 +257,7 @@ class ModelRunner:
         if self.takes_extras_sampler(inputs):
             plain = dataclasses.replace(
                 inputs,
+                sampling=inputs.sampling.with_samples(1),
                 penalties=None,
                 allowed=None,
                 cand_allowed=None,
@@ -274,16 +281,19 @@ class ModelRunner:
 
     def takes_extras_sampler(self, inputs: StepInputs) -> bool:
         """Whether ``launch`` samples ``inputs``' rows with the extras sampler: static
-        shapes, one step, no prompt scoring, some row with extras (or masks deferred), one
-        sample a row, at most ``EXTRAS_CANDIDATES`` candidates and ``EXTRAS_BIASES``
-        biases a row. (Other steps compile a variant of their own on first use.)"""
+        shapes, one step, no prompt scoring, some row with extras (or masks deferred, or
+        the first token of ``n`` samples), at most ``EXTRAS_SAMPLES`` samples,
+        ``EXTRAS_CANDIDATES`` candidates and ``EXTRAS_BIASES`` biases a row. (Other steps
+        compile a variant of their own on first use.)"""
         if not self.static_shapes or inputs.steps is not None or inputs.scoring is not None:
             return False
-        pen = inputs.penalties
+        pen, J = inputs.penalties, inputs.sampling.seeds.shape[1]
         extras = (pen, inputs.allowed, inputs.cand_allowed)
-        if all(x is None for x in extras) and not (inputs.num_candidates or inputs.defer_sample):
+        if all(x is None for x in extras) and not (
+            inputs.num_candidates or inputs.defer_sample or J > 1
+        ):
             return False
-        if inputs.sampling.seeds.shape[1] != 1 or inputs.num_candidates > EXTRAS_CANDIDATES:
+        if J > EXTRAS_SAMPLES or inputs.num_candidates > EXTRAS_CANDIDATES:
             return False
         return pen is None or pen.bias_tokens is None or pen.bias_tokens.shape[1] <= EXTRAS_BIASES
 

@@ -23,11 +23,11 @@ With speculative decoding, warm-up also runs each shape that is not decode-only 
 verify step (``T`` more sampling rows, ``speculative.num_verify_rows``).
 
 Rows with penalties, logit biases, ``min_tokens``, ``allowed_token_ids``, structured
-output, ``top_logprobs`` or beam search (up to 16 wide) take these shapes' programs too:
-with static shapes their extras are sampled apart, by one program a row count
-(``engine/step_io.py``'s extras sampler, which warm-up compiles as well). Only the first
-token of ``n > 1`` samples, prompt log-probs and beams wider than 16 add inputs of their
-own to a step: their steps compile when first used and are not in this set.
+output, ``top_logprobs``, beam search or ``n`` samples (each up to 16) take these shapes'
+programs too: with static shapes their extras are sampled apart, by one program a row
+count (``engine/extras.py``, which warm-up compiles as well). Only prompt log-probs and
+``n`` or beams over 16 add inputs of their own to a step: their steps compile when first
+used and are not in this set.
 """
 
 from __future__ import annotations

@@ -56,6 +56,14 @@ class SamplingColumns:
             getattr(out, f.name)[: len(rows)] = getattr(self, f.name)[rows]
         return out
 
+    def with_samples(self, num_samples: int) -> SamplingColumns:
+        """These columns with ``num_samples`` seeds a row: the first ones kept, more as
+        zeros (samples to be dropped). The other columns are shared, read only."""
+        J = self.seeds.shape[1]
+        seeds = np.zeros((self.seeds.shape[0], num_samples), np.uint32)
+        seeds[:, : min(J, num_samples)] = self.seeds[:, :num_samples]
+        return dataclasses.replace(self, seeds=seeds)
+
     def with_out_pos(self, out_pos: np.ndarray) -> SamplingColumns:
         """These columns (shared, read only) with ``out_pos`` in place of theirs."""
         return dataclasses.replace(self, out_pos=out_pos)
