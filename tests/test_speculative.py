@@ -344,7 +344,8 @@ def test_the_draft_splits_long_steps_and_proposes_what_one_step_does(tiny):
     d._run = lambda sch: (sizes.append(sum(s.stop - s.start for s in sch)), run(sch))[1]
     assert d.propose(reqs) == want
     assert sizes[:5] == [8, 8, 8, 8, 7]  # the prompts: 39 tokens
-    assert sizes[5:] == [3, 3, 3]  # then one token a sequence a step
+    assert sizes[5:] == []  # then the other proposals in one multi-step launch
+    assert d.launches == 1
     d.bm.check_invariants()
     with pytest.raises(ValueError, match="max_step_tokens: expected an int >= 1, got 0"):
         DraftModelProposer(model, vocab_size=320, page_size=4, num_pages=8, max_step_tokens=0)
@@ -418,3 +419,40 @@ def test_a_biased_row_beside_verifying_rows_keeps_its_bias():
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     biased = got[1].outputs[0].token_ids
     assert 5 not in biased and 7 not in biased[:6]
+
+
+def test_the_draft_s_multi_step_launch_proposes_what_one_step_a_token_does(tiny):
+    """The proposals after each request's first, decoded in one jitted launch (slots
+    reserved, filled after), are those of one draft step a token, for requests asking
+    different numbers, after a rollback (the target rejected some), and where the pool
+    cannot reserve them (the launch falls back to one step a token)."""
+    from paged_jax.engine.speculative.draft import DraftModelProposer
+
+    model = tiny[0]
+    rng = np.random.default_rng(11)
+    reqs = [
+        DraftRequest(k, rng.integers(0, 256, n).astype(np.int32), m)
+        for k, (n, m) in enumerate([(9, 4), (17, 2), (5, 1), (12, 3)])
+    ]
+
+    def proposer(loop: bool, pages: int = 64):
+        d = DraftModelProposer(model, vocab_size=320, page_size=4, num_pages=pages, max_proposals=4)
+        if not loop:
+            d._decode_rest = lambda live, out: False
+        return d
+
+    one, many = proposer(False), proposer(True)
+    want, got = one.propose(reqs), many.propose(reqs)
+    assert got == want and [len(p) for p in got] == [4, 2, 1, 3]
+    assert many.launches == 1 and one.launches == 0
+    # the target kept two of request 0's proposals and sampled another token: a rollback
+    grown = np.concatenate([reqs[0].tokens, np.array(want[0][:2] + [7], np.int32)])
+    again = [DraftRequest(0, grown, 4), reqs[3]]
+    assert many.propose(again) == one.propose(again)
+    many.bm.check_invariants()
+    # a pool with room for the prompts (13 pages of 4) but not for every proposal: one
+    # step a token, as far as the pages go
+    tight = proposer(True, pages=14)
+    assert tight.propose(reqs) == proposer(False, pages=14).propose(reqs)
+    assert tight.launches == 0
+    tight.bm.check_invariants()

@@ -177,7 +177,9 @@ def test_nothing_compiles_after_warm_up_with_a_draft_model(tiny):
     buckets = llm.warm_up(progress=False)
     drafts = [b for b in buckets if b.get("draft")]
     draft = llm.engine.speculator.proposer
-    assert len(drafts) <= len(draft.step_shapes()) == 4  # T 8/16/32 x S 8, a decode
+    # T 8/16/32 x S 8, a decode, and the decode's multi-step launch of the proposals
+    assert len(drafts) <= len(draft.step_shapes()) + 1 == 5
+    assert any(b.get("steps") == 2 for b in drafts) or len(drafts) < 5
     assert all(b["pages_per_seq"] == llm.runner.table_width for b in drafts)
     rng = np.random.default_rng(4)
     prompts, params = _requests(rng, 12, tiny.config.vocab_size)

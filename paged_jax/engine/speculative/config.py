@@ -89,6 +89,7 @@ class SpeculativeConfig:
                 vocab_size=vocab_size,
                 page_size=page_size,
                 num_pages=num_pages,
+                max_proposals=self.num_speculative_tokens,
                 **draft_args,
             )
         return NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max)

@@ -6,12 +6,14 @@ a paged KV pool and block manager of its own. For each sequence it keeps the tok
 K/V that pool holds; when asked to propose it rolls them back to what the sequence's
 tokens still agree with (the target rejected the rest), computes the tokens it has not
 seen in one ragged step with the other sequences' (the last sampled token at least), and
-then decodes greedily, one step a token, all sequences together, until each has its
-proposals. Its argmax proposals are certain ones, so the target keeps exactly the tokens
-it samples without speculation (``paged_jax.engine.speculative``). Sequences it has not
-been asked about lately are dropped when its pool runs short (least recently used
-first); a sequence dropped or preempted is simply recomputed from its tokens when next
-asked about.
+then decodes greedily, all sequences together, the rest of each one's proposals in one
+jitted launch (``decode_loop``, as the target's multi-step decoding: the block manager
+reserves the proposals' slots before it and fills them after), or one step a token where
+the pool cannot reserve them all. Its argmax proposals are certain ones, so the target
+keeps exactly the tokens it samples without speculation (``paged_jax.engine.speculative``).
+Sequences it has not been asked about lately are dropped when its pool runs short (least
+recently used first); a sequence dropped or preempted is simply recomputed from its
+tokens when next asked about.
 
 A step computes at most ``max_step_tokens`` tokens (the target's
 ``max_num_batched_tokens``): tokens beyond go to further steps, prompts split into chunks
@@ -64,6 +66,32 @@ def _draft_step(graphdef, mesh):
     return step
 
 
+@functools.lru_cache(maxsize=8)
+def _draft_loop(graphdef, mesh, num_steps: int):
+    """The draft's jitted multi-step decode (for ``mesh``, or None): ``(state, tokens
+    i32[T], positions i32[T], cache, metadata, steps i32[S]) -> (argmax tokens i32[S,
+    num_steps], cache)``, row ``r``'s first ``steps[r]`` columns its proposals after the
+    token it computes first (``paged_jax.engine.multistep.decode_loop``)."""
+    from flax import nnx
+
+    from paged_jax.engine.multistep import decode_loop
+
+    def argmax(logits, pos):
+        t = jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None]
+        return t, jnp.zeros(t.shape, jnp.float32)
+
+    @functools.partial(jax.jit, donate_argnums=(3,))
+    def loop(state, tokens, positions, cache, md, steps):
+        model = nnx.merge(graphdef, state)
+        cache = cache.copy_pages(md.copy_src, md.copy_dst)
+        toks, _, cache = decode_loop(
+            model, argmax, tokens, positions, cache, md, steps, jnp.zeros_like(steps), num_steps
+        )
+        return toks, cache
+
+    return loop
+
+
 class DraftModelProposer:
     """Greedy proposals of ``model`` (a ``PagedDecoder`` with the target's vocabulary) on
     a pool of ``num_pages`` pages of ``page_size`` tokens (``cache_dtype``: its K/V
@@ -74,9 +102,12 @@ class DraftModelProposer:
     ``max_model_len``: the longest sequence (the width of a static block table);
     ``max_step_tokens``: the most tokens one draft step computes (more go to further
     steps); ``max_num_seqs``: the most sequences one ``propose`` call names (what
-    ``warm_up`` compiles for); ``on_compile``: called with a dict (``draft``,
-    ``tokens``, ``seqs``, ``pages_per_seq``, ``seconds``) for each step shape compiled
-    (the engine's ``compiled_buckets`` take them)."""
+    ``warm_up`` compiles for); ``max_proposals``: the most tokens a request asks for
+    (``num_speculative_tokens``: the proposals after the first are decoded in one launch
+    of that many steps less one; None: from each call's requests, a power of two);
+    ``on_compile``: called with a dict (``draft``, ``tokens``, ``seqs``,
+    ``pages_per_seq``, ``seconds``, and ``steps`` for a multi-step launch) for each step
+    shape compiled (the engine's ``compiled_buckets`` take them)."""
 
     def __init__(
         self,
@@ -89,6 +120,7 @@ class DraftModelProposer:
         max_model_len: int | None = None,
         max_step_tokens: int = 2048,
         max_num_seqs: int = 256,
+        max_proposals: int | None = None,
         on_compile: Callable[[dict], None] | None = None,
         mesh: Any = None,
     ):
@@ -97,6 +129,9 @@ class DraftModelProposer:
         for name, v in (("max_step_tokens", max_step_tokens), ("max_num_seqs", max_num_seqs)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        bad = isinstance(max_proposals, bool) or not isinstance(max_proposals, int | None)
+        if bad or (max_proposals is not None and max_proposals < 1):
+            raise ValueError(f"max_proposals: expected an int >= 1 or None, got {max_proposals!r}")
         bad_len = isinstance(max_model_len, bool) or not isinstance(max_model_len, int | None)
         if bad_len or (max_model_len is not None and max_model_len < 2):
             raise ValueError(f"max_model_len: expected an int >= 2 or None, got {max_model_len!r}")
@@ -119,7 +154,10 @@ class DraftModelProposer:
         make = functools.partial(model.make_cache, num_pages, page_size, cache_dtype)
         self.cache = make() if mesh is None else create_cache(make, mesh)
         graphdef, self.state = nnx.split(model)
+        self._graphdef = graphdef
         self._step = _draft_step(graphdef, mesh)
+        self.max_proposals = max_proposals
+        self.launches = 0  # multi-step launches run (metrics, tests)
         self._recent: OrderedDict = OrderedDict()  # seq_id -> None, least recently asked first
         self.steps = 0  # draft steps run (metrics, tests)
         self.max_model_len = max_model_len
@@ -169,6 +207,11 @@ class DraftModelProposer:
             ids, compiled_now = self._launch(batch)
             jax.block_until_ready(ids)
             compiled += compiled_now
+            if shape.decode_only and (self.max_proposals or 0) > 1:  # the proposals' loop
+                steps = np.zeros(shape.seqs, np.int32)
+                ids, compiled_now = self._launch(batch, steps, self.max_proposals - 1)
+                jax.block_until_ready(ids)
+                compiled += compiled_now
             if progress and not (k + 1) % 8:
                 log.info("%d of %d draft step shapes ready (%.1f s)", k + 1, len(shapes),
                          time.perf_counter() - t0)  # fmt: skip
@@ -176,21 +219,21 @@ class DraftModelProposer:
                  compiled, len(shapes) - compiled, time.perf_counter() - t0)  # fmt: skip
         return compiled
 
-    def _launch(self, batch) -> tuple[jax.Array, bool]:
-        """Runs the jitted step on ``batch`` (the pool updated in place); returns its
-        argmax ids (on the device) and whether it compiled."""
-        before = self._step._cache_size()
+    def _launch(self, batch, steps=None, num_steps: int = 1) -> tuple[jax.Array, bool]:
+        """Runs the jitted step on ``batch`` (the pool updated in place), or with ``steps``
+        (``i32[S_b]``) the multi-step loop of ``num_steps`` steps; returns its argmax ids
+        (on the device: ``i32[R]``, or ``i32[S_b, num_steps]``) and whether it compiled."""
+        fn = self._step if steps is None else _draft_loop(self._graphdef, self.mesh, num_steps)
+        before = fn._cache_size()
         t = time.perf_counter()
         md = AttentionMetadata.from_batch(batch)
+        args = (self.state, jnp.asarray(batch.token_ids), jnp.asarray(batch.positions))
         with mesh_context(self.mesh):
-            ids, self.cache = self._step(
-                self.state,
-                jnp.asarray(batch.token_ids),
-                jnp.asarray(batch.positions),
-                self.cache,
-                md,
-            )
-        if self._step._cache_size() == before:
+            if steps is None:
+                ids, self.cache = fn(*args, self.cache, md)
+            else:
+                ids, self.cache = fn(*args, self.cache, md, jnp.asarray(steps))
+        if fn._cache_size() == before:
             return ids, False
         jax.block_until_ready(ids)
         b = dict(
@@ -200,6 +243,8 @@ class DraftModelProposer:
             pages_per_seq=int(batch.page_indices.shape[-1]),
             seconds=round(time.perf_counter() - t, 2),
         )
+        if steps is not None:
+            b["steps"] = num_steps
         log.info("compiled a draft step in %.1f s: %s", b["seconds"], b)
         if self.on_compile is not None:
             self.on_compile(b)
@@ -297,6 +342,8 @@ class DraftModelProposer:
         nxt = self._compute(scheduled)
         for (i, _), tok in zip(live, nxt.tolist(), strict=True):
             out[i].append(tok)
+        if self._decode_rest(live, out):
+            return out
         for _ in range(1, max(r.max_tokens for _, r in live)):
             going = [(i, r) for i, r in live if len(out[i]) < r.max_tokens]
             scheduled = []
@@ -313,3 +360,52 @@ class DraftModelProposer:
             for (i, _), tok in zip(scheduled, nxt.tolist(), strict=True):
                 out[i].append(tok)
         return out
+
+    def _decode_rest(self, live: list, out: list[list[int]]) -> bool:
+        """Each live request's proposals after its first (``out[i]``, extended in place)
+        in one multi-step launch: its first proposal appended, slots reserved for the
+        proposals the launch computes, filled once it returned. Returns False, changing
+        nothing, where the pool cannot hold them all (one step a token then)."""
+        going = [(i, r) for i, r in live if r.max_tokens > 1]
+        if not going:
+            return True
+        most = max(r.max_tokens for _, r in going) - 1
+        num_steps = self.max_proposals - 1 if self.max_proposals else bucket(most, 1)
+        if most > num_steps or len(going) > min(self.max_num_seqs, self.max_step_tokens):
+            return False
+        ids = [r.seq_id for _, r in going]
+        steps = [r.max_tokens - 1 for _, r in going]
+        firsts = [self.bm.num_tokens(r.seq_id) for _, r in going]
+        try:
+            for i, r in going:
+                self.bm.append_slots(r.seq_id, [out[i][0]])
+        except OutOfPages:
+            for (_, r), n in zip(going, firsts, strict=True):
+                self.bm.truncate(r.seq_id, n, computed=True)
+            return False
+        if not self.bm.reserve_tokens(ids, [k - 1 for k in steps]):
+            for (_, r), n in zip(going, firsts, strict=True):
+                self.bm.truncate(r.seq_id, n, computed=True)
+            return False
+        scheduled = [ScheduledSeq(s, n, n + 1) for s, n in zip(ids, firsts, strict=True)]
+        batch = build_batch(
+            self.bm,
+            scheduled,
+            min_tokens=_MIN_TOKENS,
+            min_seqs=_MIN_SEQS,
+            min_pages=self.table_width if self.static_shapes else 4,
+            table_tokens=[n + k for n, k in zip(firsts, steps, strict=True)],
+        )
+        rows = np.zeros(batch.kv_lens.shape[0], np.int32)
+        rows[: len(steps)] = steps
+        toks, _ = self._launch(batch, rows, num_steps)
+        toks = np.asarray(toks)
+        self.steps += max(steps)
+        self.launches += 1
+        starts, counts = [n + 1 for n in firsts], [k - 1 for k in steps]
+        self.bm.fill_reserved(ids, starts, toks[: len(ids)], counts=counts)
+        for s, n, k in zip(ids, firsts, steps, strict=True):
+            self.bm.mark_computed(s, n + k)
+        for row, ((i, _), k) in enumerate(zip(going, steps, strict=True)):
+            out[i].extend(toks[row, :k].tolist())
+        return True
