@@ -228,7 +228,8 @@ def test_rejected_proposals_never_reach_the_prefix_cache():
     llm.bm.check_invariants()
 
 
-def test_proposer_interface_gets_each_sequence_its_tokens_and_room():
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_proposer_interface_gets_each_sequence_its_tokens_and_room(overlapped):
     seen = []
 
     class Spy:
@@ -236,16 +237,22 @@ def test_proposer_interface_gets_each_sequence_its_tokens_and_room():
             seen.extend(requests)
             return [[] for _ in requests]
 
-    llm = _engine(speculative={"num_speculative_tokens": 3})
+    llm = _engine(speculative={"num_speculative_tokens": 3}, async_scheduling=overlapped)
     llm.engine.speculator.proposer = Spy()
     out = llm.generate(
         [[1, 2, 3]], pj.SamplingParams(max_tokens=5, ignore_eos=True), progress=False
     )
     toks = out[0].outputs[0].token_ids
     assert all(isinstance(r, DraftRequest) for r in seen)
-    # every decode step but the last asks, with the sequence's tokens so far
-    assert [r.tokens.tolist() for r in seen] == [[1, 2, 3] + toks[:j] for j in range(1, 4)]
-    assert [r.max_tokens for r in seen] == [3, 2, 1]  # never past max_tokens
+    asked = [(r.tokens.tolist(), r.max_tokens) for r in seen]
+    if not overlapped:
+        # every decode step but the last asks, with the sequence's tokens so far
+        assert asked == [([1, 2, 3] + toks[:j], 3 - j + 1) for j in range(1, 4)]
+    else:
+        # each step scheduled while the one before runs asks with the tokens before the
+        # placeholder, for one more token (its guess of the placeholder, dropped)
+        assert asked == [([1, 2, 3] + toks[: j - 1], 3 - j + 2) for j in range(1, 4)]
+        assert llm.metrics.overlapped_steps > 0
     assert llm.metrics.spec_verify_rows == 0
 
 
@@ -456,3 +463,46 @@ def test_the_draft_s_multi_step_launch_proposes_what_one_step_a_token_does(tiny)
     assert tight.propose(reqs) == proposer(False, pages=14).propose(reqs)
     assert tight.launches == 0
     tight.bm.check_invariants()
+
+
+@pytest.mark.parametrize("proposer", ["right", "wrong", "ngram"])
+def test_steps_overlap_with_speculation_and_keep_the_tokens(reference, proposer):
+    """With overlapped steps, a step that verifies no proposals is left running while the
+    next is scheduled, and that next step may verify proposals made from the tokens
+    before its placeholders (the first proposal guesses the placeholder, dropped): the
+    tokens are those of plain decoding, steps overlapped, and proposals verified in
+    steps scheduled that way; a wrong guess costs proposals, not tokens."""
+    prompts, params, ref = reference
+    llm = _engine(speculative={"num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    assert llm.engine.launcher.async_scheduling
+    sp = llm.engine.speculator
+    if proposer != "ngram":
+        full = [p + c.token_ids for p, o in zip(prompts, ref, strict=True) for c in o.outputs]
+        oracle = _Oracle(full, wrong=proposer == "wrong")
+        calls = []
+
+        class EveryOther:  # a step without proposals, which may overlap, then one with
+            def propose(self, requests):
+                calls.append(1)
+                return oracle.propose(requests) if len(calls) % 2 else [[] for _ in requests]
+
+        sp.proposer = EveryOther()
+    pending_drafts = []
+    draft = sp.draft
+
+    def spy(schedulers, scheds, pending=False):
+        d = draft(schedulers, scheds, pending=pending)
+        pending_drafts.append(bool(pending and d))
+        return d
+
+    sp.draft = spy
+    outs = llm.generate(prompts, params, progress=False)
+    assert _summary(outs) == _summary(ref)
+    m = llm.metrics
+    assert m.overlapped_steps > 0 and any(pending_drafts)
+    if proposer == "right":
+        assert m.spec_acceptance_rate == 1.0
+    elif proposer == "wrong":
+        assert m.spec_accepted_tokens == 0
+    assert llm.bm.stats()["pages_used"] == 0
+    llm.bm.check_invariants()

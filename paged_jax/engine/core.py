@@ -449,8 +449,8 @@ class EngineCore:
             return None
         steps = self.launcher.multi_steps(scheds, self.faults.isolating)  # None: one step
         drafts = None
-        if self.speculator is not None and steps is None and prev is None:
-            drafts = self.speculator.draft(self.schedulers, scheds)  # proposals to verify
+        if self.speculator is not None and steps is None:  # proposals to verify
+            drafts = self.speculator.draft(self.schedulers, scheds, pending=prev is not None)
         return self.launcher.dispatch(
             [sched.work for sched in scheds],
             self._step_groups,

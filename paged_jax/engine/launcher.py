@@ -127,7 +127,7 @@ class StepLauncher:
         spec = None
         if drafts:
             spec = self.speculator.verify_rows(placed, drafts, inputs)
-        inputs.tokens = self.tokens(inputs.batch, placed, prev, pending)
+        inputs.tokens = self.tokens(inputs.batch, placed, prev, pending, drafts)
         inputs.adapters = self._adapters(inputs.batch, placed)
         lane = None
         if steps is not None:
@@ -202,17 +202,19 @@ class StepLauncher:
         else:
             f.dispatch_s += d.seconds
 
-    def tokens(self, batch, placed, prev: Launched | None, pending: int):
+    def tokens(self, batch, placed, prev: Launched | None, pending: int, drafts=None):
         """The step's input tokens: the batch's (host), or on the device with each of its
         ``pending`` placeholders (a token ``prev``, a single step, is sampling) taken from
-        ``prev``'s output."""
+        ``prev``'s output. ``drafts``: the rows' proposals (``{id(Seq): tokens}``), which
+        follow a row's placeholder."""
         if prev is None:
             return batch.token_ids
         src = np.full(batch.token_ids.shape[0], -1, np.int32)
         for i, w in placed:
             row = prev.rows.get(id(w.seq))
-            if row is not None and w.stop == len(w.seq.tokens):  # decodes the placeholder
-                src[batch.logits_indices[i]] = row
+            k = len(drafts.get(id(w.seq), ())) if drafts else 0
+            if row is not None and w.stop - k == len(w.seq.tokens):  # decodes the placeholder
+                src[batch.logits_indices[i] - k] = row
         found = int((src >= 0).sum())
         if found != pending:  # a placeholder anywhere else would compute a wrong token
             raise RuntimeError(
@@ -271,13 +273,15 @@ class StepLauncher:
         is on, no request is isolated as a suspect (``isolating``), ``f``'s schedule did
         not stop short of a preemption (the next one makes it, from known tokens), each
         sampling row only appends its token (no beam search, no first token of n samples
-        to fork, no penalties, which count the tokens so far), and speculation is off (the
-        next step's proposals follow this step's tokens). A grammar's row may overlap: the
-        next step's model call goes before its mask is known, its sampling after
-        (``sample_deferred``). A multi-step launch, when one of its rows has tokens left
+        to fork, no penalties, which count the tokens so far), and it verifies no
+        proposals (how many tokens a row keeps is known only once it returned; the step
+        that overlaps a plain one may verify some, ``Speculator.draft(pending=)``). A
+        grammar's row may overlap: the next step's model call goes before its mask is
+        known, its sampling after (``sample_deferred``). A multi-step launch, when one of
+        its rows has tokens left
         after it (the next launch goes on from it, ``plan_continuation``); the launch that
         follows a single step may start from its placeholders."""
-        if not self.async_scheduling or isolating or f.stalled or self.speculator is not None:
+        if not self.async_scheduling or isolating or f.stalled or f.spec:
             return False
         if f.lane is not None:  # some row goes on after it (``plan_continuation``)
             lane = f.lane

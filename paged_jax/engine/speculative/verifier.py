@@ -101,12 +101,19 @@ class Speculator:
         self.runner = runner
         self.metrics = metrics
 
-    def draft(self, schedulers, scheds) -> dict[int, list[int]] | None:
+    def draft(self, schedulers, scheds, pending: bool = False) -> dict[int, list[int]] | None:
         """Proposals for the decode rows of ``scheds`` (each replica's schedule, changed
         in place; ``schedulers``: theirs): each ``Work`` that takes ``k`` proposals
         becomes ``[n - 1, n + k)``, the proposals appended to its block manager. Within
         the step's token budget; a row whose pages are not free goes without. Returns
-        ``{id(Seq): proposals}``, or None when no row has any."""
+        ``{id(Seq): proposals}``, or None when no row has any.
+
+        ``pending``: the schedule overlaps a running step, each decode row's last token a
+        placeholder for that step's sample (``StepLauncher.place``). The proposer then
+        sees the tokens before it and proposes ``k + 1``: its first guesses the
+        placeholder and is dropped, the other ``k`` follow the placeholder in the row.
+        Whatever the placeholder turns out to be, only the samples the proposals match
+        are kept (``accept``): a wrong guess costs its row's proposals, never a token."""
         K = self.config.num_speculative_tokens
         vocab = self.runner.model.config.vocab_size
         drafts: dict[int, list[int]] = {}
@@ -122,8 +129,13 @@ class Speculator:
                         cand.append((j, w, room))
             if not cand:
                 continue
+            known = 1 if pending else 0  # (a placeholder: the tokens before it)
             requests = [
-                DraftRequest(w.seq.seq_id, sc.bm.token_buffer(w.seq.seq_id)[: w.stop].copy(), room)
+                DraftRequest(
+                    w.seq.seq_id,
+                    sc.bm.token_buffer(w.seq.seq_id)[: w.stop - known].copy(),
+                    room + known,
+                )
                 for _, w, room in cand
             ]
             proposals = self.proposer.propose(requests)
@@ -131,9 +143,11 @@ class Speculator:
                 raise RuntimeError(
                     f"proposer: {len(proposals)} proposals for {len(requests)} sequences"
                 )
-            for j, w, d in self.ration(sched.work, cand, proposals, budget):
-                if min(d) < 0 or max(d) >= vocab:
+            for d in proposals:  # (the guesses of placeholders too)
+                if len(d) and (min(d) < 0 or max(d) >= vocab):
                     raise ValueError(f"proposer: token ids must lie in [0, {vocab}), got {d}")
+            proposals = [list(d)[known:] for d in proposals]
+            for j, w, d in self.ration(sched.work, cand, proposals, budget):
                 try:
                     sc.bm.append_slots(w.seq.seq_id, d)
                 except OutOfPages:
