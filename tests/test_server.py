@@ -712,13 +712,16 @@ def test_the_gauges_see_a_step_before_its_answers_are_delivered():
     assert at_done and at_done[0][0] == at_done[0][1] > 0, at_done
 
 
-def _in_process(max_request_bytes=None, **kw):
+def _in_process(max_request_bytes=None, scheduling_policy="fcfs", **kw):
     """A Server on tiny-llama with its engine thread started (no HTTP socket)."""
     from paged_jax import models
     from paged_jax.server.api import Server
 
     model, tokenizer = models.load("tiny-llama")
-    llm = pj.LLM(model, tokenizer, num_pages=64, compilation_cache=False)
+    llm = pj.LLM(
+        model, tokenizer, num_pages=64, compilation_cache=False,
+        scheduling_policy=scheduling_policy,
+    )  # fmt: skip
     app = Server(llm, model_name="t", max_request_bytes=max_request_bytes, **kw)
     app.loop.start()
     return app
@@ -1067,3 +1070,37 @@ def test_tool_calls_through_the_openai_client(server):
     assert call.function.name == "get_time" and call.id.startswith("call_")
     assert json.loads(call.function.arguments)["zone"] in ("utc", "cet")
     assert final.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_request_s_priority_reaches_the_engine_or_is_refused(policy, monkeypatch):
+    # vLLM's "priority" field: with --scheduling-policy priority it is the request's
+    # (lower first); first come, first served refuses any but 0; a non-integer is a 400
+    app = _in_process(scheduling_policy=policy)
+    seen = []
+    add = app.llm.add_request
+    monkeypatch.setattr(
+        app.llm, "add_request", lambda *a, **kw: (seen.append(kw.get("priority", 0)), add(*a, **kw))
+    )
+
+    async def go():
+        transport = httpx.ASGITransport(app=app.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            body = dict(model="t", prompt="x", max_tokens=4, temperature=0.0)
+            return [
+                await client.post("/v1/completions", json=dict(body, priority=p))
+                for p in (-3, 0, "high", True)
+            ]
+
+    try:
+        urgent, plain, text, flag = asyncio.run(go())
+    finally:
+        app.loop.stop()
+    assert plain.status_code == 200, plain.text
+    for r in (text, flag):
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+    if policy == "priority":
+        assert urgent.status_code == 200 and seen == [-3, 0], (urgent.text, seen)
+    else:
+        assert urgent.status_code == 400 and "--scheduling-policy priority" in urgent.text
+        assert seen == [0]

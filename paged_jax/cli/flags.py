@@ -430,6 +430,13 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="the order requests are admitted and preempted in: first come, first served, "
+        "or each request's priority (lower first; the server's 'priority' field)",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument(
         "--no-async-scheduling",

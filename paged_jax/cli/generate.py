@@ -76,6 +76,7 @@ def generate(args) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
             preemption=args.preemption,
+            scheduling_policy=args.scheduling_policy,
             async_scheduling=not args.no_async_scheduling,
             num_scheduler_steps=args.num_scheduler_steps,
             speculative=speculative_of(args),

@@ -74,6 +74,7 @@ def serve(args) -> int:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             preemption=args.preemption,
+            scheduling_policy=args.scheduling_policy,
             enable_prefix_caching=not args.no_prefix_caching,
             async_scheduling=not args.no_async_scheduling,
             num_scheduler_steps=args.num_scheduler_steps,

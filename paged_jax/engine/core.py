@@ -52,7 +52,8 @@ class EngineCore:
       block_manager_args: ``BlockManager`` (or, with ``group_windows``,
         ``HybridBlockManager``) arguments of each replica's block manager.
       num_replicas: data-parallel replicas, each with its own scheduler and pool.
-      max_num_seqs, max_num_batched_tokens, preemption: each replica's ``Scheduler``'s.
+      max_num_seqs, max_num_batched_tokens, preemption, scheduling_policy: each
+        replica's ``Scheduler``'s (its ``policy``).
       checked, deterministic, async_scheduling, num_scheduler_steps, speculative,
         max_loras, max_lora_rank: as ``LLM``'s (``speculative`` a ``SpeculativeConfig`` or
         None; ``max_loras`` slots the runner's model holds already).
@@ -81,6 +82,7 @@ class EngineCore:
         speculative: SpeculativeConfig | None = None,
         max_loras: int = 0,
         max_lora_rank: int = 0,
+        scheduling_policy: str = "fcfs",
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -101,6 +103,7 @@ class EngineCore:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 preemption=preemption,
+                policy=scheduling_policy,
             )
             for _ in range(num_replicas)
         ]
@@ -250,6 +253,7 @@ class EngineCore:
         lora: str | None = None,
         adapter: int = 0,
         stream: bool | str = False,
+        priority: int = 0,
     ) -> None:
         """Queues a request. Raises ValueError on a bad request (nothing is queued).
 
@@ -261,7 +265,9 @@ class EngineCore:
         prefix-cache pages. ``stream``: True, every ``step`` pushes the request's new
         settled text and tokens (``StepResult.streamed``) and its new token count
         (``StepResult.new_tokens``); ``"tokens"``: the counts only (no text is decoded
-        before the request finishes); False: nothing before it finishes.
+        before the request finishes); False: nothing before it finishes. ``priority``:
+        with scheduling policy "priority", lower values are admitted first and preempted
+        last (vLLM's sense; any int); with "fcfs" it must be 0.
         """
         self.faults.check_usable()
         params = params or SamplingParams()
@@ -269,6 +275,11 @@ class EngineCore:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if stream not in (False, True, "tokens"):
             raise ValueError(f"stream: expected False, True or 'tokens', got {stream!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority: expected an int, got {priority!r}")
+        if priority and (policy := self.schedulers[0].policy) != "priority":
+            msg = f"needs scheduling_policy='priority' (this engine's is {policy!r})"
+            raise ValueError(f"priority: {priority} {msg}")
         if stream is True and self.tokenizer is None:
             raise ValueError("stream: streaming text needs a tokenizer; pass stream='tokens'")
         if lora is not None:
@@ -289,6 +300,7 @@ class EngineCore:
             arrival_time=time.perf_counter(),
             max_len=min(len(ids) + params.max_tokens, self.max_model_len),
             adapter=adapter,
+            priority=priority,
         )
         if params.prompt_logprobs is not None:
             # every prompt token computed here, so each gets its logits row: a chain of

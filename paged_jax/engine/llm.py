@@ -102,7 +102,8 @@ class LLM:
         prefill chunks) per step at most, per data-parallel replica.
       enable_prefix_caching: share full prompt pages across requests.
       preemption: "recompute" (free pages, prefill again later) or "swap" (to host,
-        ``num_host_pages`` slots: default as many as the pool).
+        ``num_host_pages`` slots: default as many as the pool). scheduling_policy: "fcfs"
+        (arrival order) or "priority" (``add_request(priority=)``, lower first).
       watermark: fraction of pages kept back from admissions.
       cache_dtype: KV cache dtype (default: the model's ``preferred_cache_dtype()``);
         ``jnp.bfloat16`` holds twice f32's tokens in the same memory.
@@ -171,6 +172,7 @@ class LLM:
         max_num_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
         preemption: str = "recompute",
+        scheduling_policy: str = "fcfs",
         num_host_pages: int | None = None,
         watermark: float = 0.01,
         cache_dtype: Any = None,
@@ -240,6 +242,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             preemption=preemption,
+            scheduling_policy=scheduling_policy,
             checked=checked,
             deterministic=deterministic,
             async_scheduling=async_scheduling,
@@ -280,7 +283,7 @@ class LLM:
 
     def add_request(self, request_id: Hashable, prompt, params=None, **kw) -> None:
         """Queues a request for ``step`` (``EngineCore.add_request``: ``cache_salt``,
-        ``lora``, ``adapter``, ``stream``)."""
+        ``lora``, ``adapter``, ``stream``, ``priority``)."""
         self.engine.add_request(request_id, prompt, params, **kw)
 
     def abort(self, request_id: Hashable) -> RequestOutput | None:
@@ -351,18 +354,15 @@ class LLM:
         Prints one line per bucket compiled when ``progress`` (and logs it at INFO to the
         "paged_jax" logger either way); with the persistent compilation cache on, a later
         process loads them from there instead (much faster). Returns the buckets compiled
-        (dicts: ``tokens``, ``seqs``, ``pages_per_seq``, ``copies``,
-        ``beam_candidates``, ``seconds``, and ``steps`` for a multi-step launch's);
-        buckets compiled before are not compiled again. The engine's metrics are reset
-        afterwards.
+        (dicts: ``tokens``, ``seqs``, ``pages_per_seq``, ``copies``, ``beam_candidates``,
+        ``seconds``, ``steps`` for a multi-step launch's); none is compiled twice. The
+        engine's metrics are reset afterwards.
         """
         workload = (num_seqs, prompt_len, max_tokens)
         if all(v is None for v in workload):
             if sampling_params is not None:
-                raise ValueError(
-                    "sampling_params: only for a workload (num_seqs, prompt_len, "
-                    "max_tokens); warm_up() compiles every step shape"
-                )
+                msg = "only for a workload (num_seqs, prompt_len, max_tokens)"
+                raise ValueError(f"sampling_params: {msg}; warm_up() compiles every shape")
             return warmup.compile_all(self.engine, progress)
         self._warm_ups += 1  # (each workload's own prefix-cache chain)
         return warmup.run_workload(

@@ -204,6 +204,8 @@ class Group:
     # completes; the first token's stays None) and, with k > 0, its k most likely tokens
     prompt_lp: list | None = None
     prompt_top: list | None = None
+    # Its priority with scheduling policy "priority": lower runs first (``add_request``)
+    priority: int = 0
 
     def new_seq_id(self) -> str:
         # Keyed by the engine's arrival counter, not the request id: request 1 and "1"

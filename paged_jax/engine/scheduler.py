@@ -1,17 +1,21 @@
 """The host-side scheduler of the engine: which sequences compute which tokens this step.
 
 Pure Python (no JAX), deterministic. Requests become sequence groups (one sequence, or
-``n`` samples / beams sharing the prompt's pages) that move between FCFS queues:
+``n`` samples / beams sharing the prompt's pages) that move between queues, each in the
+order of the scheduling ``policy``: "fcfs", by arrival; "priority", by ``Group.priority``
+(lower first), then arrival:
 
     waiting --admit (pages + watermark)--> running --preempt--> swapped (swap mode)
        ^                                      |                     |
        +------------ preempt (recompute) -----+     <--swap in------+
 
-Each step takes running groups oldest first (decode tokens, then prefill chunks) within a
-token budget; when pages run out the most recently arrived running group is preempted,
+Each step takes running groups first in that order (decode tokens, then prefill chunks)
+within a token budget; when pages run out the last running group in it is preempted,
 by swap (all or nothing per group) or by recompute (pages freed, its prompt and
 generated tokens prefilled again later, outputs unchanged). Swapped groups come back
-before new requests are admitted. While ``only`` is set (the engine isolating a request
+before new requests are admitted. With "priority", a waiting group that finds no pages
+preempts running groups of a lower priority (a larger value), the last first, until it
+fits. While ``only`` is set (the engine isolating a request
 it suspects of making steps fail) the other groups wait, whatever their queue.
 """
 
@@ -33,17 +37,33 @@ class Schedule:
     stalled: bool = False  # a speculative schedule stopped where it would have preempted
 
 
+POLICIES = ("fcfs", "priority")
+
+
 class Scheduler:
     def __init__(
-        self, bm: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int, preemption: str
+        self,
+        bm: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        preemption: str,
+        policy: str = "fcfs",
     ):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling_policy: expected one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        # the queues' order: arrival, or (priority, arrival)
+        self.order = (
+            (lambda g: g.arrival) if policy == "fcfs" else (lambda g: (g.priority, g.arrival))
+        )
         self.bm = bm
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption = preemption
-        self.waiting: list[Group] = []  # sorted by arrival
-        self.running: list[Group] = []  # sorted by arrival
-        self.swapped: list[Group] = []  # sorted by arrival
+        self.waiting: list[Group] = []  # sorted by self.order
+        self.running: list[Group] = []  # so
+        self.swapped: list[Group] = []  # so
         self.num_preempted = {"swap": 0, "recompute": 0}
         # Arrival numbers of the only groups that may run, or None (all). The engine sets
         # it while it isolates a request suspected of making steps fail.
@@ -55,16 +75,16 @@ class Scheduler:
     # ------------------------------------------------------------------ queues
     def reset(self, bm: BlockManager, waiting: list[Group]) -> None:
         """A fresh block manager ``bm``, nothing running or swapped, and ``waiting`` (to be
-        recomputed from their tokens) queued in arrival order: what follows a failed
+        recomputed from their tokens) queued in the policy's order: what follows a failed
         step."""
         self.bm = bm
         self.running, self.swapped = [], []
-        self.waiting = sorted(waiting, key=lambda g: g.arrival)
+        self.waiting = sorted(waiting, key=self.order)
         for g in waiting:
             g.status = Status.WAITING
 
     def add(self, group: Group) -> None:
-        bisect.insort(self.waiting, group, key=lambda g: g.arrival)
+        bisect.insort(self.waiting, group, key=self.order)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -94,14 +114,14 @@ class Scheduler:
         return g.adapter in held or len(held) < self.adapter_slots
 
     # ------------------------------------------------------------------ preemption
-    def _preempt(self, g: Group, sched: Schedule) -> None:
+    def _preempt(self, g: Group, sched: Schedule, swap: bool = True) -> None:
         ids = self._seq_ids(g)
         g.num_preemptions += 1
-        if self.preemption == "swap" and self.bm.can_swap_out(ids):
+        if swap and self.preemption == "swap" and self.bm.can_swap_out(ids):
             sched.swap_out += self.bm.swap_out(ids)
             g.status = Status.SWAPPED
             self.running.remove(g)
-            bisect.insort(self.swapped, g, key=lambda x: x.arrival)
+            bisect.insort(self.swapped, g, key=self.order)
             sched.preempted.append((g, "swap"))
             self.num_preempted["swap"] += 1
             return
@@ -109,9 +129,24 @@ class Scheduler:
             self.bm.free(sid)
         g.status = Status.WAITING
         self.running.remove(g)
-        bisect.insort(self.waiting, g, key=lambda x: x.arrival)
+        bisect.insort(self.waiting, g, key=self.order)
         sched.preempted.append((g, "recompute"))
         self.num_preempted["recompute"] += 1
+
+    def _make_room(self, sched: Schedule) -> None:
+        """With policy "priority": the waiting group first in order preempts running groups
+        of a lower priority (a larger value), the last in order first, until the pages its
+        prompt needs (and the watermark) are free. They are recomputed later, not swapped
+        (a swapped group would come back before it)."""
+        g = self._next_waiting()
+        if g is None:
+            return
+        need = sum(self.bm.pages_needed(len(s.tokens)) for s in g.seqs)
+        while self.bm.num_free_pages - need < self.bm.watermark_pages:
+            running = self._allowed(self.running)
+            if not running or running[-1].priority <= g.priority:
+                return
+            self._preempt(running[-1], sched, swap=False)
 
     # ------------------------------------------------------------------ the step
     def schedule(self, *, speculative: bool = False) -> Schedule:
@@ -125,6 +160,8 @@ class Scheduler:
         for a step scheduled with every token known).
         """
         sched = Schedule([], [], [], [])
+        if self.policy == "priority" and not speculative:
+            self._make_room(sched)
         groups = self._allowed(self.running)
         budget, seq_budget = self.max_num_batched_tokens, self.max_num_seqs
         taken = self._decode_prefix(groups, sched, speculative)
@@ -134,18 +171,24 @@ class Scheduler:
         budget, seq_budget = self._running_groups(groups, sched, speculative, budget, seq_budget)
         if sched.preempted or sched.stalled:
             return sched
+        head = self._next_waiting() if self.policy == "priority" else None
         for g in self._allowed(self.swapped):
             ids = self._seq_ids(g)
             if not self.bm.can_swap_in(ids) or seq_budget < len(g.seqs):
                 break
+            if head is not None and self.order(head) < self.order(g):
+                break  # (priority: a waiting group first in order is admitted first)
             if not self._adapter_fits(g):
                 break
             sched.swap_in += self.bm.swap_in(ids)
             self.swapped.remove(g)
             g.status = Status.RUNNING
-            bisect.insort(self.running, g, key=lambda x: x.arrival)
+            bisect.insort(self.running, g, key=self.order)
             seq_budget -= len(g.seqs)  # decodes from the next step
-        if any(self.only is None or g.arrival in self.only for g in self.swapped):
+        swapped = self._allowed(self.swapped)
+        if self.policy == "priority" and head is not None:  # the ones it does not precede
+            swapped = [g for g in swapped if self.order(g) < self.order(head)]
+        if swapped:
             return sched  # swapped groups come back before new admissions
         while budget > 0 and (g := self._next_waiting()) is not None:
             if seq_budget < len(g.seqs) or not self._adapter_fits(g):
@@ -164,7 +207,7 @@ class Scheduler:
                 break
             self.waiting.remove(g)
             g.status = Status.RUNNING
-            bisect.insort(self.running, g, key=lambda x: x.arrival)
+            bisect.insort(self.running, g, key=self.order)
             budget -= self._prefill(g, budget, sched)
             seq_budget -= len(g.seqs)
         return sched

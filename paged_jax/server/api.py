@@ -261,7 +261,10 @@ class Server:
                 def notify(event: Event, k=k) -> None:
                     loop.call_soon_threadsafe(queue.put_nowait, (k, event))
 
-                self.loop.submit(rid, ids, job.params, notify, stream=job.stream, lora=job.lora)
+                self.loop.submit(
+                    rid, ids, job.params, notify, stream=job.stream, lora=job.lora,
+                    priority=job.priority,
+                )  # fmt: skip
         except (Overloaded, RuntimeError) as e:
             for rid in rids[:k]:
                 self.loop.abort(rid)

@@ -97,6 +97,7 @@ class Job:
     echo_only: bool  # echo with max_tokens 0: the prompt alone (its sampled token dropped)
     prompt_logprobs: int | None  # vLLM's prompt_logprobs: the prompt tokens' top-k
     created: int  # unix seconds
+    priority: int = 0  # vLLM's priority (--scheduling-policy priority): lower runs first
 
     def choice_index(self, k: int, sample: int) -> int:
         """The answer's choice of sample ``sample`` of prompt ``k``."""
@@ -195,6 +196,20 @@ class RequestParser:
             raise ApiError(400, f"{where}: cannot be tokenized ({e})", "prompt") from None
         return list(getattr(ids, "ids", ids))
 
+    def _priority(self, value: Any) -> int:
+        """A body's ``priority``: an int (vLLM's, lower first), other than 0 only when the
+        engine schedules by priority (``--scheduling-policy priority``)."""
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ApiError(400, f"priority: expected an integer, got {value!r:.40}", "priority")
+        schedulers = getattr(self.llm, "schedulers", None) or [None]
+        policy = getattr(schedulers[0], "policy", "fcfs")
+        if value and policy != "priority":
+            raise ApiError(
+                400, "priority: the server schedules first come, first served (start it "
+                "with --scheduling-policy priority)", "priority",
+            )  # fmt: skip
+        return value
+
     def generation(self, raw: bytes, chat: bool) -> Job:
         """A completions (``chat`` False) or chat body, parsed and checked against the
         engine's limits before any answer starts (a stream's 200 could not become a 400
@@ -207,6 +222,7 @@ class RequestParser:
         n = body.get("n", 1)
         if "best_of" in body and body["best_of"] not in (None, n):
             raise ApiError(400, "best_of: only best_of == n is supported", "best_of")
+        priority = self._priority(body.get("priority", 0))
         opts = self._answer_fields(body, chat)
         tools = None
         if chat:
@@ -247,6 +263,7 @@ class RequestParser:
             echo_only=echo_only,
             prompt_logprobs=opts["scored"],
             created=int(time.time()),
+            priority=priority,
         )
 
     def _answer_fields(self, body: Mapping, chat: bool) -> dict:

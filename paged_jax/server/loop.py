@@ -132,10 +132,12 @@ class EngineLoop:
         *,
         stream: bool = False,
         lora: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Queues a request (any thread), with LoRA adapter ``lora`` (a registered name, or
-        None). ``notify`` receives its events on the engine thread. Raises ``Overloaded``
-        when ``capacity`` requests are in flight, and RuntimeError once stopping."""
+        None) and ``priority`` (``LLM.add_request``'s). ``notify`` receives its events on
+        the engine thread. Raises ``Overloaded`` when ``capacity`` requests are in flight,
+        and RuntimeError once stopping."""
         with self._lock:
             if self._stopping.is_set():
                 raise RuntimeError("the server is shutting down")
@@ -146,7 +148,7 @@ class EngineLoop:
                     f"{self._in_flight} requests in flight, the limit is {self.capacity}"
                 )
             self._in_flight += 1
-        self._inbox.put(("add", request_id, prompt, params, notify, stream, lora))
+        self._inbox.put(("add", request_id, prompt, params, notify, stream, lora, priority))
 
     def call(self, fn: Callable[[], Any], done: Callable[[Any, BaseException | None], None]):
         """Runs ``fn()`` on the engine thread between steps (any thread may ask; work that
@@ -185,12 +187,13 @@ class EngineLoop:
             return
         while True:
             if cmd[0] == "add":
-                _, rid, prompt, params, notify, stream, lora = cmd
+                _, rid, prompt, params, notify, stream, lora, priority = cmd
                 self._live[rid] = _Live(notify)
                 try:  # (every request reports its tokens each step: the metrics')
-                    self.llm.add_request(
-                        rid, prompt, params, lora=lora, stream=True if stream else "tokens"
-                    )
+                    kw = dict(lora=lora, stream=True if stream else "tokens")
+                    if priority:  # (engines of other policies take no keyword)
+                        kw["priority"] = priority
+                    self.llm.add_request(rid, prompt, params, **kw)
                 except (ValueError, TypeError) as e:
                     self._done(rid, Event("error", status=400, message=str(e)))
             elif cmd[0] == "abort":
