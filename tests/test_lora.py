@@ -6,6 +6,7 @@ slots; prefix pages kept apart; what does not fit refused by name."""
 import json
 import pathlib
 import shutil
+import time
 
 import jax
 import jax.numpy as jnp
@@ -444,6 +445,15 @@ def test_serve_checks_its_adapter_flags_before_loading(capsys, tmp_path):
     assert "--lora-modules: the name 'a' is given twice" in capsys.readouterr().err
     assert cli.main(["serve", "--max-loras", "2"]) == 2
     assert "--max-loras: expected an int >= 1 with --lora-modules" in capsys.readouterr().err
+    assert cli.main(["serve", "--lora-allowed-dir", str(tmp_path / "nope")]) == 2
+    assert f"--lora-allowed-dir: {tmp_path / 'nope'} is not a directory" in capsys.readouterr().err
+    assert cli.main(["serve", "--lora-allowed-dir", str(tmp_path)]) == 2
+    assert "--lora-allowed-dir: needs --max-loras N" in capsys.readouterr().err
+    assert cli.main(["serve", "--max-loras", "1", "--max-lora-rank", "0"]) == 2
+    assert "--max-loras: expected an int >= 1 with --lora-modules" in capsys.readouterr().err
+    argv = ["serve", "--max-loras", "1", "--lora-allowed-dir", str(tmp_path), "--max-lora-rank"]
+    assert cli.main([*argv, "0"]) == 2
+    assert "--max-lora-rank: expected an int >= 1, got 0" in capsys.readouterr().err
 
 
 def test_samples_of_a_request_share_its_adapter():
@@ -557,3 +567,97 @@ def test_the_cpu_kernel_multiplies_each_row_by_its_own_slot_only():
         linear.lora_delta(jnp.asarray(x), a, b, jnp.asarray(ids), 3, R)
     with pytest.raises(ValueError, match="a, b"):
         linear.lora_delta(jnp.asarray(x), a[:, :5], b, jnp.asarray(ids), 0, R)
+
+
+def _peft_dir(cfg, path: pathlib.Path, seed: int, rank: int = 4) -> pathlib.Path:
+    """A random PEFT adapter for a model of ``cfg`` written to ``path`` as PEFT saves one."""
+    rng = np.random.default_rng(seed)
+    path.mkdir(parents=True)
+    tensors = {}
+    for t in ("q_proj", "v_proj"):
+        fan_in, fan_out = lora_mod.target_shape(cfg, t)
+        for i in range(cfg.num_layers):
+            stem = f"base_model.model.model.layers.{i}.self_attn.{t}"
+            tensors[f"{stem}.lora_A.weight"] = rng.normal(0, 0.3, (rank, fan_in)).astype("f4")
+            tensors[f"{stem}.lora_B.weight"] = rng.normal(0, 0.3, (fan_out, rank)).astype("f4")
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank,
+              "target_modules": ["q_proj", "v_proj"]}  # fmt: skip
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_adapters_load_and_unload_while_the_server_runs(tmp_path):
+    # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: behind the API key, only
+    # from the allowed directories, and a request in flight meanwhile keeps its tokens
+    from starlette.testclient import TestClient
+
+    from paged_jax import models
+    from paged_jax.server.api import Server
+
+    model, tokenizer = models.load("tiny-llama")
+    allowed = _peft_dir(model.config, tmp_path / "allowed" / "styled", 1).parent
+    outside = _peft_dir(model.config, tmp_path / "outside", 2)
+    (allowed / "link").symlink_to(outside)  # inside by name, outside once resolved
+    llm = pj.LLM(model, tokenizer, num_pages=64, max_loras=1, max_lora_rank=4,
+                 compilation_cache=False)  # fmt: skip
+    p = pj.SamplingParams(max_tokens=8, ignore_eos=True)
+    long = pj.SamplingParams(max_tokens=120, ignore_eos=True)
+    llm.add_lora("ref", str(allowed / "styled"))
+    want = llm.generate(["hello there"], p, progress=False, lora="ref")[0].outputs[0].text
+    llm.remove_lora("ref")
+    base = llm.generate(["hello there"], p, progress=False)[0].outputs[0].text
+    base_long = llm.generate([[1, 2, 3]], long, progress=False)[0].outputs[0].token_ids
+    assert want != base  # the adapter changes the reply
+    key = {"Authorization": "Bearer k"}
+    load = {"lora_name": "styled", "lora_path": str(allowed / "styled")}
+    body = dict(model="styled", prompt="hello there", max_tokens=8, ignore_eos=True,
+                temperature=0)  # fmt: skip
+    app = Server(llm, model_name="base", api_key="k", lora_dirs=[allowed])
+    with TestClient(app.app) as client:
+        assert client.post("/v1/load_lora_adapter", json=load).status_code == 401
+        for bad, param in (({**load, "lora_path": str(outside)}, "lora_path"),
+                           ({**load, "lora_path": str(allowed / ".." / "outside")}, "lora_path"),
+                           ({**load, "lora_path": str(allowed / "link")}, "lora_path"),
+                           ({**load, "lora_name": "base"}, "lora_name"),
+                           ({"lora_path": str(allowed / "styled")}, "lora_name"),
+                           ({**load, "lora_path": str(allowed)}, "lora_path")):  # fmt: skip
+            r = client.post("/v1/load_lora_adapter", json=bad, headers=key)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert client.post("/v1/completions", json=body, headers=key).status_code == 404
+        events = []
+        app.loop.submit("in-flight", [1, 2, 3], long, events.append)
+        r = client.post("/v1/load_lora_adapter", json=load, headers=key)
+        assert r.status_code == 200 and "styled" in r.text, r.text
+        assert llm.loras == ["styled"]
+        assert [m["id"] for m in client.get("/v1/models", headers=key).json()["data"]] == [
+            "base", "styled"]  # fmt: skip
+        r = client.post("/v1/completions", json=body, headers=key)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+        r = client.post("/v1/completions", json={**body, "model": "base"}, headers=key)
+        assert r.json()["choices"][0]["text"] == base
+        r = client.post("/v1/load_lora_adapter", json=load, headers=key)
+        assert r.status_code == 400 and "is loaded" in r.text
+        # a request using the adapter keeps it loaded
+        app.loop.submit("user", [1, 2, 3], long, events.append, lora="styled")
+        r = client.post("/v1/unload_lora_adapter", json={"lora_name": "styled"}, headers=key)
+        assert r.status_code == 409, r.text
+        app.loop.abort("user")
+        for _ in range(200):
+            r = client.post("/v1/unload_lora_adapter", json={"lora_name": "styled"}, headers=key)
+            if r.status_code != 409:
+                break
+            time.sleep(0.05)
+        assert r.status_code == 200, r.text
+        assert client.post("/v1/completions", json=body, headers=key).status_code == 404
+        r = client.post("/v1/unload_lora_adapter", json={"lora_name": "styled"}, headers=key)
+        assert r.status_code == 404
+        for _ in range(400):
+            if any(e.kind == "done" for e in events):
+                break
+            time.sleep(0.05)
+    done = [e.output for e in events if e.kind == "done"]
+    assert done and done[0].outputs[0].token_ids == base_long  # in flight, untouched
+    off = Server(llm, model_name="base")
+    with TestClient(off.app) as client:
+        assert client.post("/v1/load_lora_adapter", json=load).status_code == 404

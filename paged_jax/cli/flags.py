@@ -357,6 +357,22 @@ def _parser() -> argparse.ArgumentParser:
         help="adapters held on the device at once (default: every --lora-modules one); "
         "more are swapped in as requests need them",
     )
+    s.add_argument(
+        "--lora-allowed-dir",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="directories LoRA adapters may be loaded from while the server runs "
+        "(POST /v1/load_lora_adapter and /v1/unload_lora_adapter, behind --api-key; "
+        "needs --max-loras); default: loading at run time is off",
+    )
+    s.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        help="the largest adapter rank the slots hold (default: the largest --lora-modules "
+        "one, else 16)",
+    )
     for command in sub.choices.values():
         _show_defaults(command)
     return p

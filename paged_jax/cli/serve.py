@@ -3,6 +3,7 @@ checked before anything loads."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 from paged_jax.cli.common import (
@@ -50,10 +51,18 @@ def serve(args) -> int:
     check_engine_flags(args)
     loras = lora_specs(args.lora_modules, "--lora-modules")
     max_loras = len(loras) if args.max_loras is None else args.max_loras
-    if args.max_loras is not None and (args.max_loras < 1 or not loras):
+    if args.max_loras is not None and (args.max_loras < 1 or not (loras or args.lora_allowed_dir)):
         raise UsageError(
-            f"--max-loras: expected an int >= 1 with --lora-modules, got {args.max_loras}"
+            f"--max-loras: expected an int >= 1 with --lora-modules (or --lora-allowed-dir), "
+            f"got {args.max_loras}"
         )
+    for d in args.lora_allowed_dir or []:
+        if not os.path.isdir(d):
+            raise UsageError(f"--lora-allowed-dir: {d} is not a directory")
+    if args.lora_allowed_dir and not max_loras:
+        raise UsageError("--lora-allowed-dir: needs --max-loras N (the adapters' slots)")
+    if args.max_lora_rank is not None and args.max_lora_rank < 1:
+        raise UsageError(f"--max-lora-rank: expected an int >= 1, got {args.max_lora_rank}")
     check_port(args.host, args.port)  # before seconds of loading, not after
     start_jax(args)
     from paged_jax.engine import LLM
@@ -83,7 +92,7 @@ def serve(args) -> int:
             mesh=mesh,
             cache_dtype=kv_cache_dtype(args),
             max_loras=max_loras,
-            max_lora_rank=max((r for *_, r in loras), default=16),
+            max_lora_rank=args.max_lora_rank or max((r for *_, r in loras), default=16),
         )
         with_loras(llm, loras)
     except (ValueError, TypeError, FileNotFoundError) as e:
@@ -114,6 +123,7 @@ def serve(args) -> int:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         embedding_pooling=args.embedding_pooling,
+        lora_dirs=args.lora_allowed_dir,
         log_level=args.log_level,
         on_ready=ready,
         allowed_hosts=None

@@ -60,6 +60,7 @@ def serve(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     embedding_pooling: str = "last",
+    lora_dirs: list | None = None,
 ) -> None:
     """Serves ``llm`` until SIGINT / SIGTERM, then lets requests in flight finish for up
     to ``shutdown_timeout`` seconds, aborts the rest and returns. ``on_ready()`` is
@@ -69,7 +70,7 @@ def serve(
     ``host`` is a wildcard address. ``header_timeout`` (default 30 s) and
     ``max_connections`` (default ``connections.default_max_connections()``): see
     ``paged_jax.server.connections``; ``body_timeout``, ``tool_call_parser``,
-    ``reasoning_parser`` and ``embedding_pooling``: see ``Server``."""
+    ``reasoning_parser``, ``embedding_pooling`` and ``lora_dirs``: see ``Server``."""
     import asyncio
 
     import uvicorn
@@ -97,6 +98,7 @@ def serve(
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
         embedding_pooling=embedding_pooling,
+        lora_dirs=lora_dirs,
     )
     config = uvicorn.Config(
         server.app,

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from paged_jax.engine.embedding import POOLINGS
+from paged_jax.server.adapters import AdapterRoutes
 from paged_jax.server.answers import Responder
 from paged_jax.server.embeddings import EmbeddingsRoute
 from paged_jax.server.fields import ApiError, error_response
@@ -53,7 +54,9 @@ class Server:
     template, ``tools.detect_format``). ``reasoning_parser``: one of
     ``reasoning.PARSERS`` puts a chat reply's thinking (``<think>`` ... ``</think>``) in
     ``reasoning_content``; None leaves it in the content. ``embedding_pooling``: how
-    ``/v1/embeddings`` pools the hidden states (``LLM.embed``'s ``pooling``). Request
+    ``/v1/embeddings`` pools the hidden states (``LLM.embed``'s ``pooling``).
+    ``lora_dirs``: directories LoRA adapters may be loaded from at run time
+    (``adapters.AdapterRoutes``; None: loading at run time is off). Request
     bodies are decoded, tokenized and their chat templates rendered on worker threads,
     never on the event loop, so one large request does not hold up the others' routes.
     """
@@ -71,6 +74,7 @@ class Server:
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
         embedding_pooling: str = "last",
+        lora_dirs: list | None = None,
     ):
         if embedding_pooling not in POOLINGS:
             raise ValueError(
@@ -121,6 +125,9 @@ class Server:
         self.embeddings = EmbeddingsRoute(
             llm, self.intake, self.parser, self.loop, self.metrics, embedding_pooling
         )
+        self.adapters = AdapterRoutes(
+            llm, self.intake, self.loop, self.metrics, model_name, lora_dirs or ()
+        )
         self.created = int(time.time())
 
         @contextlib.asynccontextmanager
@@ -142,6 +149,8 @@ class Server:
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
+                Route("/v1/load_lora_adapter", self.adapters.load, methods=["POST"]),
+                Route("/v1/unload_lora_adapter", self.adapters.unload, methods=["POST"]),
             ],
             lifespan=lifespan,
             exception_handlers={HTTPException: self._http_error, Exception: self._crash},
