@@ -313,7 +313,7 @@ class Appender:
             return
         chunks = r.tok[row, first * P : full * P].tobytes()
         pages = r.table[row, first:full].tolist()
-        r.key[row] = self.prefix.enter(pages, chunks, r.key[row])
+        r.key[row] = self.prefix.enter(pages, chunks, r.key[row], from_root=first == 0)
         r.nhash[row] = full
 
     def drop_out_of_window(self, row: int) -> None:

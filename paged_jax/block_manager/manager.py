@@ -15,6 +15,7 @@ import numpy as np
 from . import stats as _stats
 from ._common import DuplicateSequence, InvalidSequenceState, OutOfPages, SeqRows, _as_tokens
 from .appends import Appender
+from .events import AllBlocksCleared
 from .pool import HostSlots, PagePool
 from .prefix import PrefixCache, prefix_root_key
 from .rows import SequenceRows
@@ -80,6 +81,23 @@ class BlockManager:
         self.host = HostSlots(self.num_host_pages)
         self.appender = Appender(self.rows, self.pool, self.prefix)
         self.swapper = Swapper(self.rows, self.pool, self.host, self.appender)
+
+    # ------------------------------------------------------------------ events
+    def record_events(self, cleared: bool = False) -> None:
+        """From now on, records the prefix cache's pages entered and evicted
+        (``events.BlockStored`` / ``BlockRemoved``) for ``take_events``; ``cleared``: the
+        first event is ``AllBlocksCleared`` (this manager replaces one whose cache is
+        gone). Nothing is recorded without prefix caching."""
+        if self.prefix.events is None:
+            self.prefix.events = [AllBlocksCleared()] if cleared else []
+
+    def take_events(self) -> list:
+        """The events recorded since the last call, oldest first (empty when not recording)."""
+        events = self.prefix.events
+        if not events:
+            return []
+        self.prefix.events = []
+        return events
 
     # ------------------------------------------------------------------ queries
     @property

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ._common import NULL_PAGE
+from .events import BlockRemoved, BlockStored, external_hash
 
 _DIGEST_BYTES = 16
 
@@ -67,6 +68,8 @@ class PrefixCache:
         self.queries = 0  # full prompt pages looked up
         self.hits = 0  # of which found in the cache
         self.evictions = 0
+        # events.BlockStored / BlockRemoved as pages enter and leave; None: not recorded
+        self.events: list | None = None
 
     def holds(self, page: int) -> bool:
         """Whether ``page`` is cached (reusable by a prefix hit until evicted)."""
@@ -78,6 +81,8 @@ class PrefixCache:
         del self.cached[key]
         del self.page_tokens[page]
         self.evictions += 1
+        if self.events is not None:
+            self.events.append(BlockRemoved([external_hash(key)]))
 
     def lookup(self, tokens: np.ndarray, root: bytes, limit: int) -> tuple[list[int], bytes]:
         """The cached pages of ``tokens``' leading full pages (at most ``limit`` pages),
@@ -102,21 +107,46 @@ class PrefixCache:
             last_key = key
         return hits, last_key
 
-    def enter(self, pages: list[int], chunks: bytes, key: bytes) -> bytes:
+    def enter(self, pages: list[int], chunks: bytes, key: bytes, from_root: bool = False) -> bytes:
         """Enters ``pages`` (consecutive full pages of one sequence, ``chunks`` their
-        token bytes, page by page) under the keys chained from ``key`` (their parent's);
-        returns the last page's key. A page dropped outside a window (``NULL_PAGE``)
-        extends the chain and is not entered; of identical pages, one is kept."""
+        token bytes, page by page) under the keys chained from ``key`` (their parent's;
+        ``from_root``: the chain's root, the first page is the prompt's first); returns
+        the last page's key. A page dropped outside a window (``NULL_PAGE``) extends the
+        chain and is not entered; of identical pages, one is kept. Recording events, each
+        run of pages entered is one ``BlockStored``."""
         step = 4 * self.page_size
         cached, page_key_of = self.cached, self.page_key
+        record = self.events is not None
+        run: list[bytes] = []  # keys of the current run of pages entered (events)
+        first = 0  # the run's first page
+        parent = key
         for i, page in enumerate(pages):
             chunk = chunks[i * step : (i + 1) * step]
-            key = page_key(key, chunk)
-            if page == NULL_PAGE:  # dropped outside the window (the chain goes on)
-                continue
-            if key not in cached and page not in page_key_of:
+            prev, key = key, page_key(key, chunk)
+            if page != NULL_PAGE and key not in cached and page not in page_key_of:
                 cached[key] = page
                 page_key_of[page] = key
                 self.page_tokens[page] = chunk
-            # else: an identical page is cached already (or this page is a hit); keep one.
+                if record:
+                    if not run:
+                        first, parent = i, prev
+                    run.append(key)
+            elif run:  # (NULL_PAGE: dropped outside the window, the chain goes on; else an
+                # identical page is cached already, or this page is a hit: keep one)
+                self._stored(run, None if from_root and first == 0 else parent,
+                             chunks[first * step : i * step])  # fmt: skip
+                run = []
+        if run:
+            self._stored(run, None if from_root and first == 0 else parent,
+                         chunks[first * step : len(pages) * step])  # fmt: skip
         return key
+
+    def _stored(self, keys: list[bytes], parent: bytes | None, chunks: bytes) -> None:
+        self.events.append(
+            BlockStored(
+                [external_hash(k) for k in keys],
+                None if parent is None else external_hash(parent),
+                np.frombuffer(chunks, np.int32).tolist(),
+                self.page_size,
+            )
+        )

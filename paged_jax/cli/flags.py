@@ -367,6 +367,16 @@ def _parser() -> argparse.ArgumentParser:
         "needs --max-loras); default: loading at run time is off",
     )
     s.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="publish the prefix cache's pages stored and evicted over ZeroMQ in vLLM's "
+        "KV-event format, for cache-aware routers: vLLM's fields, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\' (needs pyzmq and msgspec: '
+        "pip install paged-jax[serve])",
+    )
+    s.add_argument(
         "--max-lora-rank",
         type=int,
         default=None,

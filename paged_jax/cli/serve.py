@@ -63,6 +63,16 @@ def serve(args) -> int:
         raise UsageError("--lora-allowed-dir: needs --max-loras N (the adapters' slots)")
     if args.max_lora_rank is not None and args.max_lora_rank < 1:
         raise UsageError(f"--max-lora-rank: expected an int >= 1, got {args.max_lora_rank}")
+    kv_events = None
+    if args.kv_events_config is not None:
+        try:
+            from paged_jax.server.kv_events import KVEventsConfig
+
+            kv_events = KVEventsConfig.parse(args.kv_events_config)
+        except ImportError as e:
+            raise UsageError(f"--kv-events-config: needs pyzmq and msgspec ({e})") from None
+        except ValueError as e:
+            raise UsageError(f"--kv-events-config: {e}") from None
     check_port(args.host, args.port)  # before seconds of loading, not after
     start_jax(args)
     from paged_jax.engine import LLM
@@ -124,6 +134,7 @@ def serve(args) -> int:
         reasoning_parser=args.reasoning_parser,
         embedding_pooling=args.embedding_pooling,
         lora_dirs=args.lora_allowed_dir,
+        kv_events=kv_events,
         log_level=args.log_level,
         on_ready=ready,
         allowed_hosts=None

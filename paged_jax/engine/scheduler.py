@@ -71,6 +71,7 @@ class Scheduler:
         # The engine's LoRA slots (None: no limit): a group is admitted or swapped in only
         # while the adapters of the running groups and its own fit in them.
         self.adapter_slots: int | None = None
+        self.kv_events = False  # record_kv_events
 
     # ------------------------------------------------------------------ queues
     def reset(self, bm: BlockManager, waiting: list[Group]) -> None:
@@ -78,10 +79,26 @@ class Scheduler:
         recomputed from their tokens) queued in the policy's order: what follows a failed
         step."""
         self.bm = bm
+        if self.kv_events:  # the cache the consumers followed is gone
+            bm.record_events(cleared=True)
         self.running, self.swapped = [], []
         self.waiting = sorted(waiting, key=self.order)
         for g in waiting:
             g.status = Status.WAITING
+
+    def record_kv_events(self) -> None:
+        """From now on the block manager records its prefix cache's pages entered and
+        evicted (``BlockManager.take_events``), and a manager that replaces it
+        (``reset``: the engine's reset, or its rebuild after a fault) starts with
+        ``AllBlocksCleared``. ValueError on a pool of several layer groups (sliding-window
+        layers: each group caches its pages apart)."""
+        if not hasattr(self.bm, "record_events"):
+            raise ValueError(
+                "kv_events: not supported on a pool of several layer groups (a model with "
+                "sliding-window layers), whose prefix caches hold each group's pages apart"
+            )
+        self.kv_events = True
+        self.bm.record_events()
 
     def add(self, group: Group) -> None:
         bisect.insort(self.waiting, group, key=self.order)

@@ -61,6 +61,7 @@ def serve(
     reasoning_parser: str | None = None,
     embedding_pooling: str = "last",
     lora_dirs: list | None = None,
+    kv_events: Any = None,
 ) -> None:
     """Serves ``llm`` until SIGINT / SIGTERM, then lets requests in flight finish for up
     to ``shutdown_timeout`` seconds, aborts the rest and returns. ``on_ready()`` is
@@ -70,7 +71,8 @@ def serve(
     ``host`` is a wildcard address. ``header_timeout`` (default 30 s) and
     ``max_connections`` (default ``connections.default_max_connections()``): see
     ``paged_jax.server.connections``; ``body_timeout``, ``tool_call_parser``,
-    ``reasoning_parser``, ``embedding_pooling`` and ``lora_dirs``: see ``Server``."""
+    ``reasoning_parser``, ``embedding_pooling``, ``lora_dirs`` and ``kv_events``: see
+    ``Server``."""
     import asyncio
 
     import uvicorn
@@ -99,6 +101,7 @@ def serve(
         reasoning_parser=reasoning_parser,
         embedding_pooling=embedding_pooling,
         lora_dirs=lora_dirs,
+        kv_events=kv_events,
     )
     config = uvicorn.Config(
         server.app,

@@ -56,7 +56,9 @@ class Server:
     ``reasoning_content``; None leaves it in the content. ``embedding_pooling``: how
     ``/v1/embeddings`` pools the hidden states (``LLM.embed``'s ``pooling``).
     ``lora_dirs``: directories LoRA adapters may be loaded from at run time
-    (``adapters.AdapterRoutes``; None: loading at run time is off). Request
+    (``adapters.AdapterRoutes``; None: loading at run time is off). ``kv_events``: a
+    ``kv_events.KVEventsConfig`` (or its JSON text or dict) whose events are published
+    while the server runs (None, or not enabled: none). Request
     bodies are decoded, tokenized and their chat templates rendered on worker threads,
     never on the event loop, so one large request does not hold up the others' routes.
     """
@@ -75,6 +77,7 @@ class Server:
         reasoning_parser: str | None = None,
         embedding_pooling: str = "last",
         lora_dirs: list | None = None,
+        kv_events: Any = None,
     ):
         if embedding_pooling not in POOLINGS:
             raise ValueError(
@@ -113,11 +116,12 @@ class Server:
         self.model_name = model_name
         self.metrics = Metrics()
         self.metrics.step(llm)  # the engine as it starts (its warm-up's buckets compiled)
+        self.kv_events = _kv_events_feed(llm, kv_events)
         self.loop = EngineLoop(
             llm,
             max_waiting=max_waiting,
             on_tokens=self.metrics.tokens,
-            on_step=self.metrics.step,
+            on_step=self._on_step,
         )
         self.intake = Intake(api_key, max_request_bytes, float(body_timeout))
         self.parser = RequestParser(llm, model_name, tool_format, reasoning_parser)
@@ -137,6 +141,8 @@ class Server:
                 yield
             finally:
                 await asyncio.to_thread(self.loop.stop)
+                if self.kv_events is not None:
+                    await asyncio.to_thread(self.kv_events.close)
 
         self.app = Starlette(
             routes=[
@@ -160,6 +166,12 @@ class Server:
             if allowed_hosts is None
             else [Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))],
         )
+
+    def _on_step(self, llm) -> None:
+        """After each step (engine thread): the gauges, then the step's KV events."""
+        self.metrics.step(llm)
+        if self.kv_events is not None:
+            self.kv_events.step(llm)
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         """Starlette's own answers (404: no such route, 405: a method the route does not
@@ -285,3 +297,16 @@ class Server:
                 self.responder.stream(job, rids, queue, endpoint), media_type="text/event-stream"
             )
         return await self.responder.collect(request, job, rids, queue, endpoint)
+
+
+def _kv_events_feed(llm, config):
+    """The server's ``kv_events.KVEventsFeed`` for ``config`` (a ``KVEventsConfig``, its
+    JSON text or dict, or None), or None when events are off. pyzmq and msgspec are
+    imported only then."""
+    if config is None:
+        return None
+    from paged_jax.server import kv_events
+
+    if not isinstance(config, kv_events.KVEventsConfig):
+        config = kv_events.KVEventsConfig.parse(config)
+    return kv_events.KVEventsFeed(llm, config) if config.active else None
