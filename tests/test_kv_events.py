@@ -156,6 +156,12 @@ def test_the_server_publishes_what_its_cache_does_and_replays_it(tmp_path):
             r = client.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
 
+        # the last prompt again: its 5 full pages come from the cache, as its usage says
+        body = dict(model="t", prompt=prompts[2], max_tokens=2, temperature=0)
+        usage = client.post("/v1/completions", json=body).json()["usage"]
+        assert usage["prompt_tokens_details"] == {"cached_tokens": 20}
+        assert "paged_jax_cached_prompt_tokens_total 20.0" in client.get("/metrics").text
+
         def stored_all(msgs):
             events = [e for m in msgs for e in msgspec.msgpack.decode(m[2])[1]]
             removed = [h for e in events if e["type"] == "BlockRemoved" for h in e["block_hashes"]]

@@ -32,6 +32,11 @@ class Metrics:
         self.prompt_tokens = Counter(
             p + "prompt_tokens", "prompt tokens of finished requests", registry=r
         )
+        self.cached_prompt_tokens = Counter(
+            p + "cached_prompt_tokens",
+            "prompt tokens of finished requests served by the prefix cache",
+            registry=r,
+        )
         self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=r)
         self.ttft = Histogram(
             p + "time_to_first_token_seconds",
@@ -96,6 +101,8 @@ class Metrics:
 
     def finished(self, output: Any) -> None:
         self.prompt_tokens.inc(len(output.prompt_token_ids))
+        m = output.metrics
+        self.cached_prompt_tokens.inc(min(m.num_cached_tokens, m.num_prompt_tokens))
         ttft = output.metrics.time_to_first_token
         if ttft is not None:
             self.ttft.observe(ttft)
