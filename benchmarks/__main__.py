@@ -1,7 +1,7 @@
 """``python -m benchmarks <name> [--out DIR] [args]``: memory, sharing, throughput,
 host_overhead, kernels, engine, block_manager, layer_view, peers, serve, hybrid, sampler,
 serve_vllm_client, quantization, grammar, speculative, dispatch, products, lora,
-structured, draw, lm_eval, step_kernels, moe, gguf.
+structured, draw, lm_eval, step_kernels, moe, gguf, fleet.
 ``--out DIR``
 writes the results there; without it they go to a new ``bench-results/<time>`` directory
 under the current one. The committed results in ``benchmarks/results`` change only with

@@ -37,6 +37,7 @@ BENCHMARKS = (
     "step_kernels",
     "moe",
     "gguf",
+    "fleet",
 )
 
 
@@ -373,8 +374,8 @@ def _parser() -> argparse.ArgumentParser:
         help="publish the prefix cache's pages stored and evicted over ZeroMQ in vLLM's "
         "KV-event format, for cache-aware routers: vLLM's fields, e.g. "
         '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
-        '"replay_endpoint": "tcp://*:5558"}\' (needs pyzmq and msgspec: '
-        "pip install paged-jax[serve])",
+        '"replay_endpoint": "tcp://*:5558"}\' (needs the kv-events extra: '
+        "pip install 'paged-jax[kv-events]')",
     )
     s.add_argument(
         "--max-lora-rank",

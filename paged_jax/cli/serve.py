@@ -70,7 +70,10 @@ def serve(args) -> int:
 
             kv_events = KVEventsConfig.parse(args.kv_events_config)
         except ImportError as e:
-            raise UsageError(f"--kv-events-config: needs pyzmq and msgspec ({e})") from None
+            raise UsageError(
+                f"--kv-events-config: needs the 'kv-events' extra ({e}): "
+                + install_extra("kv-events")
+            ) from None
         except ValueError as e:
             raise UsageError(f"--kv-events-config: {e}") from None
     check_port(args.host, args.port)  # before seconds of loading, not after
