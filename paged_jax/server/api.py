@@ -148,6 +148,7 @@ class Server:
             routes=[
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.scrape, methods=["GET"]),
+                Route("/get_load", self.load, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -191,6 +192,12 @@ class Server:
         if not self.loop.alive:
             return error_response(503, "the engine thread is not running")
         return JSONResponse({"status": "ok"})
+
+    async def load(self, request: Request) -> Response:
+        """``GET /get_load``: ``{"load": n}``, the requests in flight (accepted and not yet
+        answered: running or waiting), which routers' load-aware policies poll
+        (vllm-router's ``power_of_two``). Open like ``/health``."""
+        return JSONResponse({"load": self.loop.in_flight})
 
     async def scrape(self, request: Request) -> Response:
         body, content_type = self.metrics.render(self.loop.in_flight)
