@@ -4,7 +4,7 @@ its wheel on PyPI), on loopback: which routing policy earns the prefix cache's h
 ``python -m benchmarks fleet [--out DIR] [--model smollm2-135m-instruct] [--replicas 2]
 [--policies round_robin cache_aware kv_aware] [--system-prompts 8] [--requests 200]
 [--system-words 400] [--question-words 12] [--output-len 16] [--concurrency 16]
-[--num-pages 150] [--repeats 3] [--kill] [--router PATH]``
+[--num-pages 150] [--repeats 3] [--kill] [--router COMMAND]``
 
 Set-up: ``--replicas`` servers, each on a port of its own with a pool of ``--num-pages``
 pages and its KV-cache events on a ZeroMQ port of its own (``--kv-events-config``), all
@@ -25,6 +25,11 @@ each answer's ``usage.prompt_tokens_details.cached_tokens``), output tokens/s (g
 tokens over the run's wall time), failed requests. Per policy: min / median / max over
 ``--repeats`` rounds, the policies run one after the other within each round; the ratios
 to round robin are of the medians.
+
+``--router``: the router's command (default: ``vllm-router`` on the PATH); SGLang's,
+which takes the same flags, runs as ``--router "sglang-router launch" --policies
+round_robin cache_aware`` (it has no ``kv_aware``), its results written as
+``fleet_sglang_router.json``.
 
 ``--kill``: one more run with ``cache_aware`` in which the last replica is killed
 (SIGKILL) once a third of the requests are answered; every request must be answered or
@@ -102,13 +107,12 @@ class Router:
     """``vllm-router`` in front of ``replicas`` with ``policy``; waits until it answers
     ``/v1/models``; stopped with SIGINT (SIGKILL after 10 s)."""
 
-    def __init__(self, binary: str, replicas: list, events: list[int], policy: str, args):
+    def __init__(self, router: list[str], replicas: list, events: list[int], policy: str, args):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         urls = [r.base for r in replicas]
-        self.cmd = [binary, "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls",
-                    *urls, "--policy", policy, "--prometheus-port", str(_free_port()),
-                    "--log-level", "warning"]  # fmt: skip
+        self.cmd = [*router, "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls",
+                    *urls, "--policy", policy, "--prometheus-port", str(_free_port())]  # fmt: skip
         if policy == "kv_aware":
             for url, port in zip(urls, events, strict=True):
                 self.cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{port}"]
@@ -140,6 +144,27 @@ class Router:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def router_command(text: str | None) -> tuple[list[str], str, str | None]:
+    """(the router's command, the results' name, its version) from ``--router``."""
+    import shlex
+
+    from benchmarks.common import _version
+
+    cmd = shlex.split(text) if text else [shutil.which("vllm-router") or "vllm-router"]
+    exe = shutil.which(cmd[0]) or cmd[0]
+    if not os.access(exe, os.X_OK):
+        return cmd, "", None
+    dist = os.path.basename(cmd[0]).replace("_", "-")
+    version = _version(dist)
+    if version is None:  # a router from another environment: ask its Python's pip
+        pip = os.path.join(os.path.dirname(exe), "pip")
+        out = subprocess.run([pip, "show", dist], capture_output=True, text=True).stdout
+        found = [ln.split()[1] for ln in out.splitlines() if ln.startswith("Version:")]
+        version = found[0] if found else None
+    name = "fleet" if dist == "vllm-router" else "fleet_" + dist.replace("-", "_")
+    return [exe, *cmd[1:]], name, version
 
 
 # --------------------------------------------------------------------------- the client
@@ -228,11 +253,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a request may wait")
     ap.add_argument("--kill", action="store_true", help="also a run that kills a replica")
-    ap.add_argument("--router", default=None, help="the vllm-router binary (default: on PATH)")
+    ap.add_argument("--router", default=None, help="the router's command (default: vllm-router)")
     args = ap.parse_args(argv)
-    binary = args.router or shutil.which("vllm-router")
-    if binary is None or not os.access(binary, os.X_OK):
-        print("fleet: needs vLLM's router: pip install vllm-router", file=sys.stderr)
+    binary, result_name, router_version = router_command(args.router)
+    if not result_name:
+        print(f"fleet: no router {binary[0]!r}: pip install vllm-router", file=sys.stderr)
         return 2
 
     def say(msg: str) -> None:
@@ -302,7 +327,7 @@ def main(argv=None) -> int:
     if kill_run is not None:
         print(f"killed replica: {kill_run['answered']} answered, {kill_run['failed']} failed "
               f"with an error, {kill_run['hung']} hung of {kill_run['requests']}")  # fmt: skip
-    versions = {"vllm_router": _router_version(binary)}
+    versions = {"router": " ".join(binary), "router_version": router_version}
     payload = dict(
         environment=environment(),
         command="python -m benchmarks fleet " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -328,12 +353,6 @@ def main(argv=None) -> int:
         runs=runs,
         kill_run=kill_run,
     )
-    path = write_result("fleet", payload)
+    path = write_result(result_name, payload)
     print(f"results: {path}")
     return 0
-
-
-def _router_version(binary: str) -> str | None:
-    from benchmarks.common import _version
-
-    return _version("vllm-router") or binary

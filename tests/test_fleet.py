@@ -34,7 +34,7 @@ def test_replicas_behind_vllm_router_serve_every_request_and_routing_earns_hits(
     killed = result["kill_run"]
     assert killed["requests"] == 40 and killed["hung"] == 0
     assert killed["answered"] + killed["failed"] == 40
-    assert result["versions"]["vllm_router"]
+    assert result["versions"]["router_version"]
 
 
 def test_a_replica_answers_what_the_router_polls():
