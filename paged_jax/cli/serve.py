@@ -49,33 +49,8 @@ def serve(args) -> int:
     if args.max_connections is not None and args.max_connections < 1:
         raise UsageError(f"--max-connections: expected an int >= 1, got {args.max_connections}")
     check_engine_flags(args)
-    loras = lora_specs(args.lora_modules, "--lora-modules")
-    max_loras = len(loras) if args.max_loras is None else args.max_loras
-    if args.max_loras is not None and (args.max_loras < 1 or not (loras or args.lora_allowed_dir)):
-        raise UsageError(
-            f"--max-loras: expected an int >= 1 with --lora-modules (or --lora-allowed-dir), "
-            f"got {args.max_loras}"
-        )
-    for d in args.lora_allowed_dir or []:
-        if not os.path.isdir(d):
-            raise UsageError(f"--lora-allowed-dir: {d} is not a directory")
-    if args.lora_allowed_dir and not max_loras:
-        raise UsageError("--lora-allowed-dir: needs --max-loras N (the adapters' slots)")
-    if args.max_lora_rank is not None and args.max_lora_rank < 1:
-        raise UsageError(f"--max-lora-rank: expected an int >= 1, got {args.max_lora_rank}")
-    kv_events = None
-    if args.kv_events_config is not None:
-        try:
-            from paged_jax.server.kv_events import KVEventsConfig
-
-            kv_events = KVEventsConfig.parse(args.kv_events_config)
-        except ImportError as e:
-            raise UsageError(
-                f"--kv-events-config: needs the 'kv-events' extra ({e}): "
-                + install_extra("kv-events")
-            ) from None
-        except ValueError as e:
-            raise UsageError(f"--kv-events-config: {e}") from None
+    loras, max_loras = _adapter_flags(args)
+    kv_events = _kv_events_flag(args)
     check_port(args.host, args.port)  # before seconds of loading, not after
     start_jax(args)
     from paged_jax.engine import LLM
@@ -145,3 +120,38 @@ def serve(args) -> int:
         else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()],
     )
     return 0
+
+
+def _adapter_flags(args) -> tuple[list, int]:
+    """(``--lora-modules``' adapters, the LoRA slots) from the adapter flags, checked."""
+    loras = lora_specs(args.lora_modules, "--lora-modules")
+    max_loras = len(loras) if args.max_loras is None else args.max_loras
+    if args.max_loras is not None and (args.max_loras < 1 or not (loras or args.lora_allowed_dir)):
+        raise UsageError(
+            f"--max-loras: expected an int >= 1 with --lora-modules (or --lora-allowed-dir), "
+            f"got {args.max_loras}"
+        )
+    for d in args.lora_allowed_dir or []:
+        if not os.path.isdir(d):
+            raise UsageError(f"--lora-allowed-dir: {d} is not a directory")
+    if args.lora_allowed_dir and not max_loras:
+        raise UsageError("--lora-allowed-dir: needs --max-loras N (the adapters' slots)")
+    if args.max_lora_rank is not None and args.max_lora_rank < 1:
+        raise UsageError(f"--max-lora-rank: expected an int >= 1, got {args.max_lora_rank}")
+    return loras, max_loras
+
+
+def _kv_events_flag(args):
+    """``--kv-events-config`` as a ``KVEventsConfig`` (None without the flag), checked."""
+    if args.kv_events_config is None:
+        return None
+    try:
+        from paged_jax.server.kv_events import KVEventsConfig
+
+        return KVEventsConfig.parse(args.kv_events_config)
+    except ImportError as e:
+        raise UsageError(
+            f"--kv-events-config: needs the 'kv-events' extra ({e}): " + install_extra("kv-events")
+        ) from None
+    except ValueError as e:
+        raise UsageError(f"--kv-events-config: {e}") from None
