@@ -236,7 +236,7 @@ class ToolRequest:
         elif self.fmt == "llama3_json":
             body = text.strip().removeprefix(_PYTHON_TAG).strip()
             if body.startswith("{"):
-                parts = [_loads(p) for p in _split_json(body)]
+                parts = _json_objects(body)
                 found = [self._call(p) for p in parts]
                 if parts and all(c is not None for c in found):
                     calls, content = found, ""
@@ -538,22 +538,27 @@ def _loads(text: str) -> Any:
         return None
 
 
-def _split_json(text: str) -> list[str]:
-    """``text`` (starting with ``{``) split into the top-level objects the ``;`` between
-    them separate (each read as ``_scan_object`` reads a call); from the first piece that
-    is not one object followed by a ``;`` or the end, the rest is one part as it is (it
-    then parses as no call)."""
-    parts, start, n = [], 0, len(text)
-    while start < n:
-        end = _scan_object(text, start)[1] if text[start] == "{" else None
+def _json_objects(text: str) -> list[Any]:
+    """The values of ``text``'s top-level JSON objects, ``;`` between them (llama3_json's
+    parallel calls), read by the standard library's ``raw_decode``; from the first piece
+    that is not one object followed by a ``;`` or the end, None (it then reads as no
+    call)."""
+    decoder, values, i, n = json.JSONDecoder(), [], 0, len(text)
+    while i < n:
+        value, end = None, None
+        if text[i] == "{":
+            try:
+                value, end = decoder.raw_decode(text, i)
+            except ValueError:
+                pass
         after = end
         while after is not None and after < n and text[after] in " \t\r\n":
             after += 1
         if end is None or (after < n and text[after] != ";"):
-            parts.append(text[start:].strip())
+            values.append(None)
             break
-        parts.append(text[start:end])
-        start = after + 1
-        while start < n and text[start] in " \t\r\n":
-            start += 1
-    return parts
+        values.append(value)
+        i = after + 1
+        while i < n and text[i] in " \t\r\n":
+            i += 1
+    return values
