@@ -260,7 +260,7 @@ def test_each_warm_up_line_says_what_sets_its_program_apart(capsys):
         if line.startswith("warm-up: compiled a step bucket")
     ]
     shown = [line.split(" s: ", 1)[1] for line in lines]  # (the seconds differ anyway)
-    steps = [b for b in llm.compiled_buckets if b.get("variant") != ("the extras sampler",)]
+    steps = [b for b in llm.compiled_buckets if b.get("variant", ("",))[0] != "the extras sampler"]
     assert len(shown) == len(steps) and len(set(shown)) == len(shown), shown
     assert any("decode rows only" in s for s in shown)
     assert any("speculative verify" in s for s in shown)
@@ -340,3 +340,33 @@ def test_requests_of_every_kind_compile_nothing_after_warm_up(tiny, async_schedu
                     [v for step in b.top_logprobs for _, v in step],
                     rtol=1e-5, atol=1e-6,
                 )  # fmt: skip
+
+
+def test_n_and_beams_over_16_compile_nothing_after_warm_up(tiny):
+    """An engine taking 32 sequences a request warms up a second extras sampler a row
+    count, of 32 samples and 64 candidates: n = 20 samples and 20 beams then compile
+    nothing, and give what an engine compiling their own variants gives."""
+    kw = dict(max_num_seqs=32, max_num_batched_tokens=64, max_model_len=64, num_pages=200)
+    llm = _engine(tiny, **kw)
+    assert llm.runner.extras.widths == [(16, 32), (32, 64)]
+    buckets = llm.warm_up(progress=False)
+    assert sum(b.get("variant", ("",))[0] == "the extras sampler" for b in buckets) % 2 == 0
+    ref = _engine(tiny, **kw)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(1, tiny.config.vocab_size, 9).tolist() for _ in range(3)]
+    params = [
+        pj.SamplingParams(n=20, temperature=0.8, seed=3, max_tokens=6, ignore_eos=True),
+        pj.SamplingParams(beam_width=20, n=2, max_tokens=6),
+        pj.SamplingParams(n=17, temperature=0.0, logprobs=True, top_logprobs=5, max_tokens=5,
+                          ignore_eos=True),
+    ]  # fmt: skip
+    want = ref.generate(prompts, params, progress=False)
+    got = llm.generate(prompts, params, progress=False)
+    assert len(llm.compiled_buckets) == len(buckets), llm.compiled_buckets[len(buckets) :]
+    for g, w in zip(got, want, strict=True):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+        np.testing.assert_allclose(
+            [c.cumulative_logprob for c in g.outputs],
+            [c.cumulative_logprob for c in w.outputs],
+            rtol=1e-5,
+        )

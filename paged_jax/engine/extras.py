@@ -37,10 +37,13 @@ log = logging.getLogger("paged_jax")
 
 # The candidates (most likely tokens and their log-probs) the extras sampler returns for
 # every row: ``top_logprobs`` (at most 20) and beams up to 16 wide bucket to at most this.
+# Wider beams take a second program per row count, of the engine's widest (``ExtrasSampler.
+# widths``).
 EXTRAS_CANDIDATES = 32
 # The samples each row draws there (the first token of ``n <= 16`` samples; the columns
 # past a step's own are dropped): drawing 16 instead of 1 cost 0.3-0.6 ms of a sampler's
-# 1-16 ms at 8-64 rows on CPU, a second program per row count more.
+# 1-16 ms at 8-64 rows on CPU, a second program per row count more. ``n`` over 16 takes
+# the second program (the engine's largest ``n``).
 EXTRAS_SAMPLES = 16
 # The logit biases a row may carry there (``MAX_LOGIT_BIAS`` and the stop tokens that
 # ``min_tokens`` bans); a step with more takes the step's own variant.
@@ -88,16 +91,15 @@ class ExtrasSample:
 
 
 @functools.lru_cache(maxsize=8)
-def _make_extras_sample(mesh, sort_free: bool | str = False):
+def _make_extras_sample(mesh, sort_free: bool | str = False, candidates: int = EXTRAS_CANDIDATES):
     """The sampler of a static-shape step whose rows have extras: one program for every
     mix of them at a row count (``layout``), each extra's presence an entry of ``flags``
     (``i32[3]``: penalties and biases, token masks, candidates) that a ``lax.cond``
     reads, so a step pays only for the extras it has. Penalty histories come padded to
     the engine's ``max_model_len`` (bucketed) and biases to ``EXTRAS_BIASES``; absent
     extras come as neutral arrays (``ModelRunner``'s, kept on the device). The tokens,
-    their log-probs under the model's raw distribution and ``EXTRAS_CANDIDATES``
-    candidates are those ``_make_sample`` gives with the same extras. ``sort_free`` as
-    ``_make_run``'s."""
+    their log-probs under the model's raw distribution and ``candidates`` candidates are
+    those ``_make_sample`` gives with the same extras. ``sort_free`` as ``_make_run``'s."""
     replicated = _replicator(mesh)
     cpu_kernel = _cpu_kernel(mesh)
 
@@ -137,7 +139,7 @@ def _make_extras_sample(mesh, sort_free: bool | str = False):
             toks,
             invariant=batch_invariant,
         )
-        R, C = raw.shape[0], EXTRAS_CANDIDATES
+        R, C = raw.shape[0], candidates
         cand = jax.lax.cond(
             flags[2] > 0,
             lambda: beam_candidates(raw, C, cand_allowed),
@@ -154,14 +156,29 @@ class ExtrasSampler:
     ``warm`` compiles the one of a row count. ``mesh``, ``sort_free``: the engine's;
     ``max_model_len`` fixes the penalty histories' width (its bucket), ``vocab_size``
     the masks'; ``batch_invariant``: the engine's deterministic mode; ``record(bucket)``
-    is told of each program compiled (the engine's ``compiled_buckets``)."""
+    is told of each program compiled (the engine's ``compiled_buckets``);
+    ``max_width``: the most sequences a request may have (``n`` or ``beam_width``: the
+    engine's ``max_num_seqs``), which fixes the second program's widths.
+
+    ``widths``: ``(samples, candidates)`` of each program a row count has: ``(16, 32)``,
+    and where the engine takes wider requests, ``(bucket(max_width), bucket(2 *
+    max_width))`` as well; a step takes the first that holds its rows."""
 
     def __init__(self, mesh, sort_free, *, max_model_len: int, vocab_size: int,
-                 batch_invariant: bool, record):  # fmt: skip
+                 batch_invariant: bool, record, max_width: int = EXTRAS_SAMPLES):  # fmt: skip
         self.mesh, self.sort_free = mesh, sort_free
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.batch_invariant, self.record = batch_invariant, record
+        self.widths = [(EXTRAS_SAMPLES, EXTRAS_CANDIDATES)]
+        wide = (bucket(max_width), bucket(2 * max_width))
+        if wide[0] > EXTRAS_SAMPLES or wide[1] > EXTRAS_CANDIDATES:
+            self.widths.append((max(wide[0], EXTRAS_SAMPLES), max(wide[1], EXTRAS_CANDIDATES)))
         self._neutral_cache: dict[int, dict] = {}
+
+    def width(self, samples: int, candidates: int) -> tuple[int, int] | None:
+        """The ``(samples, candidates)`` program that holds rows of ``samples`` samples and
+        ``candidates`` candidates, or None (the step then compiles a variant of its own)."""
+        return next((w for w in self.widths if samples <= w[0] and candidates <= w[1]), None)
 
     def sample(self, ex: ExtrasSample, allowed, cand_allowed) -> Dispatched:
         """Dispatches the extras sampler on ``ex``'s logits: its penalties widened to the
@@ -173,9 +190,15 @@ class ExtrasSampler:
             penalties = self._widen(ex.penalties, R, neutral["penalties"])
         flags = np.array([has_penalties, allowed is not None, ex.num_candidates > 0], np.int32)
         J = ex.sampling.seeds.shape[1]
-        columns, layout = pack_columns(ex.sampling.with_samples(EXTRAS_SAMPLES))
+        width = self.width(J, ex.num_candidates)
+        if width is None:
+            raise ValueError(
+                f"the extras sampler holds at most {self.widths[-1]} (samples, candidates) "
+                f"a row, got {(J, ex.num_candidates)}"
+            )
+        columns, layout = pack_columns(ex.sampling.with_samples(width[0]))
         mask = lambda m: neutral["mask"] if m is None else jnp.asarray(m)  # noqa: E731
-        fn = _make_extras_sample(self.mesh, self.sort_free)
+        fn = _make_extras_sample(self.mesh, self.sort_free, width[1])
         before = fn._cache_size()
         t = time.perf_counter()
         with mesh_context(self.mesh):
@@ -194,22 +217,25 @@ class ExtrasSampler:
         compiled = fn._cache_size() > before
         if compiled:
             b = dict(tokens=0, seqs=R, pages_per_seq=0, copies=0, beam_candidates=0)
-            b |= dict(seconds=round(seconds, 2), variant=("the extras sampler",))
+            b |= dict(seconds=round(seconds, 2), variant=("the extras sampler", *width))
             self.record(b)
-            log.info("compiled the extras sampler of %d rows in %.1f s", R, seconds)
+            log.info("compiled the extras sampler of %d rows %s in %.1f s", R, width, seconds)
         return Dispatched(out, seconds, compiled)
 
-    def warm(self, rows: int) -> bool:
-        """Compiles (or loads) the extras sampler of ``rows`` sampling rows and waits for
-        it; returns whether it compiled."""
+    def warm(self, rows: int) -> int:
+        """Compiles (or loads) the extras samplers of ``rows`` sampling rows, one per
+        width, and waits for them; returns how many compiled."""
         V = self.vocab_size
-        ex = ExtrasSample(
-            jnp.zeros((rows, V), jnp.float32), SamplingColumns.idle(rows), None, 0,
-            self.batch_invariant,
-        )  # fmt: skip
-        d = self.sample(ex, None, None)
-        jax.block_until_ready(d.outputs.tokens)
-        return d.compiled
+        compiled = 0
+        for samples, candidates in self.widths:
+            ex = ExtrasSample(
+                jnp.zeros((rows, V), jnp.float32), SamplingColumns.idle(rows, samples), None,
+                candidates, self.batch_invariant,
+            )  # fmt: skip
+            d = self.sample(ex, None, None)
+            jax.block_until_ready(d.outputs.tokens)
+            compiled += d.compiled
+        return compiled
 
     def _neutral(self, rows: int) -> dict:
         """The extras sampler's inputs of ``rows`` rows that change nothing (penalties,

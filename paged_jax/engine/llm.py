@@ -343,8 +343,8 @@ class LLM:
         (``step_shapes()``; ``paged_jax.engine.shapes``). Each is run once on a batch
         that touches only the null page, and so is each shape of a draft model's own
         steps (speculative decoding), and the extras sampler of each row count
-        (``engine/extras.py``: penalties, masks, top log-probs, ``n`` and beams up to 16).
-        ``prompt_logprobs``, ``n`` or beams over 16 compile their steps on first use.
+        (``engine/extras.py``: penalties, masks, top log-probs, ``n`` and beams), and the
+        copies of forks wider than 8. ``prompt_logprobs`` compile their steps on first use.
 
         ``warm_up(num_seqs, prompt_len, max_tokens)`` instead runs that workload once on
         random token ids (``ignore_eos``), compiling exactly the buckets the scheduler

@@ -34,8 +34,6 @@ from paged_jax.engine.devices import (  # noqa: F401 (resolve_mesh: the engine's
 )
 from paged_jax.engine.extras import (
     EXTRAS_BIASES,
-    EXTRAS_CANDIDATES,
-    EXTRAS_SAMPLES,
     ExtrasSample,
     ExtrasSampler,
 )
@@ -44,6 +42,7 @@ from paged_jax.engine.sampling import SORT_FREE_BACKENDS
 from paged_jax.engine.step_fn import (  # noqa: F401 (STEP_STATIC_ARGS, SMALL_STEP_TOKENS: read here)
     SMALL_STEP_TOKENS,
     STEP_STATIC_ARGS,
+    _copy_pages,
     _describe,
     _make_run,
     _merge_tokens,
@@ -69,6 +68,10 @@ from paged_jax.sharding import data_parallel_size as data_parallel_size_of
 from paged_jax.sharding import tensor_parallel_size as tensor_parallel_size_of
 
 log = logging.getLogger("paged_jax")
+
+# The copy-on-write copies a step holds a replica (``batch.build_batch``'s ``min_copies``);
+# with static shapes, more run apart, ahead of the step (``ModelRunner._copies_apart``).
+STEP_COPIES = 8
 
 
 def _max_model_len(value, longest: int) -> int:
@@ -203,6 +206,7 @@ class ModelRunner:
         self._shapes_seen: set[tuple] = set()  # step shapes this engine has run
         self._compiled_keys: set[tuple] = set()  # what the step compiled for (launch)
         self.announce: Callable[[str], None] | None = None
+        self.max_num_seqs = max_num_seqs  # (the widest n or beam: the extras sampler's)
         self._make_step_fn(deterministic)
 
     def _make_step_fn(self, deterministic: bool) -> None:
@@ -234,6 +238,7 @@ class ModelRunner:
             vocab_size=self.model.config.vocab_size,
             batch_invariant=deterministic,
             record=self.compiled_buckets.append,
+            max_width=self.max_num_seqs,
         )
 
     def make_cache(self, num_pages: int):
@@ -282,9 +287,10 @@ class ModelRunner:
     def takes_extras_sampler(self, inputs: StepInputs) -> bool:
         """Whether ``launch`` samples ``inputs``' rows with the extras sampler: static
         shapes, one step, no prompt scoring, some row with extras (or masks deferred, or
-        the first token of ``n`` samples), at most ``EXTRAS_SAMPLES`` samples,
-        ``EXTRAS_CANDIDATES`` candidates and ``EXTRAS_BIASES`` biases a row. (Other steps
-        compile a variant of their own on first use.)"""
+        the first token of ``n`` samples), samples and candidates a row that one of its
+        programs holds (``ExtrasSampler.width``: any ``n`` and beam width the engine
+        takes) and at most ``EXTRAS_BIASES`` biases a row. (Other steps compile a variant
+        of their own on first use.)"""
         if not self.static_shapes or inputs.steps is not None or inputs.scoring is not None:
             return False
         pen, J = inputs.penalties, inputs.sampling.seeds.shape[1]
@@ -293,7 +299,7 @@ class ModelRunner:
             inputs.num_candidates or inputs.defer_sample or J > 1
         ):
             return False
-        if J > EXTRAS_SAMPLES or inputs.num_candidates > EXTRAS_CANDIDATES:
+        if self.extras.width(J, inputs.num_candidates) is None:
             return False
         return pen is None or pen.bias_tokens is None or pen.bias_tokens.shape[1] <= EXTRAS_BIASES
 
@@ -325,6 +331,7 @@ class ModelRunner:
             optional["scored"] = (jnp.asarray(sc.rows), jnp.asarray(sc.targets))
         compiled_before = self.step_fn._cache_size()
         t1 = time.perf_counter()
+        batch = self._copies_apart(batch, inputs.replicas)
         padded_steps = None if inputs.steps is None else _padded(inputs.steps, S_b)
         packed, layout = _pack_inputs(batch, sampling, padded_steps)
         flags = self._flags(inputs, layout, K)
@@ -353,6 +360,43 @@ class ModelRunner:
                 inputs.num_candidates, flags["greedy_only"], outputs.scores,
             )  # fmt: skip
         return Dispatched(outputs, seconds, compiled)
+
+    def _copies_apart(self, batch, replicas: int):
+        """With static shapes, a step with more copy-on-write copies than a step holds
+        (``STEP_COPIES`` a replica: the first token of over 8 samples or beams forks them
+        all at once) runs them first in a program of their own (``_copy_pages``, which
+        warm-up compiles for every count up to ``max_num_seqs``), and the step keeps its
+        shape. Returns the batch the step takes."""
+        n = batch.copy_src.shape[0]
+        if not self.static_shapes or n <= STEP_COPIES * replicas:
+            return batch
+        before = _copy_pages._cache_size()
+        t = time.perf_counter()
+        with mesh_context(self.mesh):
+            self.cache = _copy_pages(
+                self.cache, jnp.asarray(batch.copy_src), jnp.asarray(batch.copy_dst)
+            )
+        if _copy_pages._cache_size() > before:
+            b = dict(tokens=0, seqs=0, pages_per_seq=0, copies=n, beam_candidates=0)
+            b |= dict(seconds=round(time.perf_counter() - t, 2), variant=("copies apart",))
+            self.compiled_buckets.append(b)
+            log.info("compiled the copies of %d pages in %.1f s", n, b["seconds"])
+        none = np.zeros(STEP_COPIES * replicas, np.int32)  # (page 0 onto itself: no copy)
+        return dataclasses.replace(batch, copy_src=none, copy_dst=none)
+
+    def warm_copies(self, replicas: int) -> int:
+        """Compiles ``_copies_apart``'s programs, one per count of copies a step may have
+        beyond its own (up to ``max_num_seqs`` a replica); returns how many compiled."""
+        compiled, n = 0, 2 * STEP_COPIES
+        while n // 2 < self.max_num_seqs:
+            before = _copy_pages._cache_size()
+            none = jnp.zeros(n * replicas, jnp.int32)
+            with mesh_context(self.mesh):
+                self.cache = _copy_pages(self.cache, none, none)
+            jax.block_until_ready(self.cache)
+            compiled += _copy_pages._cache_size() > before
+            n *= 2
+        return compiled
 
     def _flags(self, inputs: StepInputs, layout: tuple, K: int) -> dict:
         """The step's static arguments for ``inputs`` (with the arrays' shapes, its jit

@@ -23,10 +23,11 @@ With speculative decoding, warm-up also runs each shape that is not decode-only 
 verify step (``T`` more sampling rows, ``speculative.num_verify_rows``).
 
 Rows with penalties, logit biases, ``min_tokens``, ``allowed_token_ids``, structured
-output, ``top_logprobs``, beam search or ``n`` samples (each up to 16) take these shapes'
-programs too: with static shapes their extras are sampled apart, by one program a row
-count (``engine/extras.py``, which warm-up compiles as well). Only prompt log-probs and
-``n`` or beams over 16 add inputs of their own to a step: their steps compile when first
+output, ``top_logprobs``, beam search or ``n`` samples take these shapes' programs too:
+with static shapes their extras are sampled apart, by one program a row count (two where
+``max_num_seqs`` is over 16: ``engine/extras.py``, which warm-up compiles as well), and a
+fork's copy-on-write copies beyond a step's 8 run apart (``ModelRunner._copies_apart``).
+Only prompt log-probs add inputs of their own to a step: their steps compile when first
 used and are not in this set.
 """
 

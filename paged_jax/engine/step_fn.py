@@ -256,5 +256,12 @@ def _read_scales(cache, pages):
 
 
 @functools.partial(jax.jit, donate_argnums=0)
+def _copy_pages(cache, src, dst):
+    """Copy-on-write copies (``i32[n]`` each, per replica as ``per_replica`` splits them)
+    run ahead of a step: a fork wider than a step's own copies (``ModelRunner._launch``)."""
+    return per_replica(lambda c, s, d: c.copy_pages(s, d), cache, src, dst)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
 def _write_pages(cache, pages, data, scales):
     return per_replica(lambda c, *a: c.write_pages(*a), cache, pages, data, scales)

@@ -77,7 +77,8 @@ def compile_all(core, progress: bool) -> list[dict]:
         )  # fmt: skip
         rows = extras_rows(core, shapes)
         t1 = time.perf_counter()
-        samplers = sum(bool(runner.extras.warm(r)) for r in rows)
+        samplers = sum(runner.extras.warm(r) for r in rows)
+        samplers += runner.warm_copies(len(core.schedulers))  # forks of over 8 sequences
         log.info(
             "the extras sampler (penalties, masks, candidates) ready for %d row counts "
             "in %.1f s (%d new to this process)",
