@@ -158,8 +158,9 @@ def test_64_concurrent_streams_lose_nothing(server):
 
 def test_nothing_compiles_while_serving_after_the_start_up_warm_up(server):
     """Issue 51, item 1: ``serve`` compiles every step shape before it says it is ready,
-    so bursts of requests of any length, greedy or sampled, streamed or not, compile
-    nothing (each new shape cost a stall of a second or more per bucket)."""
+    so bursts of requests of any length, greedy or sampled, streamed or not, scoring
+    their prompts (``echo`` with log-probs) or with penalties, top log-probs and n > 1,
+    compile nothing (each new shape cost a stall of a second or more per bucket)."""
     before = _metrics(server)["paged_jax_compiled_step_buckets"]
     assert before >= 1  # the warm-up's
     headers = {"Authorization": f"Bearer {KEY}"}
@@ -173,6 +174,12 @@ def test_nothing_compiles_while_serving_after_the_start_up_warm_up(server):
             url, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": words}]
         else:
             url, body["prompt"] = "/v1/completions", words
+        chat = "messages" in body
+        if k % 7 == 3 and not chat:  # scoring the prompt, as evaluation harnesses ask
+            body.update(echo=True, logprobs=1, stream=False)
+        elif k % 7 == 5:  # sampled extras: penalties, top log-probs, n > 1
+            lp = dict(logprobs=True, top_logprobs=2) if chat else dict(logprobs=2)
+            body.update(presence_penalty=0.5, n=2, stream=False, **lp)
         r = httpx.post(server["base"] + url, json=body, headers=headers, timeout=120)
         return r.status_code
 

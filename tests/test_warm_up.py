@@ -109,8 +109,8 @@ def test_nothing_compiles_after_warm_up(tiny, async_scheduling, capsys):
     buckets = llm.warm_up()
     assert "warm-up: every step shape ready" in capsys.readouterr().err
     # (engines of one model share compiled steps: a second one compiles none; the extras
-    # sampler: one a row count)
-    assert len(buckets) == len(llm.compiled_buckets) <= len(shapes) + 1
+    # sampler: one a row count; the widest shape, its prompt-scoring program too)
+    assert len(buckets) == len(llm.compiled_buckets) <= len(shapes) + 2
     assert llm.metrics.steps == 0
     ref = _engine(tiny, async_scheduling=async_scheduling, num_pages=200)
     rng = np.random.default_rng(0)
@@ -233,12 +233,13 @@ def test_warm_up_counts_each_variant_of_a_shape_as_a_program(tiny, capsys):
     shapes = llm.step_shapes()
     buckets = llm.warm_up()
     err = capsys.readouterr().err
-    n = len(shapes)
-    assert f"every step shape ready: {2 * n} programs for {n} shapes" in err
+    n = len(shapes)  # (and the widest shape's prompt scoring, with adapter rows and not)
+    assert f"every step shape ready: {2 * n + 2} programs for {n} shapes" in err
     assert f"({len(buckets)} new to this process)" in err
-    with_rows = [b for b in buckets if "adapter rows" in b["variant"]]
-    assert len(with_rows) == len(buckets) - len(with_rows) == n
-    assert err.count(", adapter rows\n") == n
+    scoring = [b for b in buckets if "prompt log-probs" in b["variant"]]
+    with_rows = [b for b in buckets if "adapter rows" in b["variant"] and b not in scoring]
+    assert len(with_rows) == len(buckets) - len(with_rows) - len(scoring) == n
+    assert len(scoring) == 2 and err.count(", adapter rows\n") == n
 
 
 def test_each_warm_up_line_says_what_sets_its_program_apart(capsys):
@@ -268,8 +269,9 @@ def test_each_warm_up_line_says_what_sets_its_program_apart(capsys):
 
 def _every_kind(rng, n, vocab):
     """Requests of every kind the server takes beside plain ones, mixed: penalties,
-    logit biases, min_tokens, allowed_token_ids, top log-probs, beam search (up to 16
-    wide), n > 1 samples, and plain greedy and sampled rows among them."""
+    logit biases, min_tokens, allowed_token_ids, top log-probs, beam search, n > 1
+    samples, prompt log-probs (with penalties too), and plain greedy and sampled rows
+    among them."""
     kinds = [
         dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2),
         dict(logit_bias={3: 5.0, 7: -100.0}),
@@ -283,6 +285,8 @@ def _every_kind(rng, n, vocab):
         dict(n=2, temperature=0.0, presence_penalty=0.4),
         dict(),
         dict(temperature=0.9, top_p=0.8),
+        dict(prompt_logprobs=3),
+        dict(prompt_logprobs=0, presence_penalty=0.3, temperature=0.6),
     ]
     prompts, params = [], []
     for k in range(n):
@@ -311,8 +315,12 @@ def test_requests_of_every_kind_compile_nothing_after_warm_up(tiny, async_schedu
     ref = _engine(tiny, async_scheduling=async_scheduling, num_pages=200)
     rng = np.random.default_rng(5)
     prompts, params = _every_kind(rng, 30, tiny.config.vocab_size)
+    ref_sampled = []
+    ref_real = ref.runner.extras.sample
+    ref.runner.extras.sample = lambda *a: ref_sampled.append(1) or ref_real(*a)
     want = ref.generate(prompts, params, progress=False)
-    assert ref.compiled_buckets, "the reference compiles its variants as they come"
+    # the reference (dynamic shapes) samples in its steps' own variants, never apart
+    assert not ref.runner.static_shapes and not ref_sampled
     got, k = {}, 0
     while k < len(prompts) or llm.has_unfinished():
         for _ in range(int(rng.integers(0, 4))):
@@ -331,6 +339,17 @@ def test_requests_of_every_kind_compile_nothing_after_warm_up(tiny, async_schedu
             np.testing.assert_allclose(a.cumulative_logprob, b.cumulative_logprob, rtol=1e-5)
             if a.logprobs is not None:
                 np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6)
+            if params[i].prompt_logprobs is not None:  # the prompt's scores too
+                assert got[i].prompt_logprobs is not None
+                np.testing.assert_allclose(
+                    [x for x in got[i].prompt_logprobs[1:]],
+                    [x for x in w.prompt_logprobs[1:]],
+                    rtol=1e-5, atol=1e-6,
+                )  # fmt: skip
+                assert got[i].prompt_logprobs[0] is None
+                if params[i].prompt_logprobs:
+                    ids = [[t for t, _ in s] for s in got[i].prompt_top_logprobs]
+                    assert ids == [[t for t, _ in s] for s in w.prompt_top_logprobs], i
             if params[i].top_logprobs:
                 assert a.top_logprobs and len(a.top_logprobs) == len(a.token_ids)
                 ids = [[t for t, _ in step] for step in a.top_logprobs]

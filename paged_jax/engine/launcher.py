@@ -103,12 +103,17 @@ class StepLauncher:
         ``stalled``: the schedule stopped short of a preemption; ``drafts``: proposals
         some rows verify, ``{id(Seq): tokens}`` (``Speculator.draft``)."""
         work = [w for ws in works for w in ws]
-        batch, pending = self._batch(works, steps, prev)
+        # With static shapes a step that scores prompt positions takes the widest shape,
+        # whose scoring program warm-up compiled (one, not one a shape)
+        widest = self.runner.static_shapes and any(_scores(w) for w in work)
+        batch, pending = self._batch(works, steps, prev, widest)
         S_b = batch.kv_lens.shape[0]
         S_r = S_b // len(works)  # replica r's sequence rows from r * S_r
         placed = [(r * S_r + i, w) for r, ws in enumerate(works) for i, w in enumerate(ws)]
         rows, num_samples, num_cand = step_inputs.sampling_rows(placed)
-        scoring, scored_groups = step_inputs.prompt_rows(batch, placed)
+        scoring, scored_groups = step_inputs.prompt_rows(
+            batch, placed, static=self.runner.static_shapes
+        )
         params = step_inputs.distinct_params(rows)
         inputs = StepInputs(
             batch,
@@ -140,17 +145,20 @@ class StepLauncher:
             f.mask_rows = (rows, S_b, params)
         return f
 
-    def _batch(self, works: list[list[Work]], steps, prev: Launched | None) -> tuple:
+    def _batch(
+        self, works: list[list[Work]], steps, prev: Launched | None, widest: bool = False
+    ) -> tuple:
         """``(batch, pending)``: every replica's batch side by side (``concat_batches``),
         and its placeholder tokens, which read ``prev``'s samples on the device (0 in the
-        batch until then)."""
+        batch until then). ``widest``: padded to ``widest_shape()``."""
         batches, pending = [], 0
+        T_w, S_w = self.widest_shape() if widest else (MIN_STEP_TOKENS, 0)
         for sc, ws in zip(self.schedulers, works, strict=True):
             b = build_batch(
                 sc.bm,
                 [ScheduledSeq(w.seq.seq_id, w.start, w.stop) for w in ws],
-                min_tokens=MIN_STEP_TOKENS,
-                min_seqs=self.min_seqs(sum(w.stop - w.start for w in ws)),
+                min_tokens=T_w,
+                min_seqs=max(S_w, self.min_seqs(sum(w.stop - w.start for w in ws))),
                 min_pages=self.min_pages(),
                 table_tokens=None
                 if steps is None
@@ -459,7 +467,22 @@ class StepLauncher:
         cap = bucket(self.schedulers[0].max_num_seqs, 8)
         return max(8, min(cap, bucket(num_tokens, 16) // 16))
 
+    def widest_shape(self) -> tuple[int, int]:
+        """``(tokens, sequences)`` of a replica's widest step that prefills: the buckets of
+        ``max_num_batched_tokens`` and of ``max_num_seqs`` (at most the tokens'), the
+        shape a step scoring prompt positions takes with static shapes."""
+        sc = self.schedulers[0]
+        T = bucket(sc.max_num_batched_tokens, MIN_STEP_TOKENS)
+        return T, min(bucket(sc.max_num_seqs), T)
+
     def min_pages(self) -> int:
         """Fewest pages a block-table row pads to: the longest sequence's once every
         shape is compiled (``ModelRunner.static_shapes``), else 4."""
         return self.runner.table_width if self.runner.static_shapes else 4
+
+
+def _scores(w: Work) -> bool:
+    """Whether scheduled ``w`` computes prompt positions its request scores
+    (``SamplingParams.prompt_logprobs``; ``step_inputs.prompt_rows`` picks the rows)."""
+    g = w.group
+    return g.prompt_lp is not None and w.start < min(w.stop, len(g.prompt) - 1)

@@ -344,7 +344,7 @@ class LLM:
         that touches only the null page, and so is each shape of a draft model's own
         steps (speculative decoding), and the extras sampler of each row count
         (``engine/extras.py``: penalties, masks, top log-probs, ``n`` and beams), and the
-        copies of forks wider than 8. ``prompt_logprobs`` compile their steps on first use.
+        copies of forks wider than 8, and the prompt-scoring step (``prompt_logprobs``).
 
         ``warm_up(num_seqs, prompt_len, max_tokens)`` instead runs that workload once on
         random token ids (``ignore_eos``), compiling exactly the buckets the scheduler

@@ -53,6 +53,7 @@ from paged_jax.engine.step_fn import (  # noqa: F401 (STEP_STATIC_ARGS, SMALL_ST
     _variant,
     _write_pages,
 )
+from paged_jax.engine.step_inputs import STATIC_SCORE_TOP
 from paged_jax.engine.step_io import (  # noqa: F401 (_SAMPLING: tests read it here)
     _SAMPLING,
     DeferredSample,
@@ -61,7 +62,13 @@ from paged_jax.engine.step_io import (  # noqa: F401 (_SAMPLING: tests read it h
     _padded,
     _unpack_inputs,
 )
-from paged_jax.engine.step_types import Dispatched, SamplingColumns, StepInputs, StepOutputs
+from paged_jax.engine.step_types import (
+    Dispatched,
+    PromptScoring,
+    SamplingColumns,
+    StepInputs,
+    StepOutputs,
+)
 from paged_jax.metadata import decode_only
 from paged_jax.sharding import create_cache, kv_head_replicas
 from paged_jax.sharding import data_parallel_size as data_parallel_size_of
@@ -286,12 +293,12 @@ class ModelRunner:
 
     def takes_extras_sampler(self, inputs: StepInputs) -> bool:
         """Whether ``launch`` samples ``inputs``' rows with the extras sampler: static
-        shapes, one step, no prompt scoring, some row with extras (or masks deferred, or
+        shapes, one step (prompt scoring or not), some row with extras (or masks deferred, or
         the first token of ``n`` samples), samples and candidates a row that one of its
         programs holds (``ExtrasSampler.width``: any ``n`` and beam width the engine
         takes) and at most ``EXTRAS_BIASES`` biases a row. (Other steps compile a variant
         of their own on first use.)"""
-        if not self.static_shapes or inputs.steps is not None or inputs.scoring is not None:
+        if not self.static_shapes or inputs.steps is not None:
             return False
         pen, J = inputs.penalties, inputs.sampling.seeds.shape[1]
         extras = (pen, inputs.allowed, inputs.cand_allowed)
@@ -470,6 +477,7 @@ class ModelRunner:
         overlapped: bool = False,
         verify: bool = False,
         adapters: bool = False,
+        scoring: bool = False,
     ) -> bool:
         """Runs step ``shape`` (``paged_jax.engine.shapes.StepShape``, per replica) once on
         batches that touch only the null page, ``replicas`` of them side by side, and
@@ -480,8 +488,9 @@ class ModelRunner:
         speculative decoding's verify steps of this shape instead, with ``T`` more
         sampling rows (``speculative.num_verify_rows`` with static shapes). ``adapters``: the
         step with each token's adapter (``adapter_ids``, all 0 here), which compiles
-        apart from the step without. Returns whether the step compiled (False: compiled
-        before)."""
+        apart from the step without. ``scoring``: the step scoring every token row as a
+        prompt position (``prompt_logprobs``, as static shapes score them). Returns
+        whether the step compiled (False: compiled before)."""
         batch = concat_batches(
             [
                 null_batch(
@@ -511,6 +520,10 @@ class ModelRunner:
 
         ids = np.zeros(batch.token_ids.shape[0], np.int32) if adapters else None
         inputs = StepInputs(batch, batch.token_ids, sampling, replicas, adapters=ids, steps=steps)
+        if scoring:
+            T_b = batch.token_ids.shape[0]
+            none = np.zeros(T_b, np.int32)
+            inputs.scoring = PromptScoring(none, none, STATIC_SCORE_TOP)
         first = self.launch(inputs)
         jax.block_until_ready((first.outputs, self.cache))
         for t in merges:

@@ -27,8 +27,8 @@ output, ``top_logprobs``, beam search or ``n`` samples take these shapes' progra
 with static shapes their extras are sampled apart, by one program a row count (two where
 ``max_num_seqs`` is over 16: ``engine/extras.py``, which warm-up compiles as well), and a
 fork's copy-on-write copies beyond a step's 8 run apart (``ModelRunner._copies_apart``).
-Only prompt log-probs add inputs of their own to a step: their steps compile when first
-used and are not in this set.
+Prompt log-probs add inputs of their own to a step: with static shapes their steps all
+take the widest shape that prefills, whose scoring program warm-up compiles beside it.
 """
 
 from __future__ import annotations

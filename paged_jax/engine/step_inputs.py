@@ -71,12 +71,21 @@ def distinct_params(rows: SamplingRows) -> list[SamplingParams]:
     return list({id(p): p for p, _, _ in rows.values()}.values())
 
 
-def prompt_rows(batch, placed: list) -> tuple[PromptScoring | None, list | None]:
+# The top tokens a prompt-scoring step computes with static shapes (``MAX_TOP_LOGPROBS``,
+# bucketed): one program a step shape, whatever ``prompt_logprobs`` asks.
+STATIC_SCORE_TOP = 32
+
+
+def prompt_rows(
+    batch, placed: list, static: bool = False
+) -> tuple[PromptScoring | None, list | None]:
     """``(scoring, groups)``: the token rows of the step whose logits score the next
     prompt token (requests with ``SamplingParams.prompt_logprobs``), padded to ``E_b``
     (a power of two >= 8), with the most top tokens a request asks (rounded up to a
     power of two, or 0); and ``[(group, positions)]`` in the rows' order; ``(None,
-    None)`` when no request of the step asks. Prompt token t (t < prompt length - 1) is
+    None)`` when no request of the step asks. ``static`` (static shapes, which warm-up
+    compiled): ``E_b`` is the step's token bucket and the top tokens ``STATIC_SCORE_TOP``,
+    one scoring program per step shape. Prompt token t (t < prompt length - 1) is
     scored by its own row, unless a completed step has already scored it (a recompute
     after a preemption); a group's sequences computing the same prompt (forks
     recomputed) are scored once."""
@@ -100,11 +109,13 @@ def prompt_rows(batch, placed: list) -> tuple[PromptScoring | None, list | None]
         top = max(top, g.params.prompt_logprobs)
     if not rows:
         return None, None
-    E_b = bucket(len(rows), 8)
+    E_b = batch.token_ids.shape[0] if static else bucket(len(rows), 8)
     at = np.zeros(E_b, np.int32)
     at[: len(rows)] = rows
     to = np.zeros(E_b, np.int32)
     to[: len(rows)] = targets
+    if static:
+        return PromptScoring(at, to, STATIC_SCORE_TOP), scoring
     return PromptScoring(at, to, bucket(top, 2) if top else 0), scoring
 
 

@@ -135,7 +135,9 @@ def extras_rows(core, shapes: list[StepShape]) -> list[int]:
 
 def _programs(core, shape: StepShape, merges) -> list[dict]:
     """``ModelRunner.run_shape``'s arguments for each program of ``shape``: the plain
-    step (and its overlapped form), a speculative verify step, steps with adapter rows."""
+    step (and its overlapped form), a speculative verify step, steps with adapter rows,
+    and for the widest shape that prefills, the step scoring prompt positions (prompt
+    log-probs, whose steps all take that shape), with verify rows or adapters too."""
     overlapped = core.async_scheduling and shape.steps == 1
     runs = [dict(merges=merges, overlapped=overlapped)]
     verify = core.speculator is not None and not shape.decode_only
@@ -145,6 +147,14 @@ def _programs(core, shape: StepShape, merges) -> list[dict]:
         runs.append(dict(overlapped=overlapped, adapters=True))
         if verify:
             runs.append(dict(verify=True, adapters=True))
+    widest = core.launcher.widest_shape()
+    if not shape.decode_only and (shape.tokens, shape.seqs) == widest and shape.steps == 1:
+        # the step scoring prompt positions (prompt_logprobs: the widest shape, always)
+        runs.append(dict(overlapped=overlapped, scoring=True))
+        if verify:
+            runs.append(dict(verify=True, scoring=True))
+        if core.loras.max_loras:
+            runs.append(dict(overlapped=overlapped, adapters=True, scoring=True))
     return runs
 
 
