@@ -338,7 +338,7 @@ def main(argv=None) -> int:
             num_pages=args.num_pages,
             page_size=args.page_size,
             max_num_seqs=args.concurrency,
-        ),  # fmt: skip
+        ),
         workload=dict(
             system_prompts=args.system_prompts,
             requests=args.requests,
@@ -348,7 +348,7 @@ def main(argv=None) -> int:
             concurrency=args.concurrency,
             repeats=args.repeats,
             sampling="greedy, ignore_eos, unstreamed /v1/completions, closed loop",
-        ),  # fmt: skip
+        ),
         summary=summary,
         runs=runs,
         kill_run=kill_run,
