@@ -42,14 +42,13 @@ import argparse
 import asyncio
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from benchmarks.bench_serve import ServerProcess, _free_port, _get
+from benchmarks.bench_serve import ServerProcess, _free_port, _get, stop_process
 from benchmarks.common import environment, positive_int, write_result
 
 POLICIES = ("round_robin", "cache_aware", "kv_aware")
@@ -136,13 +135,7 @@ class Router:
         raise RuntimeError("vllm-router: not ready after 60 s")
 
     def __exit__(self, *exc):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 10)
         self.log.close()
 
 

@@ -232,6 +232,17 @@ def _get(url: str, timeout: float = 10.0):
     return httpx2.get(url, timeout=timeout)
 
 
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """Stops ``proc`` with SIGINT, and SIGKILL if it has not exited ``timeout`` s later."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class ServerProcess:
     """A server subprocess on a free loopback port; its output goes to a log file.
     ``with ServerProcess(cmd_fn, name) as s:`` waits for GET /health (``startup_s``) and
@@ -270,13 +281,7 @@ class ServerProcess:
         return self.log.read()[-n:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 60)
 
     def __exit__(self, *exc):
         self.stop()

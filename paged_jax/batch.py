@@ -53,6 +53,11 @@ class StepBatch:
     num_tokens: int  # live tokens (<= T_b)
 
 
+# The copy-on-write copies a step holds at least (``C_b``'s smallest bucket): a step with
+# more pads to the next power of two.
+MIN_COPIES = 8
+
+
 def build_batch(
     manager: BlockManager,
     scheduled: Sequence[ScheduledSeq],
@@ -60,7 +65,7 @@ def build_batch(
     min_tokens: int = 16,
     min_seqs: int = 8,
     min_pages: int = 4,
-    min_copies: int = 8,
+    min_copies: int = MIN_COPIES,
     take_copies: bool = True,
     table_tokens: Sequence[int] | None = None,
 ) -> StepBatch:
@@ -207,7 +212,7 @@ def advance_batch(
     min_tokens: int = 16,
     min_seqs: int = 8,
     min_pages: int = 4,
-    min_copies: int = 8,
+    min_copies: int = MIN_COPIES,
     seqs: SeqRows | None = None,
 ) -> StepBatch:
     """The decode batch that goes on from decode batch ``prev`` (one token a row) without

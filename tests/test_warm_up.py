@@ -389,3 +389,13 @@ def test_n_and_beams_over_16_compile_nothing_after_warm_up(tiny):
             [c.cumulative_logprob for c in w.outputs],
             rtol=1e-5,
         )
+
+
+@pytest.mark.parametrize("seqs, tokens", [(4, 32), (8, 32), (32, 64), (64, 16)])
+def test_the_prompt_scoring_shape_is_a_step_shape_warm_up_compiles(tiny, seqs, tokens):
+    # a step scoring prompt positions takes the widest shape that prefills; warm-up
+    # compiles its scoring program only if that shape is among the step shapes
+    llm = _engine(tiny, max_num_seqs=seqs, max_num_batched_tokens=tokens, max_model_len=64)
+    T, S = llm.engine.launcher.widest_shape()
+    prefill = [(s.tokens, s.seqs) for s in llm.step_shapes() if not s.decode_only]
+    assert (T, S) == max(prefill)

@@ -469,11 +469,12 @@ class StepLauncher:
 
     def widest_shape(self) -> tuple[int, int]:
         """``(tokens, sequences)`` of a replica's widest step that prefills: the buckets of
-        ``max_num_batched_tokens`` and of ``max_num_seqs`` (at most the tokens'), the
-        shape a step scoring prompt positions takes with static shapes."""
+        ``max_num_batched_tokens`` and of ``max_num_seqs`` (no fewer rows than any step
+        pads to, no more than the tokens: ``shapes.step_shapes``' largest), the shape a
+        step scoring prompt positions takes with static shapes."""
         sc = self.schedulers[0]
         T = bucket(sc.max_num_batched_tokens, MIN_STEP_TOKENS)
-        return T, min(bucket(sc.max_num_seqs), T)
+        return T, min(bucket(sc.max_num_seqs, self.min_seqs(1)), T)
 
     def min_pages(self) -> int:
         """Fewest pages a block-table row pads to: the longest sequence's once every

@@ -98,6 +98,12 @@ class RequestMetrics:
     num_preemptions: int
 
     @property
+    def cached_prompt_tokens(self) -> int:
+        """The prompt tokens the prefix cache served, counted once (``num_cached_tokens``
+        sums them over the request's preemptions)."""
+        return min(self.num_cached_tokens, self.num_prompt_tokens)
+
+    @property
     def time_to_first_token(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 

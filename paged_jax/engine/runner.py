@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from paged_jax.batch import bucket, concat_batches, null_batch
+from paged_jax.batch import MIN_COPIES, bucket, concat_batches, null_batch
 from paged_jax.engine.devices import (  # noqa: F401 (resolve_mesh: the engine's callers read it here)
     _on_mesh,
     hold_for_device,
@@ -78,7 +78,7 @@ log = logging.getLogger("paged_jax")
 
 # The copy-on-write copies a step holds a replica (``batch.build_batch``'s ``min_copies``);
 # with static shapes, more run apart, ahead of the step (``ModelRunner._copies_apart``).
-STEP_COPIES = 8
+STEP_COPIES = MIN_COPIES
 
 
 def _max_model_len(value, longest: int) -> int:
@@ -336,9 +336,9 @@ class ModelRunner:
         if inputs.scoring is not None:
             sc = inputs.scoring
             optional["scored"] = (jnp.asarray(sc.rows), jnp.asarray(sc.targets))
+        batch = self._copies_apart(batch, inputs.replicas)
         compiled_before = self.step_fn._cache_size()
         t1 = time.perf_counter()
-        batch = self._copies_apart(batch, inputs.replicas)
         padded_steps = None if inputs.steps is None else _padded(inputs.steps, S_b)
         packed, layout = _pack_inputs(batch, sampling, padded_steps)
         flags = self._flags(inputs, layout, K)

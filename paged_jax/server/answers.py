@@ -121,7 +121,7 @@ class Responder:
     def usage(self, job: Job, outputs) -> dict:
         prompt = sum(len(ids) for ids in job.prompts)
         done = 0 if job.echo_only else sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        cached = sum(_cached(o) for o in outputs)
+        cached = sum(o.metrics.cached_prompt_tokens for o in outputs)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
                 "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
@@ -383,12 +383,3 @@ def _without_tokens(c):
         top_logprobs=None if c.top_logprobs is None else [],
         finish_reason="length",
     )
-
-
-def _cached(output) -> int:
-    """A finished request's prompt tokens the prefix cache served (at most its prompt's:
-    the engine sums them over its preemptions)."""
-    m = getattr(output, "metrics", None)
-    if m is None:
-        return 0
-    return min(m.num_cached_tokens, m.num_prompt_tokens)

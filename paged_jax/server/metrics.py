@@ -101,8 +101,7 @@ class Metrics:
 
     def finished(self, output: Any) -> None:
         self.prompt_tokens.inc(len(output.prompt_token_ids))
-        m = output.metrics
-        self.cached_prompt_tokens.inc(min(m.num_cached_tokens, m.num_prompt_tokens))
+        self.cached_prompt_tokens.inc(output.metrics.cached_prompt_tokens)
         ttft = output.metrics.time_to_first_token
         if ttft is not None:
             self.ttft.observe(ttft)
