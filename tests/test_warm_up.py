@@ -231,7 +231,8 @@ def test_warm_up_counts_each_variant_of_a_shape_as_a_program(tiny, capsys):
     bucket's line says which variant it is."""
     llm = _engine(tiny, max_num_batched_tokens=16, max_loras=2, max_lora_rank=4)
     shapes = llm.step_shapes()
-    buckets = llm.warm_up()
+    # (the extras samplers are cached per process: an earlier test may have compiled them)
+    buckets = [b for b in llm.warm_up() if b["tokens"]]
     err = capsys.readouterr().err
     n = len(shapes)  # (and the widest shape's prompt scoring, with adapter rows and not)
     assert f"every step shape ready: {2 * n + 2} programs for {n} shapes" in err
