@@ -28,6 +28,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from paged_jax.errors import with_context
+
 MAX_RENDER_SECONDS = 2.0
 MAX_RENDER_CHARS = 4_000_000
 
@@ -171,7 +173,7 @@ def render_conversations(tokenizer: Any, conversations: Any, **kw: Any) -> list[
         except (TypeError, ValueError) as e:
             if str(e).startswith("tokenizer:"):  # the model's, no conversation's
                 raise
-            raise type(e)(f"conversations[{k}]: {e}") from None
+            raise with_context(e, f"conversations[{k}]") from None
     return prompts
 
 

@@ -186,7 +186,7 @@ def test_bad_chat_template_kwargs_are_a_400_naming_the_field(servers):
     parsed, _ = servers
     body = dict(model="t", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     for value, message in (
-        ([1], "chat_template_kwargs: expected an object, got list"),
+        ([1], "chat_template_kwargs: expected an object, got [1]"),
         ({"messages": []}, "chat_template_kwargs: 'messages' is set by the server"),
     ):
         r = parsed.post("/v1/chat/completions", json=body | {"chat_template_kwargs": value})

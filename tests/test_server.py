@@ -219,24 +219,23 @@ def test_a_client_gone_mid_stream_frees_its_pages(server):
     [
         (dict(model="gpt-4"), 404, "model", "model: 'gpt-4' does not exist"),
         (dict(max_tokens=-3), 400, "max_tokens", "max_tokens: expected an int >= 1, got -3"),
-        (dict(temperature="hot"), 400, "temperature", "temperature: expected a finite float"),
+        (dict(temperature="hot"), 400, "temperature", "temperature: expected a number, got 'hot'"),
         (dict(prompt=[1.5]), 400, "prompt", "prompt: expected a string or a list of token ids"),
         (dict(prompt=[7] * 5000), 400, "prompt", "prompt: 5000 tokens, the model's maximum"),
-        (dict(n="2"), 400, "n", "n: expected an int >= 1"),
+        (dict(n="2"), 400, "n", "n: expected an int, got '2'"),
         (dict(logprobs=25), 400, "logprobs", "logprobs: expected an int in [0, 20], got 25"),
         (
             dict(response_format={"type": "xml"}),
             400,
             "response_format",
-            "response_format: expected an object of type text, json_object or json_schema, "
-            "got type 'xml'",
+            "response_format.type: expected one of 'text', 'json_object' or 'json_schema', "
+            "got 'xml'",
         ),
         (
             dict(response_format=False),
             400,
             "response_format",
-            "response_format: expected an "
-            "object of type text, json_object or json_schema, got False",
+            "response_format: expected an object, got False",
         ),
         (dict(echo="yes"), 400, "echo", "echo: expected a bool, got 'yes'"),
         (
@@ -249,7 +248,7 @@ def test_a_client_gone_mid_stream_frees_its_pages(server):
             dict(logit_bias={"5": 1, "9999": 1}),
             400,
             "logit_bias",
-            "params.logit_bias: token ids must lie in",
+            "logit_bias: token ids must lie in",
         ),
         (dict(max_tokens=0), 400, "max_tokens", "max_tokens: expected an int >= 1, got 0"),
         # issue 51, item 2: the engine used to cap it silently (a newcomer's 1,000,000

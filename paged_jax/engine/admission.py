@@ -13,6 +13,7 @@ import numpy as np
 
 from paged_jax.block_manager import prefix_root_key
 from paged_jax.engine.sampling import SamplingParams
+from paged_jax.errors import FieldError
 
 
 class RequestChecker:
@@ -48,13 +49,13 @@ class RequestChecker:
         coerced)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt: a string needs a tokenizer; pass token ids")
+                raise FieldError("prompt", "a string needs a tokenizer; pass token ids")
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as e:  # a lone surrogate: no tokenizer takes it
-                raise ValueError(
-                    f"prompt: not valid Unicode text (a lone UTF-16 surrogate at character "
-                    f"{e.start})"
+                raise FieldError(
+                    "prompt",
+                    f"not valid Unicode text (a lone UTF-16 surrogate at character {e.start})",
                 ) from None
             ids = self.tokenizer.encode(prompt)
             return list(getattr(ids, "ids", ids))
@@ -77,29 +78,33 @@ class RequestChecker:
         self._check_params(params)
         ids = self.encode(prompt)
         if not ids:
-            raise ValueError("prompt: expected at least one token, got an empty prompt")
+            raise FieldError("prompt", "expected at least one token, got an empty prompt")
         vocab = self.vocab_size
         allowed = params.allowed_token_ids
         if allowed is not None and max(allowed) >= vocab:
-            raise ValueError(
-                f"params.allowed_token_ids: token ids must lie in [0, {vocab}), got {max(allowed)}"
+            raise FieldError(
+                "params.allowed_token_ids",
+                f"token ids must lie in [0, {vocab}), got {max(allowed)}",
             )
         if params.logit_bias and params.logit_bias[-1][0] >= vocab:
-            raise ValueError(
-                f"params.logit_bias: token ids must lie in [0, {vocab}), got "
-                f"{params.logit_bias[-1][0]}"
+            raise FieldError(
+                "params.logit_bias",
+                f"token ids must lie in [0, {vocab}), got {params.logit_bias[-1][0]}",
             )
         if min(ids) < 0 or max(ids) >= vocab:
             k = next(i for i, t in enumerate(ids) if not 0 <= t < vocab)
-            raise ValueError(f"prompt: token ids must lie in [0, {vocab}), prompt[{k}] is {ids[k]}")
+            raise FieldError(
+                "prompt", f"token ids must lie in [0, {vocab}), prompt[{k}] is {ids[k]}"
+            )
         try:  # checked here: with prefix caching off it would only fail much later
             prefix_root_key(cache_salt)
         except TypeError as e:
             raise TypeError(f"cache_salt: {str(e).removeprefix('extra_key: ')}") from None
         if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(ids)} tokens, the model's maximum length is "
-                f"{self.max_model_len} (one more is needed to generate)"
+            raise FieldError(
+                "prompt",
+                f"{len(ids)} tokens, the model's maximum length is "
+                f"{self.max_model_len} (one more is needed to generate)",
             )
         return ids, self._check_room(ids, params)
 
@@ -107,11 +112,11 @@ class RequestChecker:
         """What of ``params`` needs this engine's tokenizer: stop strings, a grammar (which
         it compiles)."""
         if params.stop and self.tokenizer is None:
-            raise ValueError("params.stop: stop strings need a tokenizer; this engine has none")
+            raise FieldError("params.stop", "stop strings need a tokenizer; this engine has none")
         if params.structured is not None:
             if self.tokenizer is None:
-                raise ValueError(
-                    "params.structured: structured output needs a tokenizer; this engine has none"
+                raise FieldError(
+                    "params.structured", "structured output needs a tokenizer; this engine has none"
                 )
             self.grammars().matcher(params.structured)  # refuses a bad schema or grammar
 
@@ -127,9 +132,10 @@ class RequestChecker:
             ("max_num_batched_tokens", first.max_num_batched_tokens),
         ):
             if width > value:
-                raise ValueError(
-                    f"params.{name}: {width} sequences, more than {limit}={value} "
-                    f"(a group's sequences run in the same step)"
+                raise FieldError(
+                    f"params.{name}",
+                    f"{width} sequences, more than {limit}={value} "
+                    f"(a group's sequences run in the same step)",
                 )
         worst = min(len(ids) + params.max_tokens, self.max_model_len)
         pages = width * first.bm.pages_needed(worst)

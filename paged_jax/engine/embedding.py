@@ -26,6 +26,7 @@ from paged_jax.batch import ScheduledSeq, bucket, build_batch
 from paged_jax.block_manager import BlockManager, HybridBlockManager
 from paged_jax.engine.devices import mesh_context
 from paged_jax.engine.sampling import SamplingParams
+from paged_jax.errors import with_context
 from paged_jax.metadata import AttentionMetadata
 
 POOLINGS = ("last", "mean", "first")
@@ -59,7 +60,7 @@ def embed(core, prompts, *, pooling: str = "last", normalize: bool = True) -> li
         try:
             ids.append(core.check_request(prompt, probe))
         except (ValueError, TypeError) as e:
-            raise type(e)(f"prompts[{k}]: {e}") from e
+            raise with_context(e, f"prompts[{k}]") from e
     sc = core.schedulers[0]
     vectors = embed_prompts(
         core.runner,

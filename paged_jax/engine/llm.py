@@ -43,6 +43,7 @@ from paged_jax.engine.runner import ModelRunner
 from paged_jax.engine.sampling import SamplingParams
 from paged_jax.engine.shapes import StepShape
 from paged_jax.engine.speculative import SpeculativeConfig
+from paged_jax.errors import with_context
 from paged_jax.sharding import data_parallel_size as data_parallel_size_of
 
 log = logging.getLogger("paged_jax")
@@ -494,7 +495,7 @@ class LLM:
             except (ValueError, TypeError) as e:
                 for r in ids:  # all or nothing: nothing of this call stays queued
                     self.abort(r)
-                raise type(e)(f"prompts[{k}]: {e}") from e
+                raise with_context(e, f"prompts[{k}]") from e
             ids.append(rid)
         return ids, params
 

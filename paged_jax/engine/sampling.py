@@ -22,6 +22,7 @@ import numpy as np
 
 from paged_jax.engine.sort_free import draw as sort_free_draw
 from paged_jax.engine.sort_free import inverse_cdf as _inverse_cdf
+from paged_jax.errors import FieldError
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 1024  # tokens a request may bias (SamplingParams.logit_bias)
@@ -134,7 +135,7 @@ class SamplingParams:
 
     def __post_init__(self):
         def bad(name, expected):
-            raise ValueError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
+            raise FieldError(name, f"expected {expected}, got {getattr(self, name)!r}")
 
         def is_int(x):
             return isinstance(x, int) and not isinstance(x, bool)
@@ -174,58 +175,58 @@ class SamplingParams:
             bad("top_logprobs", f"an int in [0, {MAX_TOP_LOGPROBS}]")
         if self.top_logprobs:
             if self.beam_width > 1:
-                raise ValueError(
-                    f"top_logprobs: not supported with beam search (beam_width={self.beam_width})"
+                raise FieldError(
+                    "top_logprobs", f"not supported with beam search (beam_width={self.beam_width})"
                 )
             object.__setattr__(self, "logprobs", True)
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", f"an int in [0, max_tokens={self.max_tokens}]")
         if self.min_tokens and self.beam_width > 1:
-            raise ValueError(
-                f"min_tokens: not supported with beam search (beam_width={self.beam_width})"
+            raise FieldError(
+                "min_tokens", f"not supported with beam search (beam_width={self.beam_width})"
             )
         if self.min_tokens and self.structured is not None:
-            raise ValueError(
-                "min_tokens: not with structured output (its grammar decides where it ends)"
+            raise FieldError(
+                "min_tokens", "not with structured output (its grammar decides where it ends)"
             )
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
             if self.beam_width > 1:
-                raise ValueError(
-                    f"logit_bias: not supported with beam search (beam_width={self.beam_width})"
+                raise FieldError(
+                    "logit_bias", f"not supported with beam search (beam_width={self.beam_width})"
                 )
         if self.beam_width > 1 and self.penalized:
-            raise ValueError(
-                "repetition_penalty, presence_penalty, frequency_penalty: not supported "
-                f"with beam search (beam_width={self.beam_width})"
+            raise FieldError(
+                "repetition_penalty, presence_penalty, frequency_penalty",
+                f"not supported with beam search (beam_width={self.beam_width})",
             )
         if self.beam_width > 1 and self.n > self.beam_width:
-            raise ValueError(
-                f"n: expected <= beam_width={self.beam_width} with beam search, got {self.n}"
+            raise FieldError(
+                "n", f"expected <= beam_width={self.beam_width} with beam search, got {self.n}"
             )
-        ids = self.stop_token_ids
-        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-            bad("stop_token_ids", "a list of token ids >= 0")
-        if not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids
-        ):
+        if not _token_ids(ids := self.stop_token_ids):
             bad("stop_token_ids", "a list of token ids >= 0")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (tuple, list)) or not all(isinstance(x, str) and x for x in stop):
             bad("stop", "a string or a list of non-empty strings")
         if len(stop) > MAX_STOP_STRINGS:  # the message leaves the strings out: too long
-            raise ValueError(f"stop: expected at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+            raise FieldError(
+                "stop", f"expected at most {MAX_STOP_STRINGS} strings, got {len(stop)}"
+            )
         if (longest := max(map(len, stop), default=0)) > MAX_STOP_STRING_CHARS:
-            raise ValueError(
-                f"stop: expected strings of at most {MAX_STOP_STRING_CHARS} characters, "
-                f"got one of {longest}"
+            raise FieldError(
+                "stop",
+                f"expected strings of at most {MAX_STOP_STRING_CHARS} characters, "
+                f"got one of {longest}",
             )
         object.__setattr__(self, "stop", tuple(stop))
         if not isinstance(self.include_stop_str_in_output, bool):
             bad("include_stop_str_in_output", "a bool")
         if self.stop and self.beam_width > 1:
-            raise ValueError(f"stop: not supported with beam search (beam_width={self.beam_width})")
+            raise FieldError(
+                "stop", f"not supported with beam search (beam_width={self.beam_width})"
+            )
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
@@ -234,9 +235,9 @@ class SamplingParams:
             if not ids or not all(is_int(t) and t >= 0 for t in ids):
                 bad("allowed_token_ids", "None or a non-empty list of token ids >= 0")
             if self.beam_width > 1:
-                raise ValueError(
-                    f"allowed_token_ids: not supported with beam search "
-                    f"(beam_width={self.beam_width})"
+                raise FieldError(
+                    "allowed_token_ids",
+                    f"not supported with beam search (beam_width={self.beam_width})",
                 )
             object.__setattr__(self, "allowed_token_ids", ids)
         if self.prompt_logprobs is not None and (
@@ -268,6 +269,13 @@ class SamplingParams:
         )
 
 
+def _token_ids(ids: Any) -> bool:
+    """Whether ``ids`` is a sequence of token ids (ints >= 0, NumPy's too), not a string."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        return False
+    return all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids)
+
+
 def _checked_bias(bias: Any) -> tuple[tuple[int, float], ...]:
     """``SamplingParams.logit_bias`` as ``((token, bias), ...)`` sorted by token; a
     ValueError naming it for anything but a mapping of ids >= 0 (ints, or their decimal
@@ -275,20 +283,20 @@ def _checked_bias(bias: Any) -> tuple[tuple[int, float], ...]:
     if isinstance(bias, tuple) and all(isinstance(x, tuple) for x in bias):
         bias = dict(bias)  # (already checked: a copy of a SamplingParams)
     if not isinstance(bias, Mapping):
-        raise ValueError(f"logit_bias: expected None or {{token id: bias}}, got {bias!r:.60}")
+        raise FieldError("logit_bias", f"expected None or {{token id: bias}}, got {bias!r:.60}")
     if len(bias) > MAX_LOGIT_BIAS:
-        raise ValueError(f"logit_bias: expected at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+        raise FieldError("logit_bias", f"expected at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
     out = {}
     for key, value in bias.items():
         token = key
         if isinstance(key, str) and key.isdecimal():
             token = int(key)
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-            raise ValueError(f"logit_bias: keys must be token ids >= 0, got {key!r:.40}")
+            raise FieldError("logit_bias", f"keys must be token ids >= 0, got {key!r:.40}")
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not ok or not math.isfinite(value) or not -100.0 <= value <= 100.0:
-            raise ValueError(
-                f"logit_bias[{key!r:.40}]: expected a float in [-100, 100], got {value!r:.40}"
+            raise FieldError(
+                f"logit_bias[{key!r:.40}]", f"expected a float in [-100, 100], got {value!r:.40}"
             )
         out[token] = float(value)
     return tuple(sorted(out.items()))
@@ -490,7 +498,9 @@ def sample_rows(
         min_p = jnp.zeros(R, jnp.float32)
     way = "xla" if sort_free is True else sort_free
     if way and way not in SORT_FREE_WAYS:
-        raise ValueError(f"sort_free: expected False, True or one of {SORT_FREE_WAYS}, got {way!r}")
+        raise FieldError(
+            "sort_free", f"expected False, True or one of {SORT_FREE_WAYS}, got {way!r}"
+        )
     if cpu_kernel:
         return _sample_in_cpu_kernels(
             raw,

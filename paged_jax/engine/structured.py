@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from paged_jax.errors import FieldError
+
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -113,9 +115,9 @@ def _llguidance():
         import llguidance
         import llguidance.numpy
     except ImportError:
-        raise ValueError(
-            "params.structured: structured output needs the llguidance package "
-            "(pip install llguidance)"
+        raise FieldError(
+            "params.structured",
+            "structured output needs the llguidance package (pip install llguidance)",
         ) from None
     return llguidance
 
@@ -141,9 +143,10 @@ class Grammars:
             llg = _llguidance()
             inner = getattr(self._tokenizer, "tokenizer", None)
             if inner is None or not hasattr(inner, "to_str"):
-                raise ValueError(
-                    "params.structured: needs a model whose tokenizer is a tokenizers "
-                    "Tokenizer (a Hugging Face checkpoint's or a GGUF file's)"
+                raise FieldError(
+                    "params.structured",
+                    "needs a model whose tokenizer is a tokenizers "
+                    "Tokenizer (a Hugging Face checkpoint's or a GGUF file's)",
                 )
             self._lt = llg.LLTokenizer(inner.to_str(), eos_token=self._eos)
         return self._lt
@@ -252,10 +255,10 @@ def _compiled(grammars: Grammars, key: tuple[str, str, str | None]):
         else:
             grammar = llg.LLMatcher.grammar_from_lark(text)
     except Exception as e:  # the library's own refusal of the text
-        raise ValueError(f"{field}: {str(e).strip().splitlines()[0] if str(e) else e!r}") from None
+        raise FieldError(field, str(e).strip().splitlines()[0] if str(e) else repr(e)) from None
     m = llg.LLMatcher(lt, grammar)
     if m.is_error():
-        raise ValueError(f"{field}: {m.get_error().strip().splitlines()[0]}")
+        raise FieldError(field, m.get_error().strip().splitlines()[0])
     if len(cache) >= 64:
         cache.pop(next(iter(cache)))
     cache[key] = m

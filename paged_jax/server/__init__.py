@@ -17,7 +17,7 @@ import threading
 from typing import Any
 
 # What the ``serve`` extra installs (pyproject.toml), as the modules imported
-EXTRA_MODULES = ("starlette", "uvicorn", "prometheus_client", "llguidance")
+EXTRA_MODULES = ("starlette", "uvicorn", "prometheus_client", "llguidance", "pydantic")
 
 
 def missing_modules() -> list[str]:

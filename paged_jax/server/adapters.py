@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from paged_jax.server.fields import ApiError, error_response, json_body
+from paged_jax.server.schema import LoraRequest, validated
 
 
 class AdapterRoutes:
@@ -48,15 +49,15 @@ class AdapterRoutes:
         """``{"lora_name": name}``: the adapter dropped (409 while requests use it)."""
         return await self._answer(request, "unload_lora_adapter", self._unload)
 
-    def _load(self, body: dict) -> str:
-        name = self._name(body)
+    def _load(self, req: LoraRequest) -> str:
+        name = req.lora_name
         if name == self.model_name:
             raise ApiError(400, f"lora_name: {name!r} is the base model's name", "lora_name")
         if name in getattr(self.llm, "loras", []):
             raise ApiError(400, f"lora_name: an adapter named {name!r} is loaded", "lora_name")
-        path = body.get("lora_path")
-        if not isinstance(path, str) or not path:
-            raise ApiError(400, f"lora_path: expected a path, got {path!r:.60}", "lora_path")
+        path = req.lora_path
+        if path is None:
+            raise ApiError(400, "lora_path: required", "lora_path")
         where = pathlib.Path(path).resolve()
         if not any(where == d or d in where.parents for d in self.dirs):
             raise ApiError(
@@ -68,19 +69,12 @@ class AdapterRoutes:
         self._on_engine(lambda: self.llm.add_lora(name, os.fspath(where)), "lora_path")
         return f"Success: LoRA adapter '{name}' added successfully."
 
-    def _unload(self, body: dict) -> str:
-        name = self._name(body)
+    def _unload(self, req: LoraRequest) -> str:
+        name = req.lora_name
         if name not in getattr(self.llm, "loras", []):
             raise ApiError(404, f"lora_name: no adapter named {name!r} is loaded", "lora_name")
         self._on_engine(lambda: self.llm.remove_lora(name), "lora_name", busy=409)
         return f"Success: LoRA adapter '{name}' removed successfully."
-
-    @staticmethod
-    def _name(body: dict) -> str:
-        name = body.get("lora_name")
-        if not isinstance(name, str) or not name:
-            raise ApiError(400, f"lora_name: expected a name, got {name!r:.60}", "lora_name")
-        return name
 
     def _on_engine(self, fn, param: str, busy: int = 400) -> None:
         """``fn()`` on the engine thread between steps, waited for (this runs on a worker
@@ -115,10 +109,8 @@ class AdapterRoutes:
             )  # fmt: skip
         try:
             raw = await self.intake.read_body(request)
-            body = json_body(raw)
-            if not isinstance(body, dict):
-                raise ApiError(400, "body: expected a JSON object")
-            text = await asyncio.to_thread(fn, body)
+            req = validated(LoraRequest, json_body(raw))
+            text = await asyncio.to_thread(fn, req)
         except ApiError as e:
             self.metrics.request(route, e.status)
             return error_response(e.status, e.message, e.param)

@@ -12,7 +12,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response
 
-from paged_jax.server.fields import _ERROR_TYPES, _param_of, error_response
+from paged_jax.server.fields import _ERROR_TYPES, error_response
 from paged_jax.server.jobs import Job
 from paged_jax.server.reasoning import ReasoningStream, split
 
@@ -47,7 +47,7 @@ class Responder:
                 outputs[k] = event
                 self.abort(rids, outputs)
                 self.metrics.request(endpoint, event.status)
-                return error_response(event.status, event.message, _param_of(event.message))
+                return error_response(event.status, event.message, event.param)
             if event.kind == "done":
                 if event.output.error is not None:
                     outputs[k] = event

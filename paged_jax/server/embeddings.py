@@ -11,7 +11,8 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from paged_jax.server.fields import ApiError, _param_of, error_response
+from paged_jax.server.fields import ApiError, error_response
+from paged_jax.server.schema import api_error
 
 
 class EmbeddingsRoute:
@@ -68,7 +69,8 @@ class EmbeddingsRoute:
                 outputs += await embed(group)
         except (ValueError, TypeError) as e:
             self.metrics.request("embeddings", 400)
-            return error_response(400, str(e), _param_of(str(e)))
+            e = api_error(e)
+            return error_response(e.status, e.message, e.param)
         except RuntimeError as e:
             self.metrics.request("embeddings", 503)
             return error_response(503, f"server busy: {e}")

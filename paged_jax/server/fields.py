@@ -1,9 +1,9 @@
-"""Request fields of the API that become engine inputs beyond sampling: structured
-output (``response_format``, ``structured_outputs``, ``guided_*``), the chat template's
-(``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``); the
-body's JSON (``json_body``); ``ApiError``, the
-error every field check raises (status, message naming the field), and OpenAI's error
-body for it (``error_response``). No JAX here."""
+"""Request fields of the API that become engine inputs beyond sampling, read from a
+validated request (``schema``): structured output (``response_format``,
+``structured_outputs``, ``guided_*``), the chat template's (``chat_template_kwargs``,
+``add_generation_prompt``, ``continue_final_message``); the body's JSON (``json_body``);
+``ApiError``, the error every check of a request raises (status, message naming the
+field, the field), and OpenAI's error body for it (``error_response``). No JAX here."""
 
 from __future__ import annotations
 
@@ -35,11 +35,6 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
         }
     }
     return JSONResponse(body, status_code=status)
-
-
-def _param_of(message: str) -> str | None:
-    field, sep, _ = message.partition(":")
-    return field.split("[")[0].split(".")[-1] if sep and " " not in field else None
 
 
 class ApiError(Exception):
@@ -111,18 +106,12 @@ def json_body(raw: bytes) -> Any:
 _TEMPLATE_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "tokenize"})
 
 
-def template_kwargs(value: Any) -> dict:
+def template_kwargs(value: dict | None) -> dict:
     """A chat request's ``chat_template_kwargs`` (vLLM's extension: more variables for
-    the chat template, such as Qwen3's ``enable_thinking``), checked: a JSON object whose
-    keys are not among those the server sets."""
+    the chat template, such as Qwen3's ``enable_thinking``), checked: none of its keys
+    is one the server sets."""
     if value is None:
         return {}
-    if not isinstance(value, Mapping):
-        raise ApiError(
-            400,
-            f"chat_template_kwargs: expected an object, got {type(value).__name__}",
-            "chat_template_kwargs",
-        )
     taken = sorted(_TEMPLATE_RESERVED.intersection(value))
     if taken:
         raise ApiError(
@@ -131,65 +120,48 @@ def template_kwargs(value: Any) -> dict:
     return dict(value)
 
 
-def turn_fields(body: Mapping) -> tuple[bool, bool]:
+def turn_fields(req: Any) -> tuple[bool, bool]:
     """A chat request's ``(add_generation_prompt, continue_final_message)`` (vLLM's
     extensions; defaults true and false, the first false when the second is true)."""
-    go_on = body.get("continue_final_message", False)
-    generation = body.get("add_generation_prompt")
-    for name, value in (("continue_final_message", go_on), ("add_generation_prompt", generation)):
-        if value is not None and not isinstance(value, bool):
-            raise ApiError(400, f"{name}: expected a bool, got {value!r:.40}", name)
+    go_on, generation = req.continue_final_message, req.add_generation_prompt
     if go_on and generation:
         raise ApiError(
             400,
             "continue_final_message: not with add_generation_prompt true",
             "continue_final_message",
         )
-    return (not go_on) if generation is None else generation, bool(go_on)
+    return (not go_on) if generation is None else generation, go_on
 
 
-def structured_output(body: Mapping) -> tuple[str, Any] | None:
-    """The request's ``(field, StructuredOutput)``, or None: OpenAI's ``response_format``
-    (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` (``json``, ``regex``,
-    ``choice``, ``grammar``) and its older ``guided_json`` / ``guided_regex`` /
-    ``guided_choice`` / ``guided_grammar``; ``field`` names the one the request used (what
-    an error of its grammar, found later, names). ``ApiError`` 400 naming the field
-    otherwise."""
+def structured_output(req: Any) -> tuple[str, Any] | None:
+    """The ``(field, StructuredOutput)`` of a validated request (``schema.ChatRequest``
+    or ``CompletionRequest``), or None: OpenAI's ``response_format`` (``json_object``,
+    ``json_schema``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``,
+    ``grammar``) and its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+    ``guided_grammar``; ``field`` names the one the request used (what an error of its
+    grammar, found later, names). ``ApiError`` 400 naming the field otherwise."""
     from paged_jax.engine.structured import StructuredOutput
 
     found = []
-    fmt = body.get("response_format")
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, Mapping) else None
-        if kind == "json_object":
-            found.append(("response_format", dict(json_object=True)))
-        elif kind == "json_schema":
-            spec = fmt.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, Mapping) else None
-            if not isinstance(schema, Mapping):
-                raise ApiError(
-                    400,
-                    "response_format.json_schema.schema: expected a JSON schema object",
-                    "response_format",
-                )
-            found.append(("response_format", dict(json=schema)))
-        elif kind != "text":
-            got = f"type {kind!r:.40}" if isinstance(fmt, Mapping) else f"{fmt!r:.40}"
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", dict(json_object=True)))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
             raise ApiError(
                 400,
-                f"response_format: expected an object of type text, json_object or "
-                f"json_schema, got {got}",
+                "response_format.json_schema: required with type json_schema",
                 "response_format",
             )
-    outputs = body.get("structured_outputs")
+        found.append(("response_format", dict(json=fmt.json_schema.schema_)))
+    outputs = req.structured_outputs
     if outputs is not None:
-        if not isinstance(outputs, Mapping):
-            raise ApiError(400, "structured_outputs: expected an object", "structured_outputs")
-        keys = {k: v for k, v in outputs.items() if k in ("json", "regex", "choice", "grammar")}
-        found.append(("structured_outputs", keys))
+        kinds = dict(json=outputs.json_, regex=outputs.regex, choice=outputs.choice,
+                     grammar=outputs.grammar)  # fmt: skip
+        found.append(("structured_outputs", {k: v for k, v in kinds.items() if v is not None}))
     for name in ("json", "regex", "choice", "grammar"):
-        if body.get(f"guided_{name}") is not None:
-            found.append((f"guided_{name}", {name: body[f"guided_{name}"]}))
+        if getattr(req, f"guided_{name}") is not None:
+            found.append((f"guided_{name}", {name: getattr(req, f"guided_{name}")}))
     if not found:
         return None
     if len(found) > 1:

@@ -10,20 +10,28 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Mapping
 from typing import Any
 
 from paged_jax.chat import render_prompt
-from paged_jax.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from paged_jax.engine.sampling import SamplingParams
 from paged_jax.server.fields import (
     ApiError,
-    _param_of,
     json_body,
     structured_output,
     template_kwargs,
     turn_fields,
 )
 from paged_jax.server.reasoning import prompt_starts_inside
+from paged_jax.server.schema import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    Message,
+    TokenizeRequest,
+    api_error,
+    validated,
+)
 from paged_jax.server.tools import ToolError, ToolRequest
 
 # OpenAI fields this server takes (besides model, prompt / messages, stream)
@@ -48,24 +56,8 @@ _SAMPLING = {
     "stop_token_ids": "stop_token_ids",
     "min_tokens": "min_tokens",
 }
-# accepted only at their default (value -> "why not")
-_UNSUPPORTED = {
-    "suffix": (None, "suffixes are not supported"),
-    "functions": (None, "functions are not supported"),
-}
-# OpenAI's message roles ("developer": its newer name for "system").
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-
-
-def _object_naming_a_model(raw: bytes) -> tuple[Mapping, str]:
-    """A body that must be a JSON object with a string ``model``: (the body, the model)."""
-    body = json_body(raw)
-    if not isinstance(body, Mapping):
-        raise ApiError(400, "body: expected a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise ApiError(400, f"model: expected a string, got {model!r}", "model")
-    return body, model
+# accepted only when absent or null (field -> why not)
+_UNSUPPORTED = {"suffix": "suffixes are not supported", "functions": "use tools"}
 
 
 def _prompt_list(prompt: Any) -> Any:
@@ -142,33 +134,17 @@ class RequestParser:
         raise ApiError(404, f"model: {model!r:.80} does not exist; this server serves {served}",
                        "model")  # fmt: skip
 
-    def body(self, raw: bytes) -> Mapping:
-        """A request body's JSON object, its ``model`` (if any) one this server serves."""
-        body = json_body(raw)
-        if not isinstance(body, Mapping):
-            raise ApiError(400, "body: expected a JSON object")
-        model = body.get("model")
-        if model is not None:
-            self.lora_of(model)  # (the tokenizer is the base model's for every adapter)
-        return body
-
     def tokenize(self, raw: bytes) -> dict:
         """``/tokenize``'s answer to body ``raw``."""
-        body = self.body(raw)
-        if "messages" in body:
-            generation = body.get("add_generation_prompt", True)
-            if not isinstance(generation, bool):
-                raise ApiError(
-                    400, "add_generation_prompt: expected a bool", "add_generation_prompt"
-                )
-            ids = self.chat_prompt(body["messages"], add_generation_prompt=generation)
+        req = validated(TokenizeRequest, json_body(raw))
+        if req.model is not None:
+            self.lora_of(req.model)  # (the tokenizer is the base model's for every adapter)
+        if req.messages is not None:
+            ids = self.chat_prompt(req.messages, add_generation_prompt=req.add_generation_prompt)
+        elif req.prompt is None:
+            raise ApiError(400, "prompt: required (or messages)", "prompt")
         else:
-            prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
-            if not isinstance(prompt, str):
-                raise ApiError(400, f"prompt: expected a string, got {prompt!r:.80}", "prompt")
-            if not isinstance(special, bool):
-                raise ApiError(400, "add_special_tokens: expected a bool", "add_special_tokens")
-            ids = self.encode(prompt, "prompt", special)
+            ids = self.encode(req.prompt, "prompt", req.add_special_tokens)
         return {
             "count": len(ids),
             "max_model_len": self.llm.max_model_len,
@@ -178,13 +154,13 @@ class RequestParser:
 
     def detokenize(self, raw: bytes) -> dict:
         """``/detokenize``'s answer to body ``raw``."""
-        tokens = self.body(raw).get("tokens")
+        req = validated(DetokenizeRequest, json_body(raw))
+        if req.model is not None:
+            self.lora_of(req.model)
         vocab = self.llm.model.config.vocab_size
-        if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
-        ):
+        if any(t >= vocab for t in req.tokens):
             raise ApiError(400, f"tokens: expected a list of token ids in [0, {vocab})", "tokens")
-        return {"prompt": self.llm.tokenizer.decode(tokens)}
+        return {"prompt": self.llm.tokenizer.decode(req.tokens)}
 
     def encode(self, text: str, where: str, special: bool = True) -> list[int]:
         """``text``'s token ids (with the tokenizer's special tokens when ``special``)."""
@@ -196,11 +172,9 @@ class RequestParser:
             raise ApiError(400, f"{where}: cannot be tokenized ({e})", "prompt") from None
         return list(getattr(ids, "ids", ids))
 
-    def _priority(self, value: Any) -> int:
-        """A body's ``priority``: an int (vLLM's, lower first), other than 0 only when the
-        engine schedules by priority (``--scheduling-policy priority``)."""
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ApiError(400, f"priority: expected an integer, got {value!r:.40}", "priority")
+    def _priority(self, value: int) -> int:
+        """A body's ``priority`` (vLLM's, lower first), other than 0 only when the engine
+        schedules by priority (``--scheduling-policy priority``)."""
         schedulers = getattr(self.llm, "schedulers", None) or [None]
         policy = getattr(schedulers[0], "policy", "fcfs")
         if value and policy != "priority":
@@ -214,28 +188,28 @@ class RequestParser:
         """A completions (``chat`` False) or chat body, parsed and checked against the
         engine's limits before any answer starts (a stream's 200 could not become a 400
         later)."""
-        body, model = _object_naming_a_model(raw)
-        lora = self.lora_of(model)
-        for name, (default, why) in _UNSUPPORTED.items():
-            if body.get(name, default) not in (default, None, {}, [], {"type": "text"}):
+        body = json_body(raw)
+        req = validated(ChatRequest if chat else CompletionRequest, body)
+        lora = self.lora_of(req.model)
+        for name, why in _UNSUPPORTED.items():
+            if getattr(req, name) not in (None, {}, []):
                 raise ApiError(400, f"{name}: {why}", name)
-        n = body.get("n", 1)
-        if "best_of" in body and body["best_of"] not in (None, n):
+        if req.best_of is not None and req.best_of != (req.n or 1):
             raise ApiError(400, "best_of: only best_of == n is supported", "best_of")
-        priority = self._priority(body.get("priority", 0))
-        opts = self._answer_fields(body, chat)
+        priority = self._priority(req.priority)
+        opts = self._answer_fields(req, chat)
         tools = None
         if chat:
             try:
                 tools = ToolRequest.of(body, self.tool_format)
             except ToolError as e:
                 raise ApiError(400, str(e), e.param) from None
-            args = template_kwargs(body.get("chat_template_kwargs"))
+            args = template_kwargs(req.chat_template_kwargs)
             args.update({} if tools is None else tools.template_args())
-            generation, go_on = turn_fields(body)
-            prompts = [self.chat_prompt(body.get("messages"), generation, go_on, **args)]
+            generation, go_on = turn_fields(req)
+            prompts = [self.chat_prompt(req.messages, generation, go_on, **args)]
         else:
-            prompts = self.prompts(body.get("prompt"))
+            prompts = self.prompts(req.prompt)
         limit = self.llm.max_model_len
         for ids in prompts:
             if len(ids) >= limit:
@@ -245,11 +219,11 @@ class RequestParser:
                     f"maximum length is {limit} (one more is needed to generate)",
                     "messages" if chat else "prompt",
                 )
-        params, echo_only, inside = self._params(body, chat, prompts, opts, tools)
-        echo = self._prompt_texts(body.get("prompt"), prompts) if opts["echo"] else None
+        params, echo_only, inside = self._params(req, chat, prompts, opts, tools)
+        echo = self._prompt_texts(req.prompt, prompts) if opts["echo"] else None
         return Job(
             id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-            model=model,
+            model=req.model,
             lora=lora,
             chat=chat,
             prompts=prompts,
@@ -266,47 +240,36 @@ class RequestParser:
             priority=priority,
         )
 
-    def _answer_fields(self, body: Mapping, chat: bool) -> dict:
+    def _answer_fields(self, req: CompletionRequest | ChatRequest, chat: bool) -> dict:
         """How the answer is written: ``stream``, ``include_usage``, ``logprobs``, ``top``
         (the top log-probs asked), ``echo`` and ``scored`` (vLLM's ``prompt_logprobs``)."""
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise ApiError(400, f"stream: expected a bool, got {stream!r}", "stream")
-        options = body.get("stream_options") or {}
-        if not isinstance(options, Mapping) or not isinstance(
-            options.get("include_usage", False), bool
-        ):
-            raise ApiError(400, "stream_options: expected {include_usage: bool}", "stream_options")
-        logprobs, top = self._logprob_fields(body, chat)
-        echo = body.get("echo", False)
-        if echo not in (None, True, False):
-            raise ApiError(400, f"echo: expected a bool, got {echo!r:.40}", "echo")
-        if echo and chat:
-            raise ApiError(400, "echo: only /v1/completions echoes its prompt", "echo")
-        scored = body.get("prompt_logprobs")  # vLLM's extension: the prompt's log-probs
-        most = MAX_TOP_LOGPROBS
-        if scored is not None and (
-            isinstance(scored, bool) or not isinstance(scored, int) or not 0 <= scored <= most
-        ):
-            raise ApiError(
-                400,
-                f"prompt_logprobs: expected an int in [0, {most}], got {scored!r:.40}",
-                "prompt_logprobs",
-            )
-        if scored is not None and body.get("stream"):
+        if chat:
+            logprobs, top = bool(req.logprobs), req.top_logprobs or 0
+            if top and not logprobs:
+                raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+            if (req.model_extra or {}).get("echo"):
+                raise ApiError(400, "echo: only /v1/completions echoes its prompt", "echo")
+            echo = False
+        else:  # an int: the top tokens with each (0: the sampled ones only)
+            logprobs, top, echo = req.logprobs is not None, req.logprobs or 0, bool(req.echo)
+        scored = req.prompt_logprobs  # vLLM's extension: the prompt's log-probs
+        if scored is not None and req.stream:
             raise ApiError(400, "prompt_logprobs: not with stream", "prompt_logprobs")
-        include_usage = bool(options.get("include_usage", False))
-        return dict(stream=stream, include_usage=include_usage, logprobs=logprobs, top=top,
-                    echo=bool(echo), scored=scored)  # fmt: skip
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return dict(stream=req.stream, include_usage=include_usage, logprobs=logprobs, top=top,
+                    echo=echo, scored=scored)  # fmt: skip
 
-    def _params(self, body: Mapping, chat: bool, prompts: list, opts: dict, tools) -> tuple:
-        """``(SamplingParams, echo_only, reply starts inside its thinking)`` of a request,
-        checked against the engine (``check_request``)."""
+    def _params(self, req, chat: bool, prompts: list, opts: dict, tools) -> tuple:
+        """``(SamplingParams, echo_only, reply starts inside its thinking)`` of request
+        ``req``, checked against the engine (``check_request``)."""
         limit = self.llm.max_model_len
         kw: dict[str, Any] = {"temperature": 1.0}  # OpenAI's default
+        names = {}  # the SamplingParams fields given by another name
         for name, field in _SAMPLING.items():
-            if body.get(name) is not None:
-                kw[field] = body[name]
+            if getattr(req, name, None) is not None:
+                kw[field] = getattr(req, name)
+                if name != field:
+                    names[field] = name
         for name in ("stop", "allowed_token_ids", "stop_token_ids"):
             if isinstance(kw.get(name), list):
                 kw[name] = tuple(kw[name])
@@ -326,7 +289,7 @@ class RequestParser:
                 f"{limit} tokens",
                 "max_tokens",
             )
-        source, inside = self._structured(body, chat, prompts, tools, kw)
+        source, inside = self._structured(req, chat, prompts, tools, kw)
         logprobs, top, scored = opts["logprobs"], opts["top"], opts["scored"]
         if opts["echo"] and logprobs:  # the prompt's tokens get log-probs too
             kw["prompt_logprobs"] = top
@@ -337,19 +300,17 @@ class RequestParser:
             for ids in prompts:  # the engine's limits, before any answer starts
                 self.llm.check_request(ids, params)
         except (ValueError, TypeError) as e:
-            message = str(e)
-            if message.startswith("params.structured") and source is not None:
-                # a grammar the engine could not compile: the field that asked for it
-                message = f"{source}: {message.partition(': ')[2]}"
-            raise ApiError(400, message, _param_of(message)) from None
+            if source is not None:  # a grammar the engine refused: the field that asked
+                names["structured"] = source
+            raise api_error(e, names) from None
         return params, echo_only, inside
 
-    def _structured(self, body: Mapping, chat: bool, prompts: list, tools, kw: dict) -> tuple:
+    def _structured(self, req, chat: bool, prompts: list, tools, kw: dict) -> tuple:
         """Puts the request's grammar in ``kw["structured"]`` (a ``response_format``,
         ``structured_outputs`` or ``guided_*`` one, or the tools' for ``tool_choice``
         required or named) and returns ``(the field that asked for it or None, whether a
         reasoning reply starts inside its thinking or None)``."""
-        source, structured = structured_output(body) or (None, None)
+        source, structured = structured_output(req) or (None, None)
         grammar = None if tools is None else tools.grammar()
         if grammar is not None:  # tool_choice required or named: calls only
             if structured is not None:
@@ -385,35 +346,6 @@ class RequestParser:
             for p, ids in zip(given, prompts, strict=True)
         ]
 
-    def _logprob_fields(self, body: Mapping, chat: bool) -> tuple[bool, int]:
-        """(log-probs of the sampled tokens, how many most likely tokens with each):
-        completions' ``logprobs`` (an int, 0 for the sampled tokens only), chat's
-        ``logprobs`` (a bool) and ``top_logprobs`` (an int; needs ``logprobs``)."""
-        value = body.get("logprobs")
-        most = MAX_TOP_LOGPROBS
-        if chat:
-            if value not in (None, True, False):
-                raise ApiError(400, f"logprobs: expected a bool, got {value!r}", "logprobs")
-            top = body.get("top_logprobs")
-            if top is None:
-                return bool(value), 0
-            if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= most:
-                raise ApiError(
-                    400,
-                    f"top_logprobs: expected an int in [0, {most}], got {top!r}",
-                    "top_logprobs",
-                )
-            if top and not value:
-                raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
-            return bool(value), top
-        if value is None:
-            return False, 0
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most:
-            raise ApiError(
-                400, f"logprobs: expected an int in [0, {most}], got {value!r}", "logprobs"
-            )
-        return True, value
-
     def prompts(self, prompt: Any, field: str = "prompt") -> list[list[int]]:
         def one(p: Any, where: str) -> list[int]:
             if isinstance(p, str):
@@ -441,39 +373,12 @@ class RequestParser:
         return [one(prompt, field)]
 
     def chat_prompt(
-        self, messages: Any, add_generation_prompt: bool = True, go_on: bool = False,
+        self, messages: list[Message], add_generation_prompt: bool = True, go_on: bool = False,
         **template_args,
     ) -> list[int]:  # fmt: skip
-        if isinstance(messages, list):  # content as a list of text parts
-            flat = []
-            for i, m in enumerate(messages):
-                if isinstance(m, Mapping) and isinstance(m.get("content"), list):
-                    parts = m["content"]
-                    if not all(isinstance(p, Mapping) and p.get("type") == "text" for p in parts):
-                        raise ApiError(
-                            400, f"messages[{i}].content: only text parts are supported", "messages"
-                        )
-                    for j, p in enumerate(parts):
-                        if not isinstance(p.get("text", ""), str):
-                            raise ApiError(
-                                400,
-                                f"messages[{i}].content[{j}].text: expected a string, got "
-                                f"{type(p['text']).__name__}",
-                                "messages",
-                            )
-                    m = {**m, "content": "".join(p.get("text", "") for p in parts)}
-                flat.append(m)
-            messages = flat
-        if isinstance(messages, list):
-            for i, m in enumerate(messages):
-                role = m.get("role") if isinstance(m, Mapping) else None
-                if not isinstance(role, str) or role not in _ROLES:
-                    raise ApiError(
-                        400,
-                        f"messages[{i}].role: expected one of {', '.join(sorted(_ROLES))}, "
-                        f"got {role!r:.40}",
-                        "messages",
-                    )
+        """The prompt's token ids of chat ``messages`` (validated ``schema.Message`` s)
+        through the model's chat template."""
+        messages = [m.for_template() for m in messages]
         if getattr(self.llm.tokenizer, "chat_template", None) is None:
             raise ApiError(
                 400,
@@ -493,15 +398,14 @@ class RequestParser:
 
     def embeddings(self, raw: bytes) -> EmbeddingJob:
         """A ``/v1/embeddings`` body, parsed and checked."""
-        body, model = _object_naming_a_model(raw)
-        if self.lora_of(model) is not None:
+        req = validated(EmbeddingRequest, json_body(raw))
+        if self.lora_of(req.model) is not None:
             raise ApiError(
                 400, f"model: embeddings come from the base model {self.model_name!r}", "model"
             )
-        given = body.get("input")
-        if isinstance(given, list) and not given:
+        if isinstance(req.input, list) and not req.input:
             raise ApiError(400, "input: expected at least one input", "input")
-        prompts = self.prompts(given, "input")
+        prompts = self.prompts(req.input, "input")
         for k, ids in enumerate(prompts):
             if len(ids) >= self.llm.max_model_len:
                 raise ApiError(
@@ -510,18 +414,9 @@ class RequestParser:
                     f"{self.llm.max_model_len - 1} for an input",
                     "input",
                 )
-        fmt = body.get("encoding_format", "float")
-        if fmt not in ("float", "base64"):
-            raise ApiError(
-                400, f'encoding_format: expected "float" or "base64", got {fmt!r:.40}',
-                "encoding_format",
-            )  # fmt: skip
-        dims = body.get("dimensions")
-        size = self.llm.model.config.hidden_size
-        if dims is not None and (
-            isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= size
-        ):
+        dims, size = req.dimensions, self.llm.model.config.hidden_size
+        if dims is not None and not 1 <= dims <= size:
             raise ApiError(
                 400, f"dimensions: expected an int in [1, {size}], got {dims!r:.40}", "dimensions"
             )
-        return EmbeddingJob(model, prompts, fmt == "base64", dims)
+        return EmbeddingJob(req.model, prompts, req.encoding_format == "base64", dims)

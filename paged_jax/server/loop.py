@@ -17,6 +17,8 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from paged_jax.server.schema import api_error
+
 log = logging.getLogger("paged_jax.server")
 
 
@@ -25,7 +27,8 @@ class Event:
     """What a request learns after a step.
 
     ``kind``: "text" (``sample``'s new settled ``text``), "done" (``output``, the
-    finished ``RequestOutput``), or "error" (``status``, an HTTP status, and ``message``).
+    finished ``RequestOutput``), or "error" (``status``, an HTTP status, ``message``
+    and ``param``, the request's field at fault or None).
     """
 
     kind: str
@@ -34,6 +37,7 @@ class Event:
     output: Any = None
     status: int = 0
     message: str = ""
+    param: str | None = None
     piece: Any = None  # "text": the StreamOutput (its tokens and their log-probs)
 
 
@@ -195,7 +199,9 @@ class EngineLoop:
                         kw["priority"] = priority
                     self.llm.add_request(rid, prompt, params, **kw)
                 except (ValueError, TypeError) as e:
-                    self._done(rid, Event("error", status=400, message=str(e)))
+                    err = api_error(e)
+                    self._done(rid, Event("error", status=400, message=err.message,
+                                          param=err.param))  # fmt: skip
             elif cmd[0] == "abort":
                 if cmd[1] in self._live:
                     self.llm.abort(cmd[1])
