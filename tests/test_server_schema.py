@@ -90,7 +90,7 @@ def _refused(model, body) -> ApiError:
             CompletionRequest,
             {"model": "m", "suffix": "x"},
             "suffix",
-            "suffix: expected nothing (not supported), got 'x'",
+            "suffix: expected null (suffixes are not supported), got 'x'",
         ),
         (
             ChatRequest,

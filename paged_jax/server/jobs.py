@@ -56,8 +56,6 @@ _SAMPLING = {
     "stop_token_ids": "stop_token_ids",
     "min_tokens": "min_tokens",
 }
-# accepted only when absent or null (field -> why not)
-_UNSUPPORTED = {"suffix": "suffixes are not supported", "functions": "use tools"}
 
 
 def _prompt_list(prompt: Any) -> Any:
@@ -191,9 +189,6 @@ class RequestParser:
         body = json_body(raw)
         req = validated(ChatRequest if chat else CompletionRequest, body)
         lora = self.lora_of(req.model)
-        for name, why in _UNSUPPORTED.items():
-            if getattr(req, name) not in (None, {}, []):
-                raise ApiError(400, f"{name}: {why}", name)
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise ApiError(400, "best_of: only best_of == n is supported", "best_of")
         priority = self._priority(req.priority)

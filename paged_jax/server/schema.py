@@ -148,8 +148,8 @@ class _Generation(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # accepted only when absent (or null)
-    suffix: None = None
-    functions: None = None
+    suffix: Annotated[None, _expect("null (suffixes are not supported)")] = None
+    functions: Annotated[None, _expect("null (functions are not supported; use tools)")] = None
 
 
 class CompletionRequest(_Generation):
@@ -232,7 +232,6 @@ _EXPECTED = {
     "dict_type": "an object",
     "model_type": "an object",
     "model_attributes_type": "an object",
-    "none_required": "nothing (not supported)",
 }
 
 
