@@ -23,6 +23,7 @@ reach the prefix cache.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -199,7 +200,7 @@ class Speculator:
                 tokens, MIN_STEP_TOKENS
             )
             expected = sum(r * n for r, n in sure) * self.calibration
-            confident = CONFIDENT if expected >= GROW_FRACTION * grow else 2.0
+            confident = CONFIDENT if expected >= GROW_FRACTION * grow else math.inf  # (none)
         taken = []
         for neg_rate, j, w, d in ranked:
             room = budget
