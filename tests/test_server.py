@@ -274,6 +274,19 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, body, stat
     assert ok.choices[0].finish_reason == "length"
 
 
+def test_top_k_minus_one_is_every_token_as_vllm_reads_it(server):
+    def complete(top_k):
+        body = dict(model=NAME, prompt="hi", max_tokens=6, temperature=1.0, seed=7, top_k=top_k)
+        headers = {"Authorization": f"Bearer {KEY}"}
+        return httpx.post(server["base"] + "/v1/completions", json=body, headers=headers)
+
+    a, b = complete(-1), complete(0)
+    assert a.status_code == b.status_code == 200, a.text
+    assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+    bad = complete(-2)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k", bad.text
+
+
 def test_openai_and_vllm_conformance(server):
     """Issue 51, item 2: unknown roles, routes and methods, and invalid JSON are OpenAI
     JSON errors that say what is wrong; vLLM's /tokenize and /detokenize (its benchmark

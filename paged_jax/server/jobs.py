@@ -268,6 +268,8 @@ class RequestParser:
         for name in ("stop", "allowed_token_ids", "stop_token_ids"):
             if isinstance(kw.get(name), list):
                 kw[name] = tuple(kw[name])
+        if kw.get("top_k") == -1:  # vLLM's other spelling of "all tokens"
+            kw["top_k"] = 0
         longest = max(len(ids) for ids in prompts)
         # echo with max_tokens 0: the prompt (and its log-probs) only; the engine samples
         # one token, which the answer leaves out
