@@ -254,3 +254,10 @@ def test_a_field_error_keeps_its_field_in_context_and_across_processes():
     assert (type(again), again.field, str(again)) == (FieldError, "top_k", str(e))
     plain = with_context(TypeError("x: bad"), "prompts[0]")
     assert type(plain) is TypeError and str(plain) == "prompts[0]: x: bad"
+
+
+def test_a_request_s_position_stays_in_the_message_and_renames_name_the_body_s_field():
+    e = api_error(with_context(FieldError("params.stop", "needs a tokenizer"), "prompts[2]"))
+    assert (e.param, e.message) == ("stop", "prompts[2]: stop: needs a tokenizer")
+    e = api_error(with_context(FieldError("prompt", "too long"), "prompts[1]"), {"prompt": "input"})
+    assert (e.param, e.message) == ("input", "input: too long")

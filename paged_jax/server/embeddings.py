@@ -69,7 +69,7 @@ class EmbeddingsRoute:
                 outputs += await embed(group)
         except (ValueError, TypeError) as e:
             self.metrics.request("embeddings", 400)
-            e = api_error(e)
+            e = api_error(e, {"prompt": "input"})
             return error_response(e.status, e.message, e.param)
         except RuntimeError as e:
             self.metrics.request("embeddings", 503)

@@ -280,6 +280,8 @@ def api_error(e: Exception, names: dict[str, str] | None = None) -> ApiError:
         return ApiError(400, str(e))
     path = field.removeprefix("params.")
     top = re.split(r"[.\[,]", path)[0]
-    if top in (names or {}):
+    message = str(e).replace(field, path, 1)  # (context before it, "prompts[3]: ...", kept)
+    if top in (names or {}) and isinstance(e, FieldError):
         path = top = names[top]
-    return ApiError(400, f"{path}: {e.problem}" if isinstance(e, FieldError) else str(e), top)
+        message = f"{path}: {e.problem}"
+    return ApiError(400, message, top)
