@@ -49,10 +49,11 @@ TopLogprobs = Annotated[
     _expect(f"an int in [0, {MAX_TOP_LOGPROBS}]"),
 ]
 Stop = Annotated[str | list[str] | None, _expect("a string or a list of strings")]
+Schema = Annotated[dict[str, Any] | str | None, _expect("a JSON schema")]  # (or its text)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="allow")
 
 
 class StreamOptions(_Body):
@@ -101,9 +102,7 @@ class StructuredOutputs(_Body):
     """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema), ``regex``,
     ``choice`` or ``grammar`` (Lark) constrains the output."""
 
-    json_: Annotated[dict[str, Any] | str | None, _expect("a JSON schema")] = Field(
-        None, alias="json"
-    )
+    json_: Schema = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -143,7 +142,7 @@ class _Generation(_Body):
     # structured output: one of these
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    guided_json: Annotated[dict[str, Any] | str | None, _expect("a JSON schema")] = None
+    guided_json: Schema = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
