@@ -101,7 +101,8 @@
  * 8 rows, 24 of its 32 registers); each k loads the panel's NR weights once and
  * multiplies them by MR broadcast values of x. Rows go in blocks of ROW_BLOCK, each block
  * reading the panels of its thread while its x rows stay in cache; within a block a
- * panel is read from memory by its first MR rows and from L2 by the rest. Panels are
+ * panel is read from L2 by its tiles of MR rows, each tile fetching a part of the next
+ * panel from memory meanwhile (software prefetch, spread over the block). Panels are
  * split over the threads in contiguous runs; the calling thread computes the first run
  * and hands the others to XLA's thread pool (run_jobs). Quantized weights go QMR rows at
  * a time: each block's int32 sums and the f32 totals both stay in registers.
@@ -194,18 +195,48 @@ static inline lv load(const float *p) {
   return v;
 }
 
+/* A tile's share of the next panel, fetched into the cache while the tile computes:
+ * `rows` rows of NR lanes from `at`, one row every `every` of the tile's k (rows 0: none). */
+typedef struct {
+  const char *at;
+  int64_t rows, every;
+} Ahead;
+
+/* Tile t of `tiles` (the row block's tiles, each over `lanes_k` rows of a panel) fetches
+ * the t-th of `tiles` equal parts of the next panel (`next`, or NULL), so the fetch is
+ * spread over the whole block rather than crowded into its first tile. */
+static inline Ahead ahead_share(const void *next, int64_t lanes_k, int64_t t, int64_t tiles) {
+  Ahead a = {NULL, 0, 1};
+  if (!next || tiles < 1) return a;
+  const int64_t part = (lanes_k + tiles - 1) / tiles, first = t * part;
+  a.rows = lanes_k - first < part ? lanes_k - first : part;
+  if (a.rows <= 0) return (Ahead){NULL, 0, 1};
+  a.at = (const char *)next + first * NR * 4;
+  a.every = lanes_k / a.rows > 0 ? lanes_k / a.rows : 1;
+  return a;
+}
+
+/* One step of a tile's fetch, at its k: the next of its rows' cache lines when it is due. */
+#define FETCH_AHEAD(a, k, due, row)                                                  \
+  do {                                                                               \
+    if ((row) < (a).rows && (k) == (due)) {                                          \
+      for (int64_t b_ = 0; b_ < NR * 4; b_ += 64)                                    \
+        __builtin_prefetch((a).at + (row) * NR * 4 + b_, 0, 3);                      \
+      ++(row);                                                                       \
+      (due) += (a).every;                                                            \
+    }                                                                                \
+  } while (0)
+
 /* y[0 .. mr) x [n0, n0 + NR) (clipped to N) = x[0 .. mr) @ the f32 panel wp [K, NR], into
- * y (row stride N). `ahead`: a panel to fetch into the cache meanwhile, row k with row k
- * of this one (or NULL). */
+ * y (row stride N), fetching `ahead`'s share of the next panel meanwhile. */
 static inline __attribute__((always_inline)) void tile(const float *x, const float *wp,
-                                                      const float *ahead, float *y, int64_t K,
+                                                      Ahead ahead, float *y, int64_t K,
                                                       int64_t N, int64_t n0, const int mr) {
   lv c[MR][3];
   for (int i = 0; i < mr; ++i) c[i][0] = c[i][1] = c[i][2] = (lv){};
+  int64_t due = 0, row = 0;
   for (int64_t k = 0; k < K; ++k) {
-    if (ahead)
-      for (int64_t b = 0; b < NR * 4; b += 64) /* the row's cache lines */
-        __builtin_prefetch((const char *)(ahead + k * NR) + b, 0, 3);
+    FETCH_AHEAD(ahead, k, due, row);
     const lv b0 = load(wp + k * NR), b1 = load(wp + k * NR + VL), b2 = load(wp + k * NR + 2 * VL);
     for (int i = 0; i < mr; ++i) {
       const float a = x[i * K + k];
@@ -463,14 +494,14 @@ static inline uv load_u(const uint32_t *p) {
  * panel wp [K / 2, NR] (a column's pair in each u32), times the column scales sc [NR]
  * (or NULL); `ahead` as in tile. */
 static inline __attribute__((always_inline)) void btile(const uint32_t *xb, const uint32_t *wp,
-                                                       const uint32_t *ahead, float *y,
-                                                       int64_t K2, int64_t N, int64_t n0,
-                                                       const int mr, const float *sc) {
+                                                       Ahead ahead, float *y, int64_t K2,
+                                                       int64_t N, int64_t n0, const int mr,
+                                                       const float *sc) {
   lv c[MR][3];
   for (int i = 0; i < mr; ++i) c[i][0] = c[i][1] = c[i][2] = (lv){};
+  int64_t due = 0, row = 0;
   for (int64_t k = 0; k < K2; ++k) {
-    if (ahead)
-      for (int64_t b = 0; b < NR * 4; b += 64) __builtin_prefetch((const char *)(ahead + k * NR) + b, 0, 3);
+    FETCH_AHEAD(ahead, k, due, row);
     const uv w[3] = {load_u(wp + k * NR), load_u(wp + k * NR + VL), load_u(wp + k * NR + 2 * VL)};
 #if BDOT
     for (int i = 0; i < mr; ++i) {
@@ -515,16 +546,24 @@ static inline __attribute__((always_inline)) void run_rows(LinearJob *j, const i
     const int64_t m1 = M - m0 < ROW_BLOCK ? M : m0 + ROW_BLOCK;
     for (int64_t p = j->first; p < j->last; ++p) {
       const float *wp = (const float *)j->w + p * panel;
-      /* The block's first tile fetches the thread's next panel: 7-10% faster at 32 rows x
-       * 576 x 1536 and SmolLM2's head on the machine above, the same at 1536 x 576. */
+      /* The block's tiles fetch the thread's next panel, each a part of it (ahead_share).
+       * The whole fetch in the first tile was 7-10% faster than none at 32 rows x 576 x 1536
+       * and SmolLM2's head on the machine above; on a 2-core Intel Xeon (AVX-512) it asked
+       * for 16 bytes a cycle, more than memory gives, and spread over the block's 4 tiles
+       * 30 different weights of 576 x 3072, 1536 x 576 and 576 x 960 went from 159-174 to
+       * 177-250 GFLOP/s at 32 rows (and the peer benchmark's decode from about 390 to 420
+       * tokens/s). */
       const float *next = p + 1 < j->last ? wp + panel : NULL;
       const float *sc = half && j->scale ? j->scale + p * NR : NULL; /* bf16: the columns' */
+      const int64_t tiles = (m1 - m0 + MR - 1) / MR, lanes_k = half ? K2 : K;
       int64_t m = m0;
-#define TILE(R)                                                                             \
-  (half ? btile(j->xb + m * K2, (const uint32_t *)wp, (const uint32_t *)next, j->y + m * N, \
-                K2, N, p * NR, R, sc)                                                       \
-        : tile(j->x + m * K, wp, next, j->y + m * N, K, N, p * NR, R))
-      for (; m + MR <= m1; m += MR, next = NULL) TILE(MR);
+#define TILE(R)                                                                              \
+  (half ? btile(j->xb + m * K2, (const uint32_t *)wp,                                        \
+                ahead_share(next, lanes_k, (m - m0) / MR, tiles), j->y + m * N, K2, N,       \
+                p * NR, R, sc)                                                               \
+        : tile(j->x + m * K, wp, ahead_share(next, lanes_k, (m - m0) / MR, tiles),           \
+               j->y + m * N, K, N, p * NR, R))
+      for (; m + MR <= m1; m += MR) TILE(MR);
       switch (m1 - m) { /* the last rows: a tile per count, each fully unrolled */
 #if MR == 8
         case 7: TILE(7); break;
@@ -622,7 +661,7 @@ static void run_rows_dequantized(LinearJob *j) {
     dequantize_panel(j, p);
     const float *wp = j->panel;
     int64_t m = 0;
-#define FTILE(R) tile(j->x + m * K, wp, NULL, j->y + m * N, K, N, p * NR, R)
+#define FTILE(R) tile(j->x + m * K, wp, (Ahead){NULL, 0, 1}, j->y + m * N, K, N, p * NR, R)
     for (; m + MR <= M; m += MR) FTILE(MR);
     switch (M - m) {
 #if MR == 8
