@@ -14,9 +14,18 @@ k}``, their runs alternated, greedy:
 - free-form: chat questions whose answers quote nothing (``--chat-len`` tokens), all at
   once, where proposals rarely match and must cost little.
 
+Both engines are warmed up first (``LLM.warm_up()``, as ``paged-jax serve`` runs before
+it takes requests: static shapes, every step shape and verify step compiled), and each
+workload runs once untimed on each. Without it the timed rounds compiled steps of their
+own: a run's proposals depend on the verifier's calibration from the runs before, so
+the verify buckets it reaches differ from the untimed run's (on the Intel Xeon, 1.8 s and
+0.6 s of compiling in the speculative engine's first two free-form rounds), and a
+repeated run's prompts hit the prefix cache, so its prefill buckets differ too.
+
 Reported: generated tokens/s (min / median / max of ``--repeats``), the ratio of the
-medians, the acceptance rate and mean accepted length, and whether every output of the
-two engines was the same.
+medians, the acceptance rate and mean accepted length, whether every output of the
+two engines was the same, and the seconds either engine spent compiling in the timed
+rounds (0 unless a bucket was missed).
 
 ``python -m benchmarks speculative --verify-cost [--shape llama3-8b] [--concurrency 1 4
 16 64] [--ks 1 2 4] [--output-len 64]``: what a verify step costs against a decode step,
@@ -252,11 +261,15 @@ def main(argv=None) -> int:
         "plain": pj.LLM(model, tok, **common),
         "ngram": pj.LLM(model, tok, speculative=spec, **common),
     }
+    for name, e in engines.items():
+        say(f"warming up {name}")
+        e.warm_up(progress=False)
 
     def run(name, convs, max_tokens):
         e = engines[name]
         before = (e.metrics.spec_draft_tokens, e.metrics.spec_accepted_tokens)
         before_rows = e.metrics.spec_verify_rows
+        compiled = e.metrics.compile_s
         p = pj.SamplingParams(max_tokens=max_tokens, temperature=0.0)
         t = time.perf_counter()
         outs = e.chat(convs, p, progress=False)
@@ -266,7 +279,7 @@ def main(argv=None) -> int:
         drafted = m.spec_draft_tokens - before[0]
         accepted = m.spec_accepted_tokens - before[1]
         rows = m.spec_verify_rows - before_rows
-        return toks, sum(map(len, toks)) / dt, drafted, accepted, rows
+        return toks, sum(map(len, toks)) / dt, drafted, accepted, rows, m.compile_s - compiled
 
     workloads = [(f"grounded x{c}", grounded(c), args.output_len) for c in args.concurrency]
     workloads.append(
@@ -277,11 +290,12 @@ def main(argv=None) -> int:
         for name in engines:  # compile this workload's buckets first
             run(name, convs, max_tokens)
         runs = {name: [] for name in engines}
-        same, stats = True, None
+        same, stats, compiling = True, None, dict.fromkeys(engines, 0.0)
         for k in range(args.repeats):
             got = {}
             for name in engines:  # alternated
-                toks, rate, drafted, accepted, verified = run(name, convs, max_tokens)
+                toks, rate, drafted, accepted, verified, comp = run(name, convs, max_tokens)
+                compiling[name] += comp
                 got[name] = toks
                 runs[name].append(rate)
                 if name == "ngram":
@@ -304,6 +318,7 @@ def main(argv=None) -> int:
             acceptance_rate=round(accepted / max(drafted, 1), 3),
             mean_accepted_length=round((accepted + verified) / verified, 3) if verified else 1.0,
             proposed_tokens=drafted,
+            compile_s_in_timed_rounds={n: round(c, 3) for n, c in compiling.items()},
         )
         rows.append(row)
         print(

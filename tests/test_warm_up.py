@@ -154,17 +154,31 @@ def test_nothing_compiles_after_warm_up_with_speculative_decoding(tiny):
     """Verify steps (proposals as extra sampling rows) have one shape per step shape once
     warmed up, and warm-up compiles them: mixed traffic with proposals of every size
     compiles nothing afterwards and keeps the tokens of plain decoding."""
-    spec = {"num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    spec = {"num_speculative_tokens": 2, "prompt_lookup_min": 1}
     llm = _engine(tiny, speculative=spec, num_pages=200)
     n = len(llm.warm_up(progress=False))
     rng = np.random.default_rng(3)
     prompts, params = _requests(rng, 12, tiny.config.vocab_size)
     prompts = [(p * 3)[:60] for p in prompts]  # repeated: the n-gram proposes
     want = _engine(tiny, num_pages=200).generate(prompts, params, progress=False)
+    spec_of = llm.engine.speculator
+    verify_rows, seen = spec_of.verify_rows, []
+
+    def recorded(placed, drafts, inputs):  # (T_b, S_b, sampling rows) of each verify step
+        out = verify_rows(placed, drafts, inputs)
+        b = inputs.batch
+        seen.append((b.token_ids.shape[0], b.kv_lens.shape[0], b.logits_indices.shape[0]))
+        return out
+
+    spec_of.verify_rows = recorded
     got = llm.generate(prompts, params, progress=False)
     assert llm.metrics.spec_verify_rows > 0
     assert len(llm.compiled_buckets) == n, llm.compiled_buckets[n:]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    # a verify step samples at most k (2) rows more a sequence, not a row per token of a
+    # step mixing prompts in (each such row is a row of the LM head)
+    assert seen and all(rows == s + min(t, 2 * s) for t, s, rows in seen), seen
+    assert any(t > 2 * s for t, s, _ in seen), sorted(set(seen))
 
 
 def test_nothing_compiles_after_warm_up_with_a_draft_model(tiny):

@@ -475,7 +475,7 @@ class ModelRunner:
         replicas: int = 1,
         merges: Sequence[int] = (),
         overlapped: bool = False,
-        verify: bool = False,
+        verify: int = 0,
         adapters: bool = False,
         scoring: bool = False,
     ) -> bool:
@@ -484,9 +484,10 @@ class ModelRunner:
         waits for it. Then merges its samples into the input tokens of a step of each of
         ``merges`` tokens per replica (``merge_tokens``: an overlapped step's inputs), and
         with ``overlapped`` runs it again on such merged tokens (a device array, which
-        the jitted step's dispatch keys apart from a host one). ``verify``: the step of
-        speculative decoding's verify steps of this shape instead, with ``T`` more
-        sampling rows (``speculative.num_verify_rows`` with static shapes). ``adapters``: the
+        the jitted step's dispatch keys apart from a host one). ``verify`` (> 0): the
+        step of speculative decoding's verify steps of this shape instead, with that many
+        more sampling rows (``speculative.num_verify_rows`` with static shapes, all
+        replicas together). ``adapters``: the
         step with each token's adapter (``adapter_ids``, all 0 here), which compiles
         apart from the step without. ``scoring``: the step scoring every token row as a
         prompt position (``prompt_logprobs``, as static shapes score them). Returns
@@ -506,11 +507,10 @@ class ModelRunner:
         S_b = batch.kv_lens.shape[0]
         sampling = SamplingColumns.idle(S_b)
         if verify:
-            T_b = batch.token_ids.shape[0]
-            rows = np.zeros(S_b + T_b, np.int32)
+            rows = np.zeros(S_b + verify, np.int32)
             rows[:S_b] = batch.logits_indices
             batch = dataclasses.replace(batch, logits_indices=rows)
-            sampling = SamplingColumns.idle(S_b + T_b)
+            sampling = SamplingColumns.idle(S_b + verify)
         steps = None if shape.steps == 1 else np.ones(len(batch.seq_ids), np.int32)
 
         def merged(outputs: StepOutputs, t: int):

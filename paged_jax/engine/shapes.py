@@ -20,7 +20,8 @@ multi-step launch, its ``steps``. Within one configuration:
 - batch-invariant (``deterministic``) steps never take the decode kernels.
 
 With speculative decoding, warm-up also runs each shape that is not decode-only as a
-verify step (``T`` more sampling rows, ``speculative.num_verify_rows``).
+verify step (``min(T, S * k)`` more sampling rows, ``k`` the proposals a row may take:
+``speculative.num_verify_rows``).
 
 Rows with penalties, logit biases, ``min_tokens``, ``allowed_token_ids``, structured
 output, ``top_logprobs``, beam search or ``n`` samples take these shapes' programs too:

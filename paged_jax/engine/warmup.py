@@ -18,6 +18,7 @@ import numpy as np
 from paged_jax.engine.sampling import SamplingParams
 from paged_jax.engine.shapes import MIN_STEP_TOKENS, StepShape
 from paged_jax.engine.shapes import step_shapes as _step_shapes
+from paged_jax.engine.speculative.verifier import num_verify_rows
 
 log = logging.getLogger("paged_jax")
 
@@ -129,8 +130,20 @@ def extras_rows(core, shapes: list[StepShape]) -> list[int]:
             continue
         rows.add(shape.seqs * replicas)
         if core.speculator is not None and not shape.decode_only:
-            rows.add((shape.seqs + shape.tokens) * replicas)
+            rows.add(shape.seqs * replicas + _verify_rows(core, shape))
     return sorted(rows)
+
+
+def _verify_rows(core, shape: StepShape) -> int:
+    """A verify step's extra sampling rows at ``shape`` (all replicas together)."""
+    replicas = len(core.schedulers)
+    return num_verify_rows(
+        shape.tokens * replicas,
+        shape.seqs * replicas,
+        0,
+        core.speculator.config.num_speculative_tokens,
+        static=True,
+    )
 
 
 def _programs(core, shape: StepShape, merges) -> list[dict]:
@@ -140,19 +153,20 @@ def _programs(core, shape: StepShape, merges) -> list[dict]:
     log-probs, whose steps all take that shape), with verify rows or adapters too."""
     overlapped = core.async_scheduling and shape.steps == 1
     runs = [dict(merges=merges, overlapped=overlapped)]
-    verify = core.speculator is not None and not shape.decode_only
+    speculates = core.speculator is not None and not shape.decode_only
+    verify = _verify_rows(core, shape) if speculates else 0
     if verify and shape.steps == 1:
-        runs.append(dict(verify=True))  # verify steps
+        runs.append(dict(verify=verify))  # verify steps
     if core.loras.max_loras and shape.steps == 1:  # steps with adapter rows
         runs.append(dict(overlapped=overlapped, adapters=True))
         if verify:
-            runs.append(dict(verify=True, adapters=True))
+            runs.append(dict(verify=verify, adapters=True))
     widest = core.launcher.widest_shape()
     if not shape.decode_only and (shape.tokens, shape.seqs) == widest and shape.steps == 1:
         # the step scoring prompt positions (prompt_logprobs: the widest shape, always)
         runs.append(dict(overlapped=overlapped, scoring=True))
         if verify:
-            runs.append(dict(verify=True, scoring=True))
+            runs.append(dict(verify=verify, scoring=True))
         if core.loras.max_loras:
             runs.append(dict(overlapped=overlapped, adapters=True, scoring=True))
     return runs

@@ -60,11 +60,19 @@ def accept(draft: Sequence[int], samples: Sequence[int]) -> int:
     return m
 
 
-def num_verify_rows(num_tokens: int, num_proposals: int, static: bool) -> int:
+def num_verify_rows(
+    num_tokens: int, num_seqs: int, num_proposals: int, k: int, static: bool
+) -> int:
     """Extra sampling rows of a verify step of ``num_tokens`` (its token bucket, ``T_b``)
-    with ``num_proposals`` proposals: their bucket (at least 8), or with static shapes
-    ``T_b`` itself (which is never fewer: every proposal is a token of the step)."""
-    return num_tokens if static else bucket(num_proposals, 8)
+    and ``num_seqs`` rows (its sequence bucket, ``S_b``) with ``num_proposals`` proposals
+    of at most ``k`` a row: their bucket (at least 8), or with static shapes ``min(T_b,
+    S_b * k)``, which is never fewer (every proposal is a token of the step, and no row
+    has more than ``k``) and depends on the step's shape alone. Each row is a row of the
+    LM head and the sampler: a mixed step of 1,024 tokens and 16 sequences verifies in
+    64 rows, not 1,024 (on SmolLM2 in f32 about 58 GFLOP of LM head less)."""
+    if static:
+        return min(num_tokens, num_seqs * k)
+    return bucket(num_proposals, 8)
 
 
 def _more_rows(a: np.ndarray, rows: int, fill) -> np.ndarray:
@@ -222,7 +230,7 @@ class Speculator:
         candidates of their own (``_draftable``). ``E_b``: the bucket of the proposals,
         or with static shapes (``LLM.warm_up``) the step's token bucket ``T_b``, which
         holds every proposal, so that a verify step has one shape per step shape and
-        warm-up compiles them all (``num_verify_rows``)."""
+        warm-up compiles them all (``num_verify_rows``: at most ``min(T_b, S_b * k)``)."""
         batch = inputs.batch
         S_b = batch.kv_lens.shape[0]
         spec, src, li, off = {}, [], [], []
@@ -237,7 +245,13 @@ class Speculator:
             li += range(last - k, last)
             off += range(-k, 0)
         E = len(src)
-        E_b = num_verify_rows(batch.token_ids.shape[0], E, self.runner.static_shapes)
+        E_b = num_verify_rows(
+            batch.token_ids.shape[0],
+            S_b,
+            E,
+            self.config.num_speculative_tokens,
+            self.runner.static_shapes,
+        )
         idx = np.concatenate([np.arange(S_b), np.asarray(src, np.intp)]).astype(np.intp)
         logits_indices = np.zeros(S_b + E_b, np.int32)
         logits_indices[:S_b] = batch.logits_indices
