@@ -89,7 +89,9 @@ def build_library() -> tuple[ctypes.CDLL | None, str]:
             cmd = [cc, *_FLAGS, *_EXTRA_FLAGS, *march, f"-I{include}", "-o", tmp, *sources]
             cmd += ["-lm", "-lpthread"]
             try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+                # (a build with sanitizers takes 1.5-2 minutes on a busy 2-core machine,
+                # and a timed-out one would fall back to a build without -march=native)
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             except (OSError, subprocess.TimeoutExpired) as e:
                 r, why = None, str(e)
             if r is not None and r.returncode == 0:
