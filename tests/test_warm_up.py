@@ -382,9 +382,14 @@ def test_n_and_beams_over_16_compile_nothing_after_warm_up(tiny):
     nothing, and give what an engine compiling their own variants gives."""
     kw = dict(max_num_seqs=32, max_num_batched_tokens=64, max_model_len=64, num_pages=200)
     llm = _engine(tiny, **kw)
-    assert llm.runner.extras.widths == [(16, 32), (32, 64)]
+    extras = llm.runner.extras
+    assert extras.widths == [(16, 32), (32, 64)]
+    # The samplers are cached per process: whether warm-up compiles one depends on the
+    # tests before it in the worker, so count what it warms (each row count, every width)
+    warmed, warm = [], extras.warm
+    extras.warm = lambda rows: warmed.append(rows) or warm(rows)
     buckets = llm.warm_up(progress=False)
-    assert sum(b.get("variant", ("",))[0] == "the extras sampler" for b in buckets) % 2 == 0
+    assert warmed and sorted(set(warmed)) == sorted(warmed)
     ref = _engine(tiny, **kw)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(1, tiny.config.vocab_size, 9).tolist() for _ in range(3)]
