@@ -69,7 +69,7 @@ def num_verify_rows(
     S_b * k)``, which is never fewer (every proposal is a token of the step, and no row
     has more than ``k``) and depends on the step's shape alone. Each row is a row of the
     LM head and the sampler: a mixed step of 1,024 tokens and 16 sequences verifies in
-    64 rows, not 1,024 (on SmolLM2 in f32 about 58 GFLOP of LM head less)."""
+    64 rows, not 1,024 (on SmolLM2 about 54 GFLOP of LM head less)."""
     if static:
         return min(num_tokens, num_seqs * k)
     return bucket(num_proposals, 8)
@@ -228,9 +228,9 @@ class Speculator:
         batch's ``logits_indices`` become ``i32[S_b + E_b]``). Returns ``{batch row:
         (proposals, first extra row)}``. The extra rows have no penalties, mask or
         candidates of their own (``_draftable``). ``E_b``: the bucket of the proposals,
-        or with static shapes (``LLM.warm_up``) the step's token bucket ``T_b``, which
-        holds every proposal, so that a verify step has one shape per step shape and
-        warm-up compiles them all (``num_verify_rows``: at most ``min(T_b, S_b * k)``)."""
+        or with static shapes (``LLM.warm_up``) ``min(T_b, S_b * k)``, which holds every
+        proposal, so that a verify step has one shape per step shape and warm-up compiles
+        them all (``num_verify_rows``)."""
         batch = inputs.batch
         S_b = batch.kv_lens.shape[0]
         spec, src, li, off = {}, [], [], []
