@@ -22,10 +22,13 @@ the verify buckets it reaches differ from the untimed run's (on the Intel Xeon, 
 0.6 s of compiling in the speculative engine's first two free-form rounds), and a
 repeated run's prompts hit the prefix cache, so its prefill buckets differ too.
 
-Reported: generated tokens/s (min / median / max of ``--repeats``), the ratio of the
-medians, the acceptance rate and mean accepted length, whether every output of the
-two engines was the same, and the seconds either engine spent compiling in the timed
-rounds (0 unless a bucket was missed).
+Reported: generated tokens/s (min / median / max of ``--repeats``; the engine that
+runs first rotates from round to round), the ratio of the medians and each round's,
+the acceptance rate and mean accepted length, whether every output of the two engines
+was the same, and the seconds either engine spent compiling in the timed rounds (0
+unless a bucket was missed). ``--control`` adds a second plain engine to every round
+and reports its ratio to the first (``control_speedup``, ``control_paired``): what this
+machine's noise alone makes of two identical engines.
 
 ``python -m benchmarks speculative --verify-cost [--shape llama3-8b] [--concurrency 1 4
 16 64] [--ks 1 2 4] [--output-len 64]``: what a verify step costs against a decode step,
@@ -239,6 +242,11 @@ def main(argv=None) -> int:
     ap.add_argument("--chat-requests", type=positive_int, default=16)
     ap.add_argument("--k", type=positive_int, default=4)
     ap.add_argument("--repeats", type=positive_int, default=3)
+    ap.add_argument(
+        "--control",
+        action="store_true",
+        help="a second plain engine in every round: the ratio two identical engines make",
+    )
     args = ap.parse_args(argv)
     if args.verify_cost:
         args.argv = argv
@@ -261,6 +269,8 @@ def main(argv=None) -> int:
         "plain": pj.LLM(model, tok, **common),
         "ngram": pj.LLM(model, tok, speculative=spec, **common),
     }
+    if args.control:  # the plain engine again: how far two identical engines differ here
+        engines["control"] = pj.LLM(model, tok, **common)
     for name, e in engines.items():
         say(f"warming up {name}")
         e.warm_up(progress=False)
@@ -293,7 +303,8 @@ def main(argv=None) -> int:
         same, stats, compiling = True, None, dict.fromkeys(engines, 0.0)
         for k in range(args.repeats):
             got = {}
-            for name in engines:  # alternated
+            names = list(engines)  # alternated, the first of a round rotating too
+            for name in names[k % len(names) :] + names[: k % len(names)]:
                 toks, rate, drafted, accepted, verified, comp = run(name, convs, max_tokens)
                 compiling[name] += comp
                 got[name] = toks
@@ -301,7 +312,7 @@ def main(argv=None) -> int:
                 if name == "ngram":
                     stats = (drafted, accepted, verified, sum(map(len, toks)))
                 say(f"{label} round {k} {name}: {rate:.1f} tokens/s")
-            same &= got["plain"] == got["ngram"]
+            same &= all(got[n] == got["plain"] for n in engines)
         med = {n: statistics.median(r) for n, r in runs.items()}
         drafted, accepted, verified, generated = stats
         row = dict(
@@ -315,16 +326,25 @@ def main(argv=None) -> int:
                 for n, r in runs.items()
             },
             speedup=round(med["ngram"] / med["plain"], 3),
+            paired_speedups=[
+                round(a / b, 3) for a, b in zip(runs["ngram"], runs["plain"], strict=True)
+            ],
             acceptance_rate=round(accepted / max(drafted, 1), 3),
             mean_accepted_length=round((accepted + verified) / verified, 3) if verified else 1.0,
             proposed_tokens=drafted,
             compile_s_in_timed_rounds={n: round(c, 3) for n, c in compiling.items()},
         )
+        if args.control:
+            row["control_speedup"] = round(med["control"] / med["plain"], 3)
+            row["control_paired"] = [
+                round(a / b, 3) for a, b in zip(runs["control"], runs["plain"], strict=True)
+            ]
         rows.append(row)
         print(
             f"{label}: plain {med['plain']:.1f}, ngram {med['ngram']:.1f} tokens/s "
             f"({row['speedup']}x); acceptance {row['acceptance_rate']}, mean accepted "
             f"length {row['mean_accepted_length']}; same tokens: {same}"
+            + (f"; control {row['control_speedup']}x" if args.control else "")
         )
     payload = dict(
         environment=environment(),

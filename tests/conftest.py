@@ -129,3 +129,13 @@ def _no_failed_steps(request):
             f"engine steps failed and were recovered from ({failed}); mark the test "
             "failing_steps if it makes them fail on purpose"
         )
+
+
+@pytest.fixture
+def verify_freely(monkeypatch):
+    """Every proposal the other rules take is verified, whatever a verify step costs on
+    this CPU (``VERIFY_COST``, tested apart): tests of what verifying computes need
+    verify steps, and a tiny random model's proposals rarely pay for them."""
+    from paged_jax.engine.speculative import verifier
+
+    monkeypatch.setattr(verifier, "VERIFY_COST", 0.0)

@@ -480,7 +480,7 @@ def test_samples_of_a_request_share_its_adapter():
     assert run(["attn", "all", None]) == alone
 
 
-def test_speculative_decoding_keeps_an_adapters_tokens():
+def test_speculative_decoding_keeps_an_adapters_tokens(verify_freely):
     # Verify rows carry their request's adapter on every proposed token: n-gram
     # speculation gives the adapter's greedy tokens (some proposals accepted).
     llm = pj.LLM(_base(), max_loras=1, max_lora_rank=8, num_pages=64, page_size=8,

@@ -171,7 +171,7 @@ _SWAP_POOL = dict(num_pages=14, preemption="swap", num_host_pages=64, watermark=
         for proposer in ("ngram", "right", "wrong")
     ],
 )
-def test_speculation_changes_no_token(reference, proposer, pool):
+def test_speculation_changes_no_token(reference, verify_freely, proposer, pool):
     prompts, params, ref = reference
     llm = _engine(speculative={"num_speculative_tokens": 5, "prompt_lookup_min": 1}, **pool)
     if proposer != "ngram":
@@ -466,7 +466,7 @@ def test_the_draft_s_multi_step_launch_proposes_what_one_step_a_token_does(tiny)
 
 
 @pytest.mark.parametrize("proposer", ["right", "wrong", "ngram"])
-def test_steps_overlap_with_speculation_and_keep_the_tokens(reference, proposer):
+def test_steps_overlap_with_speculation_and_keep_the_tokens(reference, verify_freely, proposer):
     """With overlapped steps, a step that verifies no proposals is left running while the
     next is scheduled, and that next step may verify proposals made from the tokens
     before its placeholders (the first proposal guesses the placeholder, dropped): the
@@ -518,7 +518,7 @@ def _rationed(rates, proposals, calibration=None, frugal=True):
     spec = Speculator(None, None, NS(tokens_cost_compute=frugal), None)
     if calibration is not None:
         spec.foreseen, spec.kept = 100.0, 100.0 * calibration
-    work = [NS(start=0, stop=1, seq=NS(spec_rate=r)) for r in rates]
+    work = [NS(start=0, stop=1, sample=True, seq=NS(spec_rate=r)) for r in rates]
     cand = [(j, w, 4) for j, w in enumerate(work)]
     taken = spec.ration(work, cand, proposals, budget=1024)
     got = {j: len(d) for j, _, d in taken}
@@ -540,3 +540,84 @@ def test_where_tokens_cost_compute_proposals_grow_the_step_only_when_they_pay():
     assert _rationed([0.9, 0.8] + [0.1] * 10, [[1, 2, 3, 4]] * 12) == [4] + [0] * 11
     # where tokens do not cost compute, every proposal is verified
     assert _rationed([0.1] * 16, four, frugal=False) == [4] * 16
+
+
+def test_where_tokens_cost_compute_a_step_verifies_only_what_pays_for_verifying():
+    # a verify step costs about 0.15 of a plain one (VERIFY_COST): 15 rows, one padding
+    # token, whose row keeps half its proposals: 0.5 foreseen against 2.25 (free-form
+    # chat at 16 requests verified such steps at a loss)
+    one = [[1, 2, 3, 4]] + [[]] * 14
+    assert _rationed([0.5] + [0.1] * 14, one) == [0] * 15
+    assert _rationed([0.55] * 15, [[1, 2, 3, 4]] * 15) == [0] * 15  # 1 padding token
+    # several rows' padding proposals together pay: 12 rows, 4 padding tokens at 0.6
+    assert _rationed([0.59] * 12, [[1]] * 12) == [1] * 4 + [0] * 8
+    # 2.36 foreseen < 1.8 of 12 rows once calibration halves it: none
+    assert _rationed([0.59] * 12, [[1]] * 12, calibration=0.5) == [0] * 12
+    # a sequence alone: one plain step yields one token, so 0.15 of one pays
+    assert _rationed([0.2], [[1, 2, 3, 4]]) == [4]
+    assert _rationed([0.03], [[1, 2, 3, 4]]) == [0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.floats(0.0, 1.0),  # the row's rate
+            st.integers(1, 4),  # its room
+            st.integers(0, 4),  # the tokens its proposal has (at most the room)
+        ),
+        min_size=1,
+        max_size=20,
+    ),
+    chunk=st.integers(0, 40),  # a prefill chunk's tokens in the step (0: none)
+    calibration=st.one_of(st.none(), st.floats(0.0, 1.5)),
+)
+def test_the_proposer_is_skipped_only_where_nothing_it_proposes_could_be_verified(
+    rows, chunk, calibration
+):
+    from types import SimpleNamespace as NS
+
+    from paged_jax.engine.speculative.verifier import Speculator
+
+    spec = Speculator(None, None, NS(tokens_cost_compute=True), None)
+    if calibration is not None:
+        spec.foreseen, spec.kept = 100.0, 100.0 * calibration
+    work = [NS(start=0, stop=1, sample=True, seq=NS(spec_rate=r)) for r, _, _ in rows]
+    if chunk:
+        work.append(NS(start=0, stop=chunk, sample=False, seq=NS(spec_rate=1.0)))
+    cand = [(j, work[j], room) for j, (_, room, _) in enumerate(rows)]
+    proposals = [list(range(1, 1 + min(n, room))) for _, room, n in rows]
+    if not spec.may_pay(work, cand):
+        assert spec.ration(work, cand, proposals, budget=1024) == []
+
+
+def test_the_proposer_is_not_asked_for_a_full_step_no_proposal_would_grow():
+    from types import SimpleNamespace as NS
+
+    from paged_jax.engine.speculative.verifier import Speculator
+
+    spec = Speculator(None, None, NS(tokens_cost_compute=True), None)
+    work = [NS(start=0, stop=1, sample=True, seq=NS(spec_rate=1.0)) for _ in range(16)]
+    cand = [(j, w, 4) for j, w in enumerate(work)]
+    assert spec.may_pay(work, cand)  # 64 tokens foreseen: worth growing 16 to 32 or more
+    spec.foreseen, spec.kept = 100.0, 10.0  # a tenth of what rates foresaw was kept
+    assert not spec.may_pay(work, cand)  # 6.4 against half of 16
+    assert spec.may_pay(work[:15], cand[:15])  # a padding token: 6 against 2.25
+    spec.runner.tokens_cost_compute = False  # an accelerator verifies whatever comes
+    assert spec.may_pay(work, cand)
+
+
+def test_failed_proposals_are_distrusted_then_tried_again_after_steps_without_any():
+    from types import SimpleNamespace as NS
+
+    from paged_jax.engine.speculative.verifier import Speculator
+
+    spec = Speculator(NS(num_speculative_tokens=4), None, NS(tokens_cost_compute=True), None)
+    spec.foreseen, spec.kept = 40.0, 4.0  # a tenth of what rows foresaw was kept
+    assert spec.calibration == pytest.approx(0.1)
+    for _ in range(100):  # steps that verify nothing (no rows here)
+        assert spec.draft([], []) is None
+    assert spec.calibration == pytest.approx(0.1)  # the same evidence, fainter
+    for _ in range(90):
+        spec.draft([], [])
+    assert spec.foreseen < 1.0 and spec.calibration == 1.0  # no evidence left: trusted

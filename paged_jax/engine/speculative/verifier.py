@@ -46,6 +46,19 @@ CONFIDENT = 0.6
 # without speculation), 0.5 did not (0.98x), 1.0 lost prompt-quoting requests' gain at
 # 16 (0.98x against 1.11x at 0.5; 2026-12-07).
 GROW_FRACTION = 0.5
+# ... and only when the tokens all the step's proposals are foreseen to keep are at least
+# this fraction of its sampling rows: a verify step leaves the decode kernels, samples
+# its extra rows through the LM head and is not overlapped by the next step, which on
+# the 2-core CPU cost about 0.13-0.15 of a step at 16 rows (SmolLM2 f32: 46-47 ms
+# against 40-42 ms a plain decode step), about the tokens of that many rows. Without
+# it, free-form chat at 16 requests verified a proposal or two in one step of four, each
+# such step at a loss (2026-12-07).
+VERIFY_COST = 0.15
+# ``Speculator.calibration``'s sums also fade by this a step, verifying or not, so that
+# after a hundred or so steps that verified nothing the rates are trusted again: load
+# that stayed high after proposals failed would otherwise never verify again (about 1
+# verify step in 150 at 16 requests, where proposals keep failing).
+IDLE_FADE = 0.98
 
 
 def accept(draft: Sequence[int], samples: Sequence[int]) -> int:
@@ -131,8 +144,8 @@ class Speculator:
         placeholder and is dropped, the other ``k`` follow the placeholder in the row.
         Whatever the placeholder turns out to be, only the samples the proposals match
         are kept (``accept``): a wrong guess costs its row's proposals, never a token."""
+        self.foreseen, self.kept = IDLE_FADE * self.foreseen, IDLE_FADE * self.kept
         K = self.config.num_speculative_tokens
-        vocab = self.runner.model.config.vocab_size
         drafts: dict[int, list[int]] = {}
         for sc, sched in zip(schedulers, scheds, strict=True):
             budget = sc.max_num_batched_tokens - sum(w.stop - w.start for w in sched.work)
@@ -144,8 +157,9 @@ class Speculator:
                     room = min(K, w.group.max_len - w.stop - 1)
                     if room > 0:
                         cand.append((j, w, room))
-            if not cand:
+            if not cand or not self.may_pay(sched.work, cand):
                 continue
+            vocab = self.runner.model.config.vocab_size
             known = 1 if pending else 0  # (a placeholder: the tokens before it)
             requests = [
                 DraftRequest(
@@ -175,8 +189,9 @@ class Speculator:
 
     @property
     def calibration(self) -> float:
-        """Proposals kept per proposal the rows' rates foresaw, over recent verify steps (1
-        before any): how far ``ration`` may trust those rates."""
+        """Proposals kept per proposal the rows' rates foresaw, over recent verify steps
+        (sums that fade by 0.9 a verify step and ``IDLE_FADE`` a step; 1 while they hold
+        less than a proposal foreseen): how far ``ration`` may trust those rates."""
         return self.kept / self.foreseen if self.foreseen > 1.0 else 1.0
 
     def release(self, seq_id) -> None:
@@ -184,6 +199,24 @@ class Speculator:
         release = getattr(self.proposer, "release", None)
         if release is not None:
             release(seq_id)
+
+    def may_pay(self, work, cand) -> bool:
+        """Whether ``ration`` could take any proposal of the rows ``cand`` (``[(work
+        index, Work, room)]``) in a step of ``work``, were each to propose all its room:
+        where tokens cost compute and none could, the proposer is not asked (on a CPU its
+        host time takes a core from the step's threads, overlapped or not)."""
+        if not self.runner.tokens_cost_compute:
+            return True
+        cal = self.calibration
+        best = sum(w.seq.spec_rate * room for _, w, room in cand) * cal
+        if best < VERIFY_COST * sum(w.sample for w in work) * (1 - 1e-9):  # (sums' order)
+            return False
+        tokens = sum(w.stop - w.start for w in work)
+        if bucket(tokens, MIN_STEP_TOKENS) > tokens:  # padding: any row may fill it
+            return True
+        # no padding: only confident rows verify, growing the bucket at least twofold
+        sure = sum(w.seq.spec_rate * room for _, w, room in cand if w.seq.spec_rate >= CONFIDENT)
+        return sure * cal >= GROW_FRACTION * bucket(tokens, MIN_STEP_TOKENS) * (1 - 1e-9)
 
     def ration(self, work, cand, proposals, budget: int) -> list:
         """Which proposals the step verifies: ``[(work index, Work, tokens)]`` within
@@ -193,7 +226,10 @@ class Speculator:
         as many as fit in the padding of the step's token bucket (rows it computes
         anyway), so that proposals that keep failing cost almost nothing; and the
         confident ones too, unless the tokens they are foreseen to keep pay for the
-        larger bucket they would take the step to (``GROW_FRACTION``)."""
+        larger bucket they would take the step to (``GROW_FRACTION``); and there, none
+        at all unless the tokens the step's proposals are foreseen to keep pay for what
+        verifying costs beyond a plain step (``VERIFY_COST`` of a token a sampling
+        row)."""
         ranked = []
         for (j, w, room), d in zip(cand, proposals, strict=True):
             d = [int(t) for t in d[:room]]
@@ -209,7 +245,7 @@ class Speculator:
             )
             expected = sum(r * n for r, n in sure) * self.calibration
             confident = CONFIDENT if expected >= GROW_FRACTION * grow else math.inf  # (none)
-        taken = []
+        taken, foreseen = [], 0.0
         for neg_rate, j, w, d in ranked:
             room = budget
             if frugal and -neg_rate < confident:
@@ -219,6 +255,9 @@ class Speculator:
                 taken.append((j, w, d))
                 budget -= len(d)
                 tokens += len(d)
+                foreseen -= neg_rate * len(d)
+        if frugal and foreseen * self.calibration < VERIFY_COST * sum(w.sample for w in work):
+            return []  # a verify step would cost more than it is foreseen to keep
         return taken
 
     def verify_rows(self, placed: list, drafts: dict, inputs: StepInputs) -> dict:
