@@ -74,10 +74,17 @@ def _drop_compiled_programs():
     (thousands of eager ops and kernel grids), and the two workers of ``pytest -n 2`` grew
     past 8 GB together. Dropping them after every module instead made the next modules
     trace, lower and compile their eager ops again (docs/TESTING.md has the runs); a
-    worker now peaks near 3 GB."""
+    worker now peaks near 3 GB.
+
+    They are dropped too once the worker maps more than a quarter of the kernel's limit
+    of memory regions (``vm.max_map_count``, 65,530 by default): each compiled program
+    maps about 10, and under JAX 0.11.2 a worker's maps grew faster than its memory
+    (42,000 at 2.6 GB resident), so CI reached the limit first and LLVM failed to compile
+    ("Cannot allocate memory", 2026-12-07). A module adds up to 15,000 (test_warm_up.py),
+    so a quarter leaves room for the module that crosses it."""
     yield
-    resident = _resident_bytes()
-    if resident is None or resident > _DROP_ABOVE_BYTES:
+    resident, maps = _resident_bytes(), _mapped_regions()
+    if resident is None or resident > _DROP_ABOVE_BYTES or maps is None or maps > _DROP_ABOVE_MAPS:
         jax.clear_caches()
         gc.collect()
         # the freed heap back to the OS: without it a worker's resident memory never
@@ -86,6 +93,27 @@ def _drop_compiled_programs():
 
 
 _DROP_ABOVE_BYTES = int(2.5 * 2**30)
+
+
+def _map_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+_DROP_ABOVE_MAPS = _map_limit() // 4
+
+
+def _mapped_regions() -> int | None:
+    """How many memory regions this process maps (Linux: the lines of
+    ``/proc/self/maps``), or None where it cannot be read."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
 
 
 def _resident_bytes() -> int | None:
