@@ -96,6 +96,7 @@ _DROP_ABOVE_BYTES = int(2.5 * 2**30)
 
 
 def _map_limit() -> int:
+    """The kernel's limit of memory regions a process maps (``vm.max_map_count``)."""
     try:
         with open("/proc/sys/vm/max_map_count") as f:
             return int(f.read())
