@@ -24,11 +24,13 @@ repeated run's prompts hit the prefix cache, so its prefill buckets differ too.
 
 Reported: generated tokens/s (min / median / max of ``--repeats``; the engine that
 runs first rotates from round to round), the ratio of the medians and each round's,
-the acceptance rate and mean accepted length, whether every output of the two engines
-was the same, and the seconds either engine spent compiling in the timed rounds (0
-unless a bucket was missed). ``--control`` adds a second plain engine to every round
-and reports its ratio to the first (``control_speedup``, ``control_paired``): what this
-machine's noise alone makes of two identical engines.
+the acceptance rate and mean accepted length, the engine steps a run took (medians: a
+batch sent at once lasts as many steps as its slowest row, whatever the others accept),
+whether every output of the two engines was the same, and the seconds either engine
+spent compiling in the timed rounds (0 unless a bucket was missed). ``--control`` adds
+a second plain engine to every round and reports its ratio to the first
+(``control_speedup``, ``control_paired``): what this machine's noise alone makes of two
+identical engines.
 
 ``python -m benchmarks speculative --verify-cost [--shape llama3-8b] [--concurrency 1 4
 16 64] [--ks 1 2 4] [--output-len 64]``: what a verify step costs against a decode step,
@@ -280,6 +282,7 @@ def main(argv=None) -> int:
         before = (e.metrics.spec_draft_tokens, e.metrics.spec_accepted_tokens)
         before_rows = e.metrics.spec_verify_rows
         compiled = e.metrics.compile_s
+        steps = e.metrics.steps
         p = pj.SamplingParams(max_tokens=max_tokens, temperature=0.0)
         t = time.perf_counter()
         outs = e.chat(convs, p, progress=False)
@@ -289,7 +292,8 @@ def main(argv=None) -> int:
         drafted = m.spec_draft_tokens - before[0]
         accepted = m.spec_accepted_tokens - before[1]
         rows = m.spec_verify_rows - before_rows
-        return toks, sum(map(len, toks)) / dt, drafted, accepted, rows, m.compile_s - compiled
+        comp = m.compile_s - compiled
+        return toks, sum(map(len, toks)) / dt, drafted, accepted, rows, comp, m.steps - steps
 
     workloads = [(f"grounded x{c}", grounded(c), args.output_len) for c in args.concurrency]
     workloads.append(
@@ -300,13 +304,15 @@ def main(argv=None) -> int:
         for name in engines:  # compile this workload's buckets first
             run(name, convs, max_tokens)
         runs = {name: [] for name in engines}
+        steps = {name: [] for name in engines}
         same, stats, compiling = True, None, dict.fromkeys(engines, 0.0)
         for k in range(args.repeats):
             got = {}
             names = list(engines)  # alternated, the first of a round rotating too
             for name in names[k % len(names) :] + names[: k % len(names)]:
-                toks, rate, drafted, accepted, verified, comp = run(name, convs, max_tokens)
+                toks, rate, drafted, accepted, verified, comp, n = run(name, convs, max_tokens)
                 compiling[name] += comp
+                steps[name].append(n)
                 got[name] = toks
                 runs[name].append(rate)
                 if name == "ngram":
@@ -332,6 +338,7 @@ def main(argv=None) -> int:
             acceptance_rate=round(accepted / max(drafted, 1), 3),
             mean_accepted_length=round((accepted + verified) / verified, 3) if verified else 1.0,
             proposed_tokens=drafted,
+            steps={n: statistics.median(k) for n, k in steps.items()},
             compile_s_in_timed_rounds={n: round(c, 3) for n, c in compiling.items()},
         )
         if args.control:
